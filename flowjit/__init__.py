@@ -1,0 +1,15 @@
+"""flowjit: a compiler for machine-learning programs written in Python.
+
+import flowjit as fj, flowjit.numpy as fnp
+
+@fj.jit
+def f(x, w, b):
+    return fnp.tanh(x @ w + b).sum(axis=1)
+"""
+
+from flowjit import ir  # noqa: F401  (registers every op)
+from flowjit.errors import CompileError, FlowjitError, FlowjitTypeError, FlowjitValueError  # noqa: F401
+from flowjit.frontend.jit import Compiled, Jitted, Lowered, ShapeDtype, jit  # noqa: F401
+from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
+
+__version__ = "0.1.0"

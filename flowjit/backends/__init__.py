@@ -1,0 +1,44 @@
+"""Backends turn an optimized graph into an `Executable`. The table `BACKENDS` maps a target name
+to its compile function; `compile_graph` picks one and records what it did in the stage texts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flowjit.errors import FlowjitValueError
+from flowjit.ir.graph import Graph
+
+
+class Executable:
+    """A compiled function: `run(arrays) -> arrays`, plus the text of each backend stage."""
+
+    backend: str = ""
+    stages: dict[str, str]
+
+    def run(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+
+def _compile_interpreter(graph: Graph, options) -> Executable:
+    from flowjit.backends.interpreter import InterpreterExecutable
+
+    return InterpreterExecutable(graph)
+
+
+BACKENDS: dict[str, Callable[[Graph, object], Executable]] = {
+    "interpreter": _compile_interpreter,
+}
+
+
+def compile_graph(graph: Graph, target: str = "cpu", options=None) -> Executable:
+    """Compile `graph` for `target` ('cpu', 'interpreter')."""
+    compile_fn = BACKENDS.get(target)
+    if compile_fn is None:
+        raise FlowjitValueError(f"unknown target '{target}'; available: {', '.join(sorted(BACKENDS))}")
+    return compile_fn(graph, options)
+
+
+def default_target() -> str:
+    return "cpu" if "cpu" in BACKENDS else "interpreter"

@@ -1,0 +1,1 @@
+"""Tracing Python functions into flowjit IR: tracers, pytrees, jit and its caches."""

@@ -1,0 +1,101 @@
+"""Pytrees: nested tuples, lists and dicts (and None) of leaves, flattened to a leaf list plus a
+hashable `TreeDef` that rebuilds the structure. Dict keys are sorted, as in JAX."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TreeDef:
+    """The structure of a pytree: `kind` is 'leaf', 'none', 'tuple', 'list' or 'dict'."""
+
+    kind: str
+    children: tuple[TreeDef, ...] = ()
+    keys: tuple = ()
+
+    @property
+    def num_leaves(self) -> int:
+        if self.kind == "leaf":
+            return 1
+        return sum(c.num_leaves for c in self.children)
+
+    def __str__(self) -> str:
+        if self.kind == "leaf":
+            return "*"
+        if self.kind == "none":
+            return "None"
+        inner = [str(c) for c in self.children]
+        if self.kind == "dict":
+            return "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(self.keys, inner)) + "}"
+        return ("(" if self.kind == "tuple" else "[") + ", ".join(inner) + (")" if self.kind == "tuple" else "]")
+
+
+LEAF = TreeDef("leaf")
+
+
+def tree_flatten(tree: Any) -> tuple[list, TreeDef]:
+    """Leaves in a fixed order and the structure needed to rebuild the tree."""
+    leaves: list = []
+
+    def visit(node) -> TreeDef:
+        if node is None:
+            return TreeDef("none")
+        if isinstance(node, tuple) and not hasattr(node, "_fields"):
+            return TreeDef("tuple", tuple(visit(c) for c in node))
+        if isinstance(node, list):
+            return TreeDef("list", tuple(visit(c) for c in node))
+        if isinstance(node, dict):
+            keys = tuple(sorted(node, key=_key_order))
+            return TreeDef("dict", tuple(visit(node[k]) for k in keys), keys)
+        leaves.append(node)
+        return LEAF
+
+    return leaves, visit(tree)
+
+
+def _key_order(key):
+    return (type(key).__name__, key)
+
+
+def tree_unflatten(treedef: TreeDef, leaves) -> Any:
+    """Rebuild a tree of `treedef`'s structure from `leaves`."""
+    it = iter(leaves)
+
+    def build(td: TreeDef):
+        if td.kind == "leaf":
+            return next(it)
+        if td.kind == "none":
+            return None
+        children = [build(c) for c in td.children]
+        if td.kind == "tuple":
+            return tuple(children)
+        if td.kind == "list":
+            return children
+        return dict(zip(td.keys, children))
+
+    return build(treedef)
+
+
+def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
+    """Apply `fn` leafwise across trees of the same structure."""
+    leaves, treedef = tree_flatten(tree)
+    others = [tree_flatten(r)[0] for r in rest]
+    return tree_unflatten(treedef, [fn(*xs) for xs in zip(leaves, *others)])
+
+
+def tree_leaves(tree: Any) -> list:
+    return tree_flatten(tree)[0]
+
+
+def leaf_paths(tree: Any, prefix: str = "") -> list[str]:
+    """Readable paths of the leaves (`x`, `params['w']`, `batch[0]`) in flatten order."""
+    if tree is None:
+        return []
+    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
+        return [p for i, c in enumerate(tree) for p in leaf_paths(c, f"{prefix}[{i}]")]
+    if isinstance(tree, dict):
+        return [p for k in sorted(tree, key=_key_order) for p in leaf_paths(tree[k], f"{prefix}[{k!r}]")]
+    return [prefix]

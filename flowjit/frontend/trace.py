@@ -1,0 +1,212 @@
+"""Tracing: `Tracer` values stand for tensors while a Python function runs, and every operation on
+them appends an op to the innermost `Trace`'s graph. `bind` is the single entry point: with no
+tracer among its operands it evaluates the op eagerly with the reference implementation, so
+`flowjit.numpy` behaves the same on plain arrays and on traced values.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from flowjit.errors import FlowjitTypeError, TracerControlFlowError
+from flowjit.ir import dtypes as dt
+from flowjit.ir.builder import infer_types, make_op, normalize_attr
+from flowjit.ir.graph import Graph, Value
+from flowjit.ir.location import Location, user_location
+from flowjit.ir.ops import get_opdef
+from flowjit.ir.types import TensorType
+
+_state = threading.local()
+
+
+def trace_stack() -> list[Trace]:
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
+
+
+def current_trace() -> Trace | None:
+    stack = trace_stack()
+    return stack[-1] if stack else None
+
+
+class Trace:
+    """One function being traced: its graph under construction, and the outer values it captured.
+
+    Use as a context manager; traces nest (a `cond` branch inside a `jit`). A tracer of an
+    enclosing trace used here becomes a new parameter of this graph (a capture), recorded in
+    `captures` so the caller can pass the outer value in.
+    """
+
+    def __init__(self, name: str = "main"):
+        self.graph = Graph(name)
+        self.captures: list[tuple[Tracer, Value]] = []
+        self._captured: dict[Value, Value] = {}
+        self.parent: Trace | None = None
+        self.device_stack: list[str] = []
+        self.active = False
+
+    def __enter__(self) -> Trace:
+        stack = trace_stack()
+        self.parent = stack[-1] if stack else None
+        if self.parent is not None:
+            self.device_stack = list(self.parent.device_stack)
+        stack.append(self)
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        trace_stack().pop()
+        self.active = False
+
+    def new_param(self, type: TensorType, name: str | None = None) -> Tracer:
+        return Tracer(self.graph.add_param(type, name), self)
+
+    def lift(self, x) -> Value:
+        """The value of `x` in this graph: its own tracer, a capture of an outer one, or a constant."""
+        if isinstance(x, Tracer):
+            if x.trace is self:
+                return x.value
+            if not x.trace.active:
+                raise FlowjitTypeError(
+                    f"{user_location()}: a traced value escaped the function that created it "
+                    "(stored in a global, a closure or an attribute during an earlier trace); "
+                    "pass it as an argument instead"
+                )
+            if x.value not in self._captured:
+                param = self.graph.add_param(x.value.type, f"capture{len(self.captures)}")
+                self._captured[x.value] = param
+                self.captures.append((x, param))
+            return self._captured[x.value]
+        return self.constant(x)
+
+    def constant(self, x) -> Value:
+        array = np.asarray(x)
+        if not dt.is_supported_numpy_dtype(array.dtype):
+            array = array.astype(dt.dtype(array.dtype).np_dtype)
+        op = make_op("constant", [], {"value": np.array(array)}, user_location(), device=self.device)
+        self.graph.append(op)
+        return op.result
+
+    @property
+    def device(self) -> str | None:
+        return self.device_stack[-1] if self.device_stack else None
+
+
+def _innermost(tracers: Sequence[Tracer]) -> Trace:
+    trace = current_trace()
+    if trace is None:
+        trace = tracers[0].trace
+    return trace
+
+
+def bind(name: str, operands: Sequence, attrs: dict | None = None, loc: Location | None = None):
+    """Apply op `name`: trace it if any operand is a Tracer, else evaluate it eagerly.
+
+    Returns one Tracer/array for one-result ops, else a list.
+    """
+    attrs = {k: normalize_attr(v) for k, v in (attrs or {}).items()}
+    tracers = [x for x in operands if isinstance(x, Tracer)]
+    loc = loc or user_location()
+    if not tracers:
+        return _eval_eager(name, operands, attrs, loc)
+    trace = _innermost(tracers)
+    values = [trace.lift(x) for x in operands]
+    op = make_op(name, values, attrs, loc, device=trace.device)
+    trace.graph.append(op)
+    outs = [Tracer(r, trace) for r in op.results]
+    return outs[0] if len(outs) == 1 else outs
+
+
+def _eval_eager(name, operands, attrs, loc):
+    arrays = [np.asarray(x) for x in operands]
+    opdef = get_opdef(name)
+    full = {**opdef.defaults, **attrs}
+    types = infer_types(name, [TensorType(a.shape, dt.dtype(a.dtype)) for a in arrays], full, loc)
+    out = opdef.impl(*arrays, **full)
+    outs = [np.asarray(o) for o in (out if isinstance(out, tuple) else (out,))]
+    for o, t in zip(outs, types):
+        assert o.shape == t.shape and o.dtype == t.dtype.np_dtype, (name, o.shape, o.dtype, t)
+    return outs[0] if len(outs) == 1 else outs
+
+
+def _control_flow_error(what: str, fix: str) -> TracerControlFlowError:
+    return TracerControlFlowError(
+        f"{user_location()}: {what} of a traced value: its value is not known while tracing. {fix}"
+    )
+
+
+class Tracer:
+    """A tensor inside a traced function: numpy-like, with static shape and dtype."""
+
+    __slots__ = ("value", "trace")
+    __array_priority__ = 1000  # numpy defers `ndarray op Tracer` to our reflected operators
+
+    def __init__(self, value: Value, trace: Trace):
+        self.value = value
+        self.trace = trace
+
+    # --- static facts --------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.type.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.value.type.dtype.np_dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return self.value.type.size
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise FlowjitTypeError(f"{user_location()}: len() of a scalar (shape ())")
+        return self.shape[0]
+
+    def __iter__(self):
+        if not self.shape:
+            raise FlowjitTypeError(f"{user_location()}: iteration over a scalar (shape ())")
+        return (self[i] for i in range(self.shape[0]))
+
+    def __repr__(self) -> str:
+        return f"Tracer<{self.value.type}>"
+
+    # --- Python control flow is an error ----------------------------------------------------------
+    def __bool__(self):
+        raise _control_flow_error(
+            "Python `if`, `while`, `and`/`or` or bool()",
+            "Use fj.cond(pred, true_fn, false_fn, *operands) for a branch, fj.while_loop or "
+            "fj.fori_loop for a loop, or fnp.where(pred, a, b) to select elementwise.",
+        )
+
+    def __int__(self):
+        raise _control_flow_error("int()", "Keep it a tensor, or mark the argument static (static_argnums).")
+
+    def __float__(self):
+        raise _control_flow_error("float()", "Keep it a tensor, or mark the argument static (static_argnums).")
+
+    def __index__(self):
+        raise _control_flow_error(
+            "use as a Python index", "Index with the tensor itself (x[i] gathers), or mark it static."
+        )
+
+    def __array__(self, *args, **kwargs):
+        raise _control_flow_error(
+            "conversion to a numpy array (np.asarray, np.* functions)",
+            "Use flowjit.numpy (import flowjit.numpy as fnp) inside traced functions.",
+        )
+
+    def __hash__(self):
+        raise FlowjitTypeError(f"{user_location()}: traced values are not hashable")
+
+    # Arithmetic operators and array methods (`+`, `@`, `.sum`, `.T`, ...) are installed on this
+    # class by flowjit.numpy, next to the functions they call.

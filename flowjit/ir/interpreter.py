@@ -1,0 +1,62 @@
+"""The reference interpreter: evaluates any graph with the ops' numpy implementations.
+
+It is the oracle every backend is tested against, so it is deliberately simple: walk the ops in
+order, look each one's implementation up in the registry, check the result against the type the
+shape rule promised. Ops whose semantics need the interpreter itself (regions, state) register a
+handler in `HANDLERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flowjit.errors import CompileError, FlowjitTypeError
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.ops import get_opdef
+from flowjit.ir.types import TensorType
+
+# op name -> handler(op, operand arrays, context) -> list of result arrays
+HANDLERS: dict[str, Callable] = {}
+
+
+def check_array(value: np.ndarray, expected: TensorType, what: str) -> None:
+    if value.shape != expected.shape or value.dtype != expected.dtype.np_dtype:
+        raise FlowjitTypeError(
+            f"{what}: expected {expected}; found an array of shape {value.shape} and dtype {value.dtype}"
+        )
+
+
+def eval_op(op: Op, args: list[np.ndarray], context) -> list[np.ndarray]:
+    handler = HANDLERS.get(op.name)
+    if handler is not None:
+        return handler(op, args, context)
+    impl = get_opdef(op.name).impl
+    if impl is None:
+        raise CompileError(f"{op.loc}: op '{op.name}' has no reference implementation")
+    out = impl(*args, **op.attrs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    return [np.asarray(o) for o in outs]
+
+
+def interpret(graph: Graph, args: Sequence[np.ndarray], context=None) -> list[np.ndarray]:
+    """Evaluate `graph` on numpy arrays; returns its results. `context` is passed to handlers
+    (state of variables, rendezvous) and may be None for pure graphs."""
+    if len(args) != len(graph.params):
+        raise FlowjitTypeError(f"@{graph.name} takes {len(graph.params)} arguments; found {len(args)}")
+    env: dict[Value, np.ndarray] = {}
+    for param, arg in zip(graph.params, args):
+        arg = np.asarray(arg)
+        check_array(arg, param.type, f"argument {param.name_hint or param.index} of @{graph.name}")
+        env[param] = arg
+    for op in graph.ops:
+        outs = eval_op(op, [env[v] for v in op.operands], context)
+        if len(outs) != len(op.results):
+            raise CompileError(
+                f"internal error: op '{op.name}' produced {len(outs)} results, expected {len(op.results)}"
+            )
+        for result, value in zip(op.results, outs):
+            check_array(value, result.type, f"internal error: result of op '{op.name}' at {op.loc}")
+            env[result] = value
+    return [env[r] for r in graph.results]

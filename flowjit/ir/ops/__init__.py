@@ -1,0 +1,22 @@
+"""Every op flowjit knows, one definition each. Importing this package registers them all."""
+
+from flowjit.ir.ops import contraction, creation, elementwise, movement, reduction  # noqa: F401
+from flowjit.ir.ops.registry import (  # noqa: F401
+    COMMUNICATION,
+    CONTRACTION,
+    CONTROL,
+    CONVERSION,
+    CREATION,
+    ELEMENTWISE_BINARY,
+    ELEMENTWISE_FAMILIES,
+    ELEMENTWISE_TERNARY,
+    ELEMENTWISE_UNARY,
+    MOVEMENT,
+    REDUCTION,
+    REGISTRY,
+    STATEFUL,
+    WINDOW,
+    OpDef,
+    get_opdef,
+    ops_in,
+)

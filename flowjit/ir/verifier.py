@@ -1,0 +1,55 @@
+"""The verifier: every op is registered, has its attributes, and its result types agree with its
+shape rule; every operand is defined before use (in its graph or an enclosing one); regions have
+the count their op declares. Runs after every pass in tests and under `FLOWJIT_VERIFY=1`."""
+
+from __future__ import annotations
+
+from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError
+from flowjit.ir.builder import infer_types
+from flowjit.ir.graph import Graph, Op
+from flowjit.ir.ops import get_opdef
+
+
+class VerificationError(FlowjitError):
+    """The IR is malformed (a compiler bug, or bad hand-written text IR)."""
+
+
+def _fail(op: Op, message: str) -> VerificationError:
+    return VerificationError(f"{op.loc}: op '{op.name}': {message}")
+
+
+def _verify_op(op: Op, defined: set) -> None:
+    try:
+        opdef = get_opdef(op.name)
+    except FlowjitValueError as e:
+        raise _fail(op, str(e)) from None
+    for i, v in enumerate(op.operands):
+        if v not in defined:
+            raise _fail(op, f"operand {i} ({v.type}) is used before it is defined")
+    if len(op.regions) != opdef.num_regions:
+        raise _fail(op, f"expects {opdef.num_regions} regions; found {len(op.regions)}")
+    try:
+        expected = infer_types(
+            op.name,
+            [v.type for v in op.operands],
+            {**op.attrs, "__regions__": op.regions} if op.regions else op.attrs,
+            op.loc,
+        )
+    except (FlowjitTypeError, FlowjitValueError) as e:
+        raise VerificationError(str(e)) from None
+    found = [r.type for r in op.results]
+    if list(expected) != found:
+        raise _fail(op, f"result types {found} disagree with the shape rule's {list(expected)}")
+
+
+def verify(graph: Graph, outer: set | None = None) -> None:
+    """Raise `VerificationError` describing the first problem in `graph` (recursing into regions)."""
+    defined = set(outer or ()) | set(graph.params)
+    for op in graph.ops:
+        _verify_op(op, defined)
+        for region in op.regions:
+            verify(region, defined)
+        defined.update(op.results)
+    for i, r in enumerate(graph.results):
+        if r not in defined:
+            raise VerificationError(f"@{graph.name}: result {i} ({r.type}) is not defined in the graph")

@@ -1,0 +1,1177 @@
+"""numpy-compatible functions that work on traced values and on plain arrays alike.
+
+Broadcasting and dtype promotion follow numpy, with two deliberate ML-friendly differences (as in
+JAX): Python scalars are *weak* (`float32 * 2.0` stays float32), and a lone Python float becomes
+float32 (a lone int becomes int64, as in numpy). On plain numpy arrays these functions compute with
+flowjit's reference implementations, so results match what compiled code returns.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import string
+from collections.abc import Sequence
+
+import numpy as np
+
+from flowjit.errors import FlowjitTypeError, FlowjitValueError, op_error
+from flowjit.frontend.trace import Tracer, bind
+from flowjit.ir import dtypes as dt
+from flowjit.ir.location import user_location
+
+ndarray = np.ndarray
+pi, e, inf, nan, newaxis = np.pi, np.e, np.inf, np.nan, None
+float16, float32, float64, int32, int64 = np.float16, np.float32, np.float64, np.int32, np.int64
+bool_ = np.bool_
+bfloat16 = dt.bfloat16.np_dtype.type
+
+_SCALARS = (bool, int, float)
+
+
+# --- conversion, promotion and broadcasting ---------------------------------------------------------
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, Tracer | np.ndarray | np.generic)
+
+
+def _dtype_of(x) -> dt.DType:
+    if isinstance(x, Tracer):
+        return x.value.type.dtype
+    if isinstance(x, _SCALARS):
+        return dt.default_for_kind(_scalar_kind(x))
+    return dt.dtype(np.asarray(x).dtype)
+
+
+def _scalar_kind(x) -> str:
+    return "b" if isinstance(x, bool) else "i" if isinstance(x, int) else "f"
+
+
+def asarray(x, dtype=None):
+    """`x` as a Tracer or numpy array of a flowjit dtype (lists, scalars and arrays accepted)."""
+    if isinstance(x, Tracer):
+        return x if dtype is None else astype(x, dtype)
+    if isinstance(x, _SCALARS) and dtype is None:
+        return np.asarray(x, dt.default_for_kind(_scalar_kind(x)).np_dtype)
+    if isinstance(x, (list, tuple)) and builtins.any(isinstance(v, Tracer) for v in _flat(x)):
+        return stack([asarray(v, dtype) for v in x])
+    array = np.asarray(x)
+    if dtype is not None:
+        return array.astype(dt.dtype(dtype).np_dtype)
+    if array.dtype == np.float64 and not isinstance(x, np.ndarray | np.generic):
+        array = array.astype(np.float32)  # Python float literals in lists follow the float32 default
+    if not dt.is_supported_numpy_dtype(array.dtype):
+        array = array.astype(dt.dtype(array.dtype.kind == "f" and "f32" or _np_fallback(array.dtype)).np_dtype)
+    return array
+
+
+array = asarray
+
+
+def _np_fallback(np_dt) -> str:
+    kind = np.dtype(np_dt).kind
+    if kind == "b":
+        return "bool"
+    if kind in "iu":
+        return "i64"
+    raise FlowjitTypeError(f"{user_location()}: arrays of dtype {np_dt} are not supported")
+
+
+def _flat(x):
+    for v in x:
+        if isinstance(v, (list, tuple)):
+            yield from _flat(v)
+        else:
+            yield v
+
+
+def result_type(*xs) -> dt.DType:
+    """The promoted dtype of operands, treating Python scalars as weak."""
+    strong = [_dtype_of(x) for x in xs if not isinstance(x, _SCALARS)]
+    weak = [_scalar_kind(x) for x in xs if isinstance(x, _SCALARS)]
+    if not strong:
+        rank = {"b": 0, "i": 1, "f": 2}
+        return dt.default_for_kind(builtins.max(weak, key=rank.__getitem__))
+    out = strong[0]
+    for d in strong[1:]:
+        out = dt.promote(out, d)
+    for kind in weak:
+        out = dt.promote_weak(out, kind)
+    return out
+
+
+def astype(x, dtype):
+    """Convert to `dtype` (float -> int truncates and saturates; nan -> 0)."""
+    target = dt.dtype(dtype)
+    x = asarray(x)
+    if _dtype_of(x) is target:
+        return x
+    return bind("convert", [x], {"dtype": target})
+
+
+def _cast_all(xs, dtype: dt.DType):
+    return [asarray(x, dtype) if isinstance(x, _SCALARS) else astype(x, dtype) for x in xs]
+
+
+def broadcast_shapes(*shapes, op: str = "broadcast") -> tuple[int, ...]:
+    rank = builtins.max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(rank):
+        sizes = {s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0} - {1}
+        if len(sizes) > 1:
+            found = " and ".join(str(tuple(s)) for s in shapes)
+            raise op_error(
+                FlowjitTypeError, user_location(), op, f"operands could not be broadcast together: shapes {found}"
+            )
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def broadcast_to(x, shape):
+    """numpy.broadcast_to: new dims on the left, size-1 dims stretched."""
+    x = asarray(x)
+    shape = tuple(int(d) for d in shape)
+    if tuple(x.shape) == shape:
+        return x
+    if len(x.shape) > len(shape):
+        raise op_error(
+            FlowjitTypeError, user_location(), "broadcast", f"cannot broadcast shape {tuple(x.shape)} to {shape}"
+        )
+    dims = tuple(range(len(shape) - len(x.shape), len(shape)))
+    return bind("broadcast", [x], {"shape": shape, "dims": dims})
+
+
+def _elementwise(name: str, *xs, dtype: dt.DType | None = None):
+    """Promote to a common dtype (or `dtype`), broadcast, and apply op `name`."""
+    target = dtype or result_type(*xs)
+    arrays = _cast_all(xs, target)
+    shape = broadcast_shapes(*(np.shape(a) if not isinstance(a, Tracer) else a.shape for a in arrays), op=name)
+    return bind(name, [broadcast_to(a, shape) for a in arrays])
+
+
+def _float_operand(x):
+    """Integers and bools become float32 before float math (numpy would use float64)."""
+    x = asarray(x)
+    return x if _dtype_of(x).is_float else astype(x, dt.float32)
+
+
+# --- elementwise math -------------------------------------------------------------------------------
+
+
+def _unary_float(name):
+    def fn(x):
+        return bind(name, [_float_operand(x)])
+
+    fn.__name__ = name
+    fn.__doc__ = f"Elementwise {name} (ints and bools are converted to float32 first)."
+    return fn
+
+
+exp, log, log1p, expm1, tanh, sqrt, sin, cos, floor, ceil = (
+    _unary_float(n) for n in ("exp", "log", "log1p", "expm1", "tanh", "sqrt", "sin", "cos", "floor", "ceil")
+)
+erf = _unary_float("erf")
+rsqrt = _unary_float("rsqrt")
+logistic = _unary_float("logistic")
+
+
+def round(x, decimals: int = 0):  # noqa: A001
+    """Round half to even (numpy.round); `decimals` scales by 10**decimals."""
+    x = asarray(x)
+    if not _dtype_of(x).is_float:
+        return x
+    if decimals == 0:
+        return bind("round", [x])
+    scale = 10.0**decimals
+    return bind("round", [x * scale]) / scale
+
+
+around = round
+
+
+def negative(x):
+    x = asarray(x)
+    return bind("logical_not", [x]) if _dtype_of(x).is_bool else bind("neg", [x])
+
+
+def abs(x):  # noqa: A001
+    x = asarray(x)
+    return x if _dtype_of(x).is_bool else bind("abs", [x])
+
+
+absolute = abs
+
+
+def sign(x):
+    return bind("sign", [asarray(x)])
+
+
+def exp2(x):
+    return exp(_float_operand(x) * math.log(2.0))
+
+
+def log2(x):
+    return log(x) * (1.0 / math.log(2.0))
+
+
+def log10(x):
+    return log(x) * (1.0 / math.log(10.0))
+
+
+def square(x):
+    return multiply(x, x)
+
+
+def reciprocal(x):
+    return divide(1.0, x)
+
+
+def tan(x):
+    x = _float_operand(x)
+    return sin(x) / cos(x)
+
+
+def sinh(x):
+    x = _float_operand(x)
+    return (exp(x) - exp(-x)) * 0.5
+
+
+def cosh(x):
+    x = _float_operand(x)
+    return (exp(x) + exp(-x)) * 0.5
+
+
+def add(x, y):
+    return _elementwise("add", x, y)
+
+
+def subtract(x, y):
+    return _elementwise("sub", x, y)
+
+
+def multiply(x, y):
+    return _elementwise("mul", x, y)
+
+
+def true_divide(x, y):
+    """x / y in floating point (ints and bools become float32, as numpy's true division)."""
+    target = result_type(x, y)
+    if not target.is_float:
+        target = dt.float32
+    return _elementwise("div", x, y, dtype=target)
+
+
+divide = true_divide
+
+
+def floor_divide(x, y):
+    """x // y rounding toward -inf, as numpy."""
+    target = result_type(x, y)
+    if target.is_float:
+        return floor(_elementwise("div", x, y, dtype=target))
+    q = _elementwise("div", x, y, dtype=target)
+    r = _elementwise("rem", x, y, dtype=target)
+    adjust = logical_and(
+        not_equal(r, 0), not_equal(less(r, 0), less(asarray(y, target) if isinstance(y, _SCALARS) else y, 0))
+    )
+    return where(adjust, subtract(q, 1), q)
+
+
+def remainder(x, y):
+    """x % y with the sign of y, as numpy."""
+    target = result_type(x, y)
+    r = _elementwise("rem", x, y, dtype=target)
+    yy = asarray(y, target) if isinstance(y, _SCALARS) else astype(y, target)
+    adjust = logical_and(not_equal(r, 0), not_equal(less(r, 0), less(yy, 0)))
+    return where(adjust, add(r, yy), r)
+
+
+mod = remainder
+
+
+def fmod(x, y):
+    return _elementwise("rem", x, y)
+
+
+def power(x, y):
+    return _elementwise("pow", x, y)
+
+
+def maximum(x, y):
+    return _elementwise("max", x, y)
+
+
+def minimum(x, y):
+    return _elementwise("min", x, y)
+
+
+def arctan2(y, x):
+    target = result_type(y, x)
+    return _elementwise("atan2", y, x, dtype=target if target.is_float else dt.float32)
+
+
+def _compare(name):
+    def fn(x, y):
+        return _elementwise(name, x, y)
+
+    fn.__name__ = name
+    return fn
+
+
+equal, not_equal, less, less_equal, greater, greater_equal = (_compare(n) for n in ("eq", "ne", "lt", "le", "gt", "ge"))
+
+
+def logical_and(x, y):
+    return _elementwise("logical_and", x, y, dtype=dt.bool_)
+
+
+def logical_or(x, y):
+    return _elementwise("logical_or", x, y, dtype=dt.bool_)
+
+
+def logical_xor(x, y):
+    return _elementwise("logical_xor", x, y, dtype=dt.bool_)
+
+
+def logical_not(x):
+    return bind("logical_not", [astype(x, dt.bool_)])
+
+
+def where(condition, x, y):
+    """Elementwise `x if condition else y`, broadcasting all three."""
+    cond = astype(condition, dt.bool_)
+    target = result_type(x, y)
+    xs = _cast_all([x, y], target)
+    shape = broadcast_shapes(
+        np.shape(cond) if not isinstance(cond, Tracer) else cond.shape, *(a.shape for a in xs), op="select"
+    )
+    return bind("select", [broadcast_to(cond, shape)] + [broadcast_to(a, shape) for a in xs])
+
+
+def clip(x, a_min=None, a_max=None):
+    if a_min is not None:
+        x = maximum(x, a_min)
+    if a_max is not None:
+        x = minimum(x, a_max)
+    return x
+
+
+def isnan(x):
+    x = asarray(x)
+    return not_equal(x, x) if _dtype_of(x).is_float else zeros_like(x, dtype=bool)
+
+
+def isinf(x):
+    x = asarray(x)
+    return equal(abs(x), inf) if _dtype_of(x).is_float else zeros_like(x, dtype=bool)
+
+
+def isfinite(x):
+    return logical_not(logical_or(isnan(x), isinf(x)))
+
+
+# --- creation ---------------------------------------------------------------------------------------
+
+
+def _shape_tuple(shape) -> tuple[int, ...]:
+    return (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
+
+
+def zeros(shape, dtype=None):
+    return np.zeros(_shape_tuple(shape), dt.dtype(dtype or "f32").np_dtype)
+
+
+def ones(shape, dtype=None):
+    return np.ones(_shape_tuple(shape), dt.dtype(dtype or "f32").np_dtype)
+
+
+def full(shape, fill_value, dtype=None):
+    if isinstance(fill_value, Tracer):
+        return broadcast_to(astype(fill_value, dtype) if dtype else fill_value, _shape_tuple(shape))
+    dtype = dt.dtype(dtype) if dtype is not None else _dtype_of(fill_value)
+    return np.full(_shape_tuple(shape), fill_value, dtype.np_dtype)
+
+
+def _like(x, dtype):
+    return tuple(np.shape(x) if not isinstance(x, Tracer) else x.shape), (dtype or _dtype_of(asarray(x)))
+
+
+def zeros_like(x, dtype=None):
+    shape, d = _like(x, dtype)
+    return zeros(shape, d)
+
+
+def ones_like(x, dtype=None):
+    shape, d = _like(x, dtype)
+    return ones(shape, d)
+
+
+def full_like(x, fill_value, dtype=None):
+    shape, d = _like(x, dtype)
+    return full(shape, fill_value, d)
+
+
+def arange(start, stop=None, step=1, dtype=None):
+    if stop is None:
+        start, stop = 0, start
+    if dtype is None:
+        dtype = dt.float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else dt.int64
+    return np.arange(start, stop, step, dtype=dt.dtype(dtype).np_dtype)
+
+
+def linspace(start, stop, num=50, endpoint=True, dtype=None):
+    return np.linspace(start, stop, num, endpoint=endpoint).astype(dt.dtype(dtype or "f32").np_dtype)
+
+
+def eye(n, m=None, k=0, dtype=None):
+    return np.eye(n, m, k, dtype=dt.dtype(dtype or "f32").np_dtype)
+
+
+def iota(shape, dimension=0, dtype="i64"):
+    """0, 1, 2, ... along `dimension` of a new array of `shape` (as an op, never a big constant)."""
+    return bind("iota", [], {"shape": _shape_tuple(shape), "dimension": dimension, "dtype": dt.dtype(dtype)})
+
+
+# --- shape manipulation -----------------------------------------------------------------------------
+
+
+def shape(x) -> tuple[int, ...]:
+    return tuple(x.shape) if isinstance(x, Tracer) else np.shape(x)
+
+
+def ndim(x) -> int:
+    return len(shape(x))
+
+
+def size(x) -> int:
+    return math.prod(shape(x))
+
+
+def reshape(x, *newshape, order="C"):
+    if order != "C":
+        raise FlowjitValueError(f"{user_location()}: reshape supports order='C' only; found {order!r}")
+    x = asarray(x)
+    if len(newshape) == 1 and not isinstance(newshape[0], int | np.integer):
+        newshape = tuple(newshape[0])
+    newshape = [int(d) for d in newshape]
+    total = size(x)
+    if newshape.count(-1) > 1:
+        raise op_error(FlowjitValueError, user_location(), "reshape", "can only specify one unknown dimension")
+    if -1 in newshape:
+        known = math.prod(d for d in newshape if d != -1)
+        if known == 0 or total % known:
+            raise op_error(
+                FlowjitTypeError,
+                user_location(),
+                "reshape",
+                f"cannot reshape {shape(x)} ({total} elements) to {tuple(newshape)}",
+            )
+        newshape[newshape.index(-1)] = total // known
+    if tuple(newshape) == shape(x):
+        return x
+    return bind("reshape", [x], {"shape": tuple(newshape)})
+
+
+def ravel(x):
+    return reshape(x, (-1,))
+
+
+def _norm_axis(axis: int, rank: int, op: str = "axis") -> int:
+    if not -rank <= axis < rank:
+        raise op_error(
+            FlowjitValueError, user_location(), op, f"axis {axis} is out of bounds for an array of rank {rank}"
+        )
+    return axis % rank
+
+
+def transpose(x, axes=None):
+    x = asarray(x)
+    rank = ndim(x)
+    perm = tuple(reversed(range(rank))) if axes is None else tuple(_norm_axis(a, rank, "transpose") for a in axes)
+    if perm == tuple(range(rank)):
+        return x
+    return bind("transpose", [x], {"perm": perm})
+
+
+def swapaxes(x, axis1, axis2):
+    rank = ndim(x)
+    perm = list(range(rank))
+    a, b = _norm_axis(axis1, rank), _norm_axis(axis2, rank)
+    perm[a], perm[b] = perm[b], perm[a]
+    return transpose(x, perm)
+
+
+def moveaxis(x, source, destination):
+    rank = ndim(x)
+    src, dst = _norm_axis(source, rank), _norm_axis(destination, rank)
+    perm = [i for i in range(rank) if i != src]
+    perm.insert(dst, src)
+    return transpose(x, perm)
+
+
+def expand_dims(x, axis):
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    rank = ndim(x) + len(axes)
+    axes = sorted(_norm_axis(a, rank, "expand_dims") for a in axes)
+    out_shape = list(shape(x))
+    for a in axes:
+        out_shape.insert(a, 1)
+    return reshape(x, out_shape)
+
+
+def squeeze(x, axis=None):
+    s = shape(x)
+    if axis is None:
+        axes = [i for i, d in enumerate(s) if d == 1]
+    else:
+        axes = [_norm_axis(a, len(s), "squeeze") for a in ((axis,) if isinstance(axis, int) else axis)]
+        for a in axes:
+            if s[a] != 1:
+                raise op_error(
+                    FlowjitValueError, user_location(), "squeeze", f"cannot squeeze axis {a} of size {s[a]} (shape {s})"
+                )
+    return reshape(x, [d for i, d in enumerate(s) if i not in axes])
+
+
+def concatenate(arrays: Sequence, axis: int = 0):
+    arrays = list(arrays)
+    if not arrays:
+        raise op_error(FlowjitValueError, user_location(), "concatenate", "needs at least one array")
+    target = result_type(*arrays)
+    arrays = [a if ndim(a) else reshape(a, (1,)) for a in _cast_all(arrays, target)]
+    axis = _norm_axis(axis, ndim(arrays[0]), "concatenate")
+    if len(arrays) == 1:
+        return arrays[0]
+    return bind("concatenate", arrays, {"axis": axis})
+
+
+def stack(arrays: Sequence, axis: int = 0):
+    arrays = [asarray(a) for a in arrays]
+    if not arrays:
+        raise op_error(FlowjitValueError, user_location(), "stack", "needs at least one array")
+    axis = _norm_axis(axis, ndim(arrays[0]) + 1, "stack")
+    return concatenate([expand_dims(a, axis) for a in arrays], axis)
+
+
+def split(x, indices_or_sections, axis=0):
+    x = asarray(x)
+    axis = _norm_axis(axis, ndim(x), "split")
+    n = shape(x)[axis]
+    if isinstance(indices_or_sections, int):
+        if n % indices_or_sections:
+            raise op_error(
+                FlowjitValueError,
+                user_location(),
+                "split",
+                f"axis {axis} of size {n} does not divide into {indices_or_sections} equal parts",
+            )
+        step = n // indices_or_sections
+        bounds = list(range(0, n + 1, step))
+    else:
+        bounds = [0, *indices_or_sections, n]
+    return [_slice_axis(x, axis, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _slice_axis(x, axis, lo, hi, step=1):
+    rank = ndim(x)
+    start = [0] * rank
+    limit = list(shape(x))
+    stride = [1] * rank
+    start[axis], limit[axis], stride[axis] = lo, builtins.max(lo, hi), step
+    return bind("slice", [x], {"start": start, "limit": limit, "stride": stride})
+
+
+def pad(x, pad_width, mode="constant", constant_values=0):
+    if mode != "constant":
+        raise FlowjitValueError(f"{user_location()}: pad supports mode='constant' only; found {mode!r}")
+    x = asarray(x)
+    rank = ndim(x)
+    widths = (
+        np.broadcast_to(
+            np.asarray(pad_width, dtype=np.int64).reshape(-1, 2) if np.ndim(pad_width) else np.full((1, 2), pad_width),
+            (rank, 2),
+        )
+        if rank
+        else np.zeros((0, 2), np.int64)
+    )
+    value = (
+        asarray(constant_values, _dtype_of(x))
+        if not isinstance(constant_values, Tracer)
+        else astype(constant_values, _dtype_of(x))
+    )
+    return bind(
+        "pad",
+        [x, value],
+        {
+            "low": tuple(int(w) for w in widths[:, 0]),
+            "high": tuple(int(w) for w in widths[:, 1]),
+            "interior": (0,) * rank,
+        },
+    )
+
+
+def tile(x, reps):
+    x = asarray(x)
+    reps = (reps,) if isinstance(reps, int) else tuple(reps)
+    s = (1,) * (len(reps) - ndim(x)) + shape(x)
+    reps = (1,) * (len(s) - len(reps)) + reps
+    x = reshape(x, s)
+    expanded = [d for pair in zip(reps, s) for d in pair]
+    out = broadcast_to(reshape(x, [d for dd in s for d in (1, dd)]), expanded)
+    return reshape(out, [r * d for r, d in zip(reps, s)])
+
+
+def repeat(x, repeats: int, axis=None):
+    x = asarray(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    axis = _norm_axis(axis, ndim(x), "repeat")
+    s = shape(x)
+    expanded = expand_dims(x, axis + 1)
+    target = s[: axis + 1] + (repeats,) + s[axis + 1 :]
+    return reshape(broadcast_to(expanded, target), s[:axis] + (s[axis] * repeats,) + s[axis + 1 :])
+
+
+def flip(x, axis=None):
+    x = asarray(x)
+    axes = range(ndim(x)) if axis is None else ((axis,) if isinstance(axis, int) else axis)
+    for a in axes:
+        a = _norm_axis(a, ndim(x), "flip")
+        x = take(x, np.arange(shape(x)[a] - 1, -1, -1), axis=a)
+    return x
+
+
+# --- indexing ---------------------------------------------------------------------------------------
+
+
+def take(x, indices, axis=None):
+    """numpy.take with in-range semantics: negative indices count from the end; out-of-range
+    indices are clamped (never read outside the array)."""
+    x = asarray(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    axis = _norm_axis(axis, ndim(x), "take")
+    idx = asarray(indices)
+    if not _dtype_of(idx).is_int:
+        raise op_error(FlowjitTypeError, user_location(), "gather", f"indices must be integers; found {_dtype_of(idx)}")
+    n = shape(x)[axis]
+    if isinstance(idx, Tracer):
+        idx = where(less(idx, 0), add(idx, n), idx)
+    else:
+        idx = np.where(idx < 0, idx + n, idx)
+    return bind("gather", [x, idx], {"axis": axis})
+
+
+def scatter_add(x, indices, updates, axis: int = 0):
+    """A copy of `x` with `updates` added at `indices` along `axis` (numpy's `np.add.at`, functional).
+    Duplicate indices accumulate; negative indices count from the end; out-of-range ones clamp."""
+    x = asarray(x)
+    axis = _norm_axis(axis, ndim(x), "scatter_add")
+    idx = asarray(indices)
+    n = shape(x)[axis]
+    idx = where(less(idx, 0), add(idx, n), idx) if isinstance(idx, Tracer) else np.where(idx < 0, idx + n, idx)
+    target_shape = shape(x)[:axis] + shape(idx) + shape(x)[axis + 1 :]
+    upd = broadcast_to(
+        astype(updates, _dtype_of(x)) if not isinstance(updates, _SCALARS) else asarray(updates, _dtype_of(x)),
+        target_shape,
+    )
+    return bind("scatter_add", [x, idx, upd], {"axis": axis})
+
+
+def _expand_index(key, rank):
+    """Normalize an index to a tuple with `...` expanded and trailing full slices added."""
+    key = key if isinstance(key, tuple) else (key,)
+    ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
+    used = builtins.sum(1 for k in key if k is not None and k is not Ellipsis)
+    if len(ellipses) > 1:
+        raise FlowjitValueError(f"{user_location()}: an index can only have a single ellipsis ('...')")
+    if used > rank:
+        raise FlowjitValueError(f"{user_location()}: too many indices for an array of rank {rank}: {used}")
+    fill = (slice(None),) * (rank - used)
+    if ellipses:
+        i = ellipses[0]
+        return key[:i] + fill + key[i + 1 :]
+    return key + fill
+
+
+def getitem(x, key):
+    """x[key] with numpy semantics for ints, slices (any step), None, ... and integer arrays."""
+    x = asarray(x)
+    if (
+        isinstance(key, Tracer | np.ndarray)
+        and _dtype_of(key).is_bool
+        or (isinstance(key, list) and key and isinstance(key[0], bool))
+    ):
+        raise op_error(
+            FlowjitTypeError,
+            user_location(),
+            "getitem",
+            "boolean mask indexing gives a data-dependent shape; use fnp.where(mask, x, 0) instead",
+        )
+    key = _expand_index(key, ndim(x))
+    # First pass: basic indexing (ints, slices, None); remember advanced (array) indices.
+    out_shape_dims, advanced = [], []
+    start, limit, stride = [], [], []
+    squeeze_dims, flips, axis_out = [], [], 0
+    src_axis = 0
+    for k in key:
+        if k is None:
+            out_shape_dims.append(("new", None))
+            continue
+        n = shape(x)[src_axis]
+        if isinstance(k, slice):
+            lo, hi, st = k.indices(n)
+            if st > 0:
+                start.append(lo), limit.append(builtins.max(lo, hi)), stride.append(st)
+            else:
+                count = len(range(lo, hi, st))
+                first = lo + st * (count - 1) if count else 0
+                start.append(first), limit.append(first + (-st) * (count - 1) + 1 if count else 0)
+                stride.append(-st)
+                flips.append(src_axis)
+            out_shape_dims.append(("axis", src_axis))
+        elif isinstance(k, int | np.integer) and not isinstance(k, bool):
+            if not -n <= k < n:
+                raise op_error(
+                    FlowjitValueError,
+                    user_location(),
+                    "getitem",
+                    f"index {k} is out of bounds for axis {src_axis} with size {n}",
+                )
+            k = int(k) % n
+            start.append(k), limit.append(k + 1), stride.append(1)
+            squeeze_dims.append(src_axis)
+        else:
+            start.append(0), limit.append(n), stride.append(1)
+            advanced.append((src_axis, k))
+            out_shape_dims.append(("adv", src_axis))
+        src_axis += 1
+    del axis_out
+    if (start, limit, stride) != ([0] * ndim(x), list(shape(x)), [1] * ndim(x)):
+        x = bind("slice", [x], {"start": start, "limit": limit, "stride": stride})
+    for a in flips:
+        x = take(x, np.arange(shape(x)[a] - 1, -1, -1), axis=a)
+    if advanced:
+        x, out_shape_dims = _advanced_index(x, advanced, out_shape_dims)
+    # Drop integer-indexed axes and insert new axes.
+    final = []
+    for kind, a in out_shape_dims:
+        if kind == "new":
+            final.append(1)
+        elif kind == "axis":
+            final.append(shape(x)[a])
+        else:
+            final.extend(a)
+    kept = [d for i, d in enumerate(shape(x)) if i not in squeeze_dims]
+    if not advanced:
+        return reshape(x, final) if final != kept or len(final) != ndim(x) else x
+    return reshape(x, final)
+
+
+def _advanced_index(x, advanced, out_shape_dims):
+    """Gather for integer-array indices. Returns the gathered array (advanced axes replaced by the
+    broadcast index shape, placed as numpy does) and the updated output-dims description."""
+    axes = [a for a, _ in advanced]
+    idxs = [asarray(k) for _, k in advanced]
+    for i in idxs:
+        if not _dtype_of(i).is_int:
+            raise op_error(
+                FlowjitTypeError, user_location(), "getitem", f"array indices must be integers; found {_dtype_of(i)}"
+            )
+    bshape = broadcast_shapes(*(shape(i) for i in idxs), op="getitem")
+    # Linearize all advanced indices into one, over the advanced axes moved to the front.
+    rest = [i for i in range(ndim(x)) if i not in axes]
+    moved = transpose(x, axes + rest)
+    sizes = [shape(x)[a] for a in axes]
+    flat = reshape(moved, (math.prod(sizes),) + tuple(shape(x)[i] for i in rest))
+    linear = None
+    for i, (idx, n) in enumerate(zip(idxs, sizes)):
+        idx = broadcast_to(astype(idx, dt.int64), bshape)
+        idx = where(less(idx, 0), add(idx, n), idx) if isinstance(idx, Tracer) else np.where(idx < 0, idx + n, idx)
+        idx = clip(idx, 0, n - 1)
+        stride_ = math.prod(sizes[i + 1 :])
+        term = multiply(idx, stride_) if stride_ != 1 else idx
+        linear = term if linear is None else add(linear, term)
+    gathered = bind("gather", [flat, linear], {"axis": 0})  # shape: bshape + rest dims
+    contiguous = axes == list(range(axes[0], axes[0] + len(axes)))
+    kinds = [k for k, _ in out_shape_dims]
+    first_adv = kinds.index("adv")
+    rest_positions = {a: len(bshape) + j for j, a in enumerate(rest)}
+    dims = []
+    placed = False
+    for kind, a in out_shape_dims:
+        if kind == "adv":
+            if not placed and contiguous:
+                dims.append(("adv_block", None))
+            placed = True
+            continue
+        dims.append((kind, rest_positions[a] if kind == "axis" else a))
+    if not contiguous:
+        dims.insert(0, ("adv_block", None))
+    # Transpose the gathered array into output order (new axes are added by the caller's reshape).
+    order = []
+    for kind, a in dims:
+        if kind == "adv_block":
+            order.extend(range(len(bshape)))
+        elif kind == "axis":
+            order.append(a)
+    squeezed_rest = [p for p in rest_positions.values() if p not in order]
+    gathered = transpose(gathered, order + squeezed_rest)
+    gathered = reshape(gathered, [shape(gathered)[i] for i in range(len(order))])
+    out_dims = []
+    pos = 0
+    for kind, a in dims:
+        if kind == "adv_block":
+            out_dims.append(("adv", bshape))
+            pos += len(bshape)
+        elif kind == "axis":
+            out_dims.append(("axis", pos))
+            pos += 1
+        else:
+            out_dims.append((kind, a))
+    del first_adv
+    return gathered, [(k, a if k != "adv" else list(a)) for k, a in out_dims]
+
+
+def dynamic_slice(x, start_indices, sizes):
+    """x[start:start+size] per dimension with runtime starts, clamped so the window fits."""
+    x = asarray(x)
+    starts = [astype(s, dt.int64) if not isinstance(s, int) else np.asarray(s, np.int64) for s in start_indices]
+    return bind("dynamic_slice", [x, *starts], {"sizes": tuple(int(s) for s in sizes)})
+
+
+# --- reductions -------------------------------------------------------------------------------------
+
+
+def _reduce_axes(x, axis):
+    rank = ndim(x)
+    if axis is None:
+        return tuple(range(rank))
+    axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
+    return tuple(sorted(_norm_axis(a, rank, "reduce") for a in axes))
+
+
+def _keep(x, out, axes, keepdims):
+    if not keepdims:
+        return out
+    return reshape(out, [1 if i in axes else d for i, d in enumerate(shape(x))])
+
+
+def _reduction(kind):
+    def fn(x, axis=None, keepdims=False, dtype=None):
+        x = asarray(x)
+        if dtype is not None:
+            x = astype(x, dtype)
+        elif kind in ("sum", "prod") and _dtype_of(x).is_bool:
+            x = astype(x, dt.int64)
+        elif _dtype_of(x).is_bool:
+            return astype(fn(astype(x, dt.int32), axis, keepdims), dt.bool_)
+        axes = _reduce_axes(x, axis)
+        if kind in ("max", "min") and builtins.any(shape(x)[a] == 0 for a in axes):
+            raise op_error(
+                FlowjitValueError,
+                user_location(),
+                f"reduce_{kind}",
+                f"zero-size array to reduction operation {kind} which has no identity",
+            )
+        out = bind(f"reduce_{kind}", [x], {"axes": axes})
+        return _keep(x, out, axes, keepdims)
+
+    fn.__name__ = kind
+    fn.__doc__ = f"numpy.{kind}: reduce over `axis` (all axes when None)."
+    return fn
+
+
+sum = _reduction("sum")  # noqa: A001
+prod = _reduction("prod")
+max = _reduction("max")  # noqa: A001
+min = _reduction("min")  # noqa: A001
+amax, amin = max, min
+
+
+def mean(x, axis=None, keepdims=False, dtype=None):
+    x = asarray(x)
+    if not _dtype_of(x).is_float:
+        x = astype(x, dtype or dt.float32)
+    axes = _reduce_axes(x, axis)
+    count = math.prod(shape(x)[a] for a in axes)
+    return divide(sum(x, axis, keepdims), builtins.max(count, 1) if count else float("nan"))
+
+
+def var(x, axis=None, keepdims=False, ddof=0):
+    x = _float_operand(x)
+    axes = _reduce_axes(x, axis)
+    count = math.prod(shape(x)[a] for a in axes)
+    centered = subtract(x, mean(x, axis, keepdims=True))
+    return divide(sum(multiply(centered, centered), axis, keepdims), builtins.max(count - ddof, 0))
+
+
+def std(x, axis=None, keepdims=False, ddof=0):
+    return sqrt(var(x, axis, keepdims, ddof))
+
+
+def _arg_reduction(name):
+    def fn(x, axis=None, keepdims=False):
+        x = asarray(x)
+        if _dtype_of(x).is_bool:
+            x = astype(x, dt.int32)
+        src = x
+        if axis is None:
+            x, axis = ravel(x), 0
+        axis = _norm_axis(axis, ndim(x), name)
+        out = bind(name, [x], {"axis": axis, "index_dtype": dt.int64})
+        if keepdims:
+            return reshape(
+                out, [1] * ndim(src) if axis is None else [1 if i == axis else d for i, d in enumerate(shape(src))]
+            )
+        return out
+
+    fn.__name__ = name
+    return fn
+
+
+argmax = _arg_reduction("argmax")
+argmin = _arg_reduction("argmin")
+
+
+def any(x, axis=None, keepdims=False):  # noqa: A001
+    return greater(max(astype(x, dt.int32), axis, keepdims), 0)
+
+
+def all(x, axis=None, keepdims=False):  # noqa: A001
+    return greater(min(astype(x, dt.int32), axis, keepdims), 0)
+
+
+def cumsum(x, axis=None):
+    """Inclusive prefix sum, computed as a matmul with a triangular constant (O(n^2) per axis)."""
+    x = asarray(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    axis = _norm_axis(axis, ndim(x), "cumsum")
+    n = shape(x)[axis]
+    tri = np.triu(np.ones((n, n), _dtype_of(x).np_dtype))
+    moved = moveaxis(x, axis, -1)
+    return moveaxis(matmul(moved, tri), -1, axis)
+
+
+# --- contractions -----------------------------------------------------------------------------------
+
+
+def matmul(a, b):
+    """numpy.matmul: 1-D operands are promoted to matrices; batch dims broadcast."""
+    target = result_type(a, b)
+    a, b = _cast_all([a, b], target)
+    sa, sb = shape(a), shape(b)
+    if not sa or not sb:
+        raise op_error(
+            FlowjitTypeError,
+            user_location(),
+            "matmul",
+            f"operands must have rank >= 1; found shapes {sa} and {sb} (use * for scalars)",
+        )
+    a2 = reshape(a, (1,) + sa) if len(sa) == 1 else a
+    b2 = reshape(b, sb + (1,)) if len(sb) == 1 else b
+    sa2, sb2 = shape(a2), shape(b2)
+    if sa2[-1] != sb2[-2]:
+        raise op_error(
+            FlowjitTypeError,
+            user_location(),
+            "matmul",
+            f"contracting dimension mismatch: {sa} @ {sb}: {sa2[-1]} != {sb2[-2]}",
+        )
+    batch = broadcast_shapes(sa2[:-2], sb2[:-2], op="matmul")
+    a3 = broadcast_to(a2, batch + sa2[-2:])
+    b3 = broadcast_to(b2, batch + sb2[-2:])
+    nb = len(batch)
+    out = bind(
+        "dot_general",
+        [a3, b3],
+        {
+            "lhs_contract": (nb + 1,),
+            "rhs_contract": (nb,),
+            "lhs_batch": tuple(range(nb)),
+            "rhs_batch": tuple(range(nb)),
+        },
+    )
+    final = batch + ((sa2[-2],) if len(sa) > 1 else ()) + ((sb2[-1],) if len(sb) > 1 else ())
+    return reshape(out, final) if final != shape(out) else out
+
+
+def dot(a, b):
+    """numpy.dot for the common cases: scalars multiply, otherwise contract a's last axis with b's
+    second-to-last (b's only axis when 1-D)."""
+    if ndim(a) == 0 or ndim(b) == 0:
+        return multiply(a, b)
+    if ndim(b) <= 2:
+        return matmul(a, b)
+    return tensordot(a, b, axes=([ndim(a) - 1], [ndim(b) - 2]))
+
+
+def tensordot(a, b, axes=2):
+    target = result_type(a, b)
+    a, b = _cast_all([a, b], target)
+    if isinstance(axes, int):
+        ax_a = list(range(ndim(a) - axes, ndim(a)))
+        ax_b = list(range(axes))
+    else:
+        ax_a = [_norm_axis(x, ndim(a)) for x in (axes[0] if not isinstance(axes[0], int) else [axes[0]])]
+        ax_b = [_norm_axis(x, ndim(b)) for x in (axes[1] if not isinstance(axes[1], int) else [axes[1]])]
+    for x, y in zip(ax_a, ax_b):
+        if shape(a)[x] != shape(b)[y]:
+            raise op_error(
+                FlowjitTypeError,
+                user_location(),
+                "tensordot",
+                f"shape mismatch: {shape(a)} axis {x} vs {shape(b)} axis {y}",
+            )
+    return bind("dot_general", [a, b], {"lhs_contract": ax_a, "rhs_contract": ax_b, "lhs_batch": (), "rhs_batch": ()})
+
+
+def inner(a, b):
+    return tensordot(a, b, axes=([ndim(a) - 1], [ndim(b) - 1]))
+
+
+def outer(a, b):
+    return multiply(reshape(ravel(a), (-1, 1)), reshape(ravel(b), (1, -1)))
+
+
+def vdot(a, b):
+    return sum(multiply(ravel(a), ravel(b)))
+
+
+def einsum(subscripts: str, *operands):
+    """einsum for one or two operands without repeated indices inside one operand, e.g.
+    'ij,jk->ik', 'bij,bjk->bik', 'ij->ji', 'ij->', 'i,i->', 'ij,j->i'."""
+    spec = subscripts.replace(" ", "")
+    if "->" in spec:
+        inputs, output = spec.split("->")
+    else:
+        inputs = spec
+        letters = [c for c in inputs.replace(",", "")]
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    terms = inputs.split(",")
+    if len(terms) != len(operands) or len(terms) not in (1, 2):
+        raise FlowjitValueError(f"{user_location()}: einsum supports one or two operands; got {subscripts!r}")
+    for t, x in zip(terms, operands):
+        if len(set(t)) != len(t) or len(t) != ndim(x) or not builtins.all(c in string.ascii_letters for c in t):
+            raise FlowjitValueError(
+                f"{user_location()}: einsum term {t!r} does not fit an operand of shape {shape(x)} "
+                "(repeated or '...' indices are not supported)"
+            )
+    xs = [asarray(x) for x in operands]
+    # Sum away indices that appear in one operand only and not in the output.
+    for i, t in enumerate(terms):
+        others = "".join(terms[:i] + terms[i + 1 :]) + output
+        drop = [j for j, c in enumerate(t) if c not in others]
+        if drop:
+            xs[i] = sum(xs[i], axis=tuple(drop))
+            terms[i] = "".join(c for c in t if c not in others)
+    if len(terms) == 1:
+        return transpose(xs[0], [terms[0].index(c) for c in output])
+    ta, tb = terms
+    target = result_type(*xs)
+    a, b = _cast_all(xs, target)
+    batch = [c for c in ta if c in tb and c in output]
+    contract = [c for c in ta if c in tb and c not in output]
+    out = bind(
+        "dot_general",
+        [a, b],
+        {
+            "lhs_contract": [ta.index(c) for c in contract],
+            "rhs_contract": [tb.index(c) for c in contract],
+            "lhs_batch": [ta.index(c) for c in batch],
+            "rhs_batch": [tb.index(c) for c in batch],
+        },
+    )
+    produced = (
+        batch
+        + [c for c in ta if c not in batch and c not in contract]
+        + [c for c in tb if c not in batch and c not in contract]
+    )
+    return transpose(out, [produced.index(c) for c in output])
+
+
+# --- Tracer operators and methods ---------------------------------------------------------------------
+
+
+def _reflected(fn):
+    return lambda self, other: fn(other, self)
+
+
+def _astype_method(self, dtype, copy=True):
+    return astype(self, dtype)
+
+
+def _reshape_method(self, *shape_, order="C"):
+    return reshape(self, *shape_, order=order)
+
+
+def _transpose_method(self, *axes):
+    if len(axes) == 1 and not isinstance(axes[0], int):
+        axes = tuple(axes[0])
+    return transpose(self, axes or None)
+
+
+TRACER_METHODS = {
+    "__add__": add,
+    "__radd__": _reflected(add),
+    "__sub__": subtract,
+    "__rsub__": _reflected(subtract),
+    "__mul__": multiply,
+    "__rmul__": _reflected(multiply),
+    "__truediv__": true_divide,
+    "__rtruediv__": _reflected(true_divide),
+    "__floordiv__": floor_divide,
+    "__rfloordiv__": _reflected(floor_divide),
+    "__mod__": remainder,
+    "__rmod__": _reflected(remainder),
+    "__pow__": power,
+    "__rpow__": _reflected(power),
+    "__matmul__": matmul,
+    "__rmatmul__": _reflected(matmul),
+    "__neg__": negative,
+    "__pos__": lambda self: self,
+    "__abs__": abs,
+    "__invert__": logical_not,
+    "__and__": logical_and,
+    "__rand__": _reflected(logical_and),
+    "__or__": logical_or,
+    "__ror__": _reflected(logical_or),
+    "__xor__": logical_xor,
+    "__rxor__": _reflected(logical_xor),
+    "__eq__": equal,
+    "__ne__": not_equal,
+    "__lt__": less,
+    "__le__": less_equal,
+    "__gt__": greater,
+    "__ge__": greater_equal,
+    "__getitem__": getitem,
+    "T": property(lambda self: transpose(self)),
+    "mT": property(lambda self: swapaxes(self, -1, -2)),
+    "reshape": _reshape_method,
+    "transpose": _transpose_method,
+    "astype": _astype_method,
+    "sum": sum,
+    "mean": mean,
+    "max": max,
+    "min": min,
+    "prod": prod,
+    "var": var,
+    "std": std,
+    "argmax": argmax,
+    "argmin": argmin,
+    "any": any,
+    "all": all,
+    "ravel": ravel,
+    "flatten": ravel,
+    "squeeze": squeeze,
+    "swapaxes": swapaxes,
+    "clip": clip,
+    "dot": dot,
+    "round": round,
+    "cumsum": cumsum,
+    "take": take,
+}
+for _name, _fn in TRACER_METHODS.items():
+    setattr(Tracer, _name, _fn)

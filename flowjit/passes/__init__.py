@@ -1,0 +1,1 @@
+"""Graph passes (`Graph -> Graph`), registered by kebab-case name, and the pipeline runner."""

@@ -1,0 +1,1 @@
+"""The runtime: devices, buffers, executables and their execution."""
