@@ -1,0 +1,216 @@
+"""The CPU toolchain: MLIR text -> MLIR pass pipeline -> LLVM IR -> llvmlite (host CPU, O3) ->
+native code, in process (MCJIT) or as an object file for ahead-of-time builds.
+
+Everything that touches `mlir` or `llvmlite` directly lives here, so the lowering code only deals
+in MLIR text. Recipes and their pitfalls are in shared/TOOLCHAIN.md; the ones that matter here:
+attribute aliases sit outside `module {}`; `eliminate-empty-tensors` precedes bufferization;
+`convert-ub-to-llvm` is required; the OpenMP runtime (`libiomp5` from the intel-openmp wheel) must
+be loaded before any module that calls `__kmpc_*` is finalized, or MCJIT segfaults silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+from flowjit.errors import CompileError
+
+# Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
+BUFFERIZE_PIPELINE = (
+    "canonicalize,cse,eliminate-empty-tensors,"
+    "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map},"
+    "canonicalize,cse,buffer-deallocation-pipeline,convert-bufferization-to-memref"
+)
+LLVM_PIPELINE = (
+    "convert-linalg-to-loops,lower-affine,convert-vector-to-scf,"
+    "scf-forall-to-parallel,convert-scf-to-openmp,convert-scf-to-cf,"
+    "convert-vector-to-llvm{enable-x86vector=false},expand-strided-metadata,lower-affine,"
+    "finalize-memref-to-llvm,convert-math-to-llvm,convert-arith-to-llvm,convert-index-to-llvm,"
+    "convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,convert-cf-to-llvm,"
+    "convert-ub-to-llvm,reconcile-unrealized-casts"
+)
+
+_lock = threading.RLock()
+
+
+def openmp_library() -> str:
+    """Path of `libiomp5.so` shipped by the intel-openmp wheel in this environment."""
+    for root in (sys.prefix, os.path.dirname(os.path.dirname(sys.executable))):
+        path = os.path.join(root, "lib", "libiomp5.so")
+        if os.path.exists(path):
+            return path
+    raise CompileError("libiomp5.so not found: the intel-openmp package is missing from this environment")
+
+
+@functools.cache
+def llvm():
+    """llvmlite.binding, initialized once, with the OpenMP runtime loaded into the process."""
+    import llvmlite.binding as binding
+
+    binding.initialize_native_target()
+    binding.initialize_native_asmprinter()
+    binding.load_library_permanently(openmp_library())
+    return binding
+
+
+@dataclass(frozen=True)
+class HostCPU:
+    """The CPU code is generated for; part of every cache key."""
+
+    triple: str
+    name: str
+    features: str
+
+
+@functools.cache
+def host_cpu() -> HostCPU:
+    binding = llvm()
+    return HostCPU(binding.get_process_triple(), binding.get_host_cpu_name(), binding.get_host_cpu_features().flatten())
+
+
+def target_machine(reloc: str = "default", opt: int = 3):
+    binding = llvm()
+    cpu = host_cpu()
+    target = binding.Target.from_triple(cpu.triple)
+    return target.create_target_machine(cpu=cpu.name, features=cpu.features, opt=opt, reloc=reloc, codemodel="jitdefault"
+                                        if reloc == "default" else "default")
+
+
+@functools.cache
+def mlir_context():
+    """One MLIR context per process (creating one costs milliseconds; parsing is guarded by a lock)."""
+    from mlir import ir
+
+    return ir.Context()
+
+
+def run_mlir(text: str, pipelines: list[str]) -> str:
+    """Parse MLIR text, run each pass pipeline (a 'builtin.module(...)' string), return MLIR text."""
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    with _lock, mlir_context():
+        try:
+            module = ir.Module.parse(text)
+        except Exception as e:  # the bindings raise MLIRError with diagnostics
+            raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
+        for pipeline in pipelines:
+            try:
+                PassManager.parse(pipeline).run(module.operation)
+            except Exception as e:
+                raise CompileError(f"internal error: MLIR pipeline failed: {pipeline}\n{e}") from None
+        return str(module)
+
+
+def apply_transform_schedule(text: str) -> str:
+    """Run the transform-dialect schedule embedded in the module (a `transform.with_named_sequence`
+    module with `@__transform_main`), then erase the schedule."""
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    with _lock, mlir_context():
+        module = ir.Module.parse(text)
+        PassManager.parse("builtin.module(transform-interpreter)").run(module.operation)
+        for op in list(module.body.operations):
+            if "transform.with_named_sequence" in op.attributes:
+                op.erase()
+        return str(module)
+
+
+def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
+    """LLVM-dialect MLIR -> LLVM IR text."""
+    from mlir import ir
+    from mlir.dialects import llvm as llvm_dialect
+
+    with _lock, mlir_context():
+        module = ir.Module.parse(llvm_dialect_text)
+        return str(llvm_dialect.translate_module_to_llvmir(module.operation))
+
+
+def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default"):
+    """Parse LLVM IR and run the O`opt` pipeline for the host CPU; returns (module, target machine)."""
+    binding = llvm()
+    with _lock:
+        module = binding.parse_assembly(llvm_ir)
+        module.name = name
+        module.triple = host_cpu().triple
+        tm = target_machine(reloc=reloc)
+        module.data_layout = str(tm.target_data)
+        module.verify()
+        if opt > 0:
+            tuning = binding.create_pipeline_tuning_options(speed_level=opt)
+            builder = binding.create_pass_builder(tm, tuning)
+            builder.getModulePassManager().run(module, builder)
+        return module, tm
+
+
+def undefined_symbols(module) -> list[str]:
+    """External functions the module calls (checked before MCJIT, which segfaults on unresolved ones)."""
+    return sorted(f.name for f in module.functions if f.is_declaration and not f.name.startswith("llvm."))
+
+
+class NativeModule:
+    """Machine code loaded in this process; keeps the engine alive as long as functions are used."""
+
+    def __init__(self, engine, object_code: bytes):
+        self.engine = engine
+        self.object_code = object_code
+
+    def address(self, symbol: str) -> int:
+        address = self.engine.get_function_address(symbol)
+        if not address:
+            raise CompileError(f"internal error: symbol '{symbol}' not found in the compiled module")
+        return address
+
+
+def jit_compile(module, tm) -> NativeModule:
+    """MCJIT-compile an optimized llvmlite module; also captures its object code for the disk cache."""
+    binding = llvm()
+    captured: dict[str, bytes] = {}
+    with _lock:
+        engine = binding.create_mcjit_compiler(module, tm)
+        engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
+        engine.finalize_object()
+        engine.run_static_constructors()
+    return NativeModule(engine, captured.get("obj", b""))
+
+
+def load_object(object_code: bytes, name: str) -> NativeModule:
+    """Load previously compiled object code (from the disk cache) without MLIR or LLVM optimization."""
+    binding = llvm()
+    with _lock:
+        empty = binding.parse_assembly("")
+        empty.name = name
+        empty.triple = host_cpu().triple
+        engine = binding.create_mcjit_compiler(empty, target_machine())
+        engine.add_object_file(binding.ObjectFileRef.from_data(object_code))
+        engine.finalize_object()
+    return NativeModule(engine, object_code)
+
+
+def emit_assembly(module, tm) -> str:
+    with _lock:
+        return tm.emit_assembly(module)
+
+
+def emit_object(llvm_ir: str, name: str) -> bytes:
+    """Position-independent object code for ahead-of-time shared libraries."""
+    module, tm = optimize(llvm_ir, name, reloc="pic")
+    with _lock:
+        return tm.emit_object(module)
+
+
+def versions() -> dict[str, str]:
+    """Toolchain versions that go into compile-cache keys."""
+    import llvmlite
+
+    from importlib.metadata import version
+
+    return {
+        "llvmlite": llvmlite.__version__,
+        "llvm": ".".join(str(v) for v in llvm().llvm_version_info),
+        "mlir": version("xtc-mlir-python-bindings"),
+    }
