@@ -75,8 +75,8 @@ def target_machine(reloc: str = "default", opt: int = 3):
     binding = llvm()
     cpu = host_cpu()
     target = binding.Target.from_triple(cpu.triple)
-    return target.create_target_machine(cpu=cpu.name, features=cpu.features, opt=opt, reloc=reloc, codemodel="jitdefault"
-                                        if reloc == "default" else "default")
+    codemodel = "jitdefault" if reloc == "default" else "default"
+    return target.create_target_machine(cpu=cpu.name, features=cpu.features, opt=opt, reloc=reloc, codemodel=codemodel)
 
 
 @functools.cache
@@ -205,9 +205,9 @@ def emit_object(llvm_ir: str, name: str) -> bytes:
 
 def versions() -> dict[str, str]:
     """Toolchain versions that go into compile-cache keys."""
-    import llvmlite
-
     from importlib.metadata import version
+
+    import llvmlite
 
     return {
         "llvmlite": llvmlite.__version__,

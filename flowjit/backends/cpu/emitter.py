@@ -1,0 +1,167 @@
+"""Building MLIR text for the CPU backend.
+
+`KernelEmitter` accumulates the body of one `func.func` operating on tensors, plus the top-level
+attribute aliases it needs (which must sit outside `module {}`). `ScalarBuilder` writes the scalar
+body of a `linalg.generic` region; the vectorizable math library (`mathlib.py`) and elementwise
+lowerings emit through it. Lowerings are plain functions registered in `LOWERINGS`:
+
+    LOWERINGS[op_name] = fn(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
+
+taking the MLIR SSA names of the op's operand tensors and returning those of its result tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flowjit.ir import dtypes as dt
+from flowjit.ir.types import TensorType
+
+# flowjit dtype -> MLIR element type. bool is i1 in registers and i8 in memory (numpy's layout);
+# loads/stores of bool buffers go through `memory_elem_type`.
+_ELEM = {
+    dt.bool_: "i1",
+    dt.int32: "i32",
+    dt.int64: "i64",
+    dt.float16: "f16",
+    dt.bfloat16: "bf16",
+    dt.float32: "f32",
+    dt.float64: "f64",
+}
+
+
+def elem_type(dtype: dt.DType) -> str:
+    return _ELEM[dtype]
+
+
+def memory_elem_type(dtype: dt.DType) -> str:
+    """Element type of a buffer in memory (bool is stored as one byte, as numpy does)."""
+    return "i8" if dtype is dt.bool_ else _ELEM[dtype]
+
+
+def tensor_type(t: TensorType, elem: str | None = None) -> str:
+    dims = "".join(f"{d}x" for d in t.shape)
+    return f"tensor<{dims}{elem or elem_type(t.dtype)}>"
+
+
+def memref_type(t: TensorType) -> str:
+    dims = "".join(f"{d}x" for d in t.shape)
+    return f"memref<{dims}{memory_elem_type(t.dtype)}>"
+
+
+def scalar_literal(value, dtype: dt.DType) -> str:
+    """An `arith.constant` literal for `value` of `dtype` (floats in hex to be exact, nan/inf too)."""
+    if dtype.is_bool:
+        return "true" if value else "false"
+    if dtype.is_int:
+        return str(int(value))
+    bits = np.asarray(value, dtype=dtype.np_dtype).view(f"u{dtype.itemsize}").item()
+    return f"0x{bits:0{dtype.itemsize * 2}X}"
+
+
+class ScalarBuilder:
+    """Writes SSA lines of a region body: `b.op("arith.addf %a, %b : f32")` returns the new name."""
+
+    def __init__(self, emitter: KernelEmitter, indent: str):
+        self.emitter = emitter
+        self.indent = indent
+        self.lines: list[str] = []
+
+    def op(self, rhs: str) -> str:
+        name = self.emitter.fresh()
+        self.lines.append(f"{self.indent}{name} = {rhs}")
+        return name
+
+    def line(self, text: str) -> None:
+        self.lines.append(f"{self.indent}{text}")
+
+    def const(self, value, elem: str) -> str:
+        """A scalar constant of MLIR element type `elem` ('f32', 'i64', 'i1', 'index')."""
+        if elem == "index":
+            return self.op(f"arith.constant {int(value)} : index")
+        if elem.startswith("i"):
+            literal = ("true" if value else "false") if elem == "i1" else str(int(value))
+            return self.op(f"arith.constant {literal} : {elem}")
+        dtype = {"f16": dt.float16, "bf16": dt.bfloat16, "f32": dt.float32, "f64": dt.float64}[elem]
+        return self.op(f"arith.constant {scalar_literal(value, dtype)} : {elem}")
+
+
+class KernelEmitter:
+    """Accumulates one MLIR function on tensors and the module-level aliases it uses."""
+
+    def __init__(self):
+        self._counter = 0
+        self.aliases: dict[str, str] = {}  # text -> alias name
+        self.body: list[str] = []
+        self.indent = "    "
+
+    def fresh(self, prefix: str = "v") -> str:
+        self._counter += 1
+        return f"%{prefix}{self._counter}"
+
+    def line(self, text: str) -> None:
+        self.body.append(self.indent + text)
+
+    def op(self, rhs: str) -> str:
+        name = self.fresh()
+        self.line(f"{name} = {rhs}")
+        return name
+
+    def affine_map(self, text: str) -> str:
+        """`#mapN` for `affine_map<text>`, declared once at module level."""
+        if text not in self.aliases:
+            self.aliases[text] = f"#map{len(self.aliases)}"
+        return self.aliases[text]
+
+    def identity_map(self, rank: int) -> str:
+        dims = ", ".join(f"d{i}" for i in range(rank))
+        return self.affine_map(f"({dims}) -> ({dims})")
+
+    def empty(self, t: TensorType, elem: str | None = None) -> str:
+        return self.op(f"tensor.empty() : {tensor_type(t, elem)}")
+
+    def generic(
+        self,
+        inputs: Sequence[tuple[str, str]],
+        init: tuple[str, str],
+        indexing_maps: Sequence[str],
+        iterator_types: Sequence[str],
+        body: Callable[[ScalarBuilder, list[str]], str | Sequence[str]],
+        input_elems: Sequence[str],
+        output_elem: str,
+    ) -> str:
+        """A `linalg.generic` over `inputs` [(ssa, tensor type)] into `init` (ssa, tensor type).
+
+        `body(b, args)` gets the scalar block arguments (inputs then the output's current value)
+        and returns the value(s) to yield. Returns the result tensor's SSA name.
+        """
+        result = self.fresh()
+        ins = ", ".join(n for n, _ in inputs)
+        in_types = ", ".join(t for _, t in inputs)
+        maps = ", ".join(indexing_maps)
+        iters = ", ".join(f'"{i}"' for i in iterator_types)
+        ins_clause = f"ins({ins} : {in_types}) " if inputs else ""
+        self.line(
+            f"{result} = linalg.generic {{indexing_maps = [{maps}], iterator_types = [{iters}]}} "
+            f"{ins_clause}outs({init[0]} : {init[1]}) {{"
+        )
+        args = [self.fresh("a") for _ in range(len(inputs) + 1)]
+        decl = ", ".join(f"{a}: {e}" for a, e in zip(args, [*input_elems, output_elem]))
+        self.line(f"^bb0({decl}):")
+        builder = ScalarBuilder(self, self.indent + "  ")
+        yielded = body(builder, args)
+        yielded = [yielded] if isinstance(yielded, str) else list(yielded)
+        self.body.extend(builder.lines)
+        self.line(f"  linalg.yield {', '.join(yielded)} : {', '.join([output_elem] * len(yielded))}")
+        self.line(f"}} -> {init[1]}")
+        return result
+
+    def module_prelude(self) -> str:
+        return "".join(f"{alias} = affine_map<{text}>\n" for text, alias in self.aliases.items())
+
+
+def total_elements(t: TensorType) -> int:
+    return math.prod(t.shape)
