@@ -41,7 +41,8 @@ def _dtype_of(x) -> dt.DType:
         return x.value.type.dtype
     if isinstance(x, _SCALARS):
         return dt.default_for_kind(_scalar_kind(x))
-    return dt.dtype(np.asarray(x).dtype)
+    array = np.asarray(x)  # unsupported dtypes (uint8, int16) take asarray's conversion; complex is an error
+    return dt.dtype(array.dtype) if dt.is_supported_numpy_dtype(array.dtype) else dt.dtype(asarray(x).dtype)
 
 
 def _scalar_kind(x) -> str:
