@@ -9,7 +9,13 @@
     lo.compile()(x, w)
 
 A call's signature is the pytree structure of its arguments, each leaf's shape and dtype, and the
-values of static arguments; a new signature retraces. `FLOWJIT_LOG_COMPILES=1` prints why.
+type and value of each static argument; a new signature retraces. `FLOWJIT_LOG_COMPILES=1` prints
+why. Arguments are pytrees (tuples, lists, dicts, namedtuples, None) whose leaves are numpy arrays of
+a flowjit dtype or Python scalars (bool -> bool, int -> i64, float -> f32). Arrays of other dtypes
+(uint8, int16, complex64, ...) are rejected with a FlowjitTypeError, not converted: convert them yourself
+(`x.astype(np.int32)`) so the compiled signature says what runs. Numpy arrays a traced function
+reads from its closure or globals, or returns, become constants of the graph, converted as
+`flowjit.numpy.asarray` does (other integer dtypes -> int64; complex is an error).
 """
 
 from __future__ import annotations
@@ -17,21 +23,23 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import sys
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+import flowjit.numpy  # noqa: F401  (installs the Tracer operators `+ - * @ ...` that traced code uses)
 from flowjit.backends import Executable, compile_graph, default_target
 from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
-from flowjit.frontend.trace import Trace, Tracer
+from flowjit.frontend.trace import Trace, Tracer, current_trace, escaped_tracer_error
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph
-from flowjit.ir.location import is_internal_file
+from flowjit.ir.location import is_internal_file, user_location
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
 from flowjit.passes import dump
@@ -41,6 +49,8 @@ from flowjit.passes.registry import run_pipeline
 PIPELINE = (
     "canonicalize",  # fold constants, simplify algebra, CSE, DCE
 )
+
+_INT64_RANGE = range(-(2**63), 2**63)
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,10 @@ class ShapeDtype:
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "dtype", dt.dtype(self.dtype).np_dtype)
+        try:
+            object.__setattr__(self, "dtype", dt.dtype(self.dtype).np_dtype)
+        except ValueError as e:
+            raise FlowjitTypeError(f"{user_location()}: ShapeDtype: {e}") from None
 
 
 # --- user-facing tracebacks --------------------------------------------------------------------------
@@ -72,7 +85,8 @@ def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | Non
 
 
 def user_errors(fn):
-    """Decorator: FlowjitErrors leave with compiler frames hidden from the traceback."""
+    """Decorator: FlowjitErrors leave with compiler frames hidden from the traceback
+    (`FLOWJIT_FULL_TRACEBACK=1` keeps them)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -89,25 +103,38 @@ def user_errors(fn):
 # --- argument handling -------------------------------------------------------------------------------
 
 
+def _unsupported_dtype(path: str, np_dtype) -> FlowjitTypeError:
+    np_dtype = np.dtype(np_dtype)
+    supported = ", ".join(d.np_dtype.name for d in dt.ALL_DTYPES)
+    if np_dtype.kind == "c":
+        fix = f"flowjit has no complex dtypes: pass {path}.real and {path}.imag as float32 arrays"
+    else:
+        fix = f"convert it before the call, e.g. {path}.astype(np.{'int32' if np_dtype.kind in 'iu' else 'float32'})"
+    return FlowjitTypeError(
+        f"{user_location()}: argument {path}: unsupported dtype {np_dtype.name}; flowjit supports {supported}; {fix}"
+    )
+
+
 def _abstract(leaf, path: str) -> TensorType:
     """The abstract value (shape, dtype) of one argument leaf."""
     if isinstance(leaf, ShapeDtype):
         return TensorType(leaf.shape, dt.dtype(leaf.dtype))
     if isinstance(leaf, Tracer):
-        return leaf.value.type
+        raise escaped_tracer_error()  # calls inside a trace inline, so this tracer outlived its trace
     if isinstance(leaf, bool | int | float):
+        if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf not in _INT64_RANGE:
+            raise FlowjitValueError(f"{user_location()}: argument {path}: Python int {leaf} does not fit in int64")
         kind = "b" if isinstance(leaf, bool) else "i" if isinstance(leaf, int) else "f"
         return TensorType((), dt.default_for_kind(kind))
-    if isinstance(leaf, np.ndarray | np.generic):
-        try:
-            return TensorType(np.shape(leaf), dt.dtype(leaf.dtype))
-        except ValueError as e:
-            raise FlowjitTypeError(f"argument {path}: {e}") from None
-    if hasattr(leaf, "__array__") and hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+    if isinstance(leaf, np.ndarray | np.generic) or (
+        hasattr(leaf, "__array__") and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    ):
+        if not dt.is_supported_numpy_dtype(leaf.dtype):
+            raise _unsupported_dtype(path, leaf.dtype)
         return TensorType(tuple(leaf.shape), dt.dtype(np.dtype(leaf.dtype)))
     raise FlowjitTypeError(
-        f"argument {path}: expected an array, a Python scalar or a tuple/list/dict of them; found "
-        f"{type(leaf).__name__}. Mark it static (static_argnums/static_argnames) if it configures "
+        f"{user_location()}: argument {path}: expected an array, a Python scalar or a tuple/list/dict of them; "
+        f"found {type(leaf).__name__}. Mark it static (static_argnums/static_argnames) if it configures "
         "the computation."
     )
 
@@ -119,35 +146,97 @@ def _to_host(leaf, ttype: TensorType) -> np.ndarray:
     return array
 
 
+def _self_key(obj):
+    """A bound method's `self` keys the cache by value when hashable, else by identity."""
+    try:
+        hash(obj)
+    except TypeError:
+        return _Identity(obj)
+    return obj
+
+
+class _Identity:
+    """Keys a bound method's `self` by identity when it has no hash of its own."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__name__} instance at {id(self.obj):#x}>"
+
+
 @dataclass(frozen=True)
 class Signature:
-    """What a compiled entry is specialized on."""
+    """What a compiled entry is specialized on: the dynamic arguments' names, their pytree
+    structure and leaf types, and each static argument as (name, type, value)."""
 
+    names: tuple[str, ...]
     treedef: TreeDef
     avals: tuple[TensorType, ...]
-    statics: tuple
+    statics: tuple[tuple[str, type, object], ...]
 
     def explain_change(self, old: Signature, paths: Sequence[str]) -> str:
+        """Why this signature differs from `old`, in the words of FLOWJIT_LOG_COMPILES."""
+        if self.names != old.names:
+            return f"the dynamic arguments changed from ({', '.join(old.names)}) to ({', '.join(self.names)})"
         if self.treedef != old.treedef:
-            return f"the argument structure changed: {old.treedef} -> {self.treedef}"
+            for name, a, b in zip(self.names, old.treedef.children, self.treedef.children):
+                if a != b:
+                    return f"the structure of argument {name} changed from {a} to {b}"
         for path, a, b in zip(paths, old.avals, self.avals):
             if a != b:
                 return f"argument {path} changed from {a} to {b}"
-        for (name, a), (_, b) in zip(old.statics, self.statics):
-            if a != b:
-                return f"static argument '{name}' changed from {a!r} to {b!r}"
+        old_statics = {name: (kind, value) for name, kind, value in old.statics}
+        for name, kind, value in self.statics:
+            old_kind, old_value = old_statics.get(name, (None, None))
+            if old_kind is not kind:
+                return (
+                    f"static argument '{name}' changed from {old_value!r} ({getattr(old_kind, '__name__', None)}) "
+                    f"to {value!r} ({kind.__name__})"
+                )
+            if old_value != value:
+                return f"static argument '{name}' changed from {old_value!r} to {value!r}"
         return "a new signature"
+
+    def describe(self, paths: Sequence[str]) -> str:
+        parts = [f"{p}: {a}" for p, a in zip(paths, self.avals)]
+        parts += [f"{name}={value!r}" for name, _, value in self.statics]
+        return "(" + ", ".join(parts) + ")"
+
+
+def _graph_name(fun) -> str:
+    """A function name the text IR can print and parse back (`<lambda>` -> `lambda`)."""
+    name = getattr(fun, "__name__", None) or type(fun).__name__
+    return re.sub(r"[^A-Za-z0-9_.$]", "_", name.strip("<>")) or "function"
 
 
 class Jitted:
-    """A function compiled on first call per signature. Created by `fj.jit`."""
+    """A function compiled on first call per signature. Created by `fj.jit`.
+
+    Calls with tracers (inside another jit, grad, cond, ...) inline the function into the caller's
+    graph. As a method (`@fj.jit` on a `def` in a class), `self` is a static argument: keyed by its
+    `__hash__`/`__eq__` when it has them, else by identity. Arrays read from `self` become constants
+    of the compiled code: after replacing them on the same object, call `clear_cache()`.
+    """
 
     def __init__(self, fun, static_argnums=(), static_argnames=(), device=None, donate_argnums=(), target=None):
         if not callable(fun):
-            raise FlowjitTypeError(f"jit expects a function; found {type(fun).__name__}")
+            raise FlowjitTypeError(f"{user_location()}: jit expects a function; found {type(fun).__name__}")
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.signature = inspect.signature(fun)
+        self.name = _graph_name(fun)
+        try:
+            self.signature = inspect.signature(fun)
+        except (TypeError, ValueError) as e:
+            raise FlowjitTypeError(f"{user_location()}: jit cannot read the signature of {fun!r}: {e}") from None
         self.static_argnums = _as_tuple(static_argnums)
         self.static_argnames = _as_tuple(static_argnames)
         self.device = device
@@ -155,96 +244,113 @@ class Jitted:
         self.target = target
         self._cache: dict[Signature, Compiled] = {}
         self._last: Signature | None = None
-        self._lock = threading.Lock()
+        # Reentrant: a jitted function may call itself on concrete values while being traced.
+        self._lock = threading.RLock()
         params = list(self.signature.parameters.values())
         for i in self.static_argnums:
-            if not -len(params) <= i < len(params):
-                raise FlowjitValueError(f"static_argnums {i} is out of range for {fun.__name__}{self.signature}")
+            if not isinstance(i, int) or not -len(params) <= i < len(params):
+                raise FlowjitValueError(
+                    f"{user_location()}: static_argnums {i!r} is out of range for {self.name}{self.signature}"
+                )
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+        for name in self.static_argnames:
+            if name not in self.signature.parameters and not takes_kwargs:
+                raise FlowjitValueError(
+                    f"{user_location()}: static_argnames '{name}' is not a parameter of {self.name}{self.signature}"
+                )
         self._static_names = {params[i].name for i in self.static_argnums} | set(self.static_argnames)
+        self._self_name = params[0].name if params else None
 
     def __repr__(self) -> str:
-        return f"<flowjit.jit {getattr(self.fun, '__qualname__', self.fun)}>"
+        return f"<flowjit.jit {getattr(self.fun, '__qualname__', self.name)}>"
 
     def __get__(self, obj, objtype=None):
-        return self if obj is None else functools.partial(self, obj)
+        return self if obj is None else BoundJitted(self, obj)
 
     # --- splitting a call into its signature and dynamic leaves ----------------------------------
-    def _split(self, args, kwargs):
+    def _split(self, args, kwargs, bound_self: bool):
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:
-            raise FlowjitTypeError(f"{self.fun.__name__}{self.signature}: {e}") from None
+            raise FlowjitTypeError(f"{user_location()}: {self.name}{self.signature}: {e}") from None
         bound.apply_defaults()
         statics, dynamic, names = [], [], []
         for name, value in bound.arguments.items():
-            if name in self._static_names:
-                try:
-                    hash(value)
-                except TypeError:
-                    raise FlowjitTypeError(
-                        f"static argument '{name}' of {self.fun.__name__} must be hashable (it keys the "
-                        f"compile cache); found {type(value).__name__}. Use a tuple instead of a list, "
-                        "or a frozen dataclass."
-                    ) from None
-                statics.append((name, value))
+            if bound_self and name == self._self_name:
+                statics.append((name, type(value), _self_key(value)))
+            elif name in self._static_names:
+                statics.append((name, type(value), self._static_value(name, value)))
             else:
                 dynamic.append(value)
                 names.append(name)
         leaves, treedef = tree_flatten(dynamic)
         paths = [names[int(p[1 : p.index("]")])] + p[p.index("]") + 1 :] for p in leaf_paths(dynamic)]
-        return bound, statics, leaves, treedef, paths
+        return bound, tuple(names), tuple(statics), leaves, treedef, paths
 
-    def _signature_of(self, args, kwargs):
-        bound, statics, leaves, treedef, paths = self._split(args, kwargs)
+    def _static_value(self, name: str, value):
+        """A static argument's cache key: its value, which must be hashable (never its identity)."""
+        try:
+            hash(value)
+        except TypeError:
+            raise FlowjitTypeError(
+                f"{user_location()}: static argument '{name}' of {self.name} must be hashable (its value keys "
+                f"the compile cache); found {type(value).__name__}. Use a tuple instead of a list, or a frozen "
+                "dataclass."
+            ) from None
+        return value
+
+    def _signature_of(self, args, kwargs, bound_self: bool = False):
+        bound, names, statics, leaves, treedef, paths = self._split(args, kwargs, bound_self)
         avals = tuple(_abstract(leaf, path) for leaf, path in zip(leaves, paths))
-        return Signature(treedef, avals, tuple(statics)), bound, leaves, paths
+        return Signature(names, treedef, avals, statics), bound, leaves, paths
 
     # --- tracing ----------------------------------------------------------------------------------
     def _trace(self, sig: Signature, bound, paths) -> tuple[Graph, TreeDef]:
-        with Trace(self.fun.__name__) as trace:
+        with Trace(self.name) as trace:
             if self.device is not None:
                 trace.device_stack.append(str(self.device))
             tracers = [trace.new_param(aval, path) for aval, path in zip(sig.avals, paths)]
-            dynamic = iter(tree_unflatten(sig.treedef, tracers))
-            arguments = {}
-            statics = dict(sig.statics)
-            for name in bound.arguments:
-                arguments[name] = statics[name] if name in statics else next(dynamic)
+            dynamic = dict(zip(sig.names, tree_unflatten(sig.treedef, tracers)))
+            arguments = {name: dynamic.get(name, value) for name, value in bound.arguments.items()}
             call_args, call_kwargs = _rebind(self.signature, arguments)
             out = self.fun(*call_args, **call_kwargs)
             out_leaves, out_tree = tree_flatten(out)
             results = []
-            for i, leaf in enumerate(out_leaves):
+            for leaf, path in zip(out_leaves, leaf_paths(out, "output")):
                 if not isinstance(leaf, Tracer | np.ndarray | np.generic | bool | int | float):
                     raise FlowjitTypeError(
-                        f"{self.fun.__name__} returned a {type(leaf).__name__} (output leaf {i}); "
-                        "functions under jit must return arrays or tuples/lists/dicts of arrays"
+                        f"{self._where()}: {self.name} returned a {type(leaf).__name__} at {path}; functions "
+                        "under jit must return arrays, Python scalars or tuples/lists/dicts of them"
                     )
-                results.append(trace.lift(leaf if isinstance(leaf, Tracer) else np.asarray(leaf)))
+                results.append(trace.lift(leaf if isinstance(leaf, Tracer) else flowjit.numpy.asarray(leaf)))
             trace.graph.results = results
         return trace.graph, out_tree
+
+    def _where(self) -> str:
+        code = getattr(self.fun, "__code__", None)
+        return f"{code.co_filename}:{code.co_firstlineno}" if code else self.name
 
     def _log_compile(self, sig: Signature, paths) -> None:
         if os.environ.get("FLOWJIT_LOG_COMPILES", "") in ("", "0"):
             return
         reason = "first call" if self._last is None else sig.explain_change(self._last, paths)
-        code = getattr(self.fun, "__code__", None)
-        where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
-        print(f"flowjit: tracing {self.fun.__name__}{where} because {reason}", file=sys.stderr)
+        print(f"flowjit: tracing {self.name} ({self._where()}) because {reason}", file=sys.stderr)
 
-    @user_errors
-    def lower(self, *args, **kwargs) -> Lowered:
-        """Trace and optimize for these arguments (arrays or `ShapeDtype`s) without running."""
-        sig, bound, _, paths = self._signature_of(args, kwargs)
-        self._log_compile(sig, paths)
-        graph, out_tree = self._trace(sig, bound, paths)
-        return Lowered(graph, sig, out_tree, paths, self.target or default_target())
+    def _lower(self, args, kwargs, bound_self: bool) -> Lowered:
+        if current_trace() is not None:
+            raise FlowjitTypeError(f"{user_location()}: {self.name}.lower() called while tracing; call it outside jit")
+        sig, bound, _, paths = self._signature_of(args, kwargs, bound_self)
+        with self._lock:
+            self._log_compile(sig, paths)
+            graph, out_tree = self._trace(sig, bound, paths)
+            self._last = sig
+        binder = functools.partial(self._signature_of, bound_self=bound_self)
+        return Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder)
 
-    @user_errors
-    def __call__(self, *args, **kwargs):
-        if any(isinstance(leaf, Tracer) for leaf in tree_flatten((args, kwargs))[0]):
-            return self.fun(*args, **kwargs)  # inside another trace: inline
-        sig, bound, leaves, paths = self._signature_of(args, kwargs)
+    def _call(self, args, kwargs, bound_self: bool):
+        if current_trace() is not None:
+            return self.fun(*args, **kwargs)  # inside another trace: inline into its graph
+        sig, bound, leaves, paths = self._signature_of(args, kwargs, bound_self)
         compiled = self._cache.get(sig)
         if compiled is None:
             with self._lock:
@@ -252,14 +358,47 @@ class Jitted:
                 if compiled is None:
                     self._log_compile(sig, paths)
                     graph, out_tree = self._trace(sig, bound, paths)
-                    compiled = Lowered(graph, sig, out_tree, paths, self.target or default_target()).compile()
+                    binder = functools.partial(self._signature_of, bound_self=bound_self)
+                    lowered = Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder)
+                    compiled = lowered.compile()
                     self._cache[sig] = compiled
                     self._last = sig
         return compiled.call_leaves(leaves)
 
+    @user_errors
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Trace and optimize for these arguments (arrays or `ShapeDtype`s) without running."""
+        return self._lower(args, kwargs, bound_self=False)
+
+    @user_errors
+    def __call__(self, *args, **kwargs):
+        return self._call(args, kwargs, bound_self=False)
+
     def clear_cache(self) -> None:
-        self._cache.clear()
-        self._last = None
+        """Forget every compiled signature; the next call traces again."""
+        with self._lock:
+            self._cache.clear()
+            self._last = None
+
+
+class BoundJitted:
+    """A jitted method looked up on an instance (`obj.method`): `obj` is bound as a static `self`."""
+
+    def __init__(self, jitted: Jitted, obj):
+        self.jitted = jitted
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return f"<bound flowjit.jit {self.jitted.name} of {self.obj!r}>"
+
+    @user_errors
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Trace and optimize for these arguments (arrays or `ShapeDtype`s) without running."""
+        return self.jitted._lower((self.obj, *args), kwargs, bound_self=True)
+
+    @user_errors
+    def __call__(self, *args, **kwargs):
+        return self.jitted._call((self.obj, *args), kwargs, bound_self=True)
 
 
 def _rebind(signature: inspect.Signature, arguments: dict):
@@ -285,15 +424,20 @@ def _as_tuple(x) -> tuple:
     return (x,) if isinstance(x, int | str) else tuple(x)
 
 
+# Binds a call's (args, kwargs) like the jitted function: -> (Signature, bound arguments, leaves, paths).
+Binder = Callable[[tuple, dict], tuple]
+
+
 class Lowered:
     """A traced function for one signature: its stages, and `compile()`."""
 
-    def __init__(self, graph: Graph, sig: Signature, out_tree: TreeDef, paths, target: str):
+    def __init__(self, graph: Graph, sig: Signature, out_tree: TreeDef, paths, target: str, binder: Binder):
         self.signature = sig
         self.out_tree = out_tree
         self.paths = list(paths)
         self.target = target
         self.name = graph.name
+        self._binder = binder
         self._graphs = {"traced": graph}
         dump.write_stage(self.name, "traced", print_graph(graph))
         self._executable: Executable | None = None
@@ -312,6 +456,7 @@ class Lowered:
 
     @property
     def stages(self) -> list[str]:
+        """The stage names `as_text` accepts for this function and backend."""
         backend = list(self._compile_executable().stages) if self._executable or self.target != "interpreter" else []
         return ["traced", "optimized", *backend]
 
@@ -320,6 +465,7 @@ class Lowered:
             self._executable = compile_graph(self.graph("optimized"), self.target)
         return self._executable
 
+    @user_errors
     def as_text(self, stage: str = "optimized") -> str:
         """The text of one stage: 'traced', 'optimized', or a backend stage ('mlir', 'llvm', 'asm')."""
         if stage in ("traced", "optimized"):
@@ -332,11 +478,15 @@ class Lowered:
         executable = self._compile_executable()
         if stage not in executable.stages:
             available = ", ".join(["traced", "optimized", *executable.stages])
-            raise FlowjitValueError(f"no stage '{stage}' for backend '{executable.backend}'; available: {available}")
+            raise FlowjitValueError(
+                f"{user_location()}: no stage '{stage}' for backend '{executable.backend}'; available: {available}"
+            )
         return executable.stages[stage]
 
+    @user_errors
     def compile(self) -> Compiled:
-        return Compiled(self._compile_executable(), self.signature, self.out_tree, self.paths, self.name)
+        """The executable for this signature; call it with arguments of that signature."""
+        return Compiled(self._compile_executable(), self.signature, self.out_tree, self.paths, self.name, self._binder)
 
 
 def _backend_note(executable: Executable) -> str:
@@ -349,33 +499,44 @@ def _backend_note(executable: Executable) -> str:
 
 
 class Compiled:
-    """A compiled function for one signature: call it with arrays of that signature."""
+    """A compiled function for one signature: call it with arguments of that signature, passed as
+    to the jitted function (static arguments included, with the values it was lowered for)."""
 
-    def __init__(self, executable: Executable, sig: Signature, out_tree: TreeDef, paths, name: str):
+    def __init__(self, executable: Executable, sig: Signature, out_tree: TreeDef, paths, name: str, binder: Binder):
         self.executable = executable
         self.signature = sig
         self.out_tree = out_tree
         self.paths = paths
         self.name = name
+        self._binder = binder
 
     def call_leaves(self, leaves: Sequence) -> object:
+        """Run on the flattened dynamic arguments (already checked against the signature)."""
         arrays = [_to_host(leaf, aval) for leaf, aval in zip(leaves, self.signature.avals)]
         outs = self.executable.run(arrays)
+        # An output that is an input passed through must not alias the caller's array.
+        outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
         return tree_unflatten(self.out_tree, outs)
 
     @user_errors
     def __call__(self, *args, **kwargs):
-        leaves, treedef = tree_flatten([a for a in args] + list(kwargs.values()))
-        avals = tuple(_abstract(leaf, path) for leaf, path in zip(leaves, self.paths))
-        if avals != self.signature.avals:
-            expected = ", ".join(str(a) for a in self.signature.avals)
-            found = ", ".join(str(a) for a in avals)
-            raise FlowjitTypeError(f"{self.name} was compiled for ({expected}); called with ({found})")
+        sig, _, leaves, paths = self._binder(args, kwargs)
+        if sig != self.signature:
+            raise FlowjitTypeError(
+                f"{user_location()}: {self.name} was compiled for {self.signature.describe(self.paths)}; called "
+                f"with {sig.describe(paths)}: {sig.explain_change(self.signature, paths)}. Lower it again for "
+                "these arguments, or call the jitted function, which compiles once per signature"
+            )
         return self.call_leaves(leaves)
 
 
 def jit(fun=None, *, static_argnums=(), static_argnames=(), device=None, donate_argnums=(), target=None):
-    """Compile `fun` on first call per signature. Usable as `@jit` or `@jit(static_argnums=1)`."""
+    """Compile `fun` on first call per signature. Usable as `@jit` or `@jit(static_argnums=1)`.
+
+    static_argnums / static_argnames: arguments that configure the computation (sizes, flags,
+    callables); they must be hashable, and each new (type, value) traces again.
+    device: placement constraint for every op (e.g. "cpu:0"). target: backend ('cpu', 'interpreter').
+    """
     if fun is None:
         return functools.partial(
             jit,

@@ -72,11 +72,7 @@ class Trace:
             if x.trace is self:
                 return x.value
             if not x.trace.active:
-                raise FlowjitTypeError(
-                    f"{user_location()}: a traced value escaped the function that created it "
-                    "(stored in a global, a closure or an attribute during an earlier trace); "
-                    "pass it as an argument instead"
-                )
+                raise escaped_tracer_error()
             if x.value not in self._captured:
                 param = self.graph.add_param(x.value.type, f"capture{len(self.captures)}")
                 self._captured[x.value] = param
@@ -85,9 +81,10 @@ class Trace:
         return self.constant(x)
 
     def constant(self, x) -> Value:
+        """A constant op holding `x` (an array the traced function closed over, or returned)."""
         array = np.asarray(x)
         if not dt.is_supported_numpy_dtype(array.dtype):
-            array = array.astype(dt.dtype(array.dtype).np_dtype)
+            raise unsupported_constant_error(array)
         op = make_op("constant", [], {"value": np.array(array)}, user_location(), device=self.device)
         self.graph.append(op)
         return op.result
@@ -97,10 +94,27 @@ class Trace:
         return self.device_stack[-1] if self.device_stack else None
 
 
+def escaped_tracer_error() -> FlowjitTypeError:
+    """The error for a tracer used after the trace that created it ended."""
+    return FlowjitTypeError(
+        f"{user_location()}: a traced value escaped the function that created it (stored in a global, "
+        "a closure or an attribute during an earlier trace) and is used after that trace ended; return "
+        "it from the jitted function, or pass it in as an argument"
+    )
+
+
+def unsupported_constant_error(array: np.ndarray) -> FlowjitTypeError:
+    supported = ", ".join(d.np_dtype.name for d in dt.ALL_DTYPES)
+    return FlowjitTypeError(
+        f"{user_location()}: an array of dtype {array.dtype} (shape {array.shape}) is used in a traced "
+        f"function; flowjit supports {supported}. Convert it first, e.g. with .astype(np.float32)"
+    )
+
+
 def _innermost(tracers: Sequence[Tracer]) -> Trace:
     trace = current_trace()
     if trace is None:
-        trace = tracers[0].trace
+        raise escaped_tracer_error()  # no trace is running, so these tracers outlived theirs
     return trace
 
 
@@ -124,6 +138,9 @@ def bind(name: str, operands: Sequence, attrs: dict | None = None, loc: Location
 
 def _eval_eager(name, operands, attrs, loc):
     arrays = [np.asarray(x) for x in operands]
+    for a in arrays:
+        if not dt.is_supported_numpy_dtype(a.dtype):
+            raise unsupported_constant_error(a)
     opdef = get_opdef(name)
     full = {**opdef.defaults, **attrs}
     types = infer_types(name, [TensorType(a.shape, dt.dtype(a.dtype)) for a in arrays], full, loc)
