@@ -1,6 +1,8 @@
 """Parser for the text IR written by `printer.py` (the input of `flowjit opt` and the lit tests).
 
-Errors name the line and column of the text and what was expected there.
+Besides the syntax, each op is checked as it is read (registered op, its attributes, its declared
+result types against its shape rule), so a mistake in hand-written IR is reported at its line.
+Errors are `FlowjitValueError`s naming `file:line:col`, what was expected there and what was found.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import numpy as np
 from flowjit.errors import FlowjitValueError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op
-from flowjit.ir.graph import Graph, Value
+from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.location import UNKNOWN, Location
 from flowjit.ir.types import TensorType
+from flowjit.ir.verifier import VerificationError, check_op
 
 _TOKEN_RE = re.compile(
     r"""
@@ -26,7 +29,7 @@ _TOKEN_RE = re.compile(
   | (?P<block>\^[A-Za-z0-9_.$]+)
   | (?P<string>"(?:[^"\\]|\\.)*")
   | (?P<hex>0x[0-9a-fA-F]*)
-  | (?P<number>-?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf)|nan)
+  | (?P<number>(?:-?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf)|nan)(?![A-Za-z0-9_]))
   | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
   | (?P<arrow>->)
   | (?P<punct>[(){}\[\]<>,:=])
@@ -42,12 +45,13 @@ class _Token:
         self.kind, self.text, self.line, self.col = kind, text, line, col
 
 
-def _tokenize(text: str) -> list[_Token]:
+def _tokenize(text: str, filename: str) -> list[_Token]:
     tokens, pos, line, line_start = [], 0, 1, 0
     while pos < len(text):
         m = _TOKEN_RE.match(text, pos)
         if m is None:
-            raise FlowjitValueError(f"line {line}:{pos - line_start + 1}: unexpected character {text[pos]!r}")
+            col = pos - line_start + 1
+            raise FlowjitValueError(f"{filename}:{line}:{col}: expected a token of the text IR; found {text[pos]!r}")
         kind = m.lastgroup
         if kind != "ws":
             tokens.append(_Token(kind, m.group(), line, pos - line_start + 1))
@@ -60,15 +64,28 @@ def _tokenize(text: str) -> list[_Token]:
     return tokens
 
 
+_IR_DTYPES = {d.name: d for d in dt.ALL_DTYPES}
+
+
+def ir_dtype(name: str) -> dt.DType:
+    """The dtype printed as `name` (`f32`, `i64`, `bool`, ...); only the IR's own names are accepted."""
+    found = _IR_DTYPES.get(name)
+    if found is None:
+        raise ValueError(f"unknown dtype '{name}'; the text IR's dtypes are {', '.join(_IR_DTYPES)}")
+    return found
+
+
 def parse_type(text: str) -> TensorType:
+    """`tensor<4x8xf32>` -> TensorType((4, 8), f32); raises ValueError for an unknown dtype."""
     inner = text[len("tensor<") : -1]
     *dims, name = inner.split("x")
-    return TensorType(tuple(int(d) for d in dims), dt.dtype(name))
+    return TensorType(tuple(int(d) for d in dims), ir_dtype(name))
 
 
 class _Parser:
-    def __init__(self, text: str):
-        self.tokens = _tokenize(text)
+    def __init__(self, text: str, filename: str):
+        self.filename = filename
+        self.tokens = _tokenize(text, filename)
         self.pos = 0
 
     # --- token helpers ---------------------------------------------------------------------------
@@ -76,10 +93,13 @@ class _Parser:
     def tok(self) -> _Token:
         return self.tokens[self.pos]
 
+    def fail_at(self, t: _Token, message: str) -> FlowjitValueError:
+        return FlowjitValueError(f"{self.filename}:{t.line}:{t.col}: {message}")
+
     def error(self, expected: str) -> FlowjitValueError:
         t = self.tok
         found = repr(t.text) if t.kind != "eof" else "end of input"
-        return FlowjitValueError(f"line {t.line}:{t.col}: expected {expected}; found {found}")
+        return self.fail_at(t, f"expected {expected}; found {found}")
 
     def accept(self, text: str) -> bool:
         if self.tok.text == text and self.tok.kind != "string":
@@ -97,6 +117,14 @@ class _Parser:
         self.pos += 1
         return self.tokens[self.pos - 1].text
 
+    def type(self) -> TensorType:
+        t = self.tok
+        text = self.take("type", "a tensor type like tensor<4x8xf32>")
+        try:
+            return parse_type(text)
+        except ValueError as e:
+            raise self.fail_at(t, f"bad type {text}: {e}") from None
+
     # --- grammar ---------------------------------------------------------------------------------
     def module(self) -> list[Graph]:
         graphs = []
@@ -109,52 +137,59 @@ class _Parser:
         graph = Graph(self.take("symbol", "a function name like @f")[1:])
         env: dict[str, Value] = {}
         self.expect("(")
-        self.params(graph, env, ")")
+        self.params(graph, env)
         self.expect("->")
         self.expect("(")
+        declared_at = self.tok
         declared = self.type_list(")")
         self.expect("{")
         self.body(graph, env, "return")
         self.expect("}")
-        if [r.type for r in graph.results] != declared:
-            raise FlowjitValueError(f"function @{graph.name} returns {graph.result_types} but declares {declared}")
+        if graph.result_types != declared:
+            raise self.fail_at(
+                declared_at,
+                f"function @{graph.name} declares results ({_types(declared)}) but returns "
+                f"({_types(graph.result_types)})",
+            )
         return graph
 
-    def params(self, graph: Graph, env: dict, close: str) -> None:
-        while not self.accept(close):
+    def params(self, graph: Graph, env: dict) -> None:
+        """`%x: T, %y: T)` up to and including the closing parenthesis."""
+        while not self.accept(")"):
             if graph.params:
                 self.expect(",")
             name = self.take("value", "a parameter name like %x")
+            at = self.tokens[self.pos - 1]
             self.expect(":")
-            value = graph.add_param(parse_type(self.take("type", "a tensor type")), name[1:])
-            self.define(env, name, value)
-            if self.tok.text != close:
-                continue
+            self.define(env, name, graph.add_param(self.type(), name[1:]), at)
 
-    def define(self, env: dict, name: str, value: Value) -> None:
+    def define(self, env: dict, name: str, value: Value, at: _Token) -> None:
         if name in env:
-            raise self.error(f"a fresh name (not {name}, defined twice)")
+            raise self.fail_at(at, f"value {name} is defined twice; SSA names must be unique")
         env[name] = value
 
     def type_list(self, close: str | None = None) -> list[TensorType]:
         types = []
         if close is not None and self.accept(close):
             return types
-        types.append(parse_type(self.take("type", "a tensor type")))
+        types.append(self.type())
         while self.accept(","):
-            types.append(parse_type(self.take("type", "a tensor type")))
+            types.append(self.type())
         if close is not None:
             self.expect(close)
         return types
 
     def ref(self, env: dict) -> Value:
+        t = self.tok
         name = self.take("value", "a value like %0")
         if name not in env:
-            raise FlowjitValueError(f"line {self.tokens[self.pos - 1].line}: use of undefined value {name}")
+            raise self.fail_at(t, f"use of undefined value {name} (values must be defined before their use)")
         return env[name]
 
     def body(self, graph: Graph, env: dict, terminator: str) -> None:
         while not self.accept(terminator):
+            if self.tok.kind == "eof" or self.tok.text == "}":
+                raise self.error(f"an op or '{terminator}'")
             self.op(graph, env)
         results = []
         if self.tok.kind == "value":
@@ -162,19 +197,24 @@ class _Parser:
             while self.accept(","):
                 results.append(self.ref(env))
             self.expect(":")
+            types_at = self.tok
             types = self.type_list()
             if types != [r.type for r in results]:
-                raise self.error(f"{terminator} types matching its operands")
+                raise self.fail_at(
+                    types_at,
+                    f"'{terminator}' lists types ({_types(types)}) but its operands have types "
+                    f"({_types(r.type for r in results)})",
+                )
         graph.results = results
 
     def op(self, graph: Graph, env: dict) -> None:
-        result_name, count = None, 0
+        result_name, count, result_at = None, 0, self.tok
         if self.tok.kind == "value":
             result_name = self.take("value", "a result name")
             base, _, n = result_name.partition(":")
             result_name, count = base, int(n) if n else 1
             self.expect("=")
-        line = self.tok.line
+        at = self.tok
         name = self.take("ident", "an op name")
         operands = []
         if self.tok.kind == "value":
@@ -184,7 +224,34 @@ class _Parser:
         attrs = self.attr_dict() if self.tok.text == "{" else {}
         regions = self.regions(env) if self.tok.text == "(" else []
         self.expect(":")
-        types = [] if self.accept("()") else self.op_result_types()
+        types = self.op_result_types()
+        device, loc = self.trailing()
+        if len(types) != count:
+            raise self.fail_at(at, f"op '{name}' defines {count} result(s) but lists {len(types)} type(s)")
+        op = self.build(at, name, operands, attrs, loc, regions, device, types)
+        graph.append(op)
+        if count == 1:
+            self.define(env, result_name, op.results[0], result_at)
+        for i, r in enumerate(op.results if count > 1 else []):
+            self.define(env, f"{result_name}#{i}", r, result_at)
+
+    def build(self, at: _Token, name, operands, attrs, loc, regions, device, types) -> Op:
+        """The op, checked against its definition; errors point at the op's name in the text."""
+        try:
+            op = make_op(name, operands, attrs, loc, regions=regions, device=device, result_types=types)
+            check_op(op)
+        except (VerificationError, FlowjitValueError) as e:
+            raise self.fail_at(at, str(e)) from None
+        return op
+
+    def op_result_types(self) -> list[TensorType]:
+        if self.accept("("):
+            self.expect(")")
+            return []
+        return self.type_list()
+
+    def trailing(self) -> tuple[str | None, Location]:
+        """The optional `device("...")` and `loc("file":line)` after an op's types."""
         device, loc = None, UNKNOWN
         if self.accept("device"):
             self.expect("(")
@@ -194,22 +261,12 @@ class _Parser:
             self.expect("(")
             file = json.loads(self.take("string", "a file name"))
             self.expect(":")
-            loc = Location(file, int(self.take("number", "a line number")))
+            line = self.take("number", "a line number")
+            if not line.isdigit():
+                raise self.error("a line number")
+            loc = Location(file, int(line))
             self.expect(")")
-        if len(types) != count:
-            raise FlowjitValueError(f"line {line}: op '{name}' declares {count} results but lists {len(types)} types")
-        op = make_op(name, operands, attrs, loc, regions=regions, device=device, result_types=types)
-        graph.append(op)
-        if count == 1:
-            self.define(env, result_name, op.results[0])
-        for i, r in enumerate(op.results if count > 1 else []):
-            self.define(env, f"{result_name}#{i}", r)
-
-    def op_result_types(self) -> list[TensorType]:
-        if self.accept("("):
-            self.expect(")")
-            return []
-        return self.type_list()
+        return device, loc
 
     def regions(self, env: dict) -> list[Graph]:
         self.expect("(")
@@ -217,10 +274,12 @@ class _Parser:
         while True:
             self.expect("{")
             region = Graph(self.take("block", "a block label like ^body")[1:])
+            # A region sees the values of enclosing graphs; its own stay inside it.
+            inner = dict(env)
             self.expect("(")
-            self.params(region, env, ")")
+            self.params(region, inner)
             self.expect(":")
-            self.body(region, env, "yield")
+            self.body(region, inner, "yield")
             self.expect("}")
             regions.append(region)
             if not self.accept(","):
@@ -234,7 +293,10 @@ class _Parser:
         while not self.accept("}"):
             if attrs:
                 self.expect(",")
+            at = self.tok
             key = self.take("ident", "an attribute name")
+            if key in attrs:
+                raise self.fail_at(at, f"attribute '{key}' is given twice")
             self.expect("=")
             attrs[key] = self.attr_value()
         return attrs
@@ -261,29 +323,65 @@ class _Parser:
             if t.text in ("true", "false"):
                 return t.text == "true"
             try:
-                return dt.dtype(t.text)
+                return ir_dtype(t.text)
             except ValueError:
-                raise FlowjitValueError(f"line {t.line}:{t.col}: unknown attribute value {t.text!r}") from None
+                raise self.fail_at(
+                    t,
+                    "expected an attribute value (number, string, true/false, dtype, [...], array<...>); "
+                    f"found {t.text!r}",
+                ) from None
         raise self.error("an attribute value")
 
     def array(self) -> np.ndarray:
         self.expect("array")
         self.expect("<")
-        ttype = parse_type(self.take("type", "a tensor type"))
+        ttype = self.type()
         self.expect(",")
-        np_dtype = ttype.dtype.np_dtype
-        if self.tok.kind == "hex":
-            raw = bytes.fromhex(self.take("hex", "hex data")[2:])
-            if len(raw) != ttype.nbytes:
-                raise self.error(f"{ttype.nbytes} bytes of data for {ttype}")
-            values = np.frombuffer(raw, dtype=np_dtype.newbyteorder("<")).astype(np_dtype)
+        at = self.tok
+        if at.kind == "hex":
+            values = self.hex_data(ttype)
         else:
-            items = self.attr_value()
-            if len(items) != ttype.size:
-                raise self.error(f"{ttype.size} values for {ttype}")
-            values = np.array([float(v) if ttype.dtype.is_float else v for v in items]).astype(np_dtype)
+            values = self.literal_data(ttype)
         self.expect(">")
         return values.reshape(ttype.shape)
+
+    def hex_data(self, ttype: TensorType) -> np.ndarray:
+        at = self.tok
+        digits = self.take("hex", "hex data")[2:]
+        if len(digits) != 2 * ttype.nbytes:
+            raise self.fail_at(at, f"expected {ttype.nbytes} bytes of data for {ttype}; found {len(digits) / 2:g}")
+        np_dtype = ttype.dtype.np_dtype
+        return np.frombuffer(bytes.fromhex(digits), dtype=np_dtype.newbyteorder("<")).astype(np_dtype)
+
+    def literal_data(self, ttype: TensorType) -> np.ndarray:
+        at = self.tok
+        items = self.attr_value()
+        if not isinstance(items, tuple) or len(items) != ttype.size:
+            found = f"{len(items)} values" if isinstance(items, tuple) else repr(items)
+            raise self.fail_at(at, f"expected a list of {ttype.size} values for {ttype}; found {found}")
+        kind = ttype.dtype.kind
+        for item in items:
+            if not _fits(item, ttype.dtype):
+                expected = {"b": "true or false", "i": f"an integer in the range of {ttype.dtype}", "f": "a number"}
+                raise self.fail_at(at, f"expected {expected[kind]} in {ttype}; found {item!r}")
+        if kind == "f":
+            return np.array([float(v) for v in items], np.float64).astype(ttype.dtype.np_dtype)
+        return np.array(items, dtype=ttype.dtype.np_dtype)
+
+
+def _fits(item, dtype: dt.DType) -> bool:
+    if dtype.is_bool:
+        return isinstance(item, bool)
+    if isinstance(item, bool):
+        return False
+    if dtype.is_int:
+        info = np.iinfo(dtype.np_dtype)
+        return isinstance(item, int) and info.min <= item <= info.max
+    return isinstance(item, int | float)
+
+
+def _types(types) -> str:
+    return ", ".join(str(t) for t in types)
 
 
 def _number(text: str):
@@ -292,14 +390,14 @@ def _number(text: str):
     return int(text)
 
 
-def parse_module(text: str) -> list[Graph]:
-    """Parse every function in `text`."""
-    return _Parser(text).module()
+def parse_module(text: str, filename: str = "<text>") -> list[Graph]:
+    """Parse every function in `text`; errors name `filename:line:col`."""
+    return _Parser(text, filename).module()
 
 
-def parse_graph(text: str) -> Graph:
+def parse_graph(text: str, filename: str = "<text>") -> Graph:
     """Parse text holding exactly one function."""
-    graphs = parse_module(text)
+    graphs = parse_module(text, filename)
     if len(graphs) != 1:
-        raise FlowjitValueError(f"expected one function; found {len(graphs)}")
+        raise FlowjitValueError(f"{filename}: expected one function; found {len(graphs)}")
     return graphs[0]

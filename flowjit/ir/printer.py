@@ -1,10 +1,15 @@
 """Text form of the IR, MLIR-like, one op per line with result types and the user's source line:
 
     func @f(%x: tensor<4x8xf32>, %w: tensor<8x2xf32>) -> (tensor<4x2xf32>) {
-      %0 = dot_general %x, %w {lhs_batch = [], lhs_contract = [1], rhs_batch = [], rhs_contract = [0]} : tensor<4x2xf32> loc("model.py":7)
-      %1 = tanh %0 : tensor<4x2xf32> loc("model.py":7)
-      return %1 : tensor<4x2xf32>
+      %0 = transpose %w {perm = [1, 0]} : tensor<2x8xf32> loc("model.py":6)
+      %1 = reduce_sum %x {axes = [1]} : tensor<4xf32> loc("model.py":7)
+      %2 = tanh %x : tensor<4x8xf32> device("cpu:0") loc("model.py":8)
+      return %2 : tensor<4x8xf32>
     }
+
+Constants print inline up to 16 elements (`array<tensor<2xf32>, [1.0, -0.0]>`) and as raw
+little-endian hex above that (`array<tensor<32xf32>, 0x0000803f...>`); floats print as the
+shortest decimal that reads back to the same value in their dtype, plus `nan`, `inf`, `-inf`.
 
 Multi-result ops print `%3:2 = ...` and are referenced as `%3#0`, `%3#1`. Regions print as
 `({ ^bb(%a: T): ... yield %v : T }, {...})` after the attributes. The parser reads exactly this
@@ -27,21 +32,32 @@ INLINE_ARRAY_LIMIT = 16
 _NAME_RE = re.compile(r"[^A-Za-z0-9_.$]")
 
 
-def format_float(x: float) -> str:
+def format_float(x: float, dtype: DType | None = None) -> str:
+    """A float as the text IR writes it: `nan`, `inf`, `-inf`, or the shortest decimal that reads back
+    to the same value in `dtype` (f64 when None), so `0.1` in f32 prints `0.1`, not `0.10000000149011612`."""
     if math.isnan(x):
         return "nan"
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
-    text = repr(float(x))
+    x = float(x)
+    if dtype is not None and dtype.bits < 64:
+        target = np.asarray(x, dtype.np_dtype).tobytes()
+        with np.errstate(over="ignore"):  # a too-short candidate may round to inf
+            for digits in range(1, 18):
+                shortest = float(f"{x:.{digits}g}")
+                if np.asarray(shortest, dtype.np_dtype).tobytes() == target:
+                    x = shortest
+                    break
+    text = repr(x)
     return text if any(c in text for c in ".en") else text + ".0"
 
 
-def format_scalar(x) -> str:
+def format_scalar(x, dtype: DType | None = None) -> str:
     if isinstance(x, (bool, np.bool_)):
         return "true" if x else "false"
     if isinstance(x, (int, np.integer)):
         return str(int(x))
-    return format_float(float(x))
+    return format_float(float(x), dtype)
 
 
 def format_array(a: np.ndarray) -> str:
@@ -51,7 +67,7 @@ def format_array(a: np.ndarray) -> str:
         data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes().hex()
         return f"array<{ttype}, 0x{data}>"
     flat = a.reshape(-1)
-    items = [format_scalar(float(v) if a.dtype.kind == "f" or ttype.dtype.is_float else v) for v in flat]
+    items = [format_scalar(float(v), ttype.dtype) if ttype.dtype.is_float else format_scalar(v) for v in flat]
     return f"array<{ttype}, [{', '.join(items)}]>"
 
 

@@ -4,7 +4,7 @@ the count their op declares. Runs after every pass in tests and under `FLOWJIT_V
 
 from __future__ import annotations
 
-from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError
+from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError, op_error
 from flowjit.ir.builder import infer_types
 from flowjit.ir.graph import Graph, Op
 from flowjit.ir.ops import get_opdef
@@ -15,17 +15,16 @@ class VerificationError(FlowjitError):
 
 
 def _fail(op: Op, message: str) -> VerificationError:
-    return VerificationError(f"{op.loc}: op '{op.name}': {message}")
+    return op_error(VerificationError, op.loc, op.name, message)
 
 
-def _verify_op(op: Op, defined: set) -> None:
+def check_op(op: Op) -> None:
+    """Check one op on its own: it is registered, has the regions its definition declares, and its
+    result types are what its shape rule gives for its operands and attributes."""
     try:
         opdef = get_opdef(op.name)
     except FlowjitValueError as e:
         raise _fail(op, str(e)) from None
-    for i, v in enumerate(op.operands):
-        if v not in defined:
-            raise _fail(op, f"operand {i} ({v.type}) is used before it is defined")
     if len(op.regions) != opdef.num_regions:
         raise _fail(op, f"expects {opdef.num_regions} regions; found {len(op.regions)}")
     try:
@@ -39,7 +38,20 @@ def _verify_op(op: Op, defined: set) -> None:
         raise VerificationError(str(e)) from None
     found = [r.type for r in op.results]
     if list(expected) != found:
-        raise _fail(op, f"result types {found} disagree with the shape rule's {list(expected)}")
+        raise _fail(op, f"result types {_types(found)} disagree with the shape rule's {_types(expected)}")
+
+
+def _types(types) -> str:
+    return "(" + ", ".join(str(t) for t in types) + ")"
+
+
+def _verify_op(op: Op, defined: set) -> None:
+    for i, v in enumerate(op.operands):
+        if v not in defined:
+            raise _fail(op, f"operand {i} ({v.type}) is used before it is defined")
+    if any(r in defined for r in op.results):
+        raise _fail(op, "its results are defined twice (the op appears twice in the graph)")
+    check_op(op)
 
 
 def verify(graph: Graph, outer: set | None = None) -> None:
