@@ -13,3 +13,4 @@ from flowjit.frontend.jit import Compiled, Jitted, Lowered, ShapeDtype, jit  # n
 from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 
 __version__ = "0.1.0"
+from flowjit.frontend.control_flow import cond, fori_loop, while_loop  # noqa: F401

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, FlowjitValueError, op_error
-from flowjit.frontend.trace import Tracer, bind
+from flowjit.frontend.trace import Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
 
@@ -140,6 +140,10 @@ def broadcast_to(x, shape):
             FlowjitTypeError, user_location(), "broadcast", f"cannot broadcast shape {tuple(x.shape)} to {shape}"
         )
     dims = tuple(range(len(shape) - len(x.shape), len(shape)))
+    trace = current_trace()
+    if trace is not None and not isinstance(x, Tracer):
+        # Keep literals small: broadcast a traced constant rather than baking a full-size literal.
+        x = Tracer(trace.lift(x), trace)
     return bind("broadcast", [x], {"shape": shape, "dims": dims})
 
 

@@ -60,3 +60,34 @@ def interpret(graph: Graph, args: Sequence[np.ndarray], context=None) -> list[np
             check_array(value, result.type, f"internal error: result of op '{op.name}' at {op.loc}")
             env[result] = value
     return [env[r] for r in graph.results]
+
+
+# --- structured control flow --------------------------------------------------------------------------
+
+
+def _run_cond(op: Op, args, context):
+    pred, *xs = args
+    region = op.regions[0] if bool(pred) else op.regions[1]
+    return interpret(region, xs, context)
+
+
+def _run_while(op: Op, args, context):
+    num_carry = op.attrs["num_carry"]
+    carry, invariants = list(args[:num_carry]), list(args[num_carry:])
+    cond_region, body_region = op.regions
+    while bool(interpret(cond_region, carry + invariants, context)[0]):
+        carry = interpret(body_region, carry + invariants, context)
+    return carry
+
+
+def _run_for(op: Op, args, context):
+    num_carry = op.attrs["num_carry"]
+    lo, hi, *rest = args
+    carry, invariants = list(rest[:num_carry]), list(rest[num_carry:])
+    for i in range(int(lo), int(hi)):
+        index = np.asarray(i, dtype=lo.dtype)
+        carry = interpret(op.regions[0], [index, *carry, *invariants], context)
+    return carry
+
+
+HANDLERS.update({"cond": _run_cond, "while": _run_while, "for": _run_for})
