@@ -58,7 +58,7 @@ def convert_array(x: np.ndarray, to: dt.DType) -> np.ndarray:
     anything -> bool is `x != 0`."""
     if to.is_bool:
         return x != 0
-    if to.is_int and x.dtype.kind == "f":
+    if to.is_int and dt.dtype(x.dtype).is_float:  # bfloat16's numpy kind is 'V', not 'f'
         info = np.iinfo(to.np_dtype)
         wide = x.astype(np.float64)
         wide = np.where(np.isnan(wide), 0.0, np.trunc(wide))
@@ -69,8 +69,7 @@ def convert_array(x: np.ndarray, to: dt.DType) -> np.ndarray:
         out[low] = info.min
         out[mid] = wide[mid].astype(to.np_dtype)
         return out
-    with np.errstate(over="ignore", invalid="ignore"):
-        return x.astype(to.np_dtype)
+    return x.astype(to.np_dtype)
 
 
 defop(

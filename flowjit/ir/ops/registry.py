@@ -8,8 +8,11 @@ Families drive generic rules (broadcasting in the frontend, fusion legality, DCE
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from flowjit.errors import FlowjitValueError
 
@@ -87,8 +90,21 @@ def register(opdef: OpDef) -> OpDef:
     return opdef
 
 
+def _quiet(impl: Callable) -> Callable:
+    """`impl` without numpy's floating-point warnings: nan, inf and integer wrap-around are the
+    defined results of ops (log(0) = -inf), not mistakes to report on every evaluation."""
+
+    @functools.wraps(impl)
+    def quiet_impl(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return impl(*args, **kwargs)
+
+    return quiet_impl
+
+
 def defop(name, family, infer, impl, arity, attrs=(), defaults=None, num_regions=0, doc=""):
     """Define and register an op; returns its `OpDef`."""
+    impl = _quiet(impl) if impl is not None else None
     return register(OpDef(name, family, infer, impl, arity, tuple(attrs), dict(defaults or {}), num_regions, doc))
 
 

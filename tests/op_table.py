@@ -1,0 +1,964 @@
+"""The op table: one place that says how every registered op is tested.
+
+Each `Row` names an IR op, its attributes, the dtypes it runs in, an input generator that keeps
+values in the op's numerically safe domain (or deliberately feeds nan/inf/negative values where the
+semantics are defined) and an independent numpy reference. References compute in float64 (ints in
+int64, exactly) with plain numpy functions, never with the op's own implementation, and are cast to
+the result dtype at the end; edge-case rows spell their expected values out.
+
+`cases()` expands the table into self-contained single-op graphs:
+
+    for case_id, (graph, inputs, expected, tol) in cases(): ...
+
+and `assert_close(actual, expected, tol)` compares results (dtype and shape exactly, values within
+the tolerance, nan where nan). The numerics tests check the reference interpreter against this
+table; backend tests compile the same graphs and compare with the interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from flowjit.ir import dtypes as dt
+from flowjit.ir.builder import emit
+from flowjit.ir.graph import Graph
+from flowjit.ir.types import TensorType
+
+BOOL, I32, I64 = dt.bool_, dt.int32, dt.int64
+F16, BF16, F32, F64 = dt.float16, dt.bfloat16, dt.float32, dt.float64
+FLOATS = dt.FLOAT_DTYPES
+INTS = dt.INT_DTYPES
+NUMERIC = dt.NUMERIC_DTYPES
+ALL = dt.ALL_DTYPES
+
+# Shapes every elementwise op runs on: a scalar, a size-1 dim, zero-size, ranks 1 to 3.
+ELEMENTWISE_SHAPES = ((), (1,), (5,), (2, 3), (0, 3), (2, 1, 4))
+
+
+class Tol(NamedTuple):
+    """Allowed |actual - expected| <= atol + rtol * |expected| (both 0: exact)."""
+
+    rtol: float
+    atol: float
+
+
+# One rounding of the result in the op's dtype, plus a few ulps of float32 intermediate error.
+_BASE_TOL = {
+    F16: Tol(2e-3, 2e-3),
+    BF16: Tol(1.6e-2, 1.6e-2),
+    F32: Tol(4e-6, 1e-6),
+    F64: Tol(1e-12, 1e-13),
+}
+EXACT = Tol(0.0, 0.0)
+
+
+def tolerance(dtype: dt.DType, scale: float = 1.0) -> Tol:
+    """The tolerance for results of `dtype`. `scale` widens the absolute part, which covers the
+    accumulated error of sums with cancellation (use the reduction's length)."""
+    base = _BASE_TOL.get(dtype)
+    if base is None:
+        return EXACT
+    return Tol(base.rtol, base.atol * scale)
+
+
+class OpCase(NamedTuple):
+    """One test case: a graph applying one op to its params, inputs, expected results, tolerance."""
+
+    graph: Graph
+    inputs: list[np.ndarray]
+    expected: list[np.ndarray]
+    tol: Tol
+
+
+@dataclass(frozen=True)
+class Row:
+    """One op under one configuration, run once per dtype in `dtypes`.
+
+    inputs(rng, dtype) -> the operand arrays.
+    ref(*wide_inputs, dtype=...) -> expected result(s), from float64/int64 copies of the inputs.
+    attrs: the op's attributes, or a function of the dtype returning them.
+    out_dtype: the result dtype when it is not the operand dtype (a DType or a function of it).
+    """
+
+    name: str
+    op: str
+    dtypes: tuple[dt.DType, ...]
+    inputs: Callable
+    ref: Callable
+    attrs: dict | Callable = field(default_factory=dict)
+    out_dtype: dt.DType | Callable | None = None
+    tol_scale: float = 1.0
+
+
+# --- input generators --------------------------------------------------------------------------------
+
+
+def rand(rng: np.random.Generator, shape, dtype: dt.DType, lo: float = -3.0, hi: float = 3.0) -> np.ndarray:
+    """Uniform values in [lo, hi] of `dtype` (integers in [ceil(lo), floor(hi)], bools 50/50)."""
+    if dtype.is_bool:
+        return np.asarray(rng.random(shape) < 0.5)
+    if dtype.is_int:
+        return np.asarray(rng.integers(math.ceil(lo), math.floor(hi) + 1, size=shape)).astype(dtype.np_dtype)
+    return np.asarray(rng.uniform(lo, hi, size=shape)).astype(dtype.np_dtype)
+
+
+def rand_nonzero(rng, shape, dtype, lo: float = 0.5, hi: float = 4.0) -> np.ndarray:
+    """Magnitudes in [lo, hi] with a random sign: safe divisors."""
+    sign = np.where(rng.random(shape) < 0.5, -1, 1)
+    return (rand(rng, shape, dtype, max(lo, 1), hi) if dtype.is_int else rand(rng, shape, dtype, lo, hi)) * np.asarray(
+        sign
+    ).astype(dtype.np_dtype)
+
+
+def small_ints(rng, shape, dtype, lo: int = -2, hi: int = 2) -> np.ndarray:
+    """Integral values in [lo, hi] of any dtype: exact everywhere, and ties are frequent."""
+    if dtype.is_bool:
+        return rand(rng, shape, dtype)
+    return np.asarray(rng.integers(lo, hi + 1, size=shape)).astype(dtype.np_dtype)
+
+
+def literal(values, dtype) -> np.ndarray:
+    """An input array with explicit values."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(values, np.float64 if dtype.is_float else None).astype(dtype.np_dtype)
+
+
+def _wide(x: np.ndarray) -> np.ndarray:
+    """The reference's working copy: floats in float64, ints in int64, bools as bools."""
+    if x.dtype.kind == "f" or x.dtype == dt.bfloat16.np_dtype:
+        return x.astype(np.float64)
+    if x.dtype.kind in "iu":
+        return x.astype(np.int64)
+    return x.copy()
+
+
+def _is_float_np(np_dtype) -> bool:
+    return dt.dtype(np_dtype).is_float
+
+
+# --- the rows ------------------------------------------------------------------------------------------
+
+ROWS: list[Row] = []
+
+
+def add_row(name, op, dtypes, inputs, ref, attrs=None, out_dtype=None, tol_scale=1.0) -> None:
+    ROWS.append(Row(name, op, tuple(dtypes), inputs, ref, attrs or {}, out_dtype, tol_scale))
+
+
+def _shape_id(shape) -> str:
+    return "x".join(str(d) for d in shape) if shape else "scalar"
+
+
+def _erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
+
+
+# Unary float math: (op, reference, safe domain).
+_UNARY_FLOAT = (
+    ("exp", np.exp, (-5.0, 5.0)),
+    ("log", np.log, (0.1, 10.0)),
+    ("log1p", np.log1p, (-0.9, 5.0)),
+    ("expm1", np.expm1, (-3.0, 3.0)),
+    ("tanh", np.tanh, (-4.0, 4.0)),
+    ("logistic", lambda x: 1.0 / (1.0 + np.exp(-x)), (-6.0, 6.0)),
+    ("sqrt", np.sqrt, (0.0, 10.0)),
+    ("rsqrt", lambda x: 1.0 / np.sqrt(x), (0.1, 10.0)),
+    ("sin", np.sin, (-3.0, 3.0)),
+    ("cos", np.cos, (-3.0, 3.0)),
+    ("erf", _erf, (-3.0, 3.0)),
+    ("floor", np.floor, (-5.0, 5.0)),
+    ("ceil", np.ceil, (-5.0, 5.0)),
+    ("round", np.round, (-5.0, 5.0)),
+)
+for _op, _ref, (_lo, _hi) in _UNARY_FLOAT:
+    for _shape in ELEMENTWISE_SHAPES:
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            FLOATS,
+            lambda rng, d, s=_shape, lo=_lo, hi=_hi: [rand(rng, s, d, lo, hi)],
+            lambda x, dtype, f=_ref: f(x),
+        )
+
+_UNARY_NUMERIC = (("neg", np.negative), ("abs", np.abs), ("sign", np.sign))
+for _op, _ref in _UNARY_NUMERIC:
+    for _shape in ELEMENTWISE_SHAPES:
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            NUMERIC,
+            lambda rng, d, s=_shape: [rand(rng, s, d, -4, 4)],
+            lambda x, dtype, f=_ref: f(x),
+        )
+for _shape in ELEMENTWISE_SHAPES:
+    add_row(
+        f"logical_not-{_shape_id(_shape)}",
+        "logical_not",
+        (BOOL,),
+        lambda rng, d, s=_shape: [rand(rng, s, d)],
+        lambda x, dtype: ~x,
+    )
+
+# Special values where the semantics are defined (numpy's).
+_SPECIAL = np.array([0.0, -0.0, -1.0, np.inf, -np.inf, np.nan, 0.5, 2.5, -2.5, -0.5, 1.5])
+for _op, _ref, _ in _UNARY_FLOAT:
+    add_row(
+        f"{_op}-special",
+        _op,
+        FLOATS,
+        lambda rng, d: [literal(_SPECIAL, d)],
+        lambda x, dtype, f=_ref: f(x),
+    )
+for _op, _ref in _UNARY_NUMERIC:
+    add_row(f"{_op}-special", _op, FLOATS, lambda rng, d: [literal(_SPECIAL, d)], lambda x, dtype, f=_ref: f(x))
+# Rounding is half to even, spelled out.
+add_row(
+    "round-halves",
+    "round",
+    FLOATS,
+    lambda rng, d: [literal([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.25, -3.75], d)],
+    lambda x, dtype: np.array([0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 3.0, -4.0]),
+)
+
+
+def _int_div_ref(x, y):
+    """Truncating division; x / 0 = 0."""
+    safe = np.where(y == 0, 1, y)
+    q = np.trunc(x.astype(np.float64) / safe)
+    return np.where(y == 0, 0, q).astype(np.int64)
+
+
+def _div_ref(x, y, dtype):
+    return _int_div_ref(x, y) if dtype.is_int else x / y
+
+
+def _rem_ref(x, y, dtype):
+    if dtype.is_int:
+        return x - _int_div_ref(x, y) * y
+    return np.fmod(x, y)
+
+
+def _pow_inputs(rng, shape, d):
+    if d.is_int:
+        return [rand(rng, shape, d, -3, 3), rand(rng, shape, d, 0, 4)]
+    return [rand(rng, shape, d, 0.5, 2.0), rand(rng, shape, d, -2.0, 2.0)]
+
+
+_BINARY_ARITH = (
+    ("add", NUMERIC, lambda rng, s, d: [rand(rng, s, d, -50, 50), rand(rng, s, d, -50, 50)], lambda x, y, d: x + y),
+    ("sub", NUMERIC, lambda rng, s, d: [rand(rng, s, d, -50, 50), rand(rng, s, d, -50, 50)], lambda x, y, d: x - y),
+    ("mul", NUMERIC, lambda rng, s, d: [rand(rng, s, d, -20, 20), rand(rng, s, d, -20, 20)], lambda x, y, d: x * y),
+    ("div", NUMERIC, lambda rng, s, d: [rand(rng, s, d, -50, 50), rand_nonzero(rng, s, d)], _div_ref),
+    ("rem", NUMERIC, lambda rng, s, d: [rand(rng, s, d, -50, 50), rand_nonzero(rng, s, d)], _rem_ref),
+    ("pow", NUMERIC, _pow_inputs, lambda x, y, d: np.power(x, y)),
+    (
+        "max",
+        NUMERIC,
+        lambda rng, s, d: [small_ints(rng, s, d), small_ints(rng, s, d)],
+        lambda x, y, d: np.maximum(x, y),
+    ),
+    (
+        "min",
+        NUMERIC,
+        lambda rng, s, d: [small_ints(rng, s, d), small_ints(rng, s, d)],
+        lambda x, y, d: np.minimum(x, y),
+    ),
+    ("atan2", FLOATS, lambda rng, s, d: [rand(rng, s, d), rand(rng, s, d)], lambda x, y, d: np.arctan2(x, y)),
+)
+for _op, _dtypes, _gen, _ref in _BINARY_ARITH:
+    for _shape in ELEMENTWISE_SHAPES:
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            _dtypes,
+            lambda rng, d, s=_shape, g=_gen: g(rng, s, d),
+            lambda x, y, dtype, f=_ref: f(x, y, dtype),
+        )
+
+_LOGICAL = (("logical_and", np.logical_and), ("logical_or", np.logical_or), ("logical_xor", np.logical_xor))
+_COMPARE = (
+    ("eq", np.equal),
+    ("ne", np.not_equal),
+    ("lt", np.less),
+    ("le", np.less_equal),
+    ("gt", np.greater),
+    ("ge", np.greater_equal),
+)
+for _shape in ELEMENTWISE_SHAPES:
+    for _op, _ref in _LOGICAL:
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            (BOOL,),
+            lambda rng, d, s=_shape: [rand(rng, s, d), rand(rng, s, d)],
+            lambda x, y, dtype, f=_ref: f(x, y),
+        )
+    for _op, _ref in _COMPARE:
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            ALL,
+            lambda rng, d, s=_shape: [small_ints(rng, s, d, -1, 1), small_ints(rng, s, d, -1, 1)],
+            lambda x, y, dtype, f=_ref: f(x, y),
+            out_dtype=BOOL,
+        )
+    add_row(
+        f"select-{_shape_id(_shape)}",
+        "select",
+        ALL,
+        lambda rng, d, s=_shape: [rand(rng, s, BOOL), rand(rng, s, d), rand(rng, s, d)],
+        lambda p, x, y, dtype: np.where(p, x, y),
+    )
+
+# Special values for binary ops: nan and inf, with numpy's semantics.
+_SPECIAL_X = [np.nan, 1.0, np.inf, -np.inf, np.inf, 0.0, -0.0, 3.0, -3.0, 0.0, -8.0, 2.0]
+_SPECIAL_Y = [1.0, np.nan, np.inf, 2.0, -np.inf, 0.0, 0.0, 0.0, 0.0, -1.0, 1.0 / 3.0, np.inf]
+for _op, _, _, _ref in _BINARY_ARITH:
+    add_row(
+        f"{_op}-special",
+        _op,
+        FLOATS,
+        lambda rng, d: [literal(_SPECIAL_X, d), literal(_SPECIAL_Y, d)],
+        lambda x, y, dtype, f=_ref: f(x, y, dtype),
+    )
+for _op, _ref in _COMPARE:
+    add_row(
+        f"{_op}-special",
+        _op,
+        FLOATS,
+        lambda rng, d: [literal(_SPECIAL_X, d), literal(_SPECIAL_Y, d)],
+        lambda x, y, dtype, f=_ref: f(x, y),
+        out_dtype=BOOL,
+    )
+
+# Integer edge cases, spelled out: division truncates toward zero, x/0 = 0, INT_MIN/-1 = INT_MIN,
+# remainders take the dividend's sign, arithmetic wraps, negative powers vanish unless |x| == 1.
+for _d in INTS:
+    _lo, _hi = int(np.iinfo(_d.np_dtype).min), int(np.iinfo(_d.np_dtype).max)
+    add_row(
+        "div-int-edges",
+        "div",
+        (_d,),
+        lambda rng, d, lo=_lo: [literal([7, -7, 7, -7, 5, 0, lo, lo], d), literal([2, 2, -2, -2, 0, 0, -1, 1], d)],
+        lambda x, y, dtype, lo=_lo: np.array([3, -3, -3, 3, 0, 0, lo, lo]),
+    )
+    add_row(
+        "rem-int-edges",
+        "rem",
+        (_d,),
+        lambda rng, d, lo=_lo: [literal([7, -7, 7, -7, 5, 0, lo, -1], d), literal([3, 3, -3, -3, 0, 0, -1, 5], d)],
+        lambda x, y, dtype: np.array([1, -1, 1, -1, 0, 0, 0, -1]),
+    )
+    add_row(
+        "add-int-wrap",
+        "add",
+        (_d,),
+        lambda rng, d, lo=_lo, hi=_hi: [literal([hi, lo, hi], d), literal([1, -1, hi], d)],
+        lambda x, y, dtype, lo=_lo, hi=_hi: np.array([lo, hi, -2]),
+    )
+    add_row(
+        "sub-int-wrap",
+        "sub",
+        (_d,),
+        lambda rng, d, lo=_lo: [literal([lo, 0], d), literal([1, lo], d)],
+        lambda x, y, dtype, lo=_lo, hi=_hi: np.array([hi, lo]),
+    )
+    add_row(
+        "mul-int-wrap",
+        "mul",
+        (_d,),
+        lambda rng, d, lo=_lo, hi=_hi: [literal([hi, lo, lo], d), literal([2, -1, 2], d)],
+        lambda x, y, dtype, lo=_lo: np.array([-2, lo, 0]),
+    )
+    add_row(
+        "pow-int-negative-exponent",
+        "pow",
+        (_d,),
+        lambda rng, d: [literal([1, -1, -1, 2, -2, 0, 3, 0], d), literal([-3, -3, -2, -1, -2, -1, 0, 0], d)],
+        lambda x, y, dtype: np.array([1, -1, 1, 0, 0, 0, 1, 1]),
+    )
+    add_row("neg-int-min", "neg", (_d,), lambda rng, d, lo=_lo: [literal([lo], d)], lambda x, dtype: x.copy())
+    add_row("abs-int-min", "abs", (_d,), lambda rng, d, lo=_lo: [literal([lo], d)], lambda x, dtype: x.copy())
+
+
+# --- convert -------------------------------------------------------------------------------------------
+
+
+def _convert_ref(x, dtype, to):
+    if to.is_bool:
+        return x != 0
+    if to.is_int and _is_float_np(x.dtype):
+        return np.trunc(x)
+    return x
+
+
+for _to in ALL:
+    for _shape in ((), (2, 3), (0, 2)):
+        add_row(
+            f"convert-to-{_to.name}-{_shape_id(_shape)}",
+            "convert",
+            ALL,
+            lambda rng, d, s=_shape: [rand(rng, s, d, -100, 100) if not d.is_bool else rand(rng, s, d)],
+            lambda x, dtype, to=_to: _convert_ref(x, dtype, to),
+            attrs={"dtype": _to},
+            out_dtype=_to,
+        )
+    add_row(
+        f"convert-to-{_to.name}-halves",
+        "convert",
+        FLOATS,
+        lambda rng, d: [literal([2.5, -2.5, 0.75, -0.75, 0.0, -0.0], d)],
+        lambda x, dtype, to=_to: _convert_ref(x, dtype, to),
+        attrs={"dtype": _to},
+        out_dtype=_to,
+    )
+for _to in INTS:
+    _info = np.iinfo(_to.np_dtype)
+    # float -> int saturates at the integer range and maps nan to 0.
+    add_row(
+        f"convert-to-{_to.name}-saturate",
+        "convert",
+        (F32, F64),
+        lambda rng, d: [literal([1e30, -1e30, np.nan, np.inf, -np.inf, 2.7, -2.7, 1e19, -1e19], d)],
+        lambda x, dtype, i=_info: np.array([i.max, i.min, 0, i.max, i.min, 2, -2, i.max, i.min], np.int64),
+        attrs={"dtype": _to},
+        out_dtype=_to,
+    )
+    add_row(
+        f"convert-to-{_to.name}-saturate-half",
+        "convert",
+        (F16, BF16),
+        lambda rng, d: [literal([np.inf, -np.inf, np.nan, -7.5, 7.5], d)],
+        lambda x, dtype, i=_info: np.array([i.max, i.min, 0, -7, 7], np.int64),
+        attrs={"dtype": _to},
+        out_dtype=_to,
+    )
+add_row(
+    "convert-to-bool-special",
+    "convert",
+    FLOATS,
+    lambda rng, d: [literal([0.0, -0.0, np.nan, 0.5, -np.inf], d)],
+    lambda x, dtype: np.array([False, False, True, True, True]),
+    attrs={"dtype": BOOL},
+    out_dtype=BOOL,
+)
+add_row(
+    "convert-i64-to-i32-wraps",
+    "convert",
+    (I64,),
+    lambda rng, d: [literal([2**32 + 5, -(2**31) - 1, 2**31], d)],
+    lambda x, dtype: np.array([5, 2**31 - 1, -(2**31)]),
+    attrs={"dtype": I32},
+    out_dtype=I32,
+)
+add_row(
+    "convert-f64-to-f16-overflow",
+    "convert",
+    (F32, F64),
+    lambda rng, d: [literal([1e6, -1e6, 65504.0, 1e-9, np.nan], d)],
+    lambda x, dtype: np.array([np.inf, -np.inf, 65504.0, 0.0, np.nan]),
+    attrs={"dtype": F16},
+    out_dtype=F16,
+)
+add_row(
+    "convert-f32-to-bf16-round-half-even",
+    "convert",
+    (F32, F64),
+    lambda rng, d: [literal([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)], d)],
+    lambda x, dtype: np.array([1.0, 1 + 2**-6, -1.0]),
+    attrs={"dtype": BF16},
+    out_dtype=BF16,
+)
+
+
+# --- creation --------------------------------------------------------------------------------------------
+
+for _shape, _dim in (((5,), 0), ((2, 3), 1), ((2, 3, 4), 0), ((2, 3, 4), 2), ((0, 3), 1), ((1,), 0)):
+    add_row(
+        f"iota-{_shape_id(_shape)}-dim{_dim}",
+        "iota",
+        NUMERIC,
+        lambda rng, d: [],
+        lambda dtype, s=_shape, k=_dim: np.broadcast_to(
+            np.expand_dims(np.arange(s[k], dtype=np.float64), tuple(i for i in range(len(s)) if i != k)), s
+        ),
+        attrs=lambda d, s=_shape, k=_dim: {"shape": s, "dimension": k, "dtype": d},
+    )
+
+for _shape in ((), (1,), (2, 3), (0, 4)):
+    add_row(
+        f"constant-{_shape_id(_shape)}",
+        "constant",
+        ALL,
+        lambda rng, d: [],
+        lambda dtype, s=_shape: _constant_value(s, dtype),
+        attrs=lambda d, s=_shape: {"value": _constant_value(s, d)},
+    )
+
+
+def _constant_value(shape, dtype) -> np.ndarray:
+    """A deterministic payload, so the attribute and the reference agree without sharing an rng."""
+    rng = np.random.default_rng(zlib.crc32(f"{shape}{dtype}".encode()))
+    return rand(rng, shape, dtype, -10, 10)
+
+
+# --- movement ---------------------------------------------------------------------------------------------
+
+
+def _broadcast_ref(x, dtype, shape, dims):
+    new = tuple(i for i in range(len(shape)) if i not in dims)
+    return np.broadcast_to(np.expand_dims(x, new), shape)
+
+
+for _in, _out, _dims in (
+    ((3,), (2, 3), (1,)),
+    ((1, 3), (4, 3), (0, 1)),
+    ((), (2, 2), ()),
+    ((3, 1), (2, 3, 4), (1, 2)),
+    ((2,), (2, 3), (0,)),
+    ((0,), (2, 0), (1,)),
+    ((1,), (0, 3), (1,)),
+    ((2, 3), (2, 3), (0, 1)),
+):
+    add_row(
+        f"broadcast-{_shape_id(_in)}-to-{_shape_id(_out)}",
+        "broadcast",
+        ALL,
+        lambda rng, d, s=_in: [rand(rng, s, d)],
+        lambda x, dtype, s=_out, k=_dims: _broadcast_ref(x, dtype, s, k),
+        attrs={"shape": _out, "dims": _dims},
+    )
+
+for _in, _out in (((2, 3), (3, 2)), ((), (1, 1)), ((2, 0), (0, 5)), ((4,), (2, 2)), ((2, 3, 4), (24,)), ((1,), ())):
+    add_row(
+        f"reshape-{_shape_id(_in)}-to-{_shape_id(_out)}",
+        "reshape",
+        ALL,
+        lambda rng, d, s=_in: [rand(rng, s, d)],
+        lambda x, dtype, s=_out: np.reshape(x, s),
+        attrs={"shape": _out},
+    )
+
+for _in, _perm in (((2, 3, 4), (2, 0, 1)), ((2, 3), (1, 0)), ((), ()), ((0, 3), (1, 0)), ((1, 2, 1, 3), (3, 1, 0, 2))):
+    add_row(
+        f"transpose-{_shape_id(_in)}-{''.join(map(str, _perm)) or 'id'}",
+        "transpose",
+        ALL,
+        lambda rng, d, s=_in: [rand(rng, s, d)],
+        lambda x, dtype, p=_perm: np.transpose(x, p),
+        attrs={"perm": _perm},
+    )
+
+
+def _slice_ref(x, dtype, start, limit, stride):
+    for axis, (lo, hi, st) in enumerate(zip(start, limit, stride)):
+        x = np.take(x, np.arange(lo, hi, st), axis=axis)
+    return x
+
+
+for _in, _start, _limit, _stride in (
+    ((10,), (1,), (9,), (3,)),
+    ((10,), (0,), (10,), (1,)),
+    ((4, 6), (1, 0), (3, 6), (1, 2)),
+    ((4, 6), (2, 5), (2, 6), (1, 4)),
+    ((3, 4, 5), (0, 1, 4), (3, 4, 5), (2, 2, 1)),
+    ((0, 3), (0, 1), (0, 3), (1, 1)),
+    ((), (), (), ()),
+):
+    add_row(
+        f"slice-{_shape_id(_in)}-{_start}-{_limit}-{_stride}",
+        "slice",
+        ALL,
+        lambda rng, d, s=_in: [rand(rng, s, d)],
+        lambda x, dtype, a=_start, b=_limit, c=_stride: _slice_ref(x, dtype, a, b, c),
+        attrs={"start": _start, "limit": _limit, "stride": _stride},
+    )
+
+
+def _dynamic_slice_ref(x, *starts, dtype, sizes):
+    for axis, (s, n) in enumerate(zip(starts, sizes)):
+        first = min(max(int(s), 0), x.shape[axis] - n)  # clamped so the window fits
+        x = np.take(x, np.arange(first, first + n), axis=axis)
+    return x
+
+
+for _in, _starts, _sizes, _idx in (
+    ((10,), (3,), (4,), I64),
+    ((10,), (-5,), (4,), I32),
+    ((10,), (8,), (4,), I64),
+    ((10,), (100,), (10,), I32),
+    ((4, 5), (1, 2), (2, 3), I32),
+    ((4, 5), (-1, 9), (2, 3), I64),
+    ((4, 5), (2, 2), (0, 5), I64),
+    ((), (), (), I64),
+):
+    add_row(
+        f"dynamic_slice-{_shape_id(_in)}-{_starts}-{_sizes}-{_idx.name}",
+        "dynamic_slice",
+        ALL,
+        lambda rng, d, s=_in, st=_starts, i=_idx: [rand(rng, s, d)] + [np.asarray(v, i.np_dtype) for v in st],
+        lambda x, *starts, dtype, n=_sizes: _dynamic_slice_ref(x, *starts, dtype=dtype, sizes=n),
+        attrs={"sizes": _sizes},
+    )
+
+
+def _pad_ref(x, value, dtype, low, high, interior):
+    shape = [lo + hi + d + max(d - 1, 0) * it for d, lo, hi, it in zip(x.shape, low, high, interior)]
+    out = np.full(shape, value, x.dtype)
+    positions = [lo + np.arange(d) * (it + 1) for d, lo, it in zip(x.shape, low, interior)]
+    out[np.ix_(*positions)] = x
+    return out
+
+
+for _in, _low, _high, _interior in (
+    ((3,), (1,), (2,), (0,)),
+    ((3,), (0,), (0,), (2,)),
+    ((2, 3), (1, 0), (0, 2), (1, 1)),
+    ((2, 3), (0, 0), (0, 0), (0, 0)),
+    ((0, 2), (1, 1), (2, 0), (3, 0)),
+    ((1, 2, 2), (0, 1, 0), (1, 0, 1), (0, 0, 1)),
+    ((), (), (), ()),
+):
+    add_row(
+        f"pad-{_shape_id(_in)}-{_low}-{_high}-{_interior}",
+        "pad",
+        ALL,
+        lambda rng, d, s=_in: [rand(rng, s, d), rand(rng, (), d, 5, 9)],
+        lambda x, v, dtype, a=_low, b=_high, c=_interior: _pad_ref(x, v, dtype, a, b, c),
+        attrs={"low": _low, "high": _high, "interior": _interior},
+    )
+
+for _shapes, _axis in (
+    (((2,), (3,)), 0),
+    (((2, 3), (2, 1), (2, 2)), 1),
+    (((1, 3), (2, 3)), 0),
+    (((2, 3),), 0),
+    (((0, 3), (2, 3), (0, 3)), 0),
+    (((2, 1, 2), (2, 2, 2)), 1),
+):
+    add_row(
+        f"concatenate-{'-'.join(_shape_id(s) for s in _shapes)}-axis{_axis}",
+        "concatenate",
+        ALL,
+        lambda rng, d, ss=_shapes: [rand(rng, s, d) for s in ss],
+        lambda *xs, dtype, a=_axis: np.concatenate(xs, axis=a),
+        attrs={"axis": _axis},
+    )
+
+
+def _gather_ref(x, idx, dtype, axis):
+    clamped = np.minimum(np.maximum(idx, 0), x.shape[axis] - 1)
+    picked = np.moveaxis(x, axis, 0)[clamped]  # idx dims first, then x's other dims
+    return np.moveaxis(picked, tuple(range(idx.ndim)), tuple(range(axis, axis + idx.ndim)))
+
+
+def _scatter_add_ref(x, idx, updates, dtype, axis):
+    out = np.moveaxis(x.copy(), axis, 0)
+    upd = np.moveaxis(updates, tuple(range(axis, axis + idx.ndim)), tuple(range(idx.ndim)))
+    for pos in np.ndindex(*idx.shape):
+        out[min(max(int(idx[pos]), 0), x.shape[axis] - 1)] += upd[pos]
+    return np.moveaxis(out, 0, axis)
+
+
+for _in, _indices, _axis in (
+    ((5,), [0, 4, 2], 0),
+    ((5, 3), [[1, 0], [4, 4]], 0),
+    ((2, 5, 3), [3, 0, 1, 3], 1),
+    ((4, 3), [2], 1),
+    ((4,), [-1, -7, 4, 9], 0),
+    ((3, 4), [], 1),
+    ((6,), 2, 0),
+):
+    add_row(
+        f"gather-{_shape_id(_in)}-{np.asarray(_indices).tolist()}-axis{_axis}",
+        "gather",
+        ALL,
+        lambda rng, d, s=_in, i=_indices: [rand(rng, s, d, -10, 10), np.asarray(i, np.int64).astype(np.int32)],
+        lambda x, i, dtype, a=_axis: _gather_ref(x, i, dtype, a),
+        attrs={"axis": _axis},
+    )
+    # Updates equal the gather's result shape; duplicate and out-of-range indices accumulate.
+    _upd_shape = _in[:_axis] + np.shape(_indices) + _in[_axis + 1 :]
+    add_row(
+        f"scatter_add-{_shape_id(_in)}-{np.asarray(_indices).tolist()}-axis{_axis}",
+        "scatter_add",
+        NUMERIC,
+        lambda rng, d, s=_in, i=_indices, u=_upd_shape: [
+            rand(rng, s, d, -10, 10),
+            np.asarray(i, np.int64),
+            rand(rng, u, d, -10, 10),
+        ],
+        lambda x, i, u, dtype, a=_axis: _scatter_add_ref(x, i, u, dtype, a),
+        attrs={"axis": _axis},
+        tol_scale=4.0,
+    )
+add_row(
+    "scatter_add-duplicates",
+    "scatter_add",
+    NUMERIC,
+    lambda rng, d: [literal([0, 0, 0], d), np.array([1, 1, 1, -5, 2, 7]), literal([1, 2, 3, 4, 5, 6], d)],
+    lambda x, i, u, dtype: np.array([4, 6, 11]),
+    attrs={"axis": 0},
+)
+
+
+# --- reductions --------------------------------------------------------------------------------------------
+
+
+def _reduce_ref(kind, x, dtype, axes):
+    axes = tuple(axes)
+    if kind == "sum":
+        return np.sum(x, axis=axes)
+    if kind == "prod":
+        return np.prod(x, axis=axes)
+    if dtype.is_float:
+        init = -np.inf if kind == "max" else np.inf
+    else:
+        info = np.iinfo(dtype.np_dtype)
+        init = int(info.min) if kind == "max" else int(info.max)
+    fn = np.max if kind == "max" else np.min
+    return fn(x, axis=axes, initial=init)
+
+
+def _reduce_input(rng, shape, dtype, kind):
+    if kind == "prod":  # products of 24 values stay in range for f16 and i32
+        return rand(rng, shape, dtype, 0.5, 1.5) if dtype.is_float else small_ints(rng, shape, dtype)
+    return rand(rng, shape, dtype, -9, 9)
+
+
+_REDUCE_SHAPES = (
+    ((5,), (0,)),
+    ((2, 3, 4), (1,)),
+    ((2, 3, 4), (0, 2)),
+    ((2, 3, 4), (0, 1, 2)),
+    ((2, 3, 4), ()),
+    ((), ()),
+    ((1, 7), (1,)),
+    ((0, 3), (0,)),
+    ((0, 3), (1,)),
+    ((3, 0), (0, 1)),
+)
+for _kind in ("sum", "max", "min", "prod"):
+    for _shape, _axes in _REDUCE_SHAPES:
+        _count = math.prod(_shape[a] for a in _axes)
+        add_row(
+            f"reduce_{_kind}-{_shape_id(_shape)}-axes{''.join(map(str, _axes))}",
+            f"reduce_{_kind}",
+            NUMERIC,
+            lambda rng, d, s=_shape, k=_kind: [_reduce_input(rng, s, d, k)],
+            lambda x, dtype, k=_kind, a=_axes: _reduce_ref(k, x, dtype, a),
+            attrs={"axes": _axes},
+            tol_scale=max(_count, 1),
+        )
+    add_row(
+        f"reduce_{_kind}-special",
+        f"reduce_{_kind}",
+        FLOATS,
+        lambda rng, d: [literal([[1.0, np.nan, 2.0], [np.inf, 1.0, 2.0], [-np.inf, np.inf, 0.5]], d)],
+        lambda x, dtype, k=_kind: _reduce_ref(k, x, dtype, (1,)),
+        attrs={"axes": (1,)},
+    )
+
+
+def _arg_ref(kind, x, dtype, axis):
+    """Index of the first extreme along `axis`, found by masking (not numpy.argmax)."""
+    extreme = np.max(x, axis=axis, keepdims=True) if kind == "argmax" else np.min(x, axis=axis, keepdims=True)
+    n = x.shape[axis]
+    positions = np.arange(n).reshape([n if i == axis else 1 for i in range(x.ndim)])
+    return np.min(np.where(x == extreme, positions, n), axis=axis)
+
+
+for _kind in ("argmax", "argmin"):
+    for _shape, _axis, _idx in (
+        ((5,), 0, I64),
+        ((3, 4), 0, I32),
+        ((3, 4), 1, I64),
+        ((2, 3, 4), 2, I32),
+        ((0, 2), 1, I64),
+    ):
+        add_row(
+            f"{_kind}-{_shape_id(_shape)}-axis{_axis}-{_idx.name}",
+            _kind,
+            NUMERIC,
+            lambda rng, d, s=_shape: [small_ints(rng, s, d, -1, 1)],  # many ties: the first index wins
+            lambda x, dtype, k=_kind, a=_axis: _arg_ref(k, x, dtype, a),
+            attrs={"axis": _axis, "index_dtype": _idx},
+            out_dtype=_idx,
+        )
+    add_row(
+        f"{_kind}-nan",
+        _kind,
+        FLOATS,
+        lambda rng, d: [literal([[1.0, np.nan, 3.0, np.nan], [np.inf, 1.0, -np.inf, np.inf]], d)],
+        lambda x, dtype, k=_kind: np.array([1, 0 if k == "argmax" else 2]),
+        attrs={"axis": 1, "index_dtype": I64},
+        out_dtype=I64,
+    )
+
+
+# --- contractions -------------------------------------------------------------------------------------------
+
+
+def _dot_general_ref(a, b, dtype, lhs_contract, rhs_contract, lhs_batch, rhs_batch):
+    """Move dims to (batch, free, contract) x (batch, contract, free) and use matmul."""
+    lf = [i for i in range(a.ndim) if i not in lhs_contract and i not in lhs_batch]
+    rf = [i for i in range(b.ndim) if i not in rhs_contract and i not in rhs_batch]
+    batch = [a.shape[i] for i in lhs_batch]
+    a3 = np.transpose(a, list(lhs_batch) + lf + list(lhs_contract))
+    b3 = np.transpose(b, list(rhs_batch) + list(rhs_contract) + rf)
+    k = math.prod(a.shape[i] for i in lhs_contract)
+    m = math.prod(a.shape[i] for i in lf)
+    n = math.prod(b.shape[i] for i in rf)
+    out = np.matmul(a3.reshape(batch + [m, k]).astype(np.float64), b3.reshape(batch + [k, n]).astype(np.float64))
+    return out.reshape(batch + [a.shape[i] for i in lf] + [b.shape[i] for i in rf])
+
+
+for _name, _sa, _sb, _dims in (
+    ("matmul", (3, 4), (4, 5), ((1,), (0,), (), ())),
+    ("vector", (4,), (4,), ((0,), (0,), (), ())),
+    ("matvec", (3, 4), (4,), ((1,), (0,), (), ())),
+    ("batched", (2, 3, 4), (2, 4, 5), ((2,), (1,), (0,), (0,))),
+    ("two-contracting", (2, 3, 4), (3, 4, 5), ((1, 2), (0, 1), (), ())),
+    ("batch-in-middle", (3, 2, 4), (4, 2, 5), ((2,), (0,), (1,), (1,))),
+    ("transposed-operands", (4, 3), (5, 4), ((0,), (1,), (), ())),
+    ("outer", (3,), (2,), ((), (), (), ())),
+    ("empty-contraction", (3, 0), (0, 2), ((1,), (0,), (), ())),
+    ("size-1", (1, 1), (1, 1), ((1,), (0,), (), ())),
+):
+    add_row(
+        f"dot_general-{_name}",
+        "dot_general",
+        NUMERIC,
+        lambda rng, d, a=_sa, b=_sb: [small_ints(rng, a, d, -3, 3), rand(rng, b, d)],
+        lambda a, b, dtype, k=_dims: _dot_general_ref(a, b, dtype, *k),
+        attrs=dict(zip(("lhs_contract", "rhs_contract", "lhs_batch", "rhs_batch"), _dims)),
+        tol_scale=12.0,
+    )
+
+
+def _conv2d_ref(x, w, dtype, stride, padding, dilation):
+    xp = np.pad(x, ((0, 0), (0, 0), tuple(padding[0]), tuple(padding[1])))
+    kh, kw = w.shape[2:]
+    oh = (xp.shape[2] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (xp.shape[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    out = np.zeros((x.shape[0], w.shape[0], oh, ow))
+    for r in range(oh):
+        for c in range(ow):
+            r0, c0 = r * stride[0], c * stride[1]
+            window = xp[
+                :,
+                :,
+                r0 : r0 + dilation[0] * (kh - 1) + 1 : dilation[0],
+                c0 : c0 + dilation[1] * (kw - 1) + 1 : dilation[1],
+            ]
+            out[:, :, r, c] = np.tensordot(window, w, axes=([1, 2, 3], [1, 2, 3]))
+    return out
+
+
+for _name, _xs, _ws, _stride, _padding, _dilation in (
+    ("plain", (1, 2, 5, 5), (3, 2, 3, 3), (1, 1), ((0, 0), (0, 0)), (1, 1)),
+    ("stride2-pad1", (2, 2, 6, 5), (3, 2, 3, 3), (2, 2), ((1, 1), (1, 1)), (1, 1)),
+    ("dilation2", (1, 1, 7, 7), (2, 1, 3, 3), (1, 1), ((0, 0), (0, 0)), (2, 2)),
+    ("asymmetric", (1, 3, 4, 6), (2, 3, 2, 3), (1, 2), ((0, 1), (2, 0)), (2, 1)),
+    ("1x1", (2, 4, 3, 3), (5, 4, 1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1)),
+):
+    add_row(
+        f"conv2d-{_name}",
+        "conv2d",
+        FLOATS,
+        lambda rng, d, a=_xs, b=_ws: [rand(rng, a, d, -1, 1), rand(rng, b, d, -1, 1)],
+        lambda x, w, dtype, s=_stride, p=_padding, di=_dilation: _conv2d_ref(x, w, dtype, s, p, di),
+        attrs={"stride": _stride, "padding": _padding, "dilation": _dilation},
+        tol_scale=16.0,
+    )
+
+
+def _reduce_window_ref(x, dtype, kind, window, strides, padding):
+    if kind == "max":
+        fill = -np.inf if dtype.is_float else int(np.iinfo(dtype.np_dtype).min)
+    else:
+        fill = 0
+    xp = np.pad(x, [tuple(p) for p in padding], constant_values=fill)
+    out_shape = [(d - w) // s + 1 for d, w, s in zip(xp.shape, window, strides)]
+    out = np.zeros(out_shape, xp.dtype)
+    for pos in np.ndindex(*out_shape):
+        block = xp[tuple(slice(p * s, p * s + w) for p, s, w in zip(pos, strides, window))]
+        out[pos] = block.max() if kind == "max" else block.sum()
+    return out / math.prod(window) if kind == "avg" else out
+
+
+for _name, _in, _window, _strides, _padding in (
+    ("pool2x2", (1, 2, 4, 4), (1, 1, 2, 2), (1, 1, 2, 2), ((0, 0), (0, 0), (0, 0), (0, 0))),
+    ("3x3-same", (1, 1, 4, 5), (1, 1, 3, 3), (1, 1, 1, 1), ((0, 0), (0, 0), (1, 1), (1, 1))),
+    ("1d-stride2", (7,), (3,), (2,), ((1, 1),)),
+    ("asymmetric", (2, 5), (2, 3), (1, 2), ((1, 0), (0, 2))),
+):
+    for _kind in ("max", "sum", "avg"):
+        add_row(
+            f"reduce_window-{_kind}-{_name}",
+            "reduce_window",
+            FLOATS if _kind == "avg" else NUMERIC,
+            lambda rng, d, s=_in: [rand(rng, s, d, -9, 9)],
+            lambda x, dtype, k=_kind, w=_window, st=_strides, p=_padding: _reduce_window_ref(x, dtype, k, w, st, p),
+            attrs={"kind": _kind, "window": _window, "strides": _strides, "padding": _padding},
+            tol_scale=math.prod(_window),
+        )
+
+
+# --- expanding rows into cases ---------------------------------------------------------------------------
+
+
+def _resolve(value, dtype):
+    return value(dtype) if callable(value) else value
+
+
+def single_op_graph(op: str, inputs: list[np.ndarray], attrs: dict) -> Graph:
+    """A graph whose params are `inputs`' types and whose results are op `op` applied to them."""
+    graph = Graph(op)
+    params = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype)), f"x{i}") for i, a in enumerate(inputs)]
+    graph.results = list(emit(graph, op, params, attrs).results)
+    return graph
+
+
+def build_case(row: Row, dtype: dt.DType) -> OpCase:
+    """Generate the inputs of `row` in `dtype` (seeded by the case id), its graph and expected results."""
+    rng = np.random.default_rng(zlib.crc32(f"{row.name}-{dtype.name}".encode()))
+    inputs = [np.asarray(a) for a in row.inputs(rng, dtype)]
+    attrs = _resolve(row.attrs, dtype)
+    graph = single_op_graph(row.op, inputs, attrs)
+    out_dtype = _resolve(row.out_dtype, dtype) or dtype
+    with np.errstate(all="ignore"):
+        ref = row.ref(*(_wide(a) for a in inputs), dtype=dtype)
+        refs = list(ref) if isinstance(ref, list | tuple) else [ref]
+        expected = [np.asarray(r).astype(out_dtype.np_dtype) for r in refs]
+    return OpCase(graph, inputs, expected, tolerance(out_dtype, row.tol_scale))
+
+
+def cases() -> Iterator[tuple[str, OpCase]]:
+    """Every (case id, OpCase) of the table, in table order."""
+    for row in ROWS:
+        for dtype in row.dtypes:
+            yield f"{row.name}-{dtype.name}".replace(" ", ""), build_case(row, dtype)
+
+
+def ops_with_rows() -> set[str]:
+    return {row.op for row in ROWS}
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tol, what: str = "") -> None:
+    """Equal dtype and shape; values within `tol` (exact for ints and bools), nan where nan."""
+    actual = np.asarray(actual)
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, expected {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape}, expected {expected.shape}"
+    if tol == EXACT or not _is_float_np(expected.dtype):
+        np.testing.assert_array_equal(actual, expected, err_msg=what)
+        return
+    np.testing.assert_allclose(
+        actual.astype(np.float64), expected.astype(np.float64), rtol=tol.rtol, atol=tol.atol, err_msg=what
+    )
