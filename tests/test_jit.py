@@ -1,0 +1,364 @@
+"""`fj.jit`: pytrees in and out, argument kinds, static arguments, the trace cache and its log,
+`lower`/`compile`, stage dumps, and concurrent calls."""
+
+import os
+import re
+import threading
+from collections import namedtuple
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.numpy as fnp
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((4, 8)).astype(np.float32)
+W = RNG.standard_normal((8, 3)).astype(np.float32)
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+def line_of(marker: str) -> int:
+    """The line of this file holding `marker` (in a comment), so tests name exact lines."""
+    with open(__file__) as f:
+        lines = [i for i, text in enumerate(f, 1) if text.rstrip().endswith(f"# {marker}")]
+    assert len(lines) == 1, marker
+    return lines[0]
+
+
+class Counter:
+    """Counts traces: the Python body runs once per trace, never on a cached call."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self):
+        self.n += 1
+
+
+# --- arguments and results ------------------------------------------------------------------------
+
+
+def test_arrays_in_numpy_out():
+    f = fj.jit(lambda x, w: fnp.tanh(x @ w))
+    out = f(X, W)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    np.testing.assert_allclose(out, np.tanh(X @ W), rtol=1e-5, atol=1e-6)
+
+
+def test_pytree_arguments_and_results():
+    @fj.jit
+    def f(params, batch):
+        h = batch["x"] @ params[0]["w"] + params[0]["b"]
+        return {"h": h, "pair": Pair(h.sum(), batch["x"]), "none": None, "list": [h * 2, (h,)]}
+
+    b = np.ones(3, np.float32)
+    out = f([{"w": W, "b": b}], {"x": X, "unused": None})
+    h = X @ W + b
+    assert set(out) == {"h", "pair", "none", "list"} and out["none"] is None
+    np.testing.assert_allclose(out["h"], h, rtol=1e-5)
+    assert isinstance(out["pair"], Pair)
+    np.testing.assert_allclose(out["pair"].a, h.sum(), rtol=1e-4)
+    np.testing.assert_array_equal(out["pair"].b, X)
+    assert isinstance(out["list"], list) and isinstance(out["list"][1], tuple)
+    np.testing.assert_allclose(out["list"][1][0], h, rtol=1e-5)
+
+
+def test_python_scalars_kwargs_defaults_and_varargs():
+    traces = Counter()
+
+    @fj.jit
+    def f(x, *rest, scale=2.0, **extra):
+        traces()
+        return x * scale + sum(rest) + extra.get("bias", 0)
+
+    np.testing.assert_allclose(f(X), X * 2)
+    np.testing.assert_allclose(f(X, scale=3.0), X * 3)  # a Python float is a dynamic f32 scalar
+    assert traces.n == 1
+    np.testing.assert_allclose(f(X, X, X, scale=1.0, bias=np.float32(0.5)), X * 3 + 0.5, rtol=1e-6)
+    assert traces.n == 2
+    assert f(1.5, scale=2.0).dtype == np.float32  # Python float -> f32, as JAX
+    assert f(3, scale=2).dtype == np.int64  # Python int -> i64
+    assert f(X, scale=2).dtype == np.float32  # f32 * i64 scalar stays f32
+
+
+def test_keyword_and_positional_calls_share_one_trace():
+    traces = Counter()
+
+    @fj.jit
+    def f(x, w):
+        traces()
+        return x @ w
+
+    f(X, W)
+    f(x=X, w=W)
+    f(X, w=W)
+    assert traces.n == 1
+
+
+def test_zero_arguments_scalars_and_inputs_returned_unchanged():
+    assert fj.jit(lambda: fnp.ones((2, 3)))().shape == (2, 3)
+    out = fj.jit(lambda x: (3, 2.5, True, x))(X)
+    assert out[0] == 3 and out[0].dtype == np.int64
+    assert out[1] == 2.5 and out[1].dtype == np.float32
+    assert out[2] == True and out[2].dtype == np.bool_  # noqa: E712
+    np.testing.assert_array_equal(out[3], X)
+    a = X.copy()
+    same = fj.jit(lambda x: x)(a)
+    same[0, 0] = 100.0  # the result must not alias the caller's array
+    assert a[0, 0] == X[0, 0]
+
+
+def test_closure_over_numpy_array_becomes_a_constant():
+    bias = np.arange(8, dtype=np.float32)
+    f = fj.jit(lambda x: x + bias)
+    np.testing.assert_allclose(f(X), X + bias)
+    assert "constant" in f.lower(X).as_text("traced")
+
+
+def test_method_binds_self_as_static():
+    traces = Counter()
+
+    class Layer:
+        def __init__(self, w):
+            self.w = w
+
+        @fj.jit
+        def __call__(self, x):
+            traces()
+            return x @ self.w
+
+    @dataclass
+    class Unhashable:  # eq=True without frozen: __hash__ is None, keyed by identity
+        w: np.ndarray
+
+        @fj.jit
+        def apply(self, x):
+            return x @ self.w
+
+    a, b = Layer(W), Layer(2 * W)
+    np.testing.assert_allclose(a(X), X @ W, rtol=1e-5)
+    np.testing.assert_allclose(a(X), X @ W, rtol=1e-5)
+    np.testing.assert_allclose(b(X), X @ (2 * W), rtol=1e-5)
+    assert traces.n == 2  # once per instance
+    np.testing.assert_allclose(Unhashable(W).apply(X), X @ W, rtol=1e-5)
+    assert "dot_general" in a.__call__.lower(X).as_text("traced")
+
+
+def test_decorator_forms_and_static_arguments_hashed_by_value():
+    traces = Counter()
+
+    @fj.jit(static_argnums=1, static_argnames="mode")
+    def f(x, shape, mode="sum"):
+        traces()
+        y = x.reshape(shape)
+        return y.sum(axis=0) if mode == "sum" else y.max(axis=0)
+
+    np.testing.assert_allclose(f(X, (8, 4)), X.reshape(8, 4).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(f(X, tuple([8, 4])), X.reshape(8, 4).sum(0), rtol=1e-5)  # equal value: cached
+    assert traces.n == 1
+    np.testing.assert_allclose(f(X, (8, 4), mode="max"), X.reshape(8, 4).max(0))
+    np.testing.assert_allclose(f(X, (16, 2)), X.reshape(16, 2).sum(0), rtol=1e-5)
+    assert traces.n == 3
+
+
+def test_static_values_of_another_type_retrace():
+    g = fj.jit(lambda x, k: x * k, static_argnums=1)
+    ints = np.arange(3, dtype=np.int32)
+    assert g(ints, 2).dtype == np.int32
+    out = g(ints, 2.0)  # 2 == 2.0 and hash alike, but int32 * 2.0 is float32
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
+
+
+def test_jit_of_jit_inlines_the_inner_function():
+    inner_traces = Counter()
+
+    @fj.jit
+    def inner(x):
+        inner_traces()
+        return fnp.tanh(x)
+
+    @fj.jit
+    def outer(x, w):
+        return inner(x @ w) * 2
+
+    np.testing.assert_allclose(outer(X, W), np.tanh(X @ W) * 2, rtol=1e-5, atol=1e-6)
+    assert inner_traces.n == 1  # traced once, as part of outer's trace
+    text = outer.lower(X, W).as_text("traced")
+    assert "tanh" in text and "call" not in text
+    assert inner_traces.n == 2
+    np.testing.assert_allclose(inner(X), np.tanh(X), rtol=1e-6)
+
+
+# --- the trace cache --------------------------------------------------------------------------------
+
+
+def test_same_signature_does_not_retrace_and_any_change_does():
+    traces = Counter()
+
+    @fj.jit
+    def f(x, y):
+        traces()
+        return x if y is None else x + y["a"]
+
+    f(X, None)
+    f(X.copy(), None)  # same shape, dtype and structure: cached
+    assert traces.n == 1
+    calls = [
+        (np.ones((8, 8), np.float32), None),  # shape
+        (X.astype(np.float64), None),  # dtype
+        (X, {"a": X}),  # structure
+        (X, {"a": 1.0}),  # leaf kind: Python scalar
+    ]
+    for i, args in enumerate(calls, start=2):
+        f(*args)
+        f(*args)
+        assert traces.n == i
+
+
+def test_log_compiles_explains_each_trace(monkeypatch, capsys):
+    monkeypatch.setenv("FLOWJIT_LOG_COMPILES", "1")
+
+    @fj.jit(static_argnames="k")  # log-def
+    def f(x, y=None, *, k=1):
+        return x * k if y is None else x + y["a"]
+
+    f(np.ones((4, 8), np.float32))
+    f(np.ones((4, 8), np.float32))
+    f(np.ones((8, 8), np.float32))
+    f(np.ones((8, 8), np.float32), k=2)
+    f(np.ones((8, 8), np.float32), {"a": np.ones(8, np.float32)}, k=2)
+    f(np.ones((8, 8), np.float32), {"a": np.ones(8, np.int32)}, k=2)
+    f(np.ones((8, 8), np.float32), {"a": np.ones(8, np.int32)}, k=2.0)
+    where = f"{__file__}:{line_of('log-def')}"
+    reasons = [
+        "first call",
+        "argument x changed from tensor<4x8xf32> to tensor<8x8xf32>",
+        "static argument 'k' changed from 1 to 2",
+        "the structure of argument y changed from None to {'a': *}",
+        "argument y['a'] changed from tensor<8xf32> to tensor<8xi32>",
+        "static argument 'k' changed from 2 (int) to 2.0 (float)",
+    ]
+    assert capsys.readouterr().err.splitlines() == [f"flowjit: tracing f ({where}) because {r}" for r in reasons]
+
+
+def test_log_compiles_is_silent_when_unset(monkeypatch, capsys):
+    monkeypatch.delenv("FLOWJIT_LOG_COMPILES", raising=False)
+    fj.jit(lambda x: x + 1)(X)
+    assert capsys.readouterr().err == ""
+
+
+def test_concurrent_calls_trace_once_per_signature():
+    traces = Counter()
+    lock = threading.Lock()
+
+    @fj.jit
+    def f(x):
+        with lock:
+            traces()
+        return fnp.tanh(x) * 2
+
+    inputs = [RNG.standard_normal(shape).astype(np.float32) for shape in [(4, 8), (2, 3)] * 8]
+    barrier = threading.Barrier(len(inputs))
+    results: dict[int, np.ndarray] = {}
+
+    def worker(i):
+        barrier.wait()
+        for _ in range(3):
+            results[i] = f(inputs[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert traces.n == 2
+    for i, x in enumerate(inputs):
+        np.testing.assert_allclose(results[i], np.tanh(x) * 2, rtol=1e-6)
+
+
+# --- lower, stages, compile, dumps -------------------------------------------------------------------
+
+
+def test_lower_with_shape_dtypes_and_traced_text():
+    @fj.jit
+    def f(x, w):
+        y = x @ w  # traced-matmul
+        return fnp.tanh(y)  # traced-tanh
+
+    lo = f.lower(fj.ShapeDtype((4, 8), "float32"), W)
+    assert lo.stages[:2] == ["traced", "optimized"]
+    text = lo.as_text("traced")
+    ops = [line.strip() for line in text.splitlines() if " = " in line]
+    assert len(ops) == 2
+    for op, (name, marker) in zip(ops, [("dot_general", "traced-matmul"), ("tanh", "traced-tanh")]):
+        assert op.startswith(f"%{ops.index(op)} = {name} ") and ": tensor<4x3xf32> loc(" in op
+        path, line = re.search(r'loc\("([^"]+)":(\d+)\)', op).groups()
+        assert os.path.samefile(path, __file__) and int(line) == line_of(marker)
+    assert "func @f(%x: tensor<4x8xf32>, %w: tensor<8x3xf32>) -> (tensor<4x3xf32>)" in text
+    np.testing.assert_allclose(lo.compile()(X, W), np.tanh(X @ W), rtol=1e-5, atol=1e-6)
+
+
+def test_optimized_text_names_the_backend():
+    lo = fj.jit(lambda x: x * 1.0 + 0.0).lower(X)
+    backend_lines = [line for line in lo.as_text("optimized").splitlines() if line.startswith("// backend: ")]
+    assert len(backend_lines) == 1
+    assert lo.compile().executable.backend in backend_lines[0]
+    note = fj.jit(lambda x: x, target="interpreter").lower(X).as_text("optimized")
+    assert "reference interpreter" in note and "NOT compiled to native code" in note
+
+
+def test_unknown_stage_lists_the_available_ones():
+    lo = fj.jit(lambda x: x + 1).lower(X)
+    with pytest.raises(fj.FlowjitValueError, match=r"no stage 'bogus' .*available: traced, optimized") as e:
+        lo.as_text("bogus")
+    assert ", ".join(lo.stages) in str(e.value)
+
+
+def test_compiled_rejects_another_signature():
+    compiled = fj.jit(lambda x, w: x @ w).lower(X, W).compile()
+    np.testing.assert_allclose(compiled(X, W), X @ W, rtol=1e-5)
+    with pytest.raises(fj.FlowjitTypeError) as e:
+        compiled(np.ones((5, 8), np.float32), W)  # compiled-wrong
+    msg = str(e.value)
+    assert msg.startswith(f"{os.path.relpath(__file__)}:{line_of('compiled-wrong')}: ") or msg.startswith(
+        f"{__file__}:{line_of('compiled-wrong')}: "
+    )
+    assert "compiled for (x: tensor<4x8xf32>, w: tensor<8x3xf32>)" in msg
+    assert "argument x changed from tensor<4x8xf32> to tensor<5x8xf32>" in msg
+    with pytest.raises(fj.FlowjitTypeError, match="the structure of argument w changed"):
+        compiled(X, (W,))
+
+
+def test_compiled_with_static_arguments():
+    f = fj.jit(lambda x, n: x * n, static_argnums=1)
+    compiled = f.lower(X, 3).compile()
+    np.testing.assert_allclose(compiled(X, 3), X * 3)
+    with pytest.raises(fj.FlowjitTypeError, match="static argument 'n' changed from 3 to 4"):
+        compiled(X, 4)
+
+
+def test_dump_dir_writes_numbered_stages(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLOWJIT_DUMP_DIR", str(tmp_path))
+
+    @fj.jit
+    def dumped(x):
+        return x * 2.0 + 1.0
+
+    dumped(X)
+    files = sorted(os.listdir(tmp_path))
+    assert [re.sub(r"^\d{4}-", "", name) for name in files][:2] == ["dumped-traced.fj", "dumped-canonicalize.fj"]
+    numbers = [int(name[:4]) for name in files]
+    assert numbers == sorted(set(numbers))
+    for name in files:
+        stage = re.match(r"\d{4}-dumped-(.+)\.\w+$", name).group(1)
+        first = (tmp_path / name).read_text().splitlines()[0]
+        assert first.endswith(f"flowjit stage '{stage}' of function 'dumped'")
+
+
+def test_lambda_names_survive_the_text_round_trip():
+    lo = fj.jit(lambda x: x + 1).lower(X)
+    assert "func @lambda(" in lo.as_text("optimized")

@@ -1,0 +1,87 @@
+"""Pytrees: flatten/unflatten round trips, leaf order, paths, and structure equality."""
+
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+from flowjit.frontend.pytree import leaf_paths
+
+Point = namedtuple("Point", ["x", "y"])
+
+TREES = [
+    1.0,
+    None,
+    (),
+    [],
+    {},
+    (1, 2),
+    (1,),
+    [1, [2, (3, None)], {"b": 4, "a": 5}],
+    {"w": np.ones(2), "layers": [{"b": 1}, {"b": 2}], "none": None},
+    Point(1, (2, 3)),
+    {1: "a", 0: "b"},
+]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=repr)
+def test_flatten_unflatten_round_trip(tree):
+    leaves, treedef = fj.tree_flatten(tree)
+    rebuilt = fj.tree_unflatten(treedef, leaves)
+    assert repr(rebuilt) == repr(_sorted_dicts(tree))
+    assert type(rebuilt) is type(tree)
+    assert treedef.num_leaves == len(leaves)
+    assert len(leaf_paths(tree)) == len(leaves)
+
+
+def _sorted_dicts(tree):
+    """The tree with dict keys in flatten order (sorted), for comparing reprs."""
+    if isinstance(tree, dict):
+        return {k: _sorted_dicts(tree[k]) for k in sorted(tree)}
+    if isinstance(tree, Point):
+        return Point(*(_sorted_dicts(c) for c in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_sorted_dicts(c) for c in tree)
+    return tree
+
+
+def test_dict_keys_are_sorted_so_insertion_order_does_not_matter():
+    leaves_ab, def_ab = fj.tree_flatten({"a": 1, "b": 2})
+    leaves_ba, def_ba = fj.tree_flatten({"b": 2, "a": 1})
+    assert leaves_ab == leaves_ba == [1, 2]
+    assert def_ab == def_ba and hash(def_ab) == hash(def_ba)
+
+
+def test_none_is_a_node_without_leaves_and_structures_compare():
+    leaves, treedef = fj.tree_flatten([None, 1, (None,)])
+    assert leaves == [1]
+    assert str(treedef) == "[None, *, (None,)]"
+    assert fj.tree_flatten((1, 2))[1] != fj.tree_flatten([1, 2])[1]
+    assert fj.tree_flatten((1, 2))[1] != fj.tree_flatten((1, (2,)))[1]
+    assert fj.tree_flatten(Point(1, 2))[1] != fj.tree_flatten((1, 2))[1]
+
+
+def test_namedtuple_is_rebuilt_as_its_class():
+    leaves, treedef = fj.tree_flatten(Point(x=1, y=[2, 3]))
+    assert leaves == [1, 2, 3]
+    assert str(treedef) == "Point(x=*, y=[*, *])"
+    assert fj.tree_unflatten(treedef, [4, 5, 6]) == Point(4, [5, 6])
+
+
+def test_leaf_paths_are_readable_and_in_flatten_order():
+    tree = {"w": [np.ones(1), np.ones(1)], "b": None, "p": Point(1, 2)}
+    assert leaf_paths(tree, "params") == ["params['p'].x", "params['p'].y", "params['w'][0]", "params['w'][1]"]
+
+
+def test_tree_map_over_several_trees():
+    out = fj.tree_map(lambda a, b: a + b, {"x": 1, "y": (2, 3)}, {"x": 10, "y": (20, 30)})
+    assert out == {"x": 11, "y": (22, 33)}
+
+
+def test_mismatched_structures_are_a_clear_error():
+    with pytest.raises(fj.FlowjitValueError, match=r"tree structures differ: \(\*, \*\) and \[\*, \*\]"):
+        fj.tree_map(lambda a, b: a, (1, 2), [1, 2])
+    _, treedef = fj.tree_flatten((1, 2))
+    with pytest.raises(fj.FlowjitValueError, match="has 2 leaves; found 3"):
+        fj.tree_unflatten(treedef, [1, 2, 3])
