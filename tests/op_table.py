@@ -84,6 +84,7 @@ class Row:
     ref(*wide_inputs, dtype=...) -> expected result(s), from float64/int64 copies of the inputs.
     attrs: the op's attributes, or a function of the dtype returning them.
     out_dtype: the result dtype when it is not the operand dtype (a DType or a function of it).
+    regions(dtype) -> the region graphs of a control-flow op.
     """
 
     name: str
@@ -94,6 +95,7 @@ class Row:
     attrs: dict | Callable = field(default_factory=dict)
     out_dtype: dt.DType | Callable | None = None
     tol_scale: float = 1.0
+    regions: Callable | None = None
 
 
 # --- input generators --------------------------------------------------------------------------------
@@ -147,8 +149,8 @@ def _is_float_np(np_dtype) -> bool:
 ROWS: list[Row] = []
 
 
-def add_row(name, op, dtypes, inputs, ref, attrs=None, out_dtype=None, tol_scale=1.0) -> None:
-    ROWS.append(Row(name, op, tuple(dtypes), inputs, ref, attrs or {}, out_dtype, tol_scale))
+def add_row(name, op, dtypes, inputs, ref, attrs=None, out_dtype=None, tol_scale=1.0, regions=None) -> None:
+    ROWS.append(Row(name, op, tuple(dtypes), inputs, ref, attrs or {}, out_dtype, tol_scale, regions))
 
 
 def _shape_id(shape) -> str:
@@ -911,6 +913,104 @@ for _name, _in, _window, _strides, _padding in (
         )
 
 
+# --- control flow ---------------------------------------------------------------------------------------
+
+
+def region(name: str, param_types, body: Callable) -> Graph:
+    """A region graph: `body(graph, *params)` emits its ops and returns the yielded values."""
+    graph = Graph(name)
+    params = [graph.add_param(t, f"a{i}") for i, t in enumerate(param_types)]
+    graph.results = list(body(graph, *params))
+    return graph
+
+
+def _op1(graph, name, *operands, **attrs):
+    return emit(graph, name, list(operands), attrs).result
+
+
+def _const(graph, value, dtype):
+    return _op1(graph, "constant", value=np.asarray(value, dtype.np_dtype))
+
+
+def _cond_regions(dtype):
+    t = TensorType((2, 3), dtype)
+    # true: (x + y, x); false: (y, x): two operands, two results.
+    true = region("true", [t, t], lambda g, x, y: [_op1(g, "add", x, y), x])
+    false = region("false", [t, t], lambda g, x, y: [y, x])
+    return [true, false]
+
+
+for _pred in (True, False):
+    add_row(
+        f"cond-{str(_pred).lower()}",
+        "cond",
+        NUMERIC,
+        lambda rng, d, p=_pred: [np.asarray(p), rand(rng, (2, 3), d, -9, 9), rand(rng, (2, 3), d, -9, 9)],
+        lambda p, x, y, dtype: [x + y, x] if p else [y, x],
+        regions=_cond_regions,
+    )
+
+
+# Loop rows use small integral values, so every dtype computes them exactly.
+def _while_regions(dtype):
+    types = [TensorType((), I32), TensorType((3,), dtype), TensorType((3,), dtype)]  # i, acc | step
+    cond = region("cond", types, lambda g, i, acc, step: [_op1(g, "lt", i, _const(g, 5, I32))])
+    body = region(
+        "body", types, lambda g, i, acc, step: [_op1(g, "add", i, _const(g, 1, I32)), _op1(g, "add", acc, step)]
+    )
+    return [cond, body]
+
+
+for _start in (0, 3, 7):  # five, two and zero iterations
+    add_row(
+        f"while-from{_start}",
+        "while",
+        NUMERIC,
+        lambda rng, d, s=_start: [
+            np.asarray(s, np.int32),
+            small_ints(rng, (3,), d, -9, 9),
+            small_ints(rng, (3,), d, -3, 3),
+        ],
+        lambda i, acc, step, dtype: [np.maximum(i, 5), acc + max(5 - int(i), 0) * step],
+        attrs={"num_carry": 2},
+        regions=_while_regions,
+    )
+
+
+def _for_regions(dtype):
+    types = [TensorType((), I64), TensorType((2,), dtype), TensorType((2,), dtype)]  # i, acc | scale
+    body = region(
+        "body",
+        types,
+        lambda g, i, acc, scale: [
+            _op1(
+                g,
+                "add",
+                acc,
+                _op1(g, "mul", scale, _op1(g, "broadcast", _op1(g, "convert", i, dtype=dtype), shape=(2,), dims=())),
+            ),
+        ],
+    )
+    return [body]
+
+
+for _lo, _hi in ((0, 4), (-2, 3), (5, 5), (6, 2)):
+    add_row(
+        f"for-{_lo}-to-{_hi}",
+        "for",
+        NUMERIC,
+        lambda rng, d, lo=_lo, hi=_hi: [
+            np.asarray(lo),
+            np.asarray(hi),
+            small_ints(rng, (2,), d, -9, 9),
+            small_ints(rng, (2,), d, -2, 2),
+        ],
+        lambda lo, hi, acc, scale, dtype: acc + scale * sum(range(int(lo), int(hi))),
+        attrs={"num_carry": 1},
+        regions=_for_regions,
+    )
+
+
 # --- expanding rows into cases ---------------------------------------------------------------------------
 
 
@@ -918,11 +1018,11 @@ def _resolve(value, dtype):
     return value(dtype) if callable(value) else value
 
 
-def single_op_graph(op: str, inputs: list[np.ndarray], attrs: dict) -> Graph:
+def single_op_graph(op: str, inputs: list[np.ndarray], attrs: dict, regions=()) -> Graph:
     """A graph whose params are `inputs`' types and whose results are op `op` applied to them."""
     graph = Graph(op)
     params = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype)), f"x{i}") for i, a in enumerate(inputs)]
-    graph.results = list(emit(graph, op, params, attrs).results)
+    graph.results = list(emit(graph, op, params, attrs, regions=regions).results)
     return graph
 
 
@@ -931,12 +1031,14 @@ def build_case(row: Row, dtype: dt.DType) -> OpCase:
     rng = np.random.default_rng(zlib.crc32(f"{row.name}-{dtype.name}".encode()))
     inputs = [np.asarray(a) for a in row.inputs(rng, dtype)]
     attrs = _resolve(row.attrs, dtype)
-    graph = single_op_graph(row.op, inputs, attrs)
+    graph = single_op_graph(row.op, inputs, attrs, row.regions(dtype) if row.regions else ())
     out_dtype = _resolve(row.out_dtype, dtype) or dtype
     with np.errstate(all="ignore"):
         ref = row.ref(*(_wide(a) for a in inputs), dtype=dtype)
         refs = list(ref) if isinstance(ref, list | tuple) else [ref]
-        expected = [np.asarray(r).astype(out_dtype.np_dtype) for r in refs]
+        # Results of control-flow ops keep their own types: each takes its graph result's dtype.
+        dtypes = [r.dtype for r in graph.result_types] if row.regions else [out_dtype] * len(refs)
+        expected = [np.asarray(r).astype(d.np_dtype) for r, d in zip(refs, dtypes)]
     return OpCase(graph, inputs, expected, tolerance(out_dtype, row.tol_scale))
 
 
