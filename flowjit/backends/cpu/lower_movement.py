@@ -1,0 +1,238 @@
+"""CPU lowerings of the data-movement ops: slice, dynamic_slice, pad, concatenate, gather, scatter_add.
+
+Each function has the `LOWERINGS` signature `fn(em, op, operands) -> [result tensor]` and works on
+tensors: slices are `tensor.extract_slice` views (the consumer or the final store copies them), pads
+and concatenations are a fill followed by strided `tensor.insert_slice`s, gather is a `linalg.generic`
+that reads the operand with `tensor.extract`, and scatter_add is a loop nest over the updates.
+
+Indices are clamped in the generated code, as in the reference implementations: dynamic_slice
+starts into `[0, dim - size]`, gather/scatter_add indices into `[0, dim - 1]`. No generated load or
+store can leave its buffer, whatever the index values are.
+"""
+
+from __future__ import annotations
+
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.errors import CompileError, op_error
+from flowjit.ir.graph import Op
+
+
+def _index_list(values) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def clamp_index(b: ScalarBuilder | KernelEmitter, value: str, int_elem: str, low: int, high: int) -> str:
+    """`value` (an integer of MLIR type `int_elem`) as an `index` clamped into [low, high]."""
+    index = b.op(f"arith.index_cast {value} : {int_elem} to index")
+    low_c = b.op(f"arith.constant {low} : index")
+    high_c = b.op(f"arith.constant {high} : index")
+    above = b.op(f"arith.maxsi {index}, {low_c} : index")
+    return b.op(f"arith.minsi {above}, {high_c} : index")
+
+
+def copy_tensor(em: KernelEmitter, x: str, t) -> str:
+    """A fresh copy of `x` as a `linalg.copy` (lowered to loops): a strided view stored with
+    `memref.copy` would need the MLIR C runner's `memrefCopy`, which native code cannot call."""
+    ttype = tensor_type(t)
+    return em.op(f"linalg.copy ins({x} : {ttype}) outs({em.empty(t)} : {ttype}) -> {ttype}")
+
+
+def lower_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """x[start:limit:stride] as a strided `tensor.extract_slice`."""
+    (x,) = operands
+    source, result = op.operands[0].type, op.result.type
+    if source.rank == 0:
+        return [x]
+    if result.size == 0:
+        return [em.empty(result)]
+    start, stride = op.attrs["start"], op.attrs["stride"]
+    view = em.op(
+        f"tensor.extract_slice {x}[{_index_list(start)}] [{_index_list(result.shape)}] "
+        f"[{_index_list(stride)}] : {tensor_type(source)} to {tensor_type(result)}"
+    )
+    return [copy_tensor(em, view, result)]
+
+
+def lower_dynamic_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A window at runtime starts, each clamped into [0, dim - size] so the window always fits."""
+    x, *starts = operands
+    source, result = op.operands[0].type, op.result.type
+    if source.rank == 0:
+        return [x]
+    if result.size == 0:
+        return [em.empty(result)]
+    offsets = []
+    for start, start_value, dim, size in zip(starts, op.operands[1:], source.shape, result.shape):
+        int_elem = elem_type(start_value.dtype)
+        scalar = em.op(f"tensor.extract {start}[] : tensor<{int_elem}>")
+        offsets.append(clamp_index(em, scalar, int_elem, 0, dim - size))
+    view = em.op(
+        f"tensor.extract_slice {x}[{', '.join(offsets)}] [{_index_list(result.shape)}] "
+        f"[{_index_list([1] * source.rank)}] : {tensor_type(source)} to {tensor_type(result)}"
+    )
+    return [copy_tensor(em, view, result)]
+
+
+def fill(em: KernelEmitter, scalar: str, t, elem: str | None = None) -> str:
+    """A new tensor of type `t` filled with the scalar SSA value `scalar`."""
+    elem = elem or elem_type(t.dtype)
+    empty = em.empty(t, elem)
+    ttype = tensor_type(t, elem)
+    return em.op(f"linalg.fill ins({scalar} : {elem}) outs({empty} : {ttype}) -> {ttype}")
+
+
+def insert_into(em: KernelEmitter, x: str, source, dest: str, dest_type, offsets, strides) -> str:
+    """`dest` with `x` (type `source`) written at `offsets` with `strides`.
+
+    Written as extract_slice -> linalg.copy -> insert_slice of the same slice, which bufferizes to
+    an in-place copy loop; a bare insert_slice into a strided view would become a `memref.copy`
+    that needs the C runner's `memrefCopy`."""
+    where = f"[{_index_list(offsets)}] [{_index_list(source.shape)}] [{_index_list(strides)}]"
+    view_types = f"{tensor_type(dest_type)} to {tensor_type(source)}"
+    view = em.op(f"tensor.extract_slice {dest}{where} : {view_types}")
+    ttype = tensor_type(source)
+    copied = em.op(f"linalg.copy ins({x} : {ttype}) outs({view} : {ttype}) -> {ttype}")
+    return em.op(f"tensor.insert_slice {copied} into {dest}{where} : {ttype} into {tensor_type(dest_type)}")
+
+
+def pad_tensor(em: KernelEmitter, x: str, source, result, scalar: str, low, interior) -> str:
+    """`x` (type `source`) placed at offsets `low` with steps `interior + 1` in a `result` tensor
+    filled with `scalar`: edge and interior padding in one strided insert."""
+    filled = fill(em, scalar, result)
+    if source.size == 0:
+        return filled
+    return insert_into(em, x, source, filled, result, low, [i + 1 for i in interior])
+
+
+def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Fill with the padding value, then insert x with `low` offsets and `interior + 1` strides."""
+    x, value = operands
+    source, result = op.operands[0].type, op.result.type
+    elem = elem_type(source.dtype)
+    scalar = em.op(f"tensor.extract {value}[] : tensor<{elem}>")
+    if source.rank == 0:
+        return [x]
+    return [pad_tensor(em, x, source, result, scalar, op.attrs["low"], op.attrs["interior"])]
+
+
+def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Insert each operand at its offset along `axis` into one new tensor."""
+    result = op.result.type
+    axis = op.attrs["axis"]
+    # Start from a filled tensor, not a bare tensor.empty: with an empty at the root of the insert
+    # chain, eliminate-empty-tensors rewrites the first insert into a temporary buffer plus a
+    # strided memref.copy (a call into the C runner we do not link).
+    elem = elem_type(result.dtype)
+    zero = em.op(f"arith.constant {'false' if elem == 'i1' else '0' if elem.startswith('i') else '0.0'} : {elem}")
+    out = fill(em, zero, result)
+    offset = 0
+    for x, value in zip(operands, op.operands):
+        t = value.type
+        if t.shape[axis] == 0:
+            continue
+        offsets = [0] * result.rank
+        offsets[axis] = offset
+        out = insert_into(em, x, t, out, result, offsets, [1] * t.rank)
+        offset += t.shape[axis]
+    return [out]
+
+
+def _check_nonempty_axis(op: Op, what: str) -> None:
+    x = op.operands[0].type
+    axis = op.attrs["axis"]
+    if x.shape[axis] == 0 and op.operands[1].type.size > 0:
+        raise op_error(
+            CompileError, op.loc, op.name, f"cannot {what} along axis {axis} of {x}: it has no elements to index"
+        )
+
+
+def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """numpy.take with clamped indices: a generic over the result reading x with `tensor.extract`."""
+    x, idx = operands
+    source, indices, result = op.operands[0].type, op.operands[1].type, op.result.type
+    axis = op.attrs["axis"]
+    _check_nonempty_axis(op, "gather")
+    if result.size == 0:
+        return [em.empty(result)]
+    dims = [f"d{i}" for i in range(result.rank)]
+    idx_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims[axis : axis + indices.rank])})")
+    int_elem = elem_type(indices.dtype)
+    elem = elem_type(source.dtype)
+
+    def body(b: ScalarBuilder, args):
+        loop = [b.op(f"linalg.index {i} : index") for i in range(result.rank)]
+        picked = clamp_index(b, args[0], int_elem, 0, source.shape[axis] - 1)
+        where = loop[:axis] + [picked] + loop[axis + indices.rank :]
+        return b.op(f"tensor.extract {x}[{', '.join(where)}] : {tensor_type(source)}")
+
+    out = em.empty(result)
+    return [
+        em.generic(
+            [(idx, tensor_type(indices))],
+            (out, tensor_type(result)),
+            [idx_map, em.identity_map(result.rank)],
+            ["parallel"] * result.rank,
+            body,
+            [int_elem],
+            elem,
+        )
+    ]
+
+
+def _add(b: ScalarBuilder | KernelEmitter, a: str, c: str, elem: str) -> str:
+    if elem == "i1":  # numpy adds bools as logical or
+        return b.op(f"arith.ori {a}, {c} : i1")
+    if elem.startswith("i"):
+        return b.op(f"arith.addi {a}, {c} : {elem}")
+    return b.op(f"arith.addf {a}, {c} : {elem}")
+
+
+def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A copy of x, then a sequential loop nest over the updates adding each one at its clamped
+    index (sequential, so duplicate indices accumulate)."""
+    x, idx, updates = operands
+    source, indices, upd = op.operands[0].type, op.operands[1].type, op.operands[2].type
+    axis = op.attrs["axis"]
+    _check_nonempty_axis(op, "scatter into")
+    ttype = tensor_type(source)
+    copy = copy_tensor(em, x, source)
+    if upd.size == 0:
+        return [copy]
+    elem, int_elem = elem_type(source.dtype), elem_type(indices.dtype)
+    zero, one = em.op("arith.constant 0 : index"), em.op("arith.constant 1 : index")
+    ivs, carried, results = [], copy, []
+    indent = em.indent
+    for d in upd.shape:
+        bound = em.op(f"arith.constant {d} : index")
+        iv, acc, res = em.fresh("i"), em.fresh("acc"), em.fresh()
+        em.line(f"{res} = scf.for {iv} = {zero} to {bound} step {one} iter_args({acc} = {carried}) -> ({ttype}) {{")
+        em.indent += "  "
+        ivs.append(iv)
+        results.append(res)
+        carried = acc
+    position = ", ".join(ivs[axis : axis + indices.rank])
+    raw = em.op(f"tensor.extract {idx}[{position}] : {tensor_type(indices)}")
+    picked = clamp_index(em, raw, int_elem, 0, source.shape[axis] - 1)
+    target = ", ".join(ivs[:axis] + [picked] + ivs[axis + indices.rank :])
+    update = em.op(f"tensor.extract {updates}[{', '.join(ivs)}] : {tensor_type(upd)}")
+    current = em.op(f"tensor.extract {carried}[{target}] : {ttype}")
+    total = _add(em, current, update, elem)
+    inserted = em.op(f"tensor.insert {total} into {carried}[{target}] : {ttype}")
+    yielded = inserted
+    for res in reversed(results):
+        em.line(f"scf.yield {yielded} : {ttype}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        yielded = res
+    em.indent = indent
+    return [results[0] if results else inserted]
+
+
+LOWERINGS = {
+    "slice": lower_slice,
+    "dynamic_slice": lower_dynamic_slice,
+    "pad": lower_pad,
+    "concatenate": lower_concatenate,
+    "gather": lower_gather,
+    "scatter_add": lower_scatter_add,
+}
