@@ -14,3 +14,4 @@ from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_un
 
 __version__ = "0.1.0"
 from flowjit.frontend.control_flow import cond, fori_loop, while_loop  # noqa: F401
+from flowjit.frontend.variables import Variable  # noqa: F401

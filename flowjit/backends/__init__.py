@@ -17,7 +17,9 @@ class Executable:
     backend: str = ""
     stages: dict[str, str]
 
-    def run(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def run(self, args: Sequence[np.ndarray], variables: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """Run on host arrays; `variables` maps each variable name the graph uses to its live buffer,
+        which the call reads and updates in place."""
         raise NotImplementedError
 
 

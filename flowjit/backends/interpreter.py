@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flowjit.backends import Executable
 from flowjit.ir.graph import Graph
-from flowjit.ir.interpreter import interpret
+from flowjit.ir.interpreter import RunContext, interpret
 
 
 class InterpreterExecutable(Executable):
@@ -15,5 +15,5 @@ class InterpreterExecutable(Executable):
         self.graph = graph
         self.stages = {}
 
-    def run(self, args):
-        return interpret(self.graph, args)
+    def run(self, args, variables=None):
+        return interpret(self.graph, args, RunContext(variables or {}))

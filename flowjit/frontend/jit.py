@@ -20,6 +20,7 @@ reads from its closure or globals, or returns, become constants of the graph, co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -305,7 +306,7 @@ class Jitted:
         return Signature(names, treedef, avals, statics), bound, leaves, paths
 
     # --- tracing ----------------------------------------------------------------------------------
-    def _trace(self, sig: Signature, bound, paths) -> tuple[Graph, TreeDef]:
+    def _trace(self, sig: Signature, bound, paths) -> tuple[Graph, TreeDef, dict]:
         with Trace(self.name) as trace:
             if self.device is not None:
                 trace.device_stack.append(str(self.device))
@@ -324,7 +325,7 @@ class Jitted:
                     )
                 results.append(trace.lift(leaf if isinstance(leaf, Tracer) else flowjit.numpy.asarray(leaf)))
             trace.graph.results = results
-        return trace.graph, out_tree
+        return trace.graph, out_tree, dict(trace.variables)
 
     def _where(self) -> str:
         code = getattr(self.fun, "__code__", None)
@@ -342,10 +343,10 @@ class Jitted:
         sig, bound, _, paths = self._signature_of(args, kwargs, bound_self)
         with self._lock:
             self._log_compile(sig, paths)
-            graph, out_tree = self._trace(sig, bound, paths)
+            graph, out_tree, variables = self._trace(sig, bound, paths)
             self._last = sig
         binder = functools.partial(self._signature_of, bound_self=bound_self)
-        return Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder)
+        return Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder, variables)
 
     def _call(self, args, kwargs, bound_self: bool):
         if current_trace() is not None:
@@ -357,9 +358,9 @@ class Jitted:
                 compiled = self._cache.get(sig)
                 if compiled is None:
                     self._log_compile(sig, paths)
-                    graph, out_tree = self._trace(sig, bound, paths)
+                    graph, out_tree, variables = self._trace(sig, bound, paths)
                     binder = functools.partial(self._signature_of, bound_self=bound_self)
-                    lowered = Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder)
+                    lowered = Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder, variables)
                     compiled = lowered.compile()
                     self._cache[sig] = compiled
                     self._last = sig
@@ -431,8 +432,11 @@ Binder = Callable[[tuple, dict], tuple]
 class Lowered:
     """A traced function for one signature: its stages, and `compile()`."""
 
-    def __init__(self, graph: Graph, sig: Signature, out_tree: TreeDef, paths, target: str, binder: Binder):
+    def __init__(
+        self, graph: Graph, sig: Signature, out_tree: TreeDef, paths, target: str, binder: Binder, variables=None
+    ):
         self.signature = sig
+        self.variables = dict(variables or {})  # name -> Variable the function reads or updates
         self.out_tree = out_tree
         self.paths = list(paths)
         self.target = target
@@ -486,7 +490,15 @@ class Lowered:
     @user_errors
     def compile(self) -> Compiled:
         """The executable for this signature; call it with arguments of that signature."""
-        return Compiled(self._compile_executable(), self.signature, self.out_tree, self.paths, self.name, self._binder)
+        return Compiled(
+            self._compile_executable(),
+            self.signature,
+            self.out_tree,
+            self.paths,
+            self.name,
+            self._binder,
+            self.variables,
+        )
 
 
 def _backend_note(executable: Executable) -> str:
@@ -502,8 +514,20 @@ class Compiled:
     """A compiled function for one signature: call it with arguments of that signature, passed as
     to the jitted function (static arguments included, with the values it was lowered for)."""
 
-    def __init__(self, executable: Executable, sig: Signature, out_tree: TreeDef, paths, name: str, binder: Binder):
+    def __init__(
+        self,
+        executable: Executable,
+        sig: Signature,
+        out_tree: TreeDef,
+        paths,
+        name: str,
+        binder: Binder,
+        variables=None,
+    ):
         self.executable = executable
+        # Variables in a fixed (name) order: locks are always taken in this order, so concurrent calls
+        # of functions sharing variables cannot deadlock.
+        self.variables = [v for _, v in sorted((variables or {}).items())]
         self.signature = sig
         self.out_tree = out_tree
         self.paths = paths
@@ -513,10 +537,19 @@ class Compiled:
     def call_leaves(self, leaves: Sequence) -> object:
         """Run on the flattened dynamic arguments (already checked against the signature)."""
         arrays = [_to_host(leaf, aval) for leaf, aval in zip(leaves, self.signature.avals)]
-        outs = self.executable.run(arrays)
+        if self.variables:
+            outs = self._run_with_variables(arrays)
+        else:
+            outs = self.executable.run(arrays)
         # An output that is an input passed through must not alias the caller's array.
         outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
         return tree_unflatten(self.out_tree, outs)
+
+    def _run_with_variables(self, arrays):
+        with contextlib.ExitStack() as stack:
+            for variable in self.variables:
+                stack.enter_context(variable.lock)
+            return self.executable.run(arrays, {v.name: v.buffer for v in self.variables})
 
     @user_errors
     def __call__(self, *args, **kwargs):

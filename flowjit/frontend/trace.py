@@ -49,6 +49,7 @@ class Trace:
         self.parent: Trace | None = None
         self.device_stack: list[str] = []
         self.active = False
+        self.variables: dict = {}  # name -> Variable read or updated while tracing (root trace only)
 
     def __enter__(self) -> Trace:
         stack = trace_stack()
@@ -90,6 +91,14 @@ class Trace:
         return op.result
 
     @property
+    def root(self) -> Trace:
+        """The outermost enclosing trace (the function being compiled)."""
+        trace = self
+        while trace.parent is not None:
+            trace = trace.parent
+        return trace
+
+    @property
     def device(self) -> str | None:
         return self.device_stack[-1] if self.device_stack else None
 
@@ -126,14 +135,23 @@ def bind(name: str, operands: Sequence, attrs: dict | None = None, loc: Location
     attrs = {k: normalize_attr(v) for k, v in (attrs or {}).items()}
     tracers = [x for x in operands if isinstance(x, Tracer)]
     loc = loc or user_location()
-    if not tracers:
+    if not tracers and not _traced_without_tracers(name):
         return _eval_eager(name, operands, attrs, loc)
-    trace = _innermost(tracers)
+    trace = _innermost(tracers) if tracers else current_trace()
     values = [trace.lift(x) for x in operands]
     op = make_op(name, values, attrs, loc, device=trace.device)
     trace.graph.append(op)
     outs = [Tracer(r, trace) for r in op.results]
     return outs[0] if len(outs) == 1 else outs
+
+
+def _traced_without_tracers(name: str) -> bool:
+    """Inside a trace, effectful ops (state) and operand-less ops (iota) become ops even with no
+    traced operand: state must be ordered, and a traced iota never becomes a big literal."""
+    if current_trace() is None:
+        return False
+    opdef = get_opdef(name)
+    return opdef.effectful or opdef.arity == 0
 
 
 def _eval_eager(name, operands, attrs, loc):

@@ -9,6 +9,7 @@ handler in `HANDLERS`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,6 +17,14 @@ from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops import get_opdef
 from flowjit.ir.types import TensorType
+
+
+@dataclass
+class RunContext:
+    """What a call provides beyond its arguments: the live buffers of the variables it uses."""
+
+    variables: dict[str, np.ndarray] = field(default_factory=dict)
+
 
 # op name -> handler(op, operand arrays, context) -> list of result arrays
 HANDLERS: dict[str, Callable] = {}
@@ -91,3 +100,40 @@ def _run_for(op: Op, args, context):
 
 
 HANDLERS.update({"cond": _run_cond, "while": _run_while, "for": _run_for})
+
+
+# --- state --------------------------------------------------------------------------------------------
+
+
+def _variable_buffer(op: Op, context) -> np.ndarray:
+    buffers = getattr(context, "variables", None)
+    if buffers is None or op.attrs["var"] not in buffers:
+        raise CompileError(f"{op.loc}: op '{op.name}': no buffer for variable '{op.attrs['var']}' in this call")
+    return buffers[op.attrs["var"]]
+
+
+def _read_variable(op: Op, args, context):
+    return [_variable_buffer(op, context).copy()]
+
+
+def _update_variable(op: Op, args, context):
+    buffer = _variable_buffer(op, context)
+    (value,) = args
+    with np.errstate(over="ignore"):
+        if op.name == "assign":
+            np.copyto(buffer, value)
+        elif op.name == "assign_add":
+            np.copyto(buffer, (buffer + value).astype(buffer.dtype))
+        else:
+            np.copyto(buffer, (buffer - value).astype(buffer.dtype))
+    return []
+
+
+HANDLERS.update(
+    {
+        "read_variable": _read_variable,
+        "assign": _update_variable,
+        "assign_add": _update_variable,
+        "assign_sub": _update_variable,
+    }
+)

@@ -1,6 +1,6 @@
 """Every op flowjit knows, one definition each. Importing this package registers them all."""
 
-from flowjit.ir.ops import contraction, control, creation, elementwise, movement, reduction  # noqa: F401
+from flowjit.ir.ops import contraction, control, creation, elementwise, movement, reduction, stateful  # noqa: F401
 from flowjit.ir.ops.registry import (  # noqa: F401
     COMMUNICATION,
     CONTRACTION,

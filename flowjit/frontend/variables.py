@@ -1,0 +1,152 @@
+"""`fj.Variable`: state that persists across calls, the TensorFlow paper's mutable variables.
+
+    v = fj.Variable(np.zeros((784, 10), np.float32), name="w")
+    v.value; v.assign(x); v.assign_add(x); v.assign_sub(x)      # inside or outside jit
+
+Inside a traced function these become ordered `read_variable`/`assign*` ops; compiled code reads and
+updates the variable's own buffer in place. Each variable has a lock: a compiled call holds the
+locks of every variable it touches, so concurrent calls never tear a variable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import numpy as np
+
+from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.frontend.trace import Tracer, bind, current_trace
+from flowjit.ir import dtypes as dt
+from flowjit.ir.location import user_location
+from flowjit.ir.types import TensorType
+
+_names_lock = threading.Lock()
+_counter = itertools.count()
+_LIVE: weakref.WeakValueDictionary[str, Variable] = weakref.WeakValueDictionary()
+
+
+def _unique_name(requested: str | None) -> str:
+    base = requested or "var"
+    with _names_lock:
+        if base not in _LIVE:
+            return base
+        while True:
+            candidate = f"{base}_{next(_counter)}"
+            if candidate not in _LIVE:
+                return candidate
+
+
+def _as_host_array(value, dtype=None) -> np.ndarray:
+    if isinstance(value, Tracer):
+        raise FlowjitTypeError(
+            f"{user_location()}: a Variable's initial value must be concrete, not a traced value; create "
+            "variables outside jit-compiled functions"
+        )
+    if dtype is not None:
+        return np.array(value, dtype=dt.dtype(dtype).np_dtype)
+    if isinstance(value, bool | int | float):
+        kind = "b" if isinstance(value, bool) else "i" if isinstance(value, int) else "f"
+        return np.array(value, dtype=dt.default_for_kind(kind).np_dtype)
+    array = np.array(value)
+    try:
+        dt.dtype(array.dtype)
+    except ValueError as e:
+        raise FlowjitTypeError(f"{user_location()}: Variable: {e}") from None
+    return array
+
+
+class Variable:
+    """A named, typed buffer that outlives calls; read and updated by ordered ops in traced code."""
+
+    def __init__(self, value, name: str | None = None, dtype=None):
+        self._buffer = np.array(_as_host_array(value, dtype), order="C")
+        self.type = TensorType(self._buffer.shape, dt.dtype(self._buffer.dtype))
+        self.name = _unique_name(name)
+        self.lock = threading.RLock()
+        _LIVE[self.name] = self
+
+    # --- facts ---------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.type.dtype.np_dtype
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The live buffer compiled code updates in place (runtime use; prefer `.value`)."""
+        return self._buffer
+
+    def __repr__(self) -> str:
+        return f"Variable(name={self.name!r}, type={self.type})"
+
+    def _attrs(self) -> dict:
+        return {"var": self.name, "shape": self.type.shape, "dtype": self.type.dtype}
+
+    def _register(self) -> None:
+        current_trace().root.variables[self.name] = self
+
+    # --- reads and updates -----------------------------------------------------------------------
+    @property
+    def value(self):
+        """The current value: a traced read inside jit, a copy of the buffer outside."""
+        if current_trace() is not None:
+            self._register()
+            return bind("read_variable", [], self._attrs())
+        with self.lock:
+            return self._buffer.copy()
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.value
+        if isinstance(value, Tracer):
+            return value.__array__()
+        return value if dtype is None else value.astype(dtype)
+
+    def _update(self, op: str, x) -> Variable:
+        if current_trace() is not None:
+            from flowjit import numpy as fnp
+
+            x = fnp.asarray(x)
+            if tuple(fnp.shape(x)) != self.shape:
+                x = fnp.broadcast_to(x, self.shape)
+            x = fnp.astype(x, self.type.dtype)
+            self._register()
+            bind(op, [x], self._attrs())
+            return self
+        array = np.asarray(x)
+        try:
+            array = np.broadcast_to(array, self.shape)
+        except ValueError:
+            raise FlowjitValueError(
+                f"{user_location()}: {op} to variable '{self.name}' of shape {self.shape}: value has shape "
+                f"{array.shape}"
+            ) from None
+        with self.lock, np.errstate(over="ignore"):
+            if op == "assign":
+                np.copyto(self._buffer, array, casting="unsafe")
+            elif op == "assign_add":
+                np.copyto(self._buffer, self._buffer + array, casting="unsafe")
+            else:
+                np.copyto(self._buffer, self._buffer - array, casting="unsafe")
+        return self
+
+    def assign(self, x) -> Variable:
+        """Set the variable to `x` (broadcast and cast to its shape and dtype)."""
+        return self._update("assign", x)
+
+    def assign_add(self, x) -> Variable:
+        """Add `x` to the variable in place."""
+        return self._update("assign_add", x)
+
+    def assign_sub(self, x) -> Variable:
+        """Subtract `x` from the variable in place."""
+        return self._update("assign_sub", x)
+
+    def numpy(self) -> np.ndarray:
+        """A copy of the current value (outside traced code)."""
+        with self.lock:
+            return self._buffer.copy()
