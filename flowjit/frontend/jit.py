@@ -318,14 +318,25 @@ class Jitted:
             out_leaves, out_tree = tree_flatten(out)
             results = []
             for leaf, path in zip(out_leaves, leaf_paths(out, "output")):
-                if not isinstance(leaf, Tracer | np.ndarray | np.generic | bool | int | float):
-                    raise FlowjitTypeError(
-                        f"{self._where()}: {self.name} returned a {type(leaf).__name__} at {path}; functions "
-                        "under jit must return arrays, Python scalars or tuples/lists/dicts of them"
-                    )
-                results.append(trace.lift(leaf if isinstance(leaf, Tracer) else flowjit.numpy.asarray(leaf)))
+                results.append(trace.lift(self._output_value(leaf, path)))
             trace.graph.results = results
         return trace.graph, out_tree, dict(trace.variables)
+
+    def _output_value(self, leaf, path: str):
+        """A returned leaf as a Tracer or a constant array; anything else names the output's path."""
+        if isinstance(leaf, Tracer):
+            return leaf
+        if not isinstance(leaf, np.ndarray | np.generic | bool | int | float):
+            raise FlowjitTypeError(
+                f"{self._where()}: {self.name} returned a {type(leaf).__name__} at {path}; functions "
+                "under jit must return arrays, Python scalars or tuples/lists/dicts of them"
+            )
+        if np.asarray(leaf).dtype.kind not in "biuf":
+            raise FlowjitTypeError(
+                f"{self._where()}: {self.name} returned an array of dtype {np.asarray(leaf).dtype} at {path}; "
+                f"flowjit supports {', '.join(d.np_dtype.name for d in dt.ALL_DTYPES)}"
+            )
+        return flowjit.numpy.asarray(leaf)
 
     def _where(self) -> str:
         code = getattr(self.fun, "__code__", None)
@@ -563,6 +574,7 @@ class Compiled:
         return self.call_leaves(leaves)
 
 
+@user_errors
 def jit(fun=None, *, static_argnums=(), static_argnames=(), device=None, donate_argnums=(), target=None):
     """Compile `fun` on first call per signature. Usable as `@jit` or `@jit(static_argnums=1)`.
 
