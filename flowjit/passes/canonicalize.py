@@ -1,9 +1,12 @@
-"""`canonicalize`: constant folding, algebraic simplification, CSE and DCE.
+"""`canonicalize`: constant folding, algebraic simplification (`RULES`), CSE and DCE.
 
-Assumes a verified graph. Guarantees the same results for every input (float identities that
-change nan/inf behaviour, like x*0 -> 0, are applied to integers only), never touches effectful
-ops (state, send/recv) beyond remapping their operands, and keeps the graph topologically ordered.
-Regions are canonicalized recursively; values from enclosing graphs stay visible inside them.
+Assumes a verified graph. Guarantees bit-identical results for every input: float rules hold in
+IEEE arithmetic including nan, inf and the sign of zero (`x + -0.0 -> x` but not `x + 0.0`), and
+rules that do not (`x*0 -> 0`, `x-x -> 0`) are applied to integers only. Constant folding runs the
+ops' reference implementations and stops at `FOLD_SIZE_LIMIT` elements. Only pure ops (no effects,
+no regions) are folded, merged or deleted; effectful ops only see their operands remapped. New
+ops keep the location and device of the op they replace, and the graph stays topologically
+ordered. Regions are canonicalized recursively; values from enclosing graphs stay visible there.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from flowjit.ir.builder import make_op
+from flowjit.ir.dtypes import DType
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.interpreter import eval_op
-from flowjit.ir.ops import get_opdef
+from flowjit.ir.ops import CREATION, get_opdef
 from flowjit.passes.registry import register
 
 # Fold only small results, or elementwise ops that do not grow their operands: folding a broadcast
@@ -21,43 +25,95 @@ from flowjit.passes.registry import register
 FOLD_SIZE_LIMIT = 1024
 
 
-def _splat(value: Value, constants: dict[Value, np.ndarray]):
+def _splat(value: Value, rw: _Rewriter):
     """The scalar every element of `value` equals, if it is a constant splat; else None."""
-    array = constants.get(value)
+    array = rw.constants.get(value)
     if array is None or array.size == 0:
         return None
     first = array.reshape(-1)[0]
     return first if np.all(array == first) else None
 
 
-def _is(value: Value, constants, scalar) -> bool:
-    s = _splat(value, constants)
+def _is(value: Value, rw: _Rewriter, scalar) -> bool:
+    s = _splat(value, rw)
     return s is not None and bool(s == scalar)
 
 
+def _is_zero(value: Value, rw: _Rewriter, negative: bool) -> bool:
+    """A splat zero; for floats it must also have the given sign (x + -0.0 is x, x + 0.0 is not)."""
+    s = _splat(value, rw)
+    if s is None or s != 0:
+        return False
+    return not value.type.dtype.is_float or bool(np.signbit(s)) == negative
+
+
+def _zeros(op: Op, rw: _Rewriter) -> Value:
+    """Zeros of `op`'s result type: a constant, or a broadcast scalar when a literal would be large."""
+    ttype = op.result.type
+    if ttype.size <= FOLD_SIZE_LIMIT:
+        return rw.emit_like(op, "constant", [], {"value": np.zeros(ttype.shape, ttype.dtype.np_dtype)})
+    scalar = rw.emit_like(op, "constant", [], {"value": np.zeros((), ttype.dtype.np_dtype)})
+    return rw.emit_like(op, "broadcast", [scalar], {"shape": ttype.shape, "dims": ()})
+
+
 # --- local rewrites: (op name) -> list of rules; a rule returns a replacement Value or None ----------
+# Float rules are exact in IEEE arithmetic (nan, inf and the sign of zero included); rules that are
+# not (x*0 -> 0, x-x -> 0) are applied to integers only.
 
 
-def _identity_binary(op, c):
+def _add_rules(op, rw):
     x, y = op.operands
-    if op.name == "add" and _is(y, c, 0):
-        return x  # x + 0 -> x
-    if op.name == "add" and _is(x, c, 0):
-        return y  # 0 + x -> x
-    if op.name == "sub" and _is(y, c, 0):
-        return x  # x - 0 -> x
-    if op.name == "mul" and _is(y, c, 1):
+    if _is_zero(y, rw, negative=True):
+        return x  # x + -0 -> x (x + +0.0 is +0.0 for x = -0.0, so floats need -0.0)
+    if _is_zero(x, rw, negative=True):
+        return y  # -0 + x -> x
+    return None
+
+
+def _sub_rules(op, rw):
+    x, y = op.operands
+    if _is_zero(y, rw, negative=False):
+        return x  # x - +0 -> x (x - -0.0 is +0.0 for x = -0.0, so floats need +0.0)
+    if x is y and op.result.type.dtype.is_int:
+        return _zeros(op, rw)  # int: x - x -> 0 (float: inf - inf is nan)
+    return None
+
+
+def _mul_rules(op, rw):
+    x, y = op.operands
+    if _is(y, rw, 1):
         return x  # x * 1 -> x
-    if op.name == "mul" and _is(x, c, 1):
+    if _is(x, rw, 1):
         return y  # 1 * x -> x
-    if op.name == "div" and _is(y, c, 1):
+    if op.result.type.dtype.is_int and _is(y, rw, 0):
+        return y  # int: x * 0 -> 0 (float: inf * 0 is nan, -1 * 0 is -0)
+    if op.result.type.dtype.is_int and _is(x, rw, 0):
+        return x  # int: 0 * x -> 0
+    return None
+
+
+def _div_rules(op, rw):
+    x, y = op.operands
+    if _is(y, rw, 1):
         return x  # x / 1 -> x
-    if op.name == "pow" and _is(y, c, 1):
+    return None
+
+
+def _pow_rules(op, rw):
+    x, y = op.operands
+    if _is(y, rw, 1):
         return x  # x ** 1 -> x
     return None
 
 
-def _involution(op, c):
+def _idempotent(op, rw):
+    x, y = op.operands
+    if x is y:
+        return x  # max(x, x) -> x, min(x, x) -> x, and(x, x) -> x, or(x, x) -> x
+    return None
+
+
+def _involution(op, rw):
     (x,) = op.operands
     p = x.producer
     if p is not None and p.name == op.name:
@@ -65,82 +121,106 @@ def _involution(op, c):
     return None
 
 
-def _reshape_rules(op, c):
+def _reshape_rules(op, rw):
     (x,) = op.operands
     if x.type == op.result.type:
-        return x  # reshape to own shape -> x
+        return x  # reshape(x, shape(x)) -> x
     p = x.producer
     if p is not None and p.name == "reshape":
-        return _emit_like(
-            op, "reshape", [p.operands[0]], {"shape": op.attrs["shape"]}
-        )  # reshape(reshape(x)) -> reshape(x)
+        return rw.emit_like(op, "reshape", [p.operands[0]], op.attrs)  # reshape(reshape(x)) -> reshape(x)
     return None
 
 
-def _transpose_rules(op, c):
+def _transpose_rules(op, rw):
     (x,) = op.operands
     perm = op.attrs["perm"]
     if perm == tuple(range(len(perm))):
         return x  # transpose(x, identity) -> x
     p = x.producer
-    if p is not None and p.name == "transpose":
-        inner = p.attrs["perm"]
-        composed = tuple(inner[i] for i in perm)
-        if composed == tuple(range(len(perm))):
-            return p.operands[0]  # transpose(transpose(x, p), p^-1) -> x
-        return _emit_like(op, "transpose", [p.operands[0]], {"perm": composed})  # two transposes -> one
+    if p is None or p.name != "transpose":
+        return None
+    composed = tuple(p.attrs["perm"][i] for i in perm)
+    if composed == tuple(range(len(perm))):
+        return p.operands[0]  # transpose(transpose(x, p), p^-1) -> x
+    return rw.emit_like(
+        op, "transpose", [p.operands[0]], {"perm": composed}
+    )  # transpose(transpose(x, p), q) -> transpose(x, p∘q)
+
+
+def _widens_exactly(src: DType, dst: DType) -> bool:
+    """Every `src` value is exactly representable in `dst` (and conversions from it keep their value)."""
+    if src.is_bool:
+        return True
+    if src.kind != dst.kind:
+        return False
+    if src.is_int:
+        return dst.bits >= src.bits
+    return dst.bits > src.bits or src is dst  # f16/bf16 -> f32 -> f64; f16 and bf16 do not nest
+
+
+def _convert_rules(op, rw):
+    (x,) = op.operands
+    if x.type == op.result.type:
+        return x  # convert(x: T, T) -> x
+    p = x.producer
+    if p is not None and p.name == "convert" and _widens_exactly(p.operands[0].type.dtype, x.type.dtype):
+        return rw.emit_like(op, "convert", [p.operands[0]], op.attrs)  # convert(convert(x, wider), T) -> convert(x, T)
     return None
 
 
-def _convert_rules(op, c):
+def _broadcast_rules(op, rw):
     (x,) = op.operands
     if x.type == op.result.type:
-        return x  # convert to own dtype -> x
-    return None
-
-
-def _broadcast_rules(op, c):
-    (x,) = op.operands
-    if x.type == op.result.type:
-        return x  # broadcast to own shape -> x
+        return x  # broadcast(x, shape(x)) -> x
     p = x.producer
     if p is not None and p.name == "broadcast":
         dims = tuple(op.attrs["dims"][d] for d in p.attrs["dims"])
-        return _emit_like(op, "broadcast", [p.operands[0]], {"shape": op.attrs["shape"], "dims": dims})
+        attrs = {"shape": op.attrs["shape"], "dims": dims}
+        return rw.emit_like(op, "broadcast", [p.operands[0]], attrs)  # broadcast(broadcast(x)) -> broadcast(x)
     return None
 
 
-def _slice_rules(op, c):
+def _slice_rules(op, rw):
     (x,) = op.operands
     if x.type == op.result.type and all(s == 1 for s in op.attrs["stride"]):
-        return x  # full slice -> x
+        return x  # x[0:n:1, ...] -> x
     return None
 
 
-def _int_zero_product(op, c):
-    x, y = op.operands
-    if op.result.type.dtype.is_int and (_is(x, c, 0) or _is(y, c, 0)):
-        return _emit_like(op, "constant", [], {"value": np.zeros(op.result.type.shape, op.result.type.dtype.np_dtype)})
-    return None  # int: x * 0 -> 0 (not for floats: inf * 0 is nan)
-
-
-def _select_rules(op, c):
+def _select_rules(op, rw):
     pred, a, b = op.operands
     if a is b:
         return a  # select(p, x, x) -> x
-    if _is(pred, c, True):
+    if _is(pred, rw, True):
         return a  # select(true, a, b) -> a
-    if _is(pred, c, False):
+    if _is(pred, rw, False):
         return b  # select(false, a, b) -> b
     return None
 
 
+def _reduce_rules(op, rw):
+    (x,) = op.operands
+    if not op.attrs["axes"]:
+        return x  # reduce(x, axes=[]) -> x
+    return None
+
+
+def _concatenate_rules(op, rw):
+    if len(op.operands) == 1:
+        return op.operands[0]  # concatenate(x) -> x
+    return None
+
+
 RULES = {
-    "add": [_identity_binary],
-    "sub": [_identity_binary],
-    "div": [_identity_binary],
-    "pow": [_identity_binary],
-    "mul": [_identity_binary, _int_zero_product],
+    "add": [_add_rules],
+    "sub": [_sub_rules],
+    "mul": [_mul_rules],
+    "div": [_div_rules],
+    "pow": [_pow_rules],
+    "max": [_idempotent],
+    "min": [_idempotent],
+    "logical_and": [_idempotent],
+    "logical_or": [_idempotent],
     "neg": [_involution],
     "logical_not": [_involution],
     "reshape": [_reshape_rules],
@@ -149,10 +229,17 @@ RULES = {
     "broadcast": [_broadcast_rules],
     "slice": [_slice_rules],
     "select": [_select_rules],
+    "reduce_sum": [_reduce_rules],
+    "reduce_max": [_reduce_rules],
+    "reduce_min": [_reduce_rules],
+    "reduce_prod": [_reduce_rules],
+    "concatenate": [_concatenate_rules],
 }
 
 
 class _Rewriter:
+    """State of one sweep: value replacements, known constants, and ops the rules create."""
+
     def __init__(self):
         self.replace: dict[Value, Value] = {}
         self.constants: dict[Value, np.ndarray] = {}
@@ -163,79 +250,91 @@ class _Rewriter:
             v = self.replace[v]
         return v
 
+    def emit_like(self, op: Op, name: str, operands, attrs) -> Value:
+        """A new op with `op`'s location and device, placed just before `op`."""
+        new = make_op(name, operands, attrs, op.loc, device=op.device)
+        self.pending.append(new)
+        return new.result
 
-_current: list[_Rewriter] = []
 
-
-def _emit_like(op: Op, name: str, operands, attrs) -> Value:
-    """A new op with `op`'s location and device, queued before `op`'s position."""
-    new = make_op(name, operands, attrs, op.loc, device=op.device)
-    _current[-1].pending.append(new)
-    return new.result
+def _attr_key(value):
+    """Attributes are equal for CSE only when they print the same: 0.0 and -0.0, 1 and 1.0 and True differ."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.str, value.shape, value.tobytes()
+    if isinstance(value, tuple):
+        return tuple(_attr_key(v) for v in value)
+    return type(value).__name__, repr(value)
 
 
 def _cse_key(op: Op):
-    attrs = tuple(
-        (k, (v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v)
-        for k, v in sorted(op.attrs.items())
-    )
+    attrs = tuple((k, _attr_key(v)) for k, v in sorted(op.attrs.items()))
     return op.name, tuple(id(v) for v in op.operands), attrs, op.device
 
 
 def _pure(op: Op) -> bool:
+    """Ops that may be merged, folded and deleted: no effects and no regions (which may hold effects)."""
     return not get_opdef(op.name).effectful and not op.regions
 
 
 def _foldable(op: Op, rw: _Rewriter) -> bool:
-    if not _pure(op) or op.name == "constant" or not all(v in rw.constants for v in op.operands):
+    opdef = get_opdef(op.name)
+    if not _pure(op) or opdef.family == CREATION or not all(v in rw.constants for v in op.operands):
         return False
     out_size = sum(r.type.size for r in op.results)
     biggest_in = max((v.type.size for v in op.operands), default=0)
-    return out_size <= max(FOLD_SIZE_LIMIT, biggest_in if get_opdef(op.name).elementwise else 0)
+    return out_size <= max(FOLD_SIZE_LIMIT, biggest_in if opdef.elementwise else 0)
+
+
+def _fold(op: Op, rw: _Rewriter) -> list[Op]:
+    """Constants holding `op`'s results, evaluated by the reference implementation."""
+    with np.errstate(all="ignore"):  # log(0) = -inf is a value here, not a warning
+        values = eval_op(op, [rw.constants[v] for v in op.operands], None)
+    return [make_op("constant", [], {"value": np.asarray(v)}, op.loc, device=op.device) for v in values]
 
 
 def _simplify(graph: Graph, rw: _Rewriter, cse: dict) -> None:
     new_ops: list[Op] = []
+
+    def place(new: Op) -> Op:
+        """Append `new`, or reuse an identical pure op already placed (CSE); returns the op kept."""
+        if not _pure(new):
+            new_ops.append(new)
+            return new
+        key = _cse_key(new)
+        if key in cse:
+            return cse[key]
+        cse[key] = new
+        new_ops.append(new)
+        if new.name == "constant":
+            rw.constants[new.result] = new.attrs["value"]
+        return new
+
     for op in graph.ops:
         op.operands = [rw.resolve(v) for v in op.operands]
         for region in op.regions:
             _simplify(region, rw, dict(cse))
-        if op.name == "constant":
-            rw.constants[op.result] = op.attrs["value"]
         if _foldable(op, rw):
-            values = eval_op(op, [rw.constants[v] for v in op.operands], None)
-            for r, v in zip(op.results, values):
-                const = make_op("constant", [], {"value": np.asarray(v)}, op.loc, device=op.device)
-                new_ops.append(const)
-                rw.constants[const.result] = const.attrs["value"]
-                rw.replace[r] = const.result
+            for result, const in zip(op.results, _fold(op, rw)):
+                rw.replace[result] = place(const).result
             continue
         replacement = None
         for rule in RULES.get(op.name, ()):
-            replacement = rule(op, rw.constants)
+            replacement = rule(op, rw)
             if replacement is not None:
                 break
-        if rw.pending:
-            for p in rw.pending:
-                p.operands = [rw.resolve(v) for v in p.operands]
-                key = _cse_key(p)
-                if key in cse:
-                    rw.replace[p.result] = cse[key].result
-                else:
-                    cse[key] = p
-                    new_ops.append(p)
-            rw.pending.clear()
+        for new in rw.pending:
+            new.operands = [rw.resolve(v) for v in new.operands]
+            kept = place(new)
+            if kept is not new:
+                rw.replace[new.result] = kept.result
+        rw.pending.clear()
         if replacement is not None:
             rw.replace[op.result] = rw.resolve(replacement)
             continue
-        if _pure(op):
-            key = _cse_key(op)
-            if key in cse:
-                for a, b in zip(op.results, cse[key].results):
-                    rw.replace[a] = b
-                continue
-            cse[key] = op
-        new_ops.append(op)
+        kept = place(op)
+        for a, b in zip(op.results, kept.results):
+            if a is not b:
+                rw.replace[a] = b
     graph.ops = new_ops
     graph.results = [rw.resolve(v) for v in graph.results]
 
@@ -255,16 +354,11 @@ def _dce(graph: Graph, live: set) -> None:
 
 @register("canonicalize")
 def canonicalize(graph: Graph) -> Graph:
-    """Fold constants, simplify algebra (`x*1`, `x+0`, double transpose, reshape of reshape, ...),
-    merge identical pure ops (CSE) and remove unused pure ops (DCE), to a fixed point."""
+    """Fold constants, simplify algebra (`x*1`, `x + -0.0`, double transpose, reshape of reshape, ...),
+    merge identical pure ops (CSE) and remove unused pure ops (DCE), repeated to a fixed point."""
     for _ in range(8):
         before = _fingerprint(graph)
-        rw = _Rewriter()
-        _current.append(rw)
-        try:
-            _simplify(graph, rw, {})
-        finally:
-            _current.pop()
+        _simplify(graph, _Rewriter(), {})
         _dce(graph, set())
         if _fingerprint(graph) == before:
             break
