@@ -1097,6 +1097,57 @@ def einsum(subscripts: str, *operands):
     return transpose(out, [produced.index(c) for c in output])
 
 
+# --- bitwise -----------------------------------------------------------------------------------------
+
+
+def _bitwise(name: str, x, y):
+    target = result_type(x, y)
+    if target.is_float:
+        raise op_error(FlowjitTypeError, user_location(), name, f"needs integer or bool operands; found {target}")
+    return _elementwise(name, x, y, dtype=target)
+
+
+def bitwise_and(x, y):
+    """x & y (logical for bools)."""
+    return _bitwise("bitwise_and", x, y)
+
+
+def bitwise_or(x, y):
+    """x | y (logical for bools)."""
+    return _bitwise("bitwise_or", x, y)
+
+
+def bitwise_xor(x, y):
+    """x ^ y (logical for bools)."""
+    return _bitwise("bitwise_xor", x, y)
+
+
+def invert(x):
+    """~x: bitwise not of integers, logical not of bools."""
+    x = asarray(x)
+    if _dtype_of(x).is_float:
+        raise op_error(FlowjitTypeError, user_location(), "bitwise_not", "needs an integer or bool operand")
+    return bind("bitwise_not", [x])
+
+
+bitwise_not = invert
+
+
+def left_shift(x, y):
+    """x << y on integers (0 once y reaches the bit width)."""
+    return _bitwise("shift_left", x, y)
+
+
+def right_shift(x, y):
+    """x >> y: arithmetic (sign-filling) for signed integers, as numpy."""
+    return _bitwise("shift_right_arithmetic", x, y)
+
+
+def right_shift_logical(x, y):
+    """x >>> y on the unsigned bits of signed integers (numpy has no such function for signed types)."""
+    return _bitwise("shift_right_logical", x, y)
+
+
 # --- Tracer operators and methods ---------------------------------------------------------------------
 
 
@@ -1138,13 +1189,17 @@ TRACER_METHODS = {
     "__neg__": negative,
     "__pos__": lambda self: self,
     "__abs__": abs,
-    "__invert__": logical_not,
-    "__and__": logical_and,
-    "__rand__": _reflected(logical_and),
-    "__or__": logical_or,
-    "__ror__": _reflected(logical_or),
-    "__xor__": logical_xor,
-    "__rxor__": _reflected(logical_xor),
+    "__invert__": invert,
+    "__and__": bitwise_and,
+    "__rand__": _reflected(bitwise_and),
+    "__or__": bitwise_or,
+    "__ror__": _reflected(bitwise_or),
+    "__xor__": bitwise_xor,
+    "__rxor__": _reflected(bitwise_xor),
+    "__lshift__": left_shift,
+    "__rlshift__": _reflected(left_shift),
+    "__rshift__": right_shift,
+    "__rrshift__": _reflected(right_shift),
     "__eq__": equal,
     "__ne__": not_equal,
     "__lt__": less,
