@@ -245,6 +245,21 @@ def test_log_compiles_explains_each_trace(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [f"flowjit: tracing f ({where}) because {r}" for r in reasons]
 
 
+def test_log_compiles_reports_lower_and_calls_separately(monkeypatch, capsys):
+    monkeypatch.setenv("FLOWJIT_LOG_COMPILES", "1")
+
+    @fj.jit  # log-lower
+    def g(x):
+        return x + 1
+
+    g.lower(X)
+    g(X)
+    g(X[:2])
+    where = f"{__file__}:{line_of('log-lower')}"
+    reasons = ["lower() was called", "first call", "argument x changed from tensor<4x8xf32> to tensor<2x8xf32>"]
+    assert capsys.readouterr().err.splitlines() == [f"flowjit: tracing g ({where}) because {r}" for r in reasons]
+
+
 def test_log_compiles_is_silent_when_unset(monkeypatch, capsys):
     monkeypatch.delenv("FLOWJIT_LOG_COMPILES", raising=False)
     fj.jit(lambda x: x + 1)(X)

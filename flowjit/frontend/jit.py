@@ -342,10 +342,15 @@ class Jitted:
         code = getattr(self.fun, "__code__", None)
         return f"{code.co_filename}:{code.co_firstlineno}" if code else self.name
 
-    def _log_compile(self, sig: Signature, paths) -> None:
+    def _log_compile(self, sig: Signature, paths, for_lower: bool = False) -> None:
         if os.environ.get("FLOWJIT_LOG_COMPILES", "") in ("", "0"):
             return
-        reason = "first call" if self._last is None else sig.explain_change(self._last, paths)
+        if for_lower:
+            reason = "lower() was called"
+        elif self._last is None:
+            reason = "first call"
+        else:
+            reason = sig.explain_change(self._last, paths)
         print(f"flowjit: tracing {self.name} ({self._where()}) because {reason}", file=sys.stderr)
 
     def _lower(self, args, kwargs, bound_self: bool) -> Lowered:
@@ -353,9 +358,8 @@ class Jitted:
             raise FlowjitTypeError(f"{user_location()}: {self.name}.lower() called while tracing; call it outside jit")
         sig, bound, _, paths = self._signature_of(args, kwargs, bound_self)
         with self._lock:
-            self._log_compile(sig, paths)
+            self._log_compile(sig, paths, for_lower=True)
             graph, out_tree, variables = self._trace(sig, bound, paths)
-            self._last = sig
         binder = functools.partial(self._signature_of, bound_self=bound_self)
         return Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder, variables)
 
