@@ -1,0 +1,260 @@
+"""CPU lowerings of contractions and windowed reductions: dot_general, conv2d, reduce_window, argmax,
+argmin.
+
+Every op has a portable form, one `linalg.generic` whose indexing maps encode the op's dimension
+numbers (dot_general's batch/contracting dims, conv2d's stride and dilation, the pooling window),
+which is correct for every shape and dtype. Half types (f16, bf16) accumulate in f32 and round once
+at the end, as the reference implementations do. Large f32/f64 matrix products take the tuned
+kernel in `matmul_kernel.py` instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.backends.cpu.lower_movement import fill, pad_tensor
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Op
+from flowjit.ir.ops.contraction import conv_params, dot_dims
+from flowjit.ir.ops.reduction import reduction_identity
+from flowjit.ir.types import TensorType
+
+HALF_ELEMS = ("f16", "bf16")
+
+
+def accumulator_elem(dtype: dt.DType) -> str:
+    """MLIR element type that sums of `dtype` accumulate in (f32 for the half types)."""
+    elem = elem_type(dtype)
+    return "f32" if elem in HALF_ELEMS else elem
+
+
+def widen(b: ScalarBuilder, value: str, elem: str, acc: str) -> str:
+    return value if elem == acc else b.op(f"arith.extf {value} : {elem} to {acc}")
+
+
+def multiply_add(b: ScalarBuilder, x: str, y: str, acc_value: str, acc: str) -> str:
+    """acc_value + x * y in the accumulator type (integers wrap, as numpy's do)."""
+    if acc.startswith("i"):
+        return b.op(f"arith.addi {acc_value}, {b.op(f'arith.muli {x}, {y} : {acc}')} : {acc}")
+    return b.op(f"arith.addf {acc_value}, {b.op(f'arith.mulf {x}, {y} : {acc}')} : {acc}")
+
+
+def const(em: KernelEmitter, value, dtype_or_elem) -> str:
+    """A function-level scalar constant; `dtype_or_elem` is a flowjit DType or an MLIR type name."""
+    b = ScalarBuilder(em, em.indent)
+    name = b.const(value, dtype_or_elem if isinstance(dtype_or_elem, str) else elem_type(dtype_or_elem))
+    em.body.extend(b.lines)
+    return name
+
+
+def narrow(em: KernelEmitter, x: str, t: TensorType, acc: str) -> str:
+    """The accumulator tensor `x` (of `t`'s shape, element `acc`) rounded to `t`'s dtype."""
+    elem = elem_type(t.dtype)
+    if elem == acc:
+        return x
+    ident = em.identity_map(t.rank)
+    return em.generic(
+        [(x, tensor_type(t, acc))],
+        (em.empty(t), tensor_type(t)),
+        [ident, ident],
+        ["parallel"] * t.rank,
+        lambda b, args: b.op(f"arith.truncf {args[0]} : {acc} to {elem}"),
+        [acc],
+        elem,
+    )
+
+
+def _dims(n: int, first: int = 0) -> list[str]:
+    return [f"d{i}" for i in range(first, first + n)]
+
+
+def contraction_generic(
+    em: KernelEmitter,
+    inputs: list[tuple[str, TensorType, str]],
+    result: TensorType,
+    n_reduction: int,
+) -> str:
+    """sum over the last `n_reduction` loop dims of lhs * rhs, where `inputs` gives each operand with
+    the result expressions of its indexing map; the result's dims are the leading loop dims."""
+    acc = accumulator_elem(result.dtype)
+    elem = elem_type(result.dtype)
+    domain = ", ".join(_dims(result.rank + n_reduction))
+    maps = [em.affine_map(f"({domain}) -> ({exprs})") for _, _, exprs in inputs]
+    maps.append(em.affine_map(f"({domain}) -> ({', '.join(_dims(result.rank))})"))
+    init = fill(em, const(em, 0, acc), result, acc)
+
+    def body(b: ScalarBuilder, args):
+        x, y = (widen(b, a, elem, acc) for a in args[:2])
+        return multiply_add(b, x, y, args[2], acc)
+
+    summed = em.generic(
+        [(name, tensor_type(t)) for name, t, _ in inputs],
+        (init, tensor_type(result, acc)),
+        maps,
+        ["parallel"] * result.rank + ["reduction"] * n_reduction,
+        body,
+        [elem, elem],
+        acc,
+    )
+    return narrow(em, summed, result, acc)
+
+
+def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """dot_general as one generic over (batch, lhs free, rhs free, contracting) loop dims."""
+    a, b = operands
+    ta, tb, result = op.operands[0].type, op.operands[1].type, op.result.type
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
+    lhs_free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
+    rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
+    n_batch, n_out = len(lhs_batch), result.rank
+    lhs_loop, rhs_loop = {}, {}
+    for i, (x, y) in enumerate(zip(lhs_batch, rhs_batch)):
+        lhs_loop[x] = rhs_loop[y] = i
+    for i, x in enumerate(lhs_free):
+        lhs_loop[x] = n_batch + i
+    for i, y in enumerate(rhs_free):
+        rhs_loop[y] = n_batch + len(lhs_free) + i
+    for i, (x, y) in enumerate(zip(lhs_contract, rhs_contract)):
+        lhs_loop[x] = rhs_loop[y] = n_out + i
+    lhs_exprs = ", ".join(f"d{lhs_loop[i]}" for i in range(ta.rank))
+    rhs_exprs = ", ".join(f"d{rhs_loop[i]}" for i in range(tb.rank))
+    return [contraction_generic(em, [(a, ta, lhs_exprs), (b, tb, rhs_exprs)], result, len(lhs_contract))]
+
+
+def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Zero-pad the input, then one generic over (n, o, oh, ow, c, kh, kw) whose input map applies
+    stride and dilation: x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] * w[o, c, kh, kw]."""
+    x, w = operands
+    tx, tw, result = op.operands[0].type, op.operands[1].type, op.result.type
+    stride, padding, dilation = conv_params(op.attrs)
+    padded_type, padded = tx, x
+    if any(lo or hi for lo, hi in padding):
+        padded_type = tx.with_shape(tx.shape[:2] + tuple(d + lo + hi for d, (lo, hi) in zip(tx.shape[2:], padding)))
+        zero = const(em, 0, tx.dtype)
+        padded = pad_tensor(em, x, tx, padded_type, zero, (0, 0, padding[0][0], padding[1][0]), (0, 0, 0, 0))
+    x_exprs = f"d0, d4, d2 * {stride[0]} + d5 * {dilation[0]}, d3 * {stride[1]} + d6 * {dilation[1]}"
+    return [contraction_generic(em, [(padded, padded_type, x_exprs), (w, tw, "d1, d4, d5, d6")], result, 3)]
+
+
+def _window_pad_value(kind: str, dtype: dt.DType):
+    return reduction_identity("max", dtype) if kind == "max" else 0
+
+
+def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Pad with the reduction's identity, then one generic over (output dims, window dims); a
+    shape-only window tensor gives the window loops their bounds, as linalg's pooling ops do."""
+    (x,) = operands
+    tx, result = op.operands[0].type, op.result.type
+    kind, window, strides = op.attrs["kind"], op.attrs["window"], op.attrs["strides"]
+    padding = op.attrs["padding"]
+    elem, acc = elem_type(tx.dtype), accumulator_elem(tx.dtype)
+    padded_type, padded = tx, x
+    if any(lo or hi for lo, hi in padding):
+        padded_type = tx.with_shape(tuple(d + lo + hi for d, (lo, hi) in zip(tx.shape, padding)))
+        pad_value = const(em, _window_pad_value(kind, tx.dtype), tx.dtype)
+        padded = pad_tensor(em, x, tx, padded_type, pad_value, [lo for lo, _ in padding], [0] * tx.rank)
+    rank = tx.rank
+    domain = ", ".join(_dims(2 * rank))
+    x_exprs = ", ".join(f"d{i} * {s} + d{rank + i}" for i, s in enumerate(strides))
+    window_type = TensorType(window, tx.dtype)
+    maps = [
+        em.affine_map(f"({domain}) -> ({x_exprs})"),
+        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank, rank))})"),
+        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank))})"),
+    ]
+    acc_dtype = dt.float32 if acc == "f32" else tx.dtype
+    init_value = reduction_identity("max", acc_dtype) if kind == "max" else 0
+    init = fill(em, const(em, init_value, acc_dtype), result, acc)
+
+    def body(b: ScalarBuilder, args):
+        value = widen(b, args[0], elem, acc)
+        if kind == "max":
+            return b.op(f"arith.{'maxsi' if acc.startswith('i') else 'maximumf'} {args[2]}, {value} : {acc}")
+        return b.op(f"arith.{'addi' if acc.startswith('i') else 'addf'} {args[2]}, {value} : {acc}")
+
+    reduced = em.generic(
+        [(padded, tensor_type(padded_type)), (em.empty(window_type), tensor_type(window_type))],
+        (init, tensor_type(result, acc)),
+        maps,
+        ["parallel"] * rank + ["reduction"] * rank,
+        body,
+        [elem, elem],
+        acc,
+    )
+    if kind == "avg":
+        count = const(em, float(np.prod(window)), acc_dtype)
+        ident = em.identity_map(rank)
+        reduced = em.generic(
+            [(reduced, tensor_type(result, acc))],
+            (em.empty(result, acc), tensor_type(result, acc)),
+            [ident, ident],
+            ["parallel"] * rank,
+            lambda b, args: b.op(f"arith.divf {args[0]}, {count} : {acc}"),
+            [acc],
+            acc,
+        )
+    return [narrow(em, reduced, result, acc)]
+
+
+def _lower_arg_extreme(em: KernelEmitter, op: Op, operands: list[str], largest: bool) -> list[str]:
+    """argmax/argmin as a sequential reduction carrying (best value, its index): a later element
+    replaces the best only if strictly better, or if it is nan and the best is not, which gives
+    numpy's first index of the extreme, and of the first nan."""
+    (x,) = operands
+    tx, result = op.operands[0].type, op.result.type
+    axis = op.attrs["axis"]
+    elem, index_elem = elem_type(tx.dtype), elem_type(result.dtype)
+    values_type = TensorType(result.shape, tx.dtype)
+    start = reduction_identity("max" if largest else "min", tx.dtype)
+    best = fill(em, const(em, start, tx.dtype), values_type)
+    first = fill(em, em.op(f"arith.constant 0 : {index_elem}"), result)
+    domain = ", ".join(_dims(tx.rank))
+    kept = ", ".join(f"d{i}" for i in range(tx.rank) if i != axis)
+    x_map = em.identity_map(tx.rank)
+    out_map = em.affine_map(f"({domain}) -> ({kept})")
+    iters = ", ".join('"reduction"' if i == axis else '"parallel"' for i in range(tx.rank))
+    values_out = em.fresh()
+    em.line(
+        f"{values_out}:2 = linalg.generic {{indexing_maps = [{x_map}, {out_map}, {out_map}], "
+        f"iterator_types = [{iters}]}} ins({x} : {tensor_type(tx)}) "
+        f"outs({best}, {first} : {tensor_type(values_type)}, {tensor_type(result)}) {{"
+    )
+    value, best_value, best_index = em.fresh("a"), em.fresh("a"), em.fresh("a")
+    em.line(f"^bb0({value}: {elem}, {best_value}: {elem}, {best_index}: {index_elem}):")
+    b = ScalarBuilder(em, em.indent + "  ")
+    if elem.startswith("i"):
+        take = b.op(f"arith.cmpi {'sgt' if largest else 'slt'}, {value}, {best_value} : {elem}")
+    else:
+        better = b.op(f"arith.cmpf {'ogt' if largest else 'olt'}, {value}, {best_value} : {elem}")
+        is_nan = b.op(f"arith.cmpf uno, {value}, {value} : {elem}")
+        best_ordered = b.op(f"arith.cmpf ord, {best_value}, {best_value} : {elem}")
+        new_nan = b.op(f"arith.andi {is_nan}, {best_ordered} : i1")
+        take = b.op(f"arith.ori {better}, {new_nan} : i1")
+    position = b.op(f"linalg.index {axis} : index")
+    position = b.op(f"arith.index_cast {position} : index to {index_elem}")
+    new_value = b.op(f"arith.select {take}, {value}, {best_value} : {elem}")
+    new_index = b.op(f"arith.select {take}, {position}, {best_index} : {index_elem}")
+    em.body.extend(b.lines)
+    em.line(f"  linalg.yield {new_value}, {new_index} : {elem}, {index_elem}")
+    em.line(f"}} -> ({tensor_type(values_type)}, {tensor_type(result)})")
+    return [f"{values_out}#1"]
+
+
+def lower_argmax(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Index of the first maximum along `axis` (the first nan if there is one)."""
+    return _lower_arg_extreme(em, op, operands, largest=True)
+
+
+def lower_argmin(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Index of the first minimum along `axis` (the first nan if there is one)."""
+    return _lower_arg_extreme(em, op, operands, largest=False)
+
+
+LOWERINGS = {
+    "dot_general": lower_dot_general,
+    "conv2d": lower_conv2d,
+    "reduce_window": lower_reduce_window,
+    "argmax": lower_argmax,
+    "argmin": lower_argmin,
+}
