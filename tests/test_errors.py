@@ -276,3 +276,22 @@ def test_stage_and_signature_errors_on_lowered_functions():
     with pytest.raises(fj.FlowjitTypeError) as e:
         lo.compile()(np.ones(4, np.float32))  # err-compiled
     check(e, fj.FlowjitTypeError, "err-compiled", "argument x changed from tensor<3xf32> to tensor<4xf32>")
+
+
+def test_error_inside_an_inlined_jit_shows_both_user_frames():
+    @fj.jit
+    def inner(x):
+        return x.reshape(7)  # err-inner
+
+    @fj.jit
+    def outer(x):
+        return inner(x * 2)  # err-outer-call
+
+    with pytest.raises(fj.FlowjitTypeError) as e:
+        outer(np.ones(6, np.float32))
+    check(e, fj.FlowjitTypeError, "err-inner", "op 'reshape'")
+    tb, lines = e.value.__traceback__, []
+    while tb is not None:
+        lines.append(tb.tb_lineno)
+        tb = tb.tb_next
+    assert line_of("err-outer-call") in lines
