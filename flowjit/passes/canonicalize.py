@@ -6,7 +6,7 @@ rules that do not (`x*0 -> 0`, `x-x -> 0`) are applied to integers only. Constan
 ops' reference implementations and stops at `FOLD_SIZE_LIMIT` elements. Only pure ops (no effects,
 no regions) are folded, merged or deleted; effectful ops only see their operands remapped. New
 ops keep the location and device of the op they replace, and the graph stays topologically
-ordered. Regions are canonicalized recursively; values from enclosing graphs stay visible there.
+ordered. Regions are canonicalized recursively, each on its own (CSE never reaches across them).
 """
 
 from __future__ import annotations
@@ -312,7 +312,9 @@ def _simplify(graph: Graph, rw: _Rewriter, cse: dict) -> None:
     for op in graph.ops:
         op.operands = [rw.resolve(v) for v in op.operands]
         for region in op.regions:
-            _simplify(region, rw, dict(cse))
+            # A fresh CSE scope: merging with an outer op would make the region read an enclosing
+            # value, and regions are self-contained (outer values come in as operands).
+            _simplify(region, rw, {})
         if _foldable(op, rw):
             for result, const in zip(op.results, _fold(op, rw)):
                 rw.replace[result] = place(const).result
