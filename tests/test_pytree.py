@@ -4,6 +4,8 @@ from collections import namedtuple
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flowjit as fj
 from flowjit.frontend.pytree import leaf_paths
@@ -85,3 +87,37 @@ def test_mismatched_structures_are_a_clear_error():
     _, treedef = fj.tree_flatten((1, 2))
     with pytest.raises(fj.FlowjitValueError, match="has 2 leaves; found 3"):
         fj.tree_unflatten(treedef, [1, 2, 3])
+
+
+def _trees(leaves):
+    """Nested tuples, lists, string-keyed dicts, namedtuples and None over `leaves`."""
+    return st.recursive(
+        leaves | st.none(),
+        lambda children: (
+            st.tuples(children, children).map(lambda c: Point(*c))
+            | st.lists(children, max_size=3)
+            | st.lists(children, max_size=3).map(tuple)
+            | st.dictionaries(st.sampled_from("abcd"), children, max_size=3)
+        ),
+        max_leaves=8,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(_trees(st.integers(-5, 5)))
+def test_flatten_unflatten_round_trip_property(tree):
+    leaves, treedef = fj.tree_flatten(tree)
+    assert fj.tree_unflatten(treedef, leaves) == tree
+    assert fj.tree_flatten(fj.tree_unflatten(treedef, leaves))[1] == treedef
+    assert fj.tree_map(lambda v: v, tree) == tree
+
+
+@settings(max_examples=15, deadline=None)
+@given(_trees(st.integers(-5, 5).map(lambda v: np.full((2,), v, np.float32))))
+def test_jit_returns_any_pytree_it_is_given(tree):
+    out = fj.jit(lambda t: fj.tree_map(lambda v: v * 2, t))(tree)
+    out_leaves, out_def = fj.tree_flatten(out)
+    in_leaves, in_def = fj.tree_flatten(tree)
+    assert out_def == in_def
+    for a, b in zip(out_leaves, in_leaves):
+        np.testing.assert_array_equal(a, b * 2)
