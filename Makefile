@@ -22,8 +22,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)
-	$(PY) benchmarks/run.py
+# Benchmarks need the peers (JAX, PyTorch) from the `bench` extra; BENCH_ARGS=--quick for a short run.
+$(VENV)/.bench-installed: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,167 @@
+"""Timing and checking of peers on one workload: first call, interleaved steady state, error.
+
+A *peer* is one implementation of a workload (numpy, flowjit, jax, torch, torch.compile). Every peer
+is timed in the same process, round-robin, so that machine noise (other jobs on the 2 shared cores,
+frequency changes) hits all of them alike instead of whichever happened to run during the noise.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Skip(Exception):
+    """Raised by a peer's factory when that peer cannot run this workload (the message says why)."""
+
+
+@dataclass
+class Peer:
+    """How to run one implementation: build a fresh function, convert inputs in and outputs out."""
+
+    name: str
+    make: Callable[[], Callable]  # a fresh function object each call, so its first call compiles
+    to_native: Callable[[np.ndarray], object] = lambda a: a
+    to_numpy: Callable[[object], np.ndarray] = np.asarray
+    block: Callable[[object], object] = lambda out: out  # wait for asynchronous results (JAX)
+
+
+@dataclass
+class PeerResult:
+    """What was measured for one peer on one workload."""
+
+    name: str
+    status: str = "ok"  # "ok", "skipped: ...", or "failed: ..."
+    first_call_s: float = math.nan
+    samples_s: list[float] = field(default_factory=list)
+    inner: int = 1  # calls per timed sample (tiny workloads repeat to get above timer noise)
+    max_abs_err: float = math.nan
+    rel_err: float = math.nan
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and bool(self.samples_s)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s) if self.samples_s else math.nan
+
+    @property
+    def min_s(self) -> float:
+        return min(self.samples_s) if self.samples_s else math.nan
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    """How long to measure: at least `min_reps` rounds, then stop at `max_reps` or after `budget_s`."""
+
+    min_reps: int
+    max_reps: int
+    budget_s: float
+    min_sample_s: float  # a sample repeats the call until it lasts at least this long
+
+
+FULL = TimingPolicy(min_reps=5, max_reps=25, budget_s=8.0, min_sample_s=0.005)
+QUICK = TimingPolicy(min_reps=3, max_reps=8, budget_s=2.5, min_sample_s=0.002)
+
+
+def _leaves(out) -> list:
+    if isinstance(out, tuple | list):
+        return [leaf for item in out for leaf in _leaves(item)]
+    if isinstance(out, dict):
+        return [leaf for key in sorted(out) for leaf in _leaves(out[key])]
+    return [out]
+
+
+def compare(out: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> tuple[float, float]:
+    """(max abs error, that error relative to the largest reference magnitude) over all leaves."""
+    if len(out) != len(reference):
+        raise ValueError(f"{len(out)} outputs, reference has {len(reference)}")
+    err, scale = 0.0, 0.0
+    for got, want in zip(out, reference):
+        got = np.asarray(got, np.float64)
+        want = np.asarray(want, np.float64)
+        if got.shape != want.shape:
+            raise ValueError(f"output shape {got.shape}, reference shape {want.shape}")
+        err = max(err, float(np.max(np.abs(got - want), initial=0.0)))
+        scale = max(scale, float(np.max(np.abs(want), initial=0.0)))
+    return err, err / scale if scale else err
+
+
+def _short(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(e).__name__}: {first[:160]}"
+
+
+def run_peers(
+    peers: Sequence[Peer], inputs: Sequence[np.ndarray], reference, policy: TimingPolicy, log=print
+) -> list[PeerResult]:
+    """First call of a fresh function per peer (timed, checked against `reference`), then interleaved
+    steady-state timing of all peers that worked."""
+    reference = [np.asarray(r) for r in _leaves(reference)]
+    results, calls = [], {}
+    for peer in peers:
+        result = PeerResult(peer.name)
+        results.append(result)
+        try:
+            fn = peer.make()
+            args = [peer.to_native(a) for a in inputs]
+            start = time.perf_counter()
+            out = peer.block(fn(*args))
+            result.first_call_s = time.perf_counter() - start
+            result.max_abs_err, result.rel_err = compare([peer.to_numpy(o) for o in _leaves(out)], reference)
+        except Skip as e:
+            result.status = f"skipped: {e}"
+            log(f"  {peer.name:14s} {result.status}")
+            continue
+        except Exception as e:  # a peer that breaks is reported, never fatal to the suite
+            result.status = f"failed: {_short(e)}"
+            log(f"  {peer.name:14s} {result.status}")
+            if log is print:
+                traceback.print_exc(limit=-3)
+            continue
+        calls[peer.name] = _bind_call(fn, args, peer.block)
+        log(f"  {peer.name:14s} first call {result.first_call_s:9.4f} s  max abs err {result.max_abs_err:.3g}")
+    by_name = {r.name: r for r in results}
+    for name, call in calls.items():
+        by_name[name].inner = _calibrate(call, policy.min_sample_s)
+    _interleave(calls, by_name, policy)
+    return results
+
+
+def _bind_call(fn, args, block):
+    return lambda: block(fn(*args))
+
+
+def _calibrate(call, min_sample_s: float) -> int:
+    """Calls per sample so that one sample lasts at least `min_sample_s` (also a warm-up call)."""
+    start = time.perf_counter()
+    call()
+    once = time.perf_counter() - start
+    return 1 if once >= min_sample_s else min(100_000, math.ceil(min_sample_s / max(once, 1e-7)))
+
+
+def _interleave(calls: dict, results: dict[str, PeerResult], policy: TimingPolicy) -> None:
+    """Round-robin samples, rotating which peer goes first so none always follows the same one."""
+    names = list(calls)
+    if not names:
+        return
+    start = time.perf_counter()
+    for rep in range(policy.max_reps):
+        if rep >= policy.min_reps and time.perf_counter() - start > policy.budget_s:
+            break
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            call, inner = calls[name], results[name].inner
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                call()
+            results[name].samples_s.append((time.perf_counter() - t0) / inner)

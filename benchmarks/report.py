@@ -1,0 +1,197 @@
+"""RESULTS.md: machine block, summary of ratios against the issues' targets, one table per workload."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from harness import PeerResult
+from machine import Limits
+
+FIRST_CALL_TARGET_S = 1.0
+
+
+@dataclass
+class WorkloadRun:
+    """Everything measured for one workload."""
+
+    workload: object  # workloads.Workload
+    size: dict
+    backend: str | None  # None: flowjit was skipped for this workload
+    results: list[PeerResult]
+
+    def get(self, name: str) -> PeerResult | None:
+        return next((r for r in self.results if r.name == name and r.ok), None)
+
+    def fastest_other(self, name: str) -> PeerResult | None:
+        others = [r for r in self.results if r.ok and r.name != name]
+        return min(others, key=lambda r: r.median_s, default=None)
+
+
+def fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "—"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}g}" if math.isfinite(x) else "—"
+
+
+def _met(ok: bool | None) -> str:
+    return "—" if ok is None else ("met" if ok else "**not met**")
+
+
+def _limit(run: WorkloadRun, r: PeerResult, limits: Limits) -> str:
+    w = run.workload
+    if w.bound == "memory" and limits.bandwidth_gbs:
+        gbs = w.traffic_bytes(**run.size) / r.median_s / 1e9
+        return f"{gbs:.3g} GB/s = {100 * gbs / limits.bandwidth_gbs:.0f}% of bw"
+    if w.bound == "compute" and limits.sgemm_gflops:
+        gflops = w.flops(**run.size) / r.median_s / 1e9
+        return f"{gflops:.3g} GFLOP/s = {100 * gflops / limits.sgemm_gflops:.0f}% of sgemm"
+    return "—"
+
+
+def workload_table(run: WorkloadRun, limits: Limits) -> list[str]:
+    numpy = run.get("numpy")
+    ok = [r for r in run.results if r.ok]
+    best = min((r.median_s for r in ok), default=math.nan)
+    lines = [
+        "| peer | median | min | first call | max abs err | rel err | speedup vs numpy | × fastest "
+        "| vs machine limit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in run.results:
+        if not r.ok:
+            lines.append(f"| {r.name} | {r.status} | | | | | | | |")
+            continue
+        speedup = numpy.median_s / r.median_s if numpy else math.nan
+        lines.append(
+            f"| {r.name} | {fmt_time(r.median_s)} | {fmt_time(r.min_s)} | {fmt_time(r.first_call_s)} "
+            f"| {_num(r.max_abs_err)} | {_num(r.rel_err)} | {_num(speedup)}× | {r.median_s / best:.2f} "
+            f"| {_limit(run, r, limits)} |"
+        )
+    samples = ", ".join(f"{r.name} {len(r.samples_s)}×{r.inner}" for r in ok)
+    lines.append("")
+    lines.append(f"Samples × calls per sample: {samples}.")
+    return lines
+
+
+def summary_table(runs: list[WorkloadRun]) -> list[str]:
+    lines = [
+        "| workload | flowjit median | numpy median | speedup vs numpy | target | met | fastest other peer "
+        "| flowjit ÷ fastest (≤ 1.0) | met | flowjit first call (< 1 s) | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        w = run.workload
+        fj_r = run.get("flowjit")
+        if fj_r is None:
+            status = next((r.status for r in run.results if r.name == "flowjit"), "not run")
+            lines.append(f"| {w.name} | {status} | | | {w.target.text if w.target else '—'} | | | | | | |")
+            continue
+        np_r, other = run.get("numpy"), run.fastest_other("flowjit")
+        speedup = np_r.median_s / fj_r.median_s if np_r else math.nan
+        target_met = speedup >= w.target.min_speedup if w.target and np_r else None
+        ratio = fj_r.median_s / other.median_s if other else math.nan
+        lines.append(
+            f"| {w.name} | {fmt_time(fj_r.median_s)} | {fmt_time(np_r.median_s if np_r else math.nan)} "
+            f"| {_num(speedup)}× | {w.target.text if w.target else '—'} | {_met(target_met)} "
+            f"| {f'{other.name} {fmt_time(other.median_s)}' if other else '—'} | {_num(ratio)} "
+            f"| {_met(ratio <= 1.0 if other else None)} | {fmt_time(fj_r.first_call_s)} "
+            f"| {_met(fj_r.first_call_s < FIRST_CALL_TARGET_S)} |"
+        )
+    return lines
+
+
+def memory_section(mem: dict | None) -> list[str]:
+    if mem is None:
+        return ["Not measured (`--no-memory`)."]
+    if "error" in mem:
+        return [f"The memory probe failed: {mem['error']}"]
+    ideal = mem["inputs_plus_output_mib"]
+    lines = [
+        f"Elementwise chain on {mem['n']:,} f32 elements, fresh process (`benchmarks/memory.py`). Input + "
+        f"output = {ideal:.0f} MiB; the input is live before the call, so the ideal extra peak is the "
+        f"output alone ({ideal / 2:.0f} MiB).",
+        "",
+        "| call | extra peak, tracemalloc | extra peak, RSS high-water delta | time |",
+        "|---|---|---|---|",
+    ]
+    for key, label in (
+        ("numpy", "numpy"),
+        ("flowjit_first_call", "flowjit first call"),
+        ("flowjit_steady", "flowjit, steady state"),
+    ):
+        m = mem[key]
+        lines.append(
+            f"| {label} | {m['tracemalloc_peak_mib']:.0f} MiB | {m['rss_peak_delta_mib']:.0f} MiB "
+            f"| {fmt_time(m['seconds'])} |"
+        )
+    return lines
+
+
+def render(
+    command: str,
+    date: str,
+    mode: str,
+    machine: dict[str, str],
+    startup: dict[str, float],
+    limits: Limits,
+    runs: list[WorkloadRun],
+    memory: dict | None,
+    missing_peers: list[str],
+) -> str:
+    backends = sorted({run.backend for run in runs if run.backend})
+    out = [
+        "# flowjit benchmarks",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {date}  ",
+        f"Mode: {mode}  ",
+        f"flowjit backend: {'; '.join(backends) if backends else '—'}",
+        "",
+    ]
+    if missing_peers:
+        out += [f"Peers not installed (left out): {', '.join(missing_peers)}.", ""]
+    out += ["## Machine", "", "| | |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in machine.items()]
+    out += [
+        "",
+        "One-time library start-up, paid before any workload (not in first-call times): "
+        + (", ".join(f"{k} {fmt_time(v)}" for k, v in startup.items()) or "—")
+        + ".",
+        "",
+        f"Machine limits (best of several runs): memory bandwidth **{limits.bandwidth_gbs:.3g} GB/s**, "
+        f"sgemm **{limits.sgemm_gflops:.3g} GFLOP/s** ("
+        + ", ".join(f"{k} {v:.3g}" for k, v in limits.details.items())
+        + ").",
+        "",
+        "## Summary",
+        "",
+        "Speedup = t_numpy / t_flowjit (median of steady-state calls). Targets from the issues.",
+        "",
+        *summary_table(runs),
+        "",
+        "## Workloads",
+        "",
+        "median/min: steady-state time per call; first call: trace + compile + run of a fresh function "
+        "object; errors: against the numpy version run in float64 (rel err = max abs err / max |reference|); "
+        "× fastest: median over the fastest peer's median; machine limit: compulsory traffic (inputs read "
+        "once, outputs written once) over the measured bandwidth, or FLOPs over the best sgemm.",
+        "",
+    ]
+    for run in runs:
+        w = run.workload
+        sizes = ", ".join(f"{k}={v}" for k, v in run.size.items())
+        # The backend is named once at the top unless workloads differ (e.g. a fallback to the interpreter).
+        backend = f" flowjit backend: {run.backend}." if len(backends) > 1 and run.backend else ""
+        out += [f"### {w.name}: {w.title}", "", f"Sizes: {sizes}.{backend}", ""]
+        out += workload_table(run, limits)
+        out.append("")
+    out += ["## Memory", "", *memory_section(memory), ""]
+    return "\n".join(out)
