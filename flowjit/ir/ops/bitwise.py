@@ -33,14 +33,14 @@ def _shift_amount(x, y):
 
 def _shift_left(x, y):
     amount, bits = _shift_amount(x, y)
-    u = _unsigned(np.ascontiguousarray(x))
+    u = _unsigned(x)
     out = np.where(amount >= bits, 0, u << np.minimum(amount, bits - 1).astype(u.dtype))
     return out.astype(u.dtype).view(x.dtype)
 
 
 def _shift_right_logical(x, y):
     amount, bits = _shift_amount(x, y)
-    u = _unsigned(np.ascontiguousarray(x))
+    u = _unsigned(x)
     out = np.where(amount >= bits, 0, u >> np.minimum(amount, bits - 1).astype(u.dtype))
     return out.astype(u.dtype).view(x.dtype)
 
