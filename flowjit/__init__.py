@@ -1,20 +1,23 @@
 """flowjit: a compiler for machine-learning programs written in Python.
 
-    import flowjit as fj, flowjit.numpy as fnp
+import flowjit as fj, flowjit.numpy as fnp
 
-    @fj.jit
-    def f(x, w, b):
-        return fnp.tanh(x @ w + b).sum(axis=1)
+@fj.jit
+def f(x, w, b):
+    return fnp.tanh(x @ w + b).sum(axis=1)
 """
 
-from flowjit import ir  # noqa: F401  (registers every op)
+from flowjit import (  # noqa: E402,F401  (libraries written on the API above)
+    ir,  # noqa: F401  (registers every op)
+    nn,
+    optim,
+    random,
+)
 from flowjit.errors import CompileError, FlowjitError, FlowjitTypeError, FlowjitValueError  # noqa: F401
 from flowjit.frontend.control_flow import cond, fori_loop, while_loop  # noqa: F401
 from flowjit.frontend.jit import Compiled, Jitted, Lowered, ShapeDtype, jit  # noqa: F401
 from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 from flowjit.frontend.variables import Variable  # noqa: F401
 from flowjit.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
-
-from flowjit import nn, optim, random  # noqa: E402,F401  (libraries written on the API above)
 
 __version__ = "0.1.0"
