@@ -116,23 +116,37 @@ def _unsupported_dtype(path: str, np_dtype) -> FlowjitTypeError:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _tensor_type(shape: tuple[int, ...], np_dtype: np.dtype) -> TensorType | None:
+    """Interned argument types (every call builds its signature: this is the hot path); None for a
+    dtype flowjit does not support."""
+    if not dt.is_supported_numpy_dtype(np_dtype):
+        return None
+    return TensorType(shape, dt.dtype(np_dtype))
+
+
+def _array_type(leaf, path: str) -> TensorType:
+    ttype = _tensor_type(tuple(leaf.shape), np.dtype(leaf.dtype))
+    if ttype is None:
+        raise _unsupported_dtype(path, leaf.dtype)
+    return ttype
+
+
 def _abstract(leaf, path: str) -> TensorType:
     """The abstract value (shape, dtype) of one argument leaf."""
-    if isinstance(leaf, ShapeDtype):
-        return TensorType(leaf.shape, dt.dtype(leaf.dtype))
-    if isinstance(leaf, Tracer):
-        raise escaped_tracer_error()  # calls inside a trace inline, so this tracer outlived its trace
+    if isinstance(leaf, np.ndarray | np.generic):
+        return _array_type(leaf, path)
     if isinstance(leaf, bool | int | float):
         if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf not in _INT64_RANGE:
             raise FlowjitValueError(f"{user_location()}: argument {path}: Python int {leaf} does not fit in int64")
         kind = "b" if isinstance(leaf, bool) else "i" if isinstance(leaf, int) else "f"
-        return TensorType((), dt.default_for_kind(kind))
-    if isinstance(leaf, np.ndarray | np.generic) or (
-        hasattr(leaf, "__array__") and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-    ):
-        if not dt.is_supported_numpy_dtype(leaf.dtype):
-            raise _unsupported_dtype(path, leaf.dtype)
-        return TensorType(tuple(leaf.shape), dt.dtype(np.dtype(leaf.dtype)))
+        return _tensor_type((), dt.default_for_kind(kind).np_dtype)
+    if isinstance(leaf, ShapeDtype):
+        return TensorType(leaf.shape, dt.dtype(leaf.dtype))
+    if isinstance(leaf, Tracer):
+        raise escaped_tracer_error()  # calls inside a trace inline, so this tracer outlived its trace
+    if hasattr(leaf, "__array__") and hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return _array_type(leaf, path)
     raise FlowjitTypeError(
         f"{user_location()}: argument {path}: expected an array, a Python scalar or a tuple/list/dict of them; "
         f"found {type(leaf).__name__}. Mark it static (static_argnums/static_argnames) if it configures "
