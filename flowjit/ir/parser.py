@@ -294,7 +294,8 @@ class _Parser:
             if attrs:
                 self.expect(",")
             at = self.tok
-            key = self.take("ident", "an attribute name")
+            # `inf` and `nan` lex as numbers but are fine attribute names.
+            key = self.take("number", "") if at.text in ("inf", "nan") else self.take("ident", "an attribute name")
             if key in attrs:
                 raise self.fail_at(at, f"attribute '{key}' is given twice")
             self.expect("=")
