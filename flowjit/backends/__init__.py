@@ -29,8 +29,15 @@ def _compile_interpreter(graph: Graph, options) -> Executable:
     return InterpreterExecutable(graph)
 
 
+def _compile_cpu(graph: Graph, options) -> Executable:
+    from flowjit.backends.cpu.compiler import compile_cpu
+
+    return compile_cpu(graph, options)
+
+
 BACKENDS: dict[str, Callable[[Graph, object], Executable]] = {
     "interpreter": _compile_interpreter,
+    "cpu": _compile_cpu,
 }
 
 

@@ -97,6 +97,7 @@ class KernelEmitter:
         self.aliases: dict[str, str] = {}  # text -> alias name
         self.body: list[str] = []
         self.indent = "    "
+        self.schedules: list[str] = []  # transform-dialect lines for tagged kernels
 
     def fresh(self, prefix: str = "v") -> str:
         self._counter += 1
@@ -158,6 +159,46 @@ class KernelEmitter:
         self.line(f"  linalg.yield {', '.join(yielded)} : {', '.join([output_elem] * len(yielded))}")
         self.line(f"}} -> {init[1]}")
         return result
+
+    def schedule(self, generic: str, steps: Callable[[str], Sequence[str]]) -> None:
+        """Attach a transform-dialect schedule to the `linalg.generic` whose result is `generic`.
+
+        The generic gets a unique `fj.kernel` attribute; `steps(handle)` returns the transform ops
+        applied to the handle that matches it (see `schedule.py`).
+        """
+        marker = f"{generic} = linalg.generic {{"
+        for i, line in enumerate(self.body):
+            if line.lstrip().startswith(marker):
+                tag = len(self.schedules)
+                self.body[i] = line.replace(marker, f"{marker}fj.kernel = {tag} : i64, ", 1)
+                break
+        else:
+            raise ValueError(f"no linalg.generic defines {generic}")
+        handle = f"%k{tag}"
+        lines = [
+            f'{handle} = transform.structured.match ops{{["linalg.generic"]}} attributes{{fj.kernel = {tag} : i64}} '
+            "in %root : (!transform.any_op) -> !transform.any_op",
+            *steps(handle),
+        ]
+        self.schedules.append("\n".join(f"    {line}" for line in lines))
+
+    def schedule_lines(self) -> list[str]:
+        """The `@__transform_main` sequence applying every kernel's schedule (empty if none)."""
+        if not self.schedules:
+            return []
+        return [
+            "  transform.named_sequence @__transform_main(%root: !transform.any_op {transform.readonly}) {",
+            *self.schedules,
+            '    %func = transform.structured.match ops{["func.func"]} in %root '
+            ": (!transform.any_op) -> !transform.any_op",
+            "    transform.apply_patterns to %func {",
+            "      transform.apply_patterns.vector.lower_masked_transfers",
+            '      transform.apply_patterns.vector.lower_multi_reduction lowering_strategy = "innerreduction"',
+            "      transform.apply_patterns.canonicalization",
+            "    } : !transform.any_op",
+            "    transform.yield",
+            "  }",
+        ]
 
     def module_prelude(self) -> str:
         return "".join(f"{alias} = affine_map<{text}>\n" for text, alias in self.aliases.items())

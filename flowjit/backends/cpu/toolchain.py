@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from flowjit.errors import CompileError
 
+# After a transform schedule: hoist vector accumulators out of reduction loops (on tensors).
+SCHEDULE_CLEANUP_PIPELINE = "canonicalize,cse,func.func(loop-invariant-subset-hoisting),canonicalize,cse"
 # Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
 BUFFERIZE_PIPELINE = (
     "canonicalize,cse,eliminate-empty-tensors,"
@@ -28,7 +30,7 @@ LLVM_PIPELINE = (
     "convert-linalg-to-loops,lower-affine,convert-vector-to-scf,"
     "scf-forall-to-parallel,convert-scf-to-openmp,convert-scf-to-cf,"
     "convert-vector-to-llvm{enable-x86vector=false},expand-strided-metadata,lower-affine,"
-    "finalize-memref-to-llvm,convert-math-to-llvm,convert-arith-to-llvm,convert-index-to-llvm,"
+    "finalize-memref-to-llvm,convert-math-to-llvm,convert-math-to-libm,convert-arith-to-llvm,convert-index-to-llvm,"
     "convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,convert-cf-to-llvm,"
     "convert-ub-to-llvm,reconcile-unrealized-casts"
 )
@@ -106,17 +108,26 @@ def run_mlir(text: str, pipelines: list[str]) -> str:
 
 
 def apply_transform_schedule(text: str) -> str:
-    """Run the transform-dialect schedule embedded in the module (a `transform.with_named_sequence`
-    module with `@__transform_main`), then erase the schedule."""
+    """Run the transform-dialect schedule embedded in the module (`transform.named_sequence
+    @__transform_main` inside a module carrying `transform.with_named_sequence`), then erase the
+    schedule so the payload is an ordinary module again."""
     from mlir import ir
     from mlir.passmanager import PassManager
 
     with _lock, mlir_context():
-        module = ir.Module.parse(text)
-        PassManager.parse("builtin.module(transform-interpreter)").run(module.operation)
+        try:
+            module = ir.Module.parse(text)
+        except Exception as e:
+            raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
+        try:
+            PassManager.parse("builtin.module(transform-interpreter)").run(module.operation)
+        except Exception as e:
+            raise CompileError(f"internal error: transform schedule failed:\n{e}") from None
         for op in list(module.body.operations):
-            if "transform.with_named_sequence" in op.attributes:
-                op.erase()
+            if op.operation.name == "transform.named_sequence":
+                op.operation.erase()
+        if "transform.with_named_sequence" in module.operation.attributes:
+            del module.operation.attributes["transform.with_named_sequence"]
         return str(module)
 
 

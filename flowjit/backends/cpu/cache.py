@@ -1,0 +1,163 @@
+"""The on-disk compile cache for CPU code: a second process running the same program loads object
+code instead of running MLIR and LLVM (it never imports `mlir`).
+
+- Location: `$FLOWJIT_CACHE_DIR`, else `~/.cache/flowjit`; `FLOWJIT_CACHE=0` disables it.
+- Key: sha256 of the optimized IR text, the compile options, the flowjit, MLIR and LLVM versions,
+  the CPU backend's own source, the host CPU (name, features) and its core count.
+- Entry file `<key>.fjo`: magic, header length + JSON header (entry symbol, workspace size, I/O
+  layout), payload length + object code, then the sha256 of everything before it. A file that is
+  truncated, corrupt or of another format is deleted and rebuilt, never loaded.
+- Writes go to a unique temporary file in the same folder, then `os.replace`: readers see the old
+  entry or the new one, and concurrent writers of one key never interleave.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+
+from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu.executable import Buffer, Layout
+
+MAGIC = b"FLOWJIT-CPU-OBJECT-1\n"
+_LENGTH = struct.Struct("<Q")
+_DIGEST = 32
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a cached function needs to run: object code and its calling layout."""
+
+    object_code: bytes
+    symbol: str
+    workspace_bytes: int
+    inputs: Layout
+    outputs: Layout
+
+
+def enabled() -> bool:
+    return os.environ.get("FLOWJIT_CACHE", "1") not in ("0", "false", "off", "")
+
+
+def cache_dir() -> str:
+    return os.environ.get("FLOWJIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flowjit")
+
+
+@functools.cache
+def _backend_fingerprint() -> str:
+    """Versions, host and the backend's source: anything that changes generated code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        flowjit_version = version("flowjit")
+    except PackageNotFoundError:
+        flowjit_version = "source"
+    source = hashlib.sha256()
+    folder = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                source.update(name.encode() + b"\0" + f.read())
+    cpu = toolchain.host_cpu()
+    parts = {
+        "flowjit": flowjit_version,
+        **toolchain.versions(),
+        "backend-source": source.hexdigest(),
+        "cpu": f"{cpu.triple} {cpu.name} {cpu.features}",
+        "cores": os.cpu_count(),
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+def cache_key(graph_text: str, options) -> str:
+    digest = hashlib.sha256()
+    for part in (graph_text, repr(options), _backend_fingerprint()):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def entry_path(key: str) -> str:
+    return os.path.join(cache_dir(), f"{key}.fjo")
+
+
+def encode(entry: Entry) -> bytes:
+    header = json.dumps(
+        {
+            "symbol": entry.symbol,
+            "workspace_bytes": entry.workspace_bytes,
+            "inputs": [[list(b.shape), b.dtype] for b in entry.inputs],
+            "outputs": [[list(b.shape), b.dtype] for b in entry.outputs],
+        }
+    ).encode()
+    body = MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(entry.object_code)) + entry.object_code
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(data: bytes) -> Entry | None:
+    """The entry in `data`, or None when it is not a complete, intact entry."""
+    if len(data) < len(MAGIC) + 2 * _LENGTH.size + _DIGEST or not data.startswith(MAGIC):
+        return None
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    pos = len(MAGIC)
+    (header_len,) = _LENGTH.unpack_from(body, pos)
+    pos += _LENGTH.size
+    header = json.loads(body[pos : pos + header_len])
+    pos += header_len
+    (payload_len,) = _LENGTH.unpack_from(body, pos)
+    pos += _LENGTH.size
+    if pos + payload_len != len(body):
+        return None
+
+    def layout(items) -> Layout:
+        return Layout(Buffer(tuple(shape), dtype) for shape, dtype in items)
+
+    return Entry(
+        body[pos:], header["symbol"], header["workspace_bytes"], layout(header["inputs"]), layout(header["outputs"])
+    )
+
+
+def load(key: str) -> Entry | None:
+    """The cached entry for `key`; a damaged entry is deleted (and None returned)."""
+    if not enabled():
+        return None
+    path = entry_path(key)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    entry = decode(data)
+    if entry is None:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return entry
+
+
+def store(key: str, entry: Entry) -> None:
+    """Write the entry atomically; a cache that cannot be written is skipped silently (the code
+    is already compiled in this process)."""
+    if not enabled() or not entry.object_code:
+        return
+    folder = cache_dir()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(encode(entry))
+            os.replace(tmp, entry_path(key))
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        return

@@ -1,0 +1,156 @@
+"""The CPU compiler driver: optimized flowjit graph -> native code, through the disk cache.
+
+    lower_graph            flowjit IR -> MLIR (func on tensors + transform schedule)     stage "mlir"
+    transform-interpreter  tile, parallelize (scf.forall), vectorize each kernel
+    MLIR pipelines         hoisting, bufferization, lowering to the LLVM dialect         stage "mlir-llvm"
+    translate + llvmlite   LLVM IR, O3 for the host CPU                                  stage "llvm"
+    MCJIT                  machine code in this process                                  stage "asm"
+
+A compile-cache hit (see `cache.py`) skips everything but loading the object code: `mlir` is not
+even imported. Stages of a cached function are recomputed from the graph when first asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+from flowjit.backends.cpu import cache, toolchain
+from flowjit.backends.cpu.executable import CpuExecutable, Layout
+from flowjit.ir.graph import Graph
+from flowjit.ir.printer import print_graph
+from flowjit.passes import dump
+
+# Modules that fill `LOWERINGS`, imported when compiling (not when loading from the cache).
+LOWERING_MODULES = (
+    "flowjit.backends.cpu.lower_elementwise",
+    "flowjit.backends.cpu.lower_layout",
+    "flowjit.backends.cpu.lower_reduction",
+    "flowjit.backends.cpu.lower_movement",
+    "flowjit.backends.cpu.lower_contraction",
+)
+
+OPT_LEVEL = 3
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options that change the generated code (hashed into the cache key)."""
+
+    opt_level: int = OPT_LEVEL
+
+    def __post_init__(self):
+        if self.opt_level not in (0, 1, 2, 3):
+            raise ValueError(f"opt_level must be 0..3; found {self.opt_level}")
+
+
+@functools.cache
+def load_lowerings() -> dict:
+    import importlib
+
+    for name in LOWERING_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a module that exists but fails to import is a bug: surface it
+                raise
+    from flowjit.backends.cpu.lowering import LOWERINGS
+
+    return LOWERINGS
+
+
+def generate_mlir(graph: Graph):
+    """Stage 'mlir': the generated module and its calling layout."""
+    load_lowerings()
+    from flowjit.backends.cpu.lowering import lower_graph
+
+    return lower_graph(graph)
+
+
+def mlir_to_llvm_dialect(text: str) -> str:
+    """Stage 'mlir-llvm': schedule, bufferize and lower to the LLVM dialect."""
+    if "transform.named_sequence" in text:
+        text = toolchain.apply_transform_schedule(text)
+        text = toolchain.run_mlir(text, [f"builtin.module({toolchain.SCHEDULE_CLEANUP_PIPELINE})"])
+    return toolchain.run_mlir(
+        text, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})", f"builtin.module({toolchain.LLVM_PIPELINE})"]
+    )
+
+
+class Stages:
+    """All backend stage texts of one function, computed from the graph on first use."""
+
+    NAMES = ("mlir", "mlir-llvm", "llvm", "asm")
+
+    def __init__(self, graph_text: str, name: str, options: CompileOptions):
+        self.graph_text = graph_text
+        self.name = name
+        self.options = options
+        self.texts: dict[str, str] = {}
+        self.module = None  # the optimized llvmlite module, when compiled in this process
+        self.tm = None
+        self.timings: dict[str, float] = {}
+
+    def compute(self, graph: Graph | None = None) -> None:
+        if self.module is not None:
+            return
+        if graph is None:
+            from flowjit.ir.parser import parse_graph
+
+            graph = parse_graph(self.graph_text)
+        t0 = time.perf_counter()
+        mlir = generate_mlir(graph)
+        t1 = time.perf_counter()
+        llvm_dialect = mlir_to_llvm_dialect(mlir.text)
+        llvm_ir = toolchain.translate_to_llvm_ir(llvm_dialect)
+        t2 = time.perf_counter()
+        self.module, self.tm = toolchain.optimize(llvm_ir, mlir.entry, opt=self.options.opt_level)
+        self.timings = {"lower": t1 - t0, "mlir": t2 - t1, "llvm-opt": time.perf_counter() - t2}
+        self.mlir = mlir
+        self.texts.update({"mlir": mlir.text, "mlir-llvm": llvm_dialect, "llvm": str(self.module)})
+
+    def __getitem__(self, stage: str) -> str:
+        if stage not in self.NAMES:
+            raise KeyError(stage)
+        if stage not in self.texts:
+            self.compute()
+            if stage == "asm":
+                self.texts["asm"] = toolchain.emit_assembly(self.module, self.tm)
+        return self.texts[stage]
+
+    def __iter__(self):
+        return iter(self.NAMES)
+
+    def __contains__(self, stage) -> bool:
+        return stage in self.NAMES
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+    def keys(self):
+        return list(self.NAMES)
+
+
+def compile_cpu(graph: Graph, options: CompileOptions | None = None) -> CpuExecutable:
+    """Compile `graph` for the host CPU (or load it from the compile cache)."""
+    options = options or CompileOptions()
+    graph_text = print_graph(graph)
+    key = cache.cache_key(graph_text, options)
+    stages = Stages(graph_text, graph.name, options)
+    entry = cache.load(key)
+    if entry is None:
+        stages.compute(graph)
+        native = toolchain.jit_compile(stages.module, stages.tm)
+        mlir = stages.mlir
+        entry = cache.Entry(
+            native.object_code, mlir.entry, mlir.workspace_bytes, Layout.of(mlir.inputs), Layout.of(mlir.outputs)
+        )
+        cache.store(key, entry)
+    else:
+        native = toolchain.load_object(entry.object_code, entry.symbol)
+    executable = CpuExecutable(native, entry, stages)
+    if dump.dump_dir() is not None:
+        for stage in Stages.NAMES:
+            dump.write_stage(graph.name, stage, stages[stage])
+    return executable

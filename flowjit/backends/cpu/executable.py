@@ -1,0 +1,105 @@
+"""A compiled CPU function: one native entry point `void f(in..., out..., workspace)` taking bare
+pointers, called once per call through ctypes (which releases the GIL for the duration).
+
+Outputs are fresh numpy arrays; the workspace for intermediates comes from a per-executable pool,
+so concurrent calls never share one and sequential calls reuse the same memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowjit.backends import Executable
+from flowjit.backends.cpu import toolchain
+from flowjit.errors import FlowjitTypeError
+from flowjit.ir import dtypes as dt
+from flowjit.ir.types import TensorType
+
+WORKSPACE_ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """The shape and dtype name of one argument or result buffer (what the cache stores)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return dt.dtype(self.dtype).np_dtype
+
+
+class Layout(tuple):
+    """The buffers of a function's inputs or outputs, in order."""
+
+    @staticmethod
+    def of(types: Sequence[TensorType]) -> Layout:
+        return Layout(Buffer(tuple(t.shape), t.dtype.name) for t in types)
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+class CpuExecutable(Executable):
+    """Native code for one flowjit function on the host CPU."""
+
+    def __init__(self, native: toolchain.NativeModule, entry, stages):
+        self.native = native  # keeps the machine code alive
+        self.entry = entry
+        self.stages = stages
+        self.backend = f"cpu (MLIR -> LLVM, {toolchain.host_cpu().name})"
+        self.inputs = entry.inputs
+        self.outputs = entry.outputs
+        self.workspace_bytes = entry.workspace_bytes
+        n_args = len(self.inputs) + len(self.outputs) + 1
+        prototype = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * n_args))
+        self._function = prototype(native.address(entry.symbol))
+        self._out_specs = [(b.shape, b.np_dtype) for b in self.outputs]
+        self._in_specs = [(b.shape, b.np_dtype) for b in self.inputs]
+        self._pool: list[tuple[np.ndarray, int]] = []
+        self._pool_lock = threading.Lock()
+
+    def _take_workspace(self) -> tuple[np.ndarray, int]:
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop()
+        raw = np.empty(self.workspace_bytes + WORKSPACE_ALIGNMENT, np.uint8)
+        address = _address(raw)
+        return raw, address + (-address % WORKSPACE_ALIGNMENT)
+
+    def _give_workspace(self, workspace: tuple[np.ndarray, int]) -> None:
+        with self._pool_lock:
+            self._pool.append(workspace)
+
+    def check_args(self, args: Sequence[np.ndarray]) -> None:
+        """Raise a FlowjitTypeError unless `args` match the compiled signature exactly."""
+        if len(args) != len(self._in_specs):
+            raise FlowjitTypeError(f"expected {len(self._in_specs)} arrays; found {len(args)}")
+        for i, (a, (shape, dtype)) in enumerate(zip(args, self._in_specs)):
+            if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype:
+                found = f"{a.shape} {a.dtype}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise FlowjitTypeError(
+                    f"argument {i}: expected an array of shape {shape} and dtype {dtype}; found {found}"
+                )
+
+    def run(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Call the native function on `args` (numpy arrays of the compiled shapes and dtypes)."""
+        self.check_args(args)
+        return self.run_unchecked([np.ascontiguousarray(a) for a in args])
+
+    def run_unchecked(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """`run` for arguments already known to be C-contiguous arrays of the right types."""
+        outs = [np.empty(shape, dtype) for shape, dtype in self._out_specs]
+        workspace = self._take_workspace()
+        try:
+            self._function(*[_address(a) for a in args], *[_address(o) for o in outs], workspace[1])
+        finally:
+            self._give_workspace(workspace)
+        return outs

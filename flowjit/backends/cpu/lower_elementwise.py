@@ -1,0 +1,381 @@
+"""CPU lowerings of elementwise ops (unary, binary, comparisons, logical, select, convert) and iota.
+
+Every elementwise op becomes one 1-D `linalg.generic`: operands of rank > 1 are collapsed (free on
+contiguous buffers), so the kernel's schedule is the same for every shape: vectors of the host
+width and, when large, one chunk per core. Splat constant operands become scalars in the body.
+Half types (f16, bf16) compute in f32 and round once at the end, as the reference does.
+
+Semantics follow `flowjit/ir/ops/elementwise.py` exactly: integer division truncates toward zero,
+`x / 0 = 0`, `x rem 0 = 0`, `INT_MIN / -1 = INT_MIN` (never a trap); max/min propagate nan;
+round is half-to-even; sign(nan) = nan; float -> int conversion saturates with nan -> 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from flowjit.backends.cpu import schedule
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.backends.cpu.lowering import lowering, splat_value
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Op, Value
+from flowjit.ir.types import TensorType
+
+try:  # the vectorizable math library; MLIR's `math` ops until it exists
+    from flowjit.backends.cpu.mathlib import MATH
+except ImportError:
+    MATH = {}
+
+_HALF = (dt.float16, dt.bfloat16)
+
+
+def compute_elem(dtype: dt.DType) -> str:
+    """The MLIR type arithmetic on `dtype` runs in (f32 for half types)."""
+    return "f32" if dtype in _HALF else elem_type(dtype)
+
+
+def _bits(elem: str) -> int:
+    return 1 if elem == "i1" else int(elem.lstrip("bfi"))
+
+
+def collapse(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+    """A rank > 1 tensor viewed as 1-D (rank 0 and 1 are returned as they are)."""
+    if t.rank <= 1:
+        return tensor
+    flat = TensorType((t.size,), t.dtype)
+    group = ", ".join(str(i) for i in range(t.rank))
+    return em.op(f"tensor.collapse_shape {tensor} [[{group}]] : {tensor_type(t)} into {tensor_type(flat)}")
+
+
+def expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+    """The inverse of `collapse`: a 1-D tensor of `t.size` elements viewed with `t`'s shape."""
+    if t.rank <= 1:
+        return tensor
+    flat = TensorType((t.size,), t.dtype)
+    group = ", ".join(str(i) for i in range(t.rank))
+    shape = ", ".join(str(d) for d in t.shape)
+    return em.op(
+        f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {tensor_type(flat)} into {tensor_type(t)}"
+    )
+
+
+def map_elementwise(
+    em: KernelEmitter,
+    out: TensorType,
+    inputs: Sequence[tuple[str, Value]],
+    body: Callable[[ScalarBuilder, list[str]], str],
+    compute_result: bool = True,
+) -> str:
+    """One elementwise kernel: `body(b, args)` maps scalars in compute types (see `compute_elem`)
+    to the result scalar, in the compute type of `out` (or in `out`'s own type when
+    `compute_result` is False, e.g. for bool results). Returns the result tensor."""
+    rank1 = TensorType((out.size,), out.dtype) if out.rank > 1 else out
+    tensors, scalars = [], []
+    for tensor, value in inputs:
+        splat = splat_value(value)
+        scalars.append(splat)
+        if splat is None:
+            tensors.append((collapse(em, tensor, value.type), value.type))
+    out_elem = elem_type(out.dtype)
+    init = collapse(em, em.empty(out), out)
+    identity = em.identity_map(rank1.rank)
+
+    def kernel_body(b: ScalarBuilder, args: list[str]) -> str:
+        it = iter(args)
+        values = []
+        for (_, value), splat in zip(inputs, scalars):
+            ce = compute_elem(value.type.dtype)
+            if splat is not None:
+                values.append(b.const(splat, ce))
+                continue
+            arg = next(it)
+            values.append(extend(b, arg, value.type.dtype))
+        result = body(b, values)
+        return narrow(b, result, out.dtype) if compute_result else result
+
+    result = em.generic(
+        [(t, tensor_type(rank1.with_dtype(v.dtype))) for t, v in tensors],
+        (init, tensor_type(rank1)),
+        [identity] * (len(tensors) + 1),
+        ["parallel"] * rank1.rank,
+        kernel_body,
+        [elem_type(v.dtype) for _, v in tensors],
+        out_elem,
+    )
+    if rank1.rank == 1 and out.size > 1:
+        widest = max([_bits(out_elem), *(_bits(elem_type(v.dtype)) for _, v in tensors)])
+        em.schedule(result, schedule.elementwise(out.size, widest))
+    return expand(em, result, out)
+
+
+def extend(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:
+    return b.op(f"arith.extf {x} : {elem_type(dtype)} to f32") if dtype in _HALF else x
+
+
+def narrow(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:
+    return b.op(f"arith.truncf {x} : f32 to {elem_type(dtype)}") if dtype in _HALF else x
+
+
+# --- unary ---------------------------------------------------------------------------------------
+
+
+def _math(name: str) -> Callable[[ScalarBuilder, str, str], str]:
+    return lambda b, x, e: b.op(f"math.{name} {x} : {e}")
+
+
+def _logistic(b: ScalarBuilder, x: str, e: str) -> str:
+    exp = MATH.get("exp", _math("exp"))
+    neg = b.op(f"arith.negf {x} : {e}")
+    one = b.const(1.0, e)
+    denom = b.op(f"arith.addf {one}, {exp(b, neg, e)} : {e}")
+    return b.op(f"arith.divf {one}, {denom} : {e}")
+
+
+_FLOAT_UNARY: dict[str, Callable[[ScalarBuilder, str, str], str]] = {
+    "exp": _math("exp"),
+    "log": _math("log"),
+    "log1p": _math("log1p"),
+    "expm1": _math("expm1"),
+    "tanh": _math("tanh"),
+    "logistic": _logistic,
+    "sqrt": _math("sqrt"),
+    "rsqrt": _math("rsqrt"),
+    "sin": _math("sin"),
+    "cos": _math("cos"),
+    "erf": _math("erf"),
+    "floor": _math("floor"),
+    "ceil": _math("ceil"),
+    "round": _math("roundeven"),
+}
+
+
+def _sign(b: ScalarBuilder, x: str, e: str) -> str:
+    is_float = e.startswith(("f", "bf"))
+    zero, one, minus_one = b.const(0, e), b.const(1, e), b.const(-1, e)
+    if is_float:
+        positive = b.op(f"arith.cmpf ogt, {x}, {zero} : {e}")
+        negative = b.op(f"arith.cmpf olt, {x}, {zero} : {e}")
+        rest = x  # 0, -0 and nan map to themselves
+    else:
+        positive = b.op(f"arith.cmpi sgt, {x}, {zero} : {e}")
+        negative = b.op(f"arith.cmpi slt, {x}, {zero} : {e}")
+        rest = zero
+    low = b.op(f"arith.select {negative}, {minus_one}, {rest} : {e}")
+    return b.op(f"arith.select {positive}, {one}, {low} : {e}")
+
+
+def _neg(b: ScalarBuilder, x: str, e: str) -> str:
+    if e.startswith("i"):
+        return b.op(f"arith.subi {b.const(0, e)}, {x} : {e}")
+    return b.op(f"arith.negf {x} : {e}")
+
+
+def _abs(b: ScalarBuilder, x: str, e: str) -> str:
+    return b.op(f"math.absi {x} : {e}") if e.startswith("i") else b.op(f"math.absf {x} : {e}")
+
+
+_UNARY = {
+    "neg": _neg,
+    "abs": _abs,
+    "sign": _sign,
+    "logical_not": lambda b, x, e: b.op(f"arith.xori {x}, {b.const(1, 'i1')} : i1"),
+}
+
+
+@lowering(*_FLOAT_UNARY, *_UNARY)
+def lower_unary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    (x,) = op.operands
+    fn = _UNARY.get(op.name) or MATH.get(op.name) or _FLOAT_UNARY[op.name]
+    e = compute_elem(x.dtype)
+    return [map_elementwise(em, op.result.type, [(operands[0], x)], lambda b, a: fn(b, a[0], e))]
+
+
+# --- binary --------------------------------------------------------------------------------------
+
+
+def _int_div(b: ScalarBuilder, x: str, y: str, e: str) -> str:
+    """Truncating division with x/0 = 0 and INT_MIN/-1 = INT_MIN (wrapping negation)."""
+    zero, one, minus_one = b.const(0, e), b.const(1, e), b.const(-1, e)
+    y_zero = b.op(f"arith.cmpi eq, {y}, {zero} : {e}")
+    y_minus_one = b.op(f"arith.cmpi eq, {y}, {minus_one} : {e}")
+    unsafe = b.op(f"arith.ori {y_zero}, {y_minus_one} : i1")
+    divisor = b.op(f"arith.select {unsafe}, {one}, {y} : {e}")
+    quotient = b.op(f"arith.divsi {x}, {divisor} : {e}")
+    negated = b.op(f"arith.subi {zero}, {x} : {e}")
+    by_minus_one = b.op(f"arith.select {y_minus_one}, {negated}, {quotient} : {e}")
+    return b.op(f"arith.select {y_zero}, {zero}, {by_minus_one} : {e}")
+
+
+def _int_rem(b: ScalarBuilder, x: str, y: str, e: str) -> str:
+    """Remainder with the sign of x; x rem 0 = 0 and x rem -1 = 0 (no trap on INT_MIN rem -1)."""
+    zero, one, minus_one = b.const(0, e), b.const(1, e), b.const(-1, e)
+    y_zero = b.op(f"arith.cmpi eq, {y}, {zero} : {e}")
+    y_minus_one = b.op(f"arith.cmpi eq, {y}, {minus_one} : {e}")
+    unsafe = b.op(f"arith.ori {y_zero}, {y_minus_one} : i1")
+    divisor = b.op(f"arith.select {unsafe}, {one}, {y} : {e}")
+    remainder = b.op(f"arith.remsi {x}, {divisor} : {e}")
+    return b.op(f"arith.select {unsafe}, {zero}, {remainder} : {e}")
+
+
+def _int_pow(b: ScalarBuilder, x: str, y: str, e: str) -> str:
+    """x**y by square-and-multiply over every exponent bit (wrapping, as numpy); y < 0 gives 0
+    unless |x| == 1."""
+    zero, one = b.const(0, e), b.const(1, e)
+    result, base, exponent = one, x, y
+    for _ in range(_bits(e) - 1):
+        low_bit = b.op(f"arith.andi {exponent}, {one} : {e}")
+        odd = b.op(f"arith.cmpi ne, {low_bit}, {zero} : {e}")
+        product = b.op(f"arith.muli {result}, {base} : {e}")
+        result = b.op(f"arith.select {odd}, {product}, {result} : {e}")
+        base = b.op(f"arith.muli {base}, {base} : {e}")
+        exponent = b.op(f"arith.shrui {exponent}, {one} : {e}")
+    minus_one = b.const(-1, e)
+    x_one = b.op(f"arith.cmpi eq, {x}, {one} : {e}")
+    x_minus_one = b.op(f"arith.cmpi eq, {x}, {minus_one} : {e}")
+    y_bit = b.op(f"arith.andi {y}, {one} : {e}")
+    y_odd = b.op(f"arith.cmpi ne, {y_bit}, {zero} : {e}")
+    signed_one = b.op(f"arith.select {y_odd}, {minus_one}, {one} : {e}")
+    negative_case = b.op(f"arith.select {x_minus_one}, {signed_one}, {zero} : {e}")
+    negative_case = b.op(f"arith.select {x_one}, {one}, {negative_case} : {e}")
+    y_negative = b.op(f"arith.cmpi slt, {y}, {zero} : {e}")
+    return b.op(f"arith.select {y_negative}, {negative_case}, {result} : {e}")
+
+
+def _arith(float_op: str, int_op: str):
+    def fn(b: ScalarBuilder, x: str, y: str, e: str) -> str:
+        name = int_op if e.startswith("i") else float_op
+        return b.op(f"arith.{name} {x}, {y} : {e}")
+
+    return fn
+
+
+def _by_kind(float_fn, int_fn):
+    return lambda b, x, y, e: (int_fn if e.startswith("i") else float_fn)(b, x, y, e)
+
+
+_BINARY = {
+    "add": _arith("addf", "addi"),
+    "sub": _arith("subf", "subi"),
+    "mul": _arith("mulf", "muli"),
+    "div": _by_kind(_arith("divf", ""), _int_div),
+    "rem": _by_kind(_arith("remf", ""), _int_rem),
+    "pow": _by_kind(lambda b, x, y, e: b.op(f"math.powf {x}, {y} : {e}"), _int_pow),
+    "max": _arith("maximumf", "maxsi"),
+    "min": _arith("minimumf", "minsi"),
+    "atan2": lambda b, x, y, e: b.op(f"math.atan2 {x}, {y} : {e}"),
+    "logical_and": _arith("", "andi"),
+    "logical_or": _arith("", "ori"),
+    "logical_xor": _arith("", "xori"),
+}
+
+
+@lowering(*_BINARY)
+def lower_binary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    x, y = op.operands
+    fn = _BINARY[op.name]
+    e = compute_elem(x.dtype)
+    inputs = list(zip(operands, op.operands))
+    return [map_elementwise(em, op.result.type, inputs, lambda b, a: fn(b, a[0], a[1], e))]
+
+
+# numpy comparison semantics: every ordered comparison with nan is false, `ne` with nan is true.
+_FLOAT_PREDICATE = {"eq": "oeq", "ne": "une", "lt": "olt", "le": "ole", "gt": "ogt", "ge": "oge"}
+_INT_PREDICATE = {"eq": "eq", "ne": "ne", "lt": "slt", "le": "sle", "gt": "sgt", "ge": "sge"}
+_BOOL_PREDICATE = {"eq": "eq", "ne": "ne", "lt": "ult", "le": "ule", "gt": "ugt", "ge": "uge"}
+
+
+@lowering(*_FLOAT_PREDICATE)
+def lower_compare(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    x, _ = op.operands
+    e = compute_elem(x.dtype)
+    if x.dtype.is_float:
+        cmp = f"arith.cmpf {_FLOAT_PREDICATE[op.name]}"
+    else:
+        cmp = f"arith.cmpi {(_BOOL_PREDICATE if x.dtype.is_bool else _INT_PREDICATE)[op.name]}"
+    inputs = list(zip(operands, op.operands))
+    body = lambda b, a: b.op(f"{cmp}, {a[0]}, {a[1]} : {e}")  # noqa: E731
+    return [map_elementwise(em, op.result.type, inputs, body, compute_result=False)]
+
+
+@lowering("select")
+def lower_select(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    e = compute_elem(op.result.type.dtype)
+    inputs = list(zip(operands, op.operands))
+    body = lambda b, a: b.op(f"arith.select {a[0]}, {a[1]}, {a[2]} : {e}")  # noqa: E731
+    return [map_elementwise(em, op.result.type, inputs, body)]
+
+
+# --- convert -------------------------------------------------------------------------------------
+
+
+def _float_to_int(b: ScalarBuilder, x: str, src: str, dst: dt.DType) -> str:
+    """Saturating float -> int with nan -> 0 (fptosi alone is undefined out of range)."""
+    e = elem_type(dst)
+    info_min, info_max = -(1 << (dst.bits - 1)), (1 << (dst.bits - 1)) - 1
+    is_nan = b.op(f"arith.cmpf uno, {x}, {x} : {src}")
+    too_big = b.op(f"arith.cmpf oge, {x}, {b.const(float(info_max), src)} : {src}")
+    too_small = b.op(f"arith.cmpf ole, {x}, {b.const(float(info_min), src)} : {src}")
+    zero_f = b.const(0.0, src)
+    safe = b.op(f"arith.select {is_nan}, {zero_f}, {x} : {src}")
+    safe = b.op(f"arith.select {too_big}, {zero_f}, {safe} : {src}")
+    safe = b.op(f"arith.select {too_small}, {zero_f}, {safe} : {src}")
+    value = b.op(f"arith.fptosi {safe} : {src} to {e}")
+    value = b.op(f"arith.select {too_big}, {b.const(info_max, e)}, {value} : {e}")
+    return b.op(f"arith.select {too_small}, {b.const(info_min, e)}, {value} : {e}")
+
+
+def convert_scalar(b: ScalarBuilder, x: str, src: dt.DType, dst: dt.DType) -> str:
+    """`x` (in `src`'s compute type) converted to `dst`'s own element type."""
+    s, d = compute_elem(src), elem_type(dst)
+    if dst.is_bool:
+        if src.is_bool:
+            return x
+        if src.is_float:
+            return b.op(f"arith.cmpf une, {x}, {b.const(0.0, s)} : {s}")
+        return b.op(f"arith.cmpi ne, {x}, {b.const(0, s)} : {s}")
+    if src.is_bool:
+        return b.op(f"arith.uitofp {x} : i1 to {d}") if dst.is_float else b.op(f"arith.extui {x} : i1 to {d}")
+    if src.is_int and dst.is_int:
+        if src.bits == dst.bits:
+            return x
+        op = "extsi" if dst.bits > src.bits else "trunci"
+        return b.op(f"arith.{op} {x} : {s} to {d}")
+    if src.is_int:
+        return b.op(f"arith.sitofp {x} : {s} to {d}")
+    if dst.is_int:
+        return _float_to_int(b, x, s, dst)
+    if s == d:
+        return x
+    # float -> float: `s` is f32 or f64 (half sources are already extended).
+    widen = dst.bits > (32 if s == "f32" else 64)
+    return b.op(f"arith.{'extf' if widen else 'truncf'} {x} : {s} to {d}")
+
+
+@lowering("convert")
+def lower_convert(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    (x,) = op.operands
+    src, dst = x.dtype, op.result.type.dtype
+    if src == dst:
+        return [operands[0]]
+    body = lambda b, a: convert_scalar(b, a[0], src, dst)  # noqa: E731
+    return [map_elementwise(em, op.result.type, [(operands[0], x)], body, compute_result=False)]
+
+
+# --- iota ----------------------------------------------------------------------------------------
+
+
+@lowering("iota")
+def lower_iota(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    t = op.result.type
+    dimension = op.attrs["dimension"]
+    identity = em.identity_map(t.rank)
+
+    def body(b: ScalarBuilder, args: list[str]) -> str:
+        index = b.op(f"linalg.index {dimension} : index")
+        as_int = b.op(f"arith.index_cast {index} : index to i64")
+        return convert_scalar(b, as_int, dt.int64, t.dtype)
+
+    result = em.generic(
+        [], (em.empty(t), tensor_type(t)), [identity], ["parallel"] * t.rank, body, [], elem_type(t.dtype)
+    )
+    return [result]

@@ -1,0 +1,321 @@
+"""flowjit IR -> MLIR text for the CPU: one `func.func` per compiled function.
+
+The function takes bare pointers to static memrefs (`use-bare-ptr-memref-call-conv`): the inputs,
+then the outputs, then one `i8` workspace buffer. Every flowjit op is one kernel on tensors:
+
+    operands:  bufferization.to_tensor %buffer restrict          (params, outputs, workspace views)
+    compute:   LOWERINGS[op.name](em, op, operand tensors) -> result tensors   (linalg, tensor, arith, math)
+    result:    bufferization.materialize_in_destination %r in restrict writable %destination
+
+Destinations are the outputs for graph results and otherwise `memref.view`s into the workspace at
+offsets chosen by `plan_workspace` (liveness-based reuse, 64-byte alignment). Kernels stay
+separate on purpose: a later fusion pass groups ops into one kernel by emitting several ops
+between one set of reads and one set of writes.
+
+bool tensors are `i1` in registers and numpy's one-byte bools (`i8`) in memory; reads and writes
+of bool buffers convert. Constants are inlined (`arith.constant dense<...>`) when small or splat,
+and module globals (`memref.global`) otherwise, so a call never re-materializes them.
+
+Lowerings register in `LOWERINGS[op_name] = fn(em, op, operands) -> results`. The modules that
+fill the table are imported by `flowjit.backends.cpu.compiler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, memory_elem_type, memref_type, tensor_type
+from flowjit.errors import CompileError, op_error
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.types import TensorType
+
+LOWERINGS: dict[str, Callable[[KernelEmitter, Op, list[str]], list[str]]] = {}
+
+ALIGNMENT = 64
+# Non-splat constants with at most this many elements are inlined in the kernels that use them;
+# larger ones become read-only module globals.
+INLINE_CONSTANT_ELEMENTS = 64
+
+
+def lowering(*names: str):
+    """Decorator: register a lowering for each op in `names`."""
+
+    def deco(fn):
+        for name in names:
+            LOWERINGS[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclass(frozen=True)
+class MlirModule:
+    """The generated MLIR and what the runtime needs to call it."""
+
+    text: str
+    entry: str
+    workspace_bytes: int
+    inputs: tuple[TensorType, ...]
+    outputs: tuple[TensorType, ...]
+
+
+# --- workspace planning ------------------------------------------------------------------------
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def plan_workspace(graph: Graph, needs_slot: Callable[[Value], bool]) -> tuple[dict[Value, int], int]:
+    """Offsets in the workspace for every value that `needs_slot`, and the workspace size.
+
+    Algorithm:
+    1. A value lives from the op that defines it to the last op that reads it.
+    2. Walk the ops in order; allocate each result first-fit among the live blocks (a result never
+       shares memory with the operands of its own op, which are still live while it is written).
+    3. After the op, release the blocks of values whose last reader it was.
+    """
+    last_use: dict[Value, int] = {}
+    for i, op in enumerate(graph.ops):
+        for v in op.operands:
+            last_use[v] = i
+    live: dict[Value, tuple[int, int]] = {}  # value -> (offset, size)
+    offsets: dict[Value, int] = {}
+    peak = 0
+    for i, op in enumerate(graph.ops):
+        for v in op.results:
+            if not needs_slot(v):
+                continue
+            size = _aligned(v.type.size * v.type.dtype.itemsize)
+            offset = _first_fit(sorted(live.values()), size)
+            offsets[v] = offset
+            live[v] = (offset, size)
+            peak = max(peak, offset + size)
+        for v in [v for v in live if last_use.get(v, -1) <= i]:
+            del live[v]
+    return offsets, peak
+
+
+def _first_fit(blocks: list[tuple[int, int]], size: int) -> int:
+    cursor = 0
+    for offset, block_size in blocks:
+        if offset - cursor >= size:
+            return cursor
+        cursor = max(cursor, offset + block_size)
+    return cursor
+
+
+# --- constants ---------------------------------------------------------------------------------
+
+
+def splat_value(value: Value):
+    """The scalar every element of `value` equals when it is a constant splat, else None."""
+    op = value.producer
+    if op is None or op.name != "constant":
+        return None
+    array = op.attrs["value"]
+    if array.size == 0:
+        return None
+    first = array.flat[0]
+    same = np.all(array == first) if not np.isnan(first) else np.all(np.isnan(array))
+    return first if same else None
+
+
+def dense_literal(array: np.ndarray, dtype: dt.DType) -> str:
+    """`dense<...>` for `array`: a splat, a list of bools, or raw little-endian bytes in hex."""
+    if dtype.is_bool:
+        flat = ", ".join("true" if b else "false" for b in array.reshape(-1))
+        return f"dense<[{flat}]>" if array.ndim else f"dense<{flat}>"
+    data = np.ascontiguousarray(array, dtype=dtype.np_dtype)
+    return f'dense<"0x{data.tobytes().hex().upper()}">'
+
+
+# --- the driver --------------------------------------------------------------------------------
+
+
+class _FunctionLowering:
+    """State of one `lower_graph` call: where each value lives and how to read it."""
+
+    def __init__(self, graph: Graph, name: str):
+        self.graph = graph
+        self.name = name
+        self.em = KernelEmitter()
+        self.globals: list[str] = []
+        self.buffers: dict[Value, str] = {}  # value -> memref SSA name holding it
+        self.inline: dict[Value, str] = {}  # constant value -> tensor SSA name (emitted on first read)
+        self.result_outputs: dict[Value, str] = {}  # op result that is a graph result -> its output arg
+
+    def fresh_buffer(self, prefix: str) -> str:
+        return self.em.fresh(prefix)
+
+    # Reading a value as a tensor.
+    def read(self, value: Value) -> str:
+        if value in self.inline:
+            return self.inline[value]
+        if value.producer is not None and value.producer.name == "constant" and value not in self.buffers:
+            return self._constant_tensor(value)
+        buffer = self.buffers[value]
+        t = value.type
+        memory_tensor = tensor_type(t, memory_elem_type(t.dtype))
+        loaded = self.em.op(f"bufferization.to_tensor {buffer} restrict : {memref_type(t)} to {memory_tensor}")
+        if not t.dtype.is_bool:
+            return loaded
+        return bool_from_bytes(self.em, loaded, t)
+
+    def _constant_tensor(self, value: Value) -> str:
+        array = value.producer.attrs["value"]
+        t = value.type
+        splat = splat_value(value)
+        if splat is not None or array.size <= INLINE_CONSTANT_ELEMENTS or t.dtype.is_bool:
+            literal = dense_literal(array if splat is None else np.asarray(splat), t.dtype)
+            tensor = self.em.op(f"arith.constant {literal} : {tensor_type(t)}")
+            self.inline[value] = tensor
+            return tensor
+        symbol = f"cst{len(self.globals)}"
+        self.globals.append(
+            f'  memref.global "private" constant @{symbol} : {memref_type(t)} = '
+            f"{dense_literal(array, t.dtype)} {{alignment = {ALIGNMENT} : i64}}"
+        )
+        self.buffers[value] = self.em.op(f"memref.get_global @{symbol} : {memref_type(t)}")
+        return self.read(value)
+
+    # Writing a kernel's result tensor to its buffer.
+    def write(self, tensor: str, value: Value, buffer: str) -> None:
+        t = value.type
+        if t.dtype.is_bool:
+            tensor = bool_to_bytes(self.em, tensor, t)
+        self.em.line(
+            f"bufferization.materialize_in_destination {tensor} in restrict writable {buffer} : "
+            f"({tensor_type(t, memory_elem_type(t.dtype))}, {memref_type(t)}) -> ()"
+        )
+
+    def lower_op(self, op: Op) -> None:
+        fn = LOWERINGS.get(op.name)
+        if fn is None:
+            raise no_lowering_error(op)
+        operands = [self.read(v) for v in op.operands]
+        results = fn(self.em, op, operands)
+        if len(results) != len(op.results):
+            raise CompileError(
+                f"internal error: the CPU lowering of '{op.name}' returned {len(results)} results, "
+                f"expected {len(op.results)}"
+            )
+        for value, tensor in zip(op.results, results):
+            self.write(tensor, value, self.buffers[value])
+
+
+def no_lowering_error(op: Op) -> CompileError:
+    return op_error(
+        CompileError,
+        op.loc,
+        op.name,
+        "has no lowering for target 'cpu'; use target='interpreter' to run this function without compiling it",
+    )
+
+
+def bool_from_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+    """numpy bool bytes (i8) -> i1 tensor (any nonzero byte is true)."""
+    zero_map = em.identity_map(t.rank)
+
+    def body(b, args):
+        zero = b.const(0, "i8")
+        return b.op(f"arith.cmpi ne, {args[0]}, {zero} : i8")
+
+    return em.generic(
+        [(tensor, tensor_type(t, "i8"))],
+        (em.empty(t), tensor_type(t)),
+        [zero_map, zero_map],
+        ["parallel"] * t.rank,
+        body,
+        ["i8"],
+        "i1",
+    )
+
+
+def bool_to_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+    """i1 tensor -> numpy bool bytes (0 or 1)."""
+    identity = em.identity_map(t.rank)
+    return em.generic(
+        [(tensor, tensor_type(t))],
+        (em.empty(t, "i8"), tensor_type(t, "i8")),
+        [identity, identity],
+        ["parallel"] * t.rank,
+        lambda b, args: b.op(f"arith.extui {args[0]} : i1 to i8"),
+        ["i1"],
+        "i8",
+    )
+
+
+def check_lowerings(graph: Graph) -> None:
+    """Fail before emitting anything if some op has no CPU lowering."""
+    for op in graph.ops:
+        if op.name != "constant" and op.name not in LOWERINGS:
+            raise no_lowering_error(op)
+
+
+def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
+    """The MLIR module (text) computing `graph` in one function, plus its calling layout."""
+    check_lowerings(graph)
+    name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
+    fl = _FunctionLowering(graph, name)
+    em = fl.em
+    args = []
+    for i, p in enumerate(graph.params):
+        fl.buffers[p] = f"%in{i}"
+        args.append(f"%in{i}: {memref_type(p.type)}")
+    outputs = [f"%out{i}" for i in range(len(graph.results))]
+    args += [f"{o}: {memref_type(r.type)}" for o, r in zip(outputs, graph.results)]
+
+    # The first output holding a value produced by an op is that op's destination; other outputs
+    # (params, constants, repeated results) get a copy at the end.
+    for out, value in zip(outputs, graph.results):
+        if value.producer is not None and value.producer.name != "constant" and value not in fl.result_outputs:
+            fl.result_outputs[value] = out
+            fl.buffers[value] = out
+
+    def needs_slot(v: Value) -> bool:
+        return v not in fl.result_outputs and v.producer is not None and v.producer.name != "constant"
+
+    offsets, workspace = plan_workspace(graph, needs_slot)
+    ws_type = f"memref<{max(workspace, 1)}xi8>"
+    args.append(f"%ws: {ws_type}")
+    for value, offset in offsets.items():
+        c = em.op(f"arith.constant {offset} : index")
+        fl.buffers[value] = em.op(f"memref.view %ws[{c}][] : {ws_type} to {memref_type(value.type)}")
+
+    for op in graph.ops:
+        if op.name != "constant":
+            fl.lower_op(op)
+    for out, value in zip(outputs, graph.results):
+        if fl.result_outputs.get(value) != out:
+            fl.write(fl.read(value), value, out)
+
+    lines = [
+        fl.em.module_prelude(),
+        "module attributes {transform.with_named_sequence} {" if em.schedules else "module {",
+        *fl.globals,
+        f"  func.func @{name}({', '.join(args)}) {{",
+        *em.body,
+        "    return",
+        "  }",
+        *em.schedule_lines(),
+        "}",
+        "",
+    ]
+    header = (
+        f"// flowjit function '{graph.name}' -> @{name}(inputs, outputs, workspace)\n// workspace: {workspace} bytes\n"
+    )
+    return MlirModule(
+        header + "\n".join(lines),
+        name,
+        workspace,
+        tuple(p.type for p in graph.params),
+        tuple(r.type for r in graph.results),
+    )
+
+
+__all__ = ["LOWERINGS", "MlirModule", "elem_type", "lower_graph", "lowering", "plan_workspace"]
