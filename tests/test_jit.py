@@ -377,3 +377,10 @@ def test_dump_dir_writes_numbered_stages(monkeypatch, tmp_path):
 def test_lambda_names_survive_the_text_round_trip():
     lo = fj.jit(lambda x: x + 1).lower(X)
     assert "func @lambda(" in lo.as_text("optimized")
+
+
+def test_non_contiguous_and_scalar_numpy_arguments():
+    f = fj.jit(lambda x, s: x * s)
+    strided = np.asfortranarray(X)[:, ::2]
+    np.testing.assert_allclose(f(strided, np.float32(3)), strided * 3)
+    np.testing.assert_allclose(f(X.T, 2), X.T * 2)

@@ -155,10 +155,9 @@ def _abstract(leaf, path: str) -> TensorType:
 
 
 def _to_host(leaf, ttype: TensorType) -> np.ndarray:
-    array = np.asarray(leaf)
-    if array.dtype != ttype.dtype.np_dtype:
-        array = array.astype(ttype.dtype.np_dtype)
-    return array
+    """A C-contiguous host array of the argument's signature dtype (what `Executable.run` takes)."""
+    array = np.asarray(leaf, dtype=ttype.dtype.np_dtype)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes 0-d arrays 1-d)
 
 
 def _self_key(obj):
