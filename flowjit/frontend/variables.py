@@ -46,15 +46,15 @@ def _as_host_array(value, dtype=None) -> np.ndarray:
         )
     if dtype is not None:
         return np.array(value, dtype=dt.dtype(dtype).np_dtype)
-    if isinstance(value, bool | int | float):
-        kind = "b" if isinstance(value, bool) else "i" if isinstance(value, int) else "f"
-        return np.array(value, dtype=dt.default_for_kind(kind).np_dtype)
-    array = np.array(value)
-    try:
-        dt.dtype(array.dtype)
-    except ValueError as e:
-        raise FlowjitTypeError(f"{user_location()}: Variable: {e}") from None
-    return array
+    if isinstance(value, np.ndarray | np.generic):
+        try:
+            dt.dtype(value.dtype)
+        except ValueError as e:
+            raise FlowjitTypeError(f"{user_location()}: Variable: {e}") from None
+        return np.asarray(value)
+    from flowjit import numpy as fnp
+
+    return np.asarray(fnp.asarray(value))  # Python scalars and lists: float32 / int64 defaults
 
 
 class Variable:

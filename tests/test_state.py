@@ -1,0 +1,102 @@
+"""fj.Variable: state across calls, ordered reads and writes, in-place updates, thread safety."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.numpy as fnp
+from flowjit.passes.registry import run_pipeline
+
+TARGET = "interpreter"
+
+
+def test_reads_and_writes_are_ordered():
+    v = fj.Variable(np.zeros(3, np.float32), name="acc")
+
+    @fj.jit(target=TARGET)
+    def step(x):
+        before = v.value
+        v.assign_add(x)
+        after = v.value
+        v.assign_sub(x * 0.5)
+        return before, after
+
+    before, after = step(np.ones(3, np.float32))
+    np.testing.assert_array_equal(before, 0)
+    np.testing.assert_array_equal(after, 1)
+    np.testing.assert_array_equal(v.value, 0.5)
+    before, after = step(np.ones(3, np.float32))
+    np.testing.assert_array_equal(before, 0.5)
+    np.testing.assert_array_equal(v.value, 1.0)
+
+
+def test_canonicalize_keeps_state_ops_and_their_order():
+    v = fj.Variable(np.zeros(2, np.float32), name="kept")
+
+    @fj.jit(target=TARGET)
+    def f(x):
+        a = v.value
+        v.assign(x)
+        b = v.value  # must not be CSE'd with `a`
+        v.assign(x)  # a second identical write is still a write
+        return a + b
+
+    graph = f.lower(np.ones(2, np.float32)).graph("optimized")
+    names = [op.name for op in graph.ops if op.name in ("read_variable", "assign")]
+    assert names == ["read_variable", "assign", "read_variable", "assign"]
+    assert run_pipeline(graph, ["canonicalize"]) is not None
+
+
+def test_update_outside_jit_and_eager_reads():
+    v = fj.Variable([1.0, 2.0], name="eager")
+    assert v.dtype == np.float32 and v.shape == (2,)
+    v.assign_add(1.0)
+    np.testing.assert_array_equal(v.value, [2.0, 3.0])
+    copy = v.value
+    copy[0] = 100.0
+    np.testing.assert_array_equal(v.value, [2.0, 3.0])
+    with pytest.raises(fj.FlowjitValueError, match="shape"):
+        v.assign(np.ones(5))
+
+
+def test_assign_type_mismatch_inside_jit_is_clear():
+    v = fj.Variable(np.zeros((2, 2), np.float32), name="typed")
+
+    @fj.jit(target=TARGET)
+    def f(x):
+        v.assign(x)
+
+    with pytest.raises(fj.FlowjitTypeError, match="test_state.py"):
+        f(np.ones(3, np.float32))
+
+
+def test_concurrent_calls_do_not_tear():
+    counter = fj.Variable(np.zeros(64, np.float32), name="counter")
+
+    @fj.jit(target=TARGET)
+    def bump():
+        counter.assign(counter.value + 1.0)
+
+    threads = [threading.Thread(target=lambda: [bump() for _ in range(50)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    np.testing.assert_array_equal(counter.value, np.full(64, 200.0, np.float32))
+
+
+def test_variable_in_control_flow():
+    total = fj.Variable(np.float32(0), name="loop_total")
+
+    @fj.jit(target=TARGET)
+    def f(n):
+        def body(i, c):
+            total.assign_add(fnp.astype(i, "float32"))
+            return c + 1
+
+        return fj.fori_loop(0, n, body, 0)
+
+    assert int(f(5)) == 5
+    assert float(total.value) == 10.0
