@@ -16,15 +16,11 @@ from collections.abc import Callable, Sequence
 
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
-from flowjit.backends.cpu.lowering import lowering, splat_value
+from flowjit.backends.cpu.lowering import INLINES_SPLATS, lowering, splat_value
+from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.types import TensorType
-
-try:  # the vectorizable math library; MLIR's `math` ops until it exists
-    from flowjit.backends.cpu.mathlib import MATH
-except ImportError:
-    MATH = {}
 
 _HALF = (dt.float16, dt.bfloat16)
 
@@ -123,26 +119,9 @@ def _math(name: str) -> Callable[[ScalarBuilder, str, str], str]:
     return lambda b, x, e: b.op(f"math.{name} {x} : {e}")
 
 
-def _logistic(b: ScalarBuilder, x: str, e: str) -> str:
-    exp = MATH.get("exp", _math("exp"))
-    neg = b.op(f"arith.negf {x} : {e}")
-    one = b.const(1.0, e)
-    denom = b.op(f"arith.addf {one}, {exp(b, neg, e)} : {e}")
-    return b.op(f"arith.divf {one}, {denom} : {e}")
-
-
+# Float math comes from the vectorizable library (mathlib.py); these are plain instructions.
 _FLOAT_UNARY: dict[str, Callable[[ScalarBuilder, str, str], str]] = {
-    "exp": _math("exp"),
-    "log": _math("log"),
-    "log1p": _math("log1p"),
-    "expm1": _math("expm1"),
-    "tanh": _math("tanh"),
-    "logistic": _logistic,
-    "sqrt": _math("sqrt"),
-    "rsqrt": _math("rsqrt"),
-    "sin": _math("sin"),
-    "cos": _math("cos"),
-    "erf": _math("erf"),
+    **MATH,
     "floor": _math("floor"),
     "ceil": _math("ceil"),
     "round": _math("roundeven"),
@@ -185,7 +164,7 @@ _UNARY = {
 @lowering(*_FLOAT_UNARY, *_UNARY)
 def lower_unary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     (x,) = op.operands
-    fn = _UNARY.get(op.name) or MATH.get(op.name) or _FLOAT_UNARY[op.name]
+    fn = _UNARY.get(op.name) or _FLOAT_UNARY[op.name]
     e = compute_elem(x.dtype)
     return [map_elementwise(em, op.result.type, [(operands[0], x)], lambda b, a: fn(b, a[0], e))]
 
@@ -259,10 +238,10 @@ _BINARY = {
     "mul": _arith("mulf", "muli"),
     "div": _by_kind(_arith("divf", ""), _int_div),
     "rem": _by_kind(_arith("remf", ""), _int_rem),
-    "pow": _by_kind(lambda b, x, y, e: b.op(f"math.powf {x}, {y} : {e}"), _int_pow),
+    "pow": _by_kind(MATH_BINARY["pow"], _int_pow),
     "max": _arith("maximumf", "maxsi"),
     "min": _arith("minimumf", "minsi"),
-    "atan2": lambda b, x, y, e: b.op(f"math.atan2 {x}, {y} : {e}"),
+    "atan2": MATH_BINARY["atan2"],
     "logical_and": _arith("", "andi"),
     "logical_or": _arith("", "ori"),
     "logical_xor": _arith("", "xori"),
@@ -359,6 +338,9 @@ def lower_convert(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         return [operands[0]]
     body = lambda b, a: convert_scalar(b, a[0], src, dst)  # noqa: E731
     return [map_elementwise(em, op.result.type, [(operands[0], x)], body, compute_result=False)]
+
+
+INLINES_SPLATS.update(_FLOAT_UNARY, _UNARY, _BINARY, _FLOAT_PREDICATE, ["select", "convert"])
 
 
 # --- iota ----------------------------------------------------------------------------------------

@@ -112,13 +112,21 @@ def _first_fit(blocks: list[tuple[int, int]], size: int) -> int:
 # --- constants ---------------------------------------------------------------------------------
 
 
+# Ops whose lowerings use splat operands as scalars (filled by lower_elementwise): a splat value
+# read only by them is never stored.
+INLINES_SPLATS: set[str] = set()
+
+
 def splat_value(value: Value):
-    """The scalar every element of `value` equals when it is a constant splat, else None."""
+    """The scalar every element of `value` equals when it is a splat constant (possibly broadcast
+    or reshaped), else None."""
     op = value.producer
+    while op is not None and op.name in ("broadcast", "reshape"):
+        op = op.operands[0].producer
     if op is None or op.name != "constant":
         return None
     array = op.attrs["value"]
-    if array.size == 0:
+    if array.size == 0 or value.type.size == 0:
         return None
     first = array.flat[0]
     same = np.all(array == first) if not np.isnan(first) else np.all(np.isnan(array))
@@ -148,6 +156,7 @@ class _FunctionLowering:
         self.buffers: dict[Value, str] = {}  # value -> memref SSA name holding it
         self.inline: dict[Value, str] = {}  # constant value -> tensor SSA name (emitted on first read)
         self.result_outputs: dict[Value, str] = {}  # op result that is a graph result -> its output arg
+        self.virtual = _virtual_splats(graph)  # splats only read as scalars: never computed or stored
 
     def fresh_buffer(self, prefix: str) -> str:
         return self.em.fresh(prefix)
@@ -155,6 +164,12 @@ class _FunctionLowering:
     # Reading a value as a tensor.
     def read(self, value: Value) -> str:
         if value in self.inline:
+            return self.inline[value]
+        if value in self.virtual:
+            splat = np.asarray(splat_value(value), value.type.dtype.np_dtype)
+            self.inline[value] = self.em.op(
+                f"arith.constant {dense_literal(splat, value.type.dtype)} : {tensor_type(value.type)}"
+            )
             return self.inline[value]
         if value.producer is not None and value.producer.name == "constant" and value not in self.buffers:
             return self._constant_tensor(value)
@@ -206,6 +221,20 @@ class _FunctionLowering:
             )
         for value, tensor in zip(op.results, results):
             self.write(tensor, value, self.buffers[value])
+
+
+def _virtual_splats(graph: Graph) -> set[Value]:
+    users = graph.uses()
+    results = set(graph.results)
+    return {
+        v
+        for op in graph.ops
+        for v in op.results
+        if v not in results
+        and v in users
+        and all(u.name in INLINES_SPLATS for u in users[v])
+        and splat_value(v) is not None
+    }
 
 
 def no_lowering_error(op: Op) -> CompileError:
@@ -278,7 +307,7 @@ def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
             fl.buffers[value] = out
 
     def needs_slot(v: Value) -> bool:
-        return v not in fl.result_outputs and v.producer is not None and v.producer.name != "constant"
+        return v not in fl.result_outputs and v.producer.name != "constant" and v not in fl.virtual
 
     offsets, workspace = plan_workspace(graph, needs_slot)
     ws_type = f"memref<{max(workspace, 1)}xi8>"
@@ -288,7 +317,7 @@ def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
         fl.buffers[value] = em.op(f"memref.view %ws[{c}][] : {ws_type} to {memref_type(value.type)}")
 
     for op in graph.ops:
-        if op.name != "constant":
+        if op.name != "constant" and not all(v in fl.virtual for v in op.results):
             fl.lower_op(op)
     for out, value in zip(outputs, graph.results):
         if fl.result_outputs.get(value) != out:

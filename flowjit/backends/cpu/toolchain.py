@@ -26,13 +26,17 @@ BUFFERIZE_PIPELINE = (
     "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map},"
     "canonicalize,cse,buffer-deallocation-pipeline,convert-bufferization-to-memref"
 )
+# `finalize-memref-to-llvm` must precede `convert-scf-to-cf`: scf-to-openmp wraps loop bodies in
+# `memref.alloca_scope`, which only accepts a single block (TOOLCHAIN.md §2). `convert-func-to-llvm`
+# must precede `convert-openmp-to-llvm`, which would otherwise convert the function signature itself
+# with memref descriptors instead of bare pointers.
 LLVM_PIPELINE = (
-    "convert-linalg-to-loops,lower-affine,convert-vector-to-scf,"
-    "scf-forall-to-parallel,convert-scf-to-openmp,convert-scf-to-cf,"
-    "convert-vector-to-llvm{enable-x86vector=false},expand-strided-metadata,lower-affine,"
-    "finalize-memref-to-llvm,convert-math-to-llvm,convert-math-to-libm,convert-arith-to-llvm,convert-index-to-llvm,"
-    "convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,convert-cf-to-llvm,"
-    "convert-ub-to-llvm,reconcile-unrealized-casts"
+    "func.func(scf-forall-to-parallel),convert-scf-to-openmp,convert-linalg-to-loops,lower-affine,"
+    "convert-vector-to-scf,expand-strided-metadata,lower-affine,finalize-memref-to-llvm,convert-scf-to-cf,"
+    "convert-vector-to-llvm{enable-x86vector=false},finalize-memref-to-llvm,convert-math-to-llvm,"
+    "convert-math-to-libm,convert-arith-to-llvm,convert-index-to-llvm,"
+    "convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,convert-cf-to-llvm,convert-ub-to-llvm,"
+    "reconcile-unrealized-casts"
 )
 
 _lock = threading.RLock()
