@@ -19,5 +19,6 @@ from flowjit.frontend.jit import Compiled, Jitted, Lowered, ShapeDtype, jit  # n
 from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 from flowjit.frontend.variables import Variable  # noqa: F401
 from flowjit.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
+from flowjit.runtime.devices import Device, DeviceSpec, device, devices  # noqa: F401
 
 __version__ = "0.1.0"

@@ -44,6 +44,7 @@ from flowjit.ir.location import is_internal_file, user_location
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
 from flowjit.passes import dump
+from flowjit.runtime.devices import DeviceSpec
 from flowjit.passes.registry import run_pipeline
 
 # The optimization pipeline for every target, top to bottom.
@@ -322,7 +323,7 @@ class Jitted:
     def _trace(self, sig: Signature, bound, paths) -> tuple[Graph, TreeDef, dict]:
         with Trace(self.name) as trace:
             if self.device is not None:
-                trace.device_stack.append(str(self.device))
+                trace.device_stack.append(str(DeviceSpec.parse(self.device)))
             tracers = [trace.new_param(aval, path) for aval, path in zip(sig.avals, paths)]
             dynamic = dict(zip(sig.names, tree_unflatten(sig.treedef, tracers)))
             arguments = {name: dynamic.get(name, value) for name, value in bound.arguments.items()}

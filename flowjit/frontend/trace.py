@@ -100,7 +100,15 @@ class Trace:
 
     @property
     def device(self) -> str | None:
-        return self.device_stack[-1] if self.device_stack else None
+        """The device constraint for ops traced now: the jit's `device=` merged with the
+        enclosing `with fj.device(...)` scopes (inner fields win)."""
+        from flowjit.runtime.devices import DeviceSpec, current_device_spec
+
+        scope = current_device_spec()
+        if not self.device_stack:
+            return None if scope is None else str(scope)
+        base = DeviceSpec.parse(self.device_stack[-1])
+        return str(base if scope is None else base.merged_with(scope))
 
 
 def escaped_tracer_error() -> FlowjitTypeError:
