@@ -44,8 +44,8 @@ from flowjit.ir.location import is_internal_file, user_location
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
 from flowjit.passes import dump
-from flowjit.runtime.devices import DeviceSpec
 from flowjit.passes.registry import run_pipeline
+from flowjit.runtime.devices import DeviceSpec
 
 # The optimization pipeline for every target, top to bottom.
 PIPELINE = (

@@ -112,7 +112,8 @@ def _int_or_any(value: str, text: str, what: str) -> int | None:
 
 def _bad(text, why: str) -> FlowjitValueError:
     return FlowjitValueError(
-        f"{user_location()}: bad device name {text!r}: {why}. Use '/job:NAME/task:N/device:cpu:K' or a short form like 'cpu:1', 'gpu:0'"
+        f"{user_location()}: bad device name {text!r}: {why}. "
+        "Use '/job:NAME/task:N/device:cpu:K' or a short form like 'cpu:1', 'gpu:0'"
     )
 
 
