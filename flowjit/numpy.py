@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flowjit.errors import FlowjitTypeError, FlowjitValueError, op_error
+from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError, op_error
 from flowjit.frontend.trace import Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
@@ -271,25 +271,35 @@ divide = true_divide
 
 
 def floor_divide(x, y):
-    """x // y rounding toward -inf, as numpy."""
+    """x // y rounding toward -inf, exactly as numpy (`1.0 // 0.1 == 9.0`); integer x // 0 is 0,
+    float x // 0 is x / 0."""
     target = result_type(x, y)
-    if target.is_float:
-        return floor(_elementwise("div", x, y, dtype=target))
-    q = _elementwise("div", x, y, dtype=target)
-    r = _elementwise("rem", x, y, dtype=target)
-    adjust = logical_and(
-        not_equal(r, 0), not_equal(less(r, 0), less(asarray(y, target) if isinstance(y, _SCALARS) else y, 0))
-    )
-    return where(adjust, subtract(q, 1), q)
+    x, y = _cast_all([x, y], target)
+    r = _elementwise("rem", x, y)
+    if not target.is_float:
+        q = _elementwise("div", x, y)
+        return where(_needs_sign_fix(r, y), subtract(q, 1), q)
+    # numpy's npy_divmod: divide the exact multiple, fix the sign, round the quotient to nearest.
+    q = divide(subtract(x, r), y)
+    q = where(_needs_sign_fix(r, y), subtract(q, 1), q)
+    whole = floor(q)
+    whole = where(greater(subtract(q, whole), 0.5), add(whole, 1), whole)
+    ratio = divide(x, y)
+    whole = where(equal(q, 0), multiply(ratio, 0), whole)  # zero with the sign of x / y
+    return where(equal(y, 0), ratio, whole)
+
+
+def _needs_sign_fix(r, y):
+    """Where a truncated remainder `r` and the divisor disagree in sign (numpy's floor rule)."""
+    return logical_and(not_equal(r, 0), not_equal(less(r, 0), less(y, 0)))
 
 
 def remainder(x, y):
-    """x % y with the sign of y, as numpy."""
+    """x % y with the sign of y, as numpy; integer x % 0 is 0."""
     target = result_type(x, y)
-    r = _elementwise("rem", x, y, dtype=target)
-    yy = asarray(y, target) if isinstance(y, _SCALARS) else astype(y, target)
-    adjust = logical_and(not_equal(r, 0), not_equal(less(r, 0), less(yy, 0)))
-    return where(adjust, add(r, yy), r)
+    x, y = _cast_all([x, y], target)
+    r = _elementwise("rem", x, y)
+    return where(_needs_sign_fix(r, y), add(r, y), r)
 
 
 mod = remainder
@@ -684,159 +694,137 @@ def scatter_add(x, indices, updates, axis: int = 0):
     return bind("scatter_add", [x, idx, upd], {"axis": axis})
 
 
-def _expand_index(key, rank):
-    """Normalize an index to a tuple with `...` expanded and trailing full slices added."""
-    key = key if isinstance(key, tuple) else (key,)
-    ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
-    used = builtins.sum(1 for k in key if k is not None and k is not Ellipsis)
+def _index_error(message: str) -> FlowjitError:
+    return op_error(FlowjitTypeError, user_location(), "getitem", message)
+
+
+def _index_entries(key, rank: int) -> list:
+    """`key` as a list of entries, one per axis plus `None`s: `...` expanded, full slices appended,
+    integer lists and arrays as int64 numpy arrays (0-d static arrays as ints)."""
+    key = list(key) if isinstance(key, tuple) else [key]
+    entries = []
+    for k in key:
+        if isinstance(k, list):
+            k = np.asarray(k)
+        if isinstance(k, Tracer | np.ndarray) and _dtype_of(k).is_bool:
+            raise _index_error("boolean mask indexing gives a data-dependent shape; use fnp.where(mask, x, 0) instead")
+        if isinstance(k, np.ndarray | np.integer) and not _dtype_of(k).is_int:
+            raise _index_error(f"array indices must be integers; found {_dtype_of(k)}")
+        if isinstance(k, Tracer) and not _dtype_of(k).is_int:
+            raise _index_error(f"array indices must be integers; found {_dtype_of(k)}")
+        if isinstance(k, np.ndarray | np.integer) and np.ndim(k) == 0:
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, int | slice | np.ndarray | Tracer | type(None) | type(...)):
+            raise _index_error(f"unsupported index {k!r}; use ints, slices, None, ... or integer arrays")
+        entries.append(k)
+    ellipses = [i for i, k in enumerate(entries) if k is Ellipsis]
     if len(ellipses) > 1:
-        raise FlowjitValueError(f"{user_location()}: an index can only have a single ellipsis ('...')")
+        raise _index_error("an index can only have a single ellipsis ('...')")
+    used = builtins.sum(1 for k in entries if k is not None and k is not Ellipsis)
     if used > rank:
-        raise FlowjitValueError(f"{user_location()}: too many indices for an array of rank {rank}: {used}")
-    fill = (slice(None),) * (rank - used)
+        raise _index_error(f"too many indices for an array of rank {rank}: {used}")
+    fill = [slice(None)] * (rank - used)
     if ellipses:
-        i = ellipses[0]
-        return key[:i] + fill + key[i + 1 :]
-    return key + fill
+        return entries[: ellipses[0]] + fill + entries[ellipses[0] + 1 :]
+    return entries + fill
+
+
+def _wrap_index(idx, n: int, axis: int):
+    """Negative indices count from the end. Static ones must be in range (numpy raises); traced
+    ones are clamped into range by `gather`, never read outside the array."""
+    if isinstance(idx, Tracer):
+        return where(less(idx, 0), add(idx, n), idx)
+    idx = np.asarray(idx, np.int64)
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        bad = idx[(idx < -n) | (idx >= n)].flat[0]
+        raise op_error(
+            FlowjitValueError, user_location(), "getitem", f"index {bad} is out of bounds for axis {axis} with size {n}"
+        )
+    return np.where(idx < 0, idx + n, idx)
 
 
 def getitem(x, key):
-    """x[key] with numpy semantics for ints, slices (any step), None, ... and integer arrays."""
+    """x[key] with numpy semantics: ints (negative count from the end), slices with any step,
+    None, ... and integer arrays (advanced indexing, including traced indices; traced indices out
+    of range are clamped). Ints combined with arrays are advanced indices, as in numpy.
+
+    Algorithm:
+      1. Apply every slice (a strided `slice`, or a `gather` of the positions for negative steps).
+      2. Without array indices: ints become size-1 slices; one reshape drops them and adds Nones.
+      3. With array indices (ints included): gather them as one linearized index over their axes,
+         giving (broadcast index dims, remaining axes); when the array indices are adjacent in the
+         key, the index dims move to where the first one was (numpy's rule); Nones are added last.
+    """
     x = asarray(x)
-    if (
-        isinstance(key, Tracer | np.ndarray)
-        and _dtype_of(key).is_bool
-        or (isinstance(key, list) and key and isinstance(key[0], bool))
-    ):
-        raise op_error(
-            FlowjitTypeError,
-            user_location(),
-            "getitem",
-            "boolean mask indexing gives a data-dependent shape; use fnp.where(mask, x, 0) instead",
-        )
-    key = _expand_index(key, ndim(x))
-    # First pass: basic indexing (ints, slices, None); remember advanced (array) indices.
-    out_shape_dims, advanced = [], []
-    start, limit, stride = [], [], []
-    squeeze_dims, flips, axis_out = [], [], 0
-    src_axis = 0
-    for k in key:
+    entries = _index_entries(key, ndim(x))
+    advanced = builtins.any(isinstance(k, np.ndarray | Tracer) for k in entries)
+    axis_of = {}  # entry position -> axis of x
+    start, limit, stride = [0] * ndim(x), list(shape(x)), [1] * ndim(x)
+    reversed_axes = []
+    for pos, k in enumerate(entries):
         if k is None:
-            out_shape_dims.append(("new", None))
             continue
-        n = shape(x)[src_axis]
+        axis = axis_of[pos] = len(axis_of)
+        n = shape(x)[axis]
         if isinstance(k, slice):
             lo, hi, st = k.indices(n)
-            if st > 0:
-                start.append(lo), limit.append(builtins.max(lo, hi)), stride.append(st)
+            if st < 0:
+                reversed_axes.append((axis, np.arange(lo, hi, st)))
             else:
-                count = len(range(lo, hi, st))
-                first = lo + st * (count - 1) if count else 0
-                start.append(first), limit.append(first + (-st) * (count - 1) + 1 if count else 0)
-                stride.append(-st)
-                flips.append(src_axis)
-            out_shape_dims.append(("axis", src_axis))
-        elif isinstance(k, int | np.integer) and not isinstance(k, bool):
-            if not -n <= k < n:
-                raise op_error(
-                    FlowjitValueError,
-                    user_location(),
-                    "getitem",
-                    f"index {k} is out of bounds for axis {src_axis} with size {n}",
-                )
-            k = int(k) % n
-            start.append(k), limit.append(k + 1), stride.append(1)
-            squeeze_dims.append(src_axis)
-        else:
-            start.append(0), limit.append(n), stride.append(1)
-            advanced.append((src_axis, k))
-            out_shape_dims.append(("adv", src_axis))
-        src_axis += 1
-    del axis_out
+                start[axis], limit[axis], stride[axis] = lo, builtins.max(lo, hi), st
+        elif isinstance(k, int) and not advanced:
+            k = int(_wrap_index(k, n, axis))
+            start[axis], limit[axis] = k, k + 1
     if (start, limit, stride) != ([0] * ndim(x), list(shape(x)), [1] * ndim(x)):
         x = bind("slice", [x], {"start": start, "limit": limit, "stride": stride})
-    for a in flips:
-        x = take(x, np.arange(shape(x)[a] - 1, -1, -1), axis=a)
-    if advanced:
-        x, out_shape_dims = _advanced_index(x, advanced, out_shape_dims)
-    # Drop integer-indexed axes and insert new axes.
-    final = []
-    for kind, a in out_shape_dims:
-        if kind == "new":
-            final.append(1)
-        elif kind == "axis":
-            final.append(shape(x)[a])
-        else:
-            final.extend(a)
-    kept = [d for i, d in enumerate(shape(x)) if i not in squeeze_dims]
+    for axis, positions in reversed_axes:
+        x = bind("gather", [x, positions], {"axis": axis})
     if not advanced:
-        return reshape(x, final) if final != kept or len(final) != ndim(x) else x
-    return reshape(x, final)
+        out = [1 if k is None else shape(x)[axis_of[p]] for p, k in enumerate(entries) if not isinstance(k, int)]
+        return reshape(x, out)
+    return _advanced_index(x, entries, axis_of)
 
 
-def _advanced_index(x, advanced, out_shape_dims):
-    """Gather for integer-array indices. Returns the gathered array (advanced axes replaced by the
-    broadcast index shape, placed as numpy does) and the updated output-dims description."""
-    axes = [a for a, _ in advanced]
-    idxs = [asarray(k) for _, k in advanced]
-    for i in idxs:
-        if not _dtype_of(i).is_int:
-            raise op_error(
-                FlowjitTypeError, user_location(), "getitem", f"array indices must be integers; found {_dtype_of(i)}"
-            )
+def _advanced_index(x, entries, axis_of):
+    """Step 3 of `getitem`: `entries` holds Nones, slices (already applied) and array indices."""
+    adv_positions = [p for p, k in enumerate(entries) if k is not None and not isinstance(k, slice)]
+    adv_axes = [axis_of[p] for p in adv_positions]
+    idxs = [_wrap_index(entries[p], shape(x)[axis_of[p]], axis_of[p]) for p in adv_positions]
     bshape = broadcast_shapes(*(shape(i) for i in idxs), op="getitem")
-    # Linearize all advanced indices into one, over the advanced axes moved to the front.
-    rest = [i for i in range(ndim(x)) if i not in axes]
-    moved = transpose(x, axes + rest)
+    adjacent = adv_positions == list(range(adv_positions[0], adv_positions[-1] + 1))
+    if len(idxs) == 1:  # gather in place: (axes before, index dims, axes after)
+        gathered = bind("gather", [x, idxs[0]], {"axis": adv_axes[0]})
+    else:
+        gathered = _gather_linearized(x, adv_axes, idxs, bshape)
+    if len(idxs) > 1 and adjacent:  # move the index dims to where the first index was
+        before = builtins.sum(1 for p in range(adv_positions[0]) if entries[p] is not None)
+        nb = len(bshape)
+        gathered = transpose(gathered, [*range(nb, nb + before), *range(nb), *range(nb + before, ndim(gathered))])
+    out = []
+    for p, k in enumerate(entries):
+        if k is None:
+            out.append(1)
+        elif isinstance(k, slice):
+            out.append(shape(x)[axis_of[p]])
+        elif adjacent and p == adv_positions[0]:
+            out.extend(bshape)
+    return reshape(gathered, out if adjacent else list(bshape) + out)
+
+
+def _gather_linearized(x, axes, idxs, bshape):
+    """Gather by several index arrays at once: one row-major index over `axes` moved to the front
+    and flattened. The result has dims (bshape, remaining axes of x in order)."""
+    rest = [a for a in range(ndim(x)) if a not in axes]
     sizes = [shape(x)[a] for a in axes]
-    flat = reshape(moved, (math.prod(sizes),) + tuple(shape(x)[i] for i in rest))
+    if math.prod(bshape) and not math.prod(sizes):
+        raise op_error(FlowjitValueError, user_location(), "getitem", "cannot index into an axis of size 0")
     linear = None
-    for i, (idx, n) in enumerate(zip(idxs, sizes)):
-        idx = broadcast_to(astype(idx, dt.int64), bshape)
-        idx = where(less(idx, 0), add(idx, n), idx) if isinstance(idx, Tracer) else np.where(idx < 0, idx + n, idx)
-        idx = clip(idx, 0, n - 1)
-        stride_ = math.prod(sizes[i + 1 :])
-        term = multiply(idx, stride_) if stride_ != 1 else idx
+    for i, idx in enumerate(idxs):
+        term, step = astype(idx, dt.int64), math.prod(sizes[i + 1 :])
+        term = multiply(term, step) if step != 1 else term
         linear = term if linear is None else add(linear, term)
-    gathered = bind("gather", [flat, linear], {"axis": 0})  # shape: bshape + rest dims
-    contiguous = axes == list(range(axes[0], axes[0] + len(axes)))
-    kinds = [k for k, _ in out_shape_dims]
-    first_adv = kinds.index("adv")
-    rest_positions = {a: len(bshape) + j for j, a in enumerate(rest)}
-    dims = []
-    placed = False
-    for kind, a in out_shape_dims:
-        if kind == "adv":
-            if not placed and contiguous:
-                dims.append(("adv_block", None))
-            placed = True
-            continue
-        dims.append((kind, rest_positions[a] if kind == "axis" else a))
-    if not contiguous:
-        dims.insert(0, ("adv_block", None))
-    # Transpose the gathered array into output order (new axes are added by the caller's reshape).
-    order = []
-    for kind, a in dims:
-        if kind == "adv_block":
-            order.extend(range(len(bshape)))
-        elif kind == "axis":
-            order.append(a)
-    squeezed_rest = [p for p in rest_positions.values() if p not in order]
-    gathered = transpose(gathered, order + squeezed_rest)
-    gathered = reshape(gathered, [shape(gathered)[i] for i in range(len(order))])
-    out_dims = []
-    pos = 0
-    for kind, a in dims:
-        if kind == "adv_block":
-            out_dims.append(("adv", bshape))
-            pos += len(bshape)
-        elif kind == "axis":
-            out_dims.append(("axis", pos))
-            pos += 1
-        else:
-            out_dims.append((kind, a))
-    del first_adv
-    return gathered, [(k, a if k != "adv" else list(a)) for k, a in out_dims]
+    flat = reshape(transpose(x, axes + rest), (math.prod(sizes),) + tuple(shape(x)[a] for a in rest))
+    return bind("gather", [flat, broadcast_to(linear, bshape)], {"axis": 0})
 
 
 def dynamic_slice(x, start_indices, sizes):
@@ -921,18 +909,15 @@ def _arg_reduction(name):
         x = asarray(x)
         if _dtype_of(x).is_bool:
             x = astype(x, dt.int32)
-        src = x
         if axis is None:
-            x, axis = ravel(x), 0
+            out = bind(name, [ravel(x)], {"axis": 0, "index_dtype": dt.int64})
+            return reshape(out, [1] * ndim(x)) if keepdims else out
         axis = _norm_axis(axis, ndim(x), name)
         out = bind(name, [x], {"axis": axis, "index_dtype": dt.int64})
-        if keepdims:
-            return reshape(
-                out, [1] * ndim(src) if axis is None else [1 if i == axis else d for i, d in enumerate(shape(src))]
-            )
-        return out
+        return reshape(out, [1 if i == axis else d for i, d in enumerate(shape(x))]) if keepdims else out
 
     fn.__name__ = name
+    fn.__doc__ = f"numpy.{name}: the first index of the extreme along `axis` (of the flattened array when None)."
     return fn
 
 
@@ -1071,7 +1056,7 @@ def einsum(subscripts: str, *operands):
         drop = [j for j, c in enumerate(t) if c not in others]
         if drop:
             xs[i] = sum(xs[i], axis=tuple(drop))
-            terms[i] = "".join(c for c in t if c not in others)
+            terms[i] = "".join(c for c in t if c in others)
     if len(terms) == 1:
         return transpose(xs[0], [terms[0].index(c) for c in output])
     ta, tb = terms
