@@ -14,6 +14,7 @@ import numpy as np
 
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor
+from flowjit.backends.cpu.lowering import lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import conv_params, dot_dims
@@ -100,6 +101,7 @@ def contraction_generic(
     return narrow(em, summed, result, acc)
 
 
+@lowering("dot_general")
 def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """dot_general as one generic over (batch, lhs free, rhs free, contracting) loop dims."""
     a, b = operands
@@ -122,6 +124,7 @@ def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     return [contraction_generic(em, [(a, ta, lhs_exprs), (b, tb, rhs_exprs)], result, len(lhs_contract))]
 
 
+@lowering("conv2d")
 def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Zero-pad the input, then one generic over (n, o, oh, ow, c, kh, kw) whose input map applies
     stride and dilation: x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] * w[o, c, kh, kw]."""
@@ -141,6 +144,7 @@ def _window_pad_value(kind: str, dtype: dt.DType):
     return reduction_identity("max", dtype) if kind == "max" else 0
 
 
+@lowering("reduce_window")
 def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Pad with the reduction's identity, then one generic over (output dims, window dims); a
     shape-only window tensor gives the window loops their bounds, as linalg's pooling ops do."""
@@ -241,20 +245,13 @@ def _lower_arg_extreme(em: KernelEmitter, op: Op, operands: list[str], largest: 
     return [f"{values_out}#1"]
 
 
+@lowering("argmax")
 def lower_argmax(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Index of the first maximum along `axis` (the first nan if there is one)."""
     return _lower_arg_extreme(em, op, operands, largest=True)
 
 
+@lowering("argmin")
 def lower_argmin(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Index of the first minimum along `axis` (the first nan if there is one)."""
     return _lower_arg_extreme(em, op, operands, largest=False)
-
-
-LOWERINGS = {
-    "dot_general": lower_dot_general,
-    "conv2d": lower_conv2d,
-    "reduce_window": lower_reduce_window,
-    "argmax": lower_argmax,
-    "argmin": lower_argmin,
-}

@@ -12,9 +12,33 @@ store can leave its buffer, whatever the index values are.
 
 from __future__ import annotations
 
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+import functools
+
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, tensor_type
+from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op
+
+
+def _tensor(t) -> str:
+    """Tensor type of a moved value: bool data moves as numpy's bytes (see `_on_bytes`)."""
+    return tensor_type(t, memory_elem_type(t.dtype))
+
+
+def _on_bytes(fn):
+    """Run a movement lowering on numpy's bool bytes (i8) instead of i1 tensors.
+
+    Movement ops materialize their data in buffers, and MLIR 22 cannot load or store i1 memrefs
+    (MemRefToLLVM asserts), so bool operands are widened to bytes first and results narrowed back.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        operands = [bool_to_bytes(em, x, v.type) if v.dtype.is_bool else x for x, v in zip(operands, op.operands)]
+        results = fn(em, op, operands)
+        return [bool_from_bytes(em, r, v.type) if v.dtype.is_bool else r for r, v in zip(results, op.results)]
+
+    return wrapped
 
 
 def _index_list(values) -> str:
@@ -33,10 +57,12 @@ def clamp_index(b: ScalarBuilder | KernelEmitter, value: str, int_elem: str, low
 def copy_tensor(em: KernelEmitter, x: str, t) -> str:
     """A fresh copy of `x` as a `linalg.copy` (lowered to loops): a strided view stored with
     `memref.copy` would need the MLIR C runner's `memrefCopy`, which native code cannot call."""
-    ttype = tensor_type(t)
-    return em.op(f"linalg.copy ins({x} : {ttype}) outs({em.empty(t)} : {ttype}) -> {ttype}")
+    ttype = _tensor(t)
+    return em.op(f"linalg.copy ins({x} : {ttype}) outs({em.empty(t, memory_elem_type(t.dtype))} : {ttype}) -> {ttype}")
 
 
+@lowering("slice")
+@_on_bytes
 def lower_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """x[start:limit:stride] as a strided `tensor.extract_slice`."""
     (x,) = operands
@@ -44,15 +70,17 @@ def lower_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     if source.rank == 0:
         return [x]
     if result.size == 0:
-        return [em.empty(result)]
+        return [em.empty(result, memory_elem_type(result.dtype))]
     start, stride = op.attrs["start"], op.attrs["stride"]
     view = em.op(
         f"tensor.extract_slice {x}[{_index_list(start)}] [{_index_list(result.shape)}] "
-        f"[{_index_list(stride)}] : {tensor_type(source)} to {tensor_type(result)}"
+        f"[{_index_list(stride)}] : {_tensor(source)} to {_tensor(result)}"
     )
     return [copy_tensor(em, view, result)]
 
 
+@lowering("dynamic_slice")
+@_on_bytes
 def lower_dynamic_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A window at runtime starts, each clamped into [0, dim - size] so the window always fits."""
     x, *starts = operands
@@ -60,22 +88,22 @@ def lower_dynamic_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[
     if source.rank == 0:
         return [x]
     if result.size == 0:
-        return [em.empty(result)]
+        return [em.empty(result, memory_elem_type(result.dtype))]
     offsets = []
     for start, start_value, dim, size in zip(starts, op.operands[1:], source.shape, result.shape):
-        int_elem = elem_type(start_value.dtype)
+        int_elem = memory_elem_type(start_value.dtype)
         scalar = em.op(f"tensor.extract {start}[] : tensor<{int_elem}>")
         offsets.append(clamp_index(em, scalar, int_elem, 0, dim - size))
     view = em.op(
         f"tensor.extract_slice {x}[{', '.join(offsets)}] [{_index_list(result.shape)}] "
-        f"[{_index_list([1] * source.rank)}] : {tensor_type(source)} to {tensor_type(result)}"
+        f"[{_index_list([1] * source.rank)}] : {_tensor(source)} to {_tensor(result)}"
     )
     return [copy_tensor(em, view, result)]
 
 
 def fill(em: KernelEmitter, scalar: str, t, elem: str | None = None) -> str:
     """A new tensor of type `t` filled with the scalar SSA value `scalar`."""
-    elem = elem or elem_type(t.dtype)
+    elem = elem or memory_elem_type(t.dtype)
     empty = em.empty(t, elem)
     ttype = tensor_type(t, elem)
     return em.op(f"linalg.fill ins({scalar} : {elem}) outs({empty} : {ttype}) -> {ttype}")
@@ -88,11 +116,11 @@ def insert_into(em: KernelEmitter, x: str, source, dest: str, dest_type, offsets
     an in-place copy loop; a bare insert_slice into a strided view would become a `memref.copy`
     that needs the C runner's `memrefCopy`."""
     where = f"[{_index_list(offsets)}] [{_index_list(source.shape)}] [{_index_list(strides)}]"
-    view_types = f"{tensor_type(dest_type)} to {tensor_type(source)}"
+    view_types = f"{_tensor(dest_type)} to {_tensor(source)}"
     view = em.op(f"tensor.extract_slice {dest}{where} : {view_types}")
-    ttype = tensor_type(source)
+    ttype = _tensor(source)
     copied = em.op(f"linalg.copy ins({x} : {ttype}) outs({view} : {ttype}) -> {ttype}")
-    return em.op(f"tensor.insert_slice {copied} into {dest}{where} : {ttype} into {tensor_type(dest_type)}")
+    return em.op(f"tensor.insert_slice {copied} into {dest}{where} : {ttype} into {_tensor(dest_type)}")
 
 
 def pad_tensor(em: KernelEmitter, x: str, source, result, scalar: str, low, interior) -> str:
@@ -104,17 +132,21 @@ def pad_tensor(em: KernelEmitter, x: str, source, result, scalar: str, low, inte
     return insert_into(em, x, source, filled, result, low, [i + 1 for i in interior])
 
 
+@lowering("pad")
+@_on_bytes
 def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Fill with the padding value, then insert x with `low` offsets and `interior + 1` strides."""
     x, value = operands
     source, result = op.operands[0].type, op.result.type
-    elem = elem_type(source.dtype)
+    elem = memory_elem_type(source.dtype)
     scalar = em.op(f"tensor.extract {value}[] : tensor<{elem}>")
     if source.rank == 0:
         return [x]
     return [pad_tensor(em, x, source, result, scalar, op.attrs["low"], op.attrs["interior"])]
 
 
+@lowering("concatenate")
+@_on_bytes
 def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Insert each operand at its offset along `axis` into one new tensor."""
     result = op.result.type
@@ -122,8 +154,8 @@ def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     # Start from a filled tensor, not a bare tensor.empty: with an empty at the root of the insert
     # chain, eliminate-empty-tensors rewrites the first insert into a temporary buffer plus a
     # strided memref.copy (a call into the C runner we do not link).
-    elem = elem_type(result.dtype)
-    zero = em.op(f"arith.constant {'false' if elem == 'i1' else '0' if elem.startswith('i') else '0.0'} : {elem}")
+    elem = memory_elem_type(result.dtype)
+    zero = em.op(f"arith.constant {'0' if elem.startswith('i') else '0.0'} : {elem}")
     out = fill(em, zero, result)
     offset = 0
     for x, value in zip(operands, op.operands):
@@ -146,6 +178,8 @@ def _check_nonempty_axis(op: Op, what: str) -> None:
         )
 
 
+@lowering("gather")
+@_on_bytes
 def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """numpy.take with clamped indices: a generic over the result reading x with `tensor.extract`."""
     x, idx = operands
@@ -153,23 +187,23 @@ def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     axis = op.attrs["axis"]
     _check_nonempty_axis(op, "gather")
     if result.size == 0:
-        return [em.empty(result)]
+        return [em.empty(result, memory_elem_type(result.dtype))]
     dims = [f"d{i}" for i in range(result.rank)]
     idx_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims[axis : axis + indices.rank])})")
-    int_elem = elem_type(indices.dtype)
-    elem = elem_type(source.dtype)
+    int_elem = memory_elem_type(indices.dtype)
+    elem = memory_elem_type(source.dtype)
 
     def body(b: ScalarBuilder, args):
         loop = [b.op(f"linalg.index {i} : index") for i in range(result.rank)]
         picked = clamp_index(b, args[0], int_elem, 0, source.shape[axis] - 1)
         where = loop[:axis] + [picked] + loop[axis + indices.rank :]
-        return b.op(f"tensor.extract {x}[{', '.join(where)}] : {tensor_type(source)}")
+        return b.op(f"tensor.extract {x}[{', '.join(where)}] : {_tensor(source)}")
 
-    out = em.empty(result)
+    out = em.empty(result, memory_elem_type(result.dtype))
     return [
         em.generic(
-            [(idx, tensor_type(indices))],
-            (out, tensor_type(result)),
+            [(idx, _tensor(indices))],
+            (out, _tensor(result)),
             [idx_map, em.identity_map(result.rank)],
             ["parallel"] * result.rank,
             body,
@@ -179,14 +213,16 @@ def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     ]
 
 
-def _add(b: ScalarBuilder | KernelEmitter, a: str, c: str, elem: str) -> str:
-    if elem == "i1":  # numpy adds bools as logical or
-        return b.op(f"arith.ori {a}, {c} : i1")
+def _add(b: ScalarBuilder | KernelEmitter, a: str, c: str, elem: str, is_bool: bool) -> str:
+    if is_bool:  # numpy adds bools as logical or (the bytes hold 0 or 1)
+        return b.op(f"arith.ori {a}, {c} : {elem}")
     if elem.startswith("i"):
         return b.op(f"arith.addi {a}, {c} : {elem}")
     return b.op(f"arith.addf {a}, {c} : {elem}")
 
 
+@lowering("scatter_add")
+@_on_bytes
 def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A copy of x, then a sequential loop nest over the updates adding each one at its clamped
     index (sequential, so duplicate indices accumulate)."""
@@ -194,11 +230,11 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     source, indices, upd = op.operands[0].type, op.operands[1].type, op.operands[2].type
     axis = op.attrs["axis"]
     _check_nonempty_axis(op, "scatter into")
-    ttype = tensor_type(source)
+    ttype = _tensor(source)
     copy = copy_tensor(em, x, source)
     if upd.size == 0:
         return [copy]
-    elem, int_elem = elem_type(source.dtype), elem_type(indices.dtype)
+    elem, int_elem = memory_elem_type(source.dtype), memory_elem_type(indices.dtype)
     zero, one = em.op("arith.constant 0 : index"), em.op("arith.constant 1 : index")
     ivs, carried, results = [], copy, []
     indent = em.indent
@@ -211,12 +247,12 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         results.append(res)
         carried = acc
     position = ", ".join(ivs[axis : axis + indices.rank])
-    raw = em.op(f"tensor.extract {idx}[{position}] : {tensor_type(indices)}")
+    raw = em.op(f"tensor.extract {idx}[{position}] : {_tensor(indices)}")
     picked = clamp_index(em, raw, int_elem, 0, source.shape[axis] - 1)
     target = ", ".join(ivs[:axis] + [picked] + ivs[axis + indices.rank :])
-    update = em.op(f"tensor.extract {updates}[{', '.join(ivs)}] : {tensor_type(upd)}")
+    update = em.op(f"tensor.extract {updates}[{', '.join(ivs)}] : {_tensor(upd)}")
     current = em.op(f"tensor.extract {carried}[{target}] : {ttype}")
-    total = _add(em, current, update, elem)
+    total = _add(em, current, update, elem, source.dtype.is_bool)
     inserted = em.op(f"tensor.insert {total} into {carried}[{target}] : {ttype}")
     yielded = inserted
     for res in reversed(results):
@@ -226,13 +262,3 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         yielded = res
     em.indent = indent
     return [results[0] if results else inserted]
-
-
-LOWERINGS = {
-    "slice": lower_slice,
-    "dynamic_slice": lower_dynamic_slice,
-    "pad": lower_pad,
-    "concatenate": lower_concatenate,
-    "gather": lower_gather,
-    "scatter_add": lower_scatter_add,
-}

@@ -1,0 +1,248 @@
+"""Compiled CPU code vs the reference interpreter for the movement, contraction, convolution,
+pooling and argmax/argmin lowerings: odd and size-1 shapes, every dtype the op allows, clamped
+out-of-range indices, nan and tie rules, and the tiled matmul kernel's tails and threads."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flowjit.backends import compile_graph
+from flowjit.ir import dtypes as dt
+from flowjit.ir.builder import emit
+from flowjit.ir.graph import Graph
+from flowjit.ir.types import TensorType
+
+ALL = dt.ALL_DTYPES
+NUMERIC = dt.NUMERIC_DTYPES
+FLOATS = dt.FLOAT_DTYPES
+
+# Relative to the largest |expected| element: one rounding of the result plus summation-order
+# differences of an f32 (or f64) accumulator.
+TOLERANCE = {dt.float16: 2e-3, dt.bfloat16: 1.6e-2, dt.float32: 2e-6, dt.float64: 1e-13}
+
+
+def compiled_and_reference(name: str, inputs: list[np.ndarray], attrs: dict):
+    """Run one op through the CPU backend and the interpreter; returns both results."""
+    inputs = [np.asarray(a) for a in inputs]
+    graph = Graph(name)
+    params = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype))) for a in inputs]
+    graph.results = list(emit(graph, name, params, attrs).results)
+    (got,) = compile_graph(graph, "cpu").run(inputs)
+    (want,) = compile_graph(graph, "interpreter").run(inputs)
+    return got, want
+
+
+def check(name: str, inputs: list[np.ndarray], attrs: dict) -> None:
+    got, want = compiled_and_reference(name, inputs, attrs)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    kind = dt.dtype(want.dtype)
+    if not kind.is_float or want.size == 0:
+        np.testing.assert_array_equal(got, want)
+        return
+    got64, want64 = got.astype(np.float64), want.astype(np.float64)
+    assert np.array_equal(np.isnan(got64), np.isnan(want64))
+    finite = np.isfinite(want64)
+    scale = max(1.0, float(np.abs(want64[finite]).max(initial=0.0)))
+    np.testing.assert_allclose(got64[finite], want64[finite], rtol=0, atol=TOLERANCE[kind] * scale)
+    np.testing.assert_array_equal(got64[~finite], want64[~finite])
+
+
+def data(shape, dtype: dt.DType, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype.is_bool:
+        return rng.random(shape) < 0.5
+    if dtype.is_int:
+        return rng.integers(-20, 20, shape).astype(dtype.np_dtype)
+    return rng.standard_normal(shape).astype(dtype.np_dtype)
+
+
+def ids(dtypes):
+    return [d.name for d in dtypes]
+
+
+# --- movement --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_slice_and_pad_every_dtype(dtype):
+    x = data((4, 5, 7), dtype)
+    check("slice", [x], dict(start=(1, 0, 2), limit=(4, 5, 7), stride=(2, 3, 1)))
+    value = np.asarray(x.flat[0])
+    check("pad", [x, value], dict(low=(1, 0, 2), high=(0, 2, 1), interior=(1, 0, 2)))
+
+
+@pytest.mark.parametrize(
+    "shape, start, limit, stride",
+    [((1,), (0,), (1,), (1,)), ((9,), (2,), (9,), (4,)), ((3, 4), (3, 0), (3, 4), (1, 1)), ((), (), (), ())],
+)
+def test_slice_shapes(shape, start, limit, stride):
+    check("slice", [data(shape, dt.float32)], dict(start=start, limit=limit, stride=stride))
+
+
+@pytest.mark.parametrize(
+    "dtype", [dt.bool_, dt.int64, dt.bfloat16, dt.float32], ids=ids([dt.bool_, dt.int64, dt.bfloat16, dt.float32])
+)
+@pytest.mark.parametrize("starts", [(0, 0), (2, 3), (-5, 1), (100, -100), (2**40, 7)])
+def test_dynamic_slice_clamps_starts(dtype, starts):
+    x = data((5, 6), dtype)
+    index_dtype = np.int64 if abs(starts[0]) > 2**31 else np.int32
+    check("dynamic_slice", [x, np.asarray(starts[0], index_dtype), np.asarray(starts[1], np.int64)], dict(sizes=(3, 2)))
+
+
+def test_dynamic_slice_full_and_empty_windows():
+    x = data((4, 3), dt.float64)
+    check("dynamic_slice", [x, np.asarray(9, np.int32), np.asarray(-9, np.int32)], dict(sizes=(4, 3)))
+    check("dynamic_slice", [x, np.asarray(9, np.int32), np.asarray(1, np.int32)], dict(sizes=(0, 2)))
+
+
+def test_pad_edge_cases():
+    check("pad", [data((1,), dt.float32), np.float32(-1)], dict(low=(0,), high=(3,), interior=(5,)))
+    check("pad", [data((2, 3), dt.int32), np.int32(7)], dict(low=(0, 0), high=(0, 0), interior=(0, 0)))
+    check("pad", [data((3,), dt.float16), np.float16(np.inf)], dict(low=(2,), high=(2,), interior=(1,)))
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_concatenate(dtype):
+    a, b, c = data((2, 3, 4), dtype, 1), data((2, 1, 4), dtype, 2), data((2, 5, 4), dtype, 3)
+    check("concatenate", [a, b, c], dict(axis=1))
+    check("concatenate", [a, a], dict(axis=0))
+    check("concatenate", [a, a[:, :, :1]], dict(axis=2))
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_gather_clamps_indices(dtype):
+    x = data((4, 5, 3), dtype)
+    idx = np.array([[0, 4], [-1, 99], [3, -7]], np.int32)
+    check("gather", [x, idx], dict(axis=1))
+    check("gather", [x, np.array([7, -3, 2, 2], np.int64)], dict(axis=0))
+    check("gather", [x, np.array(-1, np.int64)], dict(axis=2))
+
+
+def test_gather_scalar_result():
+    check("gather", [data((6,), dt.float32), np.array(4, np.int32)], dict(axis=0))
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_scatter_add_accumulates_duplicates_and_clamps(dtype):
+    x = data((5, 3), dtype)
+    idx = np.array([1, 1, -4, 9, 4, 1], np.int64)
+    updates = data((6, 3), dtype, 7)
+    check("scatter_add", [x, idx, updates], dict(axis=0))
+    idx2 = np.array([[2, 2], [0, 5]], np.int32)
+    check("scatter_add", [x, idx2, data((5, 2, 2), dtype, 8)], dict(axis=1))
+
+
+def test_scatter_add_scalar_index():
+    x = data((4,), dt.int32)
+    check("scatter_add", [x, np.array(-2, np.int64), np.array(5, np.int32)], dict(axis=0))
+
+
+# --- dot_general -----------------------------------------------------------------------------------
+
+MATMUL = dict(lhs_contract=(1,), rhs_contract=(0,), lhs_batch=(), rhs_batch=())
+
+
+@pytest.mark.parametrize("dtype", NUMERIC, ids=ids(NUMERIC))
+def test_dot_general_forms(dtype):
+    check("dot_general", [data((3, 5), dtype, 1), data((5, 7), dtype, 2)], MATMUL)
+    # vector-matrix and matrix-vector
+    vec = dict(lhs_contract=(0,), rhs_contract=(0,), lhs_batch=(), rhs_batch=())
+    check("dot_general", [data((5,), dtype, 1), data((5, 4), dtype, 2)], vec)
+    check("dot_general", [data((4, 5), dtype, 1), data((5,), dtype, 2)], MATMUL | dict(rhs_contract=(0,)))
+    # batched, with the batch dims in different places, and two contracting dims
+    batched = dict(lhs_contract=(2,), rhs_contract=(0,), lhs_batch=(0,), rhs_batch=(2,))
+    check("dot_general", [data((2, 3, 4), dtype, 3), data((4, 5, 2), dtype, 4)], batched)
+    two = dict(lhs_contract=(0, 2), rhs_contract=(1, 0), lhs_batch=(), rhs_batch=())
+    check("dot_general", [data((3, 2, 4), dtype, 5), data((4, 3, 6), dtype, 6)], two)
+
+
+def test_dot_general_degenerate_shapes():
+    check("dot_general", [data((1, 1), dt.float32), data((1, 1), dt.float32)], MATMUL)
+    dot = dict(lhs_contract=(0,), rhs_contract=(0,), lhs_batch=(), rhs_batch=())
+    check("dot_general", [data((7,), dt.float64), data((7,), dt.float64)], dot)
+
+
+@pytest.mark.parametrize(
+    "m, k, n, dtype",
+    [
+        (65, 33, 129, dt.float32),  # row, column and k tails of the register tile
+        (128, 64, 96, dt.float32),  # exact tiles, two threads
+        (9, 300, 17, dt.float64),
+        (40, 24, 72, dt.float16),
+        (33, 40, 50, dt.bfloat16),
+    ],
+)
+def test_matmul_kernel(m, k, n, dtype):
+    check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
+
+
+def test_matmul_kernel_batched_and_transposed():
+    batched = dict(lhs_contract=(2,), rhs_contract=(1,), lhs_batch=(0,), rhs_batch=(0,))
+    check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)
+    transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())
+    check("dot_general", [data((70, 45), dt.float32, 1), data((90, 45), dt.float32, 2)], transposed)
+
+
+# --- conv2d, pooling ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=ids(FLOATS))
+def test_conv2d_stride_padding_dilation(dtype):
+    x, w = data((2, 3, 9, 8), dtype, 1), data((4, 3, 3, 2), dtype, 2)
+    check("conv2d", [x, w], dict(stride=(2, 1), padding=((1, 2), (0, 1)), dilation=(1, 2)))
+    check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
+
+
+def test_conv2d_cnn_shape_and_1x1():
+    check(
+        "conv2d",
+        [data((4, 1, 28, 28), dt.float32, 1), data((32, 1, 3, 3), dt.float32, 2)],
+        dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)),
+    )
+    check(
+        "conv2d",
+        [data((1, 5, 1, 1), dt.float64, 1), data((2, 5, 1, 1), dt.float64, 2)],
+        dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)),
+    )
+
+
+@pytest.mark.parametrize("dtype", NUMERIC, ids=ids(NUMERIC))
+@pytest.mark.parametrize("kind", ["max", "sum", "avg"])
+def test_reduce_window(dtype, kind):
+    if kind == "avg" and not dtype.is_float:
+        pytest.skip("avg pooling is defined for floats only")
+    x = data((2, 3, 7, 6), dtype)
+    attrs = dict(kind=kind, window=(1, 1, 2, 3), strides=(1, 1, 2, 2), padding=((0, 0), (0, 0), (1, 0), (1, 1)))
+    check("reduce_window", [x], attrs)
+    check("reduce_window", [x], attrs | dict(window=(1, 1, 2, 2), strides=(1, 1, 2, 2), padding=((0, 0),) * 4))
+
+
+def test_max_pool_propagates_nan_and_window_over_channels():
+    x = data((1, 4, 5, 5), dt.float32)
+    x[0, 1, 2, 3] = np.nan
+    check("reduce_window", [x], dict(kind="max", window=(1, 2, 3, 3), strides=(1, 1, 1, 2), padding=((0, 0),) * 4))
+
+
+# --- argmax, argmin ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", NUMERIC, ids=ids(NUMERIC))
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_arg_extremes_first_index(name, dtype):
+    x = data((4, 7), dtype) % 3 if dtype.is_int else np.round(data((4, 7), dtype))
+    for axis in (0, 1):
+        check(name, [x.astype(dtype.np_dtype)], dict(axis=axis, index_dtype="i32"))
+    check(name, [data((1,), dtype)], dict(axis=0, index_dtype="i64"))
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_arg_extremes_nan_and_inf(name):
+    x = np.array(
+        [[1, np.nan, 5, np.nan], [-np.inf, -np.inf, -np.inf, -np.inf], [np.inf, np.inf, 2, np.inf], [0, 0, -0.0, 3]],
+        np.float32,
+    )
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        check(name, [x.astype(dtype)], dict(axis=1, index_dtype="i64"))
+        check(name, [x.astype(dtype)], dict(axis=0, index_dtype="i32"))
