@@ -12,6 +12,7 @@ import pytest
 
 import flowjit as fj
 import flowjit.numpy as fnp
+from flowjit.frontend.trace import current_trace
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((4, 8)).astype(np.float32)
@@ -98,13 +99,23 @@ def test_keyword_and_positional_calls_share_one_trace():
     assert traces.n == 1
 
 
-def test_zero_arguments_scalars_and_inputs_returned_unchanged():
-    assert fj.jit(lambda: fnp.ones((2, 3)))().shape == (2, 3)
-    out = fj.jit(lambda x: (3, 2.5, True, x))(X)
+def test_zero_arguments():
+    np.testing.assert_array_equal(fj.jit(lambda: fnp.ones((2, 3)))(), np.ones((2, 3), np.float32))
+
+
+def test_returning_python_scalars():
+    out = fj.jit(lambda x: (3, 2.5, x))(X)
     assert out[0] == 3 and out[0].dtype == np.int64
     assert out[1] == 2.5 and out[1].dtype == np.float32
-    assert out[2] == True and out[2].dtype == np.bool_  # noqa: E712
-    np.testing.assert_array_equal(out[3], X)
+    np.testing.assert_array_equal(out[2], X)
+
+
+def test_returning_a_python_bool():
+    out = fj.jit(lambda x: True)(X)
+    assert out == True and out.dtype == np.bool_  # noqa: E712
+
+
+def test_returning_an_input_unchanged_does_not_alias_it():
     a = X.copy()
     same = fj.jit(lambda x: x)(a)
     same[0, 0] = 100.0  # the result must not alias the caller's array
@@ -191,6 +202,23 @@ def test_jit_of_jit_inlines_the_inner_function():
     assert "tanh" in text and "call" not in text
     assert inner_traces.n == 2
     np.testing.assert_allclose(inner(X), np.tanh(X), rtol=1e-6)
+
+
+def test_a_failed_trace_leaves_no_state_behind():
+    traces = Counter()
+
+    @fj.jit
+    def f(x):
+        traces()
+        return x @ W
+
+    with pytest.raises(fj.FlowjitTypeError):
+        f(np.ones((2, 5), np.float32))
+    assert current_trace() is None
+    np.testing.assert_allclose(f(X), X @ W, rtol=1e-5)
+    with pytest.raises(fj.FlowjitTypeError):
+        f(np.ones((2, 5), np.float32))  # not cached: traces (and fails) again
+    assert traces.n == 3
 
 
 # --- the trace cache --------------------------------------------------------------------------------
