@@ -1,7 +1,15 @@
 """Every op flowjit knows, one definition each. Importing this package registers them all."""
 
 from flowjit.ir.ops import (  # noqa: F401
-    bitwise, contraction, control, creation, elementwise, movement, reduction, stateful,
+    autodiff,
+    bitwise,
+    contraction,
+    control,
+    creation,
+    elementwise,
+    movement,
+    reduction,
+    stateful,
 )
 from flowjit.ir.ops.registry import (  # noqa: F401
     COMMUNICATION,

@@ -1,0 +1,387 @@
+"""Differentiation for users: `grad`, `value_and_grad`, `vjp`, `stop_gradient`, `custom_vjp`.
+
+    loss_grad = fj.grad(loss, argnums=0)          # d loss / d params, same pytree as params
+    (loss, aux), g = fj.value_and_grad(loss, has_aux=True)(params, batch)
+    out, vjp_fn = fj.vjp(f, x, y); gx, gy = vjp_fn(ct)
+
+Each call traces the function into a fresh graph (a `GradTrace`), runs the autodiff pass
+(`flowjit.passes.autodiff.vjp_graph`) on it, and inlines the resulting gradient graph into the
+caller's trace, so under `fj.jit` the gradient is part of the compiled program and nested `grad`
+differentiates ordinary ops. Outside any trace, the same steps run inside a fresh trace whose graph is
+optimized and compiled for the default target; compiled graphs are cached by their text, so a
+training loop that calls `grad(f)(params, batch)` eagerly compiles once.
+
+Arguments: the leaves of the differentiated arguments (`argnums`) must be float arrays or Python
+floats. The other arguments are passed through: their arrays become inputs of the compiled graph,
+Python scalars and other objects stay Python values (use them for configuration).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flowjit import numpy as fnp
+from flowjit.backends import compile_graph, default_target
+from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.frontend.pytree import leaf_paths, tree_flatten, tree_map, tree_unflatten
+from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Graph
+from flowjit.ir.location import user_location
+from flowjit.ir.printer import print_graph
+from flowjit.ir.types import TensorType
+from flowjit.passes.autodiff import CUSTOM_RULES, GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
+
+# --- inlining a graph into the caller ------------------------------------------------------------------
+
+# Marker ops that only matter to a later autodiff pass: outside a differentiated trace they are
+# identities and are not emitted, so compiled graphs do not contain them.
+_MARKERS = ("stop_gradient", "custom_vjp_call")
+
+
+def inline_graph(graph: Graph, inputs: Sequence) -> list:
+    """Emit `graph`'s ops into the current trace with `inputs` (tracers or arrays) for its
+    parameters; returns the tracers of its results."""
+    trace = current_trace()
+    keep_markers = under_differentiation()
+    env = {
+        p: x if isinstance(x, Tracer) else np.asarray(x, p.type.dtype.np_dtype) for p, x in zip(graph.params, inputs)
+    }
+    for op in graph.ops:
+        if op.name in _MARKERS and not keep_markers:
+            passed = op.operands[len(op.operands) - len(op.results) :]
+            env.update((r, env[v]) for r, v in zip(op.results, passed))
+            continue
+        operands = [env[v] for v in op.operands]
+        env.update(zip(op.results, emit_traced(trace, op.name, operands, op.attrs, op.loc, op.regions, op.device)))
+    return [env[r] if isinstance(env[r], Tracer) else Tracer(trace.lift(env[r]), trace) for r in graph.results]
+
+
+# --- running outside any trace: trace, compile once per graph text, run -------------------------------
+
+_compiled: dict[tuple[str, str], object] = {}
+_compiled_lock = threading.Lock()
+
+
+def _graph_name(fun) -> str:
+    """The function's name as the text IR can print and parse it back (`<lambda>` -> `lambda`)."""
+    name = getattr(fun, "__name__", None) or type(fun).__name__
+    return re.sub(r"[^A-Za-z0-9_.$]", "_", name.strip("<>")) or "function"
+
+
+def _is_array_leaf(leaf) -> bool:
+    return isinstance(leaf, np.ndarray | np.generic)
+
+
+def _leaf_type(leaf) -> TensorType:
+    if isinstance(leaf, Tracer):
+        return leaf.value.type
+    if isinstance(leaf, float):
+        return TensorType((), dt.float32)
+    array = np.asarray(leaf)
+    return TensorType(array.shape, dt.dtype(array.dtype))
+
+
+def _needs_eager_run(tree) -> bool:
+    return current_trace() is None and not any(isinstance(x, Tracer) for x in tree_flatten(tree)[0])
+
+
+def _run_compiled(traced_fn: Callable, args: tuple):
+    """Run `traced_fn(*args)` (which needs a trace) by tracing it with the array leaves of `args`
+    as parameters, then compiling the graph (cached by its text) for the default target."""
+    from flowjit.frontend.jit import PIPELINE
+    from flowjit.ir.parser import parse_graph
+    from flowjit.passes.registry import run_pipeline
+
+    leaves, tree = tree_flatten(list(args))
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_array_leaf(leaf)]
+    name = _graph_name(traced_fn)
+    with Trace(name) as trace:
+        traced = list(leaves)
+        for i in dynamic:
+            traced[i] = trace.new_param(_leaf_type(leaves[i]), f"arg{i}")
+        out = traced_fn(*tree_unflatten(tree, traced))
+        out_leaves, out_tree = tree_flatten(out)
+        trace.graph.results = [trace.lift(x if isinstance(x, Tracer) else np.asarray(x)) for x in out_leaves]
+    target = default_target()
+    key = (print_graph(trace.graph), target)
+    with _compiled_lock:
+        executable = _compiled.get(key)
+        if executable is None:
+            optimized = run_pipeline(parse_graph(key[0]), PIPELINE, dump_name=name)
+            executable = _compiled[key] = compile_graph(optimized, target)
+    arrays = [np.asarray(leaves[i], _leaf_type(leaves[i]).dtype.np_dtype) for i in dynamic]
+    return tree_unflatten(out_tree, executable.run(arrays))
+
+
+# --- tracing the function to differentiate ---------------------------------------------------------------
+
+
+def _check_float_leaves(leaves, paths, fn_name: str, how: str) -> None:
+    for leaf, path in zip(leaves, paths):
+        if isinstance(leaf, Tracer | np.ndarray | np.generic | float) and not isinstance(leaf, bool):
+            dtype = _leaf_type(leaf).dtype
+            if dtype.is_float:
+                continue
+            found = f"dtype {dtype}"
+        else:
+            found = f"a {type(leaf).__name__}"
+        raise FlowjitTypeError(
+            f"{user_location()}: {how} {fn_name} with respect to argument {path}, which is {found}; only "
+            "float arrays have gradients. Convert it with .astype(float32), or pass it as an argument "
+            "not in argnums (or close over it) if it should not be differentiated"
+        )
+
+
+def _trace_for_vjp(fun: Callable, args: tuple, kwargs: dict, argnums: tuple[int, ...]):
+    """Trace `fun` with the leaves of `args[argnums]` as the graph's first parameters. Returns the
+    graph, the output tree, the differentiated leaves and the outer values the graph captured."""
+    diff_leaves, diff_tree = tree_flatten([args[i] for i in argnums])
+    with GradTrace(_graph_name(fun)) as trace:
+        params = [trace.new_param(_leaf_type(leaf), f"arg{k}") for k, leaf in enumerate(diff_leaves)]
+        call_args = list(args)
+        for i, sub in zip(argnums, tree_unflatten(diff_tree, params)):
+            call_args[i] = sub
+        out = fun(*call_args, **kwargs)
+        out_leaves, out_tree = tree_flatten(out)
+        results = []
+        for i, leaf in enumerate(out_leaves):
+            if not isinstance(leaf, Tracer | np.ndarray | np.generic | bool | int | float):
+                raise FlowjitTypeError(
+                    f"{user_location()}: {getattr(fun, '__name__', 'the function')} returned a "
+                    f"{type(leaf).__name__} (output leaf {i}); differentiated functions must return arrays"
+                )
+            results.append(trace.lift(leaf if isinstance(leaf, Tracer) else np.asarray(leaf)))
+        trace.graph.results = results
+    return trace.graph, out_tree, diff_leaves, [outer for outer, _ in trace.captures]
+
+
+def _normalize_argnums(argnums, num_args: int, fn_name: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums:
+        raise FlowjitValueError(f"{user_location()}: argnums of grad({fn_name}) is empty")
+    out = []
+    for i in nums:
+        if not -num_args <= i < num_args:
+            raise FlowjitValueError(
+                f"{user_location()}: argnums {i} is out of range: {fn_name} was called with {num_args} positional "
+                "argument(s); keyword arguments are never differentiated"
+            )
+        out.append(i % num_args)
+    return tuple(out)
+
+
+# --- public API ---------------------------------------------------------------------------------------------
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+    """A function returning `(fun(*args), gradient)`: the gradient of the scalar float output with
+    respect to `args[argnums]`, with the same pytree structure (a tuple of them when `argnums` is a
+    tuple). With `has_aux`, `fun` returns `(loss, aux)` and the value is `(loss, aux)`."""
+    name = getattr(fun, "__name__", "fn")
+
+    @functools.wraps(fun)
+    def value_and_grad_fn(*args, **kwargs):
+        if _needs_eager_run((args, kwargs)):
+            return _run_compiled(functools.partial(value_and_grad_fn, **kwargs), args)
+        nums = _normalize_argnums(argnums, len(args), name)
+        graph, out_tree, diff_leaves, captured = _trace_for_vjp(fun, args, kwargs, nums)
+        loss_index = _check_loss(graph, out_tree, has_aux, name)
+        paths = [f"{name} argument {p}" for p in leaf_paths([args[i] for i in nums])]
+        _check_float_leaves(diff_leaves, paths, name, "cannot differentiate")
+        spec = VJPSpec(wrt=tuple(range(len(diff_leaves))), seeds=(loss_index,))
+        seed = np.ones((), graph.results[loss_index].type.dtype.np_dtype)
+        outs = inline_graph(vjp_graph(graph, spec), [*diff_leaves, *captured, seed])
+        value = tree_unflatten(out_tree, outs[: len(graph.results)])
+        grads = tree_unflatten(tree_flatten([args[i] for i in nums])[1], outs[len(graph.results) :])
+        return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
+
+    return value_and_grad_fn
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+    """A function returning the gradient of `fun`'s scalar float output with respect to
+    `args[argnums]` (see `value_and_grad`); with `has_aux` it returns `(gradient, aux)`."""
+    value_and_grad_fn = value_and_grad(fun, argnums, has_aux)
+
+    @functools.wraps(fun)
+    def grad_fn(*args, **kwargs):
+        value, grads = value_and_grad_fn(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return grad_fn
+
+
+def _check_loss(graph: Graph, out_tree, has_aux: bool, name: str) -> int:
+    """The index of the loss among the graph's results, after checking it is a float scalar."""
+    if has_aux and not (out_tree.kind in ("tuple", "list") and len(out_tree.children) == 2):
+        raise FlowjitTypeError(
+            f"{user_location()}: with has_aux=True, {name} must return a pair (loss, aux); found a result of "
+            f"structure {out_tree}"
+        )
+    loss_tree = out_tree.children[0] if has_aux else out_tree
+    if loss_tree.kind != "leaf":
+        raise FlowjitTypeError(
+            f"{user_location()}: grad needs {name} to return one scalar; found a result of structure {loss_tree}"
+            + ("" if has_aux else ". If it returns (loss, aux), pass has_aux=True")
+        )
+    loss = graph.results[0]
+    if loss.type.shape != () or not loss.type.dtype.is_float:
+        raise FlowjitTypeError(
+            f"{user_location()}: grad needs {name} to return a float scalar; found {loss.type}. Reduce it "
+            "(e.g. .sum() or .mean()), or use fj.vjp for the gradient of a non-scalar output"
+        )
+    return 0
+
+
+def vjp(fun: Callable, *primals):
+    """`(fun(*primals), vjp_fn)`: `vjp_fn(cotangent)` (a pytree like the output) returns one
+    cotangent per primal, each with the primal's structure. Every primal leaf must be a float."""
+    name = getattr(fun, "__name__", "fn")
+    if _needs_eager_run(primals):
+        out = _run_compiled(lambda *p: fun(*p), primals)
+
+        def eager_vjp_fn(cotangent):
+            return _run_compiled(lambda p, c: vjp(fun, *p)[1](c), (primals, cotangent))
+
+        return out, eager_vjp_fn
+    nums = tuple(range(len(primals)))
+    graph, out_tree, diff_leaves, captured = _trace_for_vjp(fun, primals, {}, nums)
+    _check_float_leaves(diff_leaves, [f"{name} argument {p}" for p in leaf_paths(list(primals))], name, "vjp of")
+    out = tree_unflatten(out_tree, inline_graph(graph, [*diff_leaves, *captured]))
+    spec = VJPSpec(wrt=tuple(range(len(diff_leaves))), primal_outputs=False)
+    seeds = [i for i, r in enumerate(graph.results) if r.type.dtype.is_float]
+    primal_tree = tree_flatten(list(primals))[1]
+
+    def vjp_fn(cotangent):
+        ct_leaves, ct_tree = tree_flatten(cotangent)
+        if ct_tree != out_tree:
+            raise FlowjitTypeError(
+                f"{user_location()}: the cotangent must have the structure of {name}'s output {out_tree}; "
+                f"found {ct_tree}"
+            )
+        for i in seeds:
+            expected, found = graph.results[i].type, _leaf_type(fnp.asarray(ct_leaves[i]))
+            if expected != found:
+                raise FlowjitTypeError(f"{user_location()}: cotangent leaf {i} must be {expected}; found {found}")
+        if _needs_eager_run(cotangent):
+            return _run_compiled(lambda c: vjp_fn(c), (cotangent,))
+        grads = inline_graph(vjp_graph(graph, spec), [*diff_leaves, *captured, *(ct_leaves[i] for i in seeds)])
+        return tuple(tree_unflatten(primal_tree, grads))
+
+    return out, vjp_fn
+
+
+def stop_gradient(x):
+    """`x` unchanged, but differentiation treats it as a constant (works on pytrees)."""
+    if not under_differentiation():
+        return x
+
+    def stop(leaf):
+        if isinstance(leaf, Tracer) and leaf.value.type.dtype.is_float:
+            return bind("stop_gradient", [leaf])
+        return leaf
+
+    return tree_map(stop, x)
+
+
+class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
+    """A function with a user-defined gradient:
+
+        @fj.custom_vjp
+        def clip_gradient(x): return x
+        def fwd(x): return x, ()                      # (output, residuals for bwd)
+        def bwd(residuals, ct): return (fnp.clip(ct, -1.0, 1.0),)   # one cotangent (or None) per argument
+        clip_gradient.defvjp(fwd, bwd)
+
+    Outside differentiation it calls the function itself. While a caller is being differentiated it
+    runs `fwd` and records a `custom_vjp_call` op whose gradient is `bwd` (traced when the autodiff
+    pass reaches it), so the function's own ops are never differentiated.
+    """
+
+    def __init__(self, fun: Callable):
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.fwd: Callable | None = None
+        self.bwd: Callable | None = None
+        self._rule_ids: dict = {}
+
+    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
+        """Set the forward function `fwd(*args) -> (out, residuals)` and the backward function
+        `bwd(residuals, out_cotangent) -> tuple of one cotangent (or None) per argument`."""
+        self.fwd, self.bwd = fwd, bwd
+
+    def __call__(self, *args):
+        if self.fwd is None:
+            raise FlowjitValueError(
+                f"{user_location()}: custom_vjp function {self.__name__} has no rule; call "
+                f"{self.__name__}.defvjp(fwd, bwd) first"
+            )
+        if not under_differentiation():
+            return self.fun(*args)
+        pair = self.fwd(*args)
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise FlowjitTypeError(
+                f"{user_location()}: the fwd of custom_vjp {self.__name__} must return (output, residuals)"
+            )
+        out, residuals = pair
+        in_leaves, in_tree = tree_flatten(list(args))
+        res_leaves, res_tree = tree_flatten(residuals)
+        out_leaves, out_tree = tree_flatten(out)
+        if not out_leaves:
+            return out
+        in_types = tuple(_leaf_type(fnp.asarray(x)) for x in in_leaves)
+        out_types = tuple(_leaf_type(fnp.asarray(x)) for x in out_leaves)
+        rule = self._rule_id(in_tree, in_types, res_tree, out_tree, out_types)
+        attrs = {"rule": rule, "num_inputs": len(in_leaves), "num_residuals": len(res_leaves)}
+        results = bind("custom_vjp_call", [*in_leaves, *res_leaves, *out_leaves], attrs)
+        return tree_unflatten(out_tree, results if isinstance(results, list) else [results])
+
+    def _rule_id(self, in_tree, in_types, res_tree, out_tree, out_types) -> int:
+        key = (in_tree, in_types, res_tree, out_tree, out_types)
+        if key not in self._rule_ids:
+            rule = len(CUSTOM_RULES)
+            CUSTOM_RULES[rule] = functools.partial(self._backward, in_tree, in_types, res_tree, out_tree, out_types)
+            self._rule_ids[key] = rule
+        return self._rule_ids[key]
+
+    def _backward(self, in_tree, in_types, res_tree, out_tree, out_types, residuals, cts):
+        """Call `bwd` on tracers; returns one cotangent (or None) per input leaf."""
+        cts = [ct if ct is not None else fnp.zeros(t.shape, t.dtype) for ct, t in zip(cts, out_types)]
+        arg_cts = self.bwd(tree_unflatten(res_tree, residuals), tree_unflatten(out_tree, cts))
+        num_args = len(in_tree.children)
+        if not isinstance(arg_cts, tuple | list) or len(arg_cts) != num_args:
+            raise FlowjitTypeError(
+                f"{user_location()}: the bwd of custom_vjp {self.__name__} must return a tuple of {num_args} "
+                f"cotangent(s), one per argument; found {type(arg_cts).__name__}"
+            )
+        flat = []
+        for arg_ct, arg_tree in zip(arg_cts, in_tree.children):
+            if arg_ct is None:
+                flat.extend([None] * arg_tree.num_leaves)
+                continue
+            leaves, tree = tree_flatten(arg_ct)
+            if tree != arg_tree:
+                raise FlowjitTypeError(
+                    f"{user_location()}: the bwd of custom_vjp {self.__name__} returned a cotangent of "
+                    f"structure {tree} for an argument of structure {arg_tree}"
+                )
+            flat.extend(leaves)
+        out = []
+        for ct, t in zip(flat, in_types):
+            if ct is None or not t.dtype.is_float:
+                out.append(None)
+                continue
+            ct = fnp.asarray(ct)
+            if tuple(fnp.shape(ct)) != t.shape:
+                raise FlowjitTypeError(
+                    f"{user_location()}: the bwd of custom_vjp {self.__name__} returned a cotangent of shape "
+                    f"{tuple(fnp.shape(ct))} for an input of type {t}"
+                )
+            out.append(fnp.astype(ct, t.dtype))
+        return out

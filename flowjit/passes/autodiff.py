@@ -1,0 +1,652 @@
+"""`autodiff`: reverse-mode differentiation as a graph transformation.
+
+`vjp_graph(f, spec)` turns a graph `f(params) -> results` into an ordinary graph
+
+    g(params..., cotangents...) -> (results..., gradients...)
+
+that computes f's results and the vector-Jacobian product of the cotangents (one per seeded result)
+with respect to the chosen parameters. `g` contains only registered ops, so canonicalize, fusion and
+the backends optimize it like any other graph, and differentiating it again gives higher derivatives.
+
+Algorithm:
+  1. Open a `GradTrace` and create one parameter per parameter of `f` and per seeded result.
+  2. Replay every op of `f` on those tracers (same attributes, location and device).
+  3. Mark the *active* values: float values that depend on a differentiated parameter.
+  4. Walk the ops in reverse. For an op with an active operand and a non-zero result cotangent, apply
+     its rule from `VJP_RULES`; rules are written with `flowjit.numpy` on tracers, so the backward ops
+     land in the same trace. Cotangents of a value with several uses are summed; a zero cotangent is
+     `None` and is never materialized, except as the gradient of a parameter nothing depends on.
+  5. Backward ops take the location of the forward op they differentiate.
+
+Rule signature: `VJP_RULES[op_name](op, cts, operands, results) -> one cotangent (or None) per operand`,
+where `cts` holds one cotangent tracer (or None) per result of `op`. Ops that carry no gradient
+(comparisons, integer and rounding ops, `stop_gradient`) are listed in `NON_DIFFERENTIABLE`; any other
+op without a rule is a `CompileError` naming the op and the user's line.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowjit import numpy as fnp
+from flowjit.errors import CompileError, FlowjitTypeError, FlowjitValueError, op_error
+from flowjit.frontend.trace import Trace, Tracer, bind, current_trace, trace_stack
+from flowjit.ir import dtypes as dt
+from flowjit.ir.builder import make_op
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.location import Location
+from flowjit.ir.ops import COMMUNICATION, STATEFUL, get_opdef
+from flowjit.ir.types import TensorType
+from flowjit.passes.registry import register
+
+
+class GradTrace(Trace):
+    """A trace whose graph will be differentiated. While one is on the trace stack, `stop_gradient`
+    and `custom_vjp` functions emit their marker ops; elsewhere they are plain identities."""
+
+
+def under_differentiation() -> bool:
+    """True while tracing code whose graph the autodiff pass will see."""
+    return any(isinstance(t, GradTrace) for t in trace_stack())
+
+
+@dataclass(frozen=True)
+class VJPSpec:
+    """What `vjp_graph` differentiates.
+
+    wrt: indices of the parameters to differentiate with respect to (None: every float parameter).
+    seeds: indices of the results that receive a cotangent parameter (None: every float result).
+    primal_outputs: whether g returns f's results before the gradients.
+    """
+
+    wrt: tuple[int, ...] | None = None
+    seeds: tuple[int, ...] | None = None
+    primal_outputs: bool = True
+
+    def __post_init__(self):
+        for name in ("wrt", "seeds"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(i) for i in value))
+
+
+def _select_float(values: Sequence[Value], chosen, what: str) -> tuple[int, ...]:
+    if chosen is None:
+        return tuple(i for i, v in enumerate(values) if v.type.dtype.is_float)
+    for i in chosen:
+        if not 0 <= i < len(values):
+            raise FlowjitValueError(f"vjp: {what} index {i} is out of range (the graph has {len(values)})")
+        if not values[i].type.dtype.is_float:
+            raise FlowjitTypeError(f"vjp: {what} {i} has type {values[i].type}; only float values have gradients")
+    return chosen
+
+
+def vjp_graph(graph: Graph, spec: VJPSpec = VJPSpec()) -> Graph:
+    """The graph `(params..., cotangents...) -> (results..., gradients...)` of `graph` (see module doc).
+
+    Gradients are returned in the order of `spec.wrt`; cotangent parameters follow `spec.seeds`."""
+    wrt = _select_float(graph.params, spec.wrt, "parameter")
+    seeds = _select_float(graph.results, spec.seeds, "result")
+    with GradTrace(f"{graph.name}_vjp") as trace:
+        env: dict[Value, Tracer] = {p: trace.new_param(p.type, p.name_hint) for p in graph.params}
+        seed_cts = [trace.new_param(graph.results[i].type, f"ct{k}") for k, i in enumerate(seeds)]
+        for op in graph.ops:
+            outs = emit_traced(trace, op.name, [env[v] for v in op.operands], op.attrs, op.loc, op.regions, op.device)
+            env.update(zip(op.results, outs))
+        active = _active_values(graph, [graph.params[i] for i in wrt])
+        cts: dict[Value, Tracer] = {}
+        for i, ct in zip(seeds, seed_cts):
+            if graph.results[i] in active:
+                _accumulate(cts, graph.results[i], ct)
+        for op in reversed(graph.ops):
+            _backward_op(trace, op, cts, env, active)
+        grads = []
+        for i in wrt:
+            param = graph.params[i]
+            grads.append(cts[param] if param in cts else zeros(trace, param.type))
+        primal = [env[r] for r in graph.results] if spec.primal_outputs else []
+        trace.graph.results = [trace.lift(x) for x in primal + grads]
+    return trace.graph
+
+
+@register("autodiff")
+def autodiff(graph: Graph) -> Graph:
+    """Replace `graph` by its VJP graph with the defaults of `VJPSpec`: differentiate with respect to
+    every float parameter, one cotangent parameter per float result (after the original parameters),
+    results first and then one gradient per float parameter. Assumes a verified graph; guarantees a
+    graph of registered ops whose first results equal the original's."""
+    return vjp_graph(graph)
+
+
+def emit_traced(
+    trace: Trace, name: str, operands: Sequence, attrs: dict, loc: Location, regions=(), device=None
+) -> list[Tracer]:
+    """Append op `name` to `trace` (never evaluated eagerly, unlike `bind`), lifting numpy operands
+    to constants; returns its results as tracers."""
+    values = [trace.lift(x) for x in operands]
+    op = make_op(name, values, attrs, loc, regions=regions, device=device)
+    trace.graph.append(op)
+    return [Tracer(r, trace) for r in op.results]
+
+
+def zeros(trace: Trace, ttype: TensorType) -> Tracer:
+    """A zero tensor as a scalar constant broadcast to `ttype` (never a full-size literal)."""
+    (scalar,) = emit_traced(trace, "constant", [], {"value": np.zeros((), ttype.dtype.np_dtype)}, Location("", 0))
+    if ttype.shape == ():
+        return scalar
+    (out,) = emit_traced(trace, "broadcast", [scalar], {"shape": ttype.shape, "dims": ()}, Location("", 0))
+    return out
+
+
+def _active_values(graph: Graph, wrt: Sequence[Value]) -> set[Value]:
+    active = {v for v in wrt}
+    for op in graph.ops:
+        if is_non_differentiable(op.name):
+            continue
+        if any(v in active for v in op.operands):
+            active.update(r for r in op.results if r.type.dtype.is_float)
+    return active
+
+
+def _accumulate(cts: dict[Value, Tracer], value: Value, ct: Tracer) -> None:
+    if isinstance(ct, Tracer) and ct.value.type != value.type:
+        raise CompileError(f"internal error: a cotangent of type {ct.value.type} for a value of type {value.type}")
+    cts[value] = ct if value not in cts else bind("add", [cts[value], ct])
+
+
+def _backward_op(trace: Trace, op: Op, cts: dict, env: dict, active: set) -> None:
+    if not any(v in active for v in op.operands):
+        return
+    result_cts = [cts.pop(r, None) for r in op.results]
+    if all(c is None for c in result_cts):
+        return
+    rule = VJP_RULES.get(op.name)
+    if rule is None:
+        raise op_error(
+            CompileError,
+            op.loc,
+            op.name,
+            f"no vjp rule for op '{op.name}', so it cannot be differentiated; wrap its input in "
+            "fj.stop_gradient if no gradient should flow through it, or define one with fj.custom_vjp",
+        )
+    start = len(trace.graph.ops)
+    operand_cts = rule(op, result_cts, [env[v] for v in op.operands], [env[r] for r in op.results])
+    for v, ct in zip(op.operands, operand_cts):
+        if ct is not None and v in active:
+            _accumulate(cts, v, ct if isinstance(ct, Tracer) else Tracer(trace.lift(ct), trace))
+    for new in trace.graph.ops[start:]:
+        new.loc = op.loc
+
+
+# --- rules: helpers ------------------------------------------------------------------------------------
+
+
+def _sum_to(ct, shape: tuple[int, ...], axes: Sequence[int]):
+    """reduce_sum of `ct` over `axes`, reshaped to `shape`."""
+    if axes:
+        ct = bind("reduce_sum", [ct], {"axes": tuple(axes)})
+    return ct if tuple(ct.shape) == tuple(shape) else bind("reshape", [ct], {"shape": tuple(shape)})
+
+
+def _broadcast_back(ct, shape: tuple[int, ...], reduced: Sequence[int]):
+    """Broadcast a reduction's cotangent (reduced `axes` removed) back to the operand's `shape`."""
+    kept = tuple(i for i in range(len(shape)) if i not in reduced)
+    return bind("broadcast", [ct], {"shape": tuple(shape), "dims": kept})
+
+
+def _where(pred, x, y):
+    return fnp.where(pred, x, y)
+
+
+def _zeros_like(x):
+    return zeros(current_trace(), x.value.type)
+
+
+def _unary(derivative: Callable) -> Callable:
+    """A rule for y = f(x) given dy/dx as a function of (x, y)."""
+
+    def rule(op, cts, operands, results):
+        return [cts[0] * derivative(operands[0], results[0])]
+
+    return rule
+
+
+def _binary(dx: Callable, dy: Callable) -> Callable:
+    """A rule for z = f(x, y) given the cotangent maps (ct, x, y, z) -> ct_x and -> ct_y."""
+
+    def rule(op, cts, operands, results):
+        (ct,), (x, y), (z,) = cts, operands, results
+        return [dx(ct, x, y, z), dy(ct, x, y, z)]
+
+    return rule
+
+
+def _trunc(q):
+    return _where(q < 0, fnp.ceil(q), fnp.floor(q))
+
+
+# --- rules: elementwise -----------------------------------------------------------------------------------
+
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+VJP_RULES: dict[str, Callable] = {
+    "exp": _unary(lambda x, y: y),
+    "log": _unary(lambda x, y: 1.0 / x),
+    "log1p": _unary(lambda x, y: 1.0 / (1.0 + x)),
+    "expm1": _unary(lambda x, y: y + 1.0),
+    "tanh": _unary(lambda x, y: 1.0 - y * y),
+    "logistic": _unary(lambda x, y: y * (1.0 - y)),
+    "sqrt": _unary(lambda x, y: 0.5 / y),
+    "rsqrt": _unary(lambda x, y: -0.5 * y / x),
+    "sin": _unary(lambda x, y: fnp.cos(x)),
+    "cos": _unary(lambda x, y: -fnp.sin(x)),
+    "erf": _unary(lambda x, y: _TWO_OVER_SQRT_PI * fnp.exp(-(x * x))),
+    "abs": _unary(lambda x, y: fnp.sign(x)),  # 0 at x == 0, as JAX
+    "neg": lambda op, cts, operands, results: [-cts[0]],
+    "add": _binary(lambda ct, x, y, z: ct, lambda ct, x, y, z: ct),
+    "sub": _binary(lambda ct, x, y, z: ct, lambda ct, x, y, z: -ct),
+    "mul": _binary(lambda ct, x, y, z: ct * y, lambda ct, x, y, z: ct * x),
+    "div": _binary(lambda ct, x, y, z: ct / y, lambda ct, x, y, z: -ct * z / y),
+    "rem": _binary(lambda ct, x, y, z: ct, lambda ct, x, y, z: -ct * _trunc(x / y)),
+    # x ** y: the y == 0 and x == 0 cases follow JAX (no 0 * inf nans from x**(y-1) or log(0)).
+    "pow": _binary(
+        lambda ct, x, y, z: ct * _where(y == 0, 0.0, y * fnp.power(x, y - 1.0)),
+        lambda ct, x, y, z: ct * fnp.log(_where(x == 0, 1.0, x)) * z,
+    ),
+    # max/min: on ties each operand gets half the cotangent, as in JAX.
+    "max": _binary(
+        lambda ct, x, y, z: ct * _where(x > y, 1.0, _where(x == y, 0.5, 0.0)),
+        lambda ct, x, y, z: ct * _where(y > x, 1.0, _where(x == y, 0.5, 0.0)),
+    ),
+    "min": _binary(
+        lambda ct, x, y, z: ct * _where(x < y, 1.0, _where(x == y, 0.5, 0.0)),
+        lambda ct, x, y, z: ct * _where(y < x, 1.0, _where(x == y, 0.5, 0.0)),
+    ),
+    # z = atan2(x, y): dz/dx = y / (x^2 + y^2), dz/dy = -x / (x^2 + y^2)
+    "atan2": _binary(
+        lambda ct, x, y, z: ct * y / (x * x + y * y),
+        lambda ct, x, y, z: -ct * x / (x * x + y * y),
+    ),
+}
+
+
+def _select_vjp(op, cts, operands, results):
+    (ct,), (pred, _, _) = cts, operands
+    zero = _zeros_like(ct)
+    return [None, _where(pred, ct, zero), _where(pred, zero, ct)]
+
+
+def _convert_vjp(op, cts, operands, results):
+    x = operands[0]
+    return [fnp.astype(cts[0], x.dtype) if dt.dtype(x.dtype).is_float else None]
+
+
+VJP_RULES["select"] = _select_vjp
+VJP_RULES["convert"] = _convert_vjp
+
+# Ops whose results carry no gradient to their operands: boolean, integer-valued and rounding ops
+# (zero derivative almost everywhere, as in JAX), bitwise ops, creation ops, and `stop_gradient`.
+NON_DIFFERENTIABLE = frozenset(
+    {
+        "stop_gradient",
+        "constant",
+        "iota",
+        "floor",
+        "ceil",
+        "round",
+        "sign",
+        "logical_not",
+        "logical_and",
+        "logical_or",
+        "logical_xor",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "argmax",
+        "argmin",
+        "bitwise_not",
+        "bitwise_and",
+        "bitwise_or",
+        "bitwise_xor",
+        "shift_left",
+        "shift_right_logical",
+        "shift_right_arithmetic",
+    }
+)
+# Reads and writes of variables and communication are not differentiated through: gradients with
+# respect to a variable's value differentiate a function of that value instead.
+_STATE_FAMILIES = frozenset({STATEFUL, COMMUNICATION})
+
+
+def is_non_differentiable(name: str) -> bool:
+    """True for ops declared to carry no gradient (see `NON_DIFFERENTIABLE` and `_STATE_FAMILIES`)."""
+    return name in NON_DIFFERENTIABLE or get_opdef(name).family in _STATE_FAMILIES
+
+
+# --- rules: movement -------------------------------------------------------------------------------------
+
+
+def _broadcast_vjp(op, cts, operands, results):
+    (ct,), (x,) = cts, operands
+    shape, dims = op.attrs["shape"], op.attrs["dims"]
+    new = [d for d in range(len(shape)) if d not in dims]
+    stretched = [d for i, d in enumerate(dims) if x.shape[i] == 1 and shape[d] != 1]
+    return [_sum_to(ct, x.shape, sorted(new + stretched))]
+
+
+def _reshape_vjp(op, cts, operands, results):
+    return [bind("reshape", [cts[0]], {"shape": tuple(operands[0].shape)})]
+
+
+def _transpose_vjp(op, cts, operands, results):
+    perm = op.attrs["perm"]
+    inverse = tuple(perm.index(i) for i in range(len(perm)))
+    return [bind("transpose", [cts[0]], {"perm": inverse})]
+
+
+def _slice_vjp(op, cts, operands, results):
+    (ct,), (x,) = cts, operands
+    start, stride = op.attrs["start"], op.attrs["stride"]
+    high = []
+    for d, s, st, n in zip(x.shape, start, stride, ct.shape):
+        used = (n - 1) * st + 1 if n > 0 else 0
+        high.append(d - s - used)
+    interior = tuple(st - 1 if n > 1 else 0 for st, n in zip(stride, ct.shape))
+    zero = np.zeros((), ct.dtype)
+    return [bind("pad", [ct, zero], {"low": tuple(start), "high": tuple(high), "interior": interior})]
+
+
+def _dynamic_slice_vjp(op, cts, operands, results):
+    # Pad the cotangent by (d - n) on both sides, then cut a window of the operand's size that puts
+    # it at the (clamped) start: a dynamic update expressed with existing ops.
+    (ct,), (x, *starts) = cts, operands
+    spare = [d - n for d, n in zip(x.shape, ct.shape)]
+    zero = np.zeros((), ct.dtype)
+    padded = bind("pad", [ct, zero], {"low": tuple(spare), "high": tuple(spare), "interior": (0,) * len(spare)})
+    flipped = [fnp.asarray(m, s.dtype) - fnp.clip(s, 0, m) for s, m in zip(starts, spare)]
+    out = bind("dynamic_slice", [padded, *flipped], {"sizes": tuple(x.shape)})
+    return [out] + [None] * len(starts)
+
+
+def _pad_vjp(op, cts, operands, results):
+    (ct,), (x, _) = cts, operands
+    low, interior = op.attrs["low"], op.attrs["interior"]
+    limit = [lo + (d - 1) * (it + 1) + 1 if d > 0 else lo for d, lo, it in zip(x.shape, low, interior)]
+    stride = tuple(it + 1 if d > 1 else 1 for d, it in zip(x.shape, interior))
+    ct_x = bind("slice", [ct], {"start": tuple(low), "limit": tuple(limit), "stride": stride})
+    all_axes = tuple(range(len(x.shape)))
+    ct_value = bind("reduce_sum", [ct], {"axes": all_axes}) - bind("reduce_sum", [ct_x], {"axes": all_axes})
+    return [ct_x, ct_value]
+
+
+def _concatenate_vjp(op, cts, operands, results):
+    (ct,) = cts
+    axis = op.attrs["axis"] % len(ct.shape)
+    out, offset = [], 0
+    for x in operands:
+        start = [0] * len(ct.shape)
+        limit = list(ct.shape)
+        start[axis], limit[axis] = offset, offset + x.shape[axis]
+        out.append(bind("slice", [ct], {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * len(start)}))
+        offset += x.shape[axis]
+    return out
+
+
+def _gather_vjp(op, cts, operands, results):
+    (ct,), (x, idx) = cts, operands
+    return [bind("scatter_add", [_zeros_like(x), idx, ct], {"axis": op.attrs["axis"]}), None]
+
+
+def _scatter_add_vjp(op, cts, operands, results):
+    (ct,), (_, idx, _) = cts, operands
+    return [ct, None, bind("gather", [ct, idx], {"axis": op.attrs["axis"]})]
+
+
+VJP_RULES.update(
+    {
+        "broadcast": _broadcast_vjp,
+        "reshape": _reshape_vjp,
+        "transpose": _transpose_vjp,
+        "slice": _slice_vjp,
+        "dynamic_slice": _dynamic_slice_vjp,
+        "pad": _pad_vjp,
+        "concatenate": _concatenate_vjp,
+        "gather": _gather_vjp,
+        "scatter_add": _scatter_add_vjp,
+    }
+)
+
+
+# --- rules: reductions ---------------------------------------------------------------------------------
+
+
+def _reduce_sum_vjp(op, cts, operands, results):
+    return [_broadcast_back(cts[0], operands[0].shape, op.attrs["axes"])]
+
+
+def _reduce_extreme_vjp(op, cts, operands, results):
+    # The cotangent goes to the elements equal to the extreme, split evenly between ties (as JAX).
+    (ct,), (x,), (y,) = cts, operands, results
+    axes = op.attrs["axes"]
+    hits = fnp.astype(x == _broadcast_back(y, x.shape, axes), x.dtype)
+    count = bind("reduce_sum", [hits], {"axes": axes})
+    return [_broadcast_back(ct / count, x.shape, axes) * hits]
+
+
+def _reduce_prod_vjp(op, cts, operands, results):
+    # d(prod)/dx_i is the product of the other elements; computed without dividing by zero: with no
+    # zero in the group it is prod/x_i, with exactly one zero it is the product of the non-zeros at
+    # that zero (and 0 elsewhere), with more zeros it is 0.
+    (ct,), (x,) = cts, operands
+    axes = op.attrs["axes"]
+    is_zero = x == 0
+    nonzero = _where(is_zero, 1.0, x)
+    prod_nonzero = _broadcast_back(bind("reduce_prod", [nonzero], {"axes": axes}), x.shape, axes)
+    zero_count = _broadcast_back(bind("reduce_sum", [fnp.astype(is_zero, x.dtype)], {"axes": axes}), x.shape, axes)
+    partial = _where(
+        zero_count == 0, prod_nonzero / nonzero, _where(fnp.logical_and(zero_count == 1, is_zero), prod_nonzero, 0.0)
+    )
+    return [_broadcast_back(ct, x.shape, axes) * partial]
+
+
+VJP_RULES.update(
+    {
+        "reduce_sum": _reduce_sum_vjp,
+        "reduce_max": _reduce_extreme_vjp,
+        "reduce_min": _reduce_extreme_vjp,
+        "reduce_prod": _reduce_prod_vjp,
+    }
+)
+
+
+# --- rules: contractions ---------------------------------------------------------------------------------
+
+
+def _dot_operand_ct(ct, other, ct_contract, other_free, other_batch, own_batch, own_free, own_contract, other_contract):
+    """The cotangent of one dot_general operand: contract ct's dims of the other operand's free dims
+    with `other`, then transpose to the operand's own layout."""
+    nb = len(own_batch)
+    out = bind(
+        "dot_general",
+        [ct, other],
+        {
+            "lhs_contract": tuple(ct_contract),
+            "rhs_contract": tuple(other_free),
+            "lhs_batch": tuple(range(nb)),
+            "rhs_batch": tuple(other_batch),
+        },
+    )
+    # result dims: batch, own free (from ct), then other's remaining (= contracting) dims in order
+    source = list(own_batch) + list(own_free) + [own_contract[other_contract.index(d)] for d in sorted(other_contract)]
+    perm = tuple(source.index(i) for i in range(len(source)))
+    return bind("transpose", [out], {"perm": perm})
+
+
+def _dot_general_vjp(op, cts, operands, results):
+    (ct,), (a, b) = cts, operands
+    lc, rc = op.attrs["lhs_contract"], op.attrs["rhs_contract"]
+    lb, rb = op.attrs["lhs_batch"], op.attrs["rhs_batch"]
+    lf = [i for i in range(len(a.shape)) if i not in lc and i not in lb]
+    rf = [i for i in range(len(b.shape)) if i not in rc and i not in rb]
+    nb = len(lb)
+    ct_lhs_free = list(range(nb, nb + len(lf)))
+    ct_rhs_free = list(range(nb + len(lf), nb + len(lf) + len(rf)))
+    ct_a = _dot_operand_ct(ct, b, ct_rhs_free, rf, rb, lb, lf, list(lc), list(rc))
+    ct_b = _dot_operand_ct(ct, a, ct_lhs_free, lf, lb, rb, rf, list(rc), list(lc))
+    return [ct_a, ct_b]
+
+
+def _conv2d_vjp(op, cts, operands, results):
+    (ct,), (x, w) = cts, operands
+    stride, padding, dilation = op.attrs["stride"], op.attrs["padding"], op.attrs["dilation"]
+    kernel = tuple(w.shape[2:])
+    # Input gradient: a stride-1 conv of the stride-dilated, padded cotangent with the spatially
+    # flipped kernel, in and out channels swapped; then cut to the input's extent.
+    low, high, start = zip(
+        *(
+            _transposed_padding(x.shape[2 + i], padding[i], ct.shape[2 + i], stride[i], dilation[i] * (kernel[i] - 1))
+            for i in range(2)
+        )
+    )
+    dilated = _dilate_and_pad(ct, 2, low, high, stride)
+    flipped = fnp.flip(bind("transpose", [w], {"perm": (1, 0, 2, 3)}), axis=(2, 3))
+    full = bind("conv2d", [dilated, flipped], {"stride": (1, 1), "padding": ((0, 0), (0, 0)), "dilation": dilation})
+    ct_x = _cut(full, start, x.shape[2:])
+    # Weight gradient: a conv with batch and channels swapped and stride and dilation swapped:
+    # ct_w[o, c, k] = sum_{n, i} x_padded[n, c, i*stride + k*dilation] * ct[n, o, i].
+    x_t = bind("transpose", [x], {"perm": (1, 0, 2, 3)})
+    ct_t = bind("transpose", [ct], {"perm": (1, 0, 2, 3)})
+    ct_w = bind("conv2d", [x_t, ct_t], {"stride": dilation, "padding": padding, "dilation": stride})
+    ct_w = _cut(ct_w, (0, 0), kernel)
+    return [ct_x, bind("transpose", [ct_w], {"perm": (1, 0, 2, 3)})]
+
+
+VJP_RULES.update({"dot_general": _dot_general_vjp, "conv2d": _conv2d_vjp})
+
+
+# --- rules: windows ----------------------------------------------------------------------------------------
+
+
+def _transposed_padding(in_size, pad, out_size, stride, reach):
+    """For one spatial dim of a strided window op (conv or pooling) with `reach` = extent of the window
+    minus one: the (low, high) padding of the stride-dilated cotangent such that a stride-1 window over
+    it covers every input position, and where the input's extent starts in that result."""
+    lo = reach - pad[0]
+    hi = in_size + pad[0] - (out_size - 1) * stride - 1
+    return max(lo, 0), max(hi, 0), max(-lo, 0)
+
+
+def _dilate_and_pad(ct, spatial, low, high, strides):
+    """Pad the trailing `spatial` dims of `ct` by low/high with stride-1 zeros between elements."""
+    lead = len(ct.shape) - spatial
+    zero = np.zeros((), ct.dtype)
+    attrs = {
+        "low": (0,) * lead + tuple(low),
+        "high": (0,) * lead + tuple(high),
+        "interior": (0,) * lead + tuple(s - 1 for s in strides),
+    }
+    return bind("pad", [ct, zero], attrs)
+
+
+def _cut(x, start, sizes):
+    """x[..., start:start+sizes] on the trailing dims."""
+    lead = len(x.shape) - len(start)
+    begin = (0,) * lead + tuple(start)
+    limit = tuple(x.shape[:lead]) + tuple(s + n for s, n in zip(start, sizes))
+    return bind("slice", [x], {"start": begin, "limit": limit, "stride": (1,) * len(begin)})
+
+
+def _window_sum_vjp(ct, x_shape, window, strides, padding):
+    """The input cotangent of a sliding-window sum: a window sum (stride 1) over the dilated cotangent."""
+    low, high, start = zip(
+        *(_transposed_padding(d, p, n, s, w - 1) for d, p, n, s, w in zip(x_shape, padding, ct.shape, strides, window))
+    )
+    dilated = _dilate_and_pad(ct, len(x_shape), low, high, strides)
+    no_pad = tuple((0, 0) for _ in window)
+    summed = bind(
+        "reduce_window", [dilated], {"kind": "sum", "window": window, "strides": (1,) * len(window), "padding": no_pad}
+    )
+    return _cut(summed, start, x_shape)
+
+
+def _window_max_vjp(ct, x, y, window, strides, padding):
+    """Each window sends its cotangent to the positions equal to its maximum, split evenly between
+    ties: for each offset k in the window, output o sees input o*stride + k - pad_low."""
+    low, high = tuple(p[0] for p in padding), tuple(p[1] for p in padding)
+    fill = np.asarray(-np.inf, x.dtype)
+    padded = bind("pad", [x, fill], {"low": low, "high": high, "interior": (0,) * len(window)})
+    hits = {}
+    for offset in np.ndindex(*window):
+        limit = tuple(k + (n - 1) * s + 1 for k, n, s in zip(offset, y.shape, strides))
+        seen = bind("slice", [padded], {"start": tuple(offset), "limit": limit, "stride": tuple(strides)})
+        hits[offset] = fnp.astype(seen == y, x.dtype)
+    share = ct / functools.reduce(operator.add, hits.values())
+    total = None
+    for offset, hit in hits.items():
+        low, high, start = [], [], []
+        for d, n, (pl, _), s, k in zip(x.shape, y.shape, padding, strides, offset):
+            first = k - pl  # the input position output 0 sees at this offset
+            low.append(max(first, 0))
+            high.append(max(d - first - (n - 1) * s - 1, 0))
+            start.append(max(-first, 0))
+        placed = _cut(_dilate_and_pad(share * hit, len(window), low, high, strides), start, x.shape)
+        total = placed if total is None else total + placed
+    return total
+
+
+def _reduce_window_vjp(op, cts, operands, results):
+    (ct,), (x,), (y,) = cts, operands, results
+    kind, window, strides, padding = (op.attrs[k] for k in ("kind", "window", "strides", "padding"))
+    if kind == "max":
+        return [_window_max_vjp(ct, x, y, window, strides, padding)]
+    if kind == "avg":
+        ct = ct / float(math.prod(window))
+    return [_window_sum_vjp(ct, x.shape, window, strides, padding)]
+
+
+VJP_RULES["reduce_window"] = _reduce_window_vjp
+
+
+# --- rules: autodiff markers and control flow --------------------------------------------------------------
+
+# custom_vjp rule id -> backward(residual tracers, result cotangents) -> one cotangent (or None) per
+# input; filled by `flowjit.frontend.grad.custom_vjp`.
+CUSTOM_RULES: dict[int, Callable] = {}
+
+
+def _custom_vjp_call_vjp(op, cts, operands, results):
+    num_inputs, num_residuals = op.attrs["num_inputs"], op.attrs["num_residuals"]
+    backward = CUSTOM_RULES.get(op.attrs["rule"])
+    if backward is None:
+        raise op_error(
+            CompileError,
+            op.loc,
+            op.name,
+            f"custom_vjp rule {op.attrs['rule']} is not defined in this process (custom_vjp_call ops only "
+            "make sense in graphs traced here, not in text IR)",
+        )
+    input_cts = backward(operands[num_inputs : num_inputs + num_residuals], cts)
+    return list(input_cts) + [None] * (len(operands) - num_inputs)
+
+
+def _while_vjp(op, cts, operands, results):
+    raise op_error(
+        FlowjitTypeError,
+        op.loc,
+        op.name,
+        "cannot differentiate through fj.while_loop: its trip count is only known at run time, so "
+        "reverse mode cannot store its iterations. Use fj.fori_loop(lo, hi, body_fn, init), whose "
+        "gradient is supported, or stop the gradient with fj.stop_gradient",
+    )
+
+
+VJP_RULES.update({"custom_vjp_call": _custom_vjp_call_vjp, "while": _while_vjp})
