@@ -4,6 +4,8 @@ ops, nested regions, locations and devices; and parse errors name file:line:col.
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -376,3 +378,13 @@ def test_values_defined_in_a_region_are_not_visible_outside():
 """
     with pytest.raises(FlowjitError, match=r"10:16: use of undefined value %1"):
         parse_module(text, "in.fj")
+
+
+LIT_ROUND_TRIP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lit", "text-ir", "round-trip.fj")
+
+
+def test_lit_round_trip_file_covers_every_registered_op():
+    with open(LIT_ROUND_TRIP) as f:
+        text = f.read()
+    missing = sorted(name for name in REGISTRY if f"func @test_{name}(" not in text)
+    assert not missing, f"ops without a function @test_<op> in {LIT_ROUND_TRIP} (add one per new op): {missing}"
