@@ -147,9 +147,15 @@ def broadcast_to(x, shape):
     return bind("broadcast", [x], {"shape": shape, "dims": dims})
 
 
+# numpy's arithmetic on bools is logic: True + True is True, True * False is False.
+_BOOL_ARITHMETIC = {"add": "logical_or", "mul": "logical_and", "max": "logical_or", "min": "logical_and"}
+
+
 def _elementwise(name: str, *xs, dtype: dt.DType | None = None):
     """Promote to a common dtype (or `dtype`), broadcast, and apply op `name`."""
     target = dtype or result_type(*xs)
+    if target.is_bool:
+        name = _BOOL_ARITHMETIC.get(name, name)
     arrays = _cast_all(xs, target)
     shape = broadcast_shapes(*(np.shape(a) if not isinstance(a, Tracer) else a.shape for a in arrays), op=name)
     return bind(name, [broadcast_to(a, shape) for a in arrays])
@@ -182,14 +188,19 @@ logistic = _unary_float("logistic")
 
 
 def round(x, decimals: int = 0):  # noqa: A001
-    """Round half to even (numpy.round); `decimals` scales by 10**decimals."""
+    """Round half to even (numpy.round); `decimals` scales by 10**decimals. Integers round to
+    multiples of 10**-decimals when `decimals` is negative, as in numpy."""
     x = asarray(x)
-    if not _dtype_of(x).is_float:
-        return x
+    kind = _dtype_of(x)
+    if not kind.is_float:
+        if decimals >= 0:
+            return x
+        scale = 10.0**-decimals  # numpy divides in float64, rounds, multiplies, casts back
+        return astype(multiply(bind("round", [divide(astype(x, dt.float64), scale)]), scale), kind)
     if decimals == 0:
         return bind("round", [x])
     scale = 10.0**decimals
-    return bind("round", [x * scale]) / scale
+    return divide(bind("round", [multiply(x, scale)]), scale)
 
 
 around = round
@@ -582,10 +593,12 @@ def split(x, indices_or_sections, axis=0):
                 f"axis {axis} of size {n} does not divide into {indices_or_sections} equal parts",
             )
         step = n // indices_or_sections
-        bounds = list(range(0, n + 1, step))
+        bounds = [i * step for i in range(indices_or_sections + 1)]
     else:
         bounds = [0, *indices_or_sections, n]
-    return [_slice_axis(x, axis, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    # Each part is x[lo:hi] with Python's slice rules (negative and out-of-range bounds), as numpy.
+    parts = [slice(lo, hi).indices(n)[:2] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return [_slice_axis(x, axis, lo, hi) for lo, hi in parts]
 
 
 def _slice_axis(x, axis, lo, hi, step=1):
@@ -602,14 +615,7 @@ def pad(x, pad_width, mode="constant", constant_values=0):
         raise FlowjitValueError(f"{user_location()}: pad supports mode='constant' only; found {mode!r}")
     x = asarray(x)
     rank = ndim(x)
-    widths = (
-        np.broadcast_to(
-            np.asarray(pad_width, dtype=np.int64).reshape(-1, 2) if np.ndim(pad_width) else np.full((1, 2), pad_width),
-            (rank, 2),
-        )
-        if rank
-        else np.zeros((0, 2), np.int64)
-    )
+    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (rank, 2))  # numpy's pad_width rule
     value = (
         asarray(constant_values, _dtype_of(x))
         if not isinstance(constant_values, Tracer)
@@ -885,7 +891,7 @@ amax, amin = max, min
 
 def mean(x, axis=None, keepdims=False, dtype=None):
     x = asarray(x)
-    if not _dtype_of(x).is_float:
+    if dtype is not None or not _dtype_of(x).is_float:
         x = astype(x, dtype or dt.float32)
     axes = _reduce_axes(x, axis)
     count = math.prod(shape(x)[a] for a in axes)
@@ -926,16 +932,27 @@ argmin = _arg_reduction("argmin")
 
 
 def any(x, axis=None, keepdims=False):  # noqa: A001
-    return greater(max(astype(x, dt.int32), axis, keepdims), 0)
+    """numpy.any: whether some element is nonzero (nan counts as nonzero); False when empty."""
+    return _logical_reduction("reduce_max", x, axis, keepdims)
 
 
 def all(x, axis=None, keepdims=False):  # noqa: A001
-    return greater(min(astype(x, dt.int32), axis, keepdims), 0)
+    """numpy.all: whether every element is nonzero (nan counts as nonzero); True when empty."""
+    return _logical_reduction("reduce_min", x, axis, keepdims)
+
+
+def _logical_reduction(op, x, axis, keepdims):
+    # Over 0/1 int32 values; an empty reduction gives INT_MIN (any: False) or INT_MAX (all: True).
+    x = astype(astype(x, dt.bool_), dt.int32)
+    axes = _reduce_axes(x, axis)
+    return _keep(x, greater(bind(op, [x], {"axes": axes}), 0), axes, keepdims)
 
 
 def cumsum(x, axis=None):
     """Inclusive prefix sum, computed as a matmul with a triangular constant (O(n^2) per axis)."""
     x = asarray(x)
+    if _dtype_of(x).is_bool:
+        x = astype(x, dt.int64)  # as numpy's sum of bools
     if axis is None:
         x, axis = ravel(x), 0
     axis = _norm_axis(axis, ndim(x), "cumsum")
@@ -952,6 +969,8 @@ def matmul(a, b):
     """numpy.matmul: 1-D operands are promoted to matrices; batch dims broadcast."""
     target = result_type(a, b)
     a, b = _cast_all([a, b], target)
+    if target.is_bool:  # numpy: a logical or of ands
+        return not_equal(matmul(astype(a, dt.int32), astype(b, dt.int32)), 0)
     sa, sb = shape(a), shape(b)
     if not sa or not sb:
         raise op_error(

@@ -444,6 +444,7 @@ def test_reduction_dtypes_and_edge_cases():
     check(fnp.sum, I, ref=np.sum, dtype=np.int32)  # integer sums keep their dtype
     check(lambda a: fnp.sum(a, axis=0), RNG.random((4, 3)) < 0.5, ref=lambda a: np.sum(a, axis=0))
     check(fnp.mean, I, ref=np.mean, dtype=np.float32)
+    check(lambda a: fnp.mean(a, axis=0, dtype=np.float64), X, ref=lambda a: np.mean(a, axis=0, dtype=np.float64))
     check(fnp.max, I, ref=np.max)
     check(lambda a: fnp.var(a, ddof=1), X, ref=lambda a: np.var(a, ddof=1), rtol=1e-5)
     check(lambda a: fnp.std(a, axis=0, ddof=1), X, ref=lambda a: np.std(a, axis=0, ddof=1), rtol=1e-5)
@@ -456,7 +457,28 @@ def test_reduction_dtypes_and_edge_cases():
         fnp.max(np.zeros((0,), np.float32))
 
 
+def test_any_all_count_nan_and_negatives_as_true():
+    x = np.array([[-0.5, 0.0, np.nan], [1.0, 2.0, 0.0]], np.float32)
+    check(lambda a: fnp.any(a, axis=1), x, ref=lambda a: np.any(a, axis=1))
+    check(lambda a: fnp.all(a, axis=0, keepdims=True), x, ref=lambda a: np.all(a, axis=0, keepdims=True))
+    check(fnp.any, np.zeros((0,), np.float32), ref=np.any)
+
+
+def test_bool_arithmetic_is_logic():
+    a, b = np.array([True, False, True, False]), np.array([True, True, False, False])
+    for name in ("add", "multiply", "maximum", "minimum", "matmul"):
+        check(getattr(fnp, name), a, b, ref=getattr(np, name))
+    check_jit(lambda x, y: (x + y, x * y), a, b, ref=lambda x, y: (x + y, x * y))
+
+
+def test_round_decimals():
+    check(lambda a: fnp.round(a, 1), np.array([1.25, 2.35, -0.05, 0.15], np.float32), ref=lambda a: np.round(a, 1))
+    check(lambda a: fnp.round(a, -1), np.array([15, 25, -35, 4], np.int32), ref=lambda a: np.round(a, -1))
+    check(lambda a: fnp.round(a, 2), np.array([15, -3], np.int64), ref=lambda a: np.round(a, 2))
+
+
 def test_cumsum():
+    check(fnp.cumsum, np.array([True, False, True]), ref=np.cumsum)
     check(fnp.cumsum, X, ref=np.cumsum, rtol=1e-5)
     check(lambda a: fnp.cumsum(a, axis=1), A3, ref=lambda a: np.cumsum(a, axis=1), rtol=1e-5, atol=1e-5)
     check(lambda a: fnp.cumsum(a, axis=-1), I, ref=lambda a: a.cumsum(axis=-1), dtype=np.int32)
@@ -489,6 +511,10 @@ def test_cumsum():
         lambda a: fnp.stack([a, a], axis=-1),
         lambda a: fnp.split(a, 2, axis=0)[1],
         lambda a: fnp.split(a, [1, 3], axis=2)[2],
+        lambda a: fnp.split(a, [1, 9], axis=1)[2],
+        lambda a: fnp.split(a, [-1], axis=2)[0],
+        lambda a: fnp.pad(a, ((1,), (2,), (0,))),
+        lambda a: fnp.pad(a, (1, 2)),
         lambda a: fnp.pad(a, 1),
         lambda a: fnp.pad(a, ((0, 0), (1, 2), (2, 0)), constant_values=5.0),
         lambda a: fnp.tile(a, 2),
@@ -549,6 +575,11 @@ def test_like_functions_under_jit():
     check(lambda a: fnp.full_like(a, 2.5) * a, X, ref=lambda a: np.full_like(a, 2.5) * a)
     check(lambda a: fnp.zeros_like(a, dtype=np.float16), X, ref=lambda a: np.zeros_like(a, dtype=np.float16))
     check(lambda a: fnp.full((2, 3), a), np.float32(1.5), ref=lambda a: np.full((2, 3), a))
+
+
+def test_split_empty_axis():
+    for mode, parts in both(lambda a: fnp.split(a, 3, axis=0), np.zeros((0, 2), np.float32)).items():
+        assert [p.shape for p in parts] == [(0, 2)] * 3, mode
 
 
 def test_split_returns_all_parts():
