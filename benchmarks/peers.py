@@ -39,6 +39,18 @@ def prepare(names) -> None:
             functorch.enable_autograd_cache = False
 
 
+# Thread counts, and OpenMP spin-waiting: threads that spin after a parallel region steal the shared
+# cores from whichever peer runs next in the round-robin, so the wait policies are recorded too.
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "XLA_FLAGS",
+    "KMP_AFFINITY",
+    "KMP_BLOCKTIME",
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+)
 PEER_NAMES = ("numpy", "flowjit", "jax", "torch", "torch.compile")
 
 
@@ -63,7 +75,7 @@ def versions() -> dict[str, str]:
 def thread_settings() -> dict[str, str]:
     """Thread counts each library will use, and the environment variables that set them."""
     out = {"os.cpu_count()": str(os.cpu_count()), "sched_getaffinity": str(len(os.sched_getaffinity(0)))}
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS", "KMP_AFFINITY"):
+    for var in THREAD_VARS:
         out[var] = os.environ.get(var, "(unset)")
     if "torch" in sys.modules:
         out["torch.get_num_threads()"] = str(sys.modules["torch"].get_num_threads())

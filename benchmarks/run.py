@@ -63,6 +63,7 @@ def run_workload(workload, args, policy) -> WorkloadRun:
         backend = f"unknown ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     reference = workload.reference(*inputs)
     print(f"{workload.name}: {workload.title} [{', '.join(f'{k}={v}' for k, v in size.items())}]", flush=True)
+    print(f"  flowjit backend: {backend or '(flowjit skipped)'}", flush=True)
     results = harness.run_peers(
         [peers.make_peer(name, workload) for name in args.peer_names], inputs, reference, policy
     )
