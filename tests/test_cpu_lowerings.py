@@ -4,11 +4,14 @@ out-of-range indices, nan and tie rules, and the tiled matmul kernel's tails and
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 from flowjit.backends import compile_graph
+from flowjit.backends.cpu import matmul_kernel
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
@@ -24,29 +27,32 @@ TOLERANCE = {dt.float16: 2e-3, dt.bfloat16: 1.6e-2, dt.float32: 2e-6, dt.float64
 
 
 def compiled_and_reference(name: str, inputs: list[np.ndarray], attrs: dict):
-    """Run one op through the CPU backend and the interpreter; returns both results."""
+    """Run one op through the CPU backend and the interpreter; returns both results and the MLIR."""
     inputs = [np.asarray(a) for a in inputs]
     graph = Graph(name)
     params = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype))) for a in inputs]
     graph.results = list(emit(graph, name, params, attrs).results)
-    (got,) = compile_graph(graph, "cpu").run(inputs)
+    compiled = compile_graph(graph, "cpu")
+    (got,) = compiled.run(inputs)
     (want,) = compile_graph(graph, "interpreter").run(inputs)
-    return got, want
+    return got, want, compiled.stages["mlir"]
 
 
-def check(name: str, inputs: list[np.ndarray], attrs: dict) -> None:
-    got, want = compiled_and_reference(name, inputs, attrs)
+def check(name: str, inputs: list[np.ndarray], attrs: dict) -> str:
+    """Assert compiled == interpreted (within the dtype's tolerance); returns the generated MLIR."""
+    got, want, mlir = compiled_and_reference(name, inputs, attrs)
     assert got.shape == want.shape and got.dtype == want.dtype
     kind = dt.dtype(want.dtype)
     if not kind.is_float or want.size == 0:
         np.testing.assert_array_equal(got, want)
-        return
+        return mlir
     got64, want64 = got.astype(np.float64), want.astype(np.float64)
     assert np.array_equal(np.isnan(got64), np.isnan(want64))
     finite = np.isfinite(want64)
     scale = max(1.0, float(np.abs(want64[finite]).max(initial=0.0)))
     np.testing.assert_allclose(got64[finite], want64[finite], rtol=0, atol=TOLERANCE[kind] * scale)
     np.testing.assert_array_equal(got64[~finite], want64[~finite])
+    return mlir
 
 
 def data(shape, dtype: dt.DType, seed: int = 0) -> np.ndarray:
@@ -168,21 +174,32 @@ def test_dot_general_degenerate_shapes():
     "m, k, n, dtype",
     [
         (65, 33, 129, dt.float32),  # row, column and k tails of the register tile
-        (128, 64, 96, dt.float32),  # exact tiles, two threads
+        (128, 64, 96, dt.float32),  # exact tiles
+        (130, 128, 141, dt.float32),  # one row chunk per thread, with tails
         (9, 300, 17, dt.float64),
         (40, 24, 72, dt.float16),
         (33, 40, 50, dt.bfloat16),
     ],
 )
 def test_matmul_kernel(m, k, n, dtype):
-    check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
+    mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
+    assert "vector.fma" in mlir
+    assert ("scf.forall" in mlir) == (m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
 
 
 def test_matmul_kernel_batched_and_transposed():
     batched = dict(lhs_contract=(2,), rhs_contract=(1,), lhs_batch=(0,), rhs_batch=(0,))
-    check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)
+    mlir = check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)
+    assert "vector.fma" in mlir
     transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())
-    check("dot_general", [data((70, 45), dt.float32, 1), data((90, 45), dt.float32, 2)], transposed)
+    mlir = check("dot_general", [data((70, 45), dt.float32, 1), data((90, 45), dt.float32, 2)], transposed)
+    assert "linalg.transpose" in mlir and "vector.fma" in mlir
+    # two free dims on the left become the kernel's rows (a view, no copy)
+    check(
+        "dot_general",
+        [data((4, 9, 45), dt.float64, 1), data((45, 30), dt.float64, 2)],
+        MATMUL | dict(lhs_contract=(2,)),
+    )
 
 
 # --- conv2d, pooling ---------------------------------------------------------------------------------

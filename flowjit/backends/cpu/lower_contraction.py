@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowjit.backends.cpu import matmul_kernel
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor
 from flowjit.backends.cpu.lowering import lowering
@@ -101,9 +102,91 @@ def contraction_generic(
     return narrow(em, summed, result, acc)
 
 
+def reshape(em: KernelEmitter, x: str, t: TensorType, shape: tuple[int, ...], elem: str | None = None) -> str:
+    """Row-major reshape of `x` as views: collapse to 1-D, then expand to `shape`."""
+    if tuple(t.shape) == tuple(shape):
+        return x
+    elem = elem or elem_type(t.dtype)
+    flat = TensorType((t.size,), t.dtype)
+    if t.rank != 1:
+        groups = ", ".join(str(i) for i in range(t.rank))
+        x = em.op(f"tensor.collapse_shape {x} [[{groups}]] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}")
+    if len(shape) == 1:
+        return x
+    groups = ", ".join(str(i) for i in range(len(shape)))
+    target = TensorType(shape, t.dtype)
+    return em.op(
+        f"tensor.expand_shape {x} [[{groups}]] output_shape [{', '.join(map(str, shape))}] "
+        f": {tensor_type(flat, elem)} into {tensor_type(target, elem)}"
+    )
+
+
+def transpose(em: KernelEmitter, x: str, t: TensorType, perm: list[int], elem: str) -> tuple[str, TensorType]:
+    """`x` with its dims permuted (a copy), unless `perm` is the identity."""
+    if perm == sorted(perm):
+        return x, t
+    out = TensorType(tuple(t.shape[p] for p in perm), t.dtype)
+    empty = em.empty(out, elem)
+    moved = em.op(
+        f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({empty} : {tensor_type(out, elem)}) "
+        f"permutation = [{', '.join(map(str, perm))}]"
+    )
+    return moved, out
+
+
+def widen_tensor(em: KernelEmitter, x: str, t: TensorType, acc: str) -> str:
+    elem = elem_type(t.dtype)
+    if elem == acc:
+        return x
+    ident = em.identity_map(t.rank)
+    return em.generic(
+        [(x, tensor_type(t))],
+        (em.empty(t, acc), tensor_type(t, acc)),
+        [ident, ident],
+        ["parallel"] * t.rank,
+        lambda b, args: b.op(f"arith.extf {args[0]} : {elem} to {acc}"),
+        [elem],
+        acc,
+    )
+
+
+def _prod(dims, shape) -> int:
+    return int(np.prod([shape[d] for d in dims], dtype=np.int64))
+
+
+def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
+    """dot_general through the tiled kernel: operands transposed (if needed) to (batch, M, K) and
+    (batch, K, N), reshaped as views, multiplied, reshaped to the result. None when the generic form
+    is the better choice (integers, tiny products)."""
+    a, b = operands
+    ta, tb, result = op.operands[0].type, op.operands[1].type, op.result.type
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
+    lhs_free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
+    rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
+    batch = _prod(lhs_batch, ta.shape)
+    m, k, n = _prod(lhs_free, ta.shape), _prod(lhs_contract, ta.shape), _prod(rhs_free, tb.shape)
+    if not result.dtype.is_float or not matmul_kernel.worth_it(batch, m, n, k):
+        return None
+    acc = accumulator_elem(result.dtype)
+    a, b = widen_tensor(em, a, ta, acc), widen_tensor(em, b, tb, acc)
+    a, ta = transpose(em, a, ta, list(lhs_batch) + lhs_free + list(lhs_contract), acc)
+    b, tb = transpose(em, b, tb, list(rhs_batch) + list(rhs_contract) + rhs_free, acc)
+    lead = (batch,) if lhs_batch else ()
+    a = reshape(em, a, ta, lead + (m, k), acc)
+    b = reshape(em, b, tb, lead + (k, n), acc)
+    shape = matmul_kernel.MatmulShape(batch if lhs_batch else 0, m, n, k, acc)
+    product = matmul_kernel.emit_matmul(em, a, b, shape)
+    product = reshape(em, product, TensorType(lead + (m, n), result.dtype), result.shape, acc)
+    return narrow(em, product, result, acc)
+
+
 @lowering("dot_general")
 def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """dot_general as one generic over (batch, lhs free, rhs free, contracting) loop dims."""
+    """dot_general through the tiled matmul kernel for float products big enough to need it;
+    otherwise one generic over (batch, lhs free, rhs free, contracting) loop dims."""
+    fast = _lower_with_kernel(em, op, operands)
+    if fast is not None:
+        return [fast]
     a, b = operands
     ta, tb, result = op.operands[0].type, op.operands[1].type, op.result.type
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)

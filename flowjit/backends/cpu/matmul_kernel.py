@@ -1,0 +1,267 @@
+"""A register-blocked matrix-multiply kernel for f32/f64, written directly as MLIR vector code on
+tensors (no transform schedule): C[b] = A[b] @ B[b] with A (M, K), B (K, N), all row-major.
+
+Algorithm (GotoBLAS-style, simplified):
+1. Pack B into panels `Bp[p, k, 0:NR]` = B[k, p*NR : p*NR + NR], zero-padded past N, so the
+   micro-kernel reads NR contiguous elements per k and the panel stays in cache.
+2. Split the rows of C into one chunk per core (`scf.forall`, lowered to OpenMP) when the product
+   is large enough to pay for a thread team.
+3. For each panel p, for each block of MR rows: keep an MR x NR tile of C in vector registers
+   (`scf.for` iter_args), and for each k broadcast A[row, k] and FMA it with the NR-wide panel row.
+   Rows left over (M not a multiple of MR) run the same kernel with one row.
+4. Store the tile; the stores of the last panel are masked when N is not a multiple of NR, so
+   nothing is written outside C and no scalar fallback is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu.emitter import KernelEmitter
+
+# Below this many multiply-adds the product runs on one thread (an OpenMP fork costs microseconds).
+PARALLEL_MIN_FLOPS = 1 << 21
+# Below this many multiply-adds, or with fewer columns than one vector, the plain linalg.generic
+# (scalar loops that LLVM unrolls) is as fast and compiles faster.
+KERNEL_MIN_FLOPS = 1 << 12
+
+
+def worth_it(batch: int, m: int, n: int, k: int) -> bool:
+    """Whether a product of this shape should use this kernel."""
+    lanes = vector_bits() // 32
+    return max(batch, 1) * m * n * k >= KERNEL_MIN_FLOPS and n >= lanes // 2 and k > 0
+
+
+@functools.cache
+def vector_bits() -> int:
+    """Width of the host's vector registers (512 with AVX-512, 256 with AVX2, else 128)."""
+    features = toolchain.host_cpu().features
+    if "+avx512f" in features:
+        return 512
+    return 256 if "+avx2" in features else 128
+
+
+@dataclass(frozen=True)
+class MatmulShape:
+    """One (batched) product: `batch` may be 0 for plain 2-D operands."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    elem: str  # "f32" or "f64"
+
+    @property
+    def lanes(self) -> int:
+        return vector_bits() // (32 if self.elem == "f32" else 64)
+
+    @property
+    def vectors_per_row(self) -> int:
+        return 2
+
+    @property
+    def nr(self) -> int:
+        return self.lanes * self.vectors_per_row
+
+    @property
+    def panels(self) -> int:
+        return -(-self.n // self.nr)
+
+    def tensor(self, rows: int | str, cols: int) -> str:
+        prefix = f"{self.batch}x" if self.batch else ""
+        return f"tensor<{prefix}{rows}x{cols}x{self.elem}>"
+
+
+MR = 8  # rows of the register tile
+
+
+class _Writer:
+    """Small helpers over KernelEmitter for loop nests with tensor iter_args."""
+
+    def __init__(self, em: KernelEmitter):
+        self.em = em
+
+    def index(self, value: int) -> str:
+        # Emitted at each use (canonicalize hoists and merges them): a cached one could sit inside
+        # a loop body that does not dominate a later use.
+        return self.em.op(f"arith.constant {value} : index")
+
+    def add(self, a: str, b: str) -> str:
+        return self.em.op(f"arith.addi {a}, {b} : index")
+
+    def mul(self, a: str, b: str) -> str:
+        return self.em.op(f"arith.muli {a}, {b} : index")
+
+    def open_for(self, lo: str, hi: str, step: str, carried: list[tuple[str, str]]) -> tuple[str, str, list[str]]:
+        """`scf.for` header; returns (result name, induction variable, iter_arg names)."""
+        result, iv = self.em.fresh(), self.em.fresh("i")
+        names = [self.em.fresh("c") for _ in carried]
+        init = ", ".join(f"{n} = {v}" for n, (v, _) in zip(names, carried))
+        types = ", ".join(t for _, t in carried)
+        count = f":{len(carried)}" if len(carried) > 1 else ""
+        self.em.line(f"{result}{count} = scf.for {iv} = {lo} to {hi} step {step} iter_args({init}) -> ({types}) {{")
+        self.em.indent += "  "
+        return result, iv, names
+
+    def close_for(self, yielded: list[str], types: list[str]) -> None:
+        self.em.line(f"scf.yield {', '.join(yielded)} : {', '.join(types)}")
+        self.em.indent = self.em.indent[:-2]
+        self.em.line("}")
+
+
+def _pack_b(w: _Writer, s: MatmulShape, b: str, batch_index: str | None) -> str:
+    """Bp[p, k, :] = B[k, p*NR : p*NR + NR] (zero past N)."""
+    em = w.em
+    vl, nr = s.lanes, s.nr
+    vec = f"vector<{vl}x{s.elem}>"
+    packed = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
+    zero = em.op(f"arith.constant 0.0 : {s.elem}")
+    in_bounds = "true" if s.n % nr == 0 else "false"
+    outer, p, (q,) = w.open_for(
+        w.index(0), w.index(s.panels), w.index(1), [(em.op(f"tensor.empty() : {packed}"), packed)]
+    )
+    col = w.mul(p, w.index(nr))
+    inner, k, (q1,) = w.open_for(w.index(0), w.index(s.k), w.index(1), [(q, packed)])
+    cur = q1
+    for c in range(s.vectors_per_row):
+        where = ", ".join(([batch_index] if batch_index else []) + [k, w.add(col, w.index(c * vl))])
+        v = em.op(
+            f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{in_bounds}]}} : {s.tensor(s.k, s.n)}, {vec}"
+        )
+        cur = em.op(
+            f"vector.transfer_write {v}, {cur}[{p}, {k}, {w.index(c * vl)}] {{in_bounds = [true]}} : {vec}, {packed}"
+        )
+    w.close_for([cur], [packed])
+    w.close_for([inner], [packed])
+    return outer
+
+
+def _row_blocks(
+    w: _Writer,
+    s: MatmulShape,
+    a: str,
+    packed: str,
+    c_tile: str,
+    c_type: str,
+    row0: str,
+    lo: str,
+    hi: str,
+    mr: int,
+    batch_index: str | None,
+) -> str:
+    """For every panel and every block of `mr` rows in [lo, hi) of `c_tile` (whose row 0 is A's row
+    `row0`): the register-tile product, stored into `c_tile`."""
+    em = w.em
+    vl, nr, nv = s.lanes, s.nr, s.vectors_per_row
+    vec = f"vector<{vl}x{s.elem}>"
+    packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
+    a_type = s.tensor(s.m, s.k)
+    zero_vec = em.op(f"arith.constant dense<0.0> : {vec}")
+    store_in_bounds = "true" if s.n % nr == 0 else "false"
+    panels, p, (t1,) = w.open_for(w.index(0), w.index(s.panels), w.index(1), [(c_tile, c_type)])
+    col = w.mul(p, w.index(nr))
+    rows, i, (t2,) = w.open_for(lo, hi, w.index(mr), [(t1, c_type)])
+    a_rows = [w.add(w.add(row0, i), w.index(r)) for r in range(mr)]
+    prefix = [batch_index] if batch_index else []
+    accs, k, acc_names = w.open_for(w.index(0), w.index(s.k), w.index(1), [(zero_vec, vec)] * (mr * nv))
+    b_vecs = [
+        em.op(
+            f"vector.transfer_read {packed}[{p}, {k}, {w.index(c * vl)}], {em.op(f'arith.constant 0.0 : {s.elem}')} "
+            f"{{in_bounds = [true]}} : {packed_type}, {vec}"
+        )
+        for c in range(nv)
+    ]
+    new = []
+    for r in range(mr):
+        scalar = em.op(f"tensor.extract {a}[{', '.join(prefix + [a_rows[r], k])}] : {a_type}")
+        broadcast = em.op(f"vector.broadcast {scalar} : {s.elem} to {vec}")
+        for c in range(nv):
+            new.append(em.op(f"vector.fma {broadcast}, {b_vecs[c]}, {acc_names[r * nv + c]} : {vec}"))
+    w.close_for(new, [vec] * len(new))
+    cur = t2
+    for r in range(mr):
+        row = w.add(i, w.index(r))
+        for c in range(nv):
+            acc = f"{accs}#{r * nv + c}" if mr * nv > 1 else accs
+            cur = em.op(
+                f"vector.transfer_write {acc}, {cur}[{row}, {w.add(col, w.index(c * vl))}] "
+                f"{{in_bounds = [{store_in_bounds}]}} : {vec}, {c_type}"
+            )
+    w.close_for([cur], [c_type])
+    w.close_for([rows], [c_type])
+    return panels
+
+
+def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
+    """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N)."""
+    w = _Writer(em)
+    c_type = s.tensor(s.m, s.n)
+    result = em.op(f"tensor.empty() : {c_type}")
+    threads = toolchain_threads()
+    parallel = threads > 1 and s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS and s.m >= 2 * MR * threads
+    batches = max(s.batch, 1)
+    if s.batch:
+        outer, bi, (c_all,) = w.open_for(w.index(0), w.index(batches), w.index(1), [(result, c_type)])
+    else:
+        bi, c_all = None, result
+    packed = _pack_b(w, s, b, bi)
+    tile_type = f"tensor<?x{s.n}x{s.elem}>"
+    prefix_offsets = [bi] if bi else []
+    if parallel:
+        chunk = _ceil_div(_ceil_div(s.m, threads), MR) * MR
+        count = _ceil_div(s.m, chunk)
+        done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
+        em.line(f"{done} = scf.forall ({t}) in ({count}) shared_outs({shared} = {c_all}) -> ({c_type}) {{")
+        em.indent += "  "
+        row0 = w.mul(t, w.index(chunk))
+        left = em.op(f"arith.subi {w.index(s.m)}, {row0} : index")
+        rows = em.op(f"arith.minsi {left}, {w.index(chunk)} : index")
+        full = w.mul(em.op(f"arith.divsi {rows}, {w.index(MR)} : index"), w.index(MR))
+        where = ", ".join(prefix_offsets + [row0, w.index(0)])
+        sizes = ", ".join((["1"] if bi else []) + [rows, str(s.n)])
+        strides = ", ".join(["1"] * (3 if bi else 2))
+        tile = em.op(f"tensor.extract_slice {shared}[{where}] [{sizes}] [{strides}] : {c_type} to {tile_type}")
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, w.index(0), full, MR, bi)
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, full, rows, 1, bi)
+        em.line("scf.forall.in_parallel {")
+        em.line(
+            f"  tensor.parallel_insert_slice {tile} into {shared}[{where}] [{sizes}] [{strides}] "
+            f": {tile_type} into {c_type}"
+        )
+        em.line("}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        c_new = done
+    else:
+        full = s.m // MR * MR
+        if bi:
+            tile_type2 = f"tensor<{s.m}x{s.n}x{s.elem}>"
+            tile = em.op(
+                f"tensor.extract_slice {c_all}[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1] : {c_type} to {tile_type2}"
+            )
+        else:
+            tile_type2, tile = c_type, c_all
+        tile = _row_blocks(w, s, a, packed, tile, tile_type2, w.index(0), w.index(0), w.index(full), MR, bi)
+        tile = _row_blocks(w, s, a, packed, tile, tile_type2, w.index(0), w.index(full), w.index(s.m), 1, bi)
+        if bi:
+            c_new = em.op(
+                f"tensor.insert_slice {tile} into {c_all}[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1] "
+                f": {tile_type2} into {c_type}"
+            )
+        else:
+            c_new = tile
+    if s.batch:
+        w.close_for([c_new], [c_type])
+        return outer
+    return c_new
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def toolchain_threads() -> int:
+    return os.cpu_count() or 1
