@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from flowjit.backends.cpu import cache, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
+from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph
 from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
@@ -106,6 +107,10 @@ class Stages:
         llvm_ir = toolchain.translate_to_llvm_ir(llvm_dialect)
         t2 = time.perf_counter()
         self.module, self.tm = toolchain.optimize(llvm_ir, mlir.entry, opt=self.options.opt_level)
+        expected = len(mlir.inputs) + len(mlir.outputs) + 1
+        found = len(list(self.module.get_function(mlir.entry).arguments))
+        if found != expected:  # a memref that missed the bare-pointer convention would crash the call
+            raise CompileError(f"internal error: @{mlir.entry} takes {found} arguments; expected {expected} pointers")
         self.timings = {"lower": t1 - t0, "mlir": t2 - t1, "llvm-opt": time.perf_counter() - t2}
         self.mlir = mlir
         self.texts.update({"mlir": mlir.text, "mlir-llvm": llvm_dialect, "llvm": str(self.module)})

@@ -55,6 +55,22 @@ def expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     )
 
 
+def reshape_tensor(em: KernelEmitter, x: str, source: TensorType, result: TensorType) -> str:
+    """`x` viewed with `result`'s shape (same number of elements): collapse to 1-D, expand."""
+    if source.shape == result.shape:
+        return x
+    flat_type = TensorType((source.size,), source.dtype)
+    flat = x
+    if source.rank == 0:
+        into = f"{tensor_type(source)} into {tensor_type(flat_type)}"
+        flat = em.op(f"tensor.expand_shape {x} [] output_shape [1] : {into}")
+    elif source.rank > 1:
+        flat = collapse(em, x, source)
+    if result.rank == 0:
+        return em.op(f"tensor.collapse_shape {flat} [] : {tensor_type(flat_type)} into {tensor_type(result)}")
+    return expand(em, flat, result)
+
+
 def map_elementwise(
     em: KernelEmitter,
     out: TensorType,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
-from flowjit.backends.cpu.lower_elementwise import collapse, expand
+from flowjit.backends.cpu.lower_elementwise import collapse, expand, reshape_tensor
 from flowjit.backends.cpu.lowering import lowering, splat_value
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
@@ -56,30 +56,7 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
 
 @lowering("reshape")
 def lower_reshape(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    (x,) = op.operands
-    result = op.result.type
-    if x.type.shape == result.shape:
-        return [operands[0]]
-    flat_type = TensorType((x.type.size,), x.type.dtype)
-    flat = operands[0]
-    if x.type.rank == 0:
-        flat = em.op(
-            f"tensor.expand_shape {flat} [] output_shape [1] : {tensor_type(x.type)} into {tensor_type(flat_type)}"
-        )
-    elif x.type.rank > 1:
-        flat = collapse(em, flat, x.type)
-    if result.rank == 0:
-        return [em.op(f"tensor.collapse_shape {flat} [] : {tensor_type(flat_type)} into {tensor_type(result)}")]
-    if result.rank == 1:
-        return [flat]
-    group = ", ".join(str(i) for i in range(result.rank))
-    shape = ", ".join(str(d) for d in result.shape)
-    return [
-        em.op(
-            f"tensor.expand_shape {flat} [[{group}]] output_shape [{shape}] : "
-            f"{tensor_type(flat_type)} into {tensor_type(result)}"
-        )
-    ]
+    return [reshape_tensor(em, operands[0], op.operands[0].type, op.result.type)]
 
 
 @lowering("transpose")

@@ -165,6 +165,8 @@ class _FunctionLowering:
     def read(self, value: Value) -> str:
         if value in self.inline:
             return self.inline[value]
+        if value.type.size == 0:  # no data: never touches memory
+            return self.em.empty(value.type)
         if value in self.virtual:
             splat = np.asarray(splat_value(value), value.type.dtype.np_dtype)
             self.inline[value] = self.em.op(
@@ -201,6 +203,8 @@ class _FunctionLowering:
     # Writing a kernel's result tensor to its buffer.
     def write(self, tensor: str, value: Value, buffer: str) -> None:
         t = value.type
+        if t.size == 0:
+            return
         if t.dtype.is_bool:
             tensor = bool_to_bytes(self.em, tensor, t)
         self.em.line(
@@ -279,6 +283,12 @@ def bool_to_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     )
 
 
+def _arg_type(t: TensorType) -> str:
+    # Zero-size buffers are never accessed; a placeholder type keeps every argument a bare pointer
+    # (the bare-pointer convention silently falls back to descriptors for shapes with a 0 extent).
+    return "memref<1xi8>" if t.size == 0 else memref_type(t)
+
+
 def check_lowerings(graph: Graph) -> None:
     """Fail before emitting anything if some op has no CPU lowering."""
     for op in graph.ops:
@@ -295,9 +305,9 @@ def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
     args = []
     for i, p in enumerate(graph.params):
         fl.buffers[p] = f"%in{i}"
-        args.append(f"%in{i}: {memref_type(p.type)}")
+        args.append(f"%in{i}: {_arg_type(p.type)}")
     outputs = [f"%out{i}" for i in range(len(graph.results))]
-    args += [f"{o}: {memref_type(r.type)}" for o, r in zip(outputs, graph.results)]
+    args += [f"{o}: {_arg_type(r.type)}" for o, r in zip(outputs, graph.results)]
 
     # The first output holding a value produced by an op is that op's destination; other outputs
     # (params, constants, repeated results) get a copy at the end.
@@ -307,7 +317,7 @@ def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
             fl.buffers[value] = out
 
     def needs_slot(v: Value) -> bool:
-        return v not in fl.result_outputs and v.producer.name != "constant" and v not in fl.virtual
+        return v.type.size > 0 and v not in fl.result_outputs and v.producer.name != "constant" and v not in fl.virtual
 
     offsets, workspace = plan_workspace(graph, needs_slot)
     ws_type = f"memref<{max(workspace, 1)}xi8>"

@@ -94,3 +94,112 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int):
         return lines
 
     return steps
+
+
+def _tile_for(h: str, sizes: list[int], out: str) -> str:
+    loops = sum(1 for s in sizes if s)
+    results = ", ".join([out] + [f"%{out[1:]}_l{i}" for i in range(loops)])
+    types = ", ".join([ANY] * (loops + 1))
+    return f"{results} = transform.structured.tile_using_for {h} tile_sizes {sizes} : ({ANY}) -> ({types})"
+
+
+def _forall(h: str, sizes: list[int], out: str) -> str:
+    tiled = f"transform.structured.tile_using_forall {h} tile_sizes {sizes}"
+    return f"{out}, %{out[1:]}_f = {tiled} : ({ANY}) -> ({ANY}, {ANY})"
+
+
+def _vectorize(h: str, sizes: list[int] | None = None) -> str:
+    vs = f" vector_sizes {sizes}" if sizes else ""
+    return f"transform.structured.vectorize {h}{vs} : {ANY}"
+
+
+def reduction(shape: tuple[int, ...], axis: int, acc_bits: int):
+    """A reduction in normal form: (R) -> (), (A, R) -> (A), (R, B) -> (B) or (A, R, B) -> (A, B)."""
+    vl = lanes(acc_bits)
+    size = 1
+    for d in shape:
+        size *= d
+    parallel = size >= PARALLEL_MIN_ELEMENTS and threads() > 1
+    if len(shape) == 1:
+        return _full_reduction(shape[0], vl, parallel)
+    if axis == len(shape) - 1:
+        return _row_reduction(shape, vl, parallel)
+    return _column_reduction(shape, axis, vl, parallel)
+
+
+def _full_reduction(r: int, vl: int, parallel: bool):
+    def steps(h: str) -> list[str]:
+        n = h[1:]
+        lines = []
+        if parallel:
+            chunks = 64
+            lines += [
+                f"%pfill{n}, %psplit{n}, %pcomb{n}, %pforall{n} = transform.structured.tile_reduction_using_forall "
+                f"{h} by num_threads = [{chunks}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
+            ]
+            h = f"%psplit{n}"
+        lines += [
+            f"%fill{n}, %split{n}, %comb{n}, %rloop{n} = transform.structured.tile_reduction_using_for {h} "
+            f"by tile_sizes = [{vl}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
+            _vectorize(f"%split{n}", [vl]),
+            _vectorize(f"%comb{n}"),
+            _vectorize(f"%fill{n}"),
+        ]
+        if parallel:
+            lines += [_vectorize(f"%pcomb{n}"), _vectorize(f"%pfill{n}")]
+        return lines
+
+    return steps
+
+
+def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
+    a = shape[0]
+    rows = 8 if a >= 8 else a
+
+    def steps(h: str) -> list[str]:
+        n = h[1:]
+        lines = []
+        if parallel and a > 1:
+            lines.append(_forall(h, [max(rows, -(-a // (threads() * 8)) // rows * rows), 0], f"%par{n}"))
+            h = f"%par{n}"
+        lines += [
+            _tile_for(h, [rows, 0], f"%rows{n}"),
+            f"%fill{n}, %split{n}, %comb{n}, %rloop{n} = transform.structured.tile_reduction_using_for %rows{n} "
+            f"by tile_sizes = [0, {vl}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
+            _vectorize(f"%split{n}", [rows, vl]),
+            _vectorize(f"%comb{n}", [rows, vl]),
+            _vectorize(f"%fill{n}", [rows, vl]),
+        ]
+        return lines
+
+    return steps
+
+
+def _column_reduction(shape: tuple[int, ...], axis: int, vl: int, parallel: bool):
+    rank = len(shape)
+
+    def steps(h: str) -> list[str]:
+        n = h[1:]
+        lines = []
+        if parallel:
+            first = 0 if rank == 3 and shape[0] >= threads() else rank - 1
+            sizes = [0] * rank
+            sizes[first] = -(-shape[first] // threads())
+            if first == rank - 1:
+                sizes[first] = _round_up(sizes[first], 4 * vl)
+            lines.append(_forall(h, sizes, f"%par{n}"))
+            h = f"%par{n}"
+        outer = [1] * (rank - 2) + [0, 4 * vl]  # A by 1 (if present), R whole, B by 4 vectors
+        inner = [0] * (rank - 2) + [1, 0]  # then R by 1 inside: the accumulator stays in registers
+        lines += [
+            _tile_for(h, outer, f"%cols{n}"),
+            _tile_for(f"%cols{n}", inner, f"%red{n}"),
+            _vectorize(f"%red{n}", [1] * (rank - 1) + [4 * vl]),
+            # The step reduces a 1 x vl slice into the accumulator: an elementwise combine, which
+            # only the inner-parallel strategy emits as one vector instruction.
+            f"transform.apply_patterns to %red{n}_l0 {{ transform.apply_patterns.vector.lower_multi_reduction "
+            f'lowering_strategy = "innerparallel" }} : {ANY}',
+        ]
+        return lines
+
+    return steps
