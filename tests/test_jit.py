@@ -412,3 +412,26 @@ def test_non_contiguous_and_scalar_numpy_arguments():
     strided = np.asfortranarray(X)[:, ::2]
     np.testing.assert_allclose(f(strided, np.float32(3)), strided * 3)
     np.testing.assert_allclose(f(X.T, 2), X.T * 2)
+
+
+def test_variables_as_arguments_are_passed_by_reference():
+    traces = Counter()
+    v = fj.Variable(np.zeros(3, np.float32), name="jit_arg_v")
+    u = fj.Variable(np.zeros(3, np.float32), name="jit_arg_u")
+
+    @fj.jit(target="interpreter")  # the state ops' native lowering is tested in test_state.py
+    def step(state, x):
+        traces()
+        state["acc"].assign_add(x)
+        return state["acc"].value * 2
+
+    one = np.ones(3, np.float32)
+    np.testing.assert_array_equal(step({"acc": v}, one), [2, 2, 2])
+    np.testing.assert_array_equal(step({"acc": v}, one), [4, 4, 4])
+    assert traces.n == 1
+    np.testing.assert_array_equal(step({"acc": u}, one), [2, 2, 2])  # another variable: another trace
+    assert traces.n == 2
+    np.testing.assert_array_equal(v.value, [2, 2, 2])
+    np.testing.assert_array_equal(u.value, [1, 1, 1])
+    text = step.lower({"acc": v}, one).as_text("traced")
+    assert 'var = "jit_arg_v"' in text and "func @step(%x: tensor<3xf32>)" in text

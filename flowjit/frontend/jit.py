@@ -38,6 +38,7 @@ from flowjit.backends import Executable, compile_graph, default_target
 from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, current_trace, escaped_tracer_error
+from flowjit.frontend.variables import Variable
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph
 from flowjit.ir.location import is_internal_file, user_location
@@ -144,6 +145,8 @@ def _abstract(leaf, path: str) -> TensorType:
         return _tensor_type((), dt.default_for_kind(kind).np_dtype)
     if isinstance(leaf, ShapeDtype):
         return TensorType(leaf.shape, dt.dtype(leaf.dtype))
+    if isinstance(leaf, Variable):
+        return VariableArg(leaf)
     if isinstance(leaf, Tracer):
         raise escaped_tracer_error()  # calls inside a trace inline, so this tracer outlived its trace
     if hasattr(leaf, "__array__") and hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
@@ -153,6 +156,27 @@ def _abstract(leaf, path: str) -> TensorType:
         f"found {type(leaf).__name__}. Mark it static (static_argnums/static_argnames) if it configures "
         "the computation."
     )
+
+
+class VariableArg:
+    """A `Variable` passed as an argument: not a value but a reference to state, so it is passed to
+    the traced function as is and the signature holds it by identity (another Variable retraces)."""
+
+    __slots__ = ("variable",)
+
+    def __init__(self, variable: Variable):
+        self.variable = variable
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, VariableArg) and other.variable is self.variable
+
+    def __hash__(self) -> int:
+        return id(self.variable)
+
+    def __str__(self) -> str:
+        return f"variable '{self.variable.name}'"
+
+    __repr__ = __str__
 
 
 def _to_host(leaf, ttype: TensorType) -> np.ndarray:
@@ -195,7 +219,7 @@ class Signature:
 
     names: tuple[str, ...]
     treedef: TreeDef
-    avals: tuple[TensorType, ...]
+    avals: tuple[TensorType | VariableArg, ...]
     statics: tuple[tuple[str, type, object], ...]
 
     def explain_change(self, old: Signature, paths: Sequence[str]) -> str:
@@ -324,7 +348,10 @@ class Jitted:
         with Trace(self.name) as trace:
             if self.device is not None:
                 trace.device_stack.append(str(DeviceSpec.parse(self.device)))
-            tracers = [trace.new_param(aval, path) for aval, path in zip(sig.avals, paths)]
+            tracers = [
+                aval.variable if isinstance(aval, VariableArg) else trace.new_param(aval, path)
+                for aval, path in zip(sig.avals, paths)
+            ]
             dynamic = dict(zip(sig.names, tree_unflatten(sig.treedef, tracers)))
             arguments = {name: dynamic.get(name, value) for name, value in bound.arguments.items()}
             call_args, call_kwargs = _rebind(self.signature, arguments)
@@ -565,7 +592,11 @@ class Compiled:
 
     def call_leaves(self, leaves: Sequence) -> object:
         """Run on the flattened dynamic arguments (already checked against the signature)."""
-        arrays = [_to_host(leaf, aval) for leaf, aval in zip(leaves, self.signature.avals)]
+        arrays = [
+            _to_host(leaf, aval)
+            for leaf, aval in zip(leaves, self.signature.avals)
+            if not isinstance(aval, VariableArg)
+        ]
         if self.variables:
             outs = self._run_with_variables(arrays)
         else:
