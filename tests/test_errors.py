@@ -266,6 +266,9 @@ def test_bad_jit_options():
         fj.jit(3)
     with pytest.raises(fj.FlowjitTypeError, match="unsupported dtype"):
         fj.ShapeDtype((2,), np.complex128)
+    for shape in [(2, -1), ("a",), (2.0,)]:
+        with pytest.raises(fj.FlowjitValueError, match="a shape is a tuple of non-negative ints"):
+            fj.ShapeDtype(shape, np.float32)
 
 
 def test_stage_and_signature_errors_on_lowered_functions():

@@ -64,6 +64,10 @@ class ShapeDtype:
     dtype: object
 
     def __post_init__(self):
+        if not all(isinstance(d, int | np.integer) and d >= 0 for d in self.shape):
+            raise FlowjitValueError(
+                f"{user_location()}: ShapeDtype: a shape is a tuple of non-negative ints; found {self.shape!r}"
+            )
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         try:
             object.__setattr__(self, "dtype", dt.dtype(self.dtype).np_dtype)
