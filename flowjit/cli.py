@@ -153,13 +153,16 @@ def _run_dump(args) -> int:
     positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
     jitted = _jit_with_statics(fn, tuple(statics))
     lowered = _trace(path, fn_name, lambda: jitted.lower(*positional, **keywords))
-    available = _trace(path, fn_name, lambda: lowered.stages)
-    if args.stage != "all" and args.stage not in available:
-        raise UsageError(
-            f"--stage {args.stage}: expected all or a stage of this compilation ({', '.join(available)}); "
-            f"the '{lowered.target}' target has no stage '{args.stage}'"
-        )
-    stages = available if args.stage == "all" else [args.stage]
+    stages = [args.stage]
+    if args.stage not in ("traced", "optimized"):
+        # Backend stages exist only once compiled, and which ones depends on the target.
+        available = _trace(path, fn_name, lambda: lowered.stages)
+        if args.stage != "all" and args.stage not in available:
+            raise UsageError(
+                f"--stage {args.stage}: expected all or a stage of this compilation ({', '.join(available)}); "
+                f"the '{lowered.target}' target has no stage '{args.stage}'"
+            )
+        stages = available if args.stage == "all" else [args.stage]
     texts = [_trace(path, fn_name, lambda s=s: lowered.as_text(s)) for s in stages]
     sys.stdout.write("\n".join(t if t.endswith("\n") else t + "\n" for t in texts))
     return 0
