@@ -1,0 +1,508 @@
+"""Vectorizable math functions for the CPU backend, emitted as scalar MLIR in `linalg.generic` bodies.
+
+MLIR 22 lowers `math.exp`, `math.tanh`, ... to LLVM intrinsics that the x86 backend scalarizes into
+libm calls (`expf`, `tanhf`: up to 30x slower than vector code, see TOOLCHAIN.md §1). For float32 we
+therefore emit our own branch-free approximations from `arith`/`math.fma`/`math.roundeven`/bit casts
+only; LLVM vectorizes the loop around them (vfmadd, vrndscale, vpslld, blends) and the code makes no
+calls. Special values are handled with `arith.cmpf` + `arith.select`, never with branches.
+
+Contract: `MATH[name](b, x, elem) -> result` and `MATH_BINARY[name](b, x, y, elem) -> result` take a
+`ScalarBuilder`, the SSA name(s) of the operand(s) and their MLIR element type ("f16", "bf16", "f32",
+"f64"), emit the computation and return the SSA name of a result of the same element type. Every
+emitted op is lowered by `toolchain.LLVM_PIPELINE`.
+
+- f32: own polynomials (below). f16 / bf16: `arith.extf` to f32, the f32 code, `arith.truncf`.
+- f64: numpy accuracy is required, so f64 uses `math.exp`/`math.log`/`math.tanh`/`math.sin`/
+  `math.cos`/`math.erf`/`math.atan2`/`math.powf`, which become scalar libm calls (correct, slower); log1p,
+  expm1 and logistic are built on them with exact-cancellation formulas, because MLIR lowers
+  `math.log1p`/`math.expm1` to `log(1+x)`/`exp(x)-1`. sqrt and rsqrt are vector instructions for all types.
+- pow: float32 (and f16/bf16) computes in f64 with libm `pow` (exact special cases, scalar call).
+
+Float32 algorithms:
+- exp: n = round(x log2 e), r = x - n ln2 (two-constant Cody-Waite with fma), Cephes degree-5
+  polynomial, 2^n applied as two exact power-of-two factors built by integer shift + bitcast, so
+  results down into the denormals and up to FLT_MAX are right; overflow gives inf, underflow 0.
+- log: exponent/mantissa split by bit operations (denormal inputs are pre-scaled by 2^23), mantissa in
+  [sqrt(1/2), sqrt(2)), Cephes degree-8 polynomial. log(0) = -inf, log(x<0) = nan, log(inf) = inf.
+- log1p: log(u) + (x - (u - 1)) / u with u = 1 + x (the correction term restores the bits rounded off
+  in 1 + x); tiny x returns x.
+- expm1: same reduction as exp, expm1(r) by the polynomial, then 2^n expm1(r) + (2^n - 1) in one fma.
+- tanh: Cephes odd polynomial for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1); sign copied (tanh(-0) = -0);
+  exactly +-1 once the true value rounds to it (|x| > 9.01).
+- logistic: e = exp(-|x|) never overflows; 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0.
+- erf: x + x P(x^2) for |x| < 1 (degree 6), 1 - Q(|x| - 2.425) for 1 <= |x| < 3.85 (degree 14, erfc
+  fit), +-1 beyond (where erf rounds to 1 in float32). Coefficients: Chebyshev fits in 40-digit
+  arithmetic (mpmath.chebyfit), rounded to float32.
+- sin/cos: n = round(x 2/pi), r = x - n pi/2 with a three-part Cody-Waite split of pi/2 (fma), Cephes
+  sin/cos polynomials on [-pi/4, pi/4], quadrant from n mod 4 computed in float (never out of range).
+  Accurate for |x| < ~1e5 (see the table); beyond, results stay in [-1, 1] and degrade gradually.
+  inf gives nan.
+- atan2: quadrant folding to an argument in [0, 1], Cephes atanf reduction and polynomial, IEEE
+  special cases (signed zeros, infinities) by selects.
+
+Accuracy of the float32 code (max over every 61st float32 bit pattern, i.e. ~70M inputs spread over
+all exponents, plus special values; reference numpy float64 rounded to float32; ulp of the reference;
+`python tests/test_mathlib.py` reproduces this table):
+
+    see ACCURACY below
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from flowjit.backends.cpu.emitter import ScalarBuilder
+
+_INT = {"f32": "i32", "f64": "i64"}
+
+
+class _Arith:
+    """Emits arithmetic on one float element type through a ScalarBuilder; values are SSA names."""
+
+    def __init__(self, b: ScalarBuilder, elem: str):
+        self.b = b
+        self.t = elem
+        self.it = _INT[elem]
+        self._consts: dict[tuple[float | int, str], str] = {}
+
+    def c(self, value: float) -> str:
+        return self._const(value, self.t)
+
+    def ci(self, value: int) -> str:
+        return self._const(value, self.it)
+
+    def _const(self, value, elem: str) -> str:
+        key = (value, elem)
+        if key not in self._consts:
+            self._consts[key] = self.b.const(value, elem)
+        return self._consts[key]
+
+    def _bin(self, op: str, x: str, y: str) -> str:
+        return self.b.op(f"{op} {x}, {y} : {self.t}")
+
+    def add(self, x: str, y: str) -> str:
+        return self._bin("arith.addf", x, y)
+
+    def sub(self, x: str, y: str) -> str:
+        return self._bin("arith.subf", x, y)
+
+    def mul(self, x: str, y: str) -> str:
+        return self._bin("arith.mulf", x, y)
+
+    def div(self, x: str, y: str) -> str:
+        return self._bin("arith.divf", x, y)
+
+    def fma(self, x: str, y: str, z: str) -> str:
+        """x * y + z with one rounding."""
+        return self.b.op(f"math.fma {x}, {y}, {z} : {self.t}")
+
+    def poly(self, x: str, coeffs: list[float]) -> str:
+        """Horner evaluation with fma; `coeffs` from the highest degree down."""
+        acc = self.c(coeffs[0])
+        for coeff in coeffs[1:]:
+            acc = self.fma(acc, x, self.c(coeff))
+        return acc
+
+    def unary(self, op: str, x: str) -> str:
+        return self.b.op(f"{op} {x} : {self.t}")
+
+    def abs(self, x: str) -> str:
+        return self.unary("math.absf", x)
+
+    def copysign(self, magnitude: str, sign: str) -> str:
+        return self._bin("math.copysign", magnitude, sign)
+
+    def cmp(self, predicate: str, x: str, y: str) -> str:
+        return self.b.op(f"arith.cmpf {predicate}, {x}, {y} : {self.t}")
+
+    def select(self, cond: str, x: str, y: str) -> str:
+        return self.b.op(f"arith.select {cond}, {x}, {y} : {self.t}")
+
+    def isnan(self, x: str) -> str:
+        return self.cmp("uno", x, x)
+
+    def bits(self, x: str) -> str:
+        return self.b.op(f"arith.bitcast {x} : {self.t} to {self.it}")
+
+    def from_bits(self, i: str) -> str:
+        return self.b.op(f"arith.bitcast {i} : {self.it} to {self.t}")
+
+    def iop(self, op: str, x: str, y: str) -> str:
+        return self.b.op(f"arith.{op} {x}, {y} : {self.it}")
+
+    def to_int(self, x: str) -> str:
+        return self.b.op(f"arith.fptosi {x} : {self.t} to {self.it}")
+
+    def to_float(self, i: str) -> str:
+        return self.b.op(f"arith.sitofp {i} : {self.it} to {self.t}")
+
+    def pow2(self, n: str) -> str:
+        """2**n for an integer-valued float n in the normal exponent range [-126, 127] (f32)."""
+        biased = self.iop("addi", self.to_int(n), self.ci(127))
+        return self.from_bits(self.iop("shli", biased, self.ci(23)))
+
+
+# ---------------------------------------------------------------------------------------------
+# float32
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693359375  # 10 significant bits: n * _LN2_HI is exact
+_LN2_LO = -2.12194440e-4
+# Cephes expf: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2/2]
+_EXP_P = [1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1]
+# Cephes logf: log(1+m) = m - m^2/2 + m^3 P(m) for 1+m in [sqrt(1/2), sqrt(2))
+_LOG_P = [
+    7.0376836292e-2,
+    -1.1514610310e-1,
+    1.1676998740e-1,
+    -1.2420140846e-1,
+    1.4249322787e-1,
+    -1.6668057665e-1,
+    2.0000714765e-1,
+    -2.4999993993e-1,
+    3.3333331174e-1,
+]
+# Cephes tanhf: tanh(x) = x + x^3 P(x^2) for |x| < 0.625
+_TANH_P = [-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1, -3.33332819422e-1]
+# erf(x) = x + x P(x^2) on |x| < 1
+_ERF_SMALL = [
+    7.875875062685488e-05,
+    -0.000801686428716587,
+    0.005189087423433974,
+    -0.026854212010626412,
+    0.11283594715160218,
+    -0.37612626666720334,
+    0.12837916584835093,
+]
+# erfc(|x|) = Q(|x| - 2.425) on 1 <= |x| < 3.85
+_ERFC_MID = 2.425
+_ERFC_Q = [
+    -1.3004556964379648e-06,
+    3.625043516149725e-07,
+    1.8674359093165825e-05,
+    -3.147454671047829e-05,
+    -6.874758328790887e-05,
+    0.0003231043135830673,
+    -0.0004491750820663766,
+    -0.00034467321615709053,
+    0.003032946901398698,
+    -0.007428043111053536,
+    0.011159827914956582,
+    -0.011306094038646583,
+    0.007642648933683033,
+    -0.003151552175425808,
+    0.0006047659898612764,
+]
+_ERF_ONE = 3.85  # erfc(3.85) < 2**-25: erf rounds to 1 in float32 from here on
+# pi/2 = _PIO2[0] + _PIO2[1] + _PIO2[2] to ~160 bits (each part a float64)
+_PIO2 = [
+    float.fromhex("0x1.921fb54442d18p+0"),
+    float.fromhex("0x1.1a62633145c07p-54"),
+    float.fromhex("-0x1.f1976b7ed8fbcp-110"),
+]
+_SINCOS_LIMIT = 2.0**48  # float64 Cody-Waite stays exact below; beyond (and for inf) sin/cos return nan
+_SIN_P = [-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1]  # sin r = r + r^3 P(r^2)
+_COS_P = [2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2]  # cos r = 1 - r^2/2 + r^4 P(r^2)
+# Cephes atanf on [0, tan(pi/8)]: atan(z) = z + z^3 P(z^2)
+_ATAN_P = [8.05374449538e-2, -1.38776856032e-1, 1.99777106478e-1, -3.33329491539e-1]
+_FLT_MIN = 2.0**-126
+
+
+def _clamp(m: _Arith, x: str, lo: float, hi: float) -> str:
+    """x limited to [lo, hi]; nan becomes `hi` (callers restore nan at the end)."""
+    x = m.select(m.cmp("ugt", x, m.c(hi)), m.c(hi), x)
+    return m.select(m.cmp("olt", x, m.c(lo)), m.c(lo), x)
+
+
+def _reduce_ln2(m: _Arith, x: str) -> tuple[str, str]:
+    """(n, r) with x = n ln2 + r, n integral, |r| <= ln2/2."""
+    n = m.unary("math.roundeven", m.mul(x, m.c(_LOG2E)))
+    r = m.fma(n, m.c(-_LN2_HI), x)
+    r = m.fma(n, m.c(-_LN2_LO), r)
+    return n, r
+
+
+def _exp_f32(m: _Arith, x: str) -> str:
+    xc = _clamp(m, x, -104.0, 88.8)
+    n, r = _reduce_ln2(m, xc)
+    p = m.poly(r, _EXP_P)
+    y = m.add(m.fma(p, m.mul(r, r), r), m.c(1.0))
+    # 2^n as 2^(n//2) * 2^(n - n//2): each factor is a normal float for n in [-150, 128], so
+    # denormal results are rounded once and exp(88.72) does not overflow early.
+    ni = m.to_int(n)
+    n1 = m.iop("shrsi", ni, m.ci(1))
+    n2 = m.iop("subi", ni, n1)
+    s1 = m.from_bits(m.iop("shli", m.iop("addi", n1, m.ci(127)), m.ci(23)))
+    s2 = m.from_bits(m.iop("shli", m.iop("addi", n2, m.ci(127)), m.ci(23)))
+    y = m.mul(m.mul(y, s1), s2)
+    return m.select(m.isnan(x), x, y)
+
+
+def _log_core_f32(m: _Arith, x: str) -> str:
+    """log(x) for finite x > 0 (denormals included); other inputs give unspecified values."""
+    denormal = m.cmp("olt", x, m.c(_FLT_MIN))
+    xs = m.select(denormal, m.mul(x, m.c(2.0**23)), x)
+    e_adjust = m.select(denormal, m.c(-23.0), m.c(0.0))
+    bits = m.bits(xs)
+    exponent = m.iop("subi", m.iop("shrui", bits, m.ci(23)), m.ci(126))
+    e = m.add(m.to_float(exponent), e_adjust)
+    mantissa = m.from_bits(m.iop("ori", m.iop("andi", bits, m.ci(0x007FFFFF)), m.ci(0x3F000000)))  # [0.5, 1)
+    below = m.cmp("olt", mantissa, m.c(math.sqrt(0.5)))
+    e = m.select(below, m.sub(e, m.c(1.0)), e)
+    f = m.sub(m.select(below, m.add(mantissa, mantissa), mantissa), m.c(1.0))
+    z = m.mul(f, f)
+    y = m.mul(m.mul(f, z), m.poly(f, _LOG_P))
+    y = m.fma(e, m.c(_LN2_LO), y)
+    y = m.fma(z, m.c(-0.5), y)
+    return m.fma(e, m.c(_LN2_HI), m.add(f, y))
+
+
+def _log_specials(m: _Arith, x: str, y: str) -> str:
+    """log-like results at the edges: x = 0 -> -inf, x < 0 -> nan, x = inf -> inf, nan -> nan."""
+    y = m.select(m.cmp("oeq", x, m.c(math.inf)), x, y)
+    y = m.select(m.cmp("oeq", x, m.c(0.0)), m.c(-math.inf), y)
+    return m.select(m.cmp("ult", x, m.c(0.0)), m.c(math.nan), y)
+
+
+def _log_f32(m: _Arith, x: str) -> str:
+    return _log_specials(m, x, _log_core_f32(m, x))
+
+
+def _log1p_f32(m: _Arith, x: str) -> str:
+    u = m.add(x, m.c(1.0))
+    correction = m.div(m.sub(x, m.sub(u, m.c(1.0))), u)
+    y = m.add(_log_core_f32(m, u), correction)
+    y = m.select(m.cmp("oeq", u, m.c(1.0)), x, y)  # |x| < 2^-25: log1p(x) rounds to x (keeps -0)
+    return _log_specials(m, u, y)
+
+
+def _expm1_f32(m: _Arith, x: str) -> str:
+    xc = _clamp(m, x, -25.0, 88.8)  # expm1 rounds to -1 below -17.4
+    n, r = _reduce_ln2(m, xc)
+    p = m.fma(m.poly(r, _EXP_P), m.mul(r, r), r)  # expm1(r)
+    # 2^n p + (2^n - 1); n = 128 (x in (88.38, 88.8]) uses 2^127 and a final exact doubling.
+    n_capped = m.select(m.cmp("ogt", n, m.c(127.0)), m.c(127.0), n)
+    s = m.pow2(n_capped)
+    y = m.fma(s, p, m.sub(s, m.c(1.0)))
+    y = m.select(m.cmp("ogt", n, m.c(127.0)), m.add(y, y), y)
+    y = m.select(m.cmp("oeq", x, m.c(0.0)), x, y)  # expm1(-0) = -0
+    return m.select(m.isnan(x), x, y)
+
+
+def _tanh_f32(m: _Arith, x: str) -> str:
+    a = m.abs(x)
+    z = m.mul(a, a)
+    small = m.fma(m.mul(a, z), m.poly(z, _TANH_P), a)
+    e = _exp_f32(m, m.add(a, a))
+    large = m.sub(m.c(1.0), m.div(m.c(2.0), m.add(e, m.c(1.0))))
+    y = m.select(m.cmp("olt", a, m.c(0.625)), small, large)
+    return m.copysign(y, x)
+
+
+def _logistic_f32(m: _Arith, x: str) -> str:
+    e = _exp_f32(m, m.unary("arith.negf", m.abs(x)))
+    numerator = m.select(m.cmp("oge", x, m.c(0.0)), m.c(1.0), e)  # x < 0: e / (1 + e), no overflow
+    return m.div(numerator, m.add(m.c(1.0), e))
+
+
+def _erf_f32(m: _Arith, x: str) -> str:
+    a = m.abs(x)
+    small = m.fma(a, m.poly(m.mul(a, a), _ERF_SMALL), a)
+    mid = m.sub(m.c(1.0), m.poly(m.sub(a, m.c(_ERFC_MID)), _ERFC_Q))
+    y = m.select(m.cmp("olt", a, m.c(1.0)), small, mid)
+    y = m.select(m.cmp("oge", a, m.c(_ERF_ONE)), m.c(1.0), y)
+    return m.copysign(y, x)
+
+
+def _sincos_f32(m: _Arith, x: str, cosine: bool) -> str:
+    supported = m.cmp("olt", m.abs(x), m.c(_SINCOS_LIMIT))
+    x0 = m.select(supported, x, m.c(0.0))
+    # The reduction runs in float64: r = x - n pi/2 is then exact to ~2^-53 relative for |x| < 2^48,
+    # also next to the zeros of sin/cos, where a float32 reduction loses all bits.
+    d = _Arith(m.b, "f64")
+    xd = m.b.op(f"arith.extf {x0} : f32 to f64")
+    n = d.unary("math.roundeven", d.mul(xd, d.c(2.0 / math.pi)))
+    rd = d.fma(n, d.c(-_PIO2[0]), xd)
+    rd = d.fma(n, d.c(-_PIO2[1]), rd)
+    rd = d.fma(n, d.c(-_PIO2[2]), rd)
+    r = m.b.op(f"arith.truncf {rd} : f64 to f32")
+    # quadrant = n mod 4, exact in float for any n (n/4 and floor are exact), so never out of i32 range
+    quadrant = d.sub(n, d.mul(d.c(4.0), d.unary("math.floor", d.mul(n, d.c(0.25)))))
+    q = m.b.op(f"arith.fptosi {quadrant} : f64 to i32")
+    if cosine:
+        q = m.iop("addi", q, m.ci(1))
+    z = m.mul(r, r)
+    sin_r = m.fma(m.mul(r, z), m.poly(z, _SIN_P), r)
+    cos_r = m.fma(m.mul(z, z), m.poly(z, _COS_P), m.fma(z, m.c(-0.5), m.c(1.0)))
+    odd = m.b.op(f"arith.trunci {q} : i32 to i1")
+    y = m.select(odd, cos_r, sin_r)
+    # quadrants 2 and 3 negate: move bit 1 of q to the sign bit
+    sign = m.iop("shli", m.iop("andi", q, m.ci(2)), m.ci(30))
+    y = m.from_bits(m.iop("xori", m.bits(y), sign))
+    if not cosine:
+        y = m.select(m.cmp("oeq", x, m.c(0.0)), x, y)  # sin(-0) = -0
+    return m.select(supported, y, m.c(math.nan))
+
+
+def _sin_f32(m: _Arith, x: str) -> str:
+    return _sincos_f32(m, x, cosine=False)
+
+
+def _cos_f32(m: _Arith, x: str) -> str:
+    return _sincos_f32(m, x, cosine=True)
+
+
+def _atan2_f32(m: _Arith, y: str, x: str) -> str:
+    ay, ax = m.abs(y), m.abs(x)
+    swap = m.cmp("ogt", ay, ax)
+    num = m.select(swap, ax, ay)
+    den = m.select(swap, ay, ax)
+    t = m.div(num, den)  # in [0, 1]; 0/0 and inf/inf are fixed up to the IEEE angles
+    t = m.select(m.cmp("oeq", den, m.c(0.0)), m.c(0.0), t)
+    t = m.select(m.cmp("oeq", num, m.c(math.inf)), m.c(1.0), t)
+    # Cephes: for t > tan(pi/8), atan(t) = pi/4 + atan((t - 1) / (t + 1))
+    shifted = m.cmp("ogt", t, m.c(0.41421356237309503))
+    z = m.select(shifted, m.div(m.sub(t, m.c(1.0)), m.add(t, m.c(1.0))), t)
+    z2 = m.mul(z, z)
+    base = m.fma(m.mul(z, z2), m.poly(z2, _ATAN_P), z)
+    angle = m.add(m.select(shifted, m.c(math.pi / 4), m.c(0.0)), base)
+    angle = m.select(swap, m.sub(m.c(math.pi / 2), angle), angle)
+    # x with its sign bit set (x = -0 included) mirrors the angle: pi - angle
+    x_negative = m.b.op(f"arith.cmpi slt, {m.bits(x)}, {m.ci(0)} : i32")
+    angle = m.select(x_negative, m.sub(m.c(math.pi), angle), angle)
+    return m.select(m.cmp("uno", y, x), m.add(y, x), m.copysign(angle, y))
+
+
+def _sqrt(m: _Arith, x: str) -> str:
+    return m.unary("math.sqrt", x)
+
+
+def _rsqrt(m: _Arith, x: str) -> str:
+    return m.unary("math.rsqrt", x)
+
+
+# ---------------------------------------------------------------------------------------------
+# float64: libm through math.* (numpy accuracy), with exact-cancellation formulas where MLIR's own
+# lowering would lose bits.
+
+
+def _libm(name: str) -> Callable[[_Arith, str], str]:
+    def emit(m: _Arith, x: str) -> str:
+        return m.unary(f"math.{name}", x)
+
+    return emit
+
+
+def _log1p_f64(m: _Arith, x: str) -> str:
+    u = m.add(x, m.c(1.0))
+    correction = m.div(m.sub(x, m.sub(u, m.c(1.0))), u)
+    y = m.add(m.unary("math.log", u), correction)
+    y = m.select(m.cmp("oeq", u, m.c(1.0)), x, y)
+    return _log_specials(m, u, y)
+
+
+def _expm1_f64(m: _Arith, x: str) -> str:
+    # Kahan: (u - 1) * x / log(u) with u = exp(x) cancels the rounding error of u exactly.
+    u = m.unary("math.exp", x)
+    um1 = m.sub(u, m.c(1.0))
+    y = m.mul(um1, m.div(x, m.unary("math.log", u)))
+    y = m.select(m.cmp("oeq", um1, m.c(-1.0)), um1, y)
+    y = m.select(m.cmp("oeq", u, m.c(math.inf)), u, y)
+    return m.select(m.cmp("oeq", u, m.c(1.0)), x, y)
+
+
+def _logistic_f64(m: _Arith, x: str) -> str:
+    e = m.unary("math.exp", m.unary("arith.negf", m.abs(x)))
+    numerator = m.select(m.cmp("oge", x, m.c(0.0)), m.c(1.0), e)  # x < 0: e / (1 + e), no overflow
+    return m.div(numerator, m.add(m.c(1.0), e))
+
+
+def _atan2_f64(m: _Arith, y: str, x: str) -> str:
+    return m.b.op(f"math.atan2 {y}, {x} : f64")
+
+
+def _pow_f64(m: _Arith, x: str, y: str) -> str:
+    return m.b.op(f"math.powf {x}, {y} : f64")
+
+
+def _pow_f32(m: _Arith, x: str, y: str) -> str:
+    x64 = m.b.op(f"arith.extf {x} : f32 to f64")
+    y64 = m.b.op(f"arith.extf {y} : f32 to f64")
+    return m.b.op(f"arith.truncf {_pow_f64(_Arith(m.b, 'f64'), x64, y64)} : f64 to f32")
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch on the element type
+
+_UNARY: dict[str, tuple[Callable[[_Arith, str], str], Callable[[_Arith, str], str]]] = {
+    # name: (float32 implementation, float64 implementation)
+    "exp": (_exp_f32, _libm("exp")),
+    "log": (_log_f32, _libm("log")),
+    "log1p": (_log1p_f32, _log1p_f64),
+    "expm1": (_expm1_f32, _expm1_f64),
+    "tanh": (_tanh_f32, _libm("tanh")),
+    "logistic": (_logistic_f32, _logistic_f64),
+    "erf": (_erf_f32, _libm("erf")),
+    "sin": (_sin_f32, _libm("sin")),
+    "cos": (_cos_f32, _libm("cos")),
+    "sqrt": (_sqrt, _sqrt),
+    "rsqrt": (_rsqrt, _rsqrt),
+}
+_BINARY: dict[str, tuple[Callable[[_Arith, str, str], str], Callable[[_Arith, str, str], str]]] = {
+    "atan2": (_atan2_f32, _atan2_f64),
+    "pow": (_pow_f32, _pow_f64),
+}
+
+
+def _truncate_to_bf16(b: ScalarBuilder, x: str) -> str:
+    """f32 -> bf16 rounded to nearest even by integer operations. `arith.truncf` becomes
+    vcvtneps2bf16 on AVX512-BF16 hosts, which flushes denormal results to zero."""
+    m = _Arith(b, "f32")
+    bits = m.bits(x)
+    lsb = m.iop("andi", m.iop("shrui", bits, m.ci(16)), m.ci(1))
+    rounded = m.iop("shrui", m.iop("addi", bits, m.iop("addi", lsb, m.ci(0x7FFF))), m.ci(16))
+    quiet_nan = m.iop("ori", m.iop("shrui", bits, m.ci(16)), m.ci(0x40))
+    result = b.op(f"arith.select {m.isnan(x)}, {quiet_nan}, {rounded} : i32")
+    return b.op(f"arith.bitcast {b.op(f'arith.trunci {result} : i32 to i16')} : i16 to bf16")
+
+
+def _widened(b: ScalarBuilder, elem: str, operands: tuple[str, ...], emit) -> str:
+    """Run the f32 code on f16/bf16 operands: extend, compute, round once to `elem`."""
+    wide = [b.op(f"arith.extf {x} : {elem} to f32") for x in operands]
+    result = emit(_Arith(b, "f32"), *wide)
+    if elem == "bf16":
+        return _truncate_to_bf16(b, result)
+    return b.op(f"arith.truncf {result} : f32 to {elem}")
+
+
+def _unary_emitter(name: str) -> Callable[[ScalarBuilder, str, str], str]:
+    f32_impl, f64_impl = _UNARY[name]
+
+    def emit(b: ScalarBuilder, x: str, elem: str) -> str:
+        if elem in ("f16", "bf16"):
+            return _widened(b, elem, (x,), f32_impl)
+        return (f64_impl if elem == "f64" else f32_impl)(_Arith(b, elem), x)
+
+    emit.__name__ = emit.__qualname__ = f"emit_{name}"
+    emit.__doc__ = f"Emit {name}(x) for a scalar x of MLIR float type `elem`; returns the result's SSA name."
+    return emit
+
+
+def _binary_emitter(name: str) -> Callable[[ScalarBuilder, str, str, str], str]:
+    f32_impl, f64_impl = _BINARY[name]
+
+    def emit(b: ScalarBuilder, x: str, y: str, elem: str) -> str:
+        if elem in ("f16", "bf16"):
+            return _widened(b, elem, (x, y), f32_impl)
+        return (f64_impl if elem == "f64" else f32_impl)(_Arith(b, elem), x, y)
+
+    emit.__name__ = emit.__qualname__ = f"emit_{name}"
+    emit.__doc__ = f"Emit {name}(x, y) for scalars of MLIR float type `elem`; returns the result's SSA name."
+    return emit
+
+
+MATH: dict[str, Callable[[ScalarBuilder, str, str], str]] = {name: _unary_emitter(name) for name in _UNARY}
+MATH_BINARY: dict[str, Callable[[ScalarBuilder, str, str, str], str]] = {
+    name: _binary_emitter(name) for name in _BINARY
+}
