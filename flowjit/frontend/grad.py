@@ -31,8 +31,9 @@ from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import leaf_paths, tree_flatten, tree_map, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
-from flowjit.ir.graph import Graph
-from flowjit.ir.location import user_location
+from flowjit.ir.builder import make_op
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.location import UNKNOWN, user_location
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
 from flowjit.passes.autodiff import CUSTOM_RULES, GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
@@ -49,17 +50,44 @@ def inline_graph(graph: Graph, inputs: Sequence) -> list:
     parameters; returns the tracers of its results."""
     trace = current_trace()
     keep_markers = under_differentiation()
-    env = {
-        p: x if isinstance(x, Tracer) else np.asarray(x, p.type.dtype.np_dtype) for p, x in zip(graph.params, inputs)
-    }
+    env = {p: x if isinstance(x, Tracer) else _constant(trace, x, p.type) for p, x in zip(graph.params, inputs)}
     for op in graph.ops:
         if op.name in _MARKERS and not keep_markers:
-            passed = op.operands[len(op.operands) - len(op.results) :]
-            env.update((r, env[v]) for r, v in zip(op.results, passed))
+            env.update(zip(op.results, [env[v] for v in _marker_passes(op)]))
             continue
+        regions = op.regions if keep_markers else [_without_markers(r) for r in op.regions]
         operands = [env[v] for v in op.operands]
-        env.update(zip(op.results, emit_traced(trace, op.name, operands, op.attrs, op.loc, op.regions, op.device)))
-    return [env[r] if isinstance(env[r], Tracer) else Tracer(trace.lift(env[r]), trace) for r in graph.results]
+        env.update(zip(op.results, emit_traced(trace, op.name, operands, op.attrs, op.loc, regions, op.device)))
+    return [env[r] for r in graph.results]
+
+
+def _constant(trace: Trace, x, ttype: TensorType) -> Tracer:
+    """A literal input as one constant op. Its location is unknown on purpose: it comes from the
+    caller's line, which must not make otherwise equal graphs differ (the compile cache is keyed by text)."""
+    value = np.asarray(x, ttype.dtype.np_dtype)
+    return emit_traced(trace, "constant", [], {"value": value}, UNKNOWN)[0]
+
+
+def _marker_passes(op: Op) -> list[Value]:
+    """The operands a marker op passes through as its results."""
+    return op.operands[len(op.operands) - len(op.results) :]
+
+
+def _without_markers(region: Graph) -> Graph:
+    """A copy of `region` with marker ops replaced by the values they pass through (the original may
+    still be differentiated later, so it is left alone)."""
+    env: dict[Value, Value] = {}
+    out = Graph(region.name, region.params)
+    for op in region.ops:
+        if op.name in _MARKERS:
+            env.update(zip(op.results, [env.get(v, v) for v in _marker_passes(op)]))
+            continue
+        regions = [_without_markers(r) for r in op.regions]
+        operands = [env.get(v, v) for v in op.operands]
+        new = out.append(make_op(op.name, operands, op.attrs, op.loc, regions, op.device, [r.type for r in op.results]))
+        env.update(zip(op.results, new.results))
+    out.results = [env.get(v, v) for v in region.results]
+    return out
 
 
 # --- running outside any trace: trace, compile once per graph text, run -------------------------------

@@ -649,4 +649,21 @@ def _while_vjp(op, cts, operands, results):
     )
 
 
-VJP_RULES.update({"custom_vjp_call": _custom_vjp_call_vjp, "while": _while_vjp})
+def _cond_vjp(op, cts, operands, results):
+    # The gradient of a branch is the branch's own VJP graph: one cond picks between the two.
+    pred, *xs = operands
+    wrt = tuple(i for i, x in enumerate(xs) if dt.dtype(x.dtype).is_float)
+    seeds = tuple(i for i, ct in enumerate(cts) if ct is not None)
+    if not wrt:
+        return [None] * len(operands)
+    spec = VJPSpec(wrt=wrt, seeds=seeds, primal_outputs=False)
+    regions = [vjp_graph(region, spec) for region in op.regions]
+    operands_in = [pred, *xs, *(cts[i] for i in seeds)]
+    grads = emit_traced(current_trace(), "cond", operands_in, {}, op.loc, regions, op.device)
+    out = [None] * len(operands)
+    for i, g in zip(wrt, grads):
+        out[1 + i] = g
+    return out
+
+
+VJP_RULES.update({"custom_vjp_call": _custom_vjp_call_vjp, "while": _while_vjp, "cond": _cond_vjp})
