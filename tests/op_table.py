@@ -12,7 +12,9 @@ the result dtype at the end; edge-case rows spell their expected values out.
 
 and `assert_close(actual, expected, tol)` compares results (dtype and shape exactly, values within
 the tolerance, nan where nan). The numerics tests check the reference interpreter against this
-table; backend tests compile the same graphs and compare with the interpreter.
+table; backend tests compile the same graphs and compare with the interpreter. Graphs of the state
+ops first assign their variable from an input, so any buffer will do: run every graph with
+`variables=fresh_variables(graph)` (empty for graphs without state).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Row:
     attrs: the op's attributes, or a function of the dtype returning them.
     out_dtype: the result dtype when it is not the operand dtype (a DType or a function of it).
     regions(dtype) -> the region graphs of a control-flow op.
+    graph(inputs, attrs) -> the test graph, for ops that are not tested alone (state).
     """
 
     name: str
@@ -96,6 +99,7 @@ class Row:
     out_dtype: dt.DType | Callable | None = None
     tol_scale: float = 1.0
     regions: Callable | None = None
+    graph: Callable | None = None
 
 
 # --- input generators --------------------------------------------------------------------------------
@@ -149,8 +153,8 @@ def _is_float_np(np_dtype) -> bool:
 ROWS: list[Row] = []
 
 
-def add_row(name, op, dtypes, inputs, ref, attrs=None, out_dtype=None, tol_scale=1.0, regions=None) -> None:
-    ROWS.append(Row(name, op, tuple(dtypes), inputs, ref, attrs or {}, out_dtype, tol_scale, regions))
+def add_row(name, op, dtypes, inputs, ref, attrs=None, out_dtype=None, tol_scale=1.0, regions=None, graph=None):
+    ROWS.append(Row(name, op, tuple(dtypes), inputs, ref, attrs or {}, out_dtype, tol_scale, regions, graph))
 
 
 def _shape_id(shape) -> str:
@@ -387,6 +391,75 @@ for _d in INTS:
     )
     add_row("neg-int-min", "neg", (_d,), lambda rng, d, lo=_lo: [literal([lo], d)], lambda x, dtype: x.copy())
     add_row("abs-int-min", "abs", (_d,), lambda rng, d, lo=_lo: [literal([lo], d)], lambda x, dtype: x.copy())
+
+
+# --- bitwise -----------------------------------------------------------------------------------------------
+
+
+def _to_signed(v: int, bits: int) -> int:
+    v &= (1 << bits) - 1
+    return v - (1 << bits) if v >= 1 << (bits - 1) else v
+
+
+def _shift_ref(kind, x, y, dtype):
+    """Shifts on Python ints: two's-complement bits, shifts >= the width give 0 or the sign fill."""
+    bits = dtype.bits
+
+    def one(a, n):
+        a, n = int(a), int(n)
+        if kind == "left":
+            return 0 if n >= bits else _to_signed(a << n, bits)
+        if kind == "right_logical":
+            return 0 if n >= bits else _to_signed((a & ((1 << bits) - 1)) >> n, bits)
+        return (-1 if a < 0 else 0) if n >= bits else a >> n
+
+    return np.vectorize(one, otypes=[np.int64])(x, y) if x.size else x.copy()
+
+
+for _shape in ELEMENTWISE_SHAPES:
+    for _op, _ref in (("bitwise_and", np.bitwise_and), ("bitwise_or", np.bitwise_or), ("bitwise_xor", np.bitwise_xor)):
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            (BOOL, *INTS),
+            lambda rng, d, s=_shape: [rand(rng, s, d, -1000, 1000), rand(rng, s, d, -1000, 1000)],
+            lambda x, y, dtype, f=_ref: f(x, y),
+        )
+    add_row(
+        f"bitwise_not-{_shape_id(_shape)}",
+        "bitwise_not",
+        (BOOL, *INTS),
+        lambda rng, d, s=_shape: [rand(rng, s, d, -1000, 1000)],
+        lambda x, dtype: ~x,
+    )
+    for _kind in ("left", "right_logical", "right_arithmetic"):
+        add_row(
+            f"shift_{_kind}-{_shape_id(_shape)}",
+            f"shift_{_kind}",
+            INTS,
+            lambda rng, d, s=_shape: [rand(rng, s, d, -1000, 1000), rand(rng, s, d, 0, d.bits + 3)],
+            lambda x, y, dtype, k=_kind: _shift_ref(k, x, y, dtype),
+        )
+for _d in INTS:
+    _lo, _hi = int(np.iinfo(_d.np_dtype).min), int(np.iinfo(_d.np_dtype).max)
+    for _kind in ("left", "right_logical", "right_arithmetic"):
+        add_row(
+            f"shift_{_kind}-edges",
+            f"shift_{_kind}",
+            (_d,),
+            lambda rng, d, lo=_lo, hi=_hi: [
+                literal([lo, hi, -1, 1, -1, 5, lo, -7], d),
+                literal([1, 1, d.bits - 1, d.bits - 1, d.bits, d.bits, 0, 2], d),
+            ],
+            lambda x, y, dtype, k=_kind: _shift_ref(k, x, y, dtype),
+        )
+    add_row(
+        "bitwise-edges",
+        "bitwise_xor",
+        (_d,),
+        lambda rng, d, lo=_lo, hi=_hi: [literal([lo, hi, -1, 0], d), literal([hi, hi, lo, -1], d)],
+        lambda x, y, dtype: np.array([-1, 0, _to_signed(-1 ^ int(y[2]), dtype.bits), -1]),
+    )
 
 
 # --- convert -------------------------------------------------------------------------------------------
@@ -1011,6 +1084,79 @@ for _lo, _hi in ((0, 4), (-2, 3), (5, 5), (6, 2)):
     )
 
 
+# --- ops for differentiation: identities on values ---------------------------------------------------------
+
+for _shape in ELEMENTWISE_SHAPES:
+    add_row(
+        f"stop_gradient-{_shape_id(_shape)}",
+        "stop_gradient",
+        ALL,
+        lambda rng, d, s=_shape: [rand(rng, s, d)],
+        lambda x, dtype: x,
+    )
+for _shapes, _num_inputs, _num_residuals in (
+    (((2,), (3,), (2,)), 1, 1),
+    (((4,), (2, 2), (4,), ()), 1, 1),
+    (((3,),), 0, 0),
+):
+    add_row(
+        f"custom_vjp_call-{len(_shapes)}-operands-{_num_inputs}-{_num_residuals}",
+        "custom_vjp_call",
+        ALL,
+        lambda rng, d, ss=_shapes: [rand(rng, s, d) for s in ss],
+        lambda *xs, dtype, n=_num_inputs + _num_residuals: list(xs[n:]),
+        attrs={"rule": 0, "num_inputs": _num_inputs, "num_residuals": _num_residuals},
+    )
+
+
+# --- state ------------------------------------------------------------------------------------------------
+
+
+def _state_graph(op):
+    """v = x0; op(v, x1) (for updates); return read(v): the result shows the variable's new value."""
+
+    def build(inputs, attrs):
+        graph = Graph(op)
+        params = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype)), f"x{i}") for i, a in enumerate(inputs)]
+        emit(graph, "assign", params[:1], attrs)
+        if op != "read_variable":
+            emit(graph, op, params[1:2], attrs)
+        graph.results = [emit(graph, "read_variable", [], attrs).result]
+        return graph
+
+    return build
+
+
+_STATE_REFS = {
+    "read_variable": lambda x0, x1, dtype: x0,
+    "assign": lambda x0, x1, dtype: x1,
+    "assign_add": lambda x0, x1, dtype: x0 + x1,
+    "assign_sub": lambda x0, x1, dtype: x0 - x1,
+}
+for _op, _ref in _STATE_REFS.items():
+    for _shape in ((), (2, 3)):
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            ALL if _op in ("read_variable", "assign") else NUMERIC,
+            lambda rng, d, s=_shape, op=_op: (
+                [rand(rng, s, d, -50, 50)] + ([] if op == "read_variable" else [rand(rng, s, d, -50, 50)])
+            ),
+            lambda x0, x1=None, dtype=None, f=_ref: f(x0, x1, dtype),
+            attrs=lambda d, s=_shape: {"var": "v", "shape": s, "dtype": d},
+            graph=_state_graph(_op),
+        )
+
+
+def fresh_variables(graph: Graph) -> dict[str, np.ndarray]:
+    """A zero buffer for every variable the graph's state ops name (by their `var` attribute)."""
+    return {
+        op.attrs["var"]: np.zeros(op.attrs["shape"], dt.dtype(op.attrs["dtype"]).np_dtype)
+        for op in graph.walk()
+        if "var" in op.attrs
+    }
+
+
 # --- expanding rows into cases ---------------------------------------------------------------------------
 
 
@@ -1031,7 +1177,10 @@ def build_case(row: Row, dtype: dt.DType) -> OpCase:
     rng = np.random.default_rng(zlib.crc32(f"{row.name}-{dtype.name}".encode()))
     inputs = [np.asarray(a) for a in row.inputs(rng, dtype)]
     attrs = _resolve(row.attrs, dtype)
-    graph = single_op_graph(row.op, inputs, attrs, row.regions(dtype) if row.regions else ())
+    if row.graph is not None:
+        graph = row.graph(inputs, attrs)
+    else:
+        graph = single_op_graph(row.op, inputs, attrs, row.regions(dtype) if row.regions else ())
     out_dtype = _resolve(row.out_dtype, dtype) or dtype
     with np.errstate(all="ignore"):
         ref = row.ref(*(_wide(a) for a in inputs), dtype=dtype)

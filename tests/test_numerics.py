@@ -1,9 +1,9 @@
 """The reference interpreter against the op table's independent numpy references, for every row."""
 
 import pytest
-from op_table import assert_close, cases, ops_with_rows
+from op_table import assert_close, cases, fresh_variables, ops_with_rows
 
-from flowjit.ir.interpreter import interpret
+from flowjit.ir.interpreter import RunContext, interpret
 from flowjit.ir.ops import REGISTRY
 from flowjit.ir.printer import print_graph
 from flowjit.ir.verifier import verify
@@ -25,7 +25,7 @@ def test_case_ids_are_unique():
 def test_interpreter_matches_reference(case):
     verify(case.graph)
     before = [a.copy() for a in case.inputs]
-    outputs = interpret(case.graph, case.inputs)
+    outputs = interpret(case.graph, case.inputs, RunContext(fresh_variables(case.graph)))
     assert len(outputs) == len(case.expected)
     for i, (actual, expected) in enumerate(zip(outputs, case.expected)):
         assert_close(actual, expected, case.tol, f"result {i} of\n{print_graph(case.graph)}")
