@@ -247,6 +247,23 @@ def test_same_signature_does_not_retrace_and_any_change_does():
         assert traces.n == i
 
 
+def test_calls_with_only_positional_arrays_still_respect_defaults_and_statics():
+    traces = Counter()
+    bias = np.full(8, 10, np.float32)
+
+    @fj.jit(static_argnames="scale")
+    def f(x, b=bias, scale=1):
+        traces()
+        return x * scale + b
+
+    for _ in range(2):
+        np.testing.assert_array_equal(f(X), X + bias)
+        np.testing.assert_array_equal(f(X, X[0]), X + X[0])
+        np.testing.assert_array_equal(f(X, X[0], 3), X * 3 + X[0])
+        np.testing.assert_array_equal(f(X.astype(np.float64), X[0]), X.astype(np.float64) + X[0])
+    assert traces.n == 3  # f(X) and f(X, X[0]) share a signature: a default is a dynamic argument
+
+
 def test_log_compiles_explains_each_trace(monkeypatch, capsys):
     monkeypatch.setenv("FLOWJIT_LOG_COMPILES", "1")
 

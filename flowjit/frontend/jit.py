@@ -183,6 +183,17 @@ class VariableArg:
     __repr__ = __str__
 
 
+def _array_key(args: tuple) -> tuple | None:
+    """The fast-path cache key of a call whose arguments are all numpy arrays: their shapes and
+    dtypes. It skips binding and flattening, the cost that dominates calls on small arrays."""
+    key = []
+    for a in args:
+        if type(a) is not np.ndarray:
+            return None
+        key.append((a.shape, a.dtype))
+    return tuple(key)
+
+
 def _to_host(leaf, ttype: TensorType) -> np.ndarray:
     """A C-contiguous host array of the argument's signature dtype (what `Executable.run` takes)."""
     array = np.asarray(leaf, dtype=ttype.dtype.np_dtype)
@@ -286,6 +297,7 @@ class Jitted:
         self.donate_argnums = _as_tuple(donate_argnums)
         self.target = target
         self._cache: dict[Signature, Compiled] = {}
+        self._by_array_key: dict[tuple, Compiled] = {}  # fast path: see _array_key
         self._last: Signature | None = None
         # Reentrant: a jitted function may call itself on concrete values while being traced.
         self._lock = threading.RLock()
@@ -411,6 +423,11 @@ class Jitted:
     def _call(self, args, kwargs, bound_self: bool):
         if current_trace() is not None:
             return self.fun(*args, **kwargs)  # inside another trace: inline into its graph
+        array_key = None if kwargs or bound_self else _array_key(args)
+        if array_key is not None:
+            compiled = self._by_array_key.get(array_key)
+            if compiled is not None:
+                return compiled.call_leaves(args)
         sig, bound, leaves, paths = self._signature_of(args, kwargs, bound_self)
         compiled = self._cache.get(sig)
         if compiled is None:
@@ -424,6 +441,10 @@ class Jitted:
                     compiled = lowered.compile()
                     self._cache[sig] = compiled
                     self._last = sig
+        # Positional arrays that are exactly the dynamic leaves (no statics, pytrees or defaults
+        # among them) determine the signature by their shapes and dtypes alone: remember that.
+        if array_key is not None and len(leaves) == len(args) and all(a is b for a, b in zip(leaves, args)):
+            self._by_array_key[array_key] = compiled
         return compiled.call_leaves(leaves)
 
     @user_errors
@@ -439,6 +460,7 @@ class Jitted:
         """Forget every compiled signature; the next call traces again."""
         with self._lock:
             self._cache.clear()
+            self._by_array_key.clear()
             self._last = None
 
 
