@@ -284,13 +284,94 @@ def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[
     return [narrow(em, reduced, result, acc)]
 
 
+def _take_better(b, value: str, best: str, largest: bool, value_type: str, mask_type: str) -> str:
+    """i1 (or a vector of them): `value` replaces `best` if strictly better, or if it is nan and
+    the best is not (so the first nan wins, as in numpy)."""
+    if value_type.rstrip(">").split("x")[-1].startswith("i"):
+        return b.op(f"arith.cmpi {'sgt' if largest else 'slt'}, {value}, {best} : {value_type}")
+    better = b.op(f"arith.cmpf {'ogt' if largest else 'olt'}, {value}, {best} : {value_type}")
+    is_nan = b.op(f"arith.cmpf uno, {value}, {value} : {value_type}")
+    best_ordered = b.op(f"arith.cmpf ord, {best}, {best} : {value_type}")
+    new_nan = b.op(f"arith.andi {is_nan}, {best_ordered} : {mask_type}")
+    return b.op(f"arith.ori {better}, {new_nan} : {mask_type}")
+
+
+def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool) -> str:
+    """argmax/argmin along the last (contiguous) axis with vector lanes.
+
+    Each lane keeps the first extreme of its own elements (strictly-better updates); the row's
+    answer is then the smallest index among the lanes that hold the overall extreme (nan if any
+    lane holds a nan). The tail chunk reads ±inf (or the integer extreme) past the row's end, which
+    can never be strictly better. Rows are split over the cores when there are many.
+    """
+    w = matmul_kernel.LoopWriter(em)
+    rows, length = tx.size // tx.shape[-1], tx.shape[-1]
+    elem, index_elem = elem_type(tx.dtype), elem_type(result.dtype)
+    compute = accumulator_elem(tx.dtype)
+    lanes = matmul_kernel.vector_bits() // int(compute[1:])
+    vec, ivec, mvec = f"vector<{lanes}x{compute}>", f"vector<{lanes}x{index_elem}>", f"vector<{lanes}xi1>"
+    matrix = TensorType((rows, length), tx.dtype)
+    x = reshape(em, x, tx, matrix.shape)
+    flat = TensorType((rows,), result.dtype)
+    pad_dtype = dt.float32 if compute == "f32" else tx.dtype
+    pad = const(em, reduction_identity("max" if largest else "min", pad_dtype), compute)
+    pad_elem = pad if elem == compute else em.op(f"arith.truncf {pad} : {compute} to {elem}")
+    start = em.op(f"vector.broadcast {pad} : {compute} to {vec}")
+    zero_index = em.op(f"arith.constant dense<0> : {ivec}")
+    iota = em.op(f"arith.constant dense<[{', '.join(map(str, range(lanes)))}]> : {ivec}")
+    no_index = em.op(f"arith.constant dense<{np.iinfo(result.dtype.np_dtype).max}> : {ivec}")
+    out = em.empty(flat)
+
+    def step(column: str, in_bounds: str, best: str, best_index: str) -> tuple[str, str]:
+        raw = em.op(
+            f"vector.transfer_read {x}[{row}, {column}], {pad_elem} {{in_bounds = [{in_bounds}]}} "
+            f": {tensor_type(matrix)}, vector<{lanes}x{elem}>"
+        )
+        value = raw if elem == compute else em.op(f"arith.extf {raw} : vector<{lanes}x{elem}> to {vec}")
+        take = _take_better(em, value, best, largest, vec, mvec)
+        position = em.op(f"arith.index_cast {column} : index to {index_elem}")
+        splat_position = em.op(f"vector.broadcast {position} : {index_elem} to {ivec}")
+        positions = em.op(f"arith.addi {splat_position}, {iota} : {ivec}")
+        return (
+            em.op(f"arith.select {take}, {value}, {best} : {mvec}, {vec}"),
+            em.op(f"arith.select {take}, {positions}, {best_index} : {mvec}, {ivec}"),
+        )
+
+    # Whole vectors in the loop; the partial one after it (a masked read, out of the hot loop).
+    full = length // lanes
+    loop, row, (acc,) = w.open_for(w.index(0), w.index(rows), w.index(1), [(out, tensor_type(flat))])
+    scan, j, (best, best_index) = w.open_for(w.index(0), w.index(full), w.index(1), [(start, vec), (zero_index, ivec)])
+    w.close_for(list(step(w.mul(j, w.index(lanes)), "true", best, best_index)), [vec, ivec])
+    best, best_index = f"{scan}#0", f"{scan}#1"
+    if length % lanes:
+        best, best_index = step(w.index(full * lanes), "false", best, best_index)
+    kind = ("maximumf" if largest else "minimumf") if compute[0] == "f" else ("maxsi" if largest else "minsi")
+    extreme = em.op(f"vector.reduction <{kind}>, {best} : {vec} into {compute}")
+    splat = em.op(f"vector.broadcast {extreme} : {compute} to {vec}")
+    if compute[0] == "f":  # lanes equal to the extreme, or nan lanes when the extreme is nan
+        equal = em.op(f"arith.cmpf oeq, {best}, {splat} : {vec}")
+        lane_nan = em.op(f"arith.cmpf uno, {best}, {best} : {vec}")
+        extreme_nan = em.op(f"arith.cmpf uno, {splat}, {splat} : {vec}")
+        target = em.op(f"arith.ori {equal}, {em.op(f'arith.andi {lane_nan}, {extreme_nan} : {mvec}')} : {mvec}")
+    else:
+        target = em.op(f"arith.cmpi eq, {best}, {splat} : {vec}")
+    candidates = em.op(f"arith.select {target}, {best_index}, {no_index} : {mvec}, {ivec}")
+    first = em.op(f"vector.reduction <minsi>, {candidates} : {ivec} into {index_elem}")
+    w.close_for([em.op(f"tensor.insert {first} into {acc}[{row}] : {tensor_type(flat)}")], [tensor_type(flat)])
+    return reshape(em, loop, flat, result.shape)
+
+
 def _lower_arg_extreme(em: KernelEmitter, op: Op, operands: list[str], largest: bool) -> list[str]:
     """argmax/argmin as a sequential reduction carrying (best value, its index): a later element
     replaces the best only if strictly better, or if it is nan and the best is not, which gives
-    numpy's first index of the extreme, and of the first nan."""
+    numpy's first index of the extreme, and of the first nan. Along the last axis, vector lanes
+    (`_arg_extreme_rows`); along others the reduction loop is outside the contiguous loops,
+    which LLVM vectorizes."""
     (x,) = operands
     tx, result = op.operands[0].type, op.result.type
     axis = op.attrs["axis"]
+    if axis == tx.rank - 1 and tx.shape[-1] > 1 and tx.size > 0:
+        return [_arg_extreme_rows(em, x, tx, result, largest)]
     elem, index_elem = elem_type(tx.dtype), elem_type(result.dtype)
     values_type = TensorType(result.shape, tx.dtype)
     start = reduction_identity("max" if largest else "min", tx.dtype)
@@ -310,14 +391,7 @@ def _lower_arg_extreme(em: KernelEmitter, op: Op, operands: list[str], largest: 
     value, best_value, best_index = em.fresh("a"), em.fresh("a"), em.fresh("a")
     em.line(f"^bb0({value}: {elem}, {best_value}: {elem}, {best_index}: {index_elem}):")
     b = ScalarBuilder(em, em.indent + "  ")
-    if elem.startswith("i"):
-        take = b.op(f"arith.cmpi {'sgt' if largest else 'slt'}, {value}, {best_value} : {elem}")
-    else:
-        better = b.op(f"arith.cmpf {'ogt' if largest else 'olt'}, {value}, {best_value} : {elem}")
-        is_nan = b.op(f"arith.cmpf uno, {value}, {value} : {elem}")
-        best_ordered = b.op(f"arith.cmpf ord, {best_value}, {best_value} : {elem}")
-        new_nan = b.op(f"arith.andi {is_nan}, {best_ordered} : i1")
-        take = b.op(f"arith.ori {better}, {new_nan} : i1")
+    take = _take_better(b, value, best_value, largest, elem, "i1")
     position = b.op(f"linalg.index {axis} : index")
     position = b.op(f"arith.index_cast {position} : index to {index_elem}")
     new_value = b.op(f"arith.select {take}, {value}, {best_value} : {elem}")

@@ -78,7 +78,7 @@ class MatmulShape:
 MR = 8  # rows of the register tile
 
 
-class _Writer:
+class LoopWriter:
     """Small helpers over KernelEmitter for loop nests with tensor iter_args."""
 
     def __init__(self, em: KernelEmitter):
@@ -112,7 +112,7 @@ class _Writer:
         self.em.line("}")
 
 
-def _pack_b(w: _Writer, s: MatmulShape, b: str, batch_index: str | None) -> str:
+def _pack_b(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> str:
     """Bp[p, k, :] = B[k, p*NR : p*NR + NR] (zero past N)."""
     em = w.em
     vl, nr = s.lanes, s.nr
@@ -140,7 +140,7 @@ def _pack_b(w: _Writer, s: MatmulShape, b: str, batch_index: str | None) -> str:
 
 
 def _row_blocks(
-    w: _Writer,
+    w: LoopWriter,
     s: MatmulShape,
     a: str,
     packed: str,
@@ -197,7 +197,7 @@ def _row_blocks(
 
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
     """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N)."""
-    w = _Writer(em)
+    w = LoopWriter(em)
     c_type = s.tensor(s.m, s.n)
     result = em.op(f"tensor.empty() : {c_type}")
     threads = toolchain_threads()
