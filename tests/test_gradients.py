@@ -19,7 +19,7 @@ from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
 from flowjit.ir.interpreter import interpret
-from flowjit.ir.ops import REGISTRY, get_opdef
+from flowjit.ir.ops import REGISTRY
 from flowjit.ir.types import TensorType
 from flowjit.ir.verifier import verify
 from flowjit.passes.autodiff import VJP_RULES, VJPSpec, is_non_differentiable, vjp_graph
@@ -40,6 +40,8 @@ class GradRow:
     inputs: object
     attrs: dict = field(default_factory=dict)
     half: bool = False  # also check float16 and bfloat16 (loose tolerance)
+    regions: object = None  # regions(float dtype) -> the op's region graphs
+    static: tuple[int, ...] = ()  # operands emitted as constants (loop bounds), not parameters
 
 
 def uniform(lo, hi, *shape):
@@ -221,8 +223,71 @@ def _rows() -> list[GradRow]:
             uniform(-1, 1, 1, 2, 5, 5),
             _window("avg", (1, 1, 3, 3), (1, 1, 2, 2), ((0, 0), (0, 0), (1, 1), (1, 1))),
         ),
+        GradRow(
+            "cond-true",
+            "cond",
+            lambda rng: [np.array(True), rng.uniform(-1, 1, 3), rng.uniform(-1, 1, ())],
+            regions=_cond_regions,
+        ),
+        GradRow(
+            "cond-false",
+            "cond",
+            lambda rng: [np.array(False), rng.uniform(-1, 1, 3), rng.uniform(-1, 1, ())],
+            regions=_cond_regions,
+        ),
+        GradRow(
+            "for",
+            "for",
+            lambda rng: [
+                np.int64(1),
+                np.int64(4),
+                rng.uniform(-1, 1, 3),
+                rng.uniform(-1, 1, ()),
+                rng.uniform(-1, 1, 3),
+            ],
+            {"num_carry": 2},
+            regions=_for_regions,
+            static=(0, 1),
+        ),
     ]
     return rows
+
+
+def _region(name, types, body) -> Graph:
+    region = Graph(name)
+    params = [region.add_param(t) for t in types]
+    region.results = body(region, *params)
+    return region
+
+
+def _op(graph, name, *operands, **attrs):
+    return emit(graph, name, list(operands), attrs).result
+
+
+def _cond_regions(dtype):
+    vec, scalar = TensorType((3,), dtype), TensorType((), dtype)
+
+    def true_branch(g, a, b):  # (sin(a) * b, sum(a) + b)
+        return [
+            _op(g, "mul", _op(g, "sin", a), _op(g, "broadcast", b, shape=(3,), dims=())),
+            _op(g, "add", _op(g, "reduce_sum", a, axes=(0,)), b),
+        ]
+
+    def false_branch(g, a, b):  # (a * a, exp(b))
+        return [_op(g, "mul", a, a), _op(g, "exp", b)]
+
+    return [_region("true", [vec, scalar], true_branch), _region("false", [vec, scalar], false_branch)]
+
+
+def _for_regions(dtype):
+    vec, scalar, index = TensorType((3,), dtype), TensorType((), dtype), TensorType((), dt.int64)
+
+    def body(g, i, h, acc, w):  # h = tanh(h * w + i); acc = acc + sum(h)
+        shift = _op(g, "broadcast", _op(g, "convert", i, dtype=dtype), shape=(3,), dims=())
+        new_h = _op(g, "tanh", _op(g, "add", _op(g, "mul", h, w), shift))
+        return [new_h, _op(g, "add", acc, _op(g, "reduce_sum", h, axes=(0,)))]
+
+    return [_region("body", [index, vec, scalar, vec], body)]
 
 
 def _dot_inputs(a_shape, b_shape):
@@ -256,29 +321,36 @@ def _cast(operands, dtype: dt.DType):
     return [x.astype(dtype.np_dtype) if _is_float(x) else x for x in operands]
 
 
-def _single_op_graph(op: str, operands, attrs) -> Graph:
-    graph = Graph(op)
-    params = [graph.add_param(TensorType(x.shape, dt.dtype(x.dtype)), f"x{i}") for i, x in enumerate(operands)]
-    graph.results = list(emit(graph, op, params, attrs).results)
+def _single_op_graph(row: GradRow, operands) -> Graph:
+    """The graph applying `row.op` to parameters (and constants for `row.static` operands)."""
+    graph = Graph(row.op)
+    values = []
+    for i, x in enumerate(operands):
+        if i in row.static:
+            values.append(emit(graph, "constant", [], {"value": x}).result)
+        else:
+            values.append(graph.add_param(TensorType(x.shape, dt.dtype(x.dtype)), f"x{i}"))
+    float_dtype = next(dt.dtype(x.dtype) for x in operands if _is_float(x))
+    regions = row.regions(float_dtype) if row.regions else ()
+    graph.results = list(emit(graph, row.op, values, row.attrs, regions=regions).results)
     return graph
 
 
-def _finite_differences(row: GradRow, operands, cotangent, eps: float = 1e-6) -> list[np.ndarray | None]:
-    """d <cotangent, op(operands)> / d operand, by central differences in float64."""
-    opdef = get_opdef(row.op)
-    attrs = {**opdef.defaults, **row.attrs}
+def _finite_differences(graph: Graph, params, cotangents, eps: float = 1e-6) -> list[np.ndarray | None]:
+    """d <cotangents, graph(params)> / d param for the float params, by central differences in float64."""
 
     def objective(xs):
-        return float(np.sum(np.asarray(opdef.impl(*xs, **attrs), np.float64) * cotangent))
+        outs = interpret(graph, xs)
+        return sum(float(np.sum(out * ct)) for out, ct in zip(outs, cotangents) if ct is not None)
 
     grads = []
-    for i, x in enumerate(operands):
+    for i, x in enumerate(params):
         if not _is_float(x):
             grads.append(None)
             continue
         g = np.zeros(x.shape)
         for idx in np.ndindex(*x.shape):
-            hi, lo = [list(operands) for _ in range(2)]
+            hi, lo = [list(params) for _ in range(2)]
             hi[i], lo[i] = x.copy(), x.copy()
             hi[i][idx] += eps
             lo[i][idx] -= eps
@@ -299,24 +371,26 @@ CASES = [pytest.param(row, dtype, id=f"{row.id}-{dtype.name}") for row in ROWS f
 @pytest.mark.parametrize(("row", "dtype"), CASES)
 def test_gradient_matches_finite_differences(row: GradRow, dtype: dt.DType):
     wide = _operands(row, seed=len(row.id))
-    operands = _cast(wide, dtype)
-    graph = _single_op_graph(row.op, operands, row.attrs)
-    (result,) = graph.results
-    cotangent = np.random.default_rng(1).uniform(0.5, 1.5, result.type.shape)
+    params = [x for i, x in enumerate(_cast(wide, dtype)) if i not in row.static]
+    graph = _single_op_graph(row, _cast(wide, dtype))
+    rng = np.random.default_rng(1)
+    cotangents = [rng.uniform(0.5, 1.5, r.type.shape) if r.type.dtype.is_float else None for r in graph.results]
     grad_graph = vjp_graph(graph, VJPSpec(primal_outputs=False))
     verify(grad_graph)
-    cast_ct = cotangent.astype(result.type.dtype.np_dtype)
-    grads = iter(interpret(grad_graph, [*operands, cast_ct]))
+    cast_cts = [ct.astype(r.type.dtype.np_dtype) for ct, r in zip(cotangents, graph.results) if ct is not None]
+    grads = iter(interpret(grad_graph, [*params, *cast_cts]))
     # float64 differences of the op at the (rounded) inputs the gradient saw
-    expected = _finite_differences(row, [x.astype(np.float64) if _is_float(x) else x for x in operands], cotangent)
-    for i, (x, fd) in enumerate(zip(operands, expected)):
+    wide_params = [x.astype(np.float64) if _is_float(x) else x for x in params]
+    graph64 = _single_op_graph(row, [x.astype(np.float64) if _is_float(x) else x for x in _cast(wide, dtype)])
+    expected = _finite_differences(graph64, wide_params, cotangents)
+    for i, (x, fd) in enumerate(zip(params, expected)):
         if fd is None:
             continue
         got = next(grads)
-        assert got.shape == x.shape and got.dtype == x.dtype, f"operand {i}: gradient {got.shape} {got.dtype}"
+        assert got.shape == x.shape and got.dtype == x.dtype, f"param {i}: gradient {got.shape} {got.dtype}"
         scale = max(1.0, float(np.max(np.abs(fd), initial=0.0)))
         np.testing.assert_allclose(
-            got.astype(np.float64), fd, rtol=0, atol=TOLERANCE[dtype] * scale, err_msg=f"operand {i}"
+            got.astype(np.float64), fd, rtol=0, atol=TOLERANCE[dtype] * scale, err_msg=f"param {i}"
         )
 
 

@@ -96,9 +96,7 @@ def vjp_graph(graph: Graph, spec: VJPSpec = VJPSpec()) -> Graph:
     with GradTrace(f"{graph.name}_vjp") as trace:
         env: dict[Value, Tracer] = {p: trace.new_param(p.type, p.name_hint) for p in graph.params}
         seed_cts = [trace.new_param(graph.results[i].type, f"ct{k}") for k, i in enumerate(seeds)]
-        for op in graph.ops:
-            outs = emit_traced(trace, op.name, [env[v] for v in op.operands], op.attrs, op.loc, op.regions, op.device)
-            env.update(zip(op.results, outs))
+        _replay_ops(trace, graph, env)
         active = _active_values(graph, [graph.params[i] for i in wrt])
         cts: dict[Value, Tracer] = {}
         for i, ct in zip(seeds, seed_cts):
@@ -133,6 +131,20 @@ def emit_traced(
     op = make_op(name, values, attrs, loc, regions=regions, device=device)
     trace.graph.append(op)
     return [Tracer(r, trace) for r in op.results]
+
+
+def _replay_ops(trace: Trace, graph: Graph, env: dict) -> None:
+    """Emit `graph`'s ops into `trace`, reading operands from and writing results to `env`."""
+    for op in graph.ops:
+        outs = emit_traced(trace, op.name, [env[v] for v in op.operands], op.attrs, op.loc, op.regions, op.device)
+        env.update(zip(op.results, outs))
+
+
+def replay(trace: Trace, graph: Graph, inputs: Sequence) -> list[Tracer]:
+    """Emit `graph`'s ops into `trace` with `inputs` for its parameters; returns its results."""
+    env = dict(zip(graph.params, inputs))
+    _replay_ops(trace, graph, env)
+    return [env[r] for r in graph.results]
 
 
 def zeros(trace: Trace, ttype: TensorType) -> Tracer:
@@ -666,4 +678,106 @@ def _cond_vjp(op, cts, operands, results):
     return out
 
 
-VJP_RULES.update({"custom_vjp_call": _custom_vjp_call_vjp, "while": _while_vjp, "cond": _cond_vjp})
+def _static_bound(op: Op, index: int, what: str) -> int:
+    producer = op.operands[index].producer
+    if producer is None or producer.name != "constant":
+        raise op_error(
+            FlowjitTypeError,
+            op.loc,
+            op.name,
+            f"cannot differentiate through fj.fori_loop with a traced {what} bound: reverse mode stores every "
+            "iteration, so the trip count must be known while tracing. Pass Python ints as the bounds",
+        )
+    return int(producer.attrs["value"])
+
+
+def _region(name: str, param_types: Sequence[TensorType], body: Callable) -> Graph:
+    """Trace `body(*params)` into a self-contained region graph."""
+    with Trace(name) as trace:
+        params = [trace.new_param(t) for t in param_types]
+        trace.graph.results = [trace.lift(x) for x in body(*params)]
+    return trace.graph
+
+
+def _for_vjp(op, cts, operands, results):
+    # Forward: rerun the loop, recording the carry at the start of every iteration in a tape
+    # (one (n, ...) buffer per carry). Backward: a loop over i = hi-1 ... lo that reads carry_i from
+    # the tapes and applies the body's VJP graph, carrying the carry cotangents and the sum of the
+    # invariants' cotangents.
+    num_carry = op.attrs["num_carry"]
+    lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
+    trips = max(hi - lo, 0)
+    bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
+    (body,) = op.regions
+    trace = current_trace()
+    index_type = body.params[0].type
+    carry_types = [t.value.type for t in carry]
+    inv_types = [t.value.type for t in invariants]
+    tape_types = [TensorType((trips, *t.shape), t.dtype) for t in carry_types]
+
+    def position(i):  # i - lo as a 1-element index vector
+        return bind("reshape", [i - np.asarray(lo, i.dtype)], {"shape": (1,)})
+
+    def taped_body(i, *args):
+        xs, tapes, inv = args[:num_carry], args[num_carry : 2 * num_carry], args[2 * num_carry :]
+        recorded = [
+            bind("scatter_add", [tape, position(i), bind("reshape", [x], {"shape": (1, *x.shape)})], {"axis": 0})
+            for tape, x in zip(tapes, xs)
+        ]
+        return [*replay(current_trace(), body, [i, *xs, *inv]), *recorded]
+
+    taped = _region("body_taped", [index_type, *carry_types, *tape_types, *inv_types], taped_body)
+    forward = emit_traced(
+        trace,
+        "for",
+        [*bounds, *carry, *(zeros(trace, t) for t in tape_types), *invariants],
+        {"num_carry": 2 * num_carry},
+        op.loc,
+        [taped],
+        op.device,
+    )
+    tapes = forward[num_carry:]
+
+    float_carry = [k for k, t in enumerate(carry_types) if t.dtype.is_float]
+    float_inv = [m for m, t in enumerate(inv_types) if t.dtype.is_float]
+    wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
+    body_vjp = vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry), primal_outputs=False))
+
+    def backward_body(j, *args):
+        nc, ni = len(float_carry), len(float_inv)
+        ct_carry, ct_inv, tapes_, inv = (
+            args[:nc],
+            args[nc : nc + ni],
+            args[nc + ni : nc + ni + num_carry],
+            args[nc + ni + num_carry :],
+        )
+        i = np.asarray(lo + hi - 1, j.dtype) - j
+        xs = [
+            bind("reshape", [bind("gather", [tape, position(i)], {"axis": 0})], {"shape": t.shape})
+            for tape, t in zip(tapes_, carry_types)
+        ]
+        grads = replay(current_trace(), body_vjp, [i, *xs, *inv, *ct_carry])
+        return [*grads[:nc], *(acc + g for acc, g in zip(ct_inv, grads[nc:]))]
+
+    ct_types = [carry_types[k] for k in float_carry] + [inv_types[m] for m in float_inv]
+    backward_region = _region("body_vjp", [index_type, *ct_types, *tape_types, *inv_types], backward_body)
+    ct_init = [cts[k] if cts[k] is not None else zeros(trace, carry_types[k]) for k in float_carry]
+    ct_init += [zeros(trace, inv_types[m]) for m in float_inv]
+    backward = emit_traced(
+        trace,
+        "for",
+        [*bounds, *ct_init, *tapes, *invariants],
+        {"num_carry": len(ct_init)},
+        op.loc,
+        [backward_region],
+        op.device,
+    )
+    out = [None] * len(operands)
+    for k, g in zip(float_carry, backward):
+        out[2 + k] = g
+    for m, g in zip(float_inv, backward[len(float_carry) :]):
+        out[2 + num_carry + m] = g
+    return out
+
+
+VJP_RULES.update({"custom_vjp_call": _custom_vjp_call_vjp, "while": _while_vjp, "cond": _cond_vjp, "for": _for_vjp})
