@@ -163,8 +163,14 @@ def _run_dump(args) -> int:
                 f"the '{lowered.target}' target has no stage '{args.stage}'"
             )
         stages = available if args.stage == "all" else [args.stage]
-    texts = [_trace(path, fn_name, lambda s=s: lowered.as_text(s)) for s in stages]
-    sys.stdout.write("\n".join(t if t.endswith("\n") else t + "\n" for t in texts))
+    texts = []
+    for stage in stages:
+        text = _trace(path, fn_name, lambda s=stage: lowered.as_text(s))
+        # IR stages carry a `// stage:` header; give backend stages one too when several are printed.
+        if len(stages) > 1 and not text.startswith("// stage:"):
+            text = f"// stage: {stage}\n{text}"
+        texts.append(text if text.endswith("\n") else text + "\n")
+    sys.stdout.write("\n".join(texts))
     return 0
 
 

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from flowjit.backends import default_target
 from flowjit.cli import UsageError, main, parse_arg_spec, parse_static
 from flowjit.ir import dtypes as dt
 
@@ -162,6 +163,8 @@ def test_dump_all_stages(model, capsys):
     )
     assert status == 0
     assert "// stage: traced" in out and "// stage: optimized" in out and "reduce_max" in out
+    if default_target() == "cpu":  # every backend stage is printed, each under its own header
+        assert "\n// stage: mlir\n" in out and "\n// stage: llvm\n" in out and "\n// stage: asm\n" in out
 
 
 def test_dump_a_function_already_under_jit(model, capsys):
