@@ -112,31 +112,52 @@ class LoopWriter:
         self.em.line("}")
 
 
+def _panel_ranges(s: MatmulShape) -> list[tuple[int, int, list[str]]]:
+    """(first panel, end panel, per-vector state) runs: whole panels, then the partial last one.
+
+    A vector's state is "true" (inside C), "false" (straddles column N: masked access, slow, so
+    kept out of the whole panels' loop) or "none" (entirely past N: not read, not stored).
+    """
+    whole = s.n // s.nr
+    ranges = [(0, whole, ["true"] * s.vectors_per_row)] if whole else []
+    if s.n % s.nr:
+        first = whole * s.nr
+        states = []
+        for c in range(s.vectors_per_row):
+            lo, hi = first + c * s.lanes, first + (c + 1) * s.lanes
+            states.append("true" if hi <= s.n else "false" if lo < s.n else "none")
+        ranges.append((whole, whole + 1, states))
+    return ranges
+
+
 def _pack_b(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> str:
     """Bp[p, k, :] = B[k, p*NR : p*NR + NR] (zero past N)."""
     em = w.em
     vl, nr = s.lanes, s.nr
     vec = f"vector<{vl}x{s.elem}>"
-    packed = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
+    packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
     zero = em.op(f"arith.constant 0.0 : {s.elem}")
-    in_bounds = "true" if s.n % nr == 0 else "false"
-    outer, p, (q,) = w.open_for(
-        w.index(0), w.index(s.panels), w.index(1), [(em.op(f"tensor.empty() : {packed}"), packed)]
-    )
-    col = w.mul(p, w.index(nr))
-    inner, k, (q1,) = w.open_for(w.index(0), w.index(s.k), w.index(1), [(q, packed)])
-    cur = q1
-    for c in range(s.vectors_per_row):
-        where = ", ".join(([batch_index] if batch_index else []) + [k, w.add(col, w.index(c * vl))])
-        v = em.op(
-            f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{in_bounds}]}} : {s.tensor(s.k, s.n)}, {vec}"
-        )
-        cur = em.op(
-            f"vector.transfer_write {v}, {cur}[{p}, {k}, {w.index(c * vl)}] {{in_bounds = [true]}} : {vec}, {packed}"
-        )
-    w.close_for([cur], [packed])
-    w.close_for([inner], [packed])
-    return outer
+    zero_vec = em.op(f"arith.constant dense<0.0> : {vec}")
+    packed = em.op(f"tensor.empty() : {packed_type}")
+    for first, end, states in _panel_ranges(s):
+        outer, p, (q,) = w.open_for(w.index(first), w.index(end), w.index(1), [(packed, packed_type)])
+        col = w.mul(p, w.index(nr))
+        inner, k, (cur,) = w.open_for(w.index(0), w.index(s.k), w.index(1), [(q, packed_type)])
+        for c, state in enumerate(states):
+            v = zero_vec
+            if state != "none":
+                where = ", ".join(([batch_index] if batch_index else []) + [k, w.add(col, w.index(c * vl))])
+                v = em.op(
+                    f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{state}]}} : {s.tensor(s.k, s.n)}, {vec}"
+                )
+            cur = em.op(
+                f"vector.transfer_write {v}, {cur}[{p}, {k}, {w.index(c * vl)}] {{in_bounds = [true]}} "
+                f": {vec}, {packed_type}"
+            )
+        w.close_for([cur], [packed_type])
+        w.close_for([inner], [packed_type])
+        packed = outer
+    return packed
 
 
 def _row_blocks(
@@ -154,23 +175,30 @@ def _row_blocks(
 ) -> str:
     """For every panel and every block of `mr` rows in [lo, hi) of `c_tile` (whose row 0 is A's row
     `row0`): the register-tile product, stored into `c_tile`."""
+    for first, end, states in _panel_ranges(s):
+        c_tile = _panel_loop(w, s, a, packed, c_tile, c_type, row0, (lo, hi), mr, batch_index, (first, end, states))
+    return c_tile
+
+
+def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, row_range, mr, batch_index, panels):
     em = w.em
     vl, nr, nv = s.lanes, s.nr, s.vectors_per_row
+    first, end, states = panels
     vec = f"vector<{vl}x{s.elem}>"
     packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
     a_type = s.tensor(s.m, s.k)
     zero_vec = em.op(f"arith.constant dense<0.0> : {vec}")
-    store_in_bounds = "true" if s.n % nr == 0 else "false"
-    panels, p, (t1,) = w.open_for(w.index(0), w.index(s.panels), w.index(1), [(c_tile, c_type)])
+    loop, p, (t1,) = w.open_for(w.index(first), w.index(end), w.index(1), [(c_tile, c_type)])
     col = w.mul(p, w.index(nr))
-    rows, i, (t2,) = w.open_for(lo, hi, w.index(mr), [(t1, c_type)])
+    rows, i, (t2,) = w.open_for(*row_range, w.index(mr), [(t1, c_type)])
     a_rows = [w.add(w.add(row0, i), w.index(r)) for r in range(mr)]
     prefix = [batch_index] if batch_index else []
     accs, k, acc_names = w.open_for(w.index(0), w.index(s.k), w.index(1), [(zero_vec, vec)] * (mr * nv))
+    pad = em.op(f"arith.constant 0.0 : {s.elem}")
     b_vecs = [
         em.op(
-            f"vector.transfer_read {packed}[{p}, {k}, {w.index(c * vl)}], {em.op(f'arith.constant 0.0 : {s.elem}')} "
-            f"{{in_bounds = [true]}} : {packed_type}, {vec}"
+            f"vector.transfer_read {packed}[{p}, {k}, {w.index(c * vl)}], {pad} {{in_bounds = [true]}} "
+            f": {packed_type}, {vec}"
         )
         for c in range(nv)
     ]
@@ -184,15 +212,17 @@ def _row_blocks(
     cur = t2
     for r in range(mr):
         row = w.add(i, w.index(r))
-        for c in range(nv):
+        for c, state in enumerate(states):
+            if state == "none":
+                continue
             acc = f"{accs}#{r * nv + c}" if mr * nv > 1 else accs
             cur = em.op(
                 f"vector.transfer_write {acc}, {cur}[{row}, {w.add(col, w.index(c * vl))}] "
-                f"{{in_bounds = [{store_in_bounds}]}} : {vec}, {c_type}"
+                f"{{in_bounds = [{state}]}} : {vec}, {c_type}"
             )
     w.close_for([cur], [c_type])
     w.close_for([rows], [c_type])
-    return panels
+    return loop
 
 
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
