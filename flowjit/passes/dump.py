@@ -11,7 +11,7 @@ import threading
 _counter = itertools.count()
 _lock = threading.Lock()
 
-_EXTENSIONS = {"mlir": "mlir", "mlir-lowered": "mlir", "llvm": "ll", "asm": "s", "ptx": "ptx"}
+_EXTENSIONS = {"mlir": "mlir", "mlir-llvm": "mlir", "llvm": "ll", "asm": "s", "ptx": "ptx"}
 _COMMENT = {"ll": ";", "s": "#", "ptx": "//"}
 
 
