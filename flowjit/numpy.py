@@ -560,12 +560,16 @@ def squeeze(x, axis=None):
     return reshape(x, [d for i, d in enumerate(s) if i not in axes])
 
 
-def concatenate(arrays: Sequence, axis: int = 0):
+def concatenate(arrays: Sequence, axis: int | None = 0):
+    """numpy.concatenate with promotion; `axis=None` joins the flattened arrays."""
     arrays = list(arrays)
     if not arrays:
         raise op_error(FlowjitValueError, user_location(), "concatenate", "needs at least one array")
     target = result_type(*arrays)
-    arrays = [a if ndim(a) else reshape(a, (1,)) for a in _cast_all(arrays, target)]
+    arrays = _cast_all(arrays, target)
+    if axis is None:
+        arrays, axis = [ravel(a) for a in arrays], 0
+    arrays = [a if ndim(a) else reshape(a, (1,)) for a in arrays]
     axis = _norm_axis(axis, ndim(arrays[0]), "concatenate")
     if len(arrays) == 1:
         return arrays[0]

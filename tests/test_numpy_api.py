@@ -11,6 +11,7 @@ or remainder by zero gives 0.
 """
 
 import functools
+import math
 import types
 
 import ml_dtypes
@@ -575,6 +576,53 @@ def test_like_functions_under_jit():
     check(lambda a: fnp.full_like(a, 2.5) * a, X, ref=lambda a: np.full_like(a, 2.5) * a)
     check(lambda a: fnp.zeros_like(a, dtype=np.float16), X, ref=lambda a: np.zeros_like(a, dtype=np.float16))
     check(lambda a: fnp.full((2, 3), a), np.float32(1.5), ref=lambda a: np.full((2, 3), a))
+
+
+def test_take_scatter_add_dynamic_slice_with_traced_indices():
+    def add_at(a, i, u):
+        out = a.copy()
+        np.add.at(out, (slice(None), i), u)
+        return out
+
+    idx = np.array([[-1, 0], [5, -9]])
+    check(lambda a, i: fnp.take(a, i, axis=1), X, idx, ref=lambda a, i: np.take(a, [[3, 0], [3, 0]], axis=1))
+    check(lambda a, i: fnp.take(a, i), X, np.array([-1, 11, 3]), ref=np.take)
+    upd = f32(3, 3)
+    check(lambda a, i, u: fnp.scatter_add(a, i, u, axis=1), X, np.array([1, 1, -1]), upd, ref=add_at)
+    check(lambda a, i: fnp.scatter_add(a, i, 2.0, axis=1), X, np.array([0, 0]), ref=lambda a, i: add_at(a, i, 2.0))
+    check(lambda a, i: fnp.dynamic_slice(a, (i, 1), (2, 2)), X, np.int32(5), ref=lambda a, i: a[1:3, 1:3])
+    check(lambda a, i: fnp.dynamic_slice(a, (i, i), (2, 3)), X, np.int64(-2), ref=lambda a, i: a[0:2, 0:3])
+
+
+def test_other_contractions():
+    check(lambda a: fnp.tensordot(a, a, axes=2), X, ref=lambda a: np.tensordot(a, a, axes=2), rtol=1e-5)
+    check(lambda a: fnp.tensordot(a, a, axes=([0], [0])), X, ref=lambda a: np.tensordot(a, a, ([0], [0])), rtol=1e-5)
+    check(lambda a, b: fnp.tensordot(a, b, axes=0), V, V, ref=lambda a, b: np.tensordot(a, b, axes=0))
+    check(fnp.inner, X, X, ref=np.inner, rtol=1e-5, atol=1e-5)
+    check(fnp.outer, V, X, ref=np.outer)
+    check(fnp.vdot, X, X, ref=np.vdot, rtol=1e-5)
+
+
+def test_flowjit_only_math():
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    check(fnp.erf, X, ref=lambda a: erf(a).astype(np.float32), rtol=1e-6)
+    check(fnp.logistic, X, ref=lambda a: (1 / (1 + np.exp(-a))).astype(np.float32), rtol=1e-6)
+    check(fnp.rsqrt, POS, ref=lambda a: (1 / np.sqrt(a)).astype(np.float32), rtol=1e-6)
+    check(lambda: fnp.iota((2, 3), 1), ref=lambda: np.broadcast_to(np.arange(3), (2, 3)))
+
+
+def test_aliases_and_lists_of_tracers():
+    check(lambda a: fnp.amax(a, axis=0), X, ref=lambda a: np.amax(a, axis=0))
+    check(lambda a: fnp.amin(a, axis=1), X, ref=lambda a: np.amin(a, axis=1))
+    check(lambda a: fnp.around(a, 1), X, ref=lambda a: np.around(a, 1))
+    check(fnp.absolute, X, ref=np.absolute)
+    check(lambda a: fnp.concatenate([a, a[0]], axis=None), X, ref=lambda a: np.concatenate([a, a[0]], axis=None))
+    check_jit(
+        lambda a: fnp.asarray([[a[0, 0], a[1, 1]], [a[2, 2], 1.0]]),
+        X,
+        ref=lambda a: np.array([[a[0, 0], a[1, 1]], [a[2, 2], 1.0]], np.float32),
+    )
+    check_jit(lambda a: [row for row in a][1] + len(a), X, ref=lambda a: a[1] + 3)
 
 
 def test_split_empty_axis():
