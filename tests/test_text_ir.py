@@ -388,3 +388,12 @@ def test_lit_round_trip_file_covers_every_registered_op():
         text = f.read()
     missing = sorted(name for name in REGISTRY if f"func @test_{name}(" not in text)
     assert not missing, f"ops without a function @test_<op> in {LIT_ROUND_TRIP} (add one per new op): {missing}"
+
+
+def test_pytree_parameter_paths_print_as_dotted_names():
+    g = Graph("tree")
+    for hint in ("params['w']", 'args[0]["k"]', "xs[1]"):
+        g.add_param(T(2), hint)
+    g.results = list(g.params)
+    assert print_graph(g).startswith("func @tree(%params.w: tensor<2xf32>, %args.0.k: tensor<2xf32>, %xs.1: ")
+    assert_round_trip(g)

@@ -30,6 +30,7 @@ from flowjit.ir.types import TensorType
 
 INLINE_ARRAY_LIMIT = 16
 _NAME_RE = re.compile(r"[^A-Za-z0-9_.$]")
+_SUBSCRIPT_RE = re.compile(r"""\[['"]?([^\]'"]*)['"]?\]""")  # pytree paths: params['w'][0] -> params.w.0
 
 
 def format_float(x: float, dtype: DType | None = None) -> str:
@@ -92,7 +93,7 @@ class _Namer:
         self.counter = 0
 
     def param(self, value: Value, fallback: str) -> str:
-        hint = _NAME_RE.sub("_", value.name_hint) if value.name_hint else ""
+        hint = _NAME_RE.sub("_", _SUBSCRIPT_RE.sub(r".\1", value.name_hint)) if value.name_hint else ""
         base = hint if hint and not hint[0].isdigit() else fallback
         name, k = base, 1
         while name in self.taken:
