@@ -749,6 +749,8 @@ for _in, _indices, _axis in (
     ((4,), [-1, -7, 4, 9], 0),
     ((3, 4), [], 1),
     ((6,), 2, 0),
+    ((3, 0), [1, 2], 0),
+    ((0, 2), [], 0),
 ):
     add_row(
         f"gather-{_shape_id(_in)}-{np.asarray(_indices).tolist()}-axis{_axis}",

@@ -217,6 +217,8 @@ def _gather_rule(types, attrs):
     axis = check_axis(attrs["axis"], x.rank)
     if not idx.dtype.is_int:
         raise ShapeError(f"indices must be integers; found {idx.dtype}")
+    if x.shape[axis] == 0 and idx.size:
+        raise ShapeError(f"cannot index axis {axis} of size 0 (operand {fmt_shape(x.shape)}) with {idx.size} indices")
     return [x.with_shape(x.shape[:axis] + idx.shape + x.shape[axis + 1 :])]
 
 
