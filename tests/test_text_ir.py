@@ -397,3 +397,18 @@ def test_pytree_parameter_paths_print_as_dotted_names():
     g.results = list(g.params)
     assert print_graph(g).startswith("func @tree(%params.w: tensor<2xf32>, %args.0.k: tensor<2xf32>, %xs.1: ")
     assert_round_trip(g)
+
+
+def test_malformed_attributes_are_errors_not_crashes():
+    # Shape rules meeting an attribute of the wrong kind (a dtype given as a number, nan as a
+    # dimension, a string with a raw newline) still give a FlowjitError at the op's position.
+    cases = {
+        "convert %x {dtype = 32} : tensor<2xf32>": "in.fj:2:8: op 'convert': malformed attributes",
+        "reshape %x {shape = [nan]} : tensor<2xf32>": "in.fj:2:8: op 'reshape': malformed attributes",
+        'neg %x : tensor<2xf32> device("a\nb")': "in.fj:2:38: expected a device string (a JSON string)",
+    }
+    for op_text, message in cases.items():
+        text = f"func @f(%x: tensor<2xf32>) -> () {{\n  %0 = {op_text}\n  return\n}}\n"
+        with pytest.raises(FlowjitError) as info:
+            parse_module(text, "in.fj")
+        assert message in str(info.value)

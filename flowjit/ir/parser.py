@@ -117,6 +117,14 @@ class _Parser:
         self.pos += 1
         return self.tokens[self.pos - 1].text
 
+    def string(self, what: str) -> str:
+        at = self.tok
+        text = self.take("string", what)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise self.fail_at(at, f"expected {what} (a JSON string); found {text!r}: {e.msg}") from None
+
     def type(self) -> TensorType:
         t = self.tok
         text = self.take("type", "a tensor type like tensor<4x8xf32>")
@@ -255,11 +263,11 @@ class _Parser:
         device, loc = None, UNKNOWN
         if self.accept("device"):
             self.expect("(")
-            device = json.loads(self.take("string", "a device string"))
+            device = self.string("a device string")
             self.expect(")")
         if self.accept("loc"):
             self.expect("(")
-            file = json.loads(self.take("string", "a file name"))
+            file = self.string("a file name")
             self.expect(":")
             line = self.take("number", "a line number")
             if not line.isdigit():
@@ -305,8 +313,7 @@ class _Parser:
     def attr_value(self):
         t = self.tok
         if t.kind == "string":
-            self.pos += 1
-            return json.loads(t.text)
+            return self.string("a string")
         if t.kind == "number":
             self.pos += 1
             return _number(t.text)

@@ -36,9 +36,16 @@ def check_op(op: Op) -> None:
         )
     except (FlowjitTypeError, FlowjitValueError) as e:
         raise VerificationError(str(e)) from None
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        # A shape rule tripping over an attribute of the wrong kind (hand-written IR, a buggy pass).
+        raise _fail(op, f"malformed attributes {_attr_summary(op)}: {type(e).__name__}: {e}") from None
     found = [r.type for r in op.results]
     if list(expected) != found:
         raise _fail(op, f"result types {_types(found)} disagree with the shape rule's {_types(expected)}")
+
+
+def _attr_summary(op: Op) -> str:
+    return "{" + ", ".join(f"{k} = {v!r}" for k, v in sorted(op.attrs.items())) + "}"
 
 
 def _types(types) -> str:
