@@ -13,6 +13,7 @@ import pytest
 from flowjit.backends import default_target
 from flowjit.cli import UsageError, main, parse_arg_spec, parse_static
 from flowjit.ir import dtypes as dt
+from flowjit.passes.registry import PASSES
 
 FLOWJIT = os.path.join(os.path.dirname(sys.executable), "flowjit")
 
@@ -266,3 +267,21 @@ def test_parse_static():
     assert parse_static("mode='sum'") == ("mode", "sum")
     with pytest.raises(UsageError):
         parse_static("2x=1")
+
+
+def test_opt_names_the_pass_that_broke_the_ir(tmp_path, capsys, monkeypatch):
+    def drop_first_op(graph):
+        graph.ops = graph.ops[1:]
+        return graph
+
+    monkeypatch.setitem(PASSES, "drop-first-op", drop_first_op)
+    path = tmp_path / "in.fj"
+    path.write_text(IR)
+    monkeypatch.setenv("FLOWJIT_DUMP_DIR", str(tmp_path / "dump"))
+    assert_user_error(
+        *run(["opt", str(path), "-p", "canonicalize,drop-first-op"], capsys),
+        "invalid IR after pass 'drop-first-op'",
+        "operand 0 (tensor<4xf32>) is used before it is defined",
+    )
+    dumped = sorted(os.listdir(tmp_path / "dump"))
+    assert dumped[-1].endswith("-f-drop-first-op.fj")  # the broken IR is there to look at

@@ -46,15 +46,20 @@ def parse_pipeline(text: str | Sequence[str]) -> list[str]:
 
 def run_pipeline(graph: Graph, names: Sequence[str], verify: bool | None = None, dump_name: str | None = None) -> Graph:
     """Apply the named passes in order; verify after each when `verify` (default: FLOWJIT_VERIFY)."""
+    from flowjit.ir.verifier import VerificationError
     from flowjit.ir.verifier import verify as verify_graph
 
     if verify is None:
         verify = dump.verify_enabled()
     for name in names:
         graph = get_pass(name)(graph)
-        if verify:
-            verify_graph(graph)
+        # Dump before verifying, so that invalid IR can be inspected.
         dump.write_stage(dump_name or graph.name, name, str(graph))
+        if verify:
+            try:
+                verify_graph(graph)
+            except VerificationError as e:
+                raise VerificationError(f"invalid IR after pass '{name}' (a compiler bug): {e}") from None
     return graph
 
 
