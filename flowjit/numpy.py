@@ -112,7 +112,23 @@ def astype(x, dtype):
 
 
 def _cast_all(xs, dtype: dt.DType):
-    return [asarray(x, dtype) if isinstance(x, _SCALARS) else astype(x, dtype) for x in xs]
+    return [_weak_scalar(x, dtype) if isinstance(x, _SCALARS) else astype(x, dtype) for x in xs]
+
+
+def _weak_scalar(x, dtype: dt.DType) -> np.ndarray:
+    """A Python scalar in the dtype of the array it meets; an int that does not fit is an error,
+    as in numpy (`int32_array + 2**40` raises rather than wrapping)."""
+    if dtype.is_int and isinstance(x, int) and not isinstance(x, bool):
+        info = np.iinfo(dtype.np_dtype)
+        if not info.min <= x <= info.max:
+            raise op_error(
+                FlowjitValueError,
+                user_location(),
+                "convert",
+                f"Python integer {x} is out of bounds for {dtype.np_dtype.name}; convert the array to a wider "
+                "dtype first (x.astype('int64'))",
+            )
+    return asarray(x, dtype)
 
 
 def broadcast_shapes(*shapes, op: str = "broadcast") -> tuple[int, ...]:

@@ -115,11 +115,9 @@ def rand(rng: np.random.Generator, shape, dtype: dt.DType, lo: float = -3.0, hi:
 
 
 def rand_nonzero(rng, shape, dtype, lo: float = 0.5, hi: float = 4.0) -> np.ndarray:
-    """Magnitudes in [lo, hi] with a random sign: safe divisors."""
-    sign = np.where(rng.random(shape) < 0.5, -1, 1)
-    return (rand(rng, shape, dtype, max(lo, 1), hi) if dtype.is_int else rand(rng, shape, dtype, lo, hi)) * np.asarray(
-        sign
-    ).astype(dtype.np_dtype)
+    """Magnitudes in [lo, hi] (at least 1 for ints) with a random sign: safe divisors."""
+    magnitude = rand(rng, shape, dtype, max(lo, 1) if dtype.is_int else lo, hi)
+    return magnitude * np.where(rng.random(shape) < 0.5, -1, 1).astype(dtype.np_dtype)
 
 
 def small_ints(rng, shape, dtype, lo: int = -2, hi: int = 2) -> np.ndarray:

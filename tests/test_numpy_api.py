@@ -356,6 +356,14 @@ def test_promotion_with_operators(x, fn, expected):
     assert jit(fn)(x).dtype == np.dtype(expected)
 
 
+def test_python_int_out_of_range_for_the_array_dtype_is_an_error():
+    with pytest.raises(FlowjitError, match="out of bounds for int32"):
+        fnp.add(np.ones(2, np.int32), 2**40)
+    with pytest.raises(FlowjitError, match="out of bounds for int32"):
+        jit(lambda a: a * 2**31)(np.ones(2, np.int32))
+    check(lambda a: fnp.multiply(a, -(2**31)), np.ones(2, np.int32), ref=lambda a: a * -(2**31))
+
+
 def test_python_scalar_alone_and_lists():
     assert fnp.asarray(2.0).dtype == np.float32
     assert fnp.asarray(2).dtype == np.int64
@@ -762,6 +770,11 @@ def test_getitem_errors(key, message):
         fnp.getitem(x, key)
     with pytest.raises(FlowjitError, match=message):
         jit(lambda a: a[key])(x)
+
+
+def test_getitem_traced_mask_is_an_error():
+    with pytest.raises(FlowjitError, match="boolean mask"):
+        jit(lambda a, m: a[m])(X, X > 0)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
