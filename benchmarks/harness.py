@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +18,10 @@ import numpy as np
 
 class Skip(Exception):
     """Raised by a peer's factory when that peer cannot run this workload (the message says why)."""
+
+
+class Failed(Exception):
+    """Raised by a peer's factory when that peer is known to fail (the message says how)."""
 
 
 @dataclass
@@ -95,7 +98,8 @@ def compare(out: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> tuple
     return err, err / scale if scale else err
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
+    """`Type: first line of the message`: compiler errors can carry whole IR dumps."""
     lines = str(e).strip().splitlines()
     first = lines[0] if lines else ""
     return f"{type(e).__name__}: {first[:160]}"
@@ -122,11 +126,13 @@ def run_peers(
             result.status = f"skipped: {e}"
             log(f"  {peer.name:14s} {result.status}")
             continue
-        except Exception as e:  # a peer that breaks is reported, never fatal to the suite
-            result.status = f"failed: {_short(e)}"
+        except Failed as e:
+            result.status = f"failed: {e}"
             log(f"  {peer.name:14s} {result.status}")
-            if log is print:
-                traceback.print_exc(limit=-3)
+            continue
+        except Exception as e:  # a peer that breaks is reported, never fatal to the suite
+            result.status = f"failed: {short_error(e)}"
+            log(f"  {peer.name:14s} {result.status}")
             continue
         calls[peer.name] = _bind_call(fn, args, peer.block)
         log(f"  {peer.name:14s} first call {result.first_call_s:9.4f} s  max abs err {result.max_abs_err:.3g}")

@@ -67,4 +67,10 @@ def main(n: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]))))
+    try:
+        result = main(int(sys.argv[1]))
+    except Exception as e:  # reported in RESULTS.md instead of a traceback
+        from harness import short_error
+
+        result = {"error": short_error(e)}
+    print(json.dumps(result))

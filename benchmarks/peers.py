@@ -133,14 +133,3 @@ def warm_up(names) -> dict[str, float]:
             jobs[name]()
             spent[name] = time.perf_counter() - start
     return spent
-
-
-def flowjit_backend(workload, inputs) -> str:
-    """The backend flowjit compiled `workload` with, from the header of the optimized stage.
-
-    `inputs` should be small: the stage text prints constants in full."""
-    text = workload.flowjit().lower(*inputs).as_text("optimized")
-    for line in text.splitlines():
-        if line.startswith("// backend:"):
-            return line.removeprefix("// backend:").strip()
-    return "unknown (no backend line in the optimized stage header)"

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -50,41 +52,80 @@ def parse_args(argv):
     return args
 
 
-def run_workload(workload, args, policy) -> WorkloadRun:
+def run_workload(workload, args, policy, backend: str | None, crash: str | None) -> WorkloadRun:
     size = workload.sizes[args.sizes]
-    rng = np.random.default_rng(0)
-    inputs = workload.inputs(rng, **size)
-    tiny_inputs = workload.inputs(rng, **workload.sizes["tiny"])
-    try:
-        backend = peers.flowjit_backend(workload, tiny_inputs)
-    except harness.Skip:
-        backend = None  # the flowjit row says why
-    except Exception as e:  # reported in the flowjit row as well; keep going
-        backend = f"unknown ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
-    reference = workload.reference(*inputs)
     print(f"{workload.name}: {workload.title} [{', '.join(f'{k}={v}' for k, v in size.items())}]", flush=True)
-    print(f"  flowjit backend: {backend or '(flowjit skipped)'}", flush=True)
-    results = harness.run_peers(
-        [peers.make_peer(name, workload) for name in args.peer_names], inputs, reference, policy
-    )
+    print(f"  flowjit backend: {backend or '—'}", flush=True)
+    inputs = workload.inputs(np.random.default_rng(0), **size)
+    reference = workload.reference(*inputs)
+    peer_list = [peers.make_peer(name, workload) for name in args.peer_names]
+    if crash:
+        peer_list = [harness.Peer("flowjit", make=_raiser(crash)) if p.name == "flowjit" else p for p in peer_list]
+    results = harness.run_peers(peer_list, inputs, reference, policy)
     for r in results:
         if r.ok:
             print(f"  {r.name:14s} median {r.median_s * 1e3:10.3f} ms  min {r.min_s * 1e3:10.3f} ms", flush=True)
     return WorkloadRun(workload, size, backend, results)
 
 
+def _raiser(message: str):
+    def make():
+        raise harness.Failed(message)
+
+    return make
+
+
+def _how_it_died(returncode: int, stderr: str) -> str:
+    last = (stderr.strip().splitlines() or [""])[-1][:200]
+    how = f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit {returncode}"
+    return f"{how}: {last}" if last else how
+
+
+def preflight(workloads, sizes: str) -> dict[str, tuple[str | None, str | None]]:
+    """name -> (flowjit's backend, None), or (None, how flowjit crashed the process) for a workload whose
+    first call killed a fresh process: that would take the whole suite down, so flowjit sits it out.
+    An exception is left to happen again in-process, where the harness reports it in flowjit's row."""
+    pending, out = [w.name for w in workloads], {}
+    while pending:
+        command = [sys.executable, str(HERE / "preflight.py"), sizes, *pending]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=HERE)
+            stdout, died = proc.stdout, None if proc.returncode == 0 else _how_it_died(proc.returncode, proc.stderr)
+        except subprocess.TimeoutExpired as e:
+            stdout, died = (e.stdout or b"").decode(), "did not finish in 600 s"
+        for line in stdout.splitlines():
+            answer = json.loads(line)
+            out[answer["name"]] = (answer.get("backend"), None)
+        pending = [name for name in pending if name not in out]
+        if died is None or not pending:
+            break
+        out[pending.pop(0)] = (None, f"crashed a fresh process on its first call ({died})")
+    return out
+
+
+def _subprocess(script: str, *args: str) -> tuple[dict | None, str | None]:
+    """Run benchmarks/SCRIPT in a fresh process: (its JSON answer, None) or (None, what went wrong)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / script), *args], capture_output=True, text=True, timeout=600, cwd=HERE
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"{script} did not finish in 600 s"
+    if proc.returncode != 0:
+        return None, _how_it_died(proc.returncode, proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1]), None
+
+
 def measure_memory(n: int) -> dict:
     """Run the memory probe in a fresh process, so other peers' allocations do not blur it."""
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "memory.py"), str(n)], capture_output=True, text=True, timeout=600, cwd=HERE
-    )
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    answer, error = _subprocess("memory.py", str(n))
+    return answer if answer is not None else {"error": error}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # flowjit's on-disk compile cache would turn first calls (and the preflight's compiles) into loads.
+    os.environ["FLOWJIT_CACHE"] = "0"
     peers.prepare(args.peer_names)
     policy = harness.QUICK if args.quick else harness.FULL
     started = time.perf_counter()
@@ -97,14 +138,19 @@ def main(argv=None) -> int:
     else:
         limits = machine.measure(reps=3 if args.quick else 8)
     startup = peers.warm_up(args.peer_names)
-    runs = [run_workload(w, args, policy) for w in args.workloads]
+    checked = {}
+    if "flowjit" in args.peer_names:
+        print("preflight: flowjit's first call of each workload in a fresh process ...", flush=True)
+        checked = preflight(args.workloads, args.sizes)
+    runs = [run_workload(w, args, policy, *checked.get(w.name, (None, None))) for w in args.workloads]
     memory = None
     if not args.no_memory:
         print("measuring peak memory of the elementwise chain ...", flush=True)
         memory = measure_memory(WORKLOADS[0].sizes[args.sizes]["n"])
     mode = (
         f"{'quick' if args.quick else 'full'} (rounds {policy.min_reps}..{policy.max_reps}, "
-        f"budget {policy.budget_s} s per workload), sizes {args.sizes}, peers {', '.join(args.peer_names)}; "
+        f"budget {policy.budget_s} s per workload), sizes {args.sizes}, peers {', '.join(args.peer_names)}, "
+        "flowjit's on-disk compile cache off (FLOWJIT_CACHE=0); "
         f"total run time {time.perf_counter() - started:.0f} s"
     )
     missing = [n for n in peers.PEER_NAMES if n not in peers.available()]
