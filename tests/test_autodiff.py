@@ -279,6 +279,46 @@ def test_grad_through_cond_takes_the_branch_that_ran():
     np.testing.assert_allclose(g(X, np.float32(-1.0)), 6.0 * X, rtol=1e-5)
 
 
+def _rnn(x, w, steps):
+    def body(i, carry):
+        h, total = carry
+        h = fnp.tanh(h * w + 0.1 * fnp.astype(i, h.dtype))
+        return h, total + fnp.sum(h)
+
+    h, total = fj.fori_loop(0, steps, body, (x, fnp.zeros((), x.dtype)))
+    return total + fnp.sum(h * h)
+
+
+def _rnn_reference(x, w, steps):
+    h, total = x, 0.0
+    for i in range(steps):
+        h = np.tanh(h * w + 0.1 * i)
+        total += h.sum()
+    return total + np.sum(h * h)
+
+
+def test_grad_through_fori_loop_matches_finite_differences():
+    x, w, eps = np.linspace(-1, 1, 3), np.float64(0.7), 1e-6
+    gx, gw = interp(fj.grad(_rnn, argnums=(0, 1)), static_argnums=2)(x, w, 4)
+    fd_x = [(_rnn_reference(x + eps * e, w, 4) - _rnn_reference(x - eps * e, w, 4)) / (2 * eps) for e in np.eye(3)]
+    np.testing.assert_allclose(gx, fd_x, rtol=1e-7)
+    np.testing.assert_allclose(
+        gw, (_rnn_reference(x, w + eps, 4) - _rnn_reference(x, w - eps, 4)) / (2 * eps), rtol=1e-7
+    )
+    second = interp(fj.grad(fj.grad(lambda w: _rnn(x, w, 4))))(w)
+    first = interp(fj.grad(lambda w: _rnn(x, w, 4)))
+    np.testing.assert_allclose(second, (first(w + 1e-5) - first(w - 1e-5)) / 2e-5, rtol=1e-6)
+    assert interp(fj.grad(_rnn, argnums=1), static_argnums=2)(x, w, 0) == 0.0  # no iterations: w unused
+
+
+def test_grad_through_fori_loop_with_traced_bounds_is_an_error():
+    def f(x, n):
+        return fnp.sum(fj.fori_loop(0, n, lambda i, h: h * 2.0, x))
+
+    with pytest.raises(FlowjitTypeError, match="traced upper bound"):
+        interp(fj.grad(f))(X, np.int64(3))
+
+
 def test_grad_through_while_loop_is_an_error_naming_fori_loop():
     def f(x):
         return fj.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0, c[1] + 1), (x, 0))[0].sum()

@@ -708,6 +708,8 @@ def _for_vjp(op, cts, operands, results):
     lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
     trips = max(hi - lo, 0)
     bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
+    if trips == 0:  # the loop returns its initial carry
+        return [None, None, *cts, *(None for _ in invariants)]
     (body,) = op.regions
     trace = current_trace()
     index_type = body.params[0].type
