@@ -16,6 +16,10 @@ class FlowjitValueError(FlowjitError, ValueError):
     """A well-typed but invalid value (bad axis, out-of-range attribute, bad spec string)."""
 
 
+class FlowjitAttributeError(FlowjitError, AttributeError):
+    """An attribute traced values do not have (`hasattr` still answers False)."""
+
+
 class TracerControlFlowError(FlowjitTypeError):
     """Python control flow (`if`, `while`, `bool()`, `int()`) on a traced value."""
 

@@ -298,3 +298,38 @@ def test_error_inside_an_inlined_jit_shows_both_user_frames():
         lines.append(tb.tb_lineno)
         tb = tb.tb_next
     assert line_of("err-outer-call") in lines
+
+
+def test_item_and_tolist_of_a_traced_value():
+    @fj.jit
+    def f(x):
+        return fnp.zeros(3) + x.sum().item()  # err-item
+
+    with pytest.raises(TracerControlFlowError) as e:
+        f(np.ones(3, np.float32))
+    check(e, fj.FlowjitTypeError, "err-item", "item()")
+
+
+def test_assigning_into_a_traced_value():
+    @fj.jit
+    def f(x):
+        x[0] = 1.0  # err-setitem
+        return x
+
+    with pytest.raises(fj.FlowjitTypeError) as e:
+        f(np.ones(3, np.float32))
+    check(e, fj.FlowjitTypeError, "err-setitem", "immutable", "fnp.where")
+
+
+def test_unknown_attribute_of_a_traced_value():
+    seen = {}
+
+    @fj.jit
+    def f(x):
+        seen["hasattr"] = hasattr(x, "no_such_method")
+        return x.no_such_method()  # err-attr
+
+    with pytest.raises(AttributeError) as e:
+        f(np.ones(3, np.float32))
+    assert seen["hasattr"] is False
+    check(e, fj.FlowjitError, "err-attr", "no attribute 'no_such_method'", "flowjit.numpy")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flowjit.errors import FlowjitTypeError, TracerControlFlowError
+from flowjit.errors import FlowjitAttributeError, FlowjitTypeError, TracerControlFlowError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import infer_types, make_op, normalize_attr
 from flowjit.ir.graph import Graph, Value
@@ -250,6 +250,28 @@ class Tracer:
 
     def __hash__(self):
         raise FlowjitTypeError(f"{user_location()}: traced values are not hashable")
+
+    def item(self):
+        raise _control_flow_error("item()", "Keep it a tensor, or return it from the jitted function.")
+
+    def tolist(self):
+        raise _control_flow_error("tolist()", "Keep it a tensor, or return it from the jitted function.")
+
+    def __setitem__(self, index, value):
+        raise FlowjitTypeError(
+            f"{user_location()}: traced values are immutable, so x[...] = v cannot update one; build a new "
+            "array instead, e.g. fnp.where(mask, v, x) or fnp.concatenate"
+        )
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes the class lacks (operators and array methods are installed by
+        # flowjit.numpy); dunder lookups stay plain so numpy's protocol probes see a normal miss.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise FlowjitAttributeError(
+            f"{user_location()}: traced values have no attribute '{name}'; see flowjit.numpy for the "
+            "supported array functions and methods"
+        )
 
     # Arithmetic operators and array methods (`+`, `@`, `.sum`, `.T`, ...) are installed on this
     # class by flowjit.numpy, next to the functions they call.
