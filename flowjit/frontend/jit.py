@@ -102,7 +102,8 @@ def user_errors(fn):
         except FlowjitError as e:
             if os.environ.get("FLOWJIT_FULL_TRACEBACK"):
                 raise
-            raise e.with_traceback(_user_traceback(e.__traceback__)) from None
+            # Keep an explicit cause (a toolchain's diagnostics), drop the implicit context.
+            raise e.with_traceback(_user_traceback(e.__traceback__)) from e.__cause__
 
     return wrapper
 
