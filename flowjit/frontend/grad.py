@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from flowjit import numpy as fnp
-from flowjit.backends import compile_graph, default_target
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import leaf_paths, tree_flatten, tree_map, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
@@ -120,31 +119,29 @@ def _needs_eager_run(tree) -> bool:
 
 
 def _run_compiled(traced_fn: Callable, args: tuple):
-    """Run `traced_fn(*args)` (which needs a trace) by tracing it with the array leaves of `args`
-    as parameters, then compiling the graph (cached by its text) for the default target."""
-    from flowjit.frontend.jit import PIPELINE
-    from flowjit.ir.parser import parse_graph
-    from flowjit.passes.registry import run_pipeline
+    """Run `traced_fn(*args)` (which needs a trace) through `fj.jit` with the array leaves of `args`
+    as the dynamic arguments. It is traced on every call (closures and Python values may have
+    changed) but compiled once per traced graph."""
+    from flowjit.frontend.jit import jit
 
     leaves, tree = tree_flatten(list(args))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array_leaf(leaf)]
-    name = _graph_name(traced_fn)
-    with Trace(name) as trace:
-        traced = list(leaves)
-        for i in dynamic:
-            traced[i] = trace.new_param(_leaf_type(leaves[i]), f"arg{i}")
-        out = traced_fn(*tree_unflatten(tree, traced))
-        out_leaves, out_tree = tree_flatten(out)
-        trace.graph.results = [trace.lift(x if isinstance(x, Tracer) else np.asarray(x)) for x in out_leaves]
-    target = default_target()
-    key = (print_graph(trace.graph), target)
+
+    def with_arrays(*arrays):
+        filled = list(leaves)
+        for i, array in zip(dynamic, arrays):
+            filled[i] = array
+        return traced_fn(*tree_unflatten(tree, filled))
+
+    with_arrays.__name__ = _graph_name(traced_fn)
+    arrays = [leaves[i] for i in dynamic]
+    lowered = jit(with_arrays).lower(*arrays)
+    key = (print_graph(lowered.graph("traced")), str(lowered.out_tree), lowered.target)
     with _compiled_lock:
-        executable = _compiled.get(key)
-        if executable is None:
-            optimized = run_pipeline(parse_graph(key[0]), PIPELINE, dump_name=name)
-            executable = _compiled[key] = compile_graph(optimized, target)
-    arrays = [np.asarray(leaves[i], _leaf_type(leaves[i]).dtype.np_dtype) for i in dynamic]
-    return tree_unflatten(out_tree, executable.run(arrays))
+        compiled = _compiled.get(key)
+        if compiled is None:
+            compiled = _compiled[key] = lowered.compile()
+    return compiled.call_leaves(arrays)
 
 
 # --- tracing the function to differentiate ---------------------------------------------------------------
