@@ -699,81 +699,72 @@ def _region(name: str, param_types: Sequence[TensorType], body: Callable) -> Gra
     return trace.graph
 
 
-def _for_vjp(op, cts, operands, results):
-    # Forward: rerun the loop, recording the carry at the start of every iteration in a tape
-    # (one (n, ...) buffer per carry). Backward: a loop over i = hi-1 ... lo that reads carry_i from
-    # the tapes and applies the body's VJP graph, carrying the carry cotangents and the sum of the
-    # invariants' cotangents.
-    num_carry = op.attrs["num_carry"]
-    lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
-    trips = max(hi - lo, 0)
-    bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
-    if trips == 0:  # the loop returns its initial carry
-        return [None, None, *cts, *(None for _ in invariants)]
-    (body,) = op.regions
-    trace = current_trace()
-    index_type = body.params[0].type
-    carry_types = [t.value.type for t in carry]
-    inv_types = [t.value.type for t in invariants]
-    tape_types = [TensorType((trips, *t.shape), t.dtype) for t in carry_types]
+def _tape_position(i, lo: int):
+    """Iteration `i`'s row in a tape: i - lo as a 1-element index vector."""
+    return bind("reshape", [i - np.asarray(lo, i.dtype)], {"shape": (1,)})
 
-    def position(i):  # i - lo as a 1-element index vector
-        return bind("reshape", [i - np.asarray(lo, i.dtype)], {"shape": (1,)})
+
+def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants) -> list[Tracer]:
+    """Rerun the loop, recording the carry at the start of every iteration: one (trips, ...) tape
+    per carry value. Returns the tapes."""
+    (body,) = op.regions
+    trace, num_carry = current_trace(), len(carry)
+    carry_types = [x.value.type for x in carry]
+    tape_types = [TensorType((trips, *t.shape), t.dtype) for t in carry_types]
 
     def taped_body(i, *args):
         xs, tapes, inv = args[:num_carry], args[num_carry : 2 * num_carry], args[2 * num_carry :]
-        recorded = [
-            bind("scatter_add", [tape, position(i), bind("reshape", [x], {"shape": (1, *x.shape)})], {"axis": 0})
-            for tape, x in zip(tapes, xs)
-        ]
+        rows = [bind("reshape", [x], {"shape": (1, *x.shape)}) for x in xs]
+        recorded = [bind("scatter_add", [t, _tape_position(i, lo), r], {"axis": 0}) for t, r in zip(tapes, rows)]
         return [*replay(current_trace(), body, [i, *xs, *inv]), *recorded]
 
-    taped = _region("body_taped", [index_type, *carry_types, *tape_types, *inv_types], taped_body)
-    forward = emit_traced(
-        trace,
-        "for",
-        [*bounds, *carry, *(zeros(trace, t) for t in tape_types), *invariants],
-        {"num_carry": 2 * num_carry},
-        op.loc,
-        [taped],
-        op.device,
-    )
-    tapes = forward[num_carry:]
+    param_types = [body.params[0].type, *carry_types, *tape_types, *(x.value.type for x in invariants)]
+    taped = _region("body_taped", param_types, taped_body)
+    operands = [*bounds, *carry, *(zeros(trace, t) for t in tape_types), *invariants]
+    return emit_traced(trace, "for", operands, {"num_carry": 2 * num_carry}, op.loc, [taped], op.device)[num_carry:]
 
-    float_carry = [k for k, t in enumerate(carry_types) if t.dtype.is_float]
-    float_inv = [m for m, t in enumerate(inv_types) if t.dtype.is_float]
+
+def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, float_carry, float_inv) -> list[Tracer]:
+    """A loop over i = hi-1 ... lo applying the body's VJP graph to the taped carry_i. It carries the
+    float carries' cotangents and the running sum of the float invariants' cotangents; returns both."""
+    (body,) = op.regions
+    trace, num_carry = current_trace(), len(tapes)
+    carry_types = [TensorType(t.shape[1:], t.value.type.dtype) for t in tapes]
+    inv_types = [x.value.type for x in invariants]
     wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
     body_vjp = vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry), primal_outputs=False))
+    nc, ni = len(float_carry), len(float_inv)
 
     def backward_body(j, *args):
-        nc, ni = len(float_carry), len(float_inv)
-        ct_carry, ct_inv, tapes_, inv = (
-            args[:nc],
-            args[nc : nc + ni],
-            args[nc + ni : nc + ni + num_carry],
-            args[nc + ni + num_carry :],
-        )
+        ct_carry, ct_inv = args[:nc], args[nc : nc + ni]
+        tapes_, inv = args[nc + ni : nc + ni + num_carry], args[nc + ni + num_carry :]
         i = np.asarray(lo + hi - 1, j.dtype) - j
-        xs = [
-            bind("reshape", [bind("gather", [tape, position(i)], {"axis": 0})], {"shape": t.shape})
-            for tape, t in zip(tapes_, carry_types)
-        ]
+        rows = [bind("gather", [tape, _tape_position(i, lo)], {"axis": 0}) for tape in tapes_]
+        xs = [bind("reshape", [row], {"shape": t.shape}) for row, t in zip(rows, carry_types)]
         grads = replay(current_trace(), body_vjp, [i, *xs, *inv, *ct_carry])
         return [*grads[:nc], *(acc + g for acc, g in zip(ct_inv, grads[nc:]))]
 
     ct_types = [carry_types[k] for k in float_carry] + [inv_types[m] for m in float_inv]
-    backward_region = _region("body_vjp", [index_type, *ct_types, *tape_types, *inv_types], backward_body)
+    tape_types = [t.value.type for t in tapes]
+    region = _region("body_vjp", [body.params[0].type, *ct_types, *tape_types, *inv_types], backward_body)
     ct_init = [cts[k] if cts[k] is not None else zeros(trace, carry_types[k]) for k in float_carry]
     ct_init += [zeros(trace, inv_types[m]) for m in float_inv]
-    backward = emit_traced(
-        trace,
-        "for",
-        [*bounds, *ct_init, *tapes, *invariants],
-        {"num_carry": len(ct_init)},
-        op.loc,
-        [backward_region],
-        op.device,
-    )
+    operands = [*bounds, *ct_init, *tapes, *invariants]
+    return emit_traced(trace, "for", operands, {"num_carry": len(ct_init)}, op.loc, [region], op.device)
+
+
+def _for_vjp(op, cts, operands, results):
+    # Reverse mode through a loop: a forward loop that tapes every iteration's carry, then a reverse
+    # loop over the body's VJP graph.
+    num_carry = op.attrs["num_carry"]
+    lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
+    bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
+    if hi <= lo:  # no iterations: the loop returns its initial carry
+        return [None, None, *cts, *(None for _ in invariants)]
+    tapes = _taped_forward(op, lo, hi - lo, bounds, carry, invariants)
+    float_carry = [k for k, x in enumerate(carry) if x.value.type.dtype.is_float]
+    float_inv = [m for m, x in enumerate(invariants) if x.value.type.dtype.is_float]
+    backward = _reverse_loop(op, lo, hi, cts, bounds, tapes, invariants, float_carry, float_inv)
     out = [None] * len(operands)
     for k, g in zip(float_carry, backward):
         out[2 + k] = g
