@@ -726,7 +726,7 @@ def _index_error(message: str) -> FlowjitError:
 
 def _index_entries(key, rank: int) -> list:
     """`key` as a list of entries, one per axis plus `None`s: `...` expanded, full slices appended,
-    integer lists and arrays as int64 numpy arrays (0-d static arrays as ints)."""
+    lists as numpy arrays, static integer scalars (numpy's too) as ints."""
     key = list(key) if isinstance(key, tuple) else [key]
     entries = []
     for k in key:
@@ -734,11 +734,9 @@ def _index_entries(key, rank: int) -> list:
             k = np.asarray(k)
         if isinstance(k, Tracer | np.ndarray) and _dtype_of(k).is_bool:
             raise _index_error("boolean mask indexing gives a data-dependent shape; use fnp.where(mask, x, 0) instead")
-        if isinstance(k, np.ndarray | np.integer) and not _dtype_of(k).is_int:
+        if isinstance(k, Tracer | np.ndarray | np.generic) and not _dtype_of(k).is_int:
             raise _index_error(f"array indices must be integers; found {_dtype_of(k)}")
-        if isinstance(k, Tracer) and not _dtype_of(k).is_int:
-            raise _index_error(f"array indices must be integers; found {_dtype_of(k)}")
-        if isinstance(k, np.ndarray | np.integer) and np.ndim(k) == 0:
+        if isinstance(k, np.ndarray | np.generic) and np.ndim(k) == 0:
             k = int(k)
         if isinstance(k, bool) or not isinstance(k, int | slice | np.ndarray | Tracer | type(None) | type(...)):
             raise _index_error(f"unsupported index {k!r}; use ints, slices, None, ... or integer arrays")
