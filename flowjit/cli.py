@@ -201,7 +201,9 @@ def _load_function(path: str, fn_name: str) -> Callable:
     module_name = "_flowjit_user_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    # The user's file may import its neighbours, as it would when run as a script.
+    # Registered like an imported module (dataclasses and pickling look classes up there); its
+    # directory on sys.path so it can import its neighbours, as when run as a script.
+    sys.modules[module_name] = module
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
         spec.loader.exec_module(module)

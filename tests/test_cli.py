@@ -48,6 +48,18 @@ def scaled(x, k):
 
 def flags(x, *, scale):
     return x * scale
+
+
+import dataclasses  # noqa: E402  (here, so the line numbers above stay put)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    scale: float = 2.0
+
+
+def configured(x):
+    return x * Config().scale
 """
 
 IR = """\
@@ -173,6 +185,11 @@ def test_dump_a_function_already_under_jit(model, capsys):
         ["dump", f"{model}:scaled", "--arg", "bf16[3]", "--static", "k=2", "--stage", "traced"], capsys
     )
     assert status == 0 and "func @scaled(%x: tensor<3xbf16>)" in out
+
+
+def test_dump_a_module_with_a_dataclass(model, capsys):
+    status, out, _ = run(["dump", f"{model}:configured", "--arg", "f32[2]", "--stage", "traced"], capsys)
+    assert status == 0 and "[2.0]" in out
 
 
 def test_dump_keyword_only_static(model, capsys):
