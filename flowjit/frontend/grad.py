@@ -19,6 +19,7 @@ Python scalars and other objects stay Python values (use them for configuration)
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -315,6 +316,9 @@ def stop_gradient(x):
     return tree_map(stop, x)
 
 
+_rule_counter = itertools.count()
+
+
 class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
     """A function with a user-defined gradient:
 
@@ -370,7 +374,7 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
     def _rule_id(self, in_tree, in_types, res_tree, out_tree, out_types) -> int:
         key = (in_tree, in_types, res_tree, out_tree, out_types)
         if key not in self._rule_ids:
-            rule = len(CUSTOM_RULES)
+            rule = next(_rule_counter)
             CUSTOM_RULES[rule] = functools.partial(self._backward, in_tree, in_types, res_tree, out_tree, out_types)
             self._rule_ids[key] = rule
         return self._rule_ids[key]

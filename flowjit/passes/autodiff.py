@@ -40,7 +40,7 @@ from flowjit.frontend.trace import Trace, Tracer, bind, current_trace, trace_sta
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Op, Value
-from flowjit.ir.location import Location
+from flowjit.ir.location import UNKNOWN, Location
 from flowjit.ir.ops import COMMUNICATION, STATEFUL, get_opdef
 from flowjit.ir.types import TensorType
 from flowjit.passes.registry import register
@@ -149,10 +149,10 @@ def replay(trace: Trace, graph: Graph, inputs: Sequence) -> list[Tracer]:
 
 def zeros(trace: Trace, ttype: TensorType) -> Tracer:
     """A zero tensor as a scalar constant broadcast to `ttype` (never a full-size literal)."""
-    (scalar,) = emit_traced(trace, "constant", [], {"value": np.zeros((), ttype.dtype.np_dtype)}, Location("", 0))
+    (scalar,) = emit_traced(trace, "constant", [], {"value": np.zeros((), ttype.dtype.np_dtype)}, UNKNOWN)
     if ttype.shape == ():
         return scalar
-    (out,) = emit_traced(trace, "broadcast", [scalar], {"shape": ttype.shape, "dims": ()}, Location("", 0))
+    (out,) = emit_traced(trace, "broadcast", [scalar], {"shape": ttype.shape, "dims": ()}, UNKNOWN)
     return out
 
 
