@@ -18,6 +18,10 @@ from flowjit.passes.registry import PASSES
 FLOWJIT = os.path.join(os.path.dirname(sys.executable), "flowjit")
 
 MODEL = """\
+from __future__ import annotations
+
+import dataclasses
+
 import flowjit as fj
 import flowjit.numpy as fnp
 
@@ -48,9 +52,6 @@ def scaled(x, k):
 
 def flags(x, *, scale):
     return x * scale
-
-
-import dataclasses  # noqa: E402  (here, so the line numbers above stay put)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +203,7 @@ def test_dump_keyword_only_static(model, capsys):
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--arg", "f32[4,8]", "--arg", "f32[9,2]"], ["tracing", "model.py:mismatch failed", "model.py:13", "matmul"]),
+        (["--arg", "f32[4,8]", "--arg", "f32[9,2]"], ["tracing", "model.py:mismatch failed", "model.py:17", "matmul"]),
         (["--arg", "q8[4]"], ["--arg 'q8[4]': unknown dtype 'q8'", "f32"]),
         (["--arg", "f32[4,-1]"], ["dimensions must be non-negative integers", "[4,-1]"]),
         (["--arg", "f32(4)"], ["--arg 'f32(4)': expected DTYPE[D0,D1,...]"]),
@@ -218,7 +219,7 @@ def test_dump_trace_failure_names_the_user_line(model, capsys):
     assert_user_error(
         *run(["dump", f"{model}:crash", "--arg", "f32[3]"], capsys),
         "model.py:crash failed at",
-        "model.py:17: NameError: name 'missing_name' is not defined",
+        "model.py:21: NameError: name 'missing_name' is not defined",
     )
 
 
