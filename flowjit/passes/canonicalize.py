@@ -278,7 +278,9 @@ def _pure(op: Op) -> bool:
 
 def _foldable(op: Op, rw: _Rewriter) -> bool:
     opdef = get_opdef(op.name)
-    if not _pure(op) or opdef.family == CREATION or not all(v in rw.constants for v in op.operands):
+    if not _pure(op) or opdef.family == CREATION or opdef.impl is None:
+        return False
+    if not all(v in rw.constants for v in op.operands):
         return False
     out_size = sum(r.type.size for r in op.results)
     biggest_in = max((v.type.size for v in op.operands), default=0)
