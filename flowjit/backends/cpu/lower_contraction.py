@@ -10,6 +10,8 @@ kernel in `matmul_kernel.py` instead.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel
@@ -264,59 +266,113 @@ def _window_pad_value(kind: str, dtype: dt.DType):
 
 @lowering("reduce_window")
 def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """Pad with the reduction's identity, then one generic over (output dims, window dims); a
-    shape-only window tensor gives the window loops their bounds, as linalg's pooling ops do."""
+    """Pad with the reduction's identity, then reduce each window: unrolled in the body for small
+    windows, as window loops otherwise; avg divides by the full window size afterwards."""
     (x,) = operands
     tx, result = op.operands[0].type, op.result.type
-    kind, window, strides = op.attrs["kind"], op.attrs["window"], op.attrs["strides"]
-    padding = op.attrs["padding"]
-    elem, acc = elem_type(tx.dtype), accumulator_elem(tx.dtype)
+    kind, window, padding = op.attrs["kind"], op.attrs["window"], op.attrs["padding"]
+    acc = accumulator_elem(tx.dtype)
     padded_type, padded = tx, x
     if any(lo or hi for lo, hi in padding):
         padded_type = tx.with_shape(tuple(d + lo + hi for d, (lo, hi) in zip(tx.shape, padding)))
         pad_value = const(em, _window_pad_value(kind, tx.dtype), tx.dtype)
         padded = pad_tensor(em, x, tx, padded_type, pad_value, [lo for lo, _ in padding], [0] * tx.rank)
-    rank = tx.rank
-    domain = ", ".join(_dims(2 * rank))
-    x_exprs = ", ".join(f"d{i} * {s} + d{rank + i}" for i, s in enumerate(strides))
-    window_type = TensorType(window, tx.dtype)
-    maps = [
-        em.affine_map(f"({domain}) -> ({x_exprs})"),
-        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank, rank))})"),
-        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank))})"),
-    ]
     acc_dtype = dt.float32 if acc == "f32" else tx.dtype
-    init_value = reduction_identity("max", acc_dtype) if kind == "max" else 0
-    init = fill(em, const(em, init_value, acc_dtype), result, acc)
-
-    def body(b: ScalarBuilder, args):
-        value = widen(b, args[0], elem, acc)
-        if kind == "max":
-            return b.op(f"arith.{'maxsi' if acc.startswith('i') else 'maximumf'} {args[2]}, {value} : {acc}")
-        return b.op(f"arith.{'addi' if acc.startswith('i') else 'addf'} {args[2]}, {value} : {acc}")
-
-    reduced = em.generic(
-        [(padded, tensor_type(padded_type)), (em.empty(window_type), tensor_type(window_type))],
-        (init, tensor_type(result, acc)),
-        maps,
-        ["parallel"] * rank + ["reduction"] * rank,
-        body,
-        [elem, elem],
-        acc,
-    )
+    if int(np.prod(window)) <= MAX_UNROLLED_TAPS:
+        reduced = _window_taps(em, padded, padded_type, result, op.attrs, acc)
+    else:
+        reduced = _window_loops(em, padded, padded_type, result, op.attrs, acc)
     if kind == "avg":
         count = const(em, float(np.prod(window)), acc_dtype)
-        ident = em.identity_map(rank)
+        ident = em.identity_map(tx.rank)
         reduced = em.generic(
             [(reduced, tensor_type(result, acc))],
             (em.empty(result, acc), tensor_type(result, acc)),
             [ident, ident],
-            ["parallel"] * rank,
+            ["parallel"] * tx.rank,
             lambda b, args: b.op(f"arith.divf {args[0]}, {count} : {acc}"),
             [acc],
             acc,
         )
     return [narrow(em, reduced, result, acc)]
+
+
+# Windows with at most this many elements are unrolled in the kernel body (see `_window_taps`).
+MAX_UNROLLED_TAPS = 16
+
+
+def _combine(b: ScalarBuilder, kind: str, total: str, value: str, acc: str) -> str:
+    if kind == "max":
+        return b.op(f"arith.{'maxsi' if acc.startswith('i') else 'maximumf'} {total}, {value} : {acc}")
+    return b.op(f"arith.{'addi' if acc.startswith('i') else 'addf'} {total}, {value} : {acc}")
+
+
+def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result: TensorType, attrs, acc) -> str:
+    """A small window unrolled in the body of a generic over the output only: every output is
+    written once, so the innermost output loop has no loop-carried memory dependence and LLVM
+    vectorizes it (strided reads become interleaved loads), and it splits over cores."""
+    kind, window, strides = attrs["kind"], attrs["window"], attrs["strides"]
+    rank, elem = result.rank, elem_type(result.dtype)
+
+    def body(b: ScalarBuilder, args):
+        index = [b.op(f"linalg.index {i} : index") for i in range(rank)]
+        offsets: dict[tuple[int, int], str] = {}
+
+        def position(dim: int, tap: int) -> str:
+            if (dim, tap) not in offsets:
+                base = (
+                    index[dim]
+                    if strides[dim] == 1
+                    else b.op(f"arith.muli {index[dim]}, {b.const(strides[dim], 'index')} : index")
+                )
+                offsets[dim, tap] = base if tap == 0 else b.op(f"arith.addi {base}, {b.const(tap, 'index')} : index")
+            return offsets[dim, tap]
+
+        total = None
+        for tap in itertools.product(*(range(w) for w in window)):
+            where = ", ".join(position(d, t) for d, t in enumerate(tap))
+            value = widen(b, b.op(f"tensor.extract {padded}[{where}] : {tensor_type(padded_type)}"), elem, acc)
+            total = value if total is None else _combine(b, kind, total, value, acc)
+        return total
+
+    out = em.generic(
+        [],
+        (em.empty(result, acc), tensor_type(result, acc)),
+        [em.identity_map(rank)],
+        ["parallel"] * rank,
+        body,
+        [],
+        acc,
+    )
+    split_over_cores(em, out, result.shape[0], result.size * int(np.prod(window)))
+    return out
+
+
+def _window_loops(em: KernelEmitter, padded: str, padded_type: TensorType, result: TensorType, attrs, acc) -> str:
+    """A generic over (output dims, window dims); a shape-only window tensor gives the window loops
+    their bounds, as linalg's pooling ops do."""
+    kind, window, strides = attrs["kind"], attrs["window"], attrs["strides"]
+    rank, elem = result.rank, elem_type(result.dtype)
+    domain = ", ".join(_dims(2 * rank))
+    x_exprs = ", ".join(f"d{i} * {s} + d{rank + i}" for i, s in enumerate(strides))
+    window_type = TensorType(window, result.dtype)
+    maps = [
+        em.affine_map(f"({domain}) -> ({x_exprs})"),
+        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank, rank))})"),
+        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank))})"),
+    ]
+    acc_dtype = dt.float32 if acc == "f32" else result.dtype
+    init_value = reduction_identity("max", acc_dtype) if kind == "max" else 0
+    init = fill(em, const(em, init_value, acc_dtype), result, acc)
+    return em.generic(
+        [(padded, tensor_type(padded_type)), (em.empty(window_type), tensor_type(window_type))],
+        (init, tensor_type(result, acc)),
+        maps,
+        ["parallel"] * rank + ["reduction"] * rank,
+        lambda b, args: _combine(b, kind, args[2], widen(b, args[0], elem, acc), acc),
+        [elem, elem],
+        acc,
+    )
 
 
 def _take_better(b, value: str, best: str, largest: bool, value_type: str, mask_type: str) -> str:
