@@ -39,6 +39,15 @@ def _memory_gib() -> float:
     return float("nan")
 
 
+def load_average() -> str:
+    """1, 5 and 15 minute load averages: other jobs on the machine shift every timing."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def describe() -> dict[str, str]:
     """A flat description of the machine and the software on it."""
     model, flags = _cpuinfo()

@@ -132,6 +132,7 @@ def main(argv=None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     description = machine.describe()
+    load_before = machine.load_average()
     print("measuring machine limits ...", flush=True)
     if args.sizes == "tiny":
         limits = machine.measure(reps=1, n=2**20, m=256)
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
         "flowjit's on-disk compile cache off (FLOWJIT_CACHE=0); "
         f"total run time {time.perf_counter() - started:.0f} s"
     )
+    description["load average (1/5/15 min) before / after"] = f"{load_before} / {machine.load_average()}"
     missing = [n for n in peers.PEER_NAMES if n not in peers.available()]
     text = render(command, date, mode, description, startup, limits, runs, memory, missing)
     args.out.write_text(text)
