@@ -94,6 +94,8 @@ def preflight(workloads, sizes: str) -> dict[str, tuple[str | None, str | None]]
         except subprocess.TimeoutExpired as e:
             stdout, died = (e.stdout or b"").decode(), "did not finish in 600 s"
         for line in stdout.splitlines():
+            if not line.startswith("{"):  # anything else flowjit may print
+                continue
             answer = json.loads(line)
             out[answer["name"]] = (answer.get("backend"), None)
         pending = [name for name in pending if name not in out]
