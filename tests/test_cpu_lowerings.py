@@ -236,6 +236,15 @@ def test_reduce_window(dtype, kind):
     check("reduce_window", [x], attrs | dict(window=(1, 1, 2, 2), strides=(1, 1, 2, 2), padding=((0, 0),) * 4))
 
 
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float16, dt.int64], ids=ids([dt.float32, dt.float16, dt.int64]))
+def test_reduce_window_ranks_strides_and_long_rows(dtype):
+    for kind in ("max", "sum"):
+        check("reduce_window", [data((37,), dtype)], dict(kind=kind, window=(3,), strides=(2,), padding=((1, 2),)))
+        x = data((5, 40), dtype)
+        check("reduce_window", [x], dict(kind=kind, window=(2, 2), strides=(1, 3), padding=((0, 0), (0, 0))))
+        check("reduce_window", [x], dict(kind=kind, window=(1, 1), strides=(1, 1), padding=((0, 0), (2, 2))))
+
+
 def test_max_pool_propagates_nan_and_window_over_channels():
     x = data((1, 4, 5, 5), dt.float32)
     x[0, 1, 2, 3] = np.nan

@@ -279,9 +279,8 @@ def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[
         padded = pad_tensor(em, x, tx, padded_type, pad_value, [lo for lo, _ in padding], [0] * tx.rank)
     acc_dtype = dt.float32 if acc == "f32" else tx.dtype
     if int(np.prod(window)) <= MAX_UNROLLED_TAPS:
-        reduced = _window_taps(em, padded, padded_type, result, op.attrs, acc)
-    else:
-        reduced = _window_loops(em, padded, padded_type, result, op.attrs, acc)
+        return [narrow(em, _window_taps(em, padded, padded_type, result, op.attrs, acc), result, acc)]
+    reduced = _window_loops(em, padded, padded_type, result, op.attrs, acc)
     if kind == "avg":
         count = const(em, float(np.prod(window)), acc_dtype)
         ident = em.identity_map(tx.rank)
@@ -297,55 +296,86 @@ def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[
     return [narrow(em, reduced, result, acc)]
 
 
-# Windows with at most this many elements are unrolled in the kernel body (see `_window_taps`).
+# Windows with at most this many elements are unrolled into vector code (see `_window_taps`).
 MAX_UNROLLED_TAPS = 16
 
 
-def _combine(b: ScalarBuilder, kind: str, total: str, value: str, acc: str) -> str:
+def _combine(b, kind: str, total: str, value: str, value_type: str, is_int: bool) -> str:
     if kind == "max":
-        return b.op(f"arith.{'maxsi' if acc.startswith('i') else 'maximumf'} {total}, {value} : {acc}")
-    return b.op(f"arith.{'addi' if acc.startswith('i') else 'addf'} {total}, {value} : {acc}")
+        return b.op(f"arith.{'maxsi' if is_int else 'maximumf'} {total}, {value} : {value_type}")
+    return b.op(f"arith.{'addi' if is_int else 'addf'} {total}, {value} : {value_type}")
+
+
+def _row_major_strides(shape) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
 
 
 def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result: TensorType, attrs, acc) -> str:
-    """A small window unrolled in the body of a generic over the output only: every output is
-    written once, so the innermost output loop has no loop-carried memory dependence and LLVM
-    vectorizes it (strided reads become interleaved loads), and it splits over cores."""
+    """A small window as vector code along the last output dimension.
+
+    Loops over the leading output dims; for each chunk of `lanes` outputs in a row and each
+    window tap, one contiguous read of `stride * lanes` inputs (on a 1-D view of the padded
+    input), a shuffle keeping every stride-th element, and a lane-wise max/add. Reads past the
+    end of a row only feed lanes that are never stored; the buffer's end is masked. Each output
+    is written once, by a store masked to the row's length.
+    """
     kind, window, strides = attrs["kind"], attrs["window"], attrs["strides"]
     rank, elem = result.rank, elem_type(result.dtype)
-
-    def body(b: ScalarBuilder, args):
-        index = [b.op(f"linalg.index {i} : index") for i in range(rank)]
-        offsets: dict[tuple[int, int], str] = {}
-
-        def position(dim: int, tap: int) -> str:
-            if (dim, tap) not in offsets:
-                base = (
-                    index[dim]
-                    if strides[dim] == 1
-                    else b.op(f"arith.muli {index[dim]}, {b.const(strides[dim], 'index')} : index")
-                )
-                offsets[dim, tap] = base if tap == 0 else b.op(f"arith.addi {base}, {b.const(tap, 'index')} : index")
-            return offsets[dim, tap]
-
-        total = None
-        for tap in itertools.product(*(range(w) for w in window)):
-            where = ", ".join(position(d, t) for d, t in enumerate(tap))
-            value = widen(b, b.op(f"tensor.extract {padded}[{where}] : {tensor_type(padded_type)}"), elem, acc)
-            total = value if total is None else _combine(b, kind, total, value, acc)
-        return total
-
-    out = em.generic(
-        [],
-        (em.empty(result, acc), tensor_type(result, acc)),
-        [em.identity_map(rank)],
-        ["parallel"] * rank,
-        body,
-        [],
-        acc,
+    is_int = acc.startswith("i")
+    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    width, step = result.shape[-1], strides[-1]
+    w = matmul_kernel.LoopWriter(em)
+    flat_in = TensorType((padded_type.size,), result.dtype)
+    flat_out = TensorType((result.size,), result.dtype)
+    source = reshape(em, padded, padded_type, flat_in.shape)
+    in_strides, out_strides = _row_major_strides(padded_type.shape), _row_major_strides(result.shape)
+    vec, wide = f"vector<{lanes}x{acc}>", f"vector<{step * lanes}x{elem}>"
+    acc_dtype = dt.float32 if acc == "f32" else result.dtype
+    pad = em.op(f"arith.constant {0 if is_int else 0.0} : {elem}")
+    count = None
+    if kind == "avg":
+        count = em.op(f"vector.broadcast {const(em, float(np.prod(window)), acc_dtype)} : {acc} to {vec}")
+    out_type = tensor_type(flat_out, acc)
+    carried = em.empty(flat_out, acc)
+    loops, in_offset, out_offset = [], w.index(0), w.index(0)
+    for d in range(rank - 1):
+        loop, iv, (carried,) = w.open_for(w.index(0), w.index(result.shape[d]), w.index(1), [(carried, out_type)])
+        loops.append(loop)
+        in_offset = w.add(in_offset, w.mul(iv, w.index(strides[d] * in_strides[d])))
+        out_offset = w.add(out_offset, w.mul(iv, w.index(out_strides[d])))
+    chunk_loop, j, (row_out,) = w.open_for(w.index(0), w.index(-(-width // lanes)), w.index(1), [(carried, out_type)])
+    column = w.mul(j, w.index(lanes))
+    base = w.add(in_offset, w.mul(column, w.index(step)))
+    total = None
+    for tap in itertools.product(*(range(n) for n in window)):
+        where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
+        value = em.op(
+            f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [false]}} : {tensor_type(flat_in)}, {wide}"
+        )
+        if step > 1:
+            picks = ", ".join(str(i * step) for i in range(lanes))
+            value = em.op(f"vector.shuffle {value}, {value} [{picks}] : {wide}, {wide}")
+        if elem != acc:
+            value = em.op(f"arith.extf {value} : vector<{lanes}x{elem}> to {vec}")
+        total = value if total is None else _combine(em, kind, total, value, vec, is_int)
+    if count is not None:
+        total = em.op(f"arith.divf {total}, {count} : {vec}")
+    left = em.op(f"arith.subi {w.index(width)}, {column} : index")
+    mask = em.op(f"vector.create_mask {left} : vector<{lanes}xi1>")
+    stored = em.op(
+        f"vector.transfer_write {total}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
+        f": {vec}, {out_type}"
     )
-    split_over_cores(em, out, result.shape[0], result.size * int(np.prod(window)))
-    return out
+    w.close_for([stored], [out_type])
+    result_flat = chunk_loop
+    for loop in reversed(loops):
+        w.close_for([result_flat], [out_type])
+        result_flat = loop
+    return reshape(em, result_flat, flat_out, result.shape, acc)
 
 
 def _window_loops(em: KernelEmitter, padded: str, padded_type: TensorType, result: TensorType, attrs, acc) -> str:
@@ -369,7 +399,7 @@ def _window_loops(em: KernelEmitter, padded: str, padded_type: TensorType, resul
         (init, tensor_type(result, acc)),
         maps,
         ["parallel"] * rank + ["reduction"] * rank,
-        lambda b, args: _combine(b, kind, args[2], widen(b, args[0], elem, acc), acc),
+        lambda b, args: _combine(b, kind, args[2], widen(b, args[0], elem, acc), acc, acc.startswith("i")),
         [elem, elem],
         acc,
     )
