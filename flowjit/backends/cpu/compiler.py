@@ -71,6 +71,8 @@ def generate_mlir(graph: Graph):
 
 def mlir_to_llvm_dialect(text: str) -> str:
     """Stage 'mlir-llvm': schedule, bufferize and lower to the LLVM dialect."""
+    # Fuses each kernel's bool conversions (i8 <-> i1) into its compute, so no i1 buffer exists.
+    text = toolchain.run_mlir(text, ["builtin.module(func.func(linalg-fuse-elementwise-ops),canonicalize)"])
     if "transform.named_sequence" in text:
         text = toolchain.apply_transform_schedule(text)
         text = toolchain.run_mlir(text, [f"builtin.module({toolchain.SCHEDULE_CLEANUP_PIPELINE})"])
@@ -107,6 +109,7 @@ class Stages:
         llvm_ir = toolchain.translate_to_llvm_ir(llvm_dialect)
         t2 = time.perf_counter()
         self.module, self.tm = toolchain.optimize(llvm_ir, mlir.entry, opt=self.options.opt_level)
+        toolchain.check_symbols(self.module)
         expected = len(mlir.inputs) + len(mlir.outputs) + 1
         found = len(list(self.module.get_function(mlir.entry).arguments))
         if found != expected:  # a memref that missed the bare-pointer convention would crash the call

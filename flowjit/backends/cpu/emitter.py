@@ -82,9 +82,10 @@ class ScalarBuilder:
         """A scalar constant of MLIR element type `elem` ('f32', 'i64', 'i1', 'index')."""
         if elem == "index":
             return self.op(f"arith.constant {int(value)} : index")
+        if elem == "i1":  # the bool literal carries its type; `true : i1` does not parse
+            return self.op(f"arith.constant {'true' if value else 'false'}")
         if elem.startswith("i"):
-            literal = ("true" if value else "false") if elem == "i1" else str(int(value))
-            return self.op(f"arith.constant {literal} : {elem}")
+            return self.op(f"arith.constant {int(value)} : {elem}")
         dtype = {"f16": dt.float16, "bf16": dt.bfloat16, "f32": dt.float32, "f64": dt.float64}[elem]
         return self.op(f"arith.constant {scalar_literal(value, dtype)} : {elem}")
 

@@ -34,41 +34,43 @@ def _bits(elem: str) -> int:
     return 1 if elem == "i1" else int(elem.lstrip("bfi"))
 
 
-def collapse(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+def collapse(em: KernelEmitter, tensor: str, t: TensorType, elem: str | None = None) -> str:
     """A rank > 1 tensor viewed as 1-D (rank 0 and 1 are returned as they are)."""
     if t.rank <= 1:
         return tensor
     flat = TensorType((t.size,), t.dtype)
     group = ", ".join(str(i) for i in range(t.rank))
-    return em.op(f"tensor.collapse_shape {tensor} [[{group}]] : {tensor_type(t)} into {tensor_type(flat)}")
+    return em.op(f"tensor.collapse_shape {tensor} [[{group}]] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}")
 
 
-def expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+def expand(em: KernelEmitter, tensor: str, t: TensorType, elem: str | None = None) -> str:
     """The inverse of `collapse`: a 1-D tensor of `t.size` elements viewed with `t`'s shape."""
     if t.rank <= 1:
         return tensor
     flat = TensorType((t.size,), t.dtype)
     group = ", ".join(str(i) for i in range(t.rank))
     shape = ", ".join(str(d) for d in t.shape)
-    return em.op(
-        f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {tensor_type(flat)} into {tensor_type(t)}"
-    )
+    into = f"{tensor_type(flat, elem)} into {tensor_type(t, elem)}"
+    return em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
 
 
-def reshape_tensor(em: KernelEmitter, x: str, source: TensorType, result: TensorType) -> str:
-    """`x` viewed with `result`'s shape (same number of elements): collapse to 1-D, expand."""
+def reshape_tensor(em: KernelEmitter, x: str, source: TensorType, result: TensorType, elem: str | None = None) -> str:
+    """`x` viewed with `result`'s shape (same number of elements): collapse to 1-D, expand.
+    `elem` overrides the element type (bool moves as bytes)."""
     if source.shape == result.shape:
         return x
     flat_type = TensorType((source.size,), source.dtype)
     flat = x
     if source.rank == 0:
-        into = f"{tensor_type(source)} into {tensor_type(flat_type)}"
+        into = f"{tensor_type(source, elem)} into {tensor_type(flat_type, elem)}"
         flat = em.op(f"tensor.expand_shape {x} [] output_shape [1] : {into}")
     elif source.rank > 1:
-        flat = collapse(em, x, source)
+        flat = collapse(em, x, source, elem)
     if result.rank == 0:
-        return em.op(f"tensor.collapse_shape {flat} [] : {tensor_type(flat_type)} into {tensor_type(result)}")
-    return expand(em, flat, result)
+        return em.op(
+            f"tensor.collapse_shape {flat} [] : {tensor_type(flat_type, elem)} into {tensor_type(result, elem)}"
+        )
+    return expand(em, flat, result, elem)
 
 
 def map_elementwise(
@@ -341,7 +343,11 @@ def convert_scalar(b: ScalarBuilder, x: str, src: dt.DType, dst: dt.DType) -> st
         return _float_to_int(b, x, s, dst)
     if s == d:
         return x
-    # float -> float: `s` is f32 or f64 (half sources are already extended).
+    # float -> float: `s` is f32 or f64 (half sources are already extended). f64 -> half goes
+    # through f32: LLVM lowers a direct fptrunc to a compiler-rt call (`__truncdfhf2`) that the
+    # JIT cannot resolve; the double rounding differs from numpy's by at most one ulp, rarely.
+    if s == "f64" and dst.bits == 16:
+        x, s = b.op(f"arith.truncf {x} : f64 to f32"), "f32"
     widen = dst.bits > (32 if s == "f32" else 64)
     return b.op(f"arith.{'extf' if widen else 'truncf'} {x} : {s} to {d}")
 

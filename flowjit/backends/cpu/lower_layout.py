@@ -10,7 +10,7 @@ from __future__ import annotations
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
 from flowjit.backends.cpu.lower_elementwise import collapse, expand, reshape_tensor
-from flowjit.backends.cpu.lowering import lowering, splat_value
+from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering, splat_value
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 
@@ -56,7 +56,14 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
 
 @lowering("reshape")
 def lower_reshape(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    return [reshape_tensor(em, operands[0], op.operands[0].type, op.result.type)]
+    source, result = op.operands[0].type, op.result.type
+    if not source.dtype.is_bool:
+        return [reshape_tensor(em, operands[0], source, result)]
+    # A reshape sits between the i1 <-> byte conversions and keeps them from fusing, which would
+    # leave an i1 buffer (MLIR cannot store those): reshape the bytes instead.
+    as_bytes = bool_to_bytes(em, operands[0], source)
+    moved = reshape_tensor(em, as_bytes, source, result, elem="i8")
+    return [bool_from_bytes(em, moved, result)]
 
 
 @lowering("transpose")

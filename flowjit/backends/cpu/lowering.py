@@ -27,7 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, memory_elem_type, memref_type, tensor_type
+from flowjit.backends.cpu.emitter import (
+    KernelEmitter,
+    elem_type,
+    memory_elem_type,
+    memref_type,
+    scalar_literal,
+    tensor_type,
+)
 from flowjit.errors import CompileError, op_error
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
@@ -134,10 +141,7 @@ def splat_value(value: Value):
 
 
 def dense_literal(array: np.ndarray, dtype: dt.DType) -> str:
-    """`dense<...>` for `array`: a splat, a list of bools, or raw little-endian bytes in hex."""
-    if dtype.is_bool:
-        flat = ", ".join("true" if b else "false" for b in array.reshape(-1))
-        return f"dense<[{flat}]>" if array.ndim else f"dense<{flat}>"
+    """`dense<...>` for `array`: its raw little-endian bytes in hex (bools as one byte each)."""
     data = np.ascontiguousarray(array, dtype=dtype.np_dtype)
     return f'dense<"0x{data.tobytes().hex().upper()}">'
 
@@ -167,11 +171,8 @@ class _FunctionLowering:
             return self.inline[value]
         if value.type.size == 0:  # no data: never touches memory
             return self.em.empty(value.type)
-        if value in self.virtual:
-            splat = np.asarray(splat_value(value), value.type.dtype.np_dtype)
-            self.inline[value] = self.em.op(
-                f"arith.constant {dense_literal(splat, value.type.dtype)} : {tensor_type(value.type)}"
-            )
+        if value in self.virtual:  # a placeholder: the consumer uses the splat scalar
+            self.inline[value] = self.em.empty(value.type)
             return self.inline[value]
         if value.producer is not None and value.producer.name == "constant" and value not in self.buffers:
             return self._constant_tensor(value)
@@ -187,9 +188,20 @@ class _FunctionLowering:
         array = value.producer.attrs["value"]
         t = value.type
         splat = splat_value(value)
-        if splat is not None or array.size <= INLINE_CONSTANT_ELEMENTS or t.dtype.is_bool:
-            literal = dense_literal(array if splat is None else np.asarray(splat), t.dtype)
-            tensor = self.em.op(f"arith.constant {literal} : {tensor_type(t)}")
+        if splat is not None and array.size > INLINE_CONSTANT_ELEMENTS and not t.dtype.is_bool:
+            # A fill, not a splat literal: bufferization would make the literal a full-size global.
+            e = elem_type(t.dtype)
+            scalar = self.em.op(f"arith.constant {scalar_literal(splat, t.dtype)} : {e}")
+            tensor = self.em.op(
+                f"linalg.fill ins({scalar} : {e}) outs({self.em.empty(t)} : {tensor_type(t)}) -> {tensor_type(t)}"
+            )
+            self.inline[value] = tensor
+            return tensor
+        if array.size <= INLINE_CONSTANT_ELEMENTS:
+            literal = dense_literal(array, t.dtype)
+            tensor = self.em.op(f"arith.constant {literal} : {tensor_type(t, memory_elem_type(t.dtype))}")
+            if t.dtype.is_bool:  # as bytes, so no i1 constant buffer can arise
+                tensor = bool_from_bytes(self.em, tensor, t)
             self.inline[value] = tensor
             return tensor
         symbol = f"cst{len(self.globals)}"

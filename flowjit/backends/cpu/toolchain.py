@@ -10,6 +10,7 @@ be loaded before any module that calls `__kmpc_*` is finalized, or MCJIT segfaul
 
 from __future__ import annotations
 
+import ctypes.util
 import functools
 import os
 import sys
@@ -32,12 +33,14 @@ BUFFERIZE_PIPELINE = (
 # `finalize-memref-to-llvm` must precede `convert-scf-to-cf`: scf-to-openmp wraps loop bodies in
 # `memref.alloca_scope`, which only accepts a single block (TOOLCHAIN.md §2). `convert-func-to-llvm`
 # must precede `convert-openmp-to-llvm`, which would otherwise convert the function signature itself
-# with memref descriptors instead of bare pointers.
+# with memref descriptors instead of bare pointers. Math becomes LLVM intrinsics where LLVM has them
+# and libm calls otherwise (erf, atan2 in f64), before vector-to-llvm: the libm conversion unrolls
+# vector operands with `vector.extract`/`insert`, which must still be lowered afterwards.
 LLVM_PIPELINE = (
     "func.func(scf-forall-to-parallel),convert-scf-to-openmp,convert-linalg-to-loops,lower-affine,"
     "convert-vector-to-scf,expand-strided-metadata,lower-affine,finalize-memref-to-llvm,convert-scf-to-cf,"
-    "convert-vector-to-llvm{enable-x86vector=false},finalize-memref-to-llvm,convert-math-to-llvm,"
-    "convert-math-to-libm,convert-arith-to-llvm,convert-index-to-llvm,"
+    "convert-math-to-llvm,convert-math-to-libm,"
+    "convert-vector-to-llvm{enable-x86vector=false},finalize-memref-to-llvm,convert-arith-to-llvm,convert-index-to-llvm,"
     "convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,convert-cf-to-llvm,convert-ub-to-llvm,"
     "reconcile-unrealized-casts"
 )
@@ -62,6 +65,8 @@ def llvm():
     binding.initialize_native_target()
     binding.initialize_native_asmprinter()
     binding.load_library_permanently(openmp_library())
+    # libm: math without a vector implementation (erf, atan2 in f64) calls it.
+    binding.load_library_permanently(ctypes.util.find_library("m") or "libm.so.6")
     return binding
 
 
@@ -139,12 +144,27 @@ def apply_transform_schedule(text: str) -> str:
 
 
 def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
-    """LLVM-dialect MLIR -> LLVM IR text."""
+    """LLVM-dialect MLIR (with OpenMP ops) -> LLVM IR text. Ops of other dialects left behind by the
+    pipeline are an internal error (the translation itself would crash on them)."""
     from mlir import ir
     from mlir.dialects import llvm as llvm_dialect
 
     with _lock, mlir_context():
         module = ir.Module.parse(llvm_dialect_text)
+        leftovers: set[str] = set()
+
+        def visit(op):
+            name = op.name
+            if not name.startswith(("llvm.", "omp.")) and name != "builtin.module":
+                leftovers.add(name)
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+        if leftovers:
+            raise CompileError(
+                f"internal error: ops not lowered to the LLVM dialect: {', '.join(sorted(leftovers))}"
+                f"\n--- MLIR ---\n{llvm_dialect_text}"
+            )
         return str(llvm_dialect.translate_module_to_llvmir(module.operation))
 
 
@@ -168,6 +188,15 @@ def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default"):
 def undefined_symbols(module) -> list[str]:
     """External functions the module calls (checked before MCJIT, which segfaults on unresolved ones)."""
     return sorted(f.name for f in module.functions if f.is_declaration and not f.name.startswith("llvm."))
+
+
+def check_symbols(module) -> None:
+    """Raise unless every external the module calls resolves in this process (MCJIT would
+    segfault on the first call of an unresolved one instead of reporting it)."""
+    binding = llvm()
+    missing = [name for name in undefined_symbols(module) if not binding.address_of_symbol(name)]
+    if missing:
+        raise CompileError(f"internal error: the generated code calls unresolved functions: {', '.join(missing)}")
 
 
 class NativeModule:
