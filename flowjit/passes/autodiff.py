@@ -483,37 +483,35 @@ VJP_RULES.update(
 # --- rules: contractions ---------------------------------------------------------------------------------
 
 
-def _dot_operand_ct(ct, other, ct_contract, other_free, other_batch, own_batch, own_free, own_contract, other_contract):
-    """The cotangent of one dot_general operand: contract ct's dims of the other operand's free dims
-    with `other`, then transpose to the operand's own layout."""
-    nb = len(own_batch)
-    out = bind(
-        "dot_general",
-        [ct, other],
-        {
-            "lhs_contract": tuple(ct_contract),
-            "rhs_contract": tuple(other_free),
-            "lhs_batch": tuple(range(nb)),
-            "rhs_batch": tuple(other_batch),
-        },
-    )
-    # result dims: batch, own free (from ct), then other's remaining (= contracting) dims in order
-    source = list(own_batch) + list(own_free) + [own_contract[other_contract.index(d)] for d in sorted(other_contract)]
-    perm = tuple(source.index(i) for i in range(len(source)))
-    return bind("transpose", [out], {"perm": perm})
+def _dot(lhs, rhs, lhs_contract, rhs_contract, lhs_batch, rhs_batch):
+    attrs = {"lhs_contract": lhs_contract, "rhs_contract": rhs_contract, "lhs_batch": lhs_batch, "rhs_batch": rhs_batch}
+    return bind("dot_general", [lhs, rhs], {k: tuple(v) for k, v in attrs.items()})
+
+
+def _to_layout(x, source: list[int]):
+    """Transpose `x`, whose dim k is dim source[k] of the target, into the target's dim order."""
+    return bind("transpose", [x], {"perm": tuple(source.index(i) for i in range(len(source)))})
 
 
 def _dot_general_vjp(op, cts, operands, results):
+    # ct dims: batch, lhs free, rhs free. Each operand's cotangent contracts ct with the other operand
+    # over the other's free dims; ct goes first for the lhs and second for the rhs, so for a plain
+    # matmul both come out in the operand's layout (ct @ b.T and a.T @ ct) and the transposes fold away.
     (ct,), (a, b) = cts, operands
-    lc, rc = op.attrs["lhs_contract"], op.attrs["rhs_contract"]
-    lb, rb = op.attrs["lhs_batch"], op.attrs["rhs_batch"]
+    lc, rc = list(op.attrs["lhs_contract"]), list(op.attrs["rhs_contract"])
+    lb, rb = list(op.attrs["lhs_batch"]), list(op.attrs["rhs_batch"])
     lf = [i for i in range(len(a.shape)) if i not in lc and i not in lb]
     rf = [i for i in range(len(b.shape)) if i not in rc and i not in rb]
     nb = len(lb)
-    ct_lhs_free = list(range(nb, nb + len(lf)))
-    ct_rhs_free = list(range(nb + len(lf), nb + len(lf) + len(rf)))
-    ct_a = _dot_operand_ct(ct, b, ct_rhs_free, rf, rb, lb, lf, list(lc), list(rc))
-    ct_b = _dot_operand_ct(ct, a, ct_lhs_free, lf, lb, rb, rf, list(rc), list(lc))
+    batch = list(range(nb))
+    ct_lf = list(range(nb, nb + len(lf)))
+    ct_rf = list(range(nb + len(lf), nb + len(lf) + len(rf)))
+    # dims of ct_a: batch, lhs free (from ct), then b's contracting dims in b's order
+    ct_a = _dot(ct, b, ct_rf, rf, batch, rb)
+    ct_a = _to_layout(ct_a, lb + lf + [lc[rc.index(d)] for d in sorted(rc)])
+    # dims of ct_b: batch, a's contracting dims in a's order, then rhs free (from ct)
+    ct_b = _dot(a, ct, lf, ct_lf, lb, batch)
+    ct_b = _to_layout(ct_b, rb + [rc[lc.index(d)] for d in sorted(lc)] + rf)
     return [ct_a, ct_b]
 
 
