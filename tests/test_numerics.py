@@ -1,4 +1,5 @@
-"""The reference interpreter against the op table's independent numpy references, for every row."""
+"""The reference interpreter against the op table's independent numpy references, for every row;
+each table graph also verifies and round-trips through the text IR."""
 
 import pytest
 from op_table import assert_close, cases, fresh_variables, ops_with_rows
@@ -8,6 +9,7 @@ from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
 from flowjit.ir.interpreter import RunContext, interpret
 from flowjit.ir.ops import REGISTRY
+from flowjit.ir.parser import parse_graph
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
 from flowjit.ir.verifier import verify
@@ -28,6 +30,8 @@ def test_case_ids_are_unique():
 @pytest.mark.parametrize("case", [c for _, c in CASES], ids=[i for i, _ in CASES])
 def test_interpreter_matches_reference(case):
     verify(case.graph)
+    text = print_graph(case.graph)
+    assert print_graph(parse_graph(text)) == text, "print -> parse -> print is not the identity"
     before = [a.copy() for a in case.inputs]
     outputs = interpret(case.graph, case.inputs, RunContext(fresh_variables(case.graph)))
     assert len(outputs) == len(case.expected)
