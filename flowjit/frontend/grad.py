@@ -216,10 +216,10 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         if _needs_eager_run((args, kwargs)):
             return _run_compiled(functools.partial(value_and_grad_fn, **kwargs), args)
         nums = _normalize_argnums(argnums, len(args), name)
+        paths = [f"{name} argument {p}" for p in leaf_paths([args[i] for i in nums])]
+        _check_float_leaves(tree_flatten([args[i] for i in nums])[0], paths, name, "cannot differentiate")
         graph, out_tree, diff_leaves, captured = _trace_for_vjp(fun, args, kwargs, nums)
         loss_index = _check_loss(graph, out_tree, has_aux, name)
-        paths = [f"{name} argument {p}" for p in leaf_paths([args[i] for i in nums])]
-        _check_float_leaves(diff_leaves, paths, name, "cannot differentiate")
         spec = VJPSpec(wrt=tuple(range(len(diff_leaves))), seeds=(loss_index,))
         seed = np.ones((), graph.results[loss_index].type.dtype.np_dtype)
         outs = inline_graph(vjp_graph(graph, spec), [*diff_leaves, *captured, seed])
@@ -270,15 +270,15 @@ def vjp(fun: Callable, *primals):
     cotangent per primal, each with the primal's structure. Every primal leaf must be a float."""
     name = getattr(fun, "__name__", "fn")
     if _needs_eager_run(primals):
-        out = _run_compiled(lambda *p: fun(*p), primals)
+        out = _run_compiled(fun, primals)
 
         def eager_vjp_fn(cotangent):
             return _run_compiled(lambda p, c: vjp(fun, *p)[1](c), (primals, cotangent))
 
         return out, eager_vjp_fn
-    nums = tuple(range(len(primals)))
-    graph, out_tree, diff_leaves, captured = _trace_for_vjp(fun, primals, {}, nums)
-    _check_float_leaves(diff_leaves, [f"{name} argument {p}" for p in leaf_paths(list(primals))], name, "vjp of")
+    paths = [f"{name} argument {p}" for p in leaf_paths(list(primals))]
+    _check_float_leaves(tree_flatten(list(primals))[0], paths, name, "vjp of")
+    graph, out_tree, diff_leaves, captured = _trace_for_vjp(fun, primals, {}, tuple(range(len(primals))))
     out = tree_unflatten(out_tree, inline_graph(graph, [*diff_leaves, *captured]))
     spec = VJPSpec(wrt=tuple(range(len(diff_leaves))), primal_outputs=False)
     seeds = [i for i, r in enumerate(graph.results) if r.type.dtype.is_float]
@@ -295,8 +295,6 @@ def vjp(fun: Callable, *primals):
             expected, found = graph.results[i].type, _leaf_type(fnp.asarray(ct_leaves[i]))
             if expected != found:
                 raise FlowjitTypeError(f"{user_location()}: cotangent leaf {i} must be {expected}; found {found}")
-        if _needs_eager_run(cotangent):
-            return _run_compiled(lambda c: vjp_fn(c), (cotangent,))
         grads = inline_graph(vjp_graph(graph, spec), [*diff_leaves, *captured, *(ct_leaves[i] for i in seeds)])
         return tuple(tree_unflatten(primal_tree, grads))
 
