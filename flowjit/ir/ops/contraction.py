@@ -69,8 +69,7 @@ def _dot_general(a, b, *, lhs_contract, rhs_contract, lhs_batch, rhs_batch):
     out = [la[x] for x in lhs_batch] + [la[x] for x in lf] + [rb_[y] for y in rf]
     spec = f"{''.join(la)},{''.join(rb_)}->{''.join(out)}"
     acc = np.float32 if a.dtype in (dt.float16.np_dtype, dt.bfloat16.np_dtype) else a.dtype
-    with np.errstate(over="ignore"):
-        return np.einsum(spec, a.astype(acc), b.astype(acc)).astype(a.dtype)
+    return np.einsum(spec, a.astype(acc), b.astype(acc)).astype(a.dtype)
 
 
 defop(

@@ -250,8 +250,7 @@ def _scatter_add(x, idx, updates, *, axis):
     clamped = np.clip(idx, 0, x.shape[axis] - 1)
     moved = np.moveaxis(out, axis, 0)
     upd = np.moveaxis(updates.reshape(x.shape[:axis] + (idx.size,) + x.shape[axis + 1 :]), axis, 0)
-    with np.errstate(over="ignore"):
-        np.add.at(moved, clamped.reshape(-1), upd)
+    np.add.at(moved, clamped.reshape(-1), upd)
     return out
 
 

@@ -43,8 +43,7 @@ def _reducer(kind, fn):
             shape = tuple(d for i, d in enumerate(x.shape) if i not in axes)
             return np.full(shape, reduction_identity(kind, dt.dtype(x.dtype)), x.dtype)
         acc = x.astype(np.float32) if x.dtype in (dt.float16.np_dtype, dt.bfloat16.np_dtype) else x
-        with np.errstate(over="ignore"):
-            return np.asarray(fn(acc, axis=axes)).astype(x.dtype)
+        return np.asarray(fn(acc, axis=axes)).astype(x.dtype)
 
     return impl
 
