@@ -21,7 +21,9 @@ Algorithm:
 Rule signature: `VJP_RULES[op_name](op, cts, operands, results) -> one cotangent (or None) per operand`,
 where `cts` holds one cotangent tracer (or None) per result of `op`. Ops that carry no gradient
 (comparisons, integer and rounding ops, `stop_gradient`) are listed in `NON_DIFFERENTIABLE`; any other
-op without a rule is a `CompileError` naming the op and the user's line.
+op without a rule is a `CompileError` naming the op and the user's line. An op whose VJP needs values
+from inside it (a loop's per-iteration carries) has a `FORWARD_RULES` entry that replaces its replay
+in step 2 and appends those residuals to the `results` its VJP rule receives.
 """
 
 from __future__ import annotations
@@ -96,14 +98,14 @@ def vjp_graph(graph: Graph, spec: VJPSpec = VJPSpec()) -> Graph:
     with GradTrace(f"{graph.name}_vjp") as trace:
         env: dict[Value, Tracer] = {p: trace.new_param(p.type, p.name_hint) for p in graph.params}
         seed_cts = [trace.new_param(graph.results[i].type, f"ct{k}") for k, i in enumerate(seeds)]
-        _replay_ops(trace, graph, env)
         active = _active_values(graph, [graph.params[i] for i in wrt])
+        residuals = _forward_pass(trace, graph, env, active)
         cts: dict[Value, Tracer] = {}
         for i, ct in zip(seeds, seed_cts):
             if graph.results[i] in active:
                 _accumulate(cts, graph.results[i], ct)
         for op in reversed(graph.ops):
-            _backward_op(trace, op, cts, env, active)
+            _backward_op(trace, op, cts, env, active, residuals.get(op, []))
         grads = []
         for i in wrt:
             param = graph.params[i]
@@ -140,6 +142,21 @@ def _replay_ops(trace: Trace, graph: Graph, env: dict) -> None:
         env.update(zip(op.results, outs))
 
 
+def _forward_pass(trace: Trace, graph: Graph, env: dict, active: set) -> dict[Op, list[Tracer]]:
+    """Replay `graph` like `_replay_ops`, but let `FORWARD_RULES` emit active ops whose VJP needs values
+    computed inside them; returns those values (residuals) per op."""
+    residuals = {}
+    for op in graph.ops:
+        operands = [env[v] for v in op.operands]
+        forward = FORWARD_RULES.get(op.name)
+        produced = forward(op, operands) if forward is not None and any(v in active for v in op.operands) else None
+        if produced is None:
+            produced = emit_traced(trace, op.name, operands, op.attrs, op.loc, op.regions, op.device), []
+        outs, residuals[op] = produced
+        env.update(zip(op.results, outs))
+    return residuals
+
+
 def replay(trace: Trace, graph: Graph, inputs: Sequence) -> list[Tracer]:
     """Emit `graph`'s ops into `trace` with `inputs` for its parameters; returns its results."""
     env = dict(zip(graph.params, inputs))
@@ -172,7 +189,7 @@ def _accumulate(cts: dict[Value, Tracer], value: Value, ct: Tracer) -> None:
     cts[value] = ct if value not in cts else bind("add", [cts[value], ct])
 
 
-def _backward_op(trace: Trace, op: Op, cts: dict, env: dict, active: set) -> None:
+def _backward_op(trace: Trace, op: Op, cts: dict, env: dict, active: set, residuals: list) -> None:
     if not any(v in active for v in op.operands):
         return
     result_cts = [cts.pop(r, None) for r in op.results]
@@ -188,7 +205,7 @@ def _backward_op(trace: Trace, op: Op, cts: dict, env: dict, active: set) -> Non
             "fj.stop_gradient if no gradient should flow through it, or define one with fj.custom_vjp",
         )
     start = len(trace.graph.ops)
-    operand_cts = rule(op, result_cts, [env[v] for v in op.operands], [env[r] for r in op.results])
+    operand_cts = rule(op, result_cts, [env[v] for v in op.operands], [*(env[r] for r in op.results), *residuals])
     for v, ct in zip(op.operands, operand_cts):
         if ct is not None and v in active:
             _accumulate(cts, v, ct if isinstance(ct, Tracer) else Tracer(trace.lift(ct), trace))
@@ -703,8 +720,8 @@ def _tape_position(i, lo: int):
 
 
 def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants) -> list[Tracer]:
-    """Rerun the loop, recording the carry at the start of every iteration: one (trips, ...) tape
-    per carry value. Returns the tapes."""
+    """The loop, also recording the carry at the start of every iteration: one (trips, ...) tape per
+    carry value. Returns the final carries, then the tapes."""
     (body,) = op.regions
     trace, num_carry = current_trace(), len(carry)
     carry_types = [x.value.type for x in carry]
@@ -719,7 +736,7 @@ def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants) -> li
     param_types = [body.params[0].type, *carry_types, *tape_types, *(x.value.type for x in invariants)]
     taped = _region("body_taped", param_types, taped_body)
     operands = [*bounds, *carry, *(zeros(trace, t) for t in tape_types), *invariants]
-    return emit_traced(trace, "for", operands, {"num_carry": 2 * num_carry}, op.loc, [taped], op.device)[num_carry:]
+    return emit_traced(trace, "for", operands, {"num_carry": 2 * num_carry}, op.loc, [taped], op.device)
 
 
 def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, float_carry, float_inv) -> list[Tracer]:
@@ -751,15 +768,29 @@ def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, floa
     return emit_traced(trace, "for", operands, {"num_carry": len(ct_init)}, op.loc, [region], op.device)
 
 
+def _for_forward(op, operands):
+    # The loop with its carries taped, in place of the plain loop (None: keep the plain loop; its VJP
+    # then reports why it cannot be differentiated, if a cotangent reaches it).
+    num_carry = op.attrs["num_carry"]
+    try:
+        lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
+    except FlowjitTypeError:
+        return None
+    if hi <= lo:
+        return None
+    bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
+    outs = _taped_forward(op, lo, hi - lo, bounds, carry, invariants)
+    return outs[:num_carry], outs[num_carry:]
+
+
 def _for_vjp(op, cts, operands, results):
-    # Reverse mode through a loop: a forward loop that tapes every iteration's carry, then a reverse
-    # loop over the body's VJP graph.
+    # `results` ends with the tapes of `_for_forward`; the reverse loop applies the body's VJP graph.
     num_carry = op.attrs["num_carry"]
     lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
     bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
     if hi <= lo:  # no iterations: the loop returns its initial carry
         return [None, None, *cts, *(None for _ in invariants)]
-    tapes = _taped_forward(op, lo, hi - lo, bounds, carry, invariants)
+    tapes = results[num_carry:]
     float_carry = [k for k, x in enumerate(carry) if x.value.type.dtype.is_float]
     float_inv = [m for m, x in enumerate(invariants) if x.value.type.dtype.is_float]
     backward = _reverse_loop(op, lo, hi, cts, bounds, tapes, invariants, float_carry, float_inv)
@@ -769,6 +800,12 @@ def _for_vjp(op, cts, operands, results):
     for m, g in zip(float_inv, backward[len(float_carry) :]):
         out[2 + num_carry + m] = g
     return out
+
+
+# Ops whose VJP needs values computed inside the op: forward(op, operands) emits a replacement and
+# returns (its results, residuals) or None for a plain replay; the VJP rule finds the residuals after
+# the op's results in its `results` argument.
+FORWARD_RULES: dict[str, Callable] = {"for": _for_forward}
 
 
 VJP_RULES.update({"custom_vjp_call": _custom_vjp_call_vjp, "while": _while_vjp, "cond": _cond_vjp, "for": _for_vjp})
