@@ -261,6 +261,7 @@ def test_arg_extremes_first_index(name, dtype):
     for axis in (0, 1):
         check(name, [x.astype(dtype.np_dtype)], dict(axis=axis, index_dtype="i32"))
     check(name, [data((1,), dtype)], dict(axis=0, index_dtype="i64"))
+    check(name, [data((19,), dtype)], dict(axis=0, index_dtype="i64"))  # a scalar result
 
 
 @pytest.mark.parametrize("name", ["argmax", "argmin"])

@@ -133,18 +133,24 @@ def contraction_generic(
 
 
 def reshape(em: KernelEmitter, x: str, t: TensorType, shape: tuple[int, ...], elem: str | None = None) -> str:
-    """Row-major reshape of `x` as views: collapse to 1-D, then expand to `shape`."""
+    """Row-major reshape of `x` as views: collapse to 1-D, then expand to `shape` (rank 0 <-> (1,))."""
     if tuple(t.shape) == tuple(shape):
         return x
     elem = elem or elem_type(t.dtype)
     flat = TensorType((t.size,), t.dtype)
-    if t.rank != 1:
+    if t.rank == 0:
+        x = em.op(
+            f"tensor.expand_shape {x} [] output_shape [1] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}"
+        )
+    elif t.rank > 1:
         groups = ", ".join(str(i) for i in range(t.rank))
         x = em.op(f"tensor.collapse_shape {x} [[{groups}]] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}")
+    target = TensorType(shape, t.dtype)
+    if len(shape) == 0:
+        return em.op(f"tensor.collapse_shape {x} [] : {tensor_type(flat, elem)} into {tensor_type(target, elem)}")
     if len(shape) == 1:
         return x
     groups = ", ".join(str(i) for i in range(len(shape)))
-    target = TensorType(shape, t.dtype)
     return em.op(
         f"tensor.expand_shape {x} [[{groups}]] output_shape [{', '.join(map(str, shape))}] "
         f": {tensor_type(flat, elem)} into {tensor_type(target, elem)}"
