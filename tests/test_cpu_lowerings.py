@@ -126,6 +126,14 @@ def test_gather_clamps_indices(dtype):
     check("gather", [x, np.array(-1, np.int64)], dict(axis=2))
 
 
+def test_zero_size_operands():
+    x = data((3, 4), dt.float32)
+    check("concatenate", [x[:, :0], x, x[:, :0]], dict(axis=1))
+    check("pad", [x[:0], np.float32(2)], dict(low=(1, 0), high=(2, 1), interior=(3, 0)))
+    check("gather", [x, np.zeros((0, 2), np.int32)], dict(axis=1))
+    check("scatter_add", [x, np.zeros((0,), np.int64), np.zeros((3, 0), np.float32)], dict(axis=1))
+
+
 def test_gather_scalar_result():
     check("gather", [data((6,), dt.float32), np.array(4, np.int32)], dict(axis=0))
 
@@ -166,6 +174,7 @@ def test_dot_general_forms(dtype):
 
 def test_dot_general_degenerate_shapes():
     check("dot_general", [data((1, 1), dt.float32), data((1, 1), dt.float32)], MATMUL)
+    check("dot_general", [data((3, 0), dt.float32), data((0, 20), dt.float32)], MATMUL)  # empty sums are 0
     dot = dict(lhs_contract=(0,), rhs_contract=(0,), lhs_batch=(), rhs_batch=())
     check("dot_general", [data((7,), dt.float64), data((7,), dt.float64)], dot)
 
