@@ -299,7 +299,7 @@ def test_opt_names_the_pass_that_broke_the_ir(tmp_path, capsys, monkeypatch):
     assert_user_error(
         *run(["opt", str(path), "-p", "canonicalize,drop-first-op"], capsys),
         "invalid IR after pass 'drop-first-op'",
-        "operand 0 (tensor<4xf32>) is used before it is defined",
+        "operand 0 (tensor<4xf32>) is not defined before it",
     )
     dumped = sorted(os.listdir(tmp_path / "dump"))
     assert dumped[-1].endswith("-f-drop-first-op.fj")  # the broken IR is there to look at

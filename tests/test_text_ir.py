@@ -19,7 +19,7 @@ from flowjit.ir.ops import ELEMENTWISE_FAMILIES, REGISTRY
 from flowjit.ir.parser import parse_graph, parse_module
 from flowjit.ir.printer import INLINE_ARRAY_LIMIT, print_graph, print_module
 from flowjit.ir.types import TensorType
-from flowjit.ir.verifier import verify
+from flowjit.ir.verifier import VerificationError, verify
 
 LOC = Location("model.py", 12)
 F32 = dt.float32
@@ -412,3 +412,42 @@ def test_malformed_attributes_are_errors_not_crashes():
         with pytest.raises(FlowjitError) as info:
             parse_module(text, "in.fj")
         assert message in str(info.value)
+
+
+REGION_READS_OUTER = """func @f(%p: tensor<bool>, %x: tensor<2xf32>) -> (tensor<2xf32>) {
+  %0 = cond %p, %x ({
+  ^true(%a0: tensor<2xf32>):
+    %1 = add %a0, %x : tensor<2xf32>
+    yield %1 : tensor<2xf32>
+  }, {
+  ^false(%a1: tensor<2xf32>):
+    yield %a1 : tensor<2xf32>
+  }) : tensor<2xf32>
+  return %0 : tensor<2xf32>
+}
+"""
+
+
+def test_regions_are_self_contained():
+    with pytest.raises(FlowjitError, match=r"in.fj:4:19: %x is defined outside this region; a region sees only"):
+        parse_module(REGION_READS_OUTER, "in.fj")
+    # The same graph built in memory (as a buggy pass could) fails verification, naming the region.
+    g = Graph("f")
+    p, x = g.add_param(T(dtype=dt.bool_), "p"), g.add_param(T(2), "x")
+    true = _region("true", [T(2)], lambda r, a: [emit(r, "add", [a[0], x]).result])
+    false = _region("false", [T(2)], lambda r, a: [a[0]])
+    g.results = [emit(g, "cond", [p, x], regions=[true, false]).result]
+    with pytest.raises(VerificationError, match=r"op 'add': operand 1 \(tensor<2xf32>\) is not defined before it"):
+        verify(g)
+
+
+def test_ops_on_one_variable_agree_on_its_type():
+    g = Graph("f")
+    x = g.add_param(T(2), "x")
+    emit(g, "assign", [x], {"var": "w", "shape": (2,), "dtype": F32}, LOC)
+    emit(g, "read_variable", [], {"var": "w", "shape": (2,), "dtype": dt.float64}, Location("m.py", 9))
+    with pytest.raises(
+        VerificationError,
+        match=r"m.py:9: op 'read_variable': variable 'w' is tensor<2xf64> here but tensor<2xf32> at op 'assign'",
+    ):
+        verify(g)

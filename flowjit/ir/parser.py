@@ -87,6 +87,8 @@ class _Parser:
         self.filename = filename
         self.tokens = _tokenize(text, filename)
         self.pos = 0
+        # Names of the graphs enclosing the region being parsed: not usable there, but still taken.
+        self.enclosing: list[dict[str, Value]] = []
 
     # --- token helpers ---------------------------------------------------------------------------
     @property
@@ -172,7 +174,7 @@ class _Parser:
             self.define(env, name, graph.add_param(self.type(), name[1:]), at)
 
     def define(self, env: dict, name: str, value: Value, at: _Token) -> None:
-        if name in env:
+        if name in env or any(name in outer for outer in self.enclosing):
             raise self.fail_at(at, f"value {name} is defined twice; SSA names must be unique")
         env[name] = value
 
@@ -190,9 +192,15 @@ class _Parser:
     def ref(self, env: dict) -> Value:
         t = self.tok
         name = self.take("value", "a value like %0")
-        if name not in env:
-            raise self.fail_at(t, f"use of undefined value {name} (values must be defined before their use)")
-        return env[name]
+        if name in env:
+            return env[name]
+        if any(name in outer for outer in self.enclosing):
+            raise self.fail_at(
+                t,
+                f"{name} is defined outside this region; a region sees only its parameters and its own ops "
+                "(pass the value to the op as an operand)",
+            )
+        raise self.fail_at(t, f"use of undefined value {name} (values must be defined before their use)")
 
     def body(self, graph: Graph, env: dict, terminator: str) -> None:
         while not self.accept(terminator):
@@ -282,12 +290,13 @@ class _Parser:
         while True:
             self.expect("{")
             region = Graph(self.take("block", "a block label like ^body")[1:])
-            # A region sees the values of enclosing graphs; its own stay inside it.
-            inner = dict(env)
+            inner: dict[str, Value] = {}
+            self.enclosing.append(env)
             self.expect("(")
             self.params(region, inner)
             self.expect(":")
             self.body(region, inner, "yield")
+            self.enclosing.pop()
             self.expect("}")
             regions.append(region)
             if not self.accept(","):

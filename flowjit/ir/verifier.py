@@ -1,13 +1,16 @@
 """The verifier: every op is registered, has its attributes, and its result types agree with its
-shape rule; every operand is defined before use (in its graph or an enclosing one); regions have
-the count their op declares. Runs after every pass in tests and under `FLOWJIT_VERIFY=1`."""
+shape rule; every operand is defined before its use in the same graph (regions are self-contained:
+they read only their parameters and their own ops); regions have the count their op declares; all
+ops naming one variable agree on its shape and dtype. Runs after every pass in tests and under
+`FLOWJIT_VERIFY=1`."""
 
 from __future__ import annotations
 
 from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError, op_error
 from flowjit.ir.builder import infer_types
 from flowjit.ir.graph import Graph, Op
-from flowjit.ir.ops import get_opdef
+from flowjit.ir.ops import REGISTRY, STATEFUL, get_opdef
+from flowjit.ir.types import TensorType
 
 
 class VerificationError(FlowjitError):
@@ -55,20 +58,43 @@ def _types(types) -> str:
 def _verify_op(op: Op, defined: set) -> None:
     for i, v in enumerate(op.operands):
         if v not in defined:
-            raise _fail(op, f"operand {i} ({v.type}) is used before it is defined")
+            raise _fail(op, f"operand {i} ({v.type}) is not defined before it (in this graph or region)")
     if any(r in defined for r in op.results):
         raise _fail(op, "its results are defined twice (the op appears twice in the graph)")
     check_op(op)
 
 
-def verify(graph: Graph, outer: set | None = None) -> None:
+def verify(graph: Graph) -> None:
     """Raise `VerificationError` describing the first problem in `graph` (recursing into regions)."""
-    defined = set(outer or ()) | set(graph.params)
+    _verify_graph(graph, f"@{graph.name}")
+    _verify_variables(graph)
+
+
+def _verify_graph(graph: Graph, where: str) -> None:
+    # Regions are self-contained: they see their parameters and their own ops, never the enclosing
+    # graph's values (those come in as operands of the region's op).
+    defined = set(graph.params)
     for op in graph.ops:
         _verify_op(op, defined)
-        for region in op.regions:
-            verify(region, defined)
+        for i, region in enumerate(op.regions):
+            _verify_graph(region, f"region {i} (^{region.name}) of op '{op.name}' at {op.loc}")
         defined.update(op.results)
     for i, r in enumerate(graph.results):
         if r not in defined:
-            raise VerificationError(f"@{graph.name}: result {i} ({r.type}) is not defined in the graph")
+            raise VerificationError(f"{where}: result {i} ({r.type}) is not defined in it")
+
+
+def _verify_variables(graph: Graph) -> None:
+    """Every op naming a variable agrees on its type (runs after the per-op checks, so the `shape`
+    and `dtype` attributes are well formed)."""
+    first_use: dict[str, tuple[Op, TensorType]] = {}
+    for op in graph.walk():
+        if "var" not in op.attrs or op.name not in REGISTRY or REGISTRY[op.name].family != STATEFUL:
+            continue
+        ttype = TensorType(op.attrs["shape"], op.attrs["dtype"])
+        first, first_type = first_use.setdefault(op.attrs["var"], (op, ttype))
+        if ttype != first_type:
+            raise _fail(
+                op,
+                f"variable '{op.attrs['var']}' is {ttype} here but {first_type} at op '{first.name}' ({first.loc})",
+            )
