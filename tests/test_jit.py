@@ -75,11 +75,12 @@ def test_python_scalars_kwargs_defaults_and_varargs():
         traces()
         return x * scale + sum(rest) + extra.get("bias", 0)
 
-    np.testing.assert_allclose(f(X), X * 2)
-    np.testing.assert_allclose(f(X, scale=3.0), X * 3)  # a Python float is a dynamic f32 scalar
-    assert traces.n == 1
-    np.testing.assert_allclose(f(X, X, X, scale=1.0, bias=np.float32(0.5)), X * 3 + 0.5, rtol=1e-6)
+    np.testing.assert_allclose(f(X), X * 2)  # an omitted parameter keeps its Python default
+    np.testing.assert_allclose(f(X, scale=3.0), X * 3)  # a Python float passed in is a dynamic f32 scalar
+    np.testing.assert_allclose(f(X, scale=4.0), X * 4)
     assert traces.n == 2
+    np.testing.assert_allclose(f(X, X, X, scale=1.0, bias=np.float32(0.5)), X * 3 + 0.5, rtol=1e-6)
+    assert traces.n == 3
     assert f(1.5, scale=2.0).dtype == np.float32  # Python float -> f32, as JAX
     assert f(3, scale=2).dtype == np.int64  # Python int -> i64
     assert f(X, scale=2).dtype == np.float32  # f32 * i64 scalar stays f32

@@ -329,7 +329,8 @@ class Jitted:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:
             raise FlowjitTypeError(f"{user_location()}: {self.name}{self.signature}: {e}") from None
-        bound.apply_defaults()
+        # Omitted parameters keep their Python defaults (not traced), as if the function were called
+        # directly: `fj.jit(fnp.sum)(x)` leaves keepdims=False a Python bool.
         statics, dynamic, names = [], [], []
         for name, value in bound.arguments.items():
             if bound_self and name == self._self_name:
