@@ -27,7 +27,7 @@ def check(workload, sizes: str) -> dict:
     except Skip as e:
         return {"skip": str(e)}
     except Exception as e:
-        return {"backend": f"unknown ({short_error(e)})", "error": short_error(e)}
+        return {"backend": f"unknown (lowering on the tiny inputs failed: {short_error(e)})", "error": short_error(e)}
     lines = [line.removeprefix("// backend:").strip() for line in header if line.startswith("// backend:")]
     backend = lines[0] if lines else "unknown (no backend line in the optimized stage header)"
     try:

@@ -157,7 +157,8 @@ def render(
     memory: dict | None,
     missing_peers: list[str],
 ) -> str:
-    backends = sorted({run.backend for run in runs if run.backend})
+    # A backend that could not be read ("unknown (...)") is shown in its workload's section only.
+    backends = sorted({run.backend for run in runs if run.backend and not run.backend.startswith("unknown")})
     out = [
         "# flowjit benchmarks",
         "",
@@ -202,7 +203,8 @@ def render(
         w = run.workload
         sizes = ", ".join(f"{k}={v}" for k, v in run.size.items())
         # The backend is named once at the top unless workloads differ (e.g. a fallback to the interpreter).
-        backend = f" flowjit backend: {run.backend}." if len(backends) > 1 and run.backend else ""
+        shown = run.backend and (len(backends) > 1 or run.backend not in backends)
+        backend = f" flowjit backend: {_cell(run.backend)}." if shown else ""
         out += [f"### {w.name}: {w.title}", "", f"Sizes: {sizes}.{backend}", ""]
         out += workload_table(run, limits)
         out.append("")
