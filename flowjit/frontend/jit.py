@@ -330,7 +330,11 @@ class Jitted:
         except TypeError as e:
             raise FlowjitTypeError(f"{user_location()}: {self.name}{self.signature}: {e}") from None
         # Omitted parameters keep their Python defaults (not traced), as if the function were called
-        # directly: `fj.jit(fnp.sum)(x)` leaves keepdims=False a Python bool.
+        # directly: `fj.jit(fnp.sum)(x)` leaves keepdims=False a Python bool. Omitted *static*
+        # parameters take their defaults explicitly, so f(x) and f(x, k=<default>) share an entry.
+        for name, param in self.signature.parameters.items():
+            if name in self._static_names and name not in bound.arguments and param.default is not param.empty:
+                bound.arguments[name] = param.default
         statics, dynamic, names = [], [], []
         for name, value in bound.arguments.items():
             if bound_self and name == self._self_name:
