@@ -284,7 +284,7 @@ def test_log_compiles_explains_each_trace(monkeypatch, capsys):
         "first call",
         "argument x changed from tensor<4x8xf32> to tensor<8x8xf32>",
         "static argument 'k' changed from 1 to 2",
-        "the structure of argument y changed from None to {'a': *}",
+        "the dynamic arguments changed from (x) to (x, y)",  # y was omitted (its default is not traced)
         "argument y['a'] changed from tensor<8xf32> to tensor<8xi32>",
         "static argument 'k' changed from 2 (int) to 2.0 (float)",
     ]
