@@ -282,3 +282,17 @@ def test_arg_extremes_nan_and_inf(name):
     for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
         check(name, [x.astype(dtype)], dict(axis=1, index_dtype="i64"))
         check(name, [x.astype(dtype)], dict(axis=0, index_dtype="i32"))
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.int32], ids=ids([dt.float32, dt.float64, dt.int32]))
+def test_arg_extremes_long_rows(name, dtype):
+    """Rows long enough for the unrolled accumulators, and enough rows to split over cores; small
+    integer values make ties across lanes and accumulators."""
+    x = np.round(data((300, 1001), dtype, 3) * 2).astype(dtype.np_dtype)
+    if dtype.is_float:
+        x[5, 700] = x[5, 900] = np.nan
+        x[7, :] = -np.inf if name == "argmax" else np.inf
+        x[9, 1000] = np.nan
+    check(name, [x], dict(axis=1, index_dtype="i64"))
+    check(name, [x[:, :70]], dict(axis=1, index_dtype="i32"))

@@ -426,9 +426,10 @@ def _take_better(b, value: str, best: str, largest: bool, value_type: str, mask_
 def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool) -> str:
     """argmax/argmin along the last (contiguous) axis with vector lanes.
 
-    Each lane keeps the first extreme of its own elements (strictly-better updates); the row's
-    answer is then the smallest index among the lanes that hold the overall extreme (nan if any
-    lane holds a nan). The tail chunk reads ±inf (or the integer extreme) past the row's end, which
+    Each lane of each accumulator keeps the first extreme of its own elements (strictly-better
+    updates); the row's answer is then the smallest index among the lanes that hold the overall
+    extreme (nan if any lane holds a nan): the first occurrence of the extreme is also the first
+    in its own lane. The tail chunk reads +-inf (or the integer extreme) past the row's end, which
     can never be strictly better. Rows are split over the cores when there are many.
     """
     w = matmul_kernel.LoopWriter(em)
@@ -449,7 +450,7 @@ def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorT
     no_index = em.op(f"arith.constant dense<{np.iinfo(result.dtype.np_dtype).max}> : {ivec}")
     out = em.empty(flat)
 
-    def step(column: str, in_bounds: str, best: str, best_index: str) -> tuple[str, str]:
+    def step(row: str, column: str, in_bounds: str, best: str, best_index: str) -> tuple[str, str]:
         raw = em.op(
             f"vector.transfer_read {x}[{row}, {column}], {pad_elem} {{in_bounds = [{in_bounds}]}} "
             f": {tensor_type(matrix)}, vector<{lanes}x{elem}>"
@@ -464,28 +465,74 @@ def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorT
             em.op(f"arith.select {take}, {positions}, {best_index} : {mvec}, {ivec}"),
         )
 
-    # Whole vectors in the loop; the partial one after it (a masked read, out of the hot loop).
-    full = length // lanes
-    loop, row, (acc,) = w.open_for(w.index(0), w.index(rows), w.index(1), [(out, tensor_type(flat))])
-    scan, j, (best, best_index) = w.open_for(w.index(0), w.index(full), w.index(1), [(start, vec), (zero_index, ivec)])
-    w.close_for(list(step(w.mul(j, w.index(lanes)), "true", best, best_index)), [vec, ivec])
-    best, best_index = f"{scan}#0", f"{scan}#1"
-    if length % lanes:
-        best, best_index = step(w.index(full * lanes), "false", best, best_index)
-    kind = ("maximumf" if largest else "minimumf") if compute[0] == "f" else ("maxsi" if largest else "minsi")
-    extreme = em.op(f"vector.reduction <{kind}>, {best} : {vec} into {compute}")
-    splat = em.op(f"vector.broadcast {extreme} : {compute} to {vec}")
-    if compute[0] == "f":  # lanes equal to the extreme, or nan lanes when the extreme is nan
-        equal = em.op(f"arith.cmpf oeq, {best}, {splat} : {vec}")
-        lane_nan = em.op(f"arith.cmpf uno, {best}, {best} : {vec}")
-        extreme_nan = em.op(f"arith.cmpf uno, {splat}, {splat} : {vec}")
-        target = em.op(f"arith.ori {equal}, {em.op(f'arith.andi {lane_nan}, {extreme_nan} : {mvec}')} : {mvec}")
-    else:
-        target = em.op(f"arith.cmpi eq, {best}, {splat} : {vec}")
-    candidates = em.op(f"arith.select {target}, {best_index}, {no_index} : {mvec}, {ivec}")
-    first = em.op(f"vector.reduction <minsi>, {candidates} : {ivec} into {index_elem}")
-    w.close_for([em.op(f"tensor.insert {first} into {acc}[{row}] : {tensor_type(flat)}")], [tensor_type(flat)])
-    return reshape(em, loop, flat, result.shape)
+    def row_answer(row: str) -> str:
+        """The index for one row: ARG_UNROLL independent (best, index) vector pairs over whole
+        vectors (a compare-select chain is latency-bound), the partial vector masked after them."""
+        full = length // lanes
+        groups = full // ARG_UNROLL
+        carried = [(start, vec), (zero_index, ivec)] * ARG_UNROLL
+        scan, j, names = w.open_for(w.index(0), w.index(groups), w.index(1), carried)
+        updated = []
+        for u in range(ARG_UNROLL):
+            column = w.mul(w.add(w.mul(j, w.index(ARG_UNROLL)), w.index(u)), w.index(lanes))
+            updated += step(row, column, "true", names[2 * u], names[2 * u + 1])
+        w.close_for(updated, [vec, ivec] * ARG_UNROLL)
+        pairs = [(f"{scan}#{2 * u}", f"{scan}#{2 * u + 1}") for u in range(ARG_UNROLL)]
+        best, best_index = pairs[0]
+        for c in range(groups * ARG_UNROLL, full):
+            best, best_index = step(row, w.index(c * lanes), "true", best, best_index)
+        if length % lanes:
+            best, best_index = step(row, w.index(full * lanes), "false", best, best_index)
+        pairs[0] = (best, best_index)
+        kind = ("maximumf" if largest else "minimumf") if compute[0] == "f" else ("maxsi" if largest else "minsi")
+        lane_extreme = pairs[0][0]
+        for other, _ in pairs[1:]:
+            lane_extreme = em.op(f"arith.{kind} {lane_extreme}, {other} : {vec}")
+        extreme = em.op(f"vector.reduction <{kind}>, {lane_extreme} : {vec} into {compute}")
+        splat = em.op(f"vector.broadcast {extreme} : {compute} to {vec}")
+        candidates = None
+        for best, best_index in pairs:
+            if compute[0] == "f":  # lanes equal to the extreme, or nan lanes when the extreme is nan
+                equal = em.op(f"arith.cmpf oeq, {best}, {splat} : {vec}")
+                lane_nan = em.op(f"arith.cmpf uno, {best}, {best} : {vec}")
+                extreme_nan = em.op(f"arith.cmpf uno, {splat}, {splat} : {vec}")
+                both_nan = em.op(f"arith.andi {lane_nan}, {extreme_nan} : {mvec}")
+                target = em.op(f"arith.ori {equal}, {both_nan} : {mvec}")
+            else:
+                target = em.op(f"arith.cmpi eq, {best}, {splat} : {vec}")
+            these = em.op(f"arith.select {target}, {best_index}, {no_index} : {mvec}, {ivec}")
+            candidates = these if candidates is None else em.op(f"arith.minsi {candidates}, {these} : {ivec}")
+        return em.op(f"vector.reduction <minsi>, {candidates} : {ivec} into {index_elem}")
+
+    flat_type = tensor_type(flat)
+    threads = matmul_kernel.toolchain_threads()
+    if threads < 2 or rows < 2 or tx.size < PARALLEL_MIN_WORK:
+        loop, row, (acc,) = w.open_for(w.index(0), w.index(rows), w.index(1), [(out, flat_type)])
+        w.close_for([em.op(f"tensor.insert {row_answer(row)} into {acc}[{row}] : {flat_type}")], [flat_type])
+        return reshape(em, loop, flat, result.shape)
+    chunk = -(-rows // threads)
+    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
+    em.line(f"{done} = scf.forall ({t}) in ({-(-rows // chunk)}) shared_outs({shared} = {out}) -> ({flat_type}) {{")
+    em.indent += "  "
+    first_row = w.mul(t, w.index(chunk))
+    count = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(rows)}, {first_row} : index')}, {w.index(chunk)} : index")
+    part_type = f"tensor<?x{index_elem}>"
+    part = em.op(f"tensor.extract_slice {shared}[{first_row}] [{count}] [1] : {flat_type} to {part_type}")
+    loop, local, (acc,) = w.open_for(w.index(0), count, w.index(1), [(part, part_type)])
+    answer = row_answer(w.add(first_row, local))
+    w.close_for([em.op(f"tensor.insert {answer} into {acc}[{local}] : {part_type}")], [part_type])
+    em.line("scf.forall.in_parallel {")
+    em.line(
+        f"  tensor.parallel_insert_slice {loop} into {shared}[{first_row}] [{count}] [1] : {part_type} into {flat_type}"
+    )
+    em.line("}")
+    em.indent = em.indent[:-2]
+    em.line("}")
+    return reshape(em, done, flat, result.shape)
+
+
+# Independent accumulator pairs in the argmax/argmin inner loop.
+ARG_UNROLL = 4
 
 
 def _lower_arg_extreme(em: KernelEmitter, op: Op, operands: list[str], largest: bool) -> list[str]:
