@@ -18,6 +18,7 @@ Python scalars and other objects stay Python values (use them for configuration)
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import re
@@ -92,7 +93,10 @@ def _without_markers(region: Graph) -> Graph:
 
 # --- running outside any trace: trace, compile once per graph text, run -------------------------------
 
-_compiled: dict[tuple[str, str], object] = {}
+# (traced graph text, output structure, target) -> Compiled, least recently used first. Bounded: a
+# closure over a changing Python value gives a new graph (and a compile) on every call.
+_compiled: collections.OrderedDict[tuple[str, str, str], object] = collections.OrderedDict()
+_COMPILED_LIMIT = 64
 _compiled_lock = threading.Lock()
 
 
@@ -142,6 +146,9 @@ def _run_compiled(traced_fn: Callable, args: tuple):
         compiled = _compiled.get(key)
         if compiled is None:
             compiled = _compiled[key] = lowered.compile()
+            if len(_compiled) > _COMPILED_LIMIT:
+                _compiled.popitem(last=False)
+        _compiled.move_to_end(key)
     return compiled.call_leaves(arrays)
 
 
