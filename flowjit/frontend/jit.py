@@ -491,16 +491,20 @@ class BoundJitted:
 
 
 def _rebind(signature: inspect.Signature, arguments: dict):
+    """(args, kwargs) that call the function with `arguments`; once a parameter is omitted (it keeps
+    its default), later ones go by keyword so they cannot shift into its place."""
     args, kwargs = [], {}
+    skipped = False
     for name, param in signature.parameters.items():
         if name not in arguments:
+            skipped = skipped or param.kind is not param.VAR_POSITIONAL
             continue
         value = arguments[name]
         if param.kind is param.VAR_POSITIONAL:
             args.extend(value)
         elif param.kind is param.VAR_KEYWORD:
             kwargs.update(value)
-        elif param.kind is param.KEYWORD_ONLY:
+        elif param.kind is param.KEYWORD_ONLY or (skipped and param.kind is param.POSITIONAL_OR_KEYWORD):
             kwargs[name] = value
         else:
             args.append(value)
