@@ -344,6 +344,17 @@ def test_gradient_graph_is_canonicalized_and_carries_forward_locations():
     assert "reduce_sum" not in text  # the cotangent of sum is a broadcast of 1: folded away
 
 
+def test_gradient_ops_are_colocated_with_the_forward_op():
+    def f(x):
+        with fj.device("cpu:1"):
+            y = fnp.sin(x)
+        return fnp.sum(y * 2.0)
+
+    text = interp(fj.grad(f)).lower(X).as_text("optimized")
+    (cos_line,) = [ln for ln in text.splitlines() if "= cos " in ln]
+    assert 'device("/device:cpu:1")' in cos_line
+
+
 def test_autodiff_pass_on_text_ir():
     graph = parse_graph(
         """func @f(%x: tensor<3xf32>, %n: tensor<3xi64>) -> (tensor<f32>) {

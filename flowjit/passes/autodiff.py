@@ -16,7 +16,7 @@ Algorithm:
      its rule from `VJP_RULES`; rules are written with `flowjit.numpy` on tracers, so the backward ops
      land in the same trace. Cotangents of a value with several uses are summed; a zero cotangent is
      `None` and is never materialized, except as the gradient of a parameter nothing depends on.
-  5. Backward ops take the location of the forward op they differentiate.
+  5. Backward ops take the location (and device, if any) of the forward op they differentiate.
 
 Rule signature: `VJP_RULES[op_name](op, cts, operands, results) -> one cotangent (or None) per operand`,
 where `cts` holds one cotangent tracer (or None) per result of `op`. Ops that carry no gradient
@@ -211,6 +211,8 @@ def _backward_op(trace: Trace, op: Op, cts: dict, env: dict, active: set, residu
             _accumulate(cts, v, ct if isinstance(ct, Tracer) else Tracer(trace.lift(ct), trace))
     for new in trace.graph.ops[start:]:
         new.loc = op.loc
+        if op.device is not None:  # gradients are colocated with the op they differentiate (as in TF)
+            new.device = op.device
 
 
 # --- rules: helpers ------------------------------------------------------------------------------------
