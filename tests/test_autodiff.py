@@ -383,7 +383,9 @@ def test_non_scalar_loss_is_an_error_suggesting_vjp():
 def test_integer_argument_is_an_error():
     with pytest.raises(FlowjitTypeError, match="only float arrays have gradients") as info:
         interp(fj.grad(lambda x, n: fnp.sum(x) * n, argnums=1))(X, np.int32(3))
-    assert "dtype i32" in str(info.value)
+    assert "argument n, which is of dtype i32" in str(info.value)
+    with pytest.raises(FlowjitTypeError, match=r"argument p\['w'\], which is a Python int"):
+        fj.vjp(lambda p: p["w"] * 2, {"w": 3})
 
 
 def test_missing_vjp_rule_names_the_op_and_the_users_line(monkeypatch):

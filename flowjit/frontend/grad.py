@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
 import re
 import threading
@@ -155,20 +156,37 @@ def _run_compiled(traced_fn: Callable, args: tuple):
 # --- tracing the function to differentiate ---------------------------------------------------------------
 
 
-def _check_float_leaves(leaves, paths, fn_name: str, how: str) -> None:
-    for leaf, path in zip(leaves, paths):
-        if isinstance(leaf, Tracer | np.ndarray | np.generic | float) and not isinstance(leaf, bool):
-            dtype = _leaf_type(leaf).dtype
-            if dtype.is_float:
-                continue
-            found = f"dtype {dtype}"
-        else:
-            found = f"a {type(leaf).__name__}"
-        raise FlowjitTypeError(
-            f"{user_location()}: {how} {fn_name} with respect to argument {path}, which is {found}; only "
-            "float arrays have gradients. Convert it with .astype(float32), or pass it as an argument "
-            "not in argnums (or close over it) if it should not be differentiated"
-        )
+def _argument_names(fun: Callable, count: int) -> list[str]:
+    """Names of the first `count` positional parameters of `fun` (`args[i]` where unknown)."""
+    try:
+        params = [
+            p
+            for p in inspect.signature(fun).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i].name if i < len(params) else f"args[{i}]" for i in range(count)]
+
+
+def _check_float_leaves(fun: Callable, args: tuple, argnums: tuple[int, ...], how: str) -> None:
+    """Every leaf of the differentiated arguments must be a float array or a Python float."""
+    names = _argument_names(fun, len(args))
+    for i in argnums:
+        leaves = tree_flatten(args[i])[0]
+        for leaf, path in zip(leaves, leaf_paths(args[i], names[i])):
+            if isinstance(leaf, Tracer | np.ndarray | np.generic | float) and not isinstance(leaf, bool):
+                dtype = _leaf_type(leaf).dtype
+                if dtype.is_float:
+                    continue
+                found = f"of dtype {dtype}"
+            else:
+                found = f"a Python {type(leaf).__name__}"
+            raise FlowjitTypeError(
+                f"{user_location()}: {how} {_graph_name(fun)} with respect to argument {path}, which is {found}; "
+                "only float arrays have gradients. Convert it with .astype(float32), or pass it as an argument not "
+                "in argnums (or close over it) if it should not be differentiated"
+            )
 
 
 def _trace_for_vjp(fun: Callable, args: tuple, kwargs: dict, argnums: tuple[int, ...]):
@@ -223,8 +241,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         if _needs_eager_run((args, kwargs)):
             return _run_compiled(functools.partial(value_and_grad_fn, **kwargs), args)
         nums = _normalize_argnums(argnums, len(args), name)
-        paths = [f"{name} argument {p}" for p in leaf_paths([args[i] for i in nums])]
-        _check_float_leaves(tree_flatten([args[i] for i in nums])[0], paths, name, "cannot differentiate")
+        _check_float_leaves(fun, args, nums, "cannot differentiate")
         graph, out_tree, diff_leaves, captured = _trace_for_vjp(fun, args, kwargs, nums)
         loss_index = _check_loss(graph, out_tree, has_aux, name)
         spec = VJPSpec(wrt=tuple(range(len(diff_leaves))), seeds=(loss_index,))
@@ -276,6 +293,7 @@ def vjp(fun: Callable, *primals):
     """`(fun(*primals), vjp_fn)`: `vjp_fn(cotangent)` (a pytree like the output) returns one
     cotangent per primal, each with the primal's structure. Every primal leaf must be a float."""
     name = getattr(fun, "__name__", "fn")
+    _check_float_leaves(fun, primals, tuple(range(len(primals))), "cannot take the vjp of")
     if _needs_eager_run(primals):
         out = _run_compiled(fun, primals)
 
@@ -283,8 +301,6 @@ def vjp(fun: Callable, *primals):
             return _run_compiled(lambda p, c: vjp(fun, *p)[1](c), (primals, cotangent))
 
         return out, eager_vjp_fn
-    paths = [f"{name} argument {p}" for p in leaf_paths(list(primals))]
-    _check_float_leaves(tree_flatten(list(primals))[0], paths, name, "vjp of")
     graph, out_tree, diff_leaves, captured = _trace_for_vjp(fun, primals, {}, tuple(range(len(primals))))
     out = tree_unflatten(out_tree, inline_graph(graph, [*diff_leaves, *captured]))
     spec = VJPSpec(wrt=tuple(range(len(diff_leaves))), primal_outputs=False)
