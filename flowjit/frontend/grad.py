@@ -234,7 +234,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     """A function returning `(fun(*args), gradient)`: the gradient of the scalar float output with
     respect to `args[argnums]`, with the same pytree structure (a tuple of them when `argnums` is a
     tuple). With `has_aux`, `fun` returns `(loss, aux)` and the value is `(loss, aux)`."""
-    name = getattr(fun, "__name__", "fn")
+    name = _graph_name(fun)
 
     @functools.wraps(fun)
     def value_and_grad_fn(*args, **kwargs):
@@ -292,7 +292,7 @@ def _check_loss(graph: Graph, out_tree, has_aux: bool, name: str) -> int:
 def vjp(fun: Callable, *primals):
     """`(fun(*primals), vjp_fn)`: `vjp_fn(cotangent)` (a pytree like the output) returns one
     cotangent per primal, each with the primal's structure. Every primal leaf must be a float."""
-    name = getattr(fun, "__name__", "fn")
+    name = _graph_name(fun)
     _check_float_leaves(fun, primals, tuple(range(len(primals))), "cannot take the vjp of")
     if _needs_eager_run(primals):
         out = _run_compiled(fun, primals)
