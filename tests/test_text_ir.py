@@ -122,6 +122,15 @@ EXAMPLES = {
     "assign": lambda: _state("assign"),
     "assign_add": lambda: _state("assign_add"),
     "assign_sub": lambda: _state("assign_sub"),
+    "send": lambda: _graph_with(
+        "send", [T(2, 2)], {"key": "cpu:0->cpu:1:%3", "src": "cpu:0", "dst": "cpu:1"}, device="cpu:0"
+    ),
+    "recv": lambda: _graph_with(
+        "recv",
+        [],
+        {"key": "cpu:0->cpu:1:%3", "src": "cpu:0", "dst": "cpu:1", "shape": (2, 2), "dtype": F32},
+        device="cpu:1",
+    ),
     "custom_vjp_call": lambda: _graph_with(
         "custom_vjp_call", [T(3), T(3), T(3), T(2)], {"rule": 7, "num_inputs": 1, "num_residuals": 1}
     ),
