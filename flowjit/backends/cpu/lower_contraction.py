@@ -4,7 +4,7 @@ argmin.
 Every op has a portable form, one `linalg.generic` whose indexing maps encode the op's dimension
 numbers (dot_general's batch/contracting dims, conv2d's stride and dilation, the pooling window),
 which is correct for every shape and dtype. Half types (f16, bf16) accumulate in f32 and round once
-at the end, as the reference implementations do. Large f32/f64 matrix products take the tuned
+at the end, as the reference implementations do. Large matrix products take the tuned
 kernel in `matmul_kernel.py` instead.
 """
 
@@ -193,7 +193,7 @@ def _prod(dims, shape) -> int:
 def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
     """dot_general through the tiled kernel: operands transposed (if needed) to (batch, M, K) and
     (batch, K, N), reshaped as views, multiplied, reshaped to the result. None when the generic form
-    is the better choice (integers, tiny products)."""
+    is the better choice (tiny products)."""
     a, b = operands
     ta, tb, result = op.operands[0].type, op.operands[1].type, op.result.type
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
@@ -201,7 +201,7 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
     rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
     batch = _prod(lhs_batch, ta.shape)
     m, k, n = _prod(lhs_free, ta.shape), _prod(lhs_contract, ta.shape), _prod(rhs_free, tb.shape)
-    if not result.dtype.is_float or not matmul_kernel.worth_it(batch, m, n, k):
+    if not matmul_kernel.worth_it(batch, m, n, k):
         return None
     acc = accumulator_elem(result.dtype)
     a, b = widen_tensor(em, a, ta, acc), widen_tensor(em, b, tb, acc)

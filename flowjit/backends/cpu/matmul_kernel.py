@@ -1,4 +1,4 @@
-"""A register-blocked matrix-multiply kernel for f32/f64, written directly as MLIR vector code on
+"""A register-blocked matrix-multiply kernel for f32/f64/i32/i64, written directly as MLIR vector code on
 tensors (no transform schedule): C[b] = A[b] @ B[b] with A (M, K), B (K, N), all row-major.
 
 Algorithm (GotoBLAS-style, simplified):
@@ -52,11 +52,15 @@ class MatmulShape:
     m: int
     n: int
     k: int
-    elem: str  # "f32" or "f64"
+    elem: str  # "f32", "f64", "i32" or "i64"
+
+    @property
+    def zero(self) -> str:
+        return "0" if self.elem.startswith("i") else "0.0"
 
     @property
     def lanes(self) -> int:
-        return vector_bits() // (32 if self.elem == "f32" else 64)
+        return vector_bits() // int(self.elem[1:])
 
     @property
     def vectors_per_row(self) -> int:
@@ -136,8 +140,8 @@ def _pack_b(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> s
     vl, nr = s.lanes, s.nr
     vec = f"vector<{vl}x{s.elem}>"
     packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
-    zero = em.op(f"arith.constant 0.0 : {s.elem}")
-    zero_vec = em.op(f"arith.constant dense<0.0> : {vec}")
+    zero = em.op(f"arith.constant {s.zero} : {s.elem}")
+    zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
     packed = em.op(f"tensor.empty() : {packed_type}")
     for first, end, states in _panel_ranges(s):
         outer, p, (q,) = w.open_for(w.index(first), w.index(end), w.index(1), [(packed, packed_type)])
@@ -187,14 +191,14 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, 
     vec = f"vector<{vl}x{s.elem}>"
     packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
     a_type = s.tensor(s.m, s.k)
-    zero_vec = em.op(f"arith.constant dense<0.0> : {vec}")
+    zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
     loop, p, (t1,) = w.open_for(w.index(first), w.index(end), w.index(1), [(c_tile, c_type)])
     col = w.mul(p, w.index(nr))
     rows, i, (t2,) = w.open_for(*row_range, w.index(mr), [(t1, c_type)])
     a_rows = [w.add(w.add(row0, i), w.index(r)) for r in range(mr)]
     prefix = [batch_index] if batch_index else []
     accs, k, acc_names = w.open_for(w.index(0), w.index(s.k), w.index(1), [(zero_vec, vec)] * (mr * nv))
-    pad = em.op(f"arith.constant 0.0 : {s.elem}")
+    pad = em.op(f"arith.constant {s.zero} : {s.elem}")
     b_vecs = [
         em.op(
             f"vector.transfer_read {packed}[{p}, {k}, {w.index(c * vl)}], {pad} {{in_bounds = [true]}} "
@@ -207,7 +211,7 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, 
         scalar = em.op(f"tensor.extract {a}[{', '.join(prefix + [a_rows[r], k])}] : {a_type}")
         broadcast = em.op(f"vector.broadcast {scalar} : {s.elem} to {vec}")
         for c in range(nv):
-            new.append(em.op(f"vector.fma {broadcast}, {b_vecs[c]}, {acc_names[r * nv + c]} : {vec}"))
+            new.append(_multiply_add(em, broadcast, b_vecs[c], acc_names[r * nv + c], vec, s.elem))
     w.close_for(new, [vec] * len(new))
     cur = t2
     for r in range(mr):
@@ -287,6 +291,12 @@ def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
         w.close_for([c_new], [c_type])
         return outer
     return c_new
+
+
+def _multiply_add(em: KernelEmitter, a: str, b: str, acc: str, vec: str, elem: str) -> str:
+    if elem.startswith("i"):  # integer products wrap, as numpy's do
+        return em.op(f"arith.addi {acc}, {em.op(f'arith.muli {a}, {b} : {vec}')} : {vec}")
+    return em.op(f"vector.fma {a}, {b}, {acc} : {vec}")
 
 
 def _ceil_div(a: int, b: int) -> int:
