@@ -460,3 +460,13 @@ def test_ops_on_one_variable_agree_on_its_type():
         match=r"m.py:9: op 'read_variable': variable 'w' is tensor<2xf64> here but tensor<2xf32> at op 'assign'",
     ):
         verify(g)
+
+
+def test_any_function_or_region_name_prints_parseably():
+    body = _region("loop body!", [T(dtype=dt.int64), T(2)], lambda r, p: [p[1]])
+    g = _graph_with("for", [T(dtype=dt.int64), T(dtype=dt.int64), T(2)], {"num_carry": 1}, [body])
+    g.name = "my fn<3>"
+    text = print_graph(assert_round_trip(g))
+    assert text.startswith("func @my_fn_3_(") and "^loop_body_(" in text
+    g.name = ""
+    assert print_graph(assert_round_trip(g)).startswith("func @fn(")

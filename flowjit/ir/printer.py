@@ -119,13 +119,18 @@ class _Namer:
             return f"%<undefined {value.type}>"
 
 
+def _label(name: str, fallback: str) -> str:
+    """A function or block name the parser reads back: other characters become `_`."""
+    return _NAME_RE.sub("_", name) or fallback
+
+
 def _types(types) -> str:
     return ", ".join(str(t) for t in types)
 
 
 def _print_region(region: Graph, namer: _Namer, indent: str, lines: list[str]) -> None:
     args = ", ".join(f"{namer.param(p, f'a{namer.counter}_{i}')}: {p.type}" for i, p in enumerate(region.params))
-    lines.append(f"{indent}^{region.name}({args}):")
+    lines.append(f"{indent}^{_label(region.name, 'bb')}({args}):")
     _print_body(region, namer, indent + "  ", lines, "yield")
 
 
@@ -168,7 +173,7 @@ def print_graph(graph: Graph, header: str | None = None) -> str:
     namer = _Namer()
     params = ", ".join(f"{namer.param(p, f'arg{i}')}: {p.type}" for i, p in enumerate(graph.params))
     lines = [f"// {line}" for line in header.splitlines()] if header else []
-    lines.append(f"func @{graph.name}({params}) -> ({_types(graph.result_types)}) {{")
+    lines.append(f"func @{_label(graph.name, 'fn')}({params}) -> ({_types(graph.result_types)}) {{")
     _print_body(graph, namer, "  ", lines, "return")
     lines.append("}")
     return "\n".join(lines) + "\n"
