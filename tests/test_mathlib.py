@@ -31,7 +31,9 @@ REFERENCE = {
     "log1p": np.log1p,
     "expm1": np.expm1,
     "tanh": np.tanh,
-    "logistic": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "logistic": lambda x: np.where(
+        x >= 0, 1.0 / (1.0 + np.exp(-np.abs(x))), np.exp(-np.abs(x)) / (1.0 + np.exp(-np.abs(x)))
+    ),
     "erf": _erf,
     "sin": np.sin,
     "cos": np.cos,

@@ -78,6 +78,8 @@ from collections.abc import Callable
 from flowjit.backends.cpu.emitter import ScalarBuilder
 
 _INT = {"f32": "i32", "f64": "i64"}
+# (exponent bias, mantissa bits) of the binary formats
+_FORMAT = {"f32": (127, 23), "f64": (1023, 52)}
 
 
 class _Arith:
@@ -160,20 +162,72 @@ class _Arith:
     def to_float(self, i: str) -> str:
         return self.b.op(f"arith.sitofp {i} : {self.it} to {self.t}")
 
+    def pow2_int(self, n: str) -> str:
+        """2**n for an integer n (of the matching integer type) in the normal exponent range."""
+        bias, mantissa_bits = _FORMAT[self.t]
+        return self.from_bits(self.iop("shli", self.iop("addi", n, self.ci(bias)), self.ci(mantissa_bits)))
+
     def pow2(self, n: str) -> str:
-        """2**n for an integer-valued float n in the normal exponent range [-126, 127] (f32)."""
-        biased = self.iop("addi", self.to_int(n), self.ci(127))
-        return self.from_bits(self.iop("shli", biased, self.ci(23)))
+        """2**n for an integer-valued float n in the normal exponent range."""
+        return self.pow2_int(self.to_int(n))
 
 
 # ---------------------------------------------------------------------------------------------
-# float32
+# Polynomial code. exp, expm1, log, log1p, logistic and tanh exist for f32 and f64 (same
+# algorithms, per-type constants); erf, sin, cos, atan2 for f32 only.
 
 _LOG2E = 1.4426950408889634
-_LN2_HI = 0.693359375  # 10 significant bits: n * _LN2_HI is exact
-_LN2_LO = -2.12194440e-4
+# ln2 = hi + lo, hi with trailing zero bits so n * hi is exact for every exponent n
+_LN2 = {"f32": (0.693359375, -2.12194440e-4), "f64": (float.fromhex("0x1.62e42fee00000p-1"), 1.9082149292705877e-10)}
+# Clamps of the argument of exp: below, the result rounds to 0; above, it overflows to inf.
+_EXP_RANGE = {"f32": (-104.0, 88.8), "f64": (-746.0, 709.9)}
+# expm1 rounds to -1 below -17.4 (f32) / -37.5 (f64)
+_EXPM1_LOW = {"f32": -25.0, "f64": -40.0}
 # Cephes expf: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2/2]
 _EXP_P = [1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1]
+# float64: exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2/2], Chebyshev fit (error 1.4e-18 on P)
+_EXP_P64 = [
+    2.0914679376583935e-09,
+    2.510520637395701e-08,
+    2.7557273661348637e-07,
+    2.7557255425746435e-06,
+    2.4801587325533363e-05,
+    0.00019841269874800493,
+    0.0013888888888883752,
+    0.008333333333326141,
+    0.04166666666666667,
+    0.1666666666666667,
+    0.5,
+]
+_EXP_POLY = {"f32": _EXP_P, "f64": _EXP_P64}
+# float64 tanh(x) = x + x^3 P(x^2) for |x| < 0.625 (Chebyshev fit, error 1.4e-19 on P)
+_TANH_P64 = [
+    -2.438831631472088e-06,
+    1.2209921790162781e-05,
+    -3.708106921544234e-05,
+    9.604109157026265e-05,
+    -0.00023888944636751174,
+    0.0005899818158388232,
+    -0.0014558283998303246,
+    0.003592127507599252,
+    -0.008863235499801992,
+    0.021869488535133222,
+    -0.0539682539682359,
+    0.13333333333333322,
+    -0.3333333333333333,
+]
+# float64 log: log(1+f) = f - f^2/2 + s (f^2/2 + z P(z)), s = f / (2 + f), z = s^2 <= 0.0295;
+# z P(z) fits 2 atanh(s) / s - 2 (Chebyshev, error 2e-18 on P)
+_LOG_P64 = [
+    0.13086767009948175,
+    0.13268759668560612,
+    0.15386240205813478,
+    0.18181795630884753,
+    0.2222222239180047,
+    0.2857142857080323,
+    0.4000000000000088,
+    0.6666666666666666,
+]
 # Cephes logf: log(1+m) = m - m^2/2 + m^3 P(m) for 1+m in [sqrt(1/2), sqrt(2))
 _LOG_P = [
     7.0376836292e-2,
@@ -240,25 +294,23 @@ def _clamp(m: _Arith, x: str, lo: float, hi: float) -> str:
 
 def _reduce_ln2(m: _Arith, x: str) -> tuple[str, str]:
     """(n, r) with x = n ln2 + r, n integral, |r| <= ln2/2."""
+    ln2_hi, ln2_lo = _LN2[m.t]
     n = m.unary("math.roundeven", m.mul(x, m.c(_LOG2E)))
-    r = m.fma(n, m.c(-_LN2_HI), x)
-    r = m.fma(n, m.c(-_LN2_LO), r)
+    r = m.fma(n, m.c(-ln2_hi), x)
+    r = m.fma(n, m.c(-ln2_lo), r)
     return n, r
 
 
-def _exp_f32(m: _Arith, x: str) -> str:
-    xc = _clamp(m, x, -104.0, 88.8)
+def _exp(m: _Arith, x: str) -> str:
+    xc = _clamp(m, x, *_EXP_RANGE[m.t])
     n, r = _reduce_ln2(m, xc)
-    p = m.poly(r, _EXP_P)
+    p = m.poly(r, _EXP_POLY[m.t])
     y = m.add(m.fma(p, m.mul(r, r), r), m.c(1.0))
-    # 2^n as 2^(n//2) * 2^(n - n//2): each factor is a normal float for n in [-150, 128], so
-    # denormal results are rounded once and exp(88.72) does not overflow early.
+    # 2^n as 2^(n//2) * 2^(n - n//2): each factor is a normal float over the whole clamped range,
+    # so denormal results are rounded once and exp(88.72) (f32) does not overflow early.
     ni = m.to_int(n)
     n1 = m.iop("shrsi", ni, m.ci(1))
-    n2 = m.iop("subi", ni, n1)
-    s1 = m.from_bits(m.iop("shli", m.iop("addi", n1, m.ci(127)), m.ci(23)))
-    s2 = m.from_bits(m.iop("shli", m.iop("addi", n2, m.ci(127)), m.ci(23)))
-    y = m.mul(m.mul(y, s1), s2)
+    y = m.mul(m.mul(y, m.pow2_int(n1)), m.pow2_int(m.iop("subi", ni, n1)))
     return m.select(m.isnan(x), x, y)
 
 
@@ -274,11 +326,37 @@ def _log_core_f32(m: _Arith, x: str) -> str:
     below = m.cmp("olt", mantissa, m.c(math.sqrt(0.5)))
     e = m.select(below, m.sub(e, m.c(1.0)), e)
     f = m.sub(m.select(below, m.add(mantissa, mantissa), mantissa), m.c(1.0))
+    ln2_hi, ln2_lo = _LN2["f32"]
     z = m.mul(f, f)
     y = m.mul(m.mul(f, z), m.poly(f, _LOG_P))
-    y = m.fma(e, m.c(_LN2_LO), y)
+    y = m.fma(e, m.c(ln2_lo), y)
     y = m.fma(z, m.c(-0.5), y)
-    return m.fma(e, m.c(_LN2_HI), m.add(f, y))
+    return m.fma(e, m.c(ln2_hi), m.add(f, y))
+
+
+def _log_core_f64(m: _Arith, x: str) -> str:
+    """log(x) for finite x > 0 (denormals included); other inputs give unspecified values."""
+    denormal = m.cmp("olt", x, m.c(2.0**-1022))
+    xs = m.select(denormal, m.mul(x, m.c(2.0**52)), x)
+    e_adjust = m.select(denormal, m.c(-52.0), m.c(0.0))
+    bits = m.bits(xs)
+    exponent = m.iop("subi", m.iop("shrui", bits, m.ci(52)), m.ci(1022))
+    e = m.add(m.to_float(exponent), e_adjust)
+    mantissa_bits = m.iop("andi", bits, m.ci(0x000FFFFFFFFFFFFF))
+    mantissa = m.from_bits(m.iop("ori", mantissa_bits, m.ci(0x3FE0000000000000)))  # [0.5, 1)
+    below = m.cmp("olt", mantissa, m.c(math.sqrt(0.5)))
+    e = m.select(below, m.sub(e, m.c(1.0)), e)
+    f = m.sub(m.select(below, m.add(mantissa, mantissa), mantissa), m.c(1.0))
+    s = m.div(f, m.add(f, m.c(2.0)))
+    z = m.mul(s, s)
+    half_f2 = m.mul(m.mul(f, f), m.c(0.5))
+    ln2_hi, ln2_lo = _LN2["f64"]
+    # e ln2_hi + (f - (f^2/2 - (s (f^2/2 + z P(z)) + e ln2_lo))): the small terms first
+    tail = m.fma(s, m.fma(z, m.poly(z, _LOG_P64), half_f2), m.mul(e, m.c(ln2_lo)))
+    return m.fma(e, m.c(ln2_hi), m.sub(f, m.sub(half_f2, tail)))
+
+
+_LOG_CORE = {"f32": _log_core_f32, "f64": _log_core_f64}
 
 
 def _log_specials(m: _Arith, x: str, y: str) -> str:
@@ -288,27 +366,30 @@ def _log_specials(m: _Arith, x: str, y: str) -> str:
     return m.select(m.cmp("ult", x, m.c(0.0)), m.c(math.nan), y)
 
 
-def _log_f32(m: _Arith, x: str) -> str:
-    return _log_specials(m, x, _log_core_f32(m, x))
+def _log(m: _Arith, x: str) -> str:
+    return _log_specials(m, x, _LOG_CORE[m.t](m, x))
 
 
-def _log1p_f32(m: _Arith, x: str) -> str:
+def _log1p(m: _Arith, x: str) -> str:
     u = m.add(x, m.c(1.0))
     correction = m.div(m.sub(x, m.sub(u, m.c(1.0))), u)
-    y = m.add(_log_core_f32(m, u), correction)
-    y = m.select(m.cmp("oeq", u, m.c(1.0)), x, y)  # |x| < 2^-25: log1p(x) rounds to x (keeps -0)
+    y = m.add(_LOG_CORE[m.t](m, u), correction)
+    y = m.select(m.cmp("oeq", u, m.c(1.0)), x, y)  # 1 + x rounds to 1: log1p(x) rounds to x (keeps -0)
     return _log_specials(m, u, y)
 
 
-def _expm1_f32(m: _Arith, x: str) -> str:
-    xc = _clamp(m, x, -25.0, 88.8)  # expm1 rounds to -1 below -17.4
+def _expm1(m: _Arith, x: str) -> str:
+    _, high = _EXP_RANGE[m.t]
+    xc = _clamp(m, x, _EXPM1_LOW[m.t], high)
     n, r = _reduce_ln2(m, xc)
-    p = m.fma(m.poly(r, _EXP_P), m.mul(r, r), r)  # expm1(r)
-    # 2^n p + (2^n - 1); n = 128 (x in (88.38, 88.8]) uses 2^127 and a final exact doubling.
-    n_capped = m.select(m.cmp("ogt", n, m.c(127.0)), m.c(127.0), n)
+    p = m.fma(m.poly(r, _EXP_POLY[m.t]), m.mul(r, r), r)  # expm1(r)
+    # 2^n p + (2^n - 1); n = bias + 1 (x just below the overflow threshold) uses 2^bias and an exact
+    # doubling at the end.
+    top = m.c(float(_FORMAT[m.t][0]))
+    n_capped = m.select(m.cmp("ogt", n, top), top, n)
     s = m.pow2(n_capped)
     y = m.fma(s, p, m.sub(s, m.c(1.0)))
-    y = m.select(m.cmp("ogt", n, m.c(127.0)), m.add(y, y), y)
+    y = m.select(m.cmp("ogt", n, top), m.add(y, y), y)
     y = m.select(m.cmp("oeq", x, m.c(0.0)), x, y)  # expm1(-0) = -0
     return m.select(m.isnan(x), x, y)
 
@@ -317,14 +398,25 @@ def _tanh_f32(m: _Arith, x: str) -> str:
     a = m.abs(x)
     z = m.mul(a, a)
     small = m.fma(m.mul(a, z), m.poly(z, _TANH_P), a)
-    e = _exp_f32(m, m.add(a, a))
+    e = _exp(m, m.add(a, a))
     large = m.sub(m.c(1.0), m.div(m.c(2.0), m.add(e, m.c(1.0))))
     y = m.select(m.cmp("olt", a, m.c(0.625)), small, large)
     return m.copysign(y, x)
 
 
-def _logistic_f32(m: _Arith, x: str) -> str:
-    e = _exp_f32(m, m.unary("arith.negf", m.abs(x)))
+def _tanh_f64(m: _Arith, x: str) -> str:
+    a = m.abs(x)
+    z = m.mul(a, a)
+    small = m.fma(m.mul(a, z), m.poly(z, _TANH_P64), a)
+    e = _expm1(m, m.add(a, a))
+    large = m.div(e, m.add(e, m.c(2.0)))  # expm1(2a) / (expm1(2a) + 2)
+    y = m.select(m.cmp("olt", a, m.c(0.625)), small, large)
+    y = m.select(m.cmp("ogt", a, m.c(22.0)), m.c(1.0), y)  # rounds to 1; avoids inf / inf
+    return m.copysign(y, x)
+
+
+def _logistic(m: _Arith, x: str) -> str:
+    e = _exp(m, m.unary("arith.negf", m.abs(x)))
     numerator = m.select(m.cmp("oge", x, m.c(0.0)), m.c(1.0), e)  # x < 0: e / (1 + e), no overflow
     return m.div(numerator, m.add(m.c(1.0), e))
 
@@ -417,30 +509,6 @@ def _libm(name: str) -> Callable[[_Arith, str], str]:
     return emit
 
 
-def _log1p_f64(m: _Arith, x: str) -> str:
-    u = m.add(x, m.c(1.0))
-    correction = m.div(m.sub(x, m.sub(u, m.c(1.0))), u)
-    y = m.add(m.unary("math.log", u), correction)
-    y = m.select(m.cmp("oeq", u, m.c(1.0)), x, y)
-    return _log_specials(m, u, y)
-
-
-def _expm1_f64(m: _Arith, x: str) -> str:
-    # Kahan: (u - 1) * x / log(u) with u = exp(x) cancels the rounding error of u exactly.
-    u = m.unary("math.exp", x)
-    um1 = m.sub(u, m.c(1.0))
-    y = m.mul(um1, m.div(x, m.unary("math.log", u)))
-    y = m.select(m.cmp("oeq", um1, m.c(-1.0)), um1, y)
-    y = m.select(m.cmp("oeq", u, m.c(math.inf)), u, y)
-    return m.select(m.cmp("oeq", u, m.c(1.0)), x, y)
-
-
-def _logistic_f64(m: _Arith, x: str) -> str:
-    e = m.unary("math.exp", m.unary("arith.negf", m.abs(x)))
-    numerator = m.select(m.cmp("oge", x, m.c(0.0)), m.c(1.0), e)  # x < 0: e / (1 + e), no overflow
-    return m.div(numerator, m.add(m.c(1.0), e))
-
-
 def _atan2_f64(m: _Arith, y: str, x: str) -> str:
     return m.b.op(f"math.atan2 {y}, {x} : f64")
 
@@ -460,12 +528,12 @@ def _pow_f32(m: _Arith, x: str, y: str) -> str:
 
 _UNARY: dict[str, tuple[Callable[[_Arith, str], str], Callable[[_Arith, str], str]]] = {
     # name: (float32 implementation, float64 implementation)
-    "exp": (_exp_f32, _libm("exp")),
-    "log": (_log_f32, _libm("log")),
-    "log1p": (_log1p_f32, _log1p_f64),
-    "expm1": (_expm1_f32, _expm1_f64),
-    "tanh": (_tanh_f32, _libm("tanh")),
-    "logistic": (_logistic_f32, _logistic_f64),
+    "exp": (_exp, _exp),
+    "log": (_log, _log),
+    "log1p": (_log1p, _log1p),
+    "expm1": (_expm1, _expm1),
+    "tanh": (_tanh_f32, _tanh_f64),
+    "logistic": (_logistic, _logistic),
     "erf": (_erf_f32, _libm("erf")),
     "sin": (_sin_f32, _libm("sin")),
     "cos": (_cos_f32, _libm("cos")),
