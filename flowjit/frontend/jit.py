@@ -45,12 +45,19 @@ from flowjit.ir.location import is_internal_file, user_location
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
 from flowjit.passes import dump
+from flowjit.passes.partition import graph_devices, placement_report, split_partitions
 from flowjit.passes.registry import run_pipeline
 from flowjit.runtime.devices import DeviceSpec
+from flowjit.runtime.executor import PartitionedExecutable
 
 # The optimization pipeline for every target, top to bottom.
 PIPELINE = (
     "canonicalize",  # fold constants, simplify algebra, CSE, DCE
+)
+# Then, on a copy of the optimized graph (stage "placement"):
+PLACEMENT_PIPELINE = (
+    "place",  # a device for every op: constraints, variable colocation, cost model
+    "partition",  # send/recv on every cross-device edge (nothing to do with one device)
 )
 
 _INT64_RANGE = range(-(2**63), 2**63)
@@ -539,31 +546,41 @@ class Lowered:
         self._executable: Executable | None = None
 
     def graph(self, stage: str = "optimized") -> Graph:
-        """The IR at `stage` ('traced' or 'optimized')."""
+        """The IR at `stage` ('traced', 'optimized', or 'placement': placed and partitioned)."""
         if stage == "optimized" and stage not in self._graphs:
             from flowjit.ir.parser import parse_graph
 
             # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
             copy = parse_graph(print_graph(self._graphs["traced"]))
             self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
+        if stage == "placement" and stage not in self._graphs:
+            from flowjit.ir.parser import parse_graph
+
+            copy = parse_graph(print_graph(self.graph("optimized")))
+            self._graphs["placement"] = run_pipeline(copy, PLACEMENT_PIPELINE, dump_name=self.name)
         if stage not in self._graphs:
-            raise FlowjitValueError(f"no IR stage '{stage}'; IR stages are 'traced' and 'optimized'")
+            raise FlowjitValueError(f"no IR stage '{stage}'; IR stages are 'traced', 'optimized' and 'placement'")
         return self._graphs[stage]
 
     @property
     def stages(self) -> list[str]:
         """The stage names `as_text` accepts for this function and backend."""
         backend = list(self._compile_executable().stages) if self._executable or self.target != "interpreter" else []
-        return ["traced", "optimized", *backend]
+        return ["traced", "optimized", "placement", *backend]
 
     def _compile_executable(self) -> Executable:
         if self._executable is None:
-            self._executable = compile_graph(self.graph("optimized"), self.target)
+            placed = self.graph("placement")
+            if len(graph_devices(placed)) > 1:
+                self._executable = PartitionedExecutable(split_partitions(placed), self.target)
+            else:  # one device: the optimized graph as is
+                self._executable = compile_graph(self.graph("optimized"), self.target)
         return self._executable
 
     @user_errors
     def as_text(self, stage: str = "optimized") -> str:
-        """The text of one stage: 'traced', 'optimized', or a backend stage ('mlir', 'llvm', 'asm')."""
+        """The text of one stage: 'traced', 'optimized', 'placement' (each op's device and why, each
+        transfer), or a backend stage ('mlir', 'llvm', 'asm')."""
         if stage in ("traced", "optimized"):
             header = f"stage: {stage}"
             if stage == "optimized":
@@ -571,9 +588,13 @@ class Lowered:
                 executable = self._compile_executable()
                 header += f"\nbackend: {_backend_note(executable)}"
             return print_graph(self.graph(stage), header)
+        if stage == "placement":
+            placed = self.graph("placement")
+            header = f"stage: placement\npipeline: {', '.join(PLACEMENT_PIPELINE)}\n{placement_report(placed)}"
+            return print_graph(placed, header)
         executable = self._compile_executable()
         if stage not in executable.stages:
-            available = ", ".join(["traced", "optimized", *executable.stages])
+            available = ", ".join(["traced", "optimized", "placement", *executable.stages])
             raise FlowjitValueError(
                 f"{user_location()}: no stage '{stage}' for backend '{executable.backend}'; available: {available}"
             )

@@ -21,9 +21,11 @@ from flowjit.ir.types import TensorType
 
 @dataclass
 class RunContext:
-    """What a call provides beyond its arguments: the live buffers of the variables it uses."""
+    """What a call provides beyond its arguments: the live buffers of the variables it uses, and
+    for a partition of a multi-device function the step's rendezvous (`send`/`recv`)."""
 
     variables: dict[str, np.ndarray] = field(default_factory=dict)
+    rendezvous: object | None = None  # flowjit.runtime.rendezvous.Rendezvous
 
 
 # op name -> handler(op, operand arrays, context) -> list of result arrays
@@ -137,3 +139,25 @@ HANDLERS.update(
         "assign_sub": _update_variable,
     }
 )
+
+
+# --- communication --------------------------------------------------------------------------------------
+
+
+def _rendezvous(op: Op, context):
+    rendezvous = getattr(context, "rendezvous", None)
+    if rendezvous is None:
+        raise CompileError(f"{op.loc}: op '{op.name}' needs a rendezvous: run partitions through the executor")
+    return rendezvous
+
+
+def _send(op: Op, args, context):
+    _rendezvous(op, context).send(op.attrs["key"], args[0])  # the array itself: the interpreter never mutates it
+    return []
+
+
+def _recv(op: Op, args, context):
+    return [_rendezvous(op, context).recv(op.attrs["key"], f"{op.loc}: ")]
+
+
+HANDLERS.update({"send": _send, "recv": _recv})

@@ -3,6 +3,7 @@
 from flowjit.ir.ops import (  # noqa: F401
     autodiff,
     bitwise,
+    communication,
     contraction,
     control,
     creation,

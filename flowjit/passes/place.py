@@ -1,0 +1,268 @@
+"""The `place` pass: give every op a concrete device, and record the rule that chose it.
+
+Assumes: ops carry their user constraint in `op.device` (a full or partial device name, or None),
+as traced under `with fj.device(...)` / `fj.jit(..., device=...)`.
+Guarantees: every op, nested ones included, has `op.device` set to the full name of one of
+`fj.devices()`; ops that touch one variable share a device; a region op (cond/while/for) and its
+body share a device; `graph.placement` maps each top-level op to a one-line reason.
+
+Cost model (deterministic, in estimated microseconds; constants below, measured by
+`benchmarks/multidevice.py`): an op costs its elements touched (operands + results) at
+`ELEMENTS_PER_US`, a contraction its multiply-adds at `FLOPS_PER_US`; moving a value to another
+device costs `TRANSFER_LATENCY_US` plus its bytes at `TRANSFER_BYTES_PER_US`, once per
+(value, device). Each op goes to the device where it would finish earliest given when that device
+is free and when its operands can arrive there (list scheduling), ties broken by fewer bytes moved,
+then by device order. So chains stay on one device, and independent work big enough to pay for
+its transfers spreads across devices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flowjit.errors import FlowjitValueError
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.ops import CONTRACTION, get_opdef
+from flowjit.passes.registry import register
+from flowjit.runtime.devices import Device, DeviceSpec, devices
+
+ELEMENTS_PER_US = 1000.0  # elementwise/movement work: ~1 ns per element touched
+FLOPS_PER_US = 4000.0  # contractions: multiply-adds per microsecond on one core
+TRANSFER_LATENCY_US = 30.0  # one send/recv between CPU devices (rendezvous hand-off, thread wake-up)
+TRANSFER_BYTES_PER_US = 4000.0  # ~4 GB/s: one memcpy between host buffers
+
+# Ops with no operands that are cheaper to recreate than to move: placed with their first consumer,
+# and duplicated by `partition` for consumers on other devices.
+FREE_CREATIONS = frozenset({"constant", "iota"})
+
+
+@dataclass
+class _Unit:
+    """A top-level op with its regions: placed as one. `constraint` merges every nested op's."""
+
+    op: Op
+    constraint: DeviceSpec | None
+    constraint_op: Op | None  # the op whose constraint `constraint` came from (for errors)
+    variables: frozenset[str]
+
+
+def _parse(op: Op) -> DeviceSpec | None:
+    return DeviceSpec.parse(op.device) if op.device else None
+
+
+def merge_constraints(a: DeviceSpec, b: DeviceSpec) -> DeviceSpec | None:
+    """The constraint satisfying both `a` and `b`, or None when they contradict each other."""
+    fields = []
+    for x, y in zip((a.job, a.task, a.device_type, a.index), (b.job, b.task, b.device_type, b.index)):
+        if x is not None and y is not None and x != y:
+            return None
+        fields.append(x if x is not None else y)
+    return DeviceSpec(*fields)
+
+
+def _contradiction(op: Op, spec: DeviceSpec, other: Op, other_spec: DeviceSpec, why: str) -> FlowjitValueError:
+    return FlowjitValueError(
+        f"{op.loc}: op '{op.name}' is constrained to '{spec}' but {why}, and op '{other.name}' at {other.loc} is "
+        f"constrained to '{other_spec}'; these constraints contradict each other. Put both under one "
+        "`with fj.device(...)` or drop one of them"
+    )
+
+
+def _unit(op: Op) -> _Unit:
+    constraint, source = _parse(op), op
+    variables = set()
+    for inner in [op, *(o for r in op.regions for o in r.walk())]:
+        if "var" in inner.attrs and get_opdef(inner.name).effectful:
+            variables.add(inner.attrs["var"])
+        spec = _parse(inner)
+        if spec is None or inner is op:
+            continue
+        merged = spec if constraint is None else merge_constraints(constraint, spec)
+        if merged is None:
+            raise _contradiction(
+                inner, spec, source, constraint, f"it is inside the region of '{op.name}' at {op.loc}, placed as a unit"
+            )
+        constraint, source = merged, source if constraint is not None else inner
+    return _Unit(op, constraint, source if constraint is not None else None, frozenset(variables))
+
+
+def _variable_groups(units: list[_Unit]) -> dict[int, int]:
+    """Union-find over units: units touching a common variable share a group (index of its root)."""
+    parent = list(range(len(units)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first_user: dict[str, int] = {}
+    for i, unit in enumerate(units):
+        for var in sorted(unit.variables):
+            j = first_user.setdefault(var, i)
+            parent[root(i)] = root(j)
+    return {i: root(i) for i in range(len(units))}
+
+
+def op_cost_us(op: Op) -> float:
+    """Estimated run time of `op` (with its regions, bodies counted once) in microseconds."""
+    if op.regions:
+        return sum(op_cost_us(inner) for region in op.regions for inner in region.ops)
+    sizes = [v.type.size for v in op.operands]
+    out = sum(v.type.size for v in op.results)
+    if get_opdef(op.name).family == CONTRACTION and len(sizes) == 2:
+        # sqrt(|a| |b| |out|) is M*N*K for a matmul (M x K) @ (K x N).
+        return math.sqrt(float(sizes[0]) * sizes[1] * max(out, 1)) / FLOPS_PER_US
+    return (sum(sizes) + out) / ELEMENTS_PER_US
+
+
+def transfer_us(value: Value) -> float:
+    """Estimated cost of moving `value` between two CPU devices, in microseconds."""
+    return TRANSFER_LATENCY_US + value.type.nbytes / TRANSFER_BYTES_PER_US
+
+
+class _Scheduler:
+    """Earliest-finish-time list scheduling over candidate devices."""
+
+    def __init__(self, all_devices: list[Device]):
+        self.free_at = {d.name: 0.0 for d in all_devices}
+        self.order = {d.name: i for i, d in enumerate(all_devices)}
+        self.home: dict[Value, str] = {}  # value -> device that computes it
+        self.ready: dict[tuple[Value, str], float] = {}  # (value, device) -> time it is available there
+
+    def arrival(self, value: Value, device: str) -> tuple[float, int]:
+        """When `value` can be read on `device`, and the bytes moved to get it there."""
+        home = self.home.get(value)
+        if home is None:  # a parameter or a free creation: available everywhere at time 0
+            return 0.0, 0
+        if (value, device) in self.ready:
+            return self.ready[(value, device)], 0
+        return self.ready[(value, home)] + transfer_us(value), value.type.nbytes
+
+    def estimate(self, op: Op, device: str) -> tuple[float, int]:
+        start, moved = self.free_at[device], 0
+        for v in op.operands:
+            t, nbytes = self.arrival(v, device)
+            start, moved = max(start, t), moved + nbytes
+        return start + op_cost_us(op), moved
+
+    def choose(self, op: Op, candidates: list[Device]) -> tuple[str, str]:
+        """The best device for `op` and the reason."""
+        scored = sorted((*self.estimate(op, d.name), self.order[d.name], d.name) for d in candidates)
+        finish, moved, _, best = scored[0]
+        reason = f"cost model: finishes first (~{finish:.1f} us, {moved} bytes moved in)"
+        return best, reason
+
+    def commit(self, op: Op, device: str) -> None:
+        start = self.free_at[device]
+        for v in op.operands:
+            t, _ = self.arrival(v, device)
+            start = max(start, t)
+            if self.home.get(v) is not None:
+                self.ready[(v, device)] = t
+        finish = start + op_cost_us(op)
+        self.free_at[device] = finish
+        for r in op.results:
+            self.home[r] = device
+            self.ready[(r, device)] = finish
+
+
+def _candidates(unit_ops: list[Op], constraint: DeviceSpec | None, source: Op | None, local: list[Device]):
+    if constraint is None:
+        return local
+    found = [d for d in local if constraint.matches(d)]
+    if not found:
+        op = source or unit_ops[0]
+        raise FlowjitValueError(
+            f"{op.loc}: op '{op.name}': no device matches the constraint '{constraint}'; the devices are "
+            f"{', '.join(d.name for d in local)} (set FLOWJIT_CPU_DEVICES=N for N CPU devices)"
+        )
+    return found
+
+
+def _set_device(op: Op, device: str) -> None:
+    op.device = device
+    for region in op.regions:
+        for inner in region.walk():
+            inner.device = device
+
+
+@register("place")
+def place(graph: Graph) -> Graph:
+    """Assign every op a concrete device and record why in `graph.placement` (op -> reason).
+
+    Algorithm:
+    1. Treat each top-level op with its regions as one unit; merge the constraints inside it.
+    2. Group units that touch a common variable (colocation); merge the group's constraints, and
+       report contradicting ones naming both source lines.
+    3. Walk units in program order: a unit whose group is placed joins it; a constrained unit with
+       one fitting device takes it; free creations (constants) wait for their first consumer;
+       everything else goes to the fitting device where the cost model says it finishes first.
+    4. Free creations take their first consumer's device (partition copies them to other users).
+    """
+    local = devices()
+    units = [_unit(op) for op in graph.ops]
+    groups = _variable_groups(units)
+    group_constraint: dict[int, tuple[DeviceSpec, Op]] = {}
+    for i, unit in enumerate(units):
+        if unit.constraint is None:
+            continue
+        g = groups[i]
+        if g not in group_constraint:
+            group_constraint[g] = (unit.constraint, unit.constraint_op)
+            continue
+        spec, source = group_constraint[g]
+        merged = merge_constraints(spec, unit.constraint)
+        if merged is None:
+            shared = sorted(unit.variables & units[g].variables) or sorted(unit.variables)
+            raise _contradiction(
+                unit.constraint_op,
+                unit.constraint,
+                source,
+                spec,
+                f"it uses variable '{shared[0]}', which must live on one device with every op that reads or updates it",
+            )
+        group_constraint[g] = (merged, source)
+
+    scheduler = _Scheduler(local)
+    reasons: dict[Op, str] = {}
+    group_device: dict[int, tuple[str, Op]] = {}
+    first_consumer: dict[Op, str] = {}
+    deferred = []
+    for i, unit in enumerate(units):
+        op, g = unit.op, groups[i]
+        constrained = group_constraint.get(g)
+        in_group = bool(unit.variables)  # only units touching variables share groups
+        if g in group_device and in_group:
+            device, leader = group_device[g]
+            var = sorted(unit.variables)[0] if unit.variables else "?"
+            reasons[op] = f"colocated with variable '{var}' (as op '{leader.name}' at {leader.loc})"
+        elif op.name in FREE_CREATIONS and constrained is None and not op.operands:
+            deferred.append(op)
+            continue
+        else:
+            spec, source = constrained if constrained else (None, None)
+            fitting = _candidates([op], spec, source, local)
+            if len(fitting) == 1 and spec is not None:
+                device = fitting[0].name
+                reasons[op] = f"constraint '{spec}' ({source.loc})"
+            elif len(fitting) == 1:
+                device, reasons[op] = fitting[0].name, "the only device"
+            else:
+                device, reasons[op] = scheduler.choose(op, fitting)
+                if spec is not None:
+                    reasons[op] += f" among devices matching '{spec}' ({source.loc})"
+            if in_group:
+                group_device[g] = (device, op)
+        scheduler.commit(op, device)
+        _set_device(op, device)
+        for v in op.operands:
+            if v.producer is not None:
+                first_consumer.setdefault(v.producer, device)
+    for op in deferred:
+        device = first_consumer.get(op, local[0].name)
+        _set_device(op, device)
+        reasons[op] = "created where first used" if op in first_consumer else "unused: default device"
+    graph.placement = {op: reasons[op] for op in graph.ops}
+    return graph

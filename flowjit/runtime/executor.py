@@ -1,0 +1,146 @@
+"""The multi-device executor: runs the partitions of one call concurrently, joined by a rendezvous.
+
+    plan = split_partitions(partitioned_graph)       # one self-contained graph per device
+    exe = PartitionedExecutable(plan, target)         # each partition compiled on its own
+    exe.run(args, variables)                          # one call = one step
+
+Each call creates a fresh `Rendezvous` (its own namespace and step id), so concurrent calls of one
+function are independent. The first partition runs on the calling thread and the others on one
+thread each; native partitions release the GIL, so devices really run at the same time. When a
+partition fails, the step is cancelled: waiting recvs wake with an error, native code finishes
+with zero-filled inputs, and the caller gets the first real failure (with the op's source line and
+device), with the cancelled partitions listed in its notes. Recvs also time out
+(`FLOWJIT_RECV_TIMEOUT`), so a call never hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from flowjit.backends import Executable, compile_graph
+from flowjit.errors import FlowjitError
+from flowjit.ir.graph import Graph
+from flowjit.ir.interpreter import RunContext, check_array, eval_op
+from flowjit.passes.partition import PartitionPlan, short_device_name
+from flowjit.runtime.rendezvous import Rendezvous, TransferError
+
+
+class PartitionError(FlowjitError):
+    """An op of one partition failed while running."""
+
+
+class InterpretedPartition:
+    """A partition run op by op by the reference interpreter (target 'interpreter')."""
+
+    def __init__(self, graph: Graph, device: str):
+        self.graph = graph
+        self.device = short_device_name(device)
+
+    def run(self, args: Sequence[np.ndarray], variables: dict, rendezvous: Rendezvous) -> list[np.ndarray]:
+        context = RunContext(variables, rendezvous)
+        env = dict(zip(self.graph.params, args))
+        for op in self.graph.ops:
+            try:
+                outs = eval_op(op, [env[v] for v in op.operands], context)
+            except (FlowjitError, TransferError):
+                raise
+            except Exception as e:
+                raise PartitionError(
+                    f"{op.loc}: op '{op.name}' on {self.device} failed: {type(e).__name__}: {e}"
+                ) from e
+            for result, value in zip(op.results, outs):
+                check_array(value, result.type, f"internal error: result of op '{op.name}' at {op.loc}")
+                env[result] = value
+        return [env[r] for r in self.graph.results]
+
+
+class NativePartition:
+    """A partition compiled to one native entry point; its send/recv call the rendezvous."""
+
+    def __init__(self, graph: Graph, device: str, target: str):
+        self.device = short_device_name(device)
+        self.executable = compile_graph(graph, target)
+
+    def run(self, args: Sequence[np.ndarray], variables: dict, rendezvous: Rendezvous) -> list[np.ndarray]:
+        return self.executable.run_step(args, variables, rendezvous)
+
+
+class PartitionedExecutable(Executable):
+    """All partitions of one function, each compiled for `target`, run together per call."""
+
+    def __init__(self, plan: PartitionPlan, target: str, report: str = ""):
+        self.plan = plan
+        self.parts = [
+            InterpretedPartition(p.graph, p.device)
+            if target == "interpreter"
+            else NativePartition(p.graph, p.device, target)
+            for p in plan.partitions
+        ]
+        names = ", ".join(p.device for p in self.parts)
+        inner = "reference interpreter" if target == "interpreter" else self.parts[0].executable.backend
+        self.backend = f"{len(self.parts)} partitions on {names}, each {inner}"
+        self.stages = {} if target == "interpreter" else _PartitionStages(self.parts)
+        self.report = report
+
+    def run(self, args: Sequence[np.ndarray], variables: dict | None = None) -> list[np.ndarray]:
+        """One step: every partition on its own thread, results gathered in the original order."""
+        variables = variables or {}
+        rendezvous = Rendezvous()
+        outs: list[list | None] = [None] * len(self.parts)
+        errors: list[BaseException | None] = [None] * len(self.parts)
+
+        def work(n: int) -> None:
+            part_args = [args[i] for i in self.plan.partitions[n].inputs]
+            try:
+                outs[n] = self.parts[n].run(part_args, variables, rendezvous)
+            except BaseException as e:  # noqa: BLE001 (any failure must cancel the step, then reach the caller)
+                errors[n] = e
+                rendezvous.cancel(e)
+
+        threads = [threading.Thread(target=work, args=(n,), daemon=True) for n in range(1, len(self.parts))]
+        for t in threads:
+            t.start()
+        work(0)
+        for t in threads:
+            t.join()
+        if any(e is not None for e in errors):
+            raise self._step_error(errors)
+        return [
+            args[source[1]] if source[0] == "param" else outs[source[1]][source[2]]
+            for source in self.plan.result_sources
+        ]
+
+    def _step_error(self, errors: list[BaseException | None]) -> BaseException:
+        """The root failure of a step (not a recv woken by the cancellation), noting the others."""
+        failed = [(self.parts[n].device, e) for n, e in enumerate(errors) if e is not None]
+        roots = [(d, e) for d, e in failed if not (isinstance(e, TransferError) and "cancelled" in str(e))]
+        device, root = (roots or failed)[0]
+        for other_device, other in failed:
+            if other is not root:
+                root.add_note(f"partition on {other_device} stopped: {other}")
+        return root
+
+
+class _PartitionStages:
+    """Backend stage texts of a partitioned function: each partition's, one after the other."""
+
+    def __init__(self, parts: list[NativePartition]):
+        self.parts = parts
+
+    def __getitem__(self, stage: str) -> str:
+        return "\n".join(f"// partition on {p.device}\n{p.executable.stages[stage]}" for p in self.parts)
+
+    def __iter__(self):
+        return iter(self.parts[0].executable.stages)
+
+    def __contains__(self, stage) -> bool:
+        return stage in self.parts[0].executable.stages
+
+    def __len__(self) -> int:
+        return len(self.parts[0].executable.stages)
+
+    def keys(self):
+        return list(self)

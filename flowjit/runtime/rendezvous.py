@@ -1,0 +1,165 @@
+"""The rendezvous where a `recv` meets its `send`: one per call (step) of a partitioned function.
+
+A step's partitions run concurrently; `send(key, array)` deposits a buffer under its key and never
+blocks; `recv(key)` waits until that key is deposited, the step is cancelled (another partition
+failed), or the timeout passes. Every call gets a fresh `Rendezvous`, so concurrent calls of one
+function never see each other's values (the step id names the namespace in errors).
+
+Native partitions reach the rendezvous through two C-ABI functions (see `native_symbols`):
+
+    void    flowjit_send(int64_t ctx, int64_t key_id, const void *data, int64_t nbytes);
+    int32_t flowjit_recv(int64_t ctx, int64_t key_id, void *dest, int64_t nbytes);
+
+`ctx` is the handle of one partition's run in one step (`StepContext.handle`), passed to the
+partition's entry point as its last argument; `key_id` indexes the partition's key table. A send
+deposits a copy of its buffer (the sender's workspace is reused right after), so a transfer between
+CPU devices costs one copy plus one copy into the receiver's destination for native code, and
+none in the interpreter. `flowjit_recv` returns 0 on delivery and 1 when the step was cancelled or
+timed out (the destination is then zero-filled so the partition can finish; the executor raises).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+import time
+
+import numpy as np
+
+from flowjit.errors import FlowjitError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class TransferError(FlowjitError):
+    """A recv that could not complete: its step was cancelled, or its send never came."""
+
+
+def recv_timeout_s() -> float:
+    """Seconds a recv waits for its send (`FLOWJIT_RECV_TIMEOUT`, default 120)."""
+    raw = os.environ.get("FLOWJIT_RECV_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return float(raw)
+    except ValueError:
+        raise FlowjitError(f"FLOWJIT_RECV_TIMEOUT must be a number of seconds; found {raw!r}") from None
+
+
+_step_ids = itertools.count(1)
+
+
+class Rendezvous:
+    """The meeting point of one step's sends and recvs."""
+
+    def __init__(self, timeout_s: float | None = None):
+        self.step_id = next(_step_ids)
+        self.timeout_s = recv_timeout_s() if timeout_s is None else timeout_s
+        self._cond = threading.Condition()
+        self._values: dict[str, np.ndarray] = {}
+        self._cancelled: BaseException | None = None
+
+    def send(self, key: str, value: np.ndarray) -> None:
+        """Deposit `value` under `key` and wake the waiting recv; never blocks on the receiver."""
+        with self._cond:
+            self._values[key] = value
+            self._cond.notify_all()
+
+    def recv(self, key: str, where: str = "") -> np.ndarray:
+        """The value sent under `key`, waiting for it; raises TransferError when the step is
+        cancelled or nothing arrives within the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while key not in self._values:
+                if self._cancelled is not None:
+                    raise TransferError(
+                        f"{where}recv '{key}' of step {self.step_id} cancelled: another partition failed"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(
+                        f"{where}recv '{key}' of step {self.step_id} timed out after {self.timeout_s:g} s waiting for "
+                        "its send (FLOWJIT_RECV_TIMEOUT sets the limit)"
+                    )
+                self._cond.wait(left)
+            return self._values.pop(key)
+
+    def cancel(self, error: BaseException) -> None:
+        """Wake every waiting recv with an error: `error` ended this step."""
+        with self._cond:
+            if self._cancelled is None:
+                self._cancelled = error
+            self._cond.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled is not None
+
+
+# --- the C ABI for native partitions ---------------------------------------------------------------------
+
+SEND_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+RECV_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+
+
+class StepContext:
+    """One partition's view of one step: the rendezvous, its key table (key_id -> key, op location)
+    and the first error its native send/recv calls met. Registered under `handle` while it runs."""
+
+    _handles = itertools.count(1)
+    live: dict[int, StepContext] = {}
+    _live_lock = threading.Lock()
+
+    def __init__(self, rendezvous: Rendezvous, keys: list[tuple[str, str]]):
+        self.rendezvous = rendezvous
+        self.keys = keys
+        self.error: BaseException | None = None
+        self.handle = next(self._handles)
+
+    def __enter__(self) -> StepContext:
+        with self._live_lock:
+            self.live[self.handle] = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._live_lock:
+            del self.live[self.handle]
+
+
+def _native_send(ctx: int, key_id: int, data: int, nbytes: int) -> None:
+    step = StepContext.live[ctx]
+    key, _ = step.keys[key_id]
+    buffer = np.empty(nbytes, np.uint8)
+    if nbytes:
+        ctypes.memmove(buffer.ctypes.data, data, nbytes)
+    step.rendezvous.send(key, buffer)
+
+
+def _native_recv(ctx: int, key_id: int, dest: int, nbytes: int) -> int:
+    step = StepContext.live[ctx]
+    key, where = step.keys[key_id]
+    try:
+        value = step.rendezvous.recv(key, f"{where}: " if where else "")
+    except TransferError as e:
+        if step.error is None:
+            step.error = e
+        ctypes.memset(dest, 0, nbytes)
+        return 1
+    if nbytes:
+        ctypes.memmove(dest, value.ctypes.data, nbytes)
+    return 0
+
+
+# Kept alive for the life of the process: native code holds their addresses.
+_SEND_CALLBACK = SEND_PROTOTYPE(_native_send)
+_RECV_CALLBACK = RECV_PROTOTYPE(_native_recv)
+
+
+def native_symbols() -> dict[str, int]:
+    """The addresses native code links `flowjit_send` / `flowjit_recv` to."""
+    return {
+        "flowjit_send": ctypes.cast(_SEND_CALLBACK, ctypes.c_void_p).value,
+        "flowjit_recv": ctypes.cast(_RECV_CALLBACK, ctypes.c_void_p).value,
+    }
