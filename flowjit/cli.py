@@ -140,7 +140,7 @@ def _add_dump(sub) -> None:
     p.add_argument(
         "--stage",
         default="optimized",
-        help="traced, optimized, a backend stage (mlir, llvm, asm, ...) or all (default: optimized)",
+        help="traced, optimized, placement, a backend stage (mlir, llvm, asm, ...) or all (default: optimized)",
     )
 
 

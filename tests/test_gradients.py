@@ -164,6 +164,12 @@ def _rows() -> list[GradRow]:
         GradRow("reduce_min", "reduce_min", distinct(3, 4), {"axes": (0,)}),
         GradRow("reduce_prod", "reduce_prod", uniform(0.5, 1.5, 2, 4), {"axes": (1,)}),
         GradRow(
+            "reduce_prod-two-axes",
+            "reduce_prod",
+            lambda rng: [np.where(rng.random((3, 2, 5)) < 0.1, 0.0, rng.uniform(0.6, 1.4, (3, 2, 5)))],
+            {"axes": (2, 0)},
+        ),
+        GradRow(
             "reduce_prod-zeros",
             "reduce_prod",
             lambda rng: [np.array([[0.0, 1.5, -2.0], [0.0, 0.0, 3.0], [1.2, -0.7, 2.0]])],
@@ -404,3 +410,34 @@ def test_every_differentiable_op_has_a_row():
     assert not missing, f"differentiable ops without a gradient row (add one to ROWS): {missing}"
     without_rule = sorted(name for name in with_rows if name not in VJP_RULES)
     assert not without_rule, f"rows for ops with no vjp rule: {without_rule}"
+
+
+# Second order: the gradient graph is itself differentiated (grad of grad, Hessian-vector products),
+# so every rule's output must have correct rules too. Checked in float64 against central differences
+# of the first-order gradient graph.
+SECOND_ORDER_SKIP = {
+    "max": "piecewise linear: zero second derivative",
+    "min": "piecewise linear: zero second derivative",
+}
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.op not in SECOND_ORDER_SKIP], ids=lambda r: r.id)
+def test_second_order_matches_finite_differences(row: GradRow):
+    wide = _operands(row, seed=len(row.id))
+    graph = _single_op_graph(row, wide)
+    params = [x for i, x in enumerate(wide) if i not in row.static]
+    rng = np.random.default_rng(2)
+    cotangents = [rng.uniform(0.5, 1.5, r.type.shape) for r in graph.results if r.type.dtype.is_float]
+    first = vjp_graph(graph, VJPSpec(primal_outputs=False))  # (params, cts) -> grads of float params
+    num_params = len(params)
+    # differentiate <v, first(params, cts)> with respect to the float params only (cts held fixed)
+    float_params = tuple(i for i, x in enumerate(params) if _is_float(x))
+    directions = [rng.uniform(-1, 1, r.type.shape) for r in first.results]
+    second = vjp_graph(first, VJPSpec(wrt=float_params, primal_outputs=False))
+    verify(second)
+    got = interpret(second, [*params, *cotangents, *directions])
+    fixed = [*params, *cotangents]
+    expected = _finite_differences(first, fixed, directions)[:num_params]
+    for g, fd in zip(got, [fd for fd in expected if fd is not None]):
+        scale = max(1.0, float(np.max(np.abs(fd), initial=0.0)))
+        np.testing.assert_allclose(g, fd, rtol=0, atol=1e-6 * scale)

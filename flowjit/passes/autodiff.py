@@ -473,19 +473,47 @@ def _reduce_extreme_vjp(op, cts, operands, results):
     return [_broadcast_back(ct / count, x.shape, axes) * hits]
 
 
-def _reduce_prod_vjp(op, cts, operands, results):
-    # d(prod)/dx_i is the product of the other elements; computed without dividing by zero: with no
-    # zero in the group it is prod/x_i, with exactly one zero it is the product of the non-zeros at
-    # that zero (and 0 elsewhere), with more zeros it is 0.
-    (ct,), (x,) = cts, operands
-    axes = op.attrs["axes"]
-    is_zero = x == 0
-    nonzero = _where(is_zero, 1.0, x)
-    prod_nonzero = _broadcast_back(bind("reduce_prod", [nonzero], {"axes": axes}), x.shape, axes)
-    zero_count = _broadcast_back(bind("reduce_sum", [fnp.astype(is_zero, x.dtype)], {"axes": axes}), x.shape, axes)
-    partial = _where(
-        zero_count == 0, prod_nonzero / nonzero, _where(fnp.logical_and(zero_count == 1, is_zero), prod_nonzero, 0.0)
+def _shift_last(y, k: int, toward_end: bool):
+    """`y` moved by k along its last axis, filled with ones (the product's identity)."""
+    n, rank = y.shape[-1], len(y.shape)
+    lead = (0,) * (rank - 1)
+    low, high, start = (k, 0, 0) if toward_end else (0, k, k)
+    padded = bind(
+        "pad", [y, np.ones((), y.dtype)], {"low": lead + (low,), "high": lead + (high,), "interior": (0,) * rank}
     )
+    return bind(
+        "slice",
+        [padded],
+        {"start": lead + (start,), "limit": tuple(y.shape[:-1]) + (start + n,), "stride": (1,) * rank},
+    )
+
+
+def _exclusive_products(y, toward_end: bool):
+    """prod_{j<i} y_j (toward_end) or prod_{j>i} y_j along the last axis: a log-depth scan of shifted
+    products, so it is exact with zeros and differentiable again."""
+    y = _shift_last(y, 1, toward_end)
+    k = 1
+    while k < y.shape[-1]:
+        y = y * _shift_last(y, k, toward_end)
+        k *= 2
+    return y
+
+
+def _reduce_prod_vjp(op, cts, operands, results):
+    # d prod / d x_i = (product of the elements before i) * (product of the elements after i), with the
+    # reduced axes moved last and flattened; no division, so zeros are handled exactly.
+    (ct,), (x,) = cts, operands
+    axes = tuple(sorted(op.attrs["axes"]))
+    kept = [i for i in range(len(x.shape)) if i not in axes]
+    perm = (*kept, *axes)
+    moved = bind("transpose", [x], {"perm": perm})
+    n = math.prod(x.shape[i] for i in axes)
+    if n == 0:
+        return [_zeros_like(x)]
+    flat = bind("reshape", [moved], {"shape": (*(x.shape[i] for i in kept), n)})
+    partial = _exclusive_products(flat, True) * _exclusive_products(flat, False)
+    partial = bind("reshape", [partial], {"shape": tuple(moved.shape)})
+    partial = bind("transpose", [partial], {"perm": tuple(perm.index(i) for i in range(len(perm)))})
     return [_broadcast_back(ct, x.shape, axes) * partial]
 
 
