@@ -71,8 +71,6 @@ def generate_mlir(graph: Graph):
 
 def mlir_to_llvm_dialect(text: str) -> str:
     """Stage 'mlir-llvm': schedule, bufferize and lower to the LLVM dialect."""
-    # Fuses each kernel's bool conversions (i8 <-> i1) into its compute, so no i1 buffer exists.
-    text = toolchain.run_mlir(text, ["builtin.module(func.func(linalg-fuse-elementwise-ops),canonicalize)"])
     if "transform.named_sequence" in text:
         text = toolchain.apply_transform_schedule(text)
         text = toolchain.run_mlir(text, [f"builtin.module({toolchain.SCHEDULE_CLEANUP_PIPELINE})"])

@@ -99,6 +99,9 @@ class KernelEmitter:
         self.body: list[str] = []
         self.indent = "    "
         self.schedules: list[str] = []  # transform-dialect lines for tagged kernels
+        # i1 tensor -> the i8 tensor (numpy's bool bytes) holding the same data: conversions between
+        # the two are looked up here instead of emitted again, so no i1 tensor needs a buffer.
+        self.bool_bytes: dict[str, str] = {}
 
     def fresh(self, prefix: str = "v") -> str:
         self._counter += 1

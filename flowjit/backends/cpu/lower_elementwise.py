@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
-from flowjit.backends.cpu.lowering import INLINES_SPLATS, lowering, splat_value
+from flowjit.backends.cpu.lowering import INLINES_SPLATS, bool_from_bytes, bool_to_bytes, lowering, splat_value
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
@@ -82,16 +82,22 @@ def map_elementwise(
 ) -> str:
     """One elementwise kernel: `body(b, args)` maps scalars in compute types (see `compute_elem`)
     to the result scalar, in the compute type of `out` (or in `out`'s own type when
-    `compute_result` is False, e.g. for bool results). Returns the result tensor."""
+    `compute_result` is False, e.g. for bool results). Returns the result tensor.
+
+    bool data enters and leaves the kernel as numpy's bytes (i8) and is i1 only inside the body,
+    so a bool kernel never needs an i1 buffer."""
     rank1 = TensorType((out.size,), out.dtype) if out.rank > 1 else out
     tensors, scalars = [], []
     for tensor, value in inputs:
         splat = splat_value(value)
         scalars.append(splat)
         if splat is None:
-            tensors.append((collapse(em, tensor, value.type), value.type))
-    out_elem = elem_type(out.dtype)
-    init = collapse(em, em.empty(out), out)
+            t = value.type
+            if t.dtype.is_bool:
+                tensor = bool_to_bytes(em, tensor, t)
+            tensors.append((collapse(em, tensor, t, _storage(t.dtype)), t))
+    out_elem = _storage(out.dtype)
+    init = collapse(em, em.empty(out, out_elem), out, out_elem)
     identity = em.identity_map(rank1.rank)
 
     def kernel_body(b: ScalarBuilder, args: list[str]) -> str:
@@ -103,23 +109,32 @@ def map_elementwise(
                 values.append(b.const(splat, ce))
                 continue
             arg = next(it)
+            if value.type.dtype.is_bool:
+                arg = b.op(f"arith.cmpi ne, {arg}, {b.const(0, 'i8')} : i8")
             values.append(extend(b, arg, value.type.dtype))
         result = body(b, values)
-        return narrow(b, result, out.dtype) if compute_result else result
+        result = narrow(b, result, out.dtype) if compute_result else result
+        return b.op(f"arith.extui {result} : i1 to i8") if out.dtype.is_bool else result
 
     result = em.generic(
-        [(t, tensor_type(rank1.with_dtype(v.dtype))) for t, v in tensors],
-        (init, tensor_type(rank1)),
+        [(t, tensor_type(rank1.with_dtype(v.dtype), _storage(v.dtype))) for t, v in tensors],
+        (init, tensor_type(rank1, out_elem)),
         [identity] * (len(tensors) + 1),
         ["parallel"] * rank1.rank,
         kernel_body,
-        [elem_type(v.dtype) for _, v in tensors],
+        [_storage(v.dtype) for _, v in tensors],
         out_elem,
     )
     if rank1.rank == 1 and out.size > 1:
-        widest = max([_bits(out_elem), *(_bits(elem_type(v.dtype)) for _, v in tensors)])
+        widest = max([_bits(out_elem), *(_bits(_storage(v.dtype)) for _, v in tensors)])
         em.schedule(result, schedule.elementwise(out.size, widest))
-    return expand(em, result, out)
+    result = expand(em, result, out, out_elem)
+    return bool_from_bytes(em, result, out) if out.dtype.is_bool else result
+
+
+def _storage(dtype: dt.DType) -> str:
+    """Element type of a kernel's tensors (bool as bytes)."""
+    return "i8" if dtype.is_bool else elem_type(dtype)
 
 
 def extend(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:

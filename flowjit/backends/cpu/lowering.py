@@ -270,7 +270,7 @@ def bool_from_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
         zero = b.const(0, "i8")
         return b.op(f"arith.cmpi ne, {args[0]}, {zero} : i8")
 
-    return em.generic(
+    result = em.generic(
         [(tensor, tensor_type(t, "i8"))],
         (em.empty(t), tensor_type(t)),
         [zero_map, zero_map],
@@ -279,12 +279,16 @@ def bool_from_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
         ["i8"],
         "i1",
     )
+    em.bool_bytes[result] = tensor
+    return result
 
 
 def bool_to_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
-    """i1 tensor -> numpy bool bytes (0 or 1)."""
+    """i1 tensor -> numpy bool bytes (0 or 1); the bytes it was read from when there are some."""
+    if tensor in em.bool_bytes:
+        return em.bool_bytes[tensor]
     identity = em.identity_map(t.rank)
-    return em.generic(
+    result = em.generic(
         [(tensor, tensor_type(t))],
         (em.empty(t, "i8"), tensor_type(t, "i8")),
         [identity, identity],
@@ -293,6 +297,8 @@ def bool_to_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
         ["i1"],
         "i8",
     )
+    em.bool_bytes[tensor] = result
+    return result
 
 
 def _arg_type(t: TensorType) -> str:

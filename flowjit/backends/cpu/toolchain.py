@@ -19,14 +19,16 @@ from dataclasses import dataclass
 
 from flowjit.errors import CompileError
 
-# After a transform schedule: hoist vector accumulators out of reduction loops (on tensors).
-SCHEDULE_CLEANUP_PIPELINE = "canonicalize,cse,func.func(loop-invariant-subset-hoisting),canonicalize,cse"
+# After a transform schedule: hoist vector accumulators out of reduction loops (on tensors). No
+# `cse` before bufferization: it merges the `tensor.empty`s of different kernels (e.g. two
+# reductions' partial accumulators), and the shared buffer then costs copies on every iteration.
+SCHEDULE_CLEANUP_PIPELINE = "canonicalize,func.func(loop-invariant-subset-hoisting),canonicalize"
 # Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
 # `linalg-fuse-elementwise-ops` first folds the i8 <-> i1 conversions of bool tensors into their
 # neighbours: an i1 tensor that stays materialized between two kernels would be a memref<..xi1>,
 # whose loads and stores MLIR 22's MemRefToLLVM rejects (assertion on sub-byte element types).
 BUFFERIZE_PIPELINE = (
-    "func.func(linalg-fuse-elementwise-ops),canonicalize,cse,eliminate-empty-tensors,"
+    "func.func(linalg-fuse-elementwise-ops),canonicalize,eliminate-empty-tensors,"
     "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map},"
     "canonicalize,cse,buffer-deallocation-pipeline,convert-bufferization-to-memref"
 )
