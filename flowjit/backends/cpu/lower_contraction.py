@@ -423,68 +423,81 @@ def _take_better(b, value: str, best: str, largest: bool, value_type: str, mask_
     return b.op(f"arith.ori {better}, {new_nan} : {mask_type}")
 
 
-def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool) -> str:
+class _ArgRows:
     """argmax/argmin along the last (contiguous) axis with vector lanes.
 
     Each lane of each accumulator keeps the first extreme of its own elements (strictly-better
     updates); the row's answer is then the smallest index among the lanes that hold the overall
     extreme (nan if any lane holds a nan): the first occurrence of the extreme is also the first
     in its own lane. The tail chunk reads +-inf (or the integer extreme) past the row's end, which
-    can never be strictly better. Rows are split over the cores when there are many.
+    can never be strictly better.
     """
-    w = matmul_kernel.LoopWriter(em)
-    rows, length = tx.size // tx.shape[-1], tx.shape[-1]
-    elem, index_elem = elem_type(tx.dtype), elem_type(result.dtype)
-    compute = accumulator_elem(tx.dtype)
-    lanes = matmul_kernel.vector_bits() // int(compute[1:])
-    vec, ivec, mvec = f"vector<{lanes}x{compute}>", f"vector<{lanes}x{index_elem}>", f"vector<{lanes}xi1>"
-    matrix = TensorType((rows, length), tx.dtype)
-    x = reshape(em, x, tx, matrix.shape)
-    flat = TensorType((rows,), result.dtype)
-    pad_dtype = dt.float32 if compute == "f32" else tx.dtype
-    pad = const(em, reduction_identity("max" if largest else "min", pad_dtype), compute)
-    pad_elem = pad if elem == compute else em.op(f"arith.truncf {pad} : {compute} to {elem}")
-    start = em.op(f"vector.broadcast {pad} : {compute} to {vec}")
-    zero_index = em.op(f"arith.constant dense<0> : {ivec}")
-    iota = em.op(f"arith.constant dense<[{', '.join(map(str, range(lanes)))}]> : {ivec}")
-    no_index = em.op(f"arith.constant dense<{np.iinfo(result.dtype.np_dtype).max}> : {ivec}")
-    out = em.empty(flat)
 
-    def step(row: str, column: str, in_bounds: str, best: str, best_index: str) -> tuple[str, str]:
+    def __init__(self, em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool):
+        self.em, self.w, self.largest = em, matmul_kernel.LoopWriter(em), largest
+        self.rows, self.length = tx.size // tx.shape[-1], tx.shape[-1]
+        self.elem, self.index_elem = elem_type(tx.dtype), elem_type(result.dtype)
+        self.compute = accumulator_elem(tx.dtype)
+        lanes = self.lanes = matmul_kernel.vector_bits() // int(self.compute[1:])
+        self.vec, self.ivec = f"vector<{lanes}x{self.compute}>", f"vector<{lanes}x{self.index_elem}>"
+        self.mvec = f"vector<{lanes}xi1>"
+        self.matrix = TensorType((self.rows, self.length), tx.dtype)
+        self.x = reshape(em, x, tx, self.matrix.shape)
+        pad_dtype = dt.float32 if self.compute == "f32" else tx.dtype
+        pad = const(em, reduction_identity("max" if largest else "min", pad_dtype), self.compute)
+        self.pad = pad if self.elem == self.compute else em.op(f"arith.truncf {pad} : {self.compute} to {self.elem}")
+        self.start = em.op(f"vector.broadcast {pad} : {self.compute} to {self.vec}")
+        self.zero_index = em.op(f"arith.constant dense<0> : {self.ivec}")
+        self.iota = em.op(f"arith.constant dense<[{', '.join(map(str, range(lanes)))}]> : {self.ivec}")
+        self.no_index = em.op(f"arith.constant dense<{np.iinfo(result.dtype.np_dtype).max}> : {self.ivec}")
+
+    def step(self, row: str, column: str, in_bounds: str, best: str, best_index: str) -> list[str]:
+        """(best, index) after the vector of the row starting at `column`."""
+        em, vec, ivec, mvec = self.em, self.vec, self.ivec, self.mvec
         raw = em.op(
-            f"vector.transfer_read {x}[{row}, {column}], {pad_elem} {{in_bounds = [{in_bounds}]}} "
-            f": {tensor_type(matrix)}, vector<{lanes}x{elem}>"
+            f"vector.transfer_read {self.x}[{row}, {column}], {self.pad} {{in_bounds = [{in_bounds}]}} "
+            f": {tensor_type(self.matrix)}, vector<{self.lanes}x{self.elem}>"
         )
-        value = raw if elem == compute else em.op(f"arith.extf {raw} : vector<{lanes}x{elem}> to {vec}")
-        take = _take_better(em, value, best, largest, vec, mvec)
-        position = em.op(f"arith.index_cast {column} : index to {index_elem}")
-        splat_position = em.op(f"vector.broadcast {position} : {index_elem} to {ivec}")
-        positions = em.op(f"arith.addi {splat_position}, {iota} : {ivec}")
-        return (
+        value = (
+            raw if self.elem == self.compute else em.op(f"arith.extf {raw} : vector<{self.lanes}x{self.elem}> to {vec}")
+        )
+        take = _take_better(em, value, best, self.largest, vec, mvec)
+        position = em.op(f"arith.index_cast {column} : index to {self.index_elem}")
+        splat_position = em.op(f"vector.broadcast {position} : {self.index_elem} to {ivec}")
+        positions = em.op(f"arith.addi {splat_position}, {self.iota} : {ivec}")
+        return [
             em.op(f"arith.select {take}, {value}, {best} : {mvec}, {vec}"),
             em.op(f"arith.select {take}, {positions}, {best_index} : {mvec}, {ivec}"),
-        )
+        ]
 
-    def row_answer(row: str) -> str:
-        """The index for one row: ARG_UNROLL independent (best, index) vector pairs over whole
-        vectors (a compare-select chain is latency-bound), the partial vector masked after them."""
-        full = length // lanes
+    def scan(self, row: str) -> list[tuple[str, str]]:
+        """ARG_UNROLL independent (best, index) vector pairs over the row's whole vectors (one
+        compare-select chain is latency-bound), the partial vector masked after them."""
+        w, lanes = self.w, self.lanes
+        full = self.length // lanes
         groups = full // ARG_UNROLL
-        carried = [(start, vec), (zero_index, ivec)] * ARG_UNROLL
-        scan, j, names = w.open_for(w.index(0), w.index(groups), w.index(1), carried)
+        carried = [(self.start, self.vec), (self.zero_index, self.ivec)] * ARG_UNROLL
+        loop, j, names = w.open_for(w.index(0), w.index(groups), w.index(1), carried)
         updated = []
         for u in range(ARG_UNROLL):
             column = w.mul(w.add(w.mul(j, w.index(ARG_UNROLL)), w.index(u)), w.index(lanes))
-            updated += step(row, column, "true", names[2 * u], names[2 * u + 1])
-        w.close_for(updated, [vec, ivec] * ARG_UNROLL)
-        pairs = [(f"{scan}#{2 * u}", f"{scan}#{2 * u + 1}") for u in range(ARG_UNROLL)]
-        best, best_index = pairs[0]
+            updated += self.step(row, column, "true", names[2 * u], names[2 * u + 1])
+        w.close_for(updated, [self.vec, self.ivec] * ARG_UNROLL)
+        pairs = [(f"{loop}#{2 * u}", f"{loop}#{2 * u + 1}") for u in range(ARG_UNROLL)]
+        best = list(pairs[0])
         for c in range(groups * ARG_UNROLL, full):
-            best, best_index = step(row, w.index(c * lanes), "true", best, best_index)
-        if length % lanes:
-            best, best_index = step(row, w.index(full * lanes), "false", best, best_index)
-        pairs[0] = (best, best_index)
-        kind = ("maximumf" if largest else "minimumf") if compute[0] == "f" else ("maxsi" if largest else "minsi")
+            best = self.step(row, w.index(c * lanes), "true", *best)
+        if self.length % lanes:
+            best = self.step(row, w.index(full * lanes), "false", *best)
+        return [tuple(best), *pairs[1:]]
+
+    def first_index(self, pairs: list[tuple[str, str]]) -> str:
+        """The smallest index held by a lane whose value is the extreme of all lanes."""
+        em, vec, ivec, mvec, compute = self.em, self.vec, self.ivec, self.mvec, self.compute
+        if compute[0] == "f":
+            kind = "maximumf" if self.largest else "minimumf"
+        else:
+            kind = "maxsi" if self.largest else "minsi"
         lane_extreme = pairs[0][0]
         for other, _ in pairs[1:]:
             lane_extreme = em.op(f"arith.{kind} {lane_extreme}, {other} : {vec}")
@@ -500,27 +513,32 @@ def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorT
                 target = em.op(f"arith.ori {equal}, {both_nan} : {mvec}")
             else:
                 target = em.op(f"arith.cmpi eq, {best}, {splat} : {vec}")
-            these = em.op(f"arith.select {target}, {best_index}, {no_index} : {mvec}, {ivec}")
+            these = em.op(f"arith.select {target}, {best_index}, {self.no_index} : {mvec}, {ivec}")
             candidates = these if candidates is None else em.op(f"arith.minsi {candidates}, {these} : {ivec}")
-        return em.op(f"vector.reduction <minsi>, {candidates} : {ivec} into {index_elem}")
+        return em.op(f"vector.reduction <minsi>, {candidates} : {ivec} into {self.index_elem}")
 
-    flat_type = tensor_type(flat)
-    threads = matmul_kernel.toolchain_threads()
-    if threads < 2 or rows < 2 or tx.size < PARALLEL_MIN_WORK:
+
+def per_row(em: KernelEmitter, rows: int, elem: str, answer, parallel: bool) -> str:
+    """A tensor<rows x elem> whose element r is the scalar `answer(r)` emits, rows split in one
+    `scf.forall` chunk per core when `parallel`."""
+    w = matmul_kernel.LoopWriter(em)
+    flat_type = f"tensor<{rows}x{elem}>"
+    out = em.op(f"tensor.empty() : {flat_type}")
+    if not parallel:
         loop, row, (acc,) = w.open_for(w.index(0), w.index(rows), w.index(1), [(out, flat_type)])
-        w.close_for([em.op(f"tensor.insert {row_answer(row)} into {acc}[{row}] : {flat_type}")], [flat_type])
-        return reshape(em, loop, flat, result.shape)
-    chunk = -(-rows // threads)
+        w.close_for([em.op(f"tensor.insert {answer(row)} into {acc}[{row}] : {flat_type}")], [flat_type])
+        return loop
+    chunk = -(-rows // matmul_kernel.toolchain_threads())
     done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
     em.line(f"{done} = scf.forall ({t}) in ({-(-rows // chunk)}) shared_outs({shared} = {out}) -> ({flat_type}) {{")
     em.indent += "  "
     first_row = w.mul(t, w.index(chunk))
     count = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(rows)}, {first_row} : index')}, {w.index(chunk)} : index")
-    part_type = f"tensor<?x{index_elem}>"
+    part_type = f"tensor<?x{elem}>"
     part = em.op(f"tensor.extract_slice {shared}[{first_row}] [{count}] [1] : {flat_type} to {part_type}")
     loop, local, (acc,) = w.open_for(w.index(0), count, w.index(1), [(part, part_type)])
-    answer = row_answer(w.add(first_row, local))
-    w.close_for([em.op(f"tensor.insert {answer} into {acc}[{local}] : {part_type}")], [part_type])
+    value = answer(w.add(first_row, local))
+    w.close_for([em.op(f"tensor.insert {value} into {acc}[{local}] : {part_type}")], [part_type])
     em.line("scf.forall.in_parallel {")
     em.line(
         f"  tensor.parallel_insert_slice {loop} into {shared}[{first_row}] [{count}] [1] : {part_type} into {flat_type}"
@@ -528,7 +546,15 @@ def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorT
     em.line("}")
     em.indent = em.indent[:-2]
     em.line("}")
-    return reshape(em, done, flat, result.shape)
+    return done
+
+
+def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool) -> str:
+    """argmax/argmin along the last axis (see `_ArgRows`), rows split over the cores when many."""
+    kernel = _ArgRows(em, x, tx, result, largest)
+    parallel = matmul_kernel.toolchain_threads() > 1 and kernel.rows > 1 and tx.size >= PARALLEL_MIN_WORK
+    flat = per_row(em, kernel.rows, kernel.index_elem, lambda row: kernel.first_index(kernel.scan(row)), parallel)
+    return reshape(em, flat, TensorType((kernel.rows,), result.dtype), result.shape)
 
 
 # Independent accumulator pairs in the argmax/argmin inner loop.
