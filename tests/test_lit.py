@@ -13,7 +13,6 @@ LIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lit")
 def test_lit_suite():
     lit = os.path.join(os.path.dirname(sys.executable), "lit")
     assert os.path.exists(lit), f"lit is not installed next to {sys.executable}; run 'make test' to bootstrap .venv"
-    env = {k: v for k, v in os.environ.items() if k != "FLOWJIT_DUMP_DIR"}
-    proc = subprocess.run([lit, "-q", "-v", LIT_DIR], capture_output=True, text=True, timeout=600, env=env, check=False)
+    proc = subprocess.run([lit, "-q", "-v", LIT_DIR], capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"lit failed:\n{proc.stdout}\n{proc.stderr}"
     assert "Total Discovered Tests" in proc.stdout, f"lit found no tests:\n{proc.stdout}\n{proc.stderr}"

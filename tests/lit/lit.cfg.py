@@ -21,6 +21,3 @@ for tool in ("flowjit", "filecheck"):
         lit_config.fatal(f"'{tool}' is not installed next to {sys.executable}; run 'make test' to bootstrap .venv")
     # Only the command word: never part of a path (/x/flowjit/...) or a longer name (flowjit.cli).
     config.substitutions.append((rf"(?<![\w/.-]){tool}(?![\w/.-])", path))
-
-config.environment["FLOWJIT_VERIFY"] = "1"
-config.environment.pop("FLOWJIT_DUMP_DIR", None)
