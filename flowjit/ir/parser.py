@@ -12,13 +12,13 @@ import re
 
 import numpy as np
 
-from flowjit.errors import FlowjitValueError
+from flowjit.errors import FlowjitError, FlowjitValueError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.location import UNKNOWN, Location
 from flowjit.ir.types import TensorType
-from flowjit.ir.verifier import VerificationError, check_op
+from flowjit.ir.verifier import check_op
 
 _TOKEN_RE = re.compile(
     r"""
@@ -256,7 +256,7 @@ class _Parser:
         try:
             op = make_op(name, operands, attrs, loc, regions=regions, device=device, result_types=types)
             check_op(op)
-        except (VerificationError, FlowjitValueError) as e:
+        except FlowjitError as e:
             raise self.fail_at(at, str(e)) from None
         return op
 
