@@ -236,61 +236,62 @@ def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
     result = em.op(f"tensor.empty() : {c_type}")
     threads = toolchain_threads()
     parallel = threads > 1 and s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS and s.m >= 2 * MR * threads
-    batches = max(s.batch, 1)
     if s.batch:
-        outer, bi, (c_all,) = w.open_for(w.index(0), w.index(batches), w.index(1), [(result, c_type)])
+        outer, batch_index, (c_all,) = w.open_for(w.index(0), w.index(s.batch), w.index(1), [(result, c_type)])
     else:
-        bi, c_all = None, result
-    packed = _pack_b(w, s, b, bi)
-    tile_type = f"tensor<?x{s.n}x{s.elem}>"
-    prefix_offsets = [bi] if bi else []
+        batch_index, c_all = None, result
+    operands = (a, _pack_b(w, s, b, batch_index), batch_index)
     if parallel:
-        chunk = _ceil_div(_ceil_div(s.m, threads), MR) * MR
-        count = _ceil_div(s.m, chunk)
-        done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
-        em.line(f"{done} = scf.forall ({t}) in ({count}) shared_outs({shared} = {c_all}) -> ({c_type}) {{")
-        em.indent += "  "
-        row0 = w.mul(t, w.index(chunk))
-        left = em.op(f"arith.subi {w.index(s.m)}, {row0} : index")
-        rows = em.op(f"arith.minsi {left}, {w.index(chunk)} : index")
-        full = w.mul(em.op(f"arith.divsi {rows}, {w.index(MR)} : index"), w.index(MR))
-        where = ", ".join(prefix_offsets + [row0, w.index(0)])
-        sizes = ", ".join((["1"] if bi else []) + [rows, str(s.n)])
-        strides = ", ".join(["1"] * (3 if bi else 2))
-        tile = em.op(f"tensor.extract_slice {shared}[{where}] [{sizes}] [{strides}] : {c_type} to {tile_type}")
-        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, w.index(0), full, MR, bi)
-        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, full, rows, 1, bi)
-        em.line("scf.forall.in_parallel {")
-        em.line(
-            f"  tensor.parallel_insert_slice {tile} into {shared}[{where}] [{sizes}] [{strides}] "
-            f": {tile_type} into {c_type}"
-        )
-        em.line("}")
-        em.indent = em.indent[:-2]
-        em.line("}")
-        c_new = done
+        c_new = _rows_in_parallel(w, s, operands, c_all, threads)
     else:
-        full = s.m // MR * MR
-        if bi:
-            tile_type2 = f"tensor<{s.m}x{s.n}x{s.elem}>"
-            tile = em.op(
-                f"tensor.extract_slice {c_all}[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1] : {c_type} to {tile_type2}"
-            )
-        else:
-            tile_type2, tile = c_type, c_all
-        tile = _row_blocks(w, s, a, packed, tile, tile_type2, w.index(0), w.index(0), w.index(full), MR, bi)
-        tile = _row_blocks(w, s, a, packed, tile, tile_type2, w.index(0), w.index(full), w.index(s.m), 1, bi)
-        if bi:
-            c_new = em.op(
-                f"tensor.insert_slice {tile} into {c_all}[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1] "
-                f": {tile_type2} into {c_type}"
-            )
-        else:
-            c_new = tile
+        c_new = _rows_serially(w, s, operands, c_all)
     if s.batch:
         w.close_for([c_new], [c_type])
         return outer
     return c_new
+
+
+def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threads: int) -> str:
+    """C's rows in one `scf.forall` chunk (a multiple of MR rows) per core."""
+    em = w.em
+    a, packed, bi = operands
+    c_type, tile_type = s.tensor(s.m, s.n), f"tensor<?x{s.n}x{s.elem}>"
+    chunk = _ceil_div(_ceil_div(s.m, threads), MR) * MR
+    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
+    em.line(f"{done} = scf.forall ({t}) in ({_ceil_div(s.m, chunk)}) shared_outs({shared} = {c_all}) -> ({c_type}) {{")
+    em.indent += "  "
+    row0 = w.mul(t, w.index(chunk))
+    rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(s.m)}, {row0} : index')}, {w.index(chunk)} : index")
+    full = w.mul(em.op(f"arith.divsi {rows}, {w.index(MR)} : index"), w.index(MR))
+    where = ", ".join(([bi] if bi else []) + [row0, w.index(0)])
+    sizes = ", ".join((["1"] if bi else []) + [rows, str(s.n)])
+    strides = ", ".join(["1"] * (3 if bi else 2))
+    tile = em.op(f"tensor.extract_slice {shared}[{where}] [{sizes}] [{strides}] : {c_type} to {tile_type}")
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, w.index(0), full, MR, bi)
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, full, rows, 1, bi)
+    em.line("scf.forall.in_parallel {")
+    em.line(f"  tensor.parallel_insert_slice {tile} into {shared}[{where}] [{sizes}] [{strides}]")
+    em.line(f"    : {tile_type} into {c_type}")
+    em.line("}")
+    em.indent = em.indent[:-2]
+    em.line("}")
+    return done
+
+
+def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
+    """All of C's rows on this thread: blocks of MR rows, then single rows."""
+    em = w.em
+    a, packed, bi = operands
+    c_type, full = s.tensor(s.m, s.n), s.m // MR * MR
+    if not bi:
+        tile = _row_blocks(w, s, a, packed, c_all, c_type, w.index(0), w.index(0), w.index(full), MR, None)
+        return _row_blocks(w, s, a, packed, tile, c_type, w.index(0), w.index(full), w.index(s.m), 1, None)
+    tile_type = f"tensor<{s.m}x{s.n}x{s.elem}>"
+    where = f"[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1]"
+    tile = em.op(f"tensor.extract_slice {c_all}{where} : {c_type} to {tile_type}")
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), w.index(0), w.index(full), MR, bi)
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), w.index(full), w.index(s.m), 1, bi)
+    return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}")
 
 
 def _multiply_add(em: KernelEmitter, a: str, b: str, acc: str, vec: str, elem: str) -> str:
