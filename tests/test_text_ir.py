@@ -363,6 +363,7 @@ def test_function_without_results_round_trips():
             "in.fj:3:3: value %0 is defined twice",
         ),
         ("func @f(%x: tensor<2xf32>) -> () { ? }", "in.fj:1:36: expected a token"),
+        ("func @f() -> () {\n  return\n}\nfunc @f() -> () {\n  return\n}", "in.fj:4:1: function @f is defined twice"),
     ],
 )
 def test_parse_errors_name_file_line_col(text, message):

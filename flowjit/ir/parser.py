@@ -139,7 +139,11 @@ class _Parser:
     def module(self) -> list[Graph]:
         graphs = []
         while self.tok.kind != "eof":
-            graphs.append(self.function())
+            at = self.tok
+            graph = self.function()
+            if any(g.name == graph.name for g in graphs):
+                raise self.fail_at(at, f"function @{graph.name} is defined twice")
+            graphs.append(graph)
         return graphs
 
     def function(self) -> Graph:
