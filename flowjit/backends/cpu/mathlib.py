@@ -19,7 +19,8 @@ emitted op is lowered by `toolchain.LLVM_PIPELINE`.
   slower; erf/atan2/pow rely on `convert-math-to-libm` in the pipeline); log1p,
   expm1 and logistic are built on them with exact-cancellation formulas, because MLIR lowers
   `math.log1p`/`math.expm1` to `log(1+x)`/`exp(x)-1`. sqrt and rsqrt are vector instructions for all types.
-- pow: float32 (and f16/bf16) computes in f64 with libm `pow` (exact special cases, scalar call).
+- pow: float32 (and f16/bf16) is exp(y log|x|) with the float64 polynomials plus the C99/numpy
+  special cases; float64 pow is libm `pow` (exp(y log x) in float64 would lose up to ~10 bits).
 
 Float32 algorithms:
 - exp: n = round(x log2 e), r = x - n ln2 (two-constant Cody-Waite with fma), Cephes degree-5
@@ -143,6 +144,15 @@ class _Arith:
 
     def select(self, cond: str, x: str, y: str) -> str:
         return self.b.op(f"arith.select {cond}, {x}, {y} : {self.t}")
+
+    def both(self, p: str, q: str) -> str:
+        return self.b.op(f"arith.andi {p}, {q} : i1")
+
+    def either(self, p: str, q: str) -> str:
+        return self.b.op(f"arith.ori {p}, {q} : i1")
+
+    def negation(self, p: str) -> str:
+        return self.b.op(f"arith.xori {p}, {self._const(1, 'i1')} : i1")
 
     def isnan(self, x: str) -> str:
         return self.cmp("uno", x, x)
@@ -518,9 +528,27 @@ def _pow_f64(m: _Arith, x: str, y: str) -> str:
 
 
 def _pow_f32(m: _Arith, x: str, y: str) -> str:
-    x64 = m.b.op(f"arith.extf {x} : f32 to f64")
-    y64 = m.b.op(f"arith.extf {y} : f32 to f64")
-    return m.b.op(f"arith.truncf {_pow_f64(_Arith(m.b, 'f64'), x64, y64)} : f64 to f32")
+    """exp(y log|x|) in float64 (our polynomials: the ~2^-52 relative error on y log|x| vanishes in
+    the rounding to float32), with the C99/numpy special cases applied by selects."""
+    d = _Arith(m.b, "f64")
+    xd = m.b.op(f"arith.extf {x} : f32 to f64")
+    yd = m.b.op(f"arith.extf {y} : f32 to f64")
+    magnitude = _exp(d, d.mul(yd, _log(d, d.abs(xd))))  # |x| = 0 / inf give the right 0 / inf
+    r = m.b.op(f"arith.truncf {magnitude} : f64 to f32")
+    is_integer = m.cmp("oeq", m.unary("math.floor", y), y)
+    half = m.mul(y, m.c(0.5))
+    is_odd = m.both(is_integer, m.cmp("one", m.unary("math.floor", half), half))
+    x_sign_set = m.b.op(f"arith.cmpi slt, {m.bits(x)}, {m.ci(0)} : i32")
+    r = m.select(m.both(x_sign_set, is_odd), m.unary("arith.negf", r), r)  # (-x)^odd = -(x^odd), -0/-inf too
+    # finite x < 0 with a finite non-integer y has no real power
+    finite_negative_x = m.both(m.cmp("olt", x, m.c(0.0)), m.cmp("ogt", x, m.c(-math.inf)))
+    finite_y = m.cmp("olt", m.abs(y), m.c(math.inf))
+    no_real = m.both(m.both(finite_negative_x, finite_y), m.negation(is_integer))
+    r = m.select(no_real, m.c(math.nan), r)
+    # x^0 = 1 (even for nan), 1^y = 1 (even for nan), (-1)^+-inf = 1
+    minus_one_inf = m.both(m.cmp("oeq", x, m.c(-1.0)), m.cmp("oeq", m.abs(y), m.c(math.inf)))
+    one = m.either(m.either(m.cmp("oeq", y, m.c(0.0)), m.cmp("oeq", x, m.c(1.0))), minus_one_inf)
+    return m.select(one, m.c(1.0), r)
 
 
 # ---------------------------------------------------------------------------------------------
