@@ -673,7 +673,7 @@ def _reduce_window_vjp(op, cts, operands, results):
 VJP_RULES["reduce_window"] = _reduce_window_vjp
 
 
-# --- rules: autodiff markers and control flow --------------------------------------------------------------
+# --- rules: custom_vjp ---------------------------------------------------------------------------------------
 
 # custom_vjp rule id -> backward(residual tracers, result cotangents) -> one cotangent (or None) per
 # input; filled by `flowjit.frontend.grad.custom_vjp`.
@@ -695,147 +695,12 @@ def _custom_vjp_call_vjp(op, cts, operands, results):
     return list(input_cts) + [None] * (len(operands) - num_inputs)
 
 
-def _while_vjp(op, cts, operands, results):
-    raise op_error(
-        FlowjitTypeError,
-        op.loc,
-        op.name,
-        "cannot differentiate through fj.while_loop: its trip count is only known at run time, so "
-        "reverse mode cannot store its iterations. Use fj.fori_loop(lo, hi, body_fn, init), whose "
-        "gradient is supported, or stop the gradient with fj.stop_gradient",
-    )
-
-
-def _cond_vjp(op, cts, operands, results):
-    # The gradient of a branch is the branch's own VJP graph: one cond picks between the two.
-    pred, *xs = operands
-    wrt = tuple(i for i, x in enumerate(xs) if dt.dtype(x.dtype).is_float)
-    seeds = tuple(i for i, ct in enumerate(cts) if ct is not None)
-    if not wrt:
-        return [None] * len(operands)
-    spec = VJPSpec(wrt=wrt, seeds=seeds, primal_outputs=False)
-    regions = [vjp_graph(region, spec) for region in op.regions]
-    operands_in = [pred, *xs, *(cts[i] for i in seeds)]
-    grads = emit_traced(current_trace(), "cond", operands_in, {}, op.loc, regions, op.device)
-    out = [None] * len(operands)
-    for i, g in zip(wrt, grads):
-        out[1 + i] = g
-    return out
-
-
-def _static_bound(op: Op, index: int, what: str) -> int:
-    producer = op.operands[index].producer
-    if producer is None or producer.name != "constant":
-        raise op_error(
-            FlowjitTypeError,
-            op.loc,
-            op.name,
-            f"cannot differentiate through fj.fori_loop with a traced {what} bound: reverse mode stores every "
-            "iteration, so the trip count must be known while tracing. Pass Python ints as the bounds",
-        )
-    return int(producer.attrs["value"])
-
-
-def _region(name: str, param_types: Sequence[TensorType], body: Callable) -> Graph:
-    """Trace `body(*params)` into a self-contained region graph."""
-    with Trace(name) as trace:
-        params = [trace.new_param(t) for t in param_types]
-        trace.graph.results = [trace.lift(x) for x in body(*params)]
-    return trace.graph
-
-
-def _tape_position(i, lo: int):
-    """Iteration `i`'s row in a tape: i - lo as a 1-element index vector."""
-    return bind("reshape", [i - np.asarray(lo, i.dtype)], {"shape": (1,)})
-
-
-def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants) -> list[Tracer]:
-    """The loop, also recording the carry at the start of every iteration: one (trips, ...) tape per
-    carry value. Returns the final carries, then the tapes."""
-    (body,) = op.regions
-    trace, num_carry = current_trace(), len(carry)
-    carry_types = [x.value.type for x in carry]
-    tape_types = [TensorType((trips, *t.shape), t.dtype) for t in carry_types]
-
-    def taped_body(i, *args):
-        xs, tapes, inv = args[:num_carry], args[num_carry : 2 * num_carry], args[2 * num_carry :]
-        rows = [bind("reshape", [x], {"shape": (1, *x.shape)}) for x in xs]
-        recorded = [bind("scatter_add", [t, _tape_position(i, lo), r], {"axis": 0}) for t, r in zip(tapes, rows)]
-        return [*replay(current_trace(), body, [i, *xs, *inv]), *recorded]
-
-    param_types = [body.params[0].type, *carry_types, *tape_types, *(x.value.type for x in invariants)]
-    taped = _region("body_taped", param_types, taped_body)
-    operands = [*bounds, *carry, *(zeros(trace, t) for t in tape_types), *invariants]
-    return emit_traced(trace, "for", operands, {"num_carry": 2 * num_carry}, op.loc, [taped], op.device)
-
-
-def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, float_carry, float_inv) -> list[Tracer]:
-    """A loop over i = hi-1 ... lo applying the body's VJP graph to the taped carry_i. It carries the
-    float carries' cotangents and the running sum of the float invariants' cotangents; returns both."""
-    (body,) = op.regions
-    trace, num_carry = current_trace(), len(tapes)
-    carry_types = [TensorType(t.shape[1:], t.value.type.dtype) for t in tapes]
-    inv_types = [x.value.type for x in invariants]
-    wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
-    body_vjp = vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry), primal_outputs=False))
-    nc, ni = len(float_carry), len(float_inv)
-
-    def backward_body(j, *args):
-        ct_carry, ct_inv = args[:nc], args[nc : nc + ni]
-        tapes_, inv = args[nc + ni : nc + ni + num_carry], args[nc + ni + num_carry :]
-        i = np.asarray(lo + hi - 1, j.dtype) - j
-        rows = [bind("gather", [tape, _tape_position(i, lo)], {"axis": 0}) for tape in tapes_]
-        xs = [bind("reshape", [row], {"shape": t.shape}) for row, t in zip(rows, carry_types)]
-        grads = replay(current_trace(), body_vjp, [i, *xs, *inv, *ct_carry])
-        return [*grads[:nc], *(acc + g for acc, g in zip(ct_inv, grads[nc:]))]
-
-    ct_types = [carry_types[k] for k in float_carry] + [inv_types[m] for m in float_inv]
-    tape_types = [t.value.type for t in tapes]
-    region = _region("body_vjp", [body.params[0].type, *ct_types, *tape_types, *inv_types], backward_body)
-    ct_init = [cts[k] if cts[k] is not None else zeros(trace, carry_types[k]) for k in float_carry]
-    ct_init += [zeros(trace, inv_types[m]) for m in float_inv]
-    operands = [*bounds, *ct_init, *tapes, *invariants]
-    return emit_traced(trace, "for", operands, {"num_carry": len(ct_init)}, op.loc, [region], op.device)
-
-
-def _for_forward(op, operands):
-    # The loop with its carries taped, in place of the plain loop (None: keep the plain loop; its VJP
-    # then reports why it cannot be differentiated, if a cotangent reaches it).
-    num_carry = op.attrs["num_carry"]
-    try:
-        lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
-    except FlowjitTypeError:
-        return None
-    if hi <= lo:
-        return None
-    bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
-    outs = _taped_forward(op, lo, hi - lo, bounds, carry, invariants)
-    return outs[:num_carry], outs[num_carry:]
-
-
-def _for_vjp(op, cts, operands, results):
-    # `results` ends with the tapes of `_for_forward`; the reverse loop applies the body's VJP graph.
-    num_carry = op.attrs["num_carry"]
-    lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
-    bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
-    if hi <= lo:  # no iterations: the loop returns its initial carry
-        return [None, None, *cts, *(None for _ in invariants)]
-    tapes = results[num_carry:]
-    float_carry = [k for k, x in enumerate(carry) if x.value.type.dtype.is_float]
-    float_inv = [m for m, x in enumerate(invariants) if x.value.type.dtype.is_float]
-    backward = _reverse_loop(op, lo, hi, cts, bounds, tapes, invariants, float_carry, float_inv)
-    out = [None] * len(operands)
-    for k, g in zip(float_carry, backward):
-        out[2 + k] = g
-    for m, g in zip(float_inv, backward[len(float_carry) :]):
-        out[2 + num_carry + m] = g
-    return out
-
+VJP_RULES["custom_vjp_call"] = _custom_vjp_call_vjp
 
 # Ops whose VJP needs values computed inside the op: forward(op, operands) emits a replacement and
 # returns (its results, residuals) or None for a plain replay; the VJP rule finds the residuals after
-# the op's results in its `results` argument.
-FORWARD_RULES: dict[str, Callable] = {"for": _for_forward}
+# the op's results in its `results` argument. Filled by `autodiff_control` (loops).
+FORWARD_RULES: dict[str, Callable] = {}
 
-
-VJP_RULES.update({"custom_vjp_call": _custom_vjp_call_vjp, "while": _while_vjp, "cond": _cond_vjp, "for": _for_vjp})
+# The rules for structured control flow (cond, for, while) live next door and register themselves.
+from flowjit.passes import autodiff_control  # noqa: E402,F401
