@@ -20,7 +20,7 @@ import pytest
 
 from flowjit.backends.cpu import toolchain
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder
-from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
+from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
 
 _MLIR_ELEM = {np.float16: "f16", ml_dtypes.bfloat16: "bf16", np.float32: "f32", np.float64: "f64"}
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -65,14 +65,18 @@ F32_ULP = {
 F64_POLYNOMIAL = {"exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt"}
 
 
-def compile_kernel(name: str, dtype, n: int):
-    """Compile Y[i] = name(X[i]) (or name(X[i], Z[i]) for binary functions) for `n` elements."""
+def compile_kernel(name: str, dtype, n: int, emit=None):
+    """Compile Y[i] = name(X[i]) (or name(X[i], Z[i]) for binary functions) for `n` elements;
+    `emit(b, x, elem)` replaces the library function when given."""
     elem = _MLIR_ELEM[dtype]
     binary = name in MATH_BINARY
     emitter = KernelEmitter()
     b = ScalarBuilder(emitter, "      ")
     args = ["%a0", "%a1"] if binary else ["%a0"]
-    result = MATH_BINARY[name](b, *args, elem) if binary else MATH[name](b, args[0], elem)
+    if emit is not None:
+        result = emit(b, args[0], elem)
+    else:
+        result = MATH_BINARY[name](b, *args, elem) if binary else MATH[name](b, args[0], elem)
     mem, ten = f"memref<{n}x{elem}>", f"tensor<{n}x{elem}>"
     params = ", ".join(f"%X{i}: {mem}" for i in range(len(args)))
     to_tensors = "\n".join(
@@ -276,6 +280,18 @@ def test_half_precision_exhaustive(name, dtype):
     error = ulp_error(y, reference_f64(name, x), dtype)
     worst = int(np.argmax(error))
     assert error[worst] <= 1.0, f"{name}({float(x[worst])!r}) = {y[worst]!r}: {error[worst]:.3g} ulp"
+
+
+def test_truncate_to_bf16_keeps_denormals_and_rounds_ties_to_even():
+    def halve(b, x, elem):
+        wide = b.op(f"arith.extf {x} : bf16 to f32")
+        return truncate_to_bf16(b, b.op(f"arith.mulf {wide}, {b.const(0.5, 'f32')} : f32"))
+
+    x = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16)  # halving odd denormals gives ties
+    got = compile_kernel("halve", ml_dtypes.bfloat16, len(x), emit=halve)(x)
+    want = (x.astype(np.float32) * np.float32(0.5)).astype(ml_dtypes.bfloat16)
+    same = (got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), f"{int((~same).sum())} wrong, e.g. {float(x[~same][0])!r} / 2 -> {float(got[~same][0])!r}"
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))

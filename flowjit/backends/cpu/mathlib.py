@@ -9,7 +9,8 @@ calls. Special values are handled with `arith.cmpf` + `arith.select`, never with
 Contract: `MATH[name](b, x, elem) -> result` and `MATH_BINARY[name](b, x, y, elem) -> result` take a
 `ScalarBuilder`, the SSA name(s) of the operand(s) and their MLIR element type ("f16", "bf16", "f32",
 "f64"), emit the computation and return the SSA name of a result of the same element type. Every
-emitted op is lowered by `toolchain.LLVM_PIPELINE`.
+emitted op is lowered by `toolchain.LLVM_PIPELINE`. `truncate_to_bf16(b, x)` is the f32 -> bf16
+rounding the backend should use everywhere (see below).
 
 - f32: own polynomials (below). f16 / bf16: `arith.extf` to f32, the f32 code, then one rounding
   back (`arith.truncf` for f16; integer round-to-nearest-even for bf16, because `arith.truncf` to
@@ -583,9 +584,10 @@ _BINARY: dict[str, tuple[Callable[[_Arith, str, str], str], Callable[[_Arith, st
 }
 
 
-def _truncate_to_bf16(b: ScalarBuilder, x: str) -> str:
-    """f32 -> bf16 rounded to nearest even by integer operations. `arith.truncf` becomes
-    vcvtneps2bf16 on AVX512-BF16 hosts, which flushes denormal results to zero."""
+def truncate_to_bf16(b: ScalarBuilder, x: str) -> str:
+    """Emit f32 `x` rounded to bf16 (nearest even, denormals kept, nan stays nan); returns the bf16
+    SSA name. Use it instead of `arith.truncf`, which becomes vcvtneps2bf16 on AVX512-BF16 hosts and
+    flushes denormal results to zero."""
     m = _Arith(b, "f32")
     bits = m.bits(x)
     lsb = m.iop("andi", m.iop("shrui", bits, m.ci(16)), m.ci(1))
@@ -600,7 +602,7 @@ def _widened(b: ScalarBuilder, elem: str, operands: tuple[str, ...], emit) -> st
     wide = [b.op(f"arith.extf {x} : {elem} to f32") for x in operands]
     result = emit(_Arith(b, "f32"), *wide)
     if elem == "bf16":
-        return _truncate_to_bf16(b, result)
+        return truncate_to_bf16(b, result)
     return b.op(f"arith.truncf {result} : f32 to {elem}")
 
 
