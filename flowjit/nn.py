@@ -14,6 +14,7 @@ import numpy as np
 from flowjit import numpy as fnp
 from flowjit import random
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.frontend.grad import stop_gradient
 from flowjit.frontend.trace import bind
 from flowjit.ir.location import user_location
 
@@ -61,8 +62,8 @@ def gelu(x, approximate: bool = False):
 def logsumexp(x, axis=-1, keepdims: bool = False):
     """log(sum(exp(x))) along `axis`, shifted by the maximum so it never overflows."""
     x = fnp.asarray(x)
-    # The shift cancels in value and in gradient (d/dpeak = 1 - sum(softmax) = 0), so no stop_gradient.
-    peak = fnp.max(x, axis=axis, keepdims=True)
+    # The shift cancels in value and in gradient; stop_gradient saves differentiating the max.
+    peak = stop_gradient(fnp.max(x, axis=axis, keepdims=True))
     peak = fnp.where(fnp.isfinite(peak), peak, 0.0)
     out = fnp.add(fnp.log(fnp.sum(fnp.exp(fnp.subtract(x, peak)), axis=axis, keepdims=True)), peak)
     return out if keepdims else fnp.squeeze(out, axis=axis)
@@ -71,7 +72,7 @@ def logsumexp(x, axis=-1, keepdims: bool = False):
 def softmax(x, axis=-1):
     """exp(x) / sum(exp(x)) along `axis`, max-shifted for stability."""
     x = fnp.asarray(x)
-    shifted = fnp.subtract(x, fnp.max(x, axis=axis, keepdims=True))
+    shifted = fnp.subtract(x, stop_gradient(fnp.max(x, axis=axis, keepdims=True)))
     e = fnp.exp(shifted)
     return fnp.divide(e, fnp.sum(e, axis=axis, keepdims=True))
 
@@ -79,7 +80,7 @@ def softmax(x, axis=-1):
 def log_softmax(x, axis=-1):
     """x - logsumexp(x) along `axis`."""
     x = fnp.asarray(x)
-    shifted = fnp.subtract(x, fnp.max(x, axis=axis, keepdims=True))
+    shifted = fnp.subtract(x, stop_gradient(fnp.max(x, axis=axis, keepdims=True)))
     return fnp.subtract(shifted, fnp.log(fnp.sum(fnp.exp(shifted), axis=axis, keepdims=True)))
 
 

@@ -24,7 +24,7 @@ def _aval(x) -> TensorType:
     if isinstance(x, Tracer):
         return x.value.type
     array = np.asarray(x)
-    if isinstance(x, bool | int | float):
+    if type(x) in (bool, int, float):  # Python scalars only: np.float64 is a float subclass but strong
         kind = "b" if isinstance(x, bool) else "i" if isinstance(x, int) else "f"
         return TensorType((), dt.default_for_kind(kind))
     return TensorType(array.shape, dt.dtype(array.dtype))

@@ -276,6 +276,13 @@ def _pure(op: Op) -> bool:
     return not get_opdef(op.name).effectful and not op.regions
 
 
+def _removable(op: Op) -> bool:
+    """Ops DCE may delete when unused: pure ops, and region ops whose bodies hold no effects."""
+    if get_opdef(op.name).effectful:
+        return False
+    return all(not get_opdef(inner.name).effectful for region in op.regions for inner in region.walk())
+
+
 def _foldable(op: Op, rw: _Rewriter) -> bool:
     opdef = get_opdef(op.name)
     if not _pure(op) or opdef.family == CREATION or opdef.impl is None:
@@ -347,7 +354,7 @@ def _dce(graph: Graph, live: set) -> None:
     live.update(graph.results)
     kept: list[Op] = []
     for op in reversed(graph.ops):
-        if _pure(op) and not any(r in live for r in op.results):
+        if _removable(op) and not any(r in live for r in op.results):
             continue
         kept.append(op)
         for region in op.regions:
