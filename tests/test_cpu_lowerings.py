@@ -198,6 +198,19 @@ def test_matmul_kernel(m, k, n, dtype):
     assert ("scf.forall" in mlir) == (m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
 
 
+@pytest.mark.parametrize("dtype", NUMERIC, ids=ids(NUMERIC))
+def test_row_dot_kernel(dtype):
+    """Narrow products (fewer than 8 output columns) with long contractions: one vector dot per
+    output, unrolled accumulators, masked tail, outputs over both cores."""
+    vec = dict(lhs_contract=(1,), rhs_contract=(0,), lhs_batch=(), rhs_batch=())
+    mlir = check("dot_general", [data((300, 1001), dtype, 1), data((1001,), dtype, 2)], vec)
+    assert "vector.reduction <add>" in mlir
+    check("dot_general", [data((37, 133), dtype, 1), data((133, 3), dtype, 2)], MATMUL)
+    check("dot_general", [data((133,), dtype, 1), data((133,), dtype, 2)], dict(vec, lhs_contract=(0,)))
+    batched = dict(lhs_contract=(2,), rhs_contract=(2,), lhs_batch=(0,), rhs_batch=(0,))
+    check("dot_general", [data((3, 5, 200), dtype, 1), data((3, 2, 200), dtype, 2)], batched)
+
+
 def test_matmul_kernel_batched_and_transposed():
     batched = dict(lhs_contract=(2,), rhs_contract=(1,), lhs_batch=(0,), rhs_batch=(0,))
     mlir = check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)

@@ -190,37 +190,120 @@ def _prod(dims, shape) -> int:
     return int(np.prod([shape[d] for d in dims], dtype=np.int64))
 
 
-def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
-    """dot_general through the tiled kernel: operands transposed (if needed) to (batch, M, K) and
-    (batch, K, N), reshaped as views, multiplied, reshaped to the result. None when the generic form
-    is the better choice (tiny products)."""
-    a, b = operands
-    ta, tb, result = op.operands[0].type, op.operands[1].type, op.result.type
+def _dims_of_dot(op: Op):
+    """(lhs free dims, rhs free dims, (batch, m, n, k)) of a dot_general, products of dim sizes."""
+    ta, tb = op.operands[0].type, op.operands[1].type
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
     lhs_free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
     rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
-    batch = _prod(lhs_batch, ta.shape)
-    m, k, n = _prod(lhs_free, ta.shape), _prod(lhs_contract, ta.shape), _prod(rhs_free, tb.shape)
+    sizes = (_prod(lhs_batch, ta.shape), _prod(lhs_free, ta.shape), _prod(rhs_free, tb.shape))
+    return lhs_free, rhs_free, (*sizes, _prod(lhs_contract, ta.shape))
+
+
+def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
+    """dot_general through the tiled kernel (operands as (batch, M, K), (batch, K, N) views), or None
+    when the product is too small or too narrow for it."""
+    result = op.result.type
+    _, _, (batch, m, n, k) = _dims_of_dot(op)
     if not matmul_kernel.worth_it(batch, m, n, k):
         return None
     acc = accumulator_elem(result.dtype)
-    a, b = widen_tensor(em, a, ta, acc), widen_tensor(em, b, tb, acc)
-    a, ta = transpose(em, a, ta, list(lhs_batch) + lhs_free + list(lhs_contract), acc)
-    b, tb = transpose(em, b, tb, list(rhs_batch) + list(rhs_contract) + rhs_free, acc)
-    lead = (batch,) if lhs_batch else ()
-    a = reshape(em, a, ta, lead + (m, k), acc)
-    b = reshape(em, b, tb, lead + (k, n), acc)
-    shape = matmul_kernel.MatmulShape(batch if lhs_batch else 0, m, n, k, acc)
+    a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=False)
+    shape = matmul_kernel.MatmulShape(batch if lead else 0, m, n, k, acc)
     product = matmul_kernel.emit_matmul(em, a, b, shape)
     product = reshape(em, product, TensorType(lead + (m, n), result.dtype), result.shape, acc)
     return narrow(em, product, result, acc)
 
 
+def _dot_operands(em: KernelEmitter, op: Op, operands: list[str], acc: str, rhs_rows: bool):
+    """The operands widened to `acc`, transposed (only if needed) and reshaped as views to
+    (batch, M, K) and (batch, K, N), or (batch, N, K) with `rhs_rows` (no batch dim when the op has
+    none). Returns (a, b, the leading batch shape: () or (batch,))."""
+    a, b = operands
+    ta, tb = op.operands[0].type, op.operands[1].type
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
+    lhs_free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
+    rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
+    batch = _prod(lhs_batch, ta.shape)
+    m, k, n = _prod(lhs_free, ta.shape), _prod(lhs_contract, ta.shape), _prod(rhs_free, tb.shape)
+    a, b = widen_tensor(em, a, ta, acc), widen_tensor(em, b, tb, acc)
+    a, ta = transpose(em, a, ta, list(lhs_batch) + lhs_free + list(lhs_contract), acc)
+    rhs_order = rhs_free + list(rhs_contract) if rhs_rows else list(rhs_contract) + rhs_free
+    b, tb = transpose(em, b, tb, list(rhs_batch) + rhs_order, acc)
+    lead = (batch,) if lhs_batch else ()
+    a = reshape(em, a, ta, lead + (m, k), acc)
+    b = reshape(em, b, tb, lead + ((n, k) if rhs_rows else (k, n)), acc)
+    return a, b, lead
+
+
+def _lower_with_row_dots(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
+    """Products with fewer output columns than half a vector (matrix-vector, dot) and a long
+    contraction: each output is a dot of two contiguous rows, A[b, i, :] . B^T[b, j, :], with
+    DOT_UNROLL independent vector accumulators (the generic's scalar sum is one add chain: no
+    reassociation without fast-math) and a masked tail; outputs split over the cores."""
+    result = op.result.type
+    acc = accumulator_elem(result.dtype)
+    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    _, _, (batch, m, n, k) = _dims_of_dot(op)
+    if n >= lanes // 2 or k < DOT_UNROLL * lanes or batch * m * n * k < matmul_kernel.KERNEL_MIN_FLOPS:
+        return None
+    a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=True)
+    w = matmul_kernel.LoopWriter(em)
+    vec = f"vector<{lanes}x{acc}>"
+    a_type = tensor_type(TensorType(lead + (m, k), result.dtype), acc)
+    b_type = tensor_type(TensorType(lead + (n, k), result.dtype), acc)
+    zero = em.op(f"arith.constant {0 if acc.startswith('i') else 0.0} : {acc}")
+    zero_vec = em.op(f"vector.broadcast {zero} : {acc} to {vec}")
+
+    def dot(r: str) -> str:
+        prefix = [em.op(f"arith.divui {r}, {w.index(m * n)} : index")] if lead else []
+        i = em.op(f"arith.divui {em.op(f'arith.remui {r}, {w.index(m * n)} : index')}, {w.index(n)} : index")
+        j = em.op(f"arith.remui {r}, {w.index(n)} : index")
+
+        def step(column: str, in_bounds: str, total: str) -> str:
+            x, y = (
+                em.op(
+                    f"vector.transfer_read {t}[{', '.join(prefix + [row, column])}], {zero} "
+                    f"{{in_bounds = [{in_bounds}]}} : {tt}, {vec}"
+                )
+                for t, row, tt in ((a, i, a_type), (b, j, b_type))
+            )
+            return matmul_kernel.multiply_add_vectors(em, x, y, total, vec, acc)
+
+        full, groups = k // lanes, k // (lanes * DOT_UNROLL)
+        loop, g, totals = w.open_for(w.index(0), w.index(groups), w.index(1), [(zero_vec, vec)] * DOT_UNROLL)
+        first = w.mul(g, w.index(DOT_UNROLL * lanes))
+        w.close_for(
+            [step(w.add(first, w.index(u * lanes)), "true", totals[u]) for u in range(DOT_UNROLL)], [vec] * DOT_UNROLL
+        )
+        totals = [f"{loop}#{u}" for u in range(DOT_UNROLL)]
+        for c in range(groups * DOT_UNROLL, full):
+            totals[0] = step(w.index(c * lanes), "true", totals[0])
+        if k % lanes:
+            totals[0] = step(w.index(full * lanes), "false", totals[0])
+        add = "addi" if acc.startswith("i") else "addf"
+        total = totals[0]
+        for other in totals[1:]:
+            total = em.op(f"arith.{add} {total}, {other} : {vec}")
+        return em.op(f"vector.reduction <add>, {total} : {vec} into {acc}")
+
+    outputs = batch * m * n
+    parallel = matmul_kernel.toolchain_threads() > 1 and outputs > 1 and outputs * k >= PARALLEL_MIN_WORK
+    flat = per_row(em, outputs, acc, dot, parallel)
+    product = reshape(em, flat, TensorType((outputs,), result.dtype), result.shape, acc)
+    return narrow(em, product, result, acc)
+
+
+# Independent vector accumulators of the row-dot kernel.
+DOT_UNROLL = 4
+
+
 @lowering("dot_general")
 def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """dot_general through the tiled matmul kernel for float products big enough to need it;
-    otherwise one generic over (batch, lhs free, rhs free, contracting) loop dims."""
-    fast = _lower_with_kernel(em, op, operands)
+    """dot_general through the tiled matmul kernel, or the row-dot kernel for narrow products, when
+    big enough to need them; otherwise one generic over (batch, lhs free, rhs free, contracting)
+    loop dims."""
+    fast = _lower_with_kernel(em, op, operands) or _lower_with_row_dots(em, op, operands)
     if fast is not None:
         return [fast]
     a, b = operands

@@ -211,7 +211,7 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, 
         scalar = em.op(f"tensor.extract {a}[{', '.join(prefix + [a_rows[r], k])}] : {a_type}")
         broadcast = em.op(f"vector.broadcast {scalar} : {s.elem} to {vec}")
         for c in range(nv):
-            new.append(_multiply_add(em, broadcast, b_vecs[c], acc_names[r * nv + c], vec, s.elem))
+            new.append(multiply_add_vectors(em, broadcast, b_vecs[c], acc_names[r * nv + c], vec, s.elem))
     w.close_for(new, [vec] * len(new))
     cur = t2
     for r in range(mr):
@@ -294,8 +294,9 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}")
 
 
-def _multiply_add(em: KernelEmitter, a: str, b: str, acc: str, vec: str, elem: str) -> str:
-    if elem.startswith("i"):  # integer products wrap, as numpy's do
+def multiply_add_vectors(em: KernelEmitter, a: str, b: str, acc: str, vec: str, elem: str) -> str:
+    """acc + a * b on vectors of `elem` (fused for floats; integers wrap, as numpy's do)."""
+    if elem.startswith("i"):
         return em.op(f"arith.addi {acc}, {em.op(f'arith.muli {a}, {b} : {vec}')} : {vec}")
     return em.op(f"vector.fma {a}, {b}, {acc} : {vec}")
 
