@@ -22,6 +22,11 @@ class Executable:
         which the call reads and updates in place."""
         raise NotImplementedError
 
+    def run_trusted(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """`run` for C-contiguous arrays already known to match the signature (the jit fast path);
+        backends with a cheaper unchecked call override it."""
+        return self.run(args)
+
 
 def _compile_interpreter(graph: Graph, options) -> Executable:
     from flowjit.backends.interpreter import InterpreterExecutable
