@@ -51,12 +51,8 @@ def cache_dir() -> str:
 @functools.cache
 def _backend_fingerprint() -> str:
     """Versions, host and the backend's source: anything that changes generated code."""
-    from importlib.metadata import PackageNotFoundError, version
+    import flowjit
 
-    try:
-        flowjit_version = version("flowjit")
-    except PackageNotFoundError:
-        flowjit_version = "source"
     source = hashlib.sha256()
     folder = os.path.dirname(os.path.abspath(__file__))
     for name in sorted(os.listdir(folder)):
@@ -65,7 +61,7 @@ def _backend_fingerprint() -> str:
                 source.update(name.encode() + b"\0" + f.read())
     cpu = toolchain.host_cpu()
     parts = {
-        "flowjit": flowjit_version,
+        "flowjit": flowjit.__version__,
         **toolchain.versions(),
         "backend-source": source.hexdigest(),
         "cpu": f"{cpu.triple} {cpu.name} {cpu.features}",
