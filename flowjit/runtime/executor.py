@@ -15,6 +15,7 @@ device), with the cancelled partitions listed in its notes. Recvs also time out
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -25,7 +26,7 @@ from flowjit.errors import FlowjitError
 from flowjit.ir.graph import Graph
 from flowjit.ir.interpreter import RunContext, check_array, eval_op
 from flowjit.passes.partition import PartitionPlan, short_device_name
-from flowjit.runtime.rendezvous import Rendezvous, TransferError
+from flowjit.runtime.rendezvous import Rendezvous, StepBinding, TransferError, native_symbols
 
 
 class PartitionError(FlowjitError):
@@ -58,14 +59,34 @@ class InterpretedPartition:
 
 
 class NativePartition:
-    """A partition compiled to one native entry point; its send/recv call the rendezvous."""
+    """A partition compiled to one native entry point; its send/recv call the rendezvous of the step
+    bound to the calling thread."""
 
     def __init__(self, graph: Graph, device: str, target: str):
+        _link_runtime_symbols()
         self.device = short_device_name(device)
         self.executable = compile_graph(graph, target)
+        self.uses_variables = any("var" in op.attrs for op in graph.walk())
+        self.recv_locations = {op.attrs["key"]: str(op.loc) for op in graph.ops if op.name == "recv"}
 
     def run(self, args: Sequence[np.ndarray], variables: dict, rendezvous: Rendezvous) -> list[np.ndarray]:
-        return self.executable.run_step(args, variables, rendezvous)
+        with StepBinding(rendezvous, self.recv_locations) as step:
+            if self.uses_variables:
+                outs = self.executable.run(args, variables)
+            else:
+                outs = self.executable.run(args)
+        if step.error is not None:
+            raise step.error
+        return outs
+
+
+@functools.cache
+def _link_runtime_symbols() -> None:
+    """Make `flowjit_send`/`flowjit_recv` resolvable by the code that native partitions call."""
+    import llvmlite.binding as binding
+
+    for name, address in native_symbols().items():
+        binding.add_symbol(name, address)
 
 
 class PartitionedExecutable(Executable):

@@ -5,17 +5,21 @@ blocks; `recv(key)` waits until that key is deposited, the step is cancelled (an
 failed), or the timeout passes. Every call gets a fresh `Rendezvous`, so concurrent calls of one
 function never see each other's values (the step id names the namespace in errors).
 
-Native partitions reach the rendezvous through two C-ABI functions (see `native_symbols`):
+Native partitions reach the rendezvous through two C-ABI functions (see `native_symbols`; the
+pointers travel as 64-bit integers):
 
-    void    flowjit_send(int64_t ctx, int64_t key_id, const void *data, int64_t nbytes);
-    int32_t flowjit_recv(int64_t ctx, int64_t key_id, void *dest, int64_t nbytes);
+    void    flowjit_send(const char *key, const void *data, int64_t nbytes);
+    int32_t flowjit_recv(const char *key, void *dest, int64_t nbytes);
 
-`ctx` is the handle of one partition's run in one step (`StepContext.handle`), passed to the
-partition's entry point as its last argument; `key_id` indexes the partition's key table. A send
-deposits a copy of its buffer (the sender's workspace is reused right after), so a transfer between
-CPU devices costs one copy plus one copy into the receiver's destination for native code, and
-none in the interpreter. `flowjit_recv` returns 0 on delivery and 1 when the step was cancelled or
-timed out (the destination is then zero-filled so the partition can finish; the executor raises).
+The step a call belongs to is bound to the calling thread (`StepBinding`) before the partition's
+entry point runs; send/recv sit at the top level of the entry (never inside a parallel loop), so
+they run on that thread. This keeps every entry point's signature `(inputs, outputs, workspace)`;
+a runtime without Python binds its step the same way. A send deposits a copy of its buffer (the
+sender's workspace slot is reused right after, and sends must never wait for their receiver or
+two partitions exchanging values would deadlock); the recv copies it straight into the buffer its
+value lives in: two copies per native transfer, none in the interpreter. `flowjit_recv` returns 0
+on delivery and 1 when the step was cancelled or timed out (the destination is then zero-filled
+so the partition can finish; the executor raises).
 """
 
 from __future__ import annotations
@@ -100,55 +104,59 @@ class Rendezvous:
 
 # --- the C ABI for native partitions ---------------------------------------------------------------------
 
-SEND_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
-RECV_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+SEND_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+RECV_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+
+_bound = threading.local()
 
 
-class StepContext:
-    """One partition's view of one step: the rendezvous, its key table (key_id -> key, op location)
-    and the first error its native send/recv calls met. Registered under `handle` while it runs."""
+class StepBinding:
+    """Binds one partition's step to the calling thread while its native code runs: the native
+    send/recv calls made on this thread use `rendezvous`. `where` maps a key to its recv's source
+    location (for errors); `error` keeps the first failure a native recv met."""
 
-    _handles = itertools.count(1)
-    live: dict[int, StepContext] = {}
-    _live_lock = threading.Lock()
-
-    def __init__(self, rendezvous: Rendezvous, keys: list[tuple[str, str]]):
+    def __init__(self, rendezvous: Rendezvous, where: dict[str, str]):
         self.rendezvous = rendezvous
-        self.keys = keys
+        self.where = where
         self.error: BaseException | None = None
-        self.handle = next(self._handles)
 
-    def __enter__(self) -> StepContext:
-        with self._live_lock:
-            self.live[self.handle] = self
+    def __enter__(self) -> StepBinding:
+        _bound.step = self
         return self
 
     def __exit__(self, *exc) -> None:
-        with self._live_lock:
-            del self.live[self.handle]
+        _bound.step = None
 
 
-def _native_send(ctx: int, key_id: int, data: int, nbytes: int) -> None:
-    step = StepContext.live[ctx]
-    key, _ = step.keys[key_id]
-    buffer = np.empty(nbytes, np.uint8)
-    if nbytes:
-        ctypes.memmove(buffer.ctypes.data, data, nbytes)
-    step.rendezvous.send(key, buffer)
+def _bound_step() -> StepBinding:
+    step = getattr(_bound, "step", None)
+    if step is None:  # only reachable by calling a partition's entry point outside the executor
+        raise TransferError("a partition's send/recv ran outside a step: run it through the executor")
+    return step
 
 
-def _native_recv(ctx: int, key_id: int, dest: int, nbytes: int) -> int:
-    step = StepContext.live[ctx]
-    key, where = step.keys[key_id]
+def _native_send(key: int, data: int, nbytes: int) -> None:
     try:
-        value = step.rendezvous.recv(key, f"{where}: " if where else "")
+        step = _bound_step()
+    except TransferError:
+        return  # nothing can wait on this value
+    buffer = np.empty(nbytes, np.uint8)
+    ctypes.memmove(buffer.ctypes.data, data, nbytes)
+    step.rendezvous.send(ctypes.string_at(key).decode(), buffer)
+
+
+def _native_recv(key: int, dest: int, nbytes: int) -> int:
+    name = ctypes.string_at(key).decode()
+    try:
+        step = _bound_step()
+        where = step.where.get(name, "")
+        value = step.rendezvous.recv(name, f"{where}: " if where else "")
     except TransferError as e:
         if step.error is None:
             step.error = e
         ctypes.memset(dest, 0, nbytes)
         return 1
-    if nbytes:
-        ctypes.memmove(dest, value.ctypes.data, nbytes)
+    ctypes.memmove(dest, value.ctypes.data, nbytes)
     return 0
 
 

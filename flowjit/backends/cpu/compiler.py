@@ -30,6 +30,7 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_reduction",
     "flowjit.backends.cpu.lower_movement",
     "flowjit.backends.cpu.lower_contraction",
+    "flowjit.backends.cpu.lower_communication",
 )
 
 OPT_LEVEL = 3

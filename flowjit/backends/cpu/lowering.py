@@ -41,6 +41,9 @@ from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
 
 LOWERINGS: dict[str, Callable[[KernelEmitter, Op, list[str]], list[str]]] = {}
+# Ops lowered on buffers rather than tensors (send/recv call the runtime with pointers): the
+# lowering gets the function's state (`_FunctionLowering`) and writes its results itself.
+BUFFER_LOWERINGS: dict[str, Callable] = {}
 
 ALIGNMENT = 64
 # Non-splat constants with at most this many elements are inlined in the kernels that use them;
@@ -225,6 +228,9 @@ class _FunctionLowering:
         )
 
     def lower_op(self, op: Op) -> None:
+        if op.name in BUFFER_LOWERINGS:
+            BUFFER_LOWERINGS[op.name](self, op)
+            return
         fn = LOWERINGS.get(op.name)
         if fn is None:
             raise no_lowering_error(op)
@@ -310,7 +316,7 @@ def _arg_type(t: TensorType) -> str:
 def check_lowerings(graph: Graph) -> None:
     """Fail before emitting anything if some op has no CPU lowering."""
     for op in graph.ops:
-        if op.name != "constant" and op.name not in LOWERINGS:
+        if op.name != "constant" and op.name not in LOWERINGS and op.name not in BUFFER_LOWERINGS:
             raise no_lowering_error(op)
 
 
@@ -345,7 +351,7 @@ def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
         fl.buffers[value] = em.op(f"memref.view %ws[{c}][] : {ws_type} to {memref_type(value.type)}")
 
     for op in graph.ops:
-        if op.name != "constant" and not all(v in fl.virtual for v in op.results):
+        if op.name != "constant" and not (op.results and all(v in fl.virtual for v in op.results)):
             fl.lower_op(op)
     for out, value in zip(outputs, graph.results):
         if fl.result_outputs.get(value) != out:
