@@ -134,6 +134,15 @@ def test_zero_size_operands():
     check("scatter_add", [x, np.zeros((0,), np.int64), np.zeros((3, 0), np.float32)], dict(axis=1))
 
 
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_gather_rows_kernel(dtype):
+    """Embedding-style lookups, where each index selects a block of at least one vector."""
+    table = data((20, 70), dtype)
+    mlir = check("gather", [table, np.array([[3, 19, -4], [25, 0, 3]], np.int64)], dict(axis=0))
+    assert "vector.transfer_read" in mlir
+    check("gather", [data((3, 9, 140), dtype), np.array([8, 0, 99, -1], np.int32)], dict(axis=1))
+
+
 def test_gather_scalar_result():
     check("gather", [data((6,), dt.float32), np.array(4, np.int32)], dict(axis=0))
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
-from flowjit.backends.cpu.lower_movement import fill, pad_tensor
+from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
 from flowjit.backends.cpu.lowering import lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
@@ -130,31 +130,6 @@ def contraction_generic(
     if result.rank and iterators[0] == "parallel":
         split_over_cores(em, summed, result.shape[0], result.size * reduction_size)
     return narrow(em, summed, result, acc)
-
-
-def reshape(em: KernelEmitter, x: str, t: TensorType, shape: tuple[int, ...], elem: str | None = None) -> str:
-    """Row-major reshape of `x` as views: collapse to 1-D, then expand to `shape` (rank 0 <-> (1,))."""
-    if tuple(t.shape) == tuple(shape):
-        return x
-    elem = elem or elem_type(t.dtype)
-    flat = TensorType((t.size,), t.dtype)
-    if t.rank == 0:
-        x = em.op(
-            f"tensor.expand_shape {x} [] output_shape [1] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}"
-        )
-    elif t.rank > 1:
-        groups = ", ".join(str(i) for i in range(t.rank))
-        x = em.op(f"tensor.collapse_shape {x} [[{groups}]] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}")
-    target = TensorType(shape, t.dtype)
-    if len(shape) == 0:
-        return em.op(f"tensor.collapse_shape {x} [] : {tensor_type(flat, elem)} into {tensor_type(target, elem)}")
-    if len(shape) == 1:
-        return x
-    groups = ", ".join(str(i) for i in range(len(shape)))
-    return em.op(
-        f"tensor.expand_shape {x} [[{groups}]] output_shape [{', '.join(map(str, shape))}] "
-        f": {tensor_type(flat, elem)} into {tensor_type(target, elem)}"
-    )
 
 
 def transpose(em: KernelEmitter, x: str, t: TensorType, perm: list[int], elem: str) -> tuple[str, TensorType]:

@@ -13,11 +13,14 @@ store can leave its buffer, whatever the index values are.
 from __future__ import annotations
 
 import functools
+import math
 
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, tensor_type
+from flowjit.backends.cpu import matmul_kernel
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memory_elem_type, tensor_type
 from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op
+from flowjit.ir.types import TensorType
 
 
 def _tensor(t) -> str:
@@ -101,6 +104,31 @@ def lower_dynamic_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[
     return [copy_tensor(em, view, result)]
 
 
+def reshape(em: KernelEmitter, x: str, t: TensorType, shape: tuple[int, ...], elem: str | None = None) -> str:
+    """Row-major reshape of `x` as views: collapse to 1-D, then expand to `shape` (rank 0 <-> (1,))."""
+    if tuple(t.shape) == tuple(shape):
+        return x
+    elem = elem or elem_type(t.dtype)
+    flat = TensorType((t.size,), t.dtype)
+    if t.rank == 0:
+        x = em.op(
+            f"tensor.expand_shape {x} [] output_shape [1] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}"
+        )
+    elif t.rank > 1:
+        groups = ", ".join(str(i) for i in range(t.rank))
+        x = em.op(f"tensor.collapse_shape {x} [[{groups}]] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}")
+    target = TensorType(shape, t.dtype)
+    if len(shape) == 0:
+        return em.op(f"tensor.collapse_shape {x} [] : {tensor_type(flat, elem)} into {tensor_type(target, elem)}")
+    if len(shape) == 1:
+        return x
+    groups = ", ".join(str(i) for i in range(len(shape)))
+    return em.op(
+        f"tensor.expand_shape {x} [[{groups}]] output_shape [{', '.join(map(str, shape))}] "
+        f": {tensor_type(flat, elem)} into {tensor_type(target, elem)}"
+    )
+
+
 def fill(em: KernelEmitter, scalar: str, t, elem: str | None = None) -> str:
     """A new tensor of type `t` filled with the scalar SSA value `scalar`."""
     elem = elem or memory_elem_type(t.dtype)
@@ -181,13 +209,17 @@ def _check_nonempty_axis(op: Op, what: str) -> None:
 @lowering("gather")
 @_on_bytes
 def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """numpy.take with clamped indices: a generic over the result reading x with `tensor.extract`."""
+    """numpy.take with clamped indices: a vector copy per index for blocks of a vector or more,
+    else a generic over the result reading x with `tensor.extract`."""
     x, idx = operands
     source, indices, result = op.operands[0].type, op.operands[1].type, op.result.type
     axis = op.attrs["axis"]
     _check_nonempty_axis(op, "gather")
     if result.size == 0:
         return [em.empty(result, memory_elem_type(result.dtype))]
+    lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
+    if math.prod(source.shape[axis + 1 :]) >= lanes:
+        return [_gather_rows(em, x, idx, op)]
     dims = [f"d{i}" for i in range(result.rank)]
     idx_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims[axis : axis + indices.rank])})")
     int_elem = memory_elem_type(indices.dtype)
@@ -211,6 +243,48 @@ def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
             elem,
         )
     ]
+
+
+def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
+    """gather when each index selects a contiguous block of at least a vector (embedding rows):
+    x as (outer, dim, inner), one clamped index per block, the block copied with whole vectors
+    and one masked tail vector."""
+    source, indices, result = op.operands[0].type, op.operands[1].type, op.result.type
+    axis = op.attrs["axis"]
+    outer, dim = math.prod(source.shape[:axis]), source.shape[axis]
+    inner, count = math.prod(source.shape[axis + 1 :]), indices.size
+    elem, int_elem = memory_elem_type(source.dtype), memory_elem_type(indices.dtype)
+    lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
+    vec = f"vector<{lanes}x{elem}>"
+    blocks = TensorType((outer, dim, inner), source.dtype)
+    x = reshape(em, x, source, blocks.shape, elem)
+    idx = reshape(em, idx, indices, (count,))
+    out_type = TensorType((outer, count, inner), source.dtype)
+    w = matmul_kernel.LoopWriter(em)
+    pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
+    carried = em.empty(out_type, elem)
+    outer_loop, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
+    index_loop, i, (t2,) = w.open_for(w.index(0), w.index(count), w.index(1), [(t1, _tensor(out_type))])
+    raw = em.op(f"tensor.extract {idx}[{i}] : tensor<{count}x{int_elem}>")
+    row = clamp_index(em, raw, int_elem, 0, dim - 1)
+
+    def copy(column: str, in_bounds: str, into: str) -> str:
+        value = em.op(
+            f"vector.transfer_read {x}[{o}, {row}, {column}], {pad} {{in_bounds = [{in_bounds}]}} "
+            f": {_tensor(blocks)}, {vec}"
+        )
+        return em.op(
+            f"vector.transfer_write {value}, {into}[{o}, {i}, {column}] {{in_bounds = [{in_bounds}]}} "
+            f": {vec}, {_tensor(out_type)}"
+        )
+
+    full = inner // lanes
+    chunk_loop, c, (t3,) = w.open_for(w.index(0), w.index(full), w.index(1), [(t2, _tensor(out_type))])
+    w.close_for([copy(w.mul(c, w.index(lanes)), "true", t3)], [_tensor(out_type)])
+    done = chunk_loop if inner % lanes == 0 else copy(w.index(full * lanes), "false", chunk_loop)
+    w.close_for([done], [_tensor(out_type)])
+    w.close_for([index_loop], [_tensor(out_type)])
+    return reshape(em, outer_loop, out_type, result.shape, elem)
 
 
 def _add(b: ScalarBuilder | KernelEmitter, a: str, c: str, elem: str, is_bool: bool) -> str:
