@@ -157,6 +157,20 @@ def test_scatter_add_accumulates_duplicates_and_clamps(dtype):
     check("scatter_add", [x, idx2, data((5, 2, 2), dtype, 8)], dict(axis=1))
 
 
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_scatter_add_rows_kernel(dtype):
+    """Embedding-gradient-style updates of whole blocks, with duplicate and out-of-range indices."""
+    x = data((12, 70), dtype)
+    idx = np.array([[3, 11, 3], [40, -2, 3]], np.int64)
+    mlir = check("scatter_add", [x, idx, data((2, 3, 70), dtype, 5)], dict(axis=0))
+    assert "vector.transfer_write" in mlir
+    check(
+        "scatter_add",
+        [data((2, 5, 130), dtype), np.array([4, 4, -9], np.int32), data((2, 3, 130), dtype, 6)],
+        dict(axis=1),
+    )
+
+
 def test_scatter_add_scalar_index():
     x = data((4,), dt.int32)
     check("scatter_add", [x, np.array(-2, np.int64), np.array(5, np.int32)], dict(axis=0))

@@ -299,7 +299,8 @@ def _add(b: ScalarBuilder | KernelEmitter, a: str, c: str, elem: str, is_bool: b
 @_on_bytes
 def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A copy of x, then a sequential loop nest over the updates adding each one at its clamped
-    index (sequential, so duplicate indices accumulate)."""
+    index (sequential, so duplicate indices accumulate); whole blocks with vectors when the
+    indexed block holds a vector or more (embedding gradients)."""
     x, idx, updates = operands
     source, indices, upd = op.operands[0].type, op.operands[1].type, op.operands[2].type
     axis = op.attrs["axis"]
@@ -308,6 +309,8 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     copy = copy_tensor(em, x, source)
     if upd.size == 0:
         return [copy]
+    if math.prod(source.shape[axis + 1 :]) >= matmul_kernel.vector_bits() // max(8, source.dtype.bits):
+        return [_scatter_rows(em, copy, idx, updates, op)]
     elem, int_elem = memory_elem_type(source.dtype), memory_elem_type(indices.dtype)
     zero, one = em.op("arith.constant 0 : index"), em.op("arith.constant 1 : index")
     ivs, carried, results = [], copy, []
@@ -336,3 +339,48 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         yielded = res
     em.indent = indent
     return [results[0] if results else inserted]
+
+
+def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -> str:
+    """scatter_add into `out` (a copy of x) when each index selects a contiguous block of at least
+    a vector: x as (outer, dim, inner); for each update block in order (so duplicates accumulate),
+    read-add-write the clamped target block with whole vectors and one masked tail vector."""
+    source, indices = op.operands[0].type, op.operands[1].type
+    axis = op.attrs["axis"]
+    outer, dim = math.prod(source.shape[:axis]), source.shape[axis]
+    inner, count = math.prod(source.shape[axis + 1 :]), indices.size
+    elem, int_elem = memory_elem_type(source.dtype), memory_elem_type(indices.dtype)
+    lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
+    vec = f"vector<{lanes}x{elem}>"
+    blocks, update_blocks = (
+        TensorType((outer, dim, inner), source.dtype),
+        TensorType((outer, count, inner), source.dtype),
+    )
+    out = reshape(em, out, source, blocks.shape, elem)
+    updates = reshape(em, updates, op.operands[2].type, update_blocks.shape, elem)
+    idx = reshape(em, idx, indices, (count,))
+    add = "ori" if source.dtype.is_bool else "addi" if elem.startswith("i") else "addf"
+    w = matmul_kernel.LoopWriter(em)
+    pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
+    out_type = _tensor(blocks)
+    outer_loop, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(out, out_type)])
+    index_loop, i, (t2,) = w.open_for(w.index(0), w.index(count), w.index(1), [(t1, out_type)])
+    raw = em.op(f"tensor.extract {idx}[{i}] : tensor<{count}x{int_elem}>")
+    row = clamp_index(em, raw, int_elem, 0, dim - 1)
+
+    def accumulate(column: str, in_bounds: str, into: str) -> str:
+        flags = f"{{in_bounds = [{in_bounds}]}}"
+        current = em.op(f"vector.transfer_read {into}[{o}, {row}, {column}], {pad} {flags} : {out_type}, {vec}")
+        update = em.op(
+            f"vector.transfer_read {updates}[{o}, {i}, {column}], {pad} {flags} : {_tensor(update_blocks)}, {vec}"
+        )
+        total = em.op(f"arith.{add} {current}, {update} : {vec}")
+        return em.op(f"vector.transfer_write {total}, {into}[{o}, {row}, {column}] {flags} : {vec}, {out_type}")
+
+    full = inner // lanes
+    chunk_loop, c, (t3,) = w.open_for(w.index(0), w.index(full), w.index(1), [(t2, out_type)])
+    w.close_for([accumulate(w.mul(c, w.index(lanes)), "true", t3)], [out_type])
+    done = chunk_loop if inner % lanes == 0 else accumulate(w.index(full * lanes), "false", chunk_loop)
+    w.close_for([done], [out_type])
+    w.close_for([index_loop], [out_type])
+    return reshape(em, outer_loop, blocks, source.shape, elem)
