@@ -12,8 +12,10 @@ Cost model (deterministic, in estimated microseconds; constants below, measured 
 device costs `TRANSFER_LATENCY_US` plus its bytes at `TRANSFER_BYTES_PER_US`, once per
 (value, device). Each op goes to the device where it would finish earliest given when that device
 is free and when its operands can arrive there (list scheduling), ties broken by fewer bytes moved,
-then by device order. So chains stay on one device, and independent work big enough to pay for
-its transfers spreads across devices.
+then by device order; but it leaves its affine device (where most of its operand bytes are, else
+where the previous op went) only when that gains more than one transfer latency, the price of
+joining the results again. So chains stay on one device, small programs are not split, and
+independent work big enough to pay for its transfers spreads across devices.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class _Scheduler:
         self.order = {d.name: i for i, d in enumerate(all_devices)}
         self.home: dict[Value, str] = {}  # value -> device that computes it
         self.ready: dict[tuple[Value, str], float] = {}  # (value, device) -> time it is available there
+        self.last = all_devices[0].name  # the device of the op placed last
 
     def arrival(self, value: Value, device: str) -> tuple[float, int]:
         """When `value` can be read on `device`, and the bytes moved to get it there."""
@@ -147,10 +150,27 @@ class _Scheduler:
             start, moved = max(start, t), moved + nbytes
         return start + op_cost_us(op), moved
 
+    def affinity(self, op: Op) -> str:
+        """The device `op` leans to: where most of its operand bytes are computed, else where the
+        previous op went (so a program's ops stay together unless splitting pays)."""
+        weights: dict[str, int] = {}
+        for v in op.operands:
+            if v in self.home:
+                weights[self.home[v]] = weights.get(self.home[v], 0) + v.type.nbytes
+        if not weights:
+            return self.last
+        return min(weights, key=lambda d: (-weights[d], self.order[d]))
+
     def choose(self, op: Op, candidates: list[Device]) -> tuple[str, str]:
         """The best device for `op` and the reason."""
-        scored = sorted((*self.estimate(op, d.name), self.order[d.name], d.name) for d in candidates)
-        finish, moved, _, best = scored[0]
+        scored = {d.name: self.estimate(op, d.name) for d in candidates}
+        best = min(scored, key=lambda d: (*scored[d], self.order[d]))
+        home = self.affinity(op)
+        # Leaving the affine device costs at least one transfer later (results join again), so a
+        # move must gain more than that.
+        if home in scored and best != home and scored[best][0] + TRANSFER_LATENCY_US >= scored[home][0]:
+            best = home
+        finish, moved = scored[best]
         reason = f"cost model: finishes first (~{finish:.1f} us, {moved} bytes moved in)"
         return best, reason
 
@@ -163,6 +183,7 @@ class _Scheduler:
                 self.ready[(v, device)] = t
         finish = start + op_cost_us(op)
         self.free_at[device] = finish
+        self.last = device
         for r in op.results:
             self.home[r] = device
             self.ready[(r, device)] = finish
