@@ -115,6 +115,10 @@ def test_concatenate(dtype):
     check("concatenate", [a, b, c], dict(axis=1))
     check("concatenate", [a, a], dict(axis=0))
     check("concatenate", [a, a[:, :, :1]], dict(axis=2))
+    # blocks of a vector or more: the vector copy loops, with tails
+    mlir = check("concatenate", [data((3, 70), dtype, 1), data((3, 130), dtype, 2)], dict(axis=1))
+    assert "linalg.fill" not in mlir
+    check("concatenate", [data((70,), dtype, 1), data((67,), dtype, 2), data((64,), dtype, 3)], dict(axis=0))
 
 
 @pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))

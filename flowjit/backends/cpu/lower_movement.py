@@ -176,9 +176,14 @@ def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 @lowering("concatenate")
 @_on_bytes
 def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """Insert each operand at its offset along `axis` into one new tensor."""
+    """Copy each operand's blocks to their offset along `axis` in one new tensor: vector loops when
+    every block holds a vector or more, else strided inserts into a filled tensor."""
     result = op.result.type
     axis = op.attrs["axis"]
+    inner = math.prod(result.shape[axis + 1 :])
+    lanes = matmul_kernel.vector_bits() // max(8, result.dtype.bits)
+    if all(v.type.shape[axis] * inner >= lanes for v in op.operands):
+        return [_concatenate_blocks(em, operands, op)]
     # Start from a filled tensor, not a bare tensor.empty: with an empty at the root of the insert
     # chain, eliminate-empty-tensors rewrites the first insert into a temporary buffer plus a
     # strided memref.copy (a call into the C runner we do not link).
@@ -384,3 +389,39 @@ def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -
     w.close_for([done], [out_type])
     w.close_for([index_loop], [out_type])
     return reshape(em, outer_loop, blocks, source.shape, elem)
+
+
+def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
+    """concatenate as (outer, size) views: for each outer index, each operand's contiguous block is
+    copied into its column range of the (outer, total) result with whole vectors and a masked
+    tail. The loops write every element once, so the result needs no fill."""
+    result, axis = op.result.type, op.attrs["axis"]
+    outer = math.prod(result.shape[:axis])
+    total = result.size // max(outer, 1)
+    elem = memory_elem_type(result.dtype)
+    lanes = matmul_kernel.vector_bits() // max(8, result.dtype.bits)
+    vec = f"vector<{lanes}x{elem}>"
+    out_type = TensorType((outer, total), result.dtype)
+    w = matmul_kernel.LoopWriter(em)
+    pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
+    carried = em.empty(out_type, elem)
+    outer_loop, o, (out,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
+    offset = 0
+    for x, value in zip(operands, op.operands):
+        size = value.type.size // max(outer, 1)
+        block_type = TensorType((outer, size), result.dtype)
+        x = reshape(em, x, value.type, block_type.shape, elem)
+
+        def copy(column: str, in_bounds: str, into: str, x=x, block_type=block_type, offset=offset) -> str:
+            flags = f"{{in_bounds = [{in_bounds}]}}"
+            got = em.op(f"vector.transfer_read {x}[{o}, {column}], {pad} {flags} : {_tensor(block_type)}, {vec}")
+            at = w.add(column, w.index(offset))
+            return em.op(f"vector.transfer_write {got}, {into}[{o}, {at}] {flags} : {vec}, {_tensor(out_type)}")
+
+        full = size // lanes
+        loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(out, _tensor(out_type))])
+        w.close_for([copy(w.mul(c, w.index(lanes)), "true", t)], [_tensor(out_type)])
+        out = loop if size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
+        offset += size
+    w.close_for([out], [_tensor(out_type)])
+    return reshape(em, outer_loop, out_type, result.shape, elem)
