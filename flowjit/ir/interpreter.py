@@ -101,7 +101,11 @@ def _run_for(op: Op, args, context):
     return carry
 
 
-HANDLERS.update({"cond": _run_cond, "while": _run_while, "for": _run_for})
+def _run_fusion(op: Op, args, context):
+    return interpret(op.regions[0], args, context)
+
+
+HANDLERS.update({"cond": _run_cond, "while": _run_while, "for": _run_for, "fusion": _run_fusion})
 
 
 # --- state --------------------------------------------------------------------------------------------

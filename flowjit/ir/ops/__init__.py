@@ -8,6 +8,7 @@ from flowjit.ir.ops import (  # noqa: F401
     control,
     creation,
     elementwise,
+    fusion,
     movement,
     reduction,
     stateful,

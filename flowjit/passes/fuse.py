@@ -1,0 +1,274 @@
+"""`fuse`: group ops into `fusion` ops, each of which a backend emits as one kernel.
+
+Assumes a verified graph. Guarantees the same results for every input (ops are moved into regions
+unchanged, nothing is recomputed but small constants) and keeps effectful ops in their order.
+
+What fuses (legality comes from op families):
+- loop ops: elementwise unary/binary/ternary ops, `convert`, `broadcast`, `reshape`, `iota`;
+- the reductions `reduce_sum/max/min/prod` with their elementwise producers and consumers, so a
+  softmax, a layer norm or a cross-entropy becomes one group;
+- a contraction (`dot_general`, `conv2d`) with its elementwise consumers (bias, activation): the
+  epilogue. A contraction never takes fused producers (its operands stay materialized) and a group
+  holds at most one.
+
+What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
+other movement ops (transpose, slice, gather, ...), pooling, argmax/argmin; ops with different
+device constraints (so a group never crosses a device boundary); and a merge that would force an
+effectful op or a region op to move past the group (an effect that reads a value of the group
+before the group's last op), or that would make the grouped graph cyclic.
+
+No work is duplicated: a value used outside its group becomes a result of the group (it is written
+to memory once), so expensive ops (exp, reductions, contractions) are never recomputed. Only
+constants of at most `CLONE_CONSTANT_ELEMENTS` elements are copied into each group that reads them.
+
+Algorithm:
+1. Walk the ops in order. Each fusible op starts a group; then each operand's group merges into it
+   when the kinds allow it (`_merged_kind`), the devices agree and `_can_merge` finds no effect
+   and no cycle in the way (a walk over the users of the members, limited to ops before this one).
+2. Each group of two or more ops becomes a `fusion` op: operands = values read from outside,
+   results = values used outside, body = the members in order, `kind` = loop, reduction or output.
+3. The fusion op takes the place of its last member; ops that read a group result earlier move
+   after it (a stable topological sort; effectful ops never move, by step 1).
+Regions of control-flow ops are fused recursively, each on its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from flowjit.ir.builder import make_op
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.ops import (
+    CONTRACTION,
+    CONVERSION,
+    ELEMENTWISE_BINARY,
+    ELEMENTWISE_TERNARY,
+    ELEMENTWISE_UNARY,
+    get_opdef,
+    ops_in,
+)
+from flowjit.passes.registry import register
+
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+# Constants this small are copied into every group that reads them instead of being read from memory.
+CLONE_CONSTANT_ELEMENTS = 64
+
+
+def _loop_ops() -> frozenset[str]:
+    return ops_in(ELEMENTWISE_UNARY, ELEMENTWISE_BINARY, ELEMENTWISE_TERNARY, CONVERSION) | {
+        "broadcast",
+        "reshape",
+        "iota",
+    }
+
+
+def op_kind(op: Op) -> str | None:
+    """'loop', 'reduction' or 'output' for an op the pass may fuse; None for one it never fuses."""
+    if op.regions or get_opdef(op.name).effectful:
+        return None
+    if op.name in _loop_ops():
+        return "loop"
+    if op.name in REDUCTIONS:
+        return "reduction"
+    if op.name in ops_in(CONTRACTION):
+        return "output"
+    return None
+
+
+def _merged_kind(producer: str, consumer: str, consumer_op: Op) -> str | None:
+    """The kind of the group made by merging a producer group into the group of `consumer_op`
+    (which reads the producer's value); None when they must stay apart."""
+    if consumer_op.name in ops_in(CONTRACTION):
+        return None  # contractions read materialized operands (packing, tiling)
+    kinds = {producer, consumer}
+    if kinds <= {"loop", "reduction"}:
+        return "reduction" if "reduction" in kinds else "loop"
+    if kinds == {"loop", "output"}:
+        return "output"
+    return None  # two contractions, or a contraction with a reduction
+
+
+def _is_barrier(op: Op) -> bool:
+    """Ops a fusion must never move across: effects and region ops (which may hold effects)."""
+    return bool(op.regions) or get_opdef(op.name).effectful
+
+
+class _Grouping:
+    """Union of ops into groups, in one walk over a graph's ops."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.index = {op: i for i, op in enumerate(graph.ops)}
+        self.users = graph.uses()
+        self.group_of: dict[Op, int] = {}
+        self.members: dict[int, list[Op]] = {}
+        self.kind: dict[int, str] = {}
+
+    def run(self) -> list[list[Op]]:
+        for op in self.graph.ops:
+            kind = op_kind(op)
+            if kind is None:
+                continue
+            gid = self.index[op]
+            self.group_of[op] = gid
+            self.members[gid] = [op]
+            self.kind[gid] = kind
+            for value in op.operands:
+                producer = value.producer
+                if producer is None or producer not in self.group_of:
+                    continue
+                self._try_merge(self.group_of[producer], gid, op)
+        return [sorted(m, key=self.index.__getitem__) for m in self.members.values()]
+
+    def _try_merge(self, source: int, target: int, consumer: Op) -> None:
+        if source == target or consumer.device != self.members[source][0].device:
+            return
+        kind = _merged_kind(self.kind[source], self.kind[target], consumer)
+        if kind is None or not self._can_merge(self.members[source] + self.members[target], consumer):
+            return
+        for op in self.members.pop(source):
+            self.group_of[op] = target
+            self.members[target].append(op)
+        self.kind[target] = kind
+        del self.kind[source]
+
+    def _can_merge(self, members: list[Op], last: Op) -> bool:
+        """False if an op outside `members` placed before `last` depends on a member and either is
+        a barrier (it would have to move after the group) or feeds a member (a cycle)."""
+        inside = set(members)
+        end = self.index[last]
+        stack = [op for op in members]
+        seen: set[Op] = set()
+        while stack:
+            op = stack.pop()
+            for result in op.results:
+                for user in self.users.get(result, ()):
+                    if user in inside or user in seen or self.index[user] >= end:
+                        continue
+                    if _is_barrier(user) or any(u in inside for r in user.results for u in self.users.get(r, ())):
+                        return False
+                    seen.add(user)
+                    stack.append(user)
+        return True
+
+
+def _fusion_kind(members: list[Op]) -> str:
+    kinds = {op_kind(op) for op in members}
+    return "output" if "output" in kinds else "reduction" if "reduction" in kinds else "loop"
+
+
+def _clonable_constant(value: Value) -> bool:
+    op = value.producer
+    return op is not None and op.name == "constant" and value.type.size <= CLONE_CONSTANT_ELEMENTS
+
+
+def _build_fusion(members: list[Op], used_outside: set[Value]) -> tuple[Op, list[Value]]:
+    """The fusion op for `members` (in program order) and the outer values its results replace."""
+    inside = set(members)
+    body = Graph("fused")
+    inner: dict[Value, Value] = {}
+    operands: list[Value] = []
+    for op in members:
+        for v in op.operands:
+            if v in inner or (v.producer in inside):
+                continue
+            if _clonable_constant(v):
+                const = v.producer
+                clone = body.append(Op("constant", [], [v.type], const.attrs, const.loc, const.device))
+                inner[v] = clone.result
+                continue
+            operands.append(v)
+            inner[v] = body.add_param(v.type, v.name_hint)
+    # Parameters first, then the cloned constants and members: the body stays in topological order.
+    for op in members:
+        clone = Op(op.name, [inner[v] for v in op.operands], [r.type for r in op.results], op.attrs, op.loc, op.device)
+        body.append(clone)
+        inner.update(zip(op.results, clone.results))
+    outputs = [r for op in members for r in op.results if r in used_outside]
+    body.results = [inner[v] for v in outputs]
+    last = members[-1]
+    fusion = make_op("fusion", operands, {"kind": _fusion_kind(members)}, last.loc, [body], last.device)
+    return fusion, outputs
+
+
+def _used_outside(graph: Graph, members: list[Op]) -> set[Value]:
+    inside = set(members)
+    used = {v for op in graph.ops if op not in inside for v in op.operands}
+    used.update(graph.results)
+    return {r for op in members for r in op.results if r in used}
+
+
+def _stable_topological_order(ops: list[Op], position: dict[Op, int]) -> list[Op]:
+    """`ops` ordered by dependencies, otherwise by `position` (Kahn's algorithm with a heap)."""
+    producer_of = {r: op for op in ops for r in op.results}
+    waiting = {op: 0 for op in ops}
+    users: dict[Op, list[Op]] = {op: [] for op in ops}
+    for op in ops:
+        for v in set(op.operands):
+            p = producer_of.get(v)
+            if p is not None:
+                waiting[op] += 1
+                users[p].append(op)
+    order_of = {op: i for i, op in enumerate(ops)}  # ties (equal positions) keep the list order
+    ready = [(position[op], order_of[op], op) for op in ops if waiting[op] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, op = heapq.heappop(ready)
+        order.append(op)
+        for user in users[op]:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (position[user], order_of[user], user))
+    return order
+
+
+def fuse_graph(graph: Graph) -> Graph:
+    """Fuse `graph` in place (and the regions of its control-flow ops); returns it."""
+    for op in graph.ops:
+        if op.regions and op.name != "fusion":
+            op.regions = [fuse_graph(region) for region in op.regions]
+    groups = [m for m in _Grouping(graph).run() if len(m) >= 2]
+    if not groups:
+        return graph
+    replace: dict[Value, Value] = {}
+    fusion_at: dict[Op, Op] = {}  # last member -> its fusion op
+    fused: set[Op] = set()
+    for members in groups:
+        fusion, outputs = _build_fusion(members, _used_outside(graph, members))
+        replace.update(zip(outputs, fusion.results))
+        fusion_at[members[-1]] = fusion
+        fused.update(members)
+    ops, position = [], {}
+    for i, op in enumerate(graph.ops):
+        if op in fusion_at:
+            op = fusion_at[op]
+        elif op in fused:
+            continue
+        op.operands = [replace.get(v, v) for v in op.operands]
+        ops.append(op)
+        position[op] = i
+    graph.results = [replace.get(v, v) for v in graph.results]
+    live = {v for op in ops for v in op.operands} | set(graph.results)
+    ops = [op for op in ops if op.name != "constant" or op.result in live]  # constants now cloned into groups
+    graph.ops = _stable_topological_order(ops, position)
+    return graph
+
+
+@register("fuse")
+def fuse(graph: Graph) -> Graph:
+    """Group elementwise chains, reductions with their elementwise neighbours, and contraction
+    epilogues into `fusion` ops (see the module docstring for the rules)."""
+    return fuse_graph(graph)
+
+
+def kernel_count(graph: Graph) -> int:
+    """Kernels a backend emits for `graph`'s top level: one per op but constants (a fusion op is one)."""
+    return sum(1 for op in graph.ops if op.name != "constant")
+
+
+def fusion_summary(graph: Graph) -> str:
+    """`kernels: N (F fused regions holding M ops)`: the line stage headers and dumps show."""
+    fusions = [op for op in graph.ops if op.name == "fusion"]
+    held = sum(1 for op in fusions for inner in op.regions[0].ops if inner.name != "constant")
+    return f"kernels: {kernel_count(graph)} ({len(fusions)} fused regions holding {held} ops)"
