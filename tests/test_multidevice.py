@@ -1,0 +1,206 @@
+"""The multi-device runtime: partitioned calls equal single-device calls (forward, gradients,
+variables; interpreter and native CPU partitions), concurrent calls, errors that cancel the step."""
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.numpy as fnp
+from flowjit.ir import interpreter
+from flowjit.runtime import executor
+from flowjit.runtime.executor import PartitionedExecutable
+from flowjit.runtime.rendezvous import Rendezvous, TransferError
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((8, 16)).astype(np.float32)
+W1 = (RNG.standard_normal((16, 32)) * 0.3).astype(np.float32)
+W2 = (RNG.standard_normal((32, 4)) * 0.3).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def two_devices(monkeypatch):
+    monkeypatch.setenv("FLOWJIT_CPU_DEVICES", "2")
+
+
+def two_layer(x, w1, w2):
+    with fj.device("cpu:0"):
+        h = fnp.tanh(x @ w1)
+    with fj.device("cpu:1"):
+        y = h @ w2
+    return fnp.sum(y * y) + fnp.sum(h), h
+
+
+def unplaced(x, w1, w2):
+    """`two_layer` without device constraints: the single-device reference."""
+    h = fnp.tanh(x @ w1)
+    y = h @ w2
+    return fnp.sum(y * y) + fnp.sum(h), h
+
+
+@pytest.mark.parametrize("target", ["interpreter", "cpu"])
+def test_forward_equals_single_device(target, monkeypatch):
+    f = fj.jit(two_layer, target=target)
+    out = f(X, W1, W2)
+    assert isinstance(f.lower(X, W1, W2).compile().executable, PartitionedExecutable)
+    monkeypatch.setenv("FLOWJIT_CPU_DEVICES", "1")
+    with pytest.raises(fj.FlowjitValueError, match="no device matches"):
+        fj.jit(two_layer, target=target)(X, W1, W2)  # cpu:1 does not exist: constraints are honoured
+    reference = fj.jit(unplaced, target=target)(X, W1, W2)
+    for got, want in zip(out, reference):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", ["interpreter", "cpu"])
+def test_gradients_equal_single_device(target):
+    def loss(w1, w2, x):
+        return two_layer(x, w1, w2)[0]
+
+    g = fj.jit(fj.grad(loss, argnums=(0, 1)), target=target)
+    lowered = g.lower(W1, W2, X)
+    assert "send" in lowered.as_text("placement")
+    got = g(W1, W2, X)
+    want = fj.jit(fj.grad(lambda w1, w2, x: unplaced(x, w1, w2)[0], argnums=(0, 1)), target=target)(W1, W2, X)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_with_variables_equals_single_device():
+    """Two layers' weights live on two devices; each step's gradients and updates equal the
+    single-device step's exactly (interpreter: the CPU backend has no variable lowering yet)."""
+
+    def make(placed: bool):
+        w1 = fj.Variable(W1, name=f"md.{placed}.w1")
+        w2 = fj.Variable(W2, name=f"md.{placed}.w2")
+
+        def loss(a, b, x):
+            return two_layer(x, a, b)[0] if placed else unplaced(x, a, b)[0]
+
+        @fj.jit(target="interpreter")
+        def step(x):
+            with fj.device("cpu:0") if placed else contextlib.nullcontext():
+                a = w1.value
+            with fj.device("cpu:1") if placed else contextlib.nullcontext():
+                b = w2.value
+            value, (ga, gb) = fj.value_and_grad(loss, argnums=(0, 1))(a, b, x)
+            w1.assign_sub(0.1 * ga)
+            w2.assign_sub(0.1 * gb)
+            return value
+
+        return step, w1, w2
+
+    step_md, w1_md, w2_md = make(True)
+    step_one, w1_one, w2_one = make(False)
+    text = step_md.lower(X).as_text("placement")
+    assert "colocated with variable 'md.True.w1'" in text and "colocated with variable 'md.True.w2'" in text
+    for i in range(3):
+        x = X + i
+        np.testing.assert_array_equal(step_md(x), step_one(x))
+    np.testing.assert_array_equal(w1_md.value, w1_one.value)
+    np.testing.assert_array_equal(w2_md.value, w2_one.value)
+    assert not np.array_equal(w1_md.value, W1)
+
+
+@pytest.mark.parametrize("target", ["interpreter", "cpu"])
+def test_concurrent_calls_are_independent(target):
+    f = fj.jit(two_layer, target=target)
+    f(X, W1, W2)  # compile once
+    inputs = [X * (1 + k / 10) for k in range(16)]
+    expected = [unplaced(x, W1, W2) for x in inputs]
+    failures, done = [], []
+
+    def worker(k):
+        try:
+            for _ in range(10):
+                loss, h = f(inputs[k], W1, W2)
+                np.testing.assert_allclose(h, expected[k][1], rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(loss, expected[k][0], rtol=1e-4)
+            done.append(k)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)  # a deadlock fails here instead of hanging the suite
+    assert not failures, failures[0]
+    assert sorted(done) == list(range(len(inputs)))
+
+
+def test_failing_partition_cancels_the_others_interpreter(monkeypatch):
+    def f(x):
+        with fj.device("cpu:0"):
+            h = fnp.tanh(x)
+        with fj.device("cpu:1"):
+            g = fnp.exp(h)  # this op will fail
+        with fj.device("cpu:0"):
+            return g + h  # cpu:0 waits for g: it must be woken, not left hanging
+
+    jitted = fj.jit(f, target="interpreter")
+    jitted.lower(X)
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("injected failure")
+
+    monkeypatch.setitem(interpreter.HANDLERS, "exp", lambda op, args, ctx: broken())
+    monkeypatch.setenv("FLOWJIT_RECV_TIMEOUT", "60")
+    with pytest.raises(executor.PartitionError) as e:
+        jitted(X)
+    message = str(e.value)
+    assert "test_multidevice.py:" in message and "op 'exp' on cpu:1 failed" in message
+    assert "injected failure" in message
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "partition on cpu:0 stopped" in notes and "cancelled" in notes and "timed out" not in notes
+
+
+def test_failing_native_partition_cancels_the_other(monkeypatch):
+    f = fj.jit(two_layer, target="cpu")
+    executable = f.lower(X, W1, W2).compile().executable
+    first, second = executable.parts  # cpu:0 sends h, cpu:1 receives it
+
+    def fail(*args, **kwargs):
+        raise fj.FlowjitError("injected: cpu:0 failed")
+
+    monkeypatch.setattr(first, "run", fail)
+    monkeypatch.setenv("FLOWJIT_RECV_TIMEOUT", "60")
+    with pytest.raises(fj.FlowjitError, match="injected: cpu:0 failed") as e:
+        executable.run([X, W1, W2])
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "partition on cpu:1 stopped" in notes and "cancelled" in notes
+    assert "test_multidevice.py:" in notes  # the recv's source line
+    # The executable still works after a failed step.
+    monkeypatch.undo()
+    monkeypatch.setenv("FLOWJIT_CPU_DEVICES", "2")
+    np.testing.assert_allclose(executable.run([X, W1, W2])[1], np.tanh(X @ W1), rtol=1e-5, atol=1e-6)
+
+
+def test_recv_times_out_instead_of_hanging():
+    rendezvous = Rendezvous(timeout_s=0.05)
+    with pytest.raises(TransferError, match=r"m.py:3: recv 'cpu:0->cpu:1:%2' .* timed out after 0.05 s"):
+        rendezvous.recv("cpu:0->cpu:1:%2", "m.py:3: ")
+
+
+def test_cancel_wakes_a_waiting_recv():
+    rendezvous = Rendezvous(timeout_s=60)
+    errors = []
+
+    def wait():
+        try:
+            rendezvous.recv("k")
+        except TransferError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    rendezvous.cancel(RuntimeError("boom"))
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and "cancelled" in str(errors[0])
+
+
+def test_send_then_recv_delivers_the_same_buffer():
+    rendezvous, value = Rendezvous(timeout_s=5), np.arange(4.0)
+    rendezvous.send("k", value)
+    assert rendezvous.recv("k") is value  # no copy between devices sharing host memory
