@@ -73,6 +73,14 @@ def _for_example() -> Graph:
     return _graph_with("for", [i64, i64, T(4)], {"num_carry": 1}, [body])
 
 
+def _fusion_example() -> Graph:
+    def body(r, p):
+        product = emit(r, "mul", p, loc=LOC).result
+        return [emit(r, "tanh", [product], loc=LOC).result, product]
+
+    return _graph_with("fusion", [T(4, 4), T(4, 4)], {"kind": "loop"}, [_region("body", [T(4, 4), T(4, 4)], body)])
+
+
 def _state(name) -> Graph:
     attrs = {"var": "layer1/w", "shape": (3, 2), "dtype": F32}
     return _graph_with(name, [] if name == "read_variable" else [T(3, 2)], attrs, device="/job:ps/task:0")
@@ -118,6 +126,7 @@ EXAMPLES = {
     "cond": _cond_example,
     "while": _while_example,
     "for": _for_example,
+    "fusion": _fusion_example,
     "read_variable": lambda: _state("read_variable"),
     "assign": lambda: _state("assign"),
     "assign_add": lambda: _state("assign_add"),
