@@ -101,7 +101,7 @@ class _Arith:
         self.b = b
         self.t = elem
         self.it = _INT[elem]
-        self._consts: dict[tuple[float | int, str], str] = {}
+        self._consts: dict[tuple[str, str], str] = {}
 
     def c(self, value: float) -> str:
         return self._const(value, self.t)
@@ -110,7 +110,7 @@ class _Arith:
         return self._const(value, self.it)
 
     def _const(self, value, elem: str) -> str:
-        key = (value, elem)
+        key = (repr(value), elem)  # repr keeps -0.0 apart from 0.0
         if key not in self._consts:
             self._consts[key] = self.b.const(value, elem)
         return self._consts[key]
