@@ -531,8 +531,8 @@ def _rsqrt(m: _Arith, x: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# float64: libm through math.* (numpy accuracy), with exact-cancellation formulas where MLIR's own
-# lowering would lose bits.
+# libm calls (float64 sin, cos, erf, atan2, pow: numpy accuracy needs a full-range reduction or
+# extra precision we do not have yet), and float32 pow built on the float64 polynomials.
 
 
 def _libm(name: str) -> Callable[[_Arith, str], str]:
