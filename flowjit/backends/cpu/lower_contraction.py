@@ -4,8 +4,11 @@ argmin.
 Every op has a portable form, one `linalg.generic` whose indexing maps encode the op's dimension
 numbers (dot_general's batch/contracting dims, conv2d's stride and dilation, the pooling window),
 which is correct for every shape and dtype. Half types (f16, bf16) accumulate in f32 and round once
-at the end, as the reference implementations do. Large matrix products take the tuned
-kernel in `matmul_kernel.py` instead.
+at the end, as the reference implementations do. Fast paths replace it where measured to win:
+the register-blocked kernel in `matmul_kernel.py` and a row-dot kernel for narrow products
+(dot_general), vector code for small pooling windows (reduce_window) and for argmax/argmin along
+the last axis; conv2d and large generics split over the cores. Choices and measurements:
+docs/cpu-backend.md, section Contractions.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ PARALLEL_MIN_WORK = 1 << 18
 def split_over_cores(em: KernelEmitter, generic: str, first_dim: int, work: int) -> None:
     """Run the `linalg.generic` named `generic` as one `scf.forall` chunk of its first (parallel)
     loop per core, when its `work` (scalar operations) pays for an OpenMP fork."""
-    threads = matmul_kernel.toolchain_threads()
+    threads = matmul_kernel.cores()
     if threads < 2 or work < PARALLEL_MIN_WORK or first_dim < 2:
         return
     chunk = -(-first_dim // threads)
@@ -101,17 +104,16 @@ def contraction_generic(
     result: TensorType,
     iterators: list[str],
     reduction_size: int,
-    result_exprs: str | None = None,
 ) -> str:
     """sum over the "reduction" loop dims of lhs * rhs. `inputs` gives each operand with the
     expressions of its indexing map over loop dims d0.. (in `iterators`' order, which is the loop
-    nest's order); the result's map is `result_exprs`, by default the leading loop dims.
-    `reduction_size` (the product of the reduction loops' bounds) sizes the work for threading."""
+    nest's order); the result is indexed by the leading loop dims. `reduction_size` (the product
+    of the reduction loops' bounds) sizes the work for threading."""
     acc = accumulator_elem(result.dtype)
     elem = elem_type(result.dtype)
     domain = ", ".join(_dims(len(iterators)))
     maps = [em.affine_map(f"({domain}) -> ({exprs})") for _, _, exprs in inputs]
-    maps.append(em.affine_map(f"({domain}) -> ({result_exprs or ', '.join(_dims(result.rank))})"))
+    maps.append(em.affine_map(f"({domain}) -> ({', '.join(_dims(result.rank))})"))
     init = fill(em, const(em, 0, acc), result, acc)
 
     def body(b: ScalarBuilder, args):
@@ -263,7 +265,7 @@ def _lower_with_row_dots(em: KernelEmitter, op: Op, operands: list[str]) -> str 
         return em.op(f"vector.reduction <add>, {total} : {vec} into {acc}")
 
     outputs = batch * m * n
-    parallel = matmul_kernel.toolchain_threads() > 1 and outputs > 1 and outputs * k >= PARALLEL_MIN_WORK
+    parallel = matmul_kernel.cores() > 1 and outputs > 1 and outputs * k >= PARALLEL_MIN_WORK
     flat = per_row(em, outputs, acc, dot, parallel)
     product = reshape(em, flat, TensorType((outputs,), result.dtype), result.shape, acc)
     return narrow(em, product, result, acc)
@@ -586,7 +588,7 @@ def per_row(em: KernelEmitter, rows: int, elem: str, answer, parallel: bool) -> 
         loop, row, (acc,) = w.open_for(w.index(0), w.index(rows), w.index(1), [(out, flat_type)])
         w.close_for([em.op(f"tensor.insert {answer(row)} into {acc}[{row}] : {flat_type}")], [flat_type])
         return loop
-    chunk = -(-rows // matmul_kernel.toolchain_threads())
+    chunk = -(-rows // matmul_kernel.cores())
     done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
     em.line(f"{done} = scf.forall ({t}) in ({-(-rows // chunk)}) shared_outs({shared} = {out}) -> ({flat_type}) {{")
     em.indent += "  "
@@ -610,7 +612,7 @@ def per_row(em: KernelEmitter, rows: int, elem: str, answer, parallel: bool) -> 
 def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool) -> str:
     """argmax/argmin along the last axis (see `_ArgRows`), rows split over the cores when many."""
     kernel = _ArgRows(em, x, tx, result, largest)
-    parallel = matmul_kernel.toolchain_threads() > 1 and kernel.rows > 1 and tx.size >= PARALLEL_MIN_WORK
+    parallel = matmul_kernel.cores() > 1 and kernel.rows > 1 and tx.size >= PARALLEL_MIN_WORK
     flat = per_row(em, kernel.rows, kernel.index_elem, lambda row: kernel.first_index(kernel.scan(row)), parallel)
     return reshape(em, flat, TensorType((kernel.rows,), result.dtype), result.shape)
 

@@ -234,7 +234,7 @@ def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
     w = LoopWriter(em)
     c_type = s.tensor(s.m, s.n)
     result = em.op(f"tensor.empty() : {c_type}")
-    threads = toolchain_threads()
+    threads = cores()
     parallel = threads > 1 and s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS and s.m >= 2 * MR * threads
     if s.batch:
         outer, batch_index, (c_all,) = w.open_for(w.index(0), w.index(s.batch), w.index(1), [(result, c_type)])
@@ -305,5 +305,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def toolchain_threads() -> int:
+def cores() -> int:
+    """Cores the generated code splits work over (one OpenMP thread each)."""
     return os.cpu_count() or 1
