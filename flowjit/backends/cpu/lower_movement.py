@@ -1,9 +1,11 @@
 """CPU lowerings of the data-movement ops: slice, dynamic_slice, pad, concatenate, gather, scatter_add.
 
 Each function has the `LOWERINGS` signature `fn(em, op, operands) -> [result tensor]` and works on
-tensors: slices are `tensor.extract_slice` views (the consumer or the final store copies them), pads
-and concatenations are a fill followed by strided `tensor.insert_slice`s, gather is a `linalg.generic`
-that reads the operand with `tensor.extract`, and scatter_add is a loop nest over the updates.
+tensors: slices are `tensor.extract_slice` views copied with `linalg.copy`; pads (and
+concatenations of small blocks) are a fill followed by strided inserts; gather is a generic
+reading the operand with `tensor.extract`, and scatter_add a loop nest over the updates. When the
+block an index (or a concatenated operand) moves is at least a vector long, gather, scatter_add
+and concatenate are vector copy loops instead. bool data moves as bytes (`_on_bytes`).
 
 Indices are clamped in the generated code, as in the reference implementations: dynamic_slice
 starts into `[0, dim - size]`, gather/scatter_add indices into `[0, dim - 1]`. No generated load or
@@ -67,7 +69,7 @@ def copy_tensor(em: KernelEmitter, x: str, t) -> str:
 @lowering("slice")
 @_on_bytes
 def lower_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """x[start:limit:stride] as a strided `tensor.extract_slice`."""
+    """x[start:limit:stride]: a strided `tensor.extract_slice`, copied."""
     (x,) = operands
     source, result = op.operands[0].type, op.result.type
     if source.rank == 0:
