@@ -102,6 +102,9 @@ class KernelEmitter:
         # i1 tensor -> the i8 tensor (numpy's bool bytes) holding the same data: conversions between
         # the two are looked up here instead of emitted again, so no i1 tensor needs a buffer.
         self.bool_bytes: dict[str, str] = {}
+        # n-d tensor -> the 1-D tensor it expands: results are stored through a collapsed view of
+        # their buffer, so bufferization writes the 1-D kernel straight into it (no temporary).
+        self.flat_views: dict[str, str] = {}
 
     def fresh(self, prefix: str = "v") -> str:
         self._counter += 1

@@ -51,7 +51,9 @@ def expand(em: KernelEmitter, tensor: str, t: TensorType, elem: str | None = Non
     group = ", ".join(str(i) for i in range(t.rank))
     shape = ", ".join(str(d) for d in t.shape)
     into = f"{tensor_type(flat, elem)} into {tensor_type(t, elem)}"
-    return em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
+    result = em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
+    em.flat_views[result] = tensor
+    return result
 
 
 def reshape_tensor(em: KernelEmitter, x: str, source: TensorType, result: TensorType, elem: str | None = None) -> str:
@@ -97,7 +99,7 @@ def map_elementwise(
                 tensor = bool_to_bytes(em, tensor, t)
             tensors.append((collapse(em, tensor, t, _storage(t.dtype)), t))
     out_elem = _storage(out.dtype)
-    init = collapse(em, em.empty(out, out_elem), out, out_elem)
+    init = em.empty(rank1, out_elem)
     identity = em.identity_map(rank1.rank)
 
     def kernel_body(b: ScalarBuilder, args: list[str]) -> str:

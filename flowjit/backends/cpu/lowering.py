@@ -222,6 +222,14 @@ class _FunctionLowering:
             return
         if t.dtype.is_bool:
             tensor = bool_to_bytes(self.em, tensor, t)
+        flat = self.em.flat_views.get(tensor)
+        if flat is not None:  # store the 1-D kernel result through a 1-D view of the buffer
+            e = memory_elem_type(t.dtype)
+            group = ", ".join(str(i) for i in range(t.rank))
+            buffer = self.em.op(
+                f"memref.collapse_shape {buffer} [[{group}]] : {memref_type(t)} into memref<{t.size}x{e}>"
+            )
+            tensor, t = flat, TensorType((t.size,), t.dtype)
         self.em.line(
             f"bufferization.materialize_in_destination {tensor} in restrict writable {buffer} : "
             f"({tensor_type(t, memory_elem_type(t.dtype))}, {memref_type(t)}) -> ()"

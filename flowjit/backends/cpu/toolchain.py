@@ -66,6 +66,10 @@ def llvm():
 
     binding.initialize_native_target()
     binding.initialize_native_asmprinter()
+    # Idle OpenMP workers spin for KMP_BLOCKTIME before sleeping (default 200 ms). Kernels of one
+    # call follow each other within microseconds, so 1 ms keeps the team hot inside a call, while
+    # between calls the workers stop taking a core from the Python thread and other processes.
+    os.environ.setdefault("KMP_BLOCKTIME", "1")
     binding.load_library_permanently(openmp_library())
     # libm: math without a vector implementation (erf, atan2 in f64) calls it. The soname first:
     # `find_library` runs a subprocess, a noticeable part of a warm start.
