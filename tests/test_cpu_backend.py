@@ -255,6 +255,32 @@ def test_corrupt_or_truncated_entry_is_rebuilt(tmp_path):
         assert entry.read_bytes() == good
 
 
+def test_concurrent_writers_leave_one_intact_entry(tmp_path):
+    environment = {**os.environ, "FLOWJIT_CACHE_DIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CACHE_SCRIPT], env=environment, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    names = os.listdir(tmp_path)
+    assert len(names) == 1 and names[0].endswith(".fjo"), names  # no temporary files left behind
+    assert cache.decode((tmp_path / names[0]).read_bytes()) is not None
+
+
+def test_stages_of_a_cache_hit_are_recomputed_on_demand(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
+    graph = parse_graph(
+        "func @g(%x: tensor<64xf32>) -> (tensor<64xf32>) {\n  %0 = tanh %x : tensor<64xf32>\n"
+        "  return %0 : tensor<64xf32>\n}\n"
+    )
+    first = compile_graph(graph, "cpu")
+    second = compile_graph(graph, "cpu")  # loaded from the entry the first one wrote
+    assert first.stages.module is not None and second.stages.module is None
+    assert second.stages["asm"] == first.stages["asm"]
+    x = np.linspace(-3, 3, 64, dtype=np.float32)
+    np.testing.assert_array_equal(second.run([x])[0], first.run([x])[0])
+
+
 def test_cache_disabled_writes_nothing(tmp_path):
     assert _run_cache_script(tmp_path, FLOWJIT_CACHE="0") == "mlir-imported"
     assert os.listdir(tmp_path) == []

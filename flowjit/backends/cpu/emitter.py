@@ -8,6 +8,16 @@ lowerings emit through it. Lowerings are plain functions registered in `LOWERING
     LOWERINGS[op_name] = fn(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
 
 taking the MLIR SSA names of the op's operand tensors and returning those of its result tensors.
+
+Note for lowering authors (stable API: `LOWERINGS`, `em.generic`, `em.op`, `ScalarBuilder.op/const`,
+`elem_type`, `tensor_type`). Added by the driver's owner:
+- `em.schedule(generic, steps)` attaches a transform-dialect schedule (see `schedule.py`) to a
+  `linalg.generic`; untagged kernels are lowered to plain loops (LLVM may still vectorize them).
+- bool operands arrive as i1 tensors made by `lowering.bool_from_bytes`; `bool_to_bytes` on such a
+  tensor returns the original bytes instead of emitting a conversion (`em.bool_bytes`), so a lowering
+  that moves bool data as bytes never creates an i1 buffer (MLIR 22 cannot store those).
+- `em.flat_views`: results that are `expand_shape`s of a 1-D kernel are stored through a 1-D view.
+- `ScalarBuilder.const(v, "i1")` emits `arith.constant true|false` (the typed form does not parse).
 """
 
 from __future__ import annotations
