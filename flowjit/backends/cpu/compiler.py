@@ -31,6 +31,7 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_movement",
     "flowjit.backends.cpu.lower_contraction",
     "flowjit.backends.cpu.lower_communication",
+    "flowjit.backends.cpu.lower_fusion",
 )
 
 OPT_LEVEL = 3
