@@ -41,7 +41,6 @@ NOT_YET_LOWERED = {
     "cond",
     "custom_vjp_call",
     "for",
-    "fusion",
     "read_variable",
     "recv",
     "send",

@@ -45,6 +45,7 @@ from flowjit.ir.location import is_internal_file, user_location
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
 from flowjit.passes import dump
+from flowjit.passes.fuse import fusion_summary
 from flowjit.passes.partition import graph_devices, placement_report, split_partitions
 from flowjit.passes.registry import run_pipeline
 from flowjit.runtime.devices import DeviceSpec
@@ -53,6 +54,7 @@ from flowjit.runtime.executor import PartitionedExecutable
 # The optimization pipeline for every target, top to bottom.
 PIPELINE = (
     "canonicalize",  # fold constants, simplify algebra, CSE, DCE
+    "fuse",  # elementwise chains, reductions with their neighbours, contraction epilogues -> one kernel each
 )
 # Then, on a copy of the optimized graph (stage "placement"):
 PLACEMENT_PIPELINE = (
@@ -584,7 +586,7 @@ class Lowered:
         if stage in ("traced", "optimized"):
             header = f"stage: {stage}"
             if stage == "optimized":
-                header += f"\npipeline: {', '.join(PIPELINE)}"
+                header += f"\npipeline: {', '.join(PIPELINE)}\n{fusion_summary(self.graph(stage))}"
                 executable = self._compile_executable()
                 header += f"\nbackend: {_backend_note(executable)}"
             return print_graph(self.graph(stage), header)

@@ -19,7 +19,8 @@ before the group's last op), or that would make the grouped graph cyclic.
 
 No work is duplicated: a value used outside its group becomes a result of the group (it is written
 to memory once), so expensive ops (exp, reductions, contractions) are never recomputed. Only
-constants of at most `CLONE_CONSTANT_ELEMENTS` elements are copied into each group that reads them.
+constants are copied into each group that reads them: splats of any size (a backend reads them as
+one scalar) and others of at most `CLONE_CONSTANT_ELEMENTS` elements.
 
 Algorithm:
 1. Walk the ops in order. Each fusible op starts a group; then each operand's group merges into it
@@ -35,6 +36,8 @@ Regions of control-flow ops are fused recursively, each on its own.
 from __future__ import annotations
 
 import heapq
+
+import numpy as np
 
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Op, Value
@@ -158,8 +161,17 @@ def _fusion_kind(members: list[Op]) -> str:
 
 
 def _clonable_constant(value: Value) -> bool:
+    """Small constants, and splats of any size (a backend reads them as one scalar)."""
     op = value.producer
-    return op is not None and op.name == "constant" and value.type.size <= CLONE_CONSTANT_ELEMENTS
+    if op is None or op.name != "constant":
+        return False
+    array = op.attrs["value"]
+    if array.size <= CLONE_CONSTANT_ELEMENTS:
+        return True
+    first = array.reshape(-1)[0]
+    if array.dtype.kind == "f" and np.isnan(first):
+        return bool(np.all(np.isnan(array)))
+    return bool(np.all(array == first))
 
 
 def _build_fusion(members: list[Op], used_outside: set[Value]) -> tuple[Op, list[Value]]:

@@ -46,15 +46,18 @@ def parse_pipeline(text: str | Sequence[str]) -> list[str]:
 
 def run_pipeline(graph: Graph, names: Sequence[str], verify: bool | None = None, dump_name: str | None = None) -> Graph:
     """Apply the named passes in order; verify after each when `verify` (default: FLOWJIT_VERIFY)."""
+    from flowjit.ir.printer import print_graph
     from flowjit.ir.verifier import VerificationError
     from flowjit.ir.verifier import verify as verify_graph
+    from flowjit.passes.fuse import fusion_summary
 
     if verify is None:
         verify = dump.verify_enabled()
     for name in names:
         graph = get_pass(name)(graph)
         # Dump before verifying, so that invalid IR can be inspected.
-        dump.write_stage(dump_name or graph.name, name, str(graph))
+        if dump.dump_dir() is not None:
+            dump.write_stage(dump_name or graph.name, name, print_graph(graph, fusion_summary(graph)))
         if verify:
             try:
                 verify_graph(graph)
