@@ -4,6 +4,8 @@ out-of-range indices, nan and tie rules, and the tiled matmul kernel's tails and
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 import ml_dtypes
@@ -340,3 +342,69 @@ def test_arg_extremes_long_rows(name, dtype):
         x[9, 1000] = np.nan
     check(name, [x], dict(axis=1, index_dtype="i64"))
     check(name, [x[:, :70]], dict(axis=1, index_dtype="i32"))
+
+
+# --- no access outside the buffers -------------------------------------------------------------------
+
+PAGE = mmap.PAGESIZE
+PROT_NONE = 0
+
+
+def guarded(array: np.ndarray, at_end: bool) -> np.ndarray:
+    """A copy of `array` in memory flanked by pages the process may not touch (PROT_NONE), placed
+    flush against the page after it (`at_end`) or the page before it: any generated load or store
+    outside the array faults instead of passing silently."""
+    pages = -(-array.nbytes // PAGE) + 2
+    region = mmap.mmap(-1, pages * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for page in (0, pages - 1):
+        assert libc.mprotect(ctypes.c_void_p(base + page * PAGE), PAGE, PROT_NONE) == 0
+    offset = (pages - 1) * PAGE - array.nbytes if at_end else PAGE
+    copy = np.frombuffer(region, array.dtype, count=array.size, offset=offset).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+GUARDED_CASES = [
+    ("gather", [data((20, 70), dt.float32), np.array([[25, -3, 19]], np.int64)], dict(axis=0)),
+    ("gather", [data((9, 5), dt.float64), np.array([9, -1, 4], np.int32)], dict(axis=0)),
+    (
+        "scatter_add",
+        [data((12, 70), dt.float32), np.array([30, -2, 11], np.int64), data((3, 70), dt.float32)],
+        dict(axis=0),
+    ),
+    ("scatter_add", [data((6, 3), dt.int32), np.array([7, -7], np.int64), data((2, 3), dt.int32)], dict(axis=0)),
+    (
+        "dynamic_slice",
+        [data((7, 9), dt.float32), np.asarray(50, np.int64), np.asarray(-50, np.int64)],
+        dict(sizes=(3, 4)),
+    ),
+    ("argmax", [data((5, 37), dt.float32)], dict(axis=1, index_dtype="i64")),
+    ("argmin", [data((3, 70), dt.float16)], dict(axis=1, index_dtype="i32")),
+    (
+        "reduce_window",
+        [data((2, 3, 9, 11), dt.float32)],
+        dict(kind="max", window=(1, 1, 3, 3), strides=(1, 1, 2, 2), padding=((0, 0),) * 4),
+    ),
+    ("dot_general", [data((33, 45), dt.float32), data((45, 37), dt.float32)], MATMUL),
+    ("dot_general", [data((13, 101), dt.float64), data((101,), dt.float64)], MATMUL),
+    ("concatenate", [data((3, 70), dt.float32), data((3, 33), dt.float32)], dict(axis=1)),
+    ("pad", [data((5, 6), dt.float32), np.float32(1)], dict(low=(1, 2), high=(2, 1), interior=(1, 1))),
+    ("slice", [data((9, 10), dt.float32)], dict(start=(1, 2), limit=(9, 10), stride=(3, 4))),
+]
+
+
+@pytest.mark.parametrize("at_end", [True, False], ids=["guard-after", "guard-before"])
+@pytest.mark.parametrize("name, inputs, attrs", GUARDED_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(GUARDED_CASES)])
+def test_kernels_stay_inside_their_buffers(name, inputs, attrs, at_end):
+    inputs = [np.asarray(a) for a in inputs]
+    graph = Graph(name)
+    params = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype))) for a in inputs]
+    graph.results = list(emit(graph, name, params, attrs).results)
+    compiled = compile_graph(graph, "cpu")
+    (want,) = compile_graph(graph, "interpreter").run(inputs)
+    out = guarded(np.zeros(want.shape, want.dtype), at_end)
+    (got,) = compiled.run_trusted([guarded(a, at_end) if a.size else a for a in inputs], provided={0: out})
+    assert got is out
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-5, atol=1e-5)
