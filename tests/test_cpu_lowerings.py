@@ -366,6 +366,7 @@ def guarded(array: np.ndarray, at_end: bool) -> np.ndarray:
     return copy
 
 
+CONV_ATTRS = dict(stride=(2, 1), padding=((1, 2), (0, 1)), dilation=(1, 2))
 GUARDED_CASES = [
     ("gather", [data((20, 70), dt.float32), np.array([[25, -3, 19]], np.int64)], dict(axis=0)),
     ("gather", [data((9, 5), dt.float64), np.array([9, -1, 4], np.int32)], dict(axis=0)),
@@ -392,6 +393,10 @@ GUARDED_CASES = [
     ("concatenate", [data((3, 70), dt.float32), data((3, 33), dt.float32)], dict(axis=1)),
     ("pad", [data((5, 6), dt.float32), np.float32(1)], dict(low=(1, 2), high=(2, 1), interior=(1, 1))),
     ("slice", [data((9, 10), dt.float32)], dict(start=(1, 2), limit=(9, 10), stride=(3, 4))),
+    ("gather", [data((20, 70), dt.bool_), np.array([3, 99], np.int32)], dict(axis=0)),
+    ("conv2d", [data((2, 3, 9, 8), dt.float32), data((4, 3, 3, 2), dt.float32)], CONV_ATTRS),
+    ("argmax", [data((300, 1001), dt.float32)], dict(axis=1, index_dtype="i64")),
+    ("dot_general", [data((130, 128), dt.float32), data((128, 141), dt.float32)], MATMUL),
 ]
 
 
