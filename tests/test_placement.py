@@ -139,7 +139,7 @@ def test_cost_model_keeps_chains_together_and_spreads_big_independent_work():
         return left + right
 
     graph = placed(f, big, big)
-    dots = ops_named(graph, "dot_general")
+    dots = [op for op in graph.walk() if op.name == "dot_general"]  # some may sit inside fusions
     assert {op.device for op in dots} == {CPU0, CPU1}
     # Each chain stays on one device: exactly one transfer, to the final add.
     assert len(ops_named(graph, "send")) == 1
@@ -191,7 +191,7 @@ def test_placement_stage_text():
     assert "cpu:0" in tanh_line and "constraint '/device:cpu:0'" in tanh_line
     assert "// transfers: 1 (48 bytes per call)" in text
     transfer = next(line for line in text.splitlines() if line.startswith("//   cpu:0->cpu:1:%"))
-    assert "48 bytes, cpu:0 -> cpu:1, 'tanh'" in transfer and "'exp'" in transfer and "'add'" in transfer
+    assert "48 bytes, cpu:0 -> cpu:1, 'tanh' (tests/test_placement.py:" in transfer and " -> '" in transfer
     # The key in the report is the one the IR below it carries.
     key = transfer.split(": ")[0].removeprefix("//   ")
     assert text.count(f'key = "{key}"') == 2

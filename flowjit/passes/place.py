@@ -12,9 +12,11 @@ Cost model (deterministic, in estimated microseconds; constants below, measured 
 device costs `TRANSFER_LATENCY_US` plus its bytes at `TRANSFER_BYTES_PER_US`, once per
 (value, device). Each op goes to the device where it would finish earliest given when that device
 is free and when its operands can arrive there (list scheduling), ties broken by fewer bytes moved,
-then by device order; but it leaves its affine device (where most of its operand bytes are, else
-where the previous op went) only when that gains more than one transfer latency, the price of
-joining the results again. So chains stay on one device, small programs are not split, and
+then by device order. Results bound for a pinned op on another device (a variable's update, a
+constrained consumer) add their transfer to the estimate. An op leaves its affine device (where
+most of its operand bytes are, else where its results are bound for, else where the previous op
+went) only when that gains more than one transfer latency, the price of joining the results again.
+So chains stay on one device, small programs are not split, and
 independent work big enough to pay for its transfers spreads across devices.
 """
 
@@ -150,22 +152,29 @@ class _Scheduler:
             start, moved = max(start, t), moved + nbytes
         return start + op_cost_us(op), moved
 
-    def affinity(self, op: Op) -> str:
-        """The device `op` leans to: where most of its operand bytes are computed, else where the
-        previous op went (so a program's ops stay together unless splitting pays)."""
+    def affinity(self, op: Op, bound_for: str | None) -> str:
+        """The device `op` leans to: where most of its operand bytes are computed, else where its
+        results are bound for, else where the previous op went (so a program's ops stay together
+        unless splitting pays)."""
         weights: dict[str, int] = {}
         for v in op.operands:
             if v in self.home:
                 weights[self.home[v]] = weights.get(self.home[v], 0) + v.type.nbytes
         if not weights:
-            return self.last
+            return bound_for or self.last
         return min(weights, key=lambda d: (-weights[d], self.order[d]))
 
-    def choose(self, op: Op, candidates: list[Device]) -> tuple[str, str]:
-        """The best device for `op` and the reason."""
-        scored = {d.name: self.estimate(op, d.name) for d in candidates}
+    def choose(self, op: Op, candidates: list[Device], bound_for: str | None) -> tuple[str, str]:
+        """The best device for `op` and the reason. `bound_for` is the device its results will be
+        needed on (a pinned consumer downstream), if known: elsewhere they would cost a transfer."""
+        scored = {}
+        for d in candidates:
+            finish, moved = self.estimate(op, d.name)
+            if bound_for is not None and d.name != bound_for:
+                finish += sum(transfer_us(r) for r in op.results)
+            scored[d.name] = (finish, moved)
         best = min(scored, key=lambda d: (*scored[d], self.order[d]))
-        home = self.affinity(op)
+        home = self.affinity(op, bound_for)
         # Leaving the affine device costs at least one transfer later (results join again), so a
         # move must gain more than that.
         if home in scored and best != home and scored[best][0] + TRANSFER_LATENCY_US >= scored[home][0]:
@@ -202,6 +211,26 @@ def _candidates(unit_ops: list[Op], constraint: DeviceSpec | None, source: Op | 
     return found
 
 
+def _bound_for(units: list[_Unit], pinned: dict[int, str]) -> dict[Op, str]:
+    """For each unit's op, the device of the first pinned op its results flow into (backwards
+    from the pinned ops: the update of a variable pulls the ops computing its new value)."""
+    users: dict[Value, list[Op]] = {}
+    for unit in units:
+        for v in unit.op.operands:
+            users.setdefault(v, []).append(unit.op)
+    bound: dict[Op, str] = {}
+    for i in reversed(range(len(units))):
+        op = units[i].op
+        if i in pinned:
+            bound[op] = pinned[i]
+            continue
+        for user in (u for r in op.results for u in users.get(r, [])):
+            if user in bound:
+                bound[op] = bound[user]
+                break
+    return bound
+
+
 def _set_device(op: Op, device: str) -> None:
     op.device = device
     for region in op.regions:
@@ -217,10 +246,13 @@ def place(graph: Graph) -> Graph:
     1. Treat each top-level op with its regions as one unit; merge the constraints inside it.
     2. Group units that touch a common variable (colocation); merge the group's constraints, and
        report contradicting ones naming both source lines.
-    3. Walk units in program order: a unit whose group is placed joins it; a constrained unit with
+    3. Walking backwards, note for each unit the device of the first pinned unit (one fitting
+       device) its results flow into.
+    4. Walk units in program order: a unit whose group is placed joins it; a constrained unit with
        one fitting device takes it; free creations (constants) wait for their first consumer;
-       everything else goes to the fitting device where the cost model says it finishes first.
-    4. Free creations take their first consumer's device (partition copies them to other users).
+       everything else goes to the fitting device where the cost model says it finishes first
+       (counting a transfer of its results when they are bound for another device).
+    5. Free creations take their first consumer's device (partition copies them to other users).
     """
     local = devices()
     units = [_unit(op) for op in graph.ops]
@@ -246,6 +278,13 @@ def place(graph: Graph) -> Graph:
             )
         group_constraint[g] = (merged, source)
 
+    pinned = {}
+    for i in range(len(units)):
+        spec = group_constraint.get(groups[i], (None, None))[0]
+        fitting = _candidates([units[i].op], spec, group_constraint.get(groups[i], (None, None))[1], local)
+        if spec is not None and len(fitting) == 1:
+            pinned[i] = fitting[0].name
+    bound_for = _bound_for(units, pinned)
     scheduler = _Scheduler(local)
     reasons: dict[Op, str] = {}
     group_device: dict[int, tuple[str, Op]] = {}
@@ -271,7 +310,7 @@ def place(graph: Graph) -> Graph:
             elif len(fitting) == 1:
                 device, reasons[op] = fitting[0].name, "the only device"
             else:
-                device, reasons[op] = scheduler.choose(op, fitting)
+                device, reasons[op] = scheduler.choose(op, fitting, bound_for.get(op))
                 if spec is not None:
                     reasons[op] += f" among devices matching '{spec}' ({source.loc})"
             if in_group:
