@@ -2,6 +2,7 @@
 
     flowjit opt in.fj -p canonicalize              # text IR in, passes (verified), text IR out
     flowjit dump model.py:fn --arg f32[256,784] --arg i64[] [--static n=3] [--stage optimized]
+    flowjit compile model.py:fn --arg f32[256,784] --arg f32[784,10] -o out/   # out/fn.so, fn.h, fn.json
 
 Every mistake a user can make ends in one `flowjit: error: ...` paragraph on stderr and exit
 status 1, never a Python traceback. Subcommands live in `_SUBCOMMANDS`; each has an `_add_<name>`
@@ -281,12 +282,77 @@ def _os_reason(e: Exception) -> str:
     return e.strerror.lower() if isinstance(e, OSError) and e.strerror else str(e)
 
 
+# --- flowjit compile -----------------------------------------------------------------------------------
+
+
+def _add_compile(sub) -> None:
+    p = sub.add_parser(
+        "compile",
+        help="compile a Python function into a C library (.so/.a), a header and a manifest",
+        description=_run_compile.__doc__,
+    )
+    p.add_argument("target", metavar="FILE.py:FUNCTION", help="the Python file and the function in it")
+    p.add_argument("--arg", action="append", default=[], metavar="DTYPE[DIMS]", help="an array argument, in order")
+    p.add_argument("--static", action="append", default=[], metavar="NAME=VALUE", help="a static argument by name")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (created if missing)")
+    p.add_argument("--name", help="C name of the entry point and base name of the files (default: FUNCTION)")
+    p.add_argument("--target", dest="backend", default="cpu", help="code generation target (only cpu)")
+    p.add_argument(
+        "--threads",
+        default="openmp",
+        choices=("openmp", "serial"),
+        help="openmp: parallel loops, needs libiomp5.so at run time; serial: libc/libm only (default: openmp)",
+    )
+    p.add_argument("--static-lib", action="store_true", help="write a static library NAME.a instead of NAME.so")
+    p.add_argument(
+        "--freeze-variables",
+        action="store_true",
+        help="bake the variables the function reads into the code, from --checkpoint (default: they become "
+        "extra arguments)",
+    )
+    p.add_argument("--checkpoint", metavar="FILE", help="fj.save_checkpoint file of a dict variable name -> value")
+
+
+def _run_compile(args) -> int:
+    """Compile FUNCTION of FILE.py for the given arguments into OUT/NAME.so (or .a), OUT/NAME.h and
+    OUT/NAME.json: a C library that runs without Python."""
+    from flowjit.backends.cpu import aot
+
+    if args.backend != "cpu":
+        raise UsageError(f"--target {args.backend}: ahead-of-time compilation supports only the 'cpu' target")
+    if args.freeze_variables != (args.checkpoint is not None):
+        raise UsageError("--freeze-variables and --checkpoint FILE go together: the checkpoint holds the values")
+    arg_specs = [parse_arg_spec(s) for s in args.arg]
+    statics = dict(parse_static(s) for s in args.static)
+    path, fn_name = _split_target(args.target)
+    options = aot.AotOptions(args.name or fn_name, args.threads, args.static_lib)
+    frozen = aot.load_frozen_variables(args.checkpoint) if args.checkpoint else None
+    _prepare_output_dir(args.output)
+    fn = _load_function(path, fn_name)
+    positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
+    jitted = _jit_with_statics(fn, tuple(statics))
+    lowered = _trace(path, fn_name, lambda: jitted.lower(*positional, **keywords))
+    library = _trace(path, fn_name, lambda: aot.build_library(lowered, args.output, options, args.target, frozen))
+    print(f"wrote {library.library}, {library.header}, {library.manifest}")
+    return 0
+
+
+def _prepare_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"-o {path}: cannot create the output folder: {_os_reason(e)}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"-o {path}: the output folder is not writable")
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
 # name -> (declare arguments, run). `compile` and `check` join this table when they exist.
 _SUBCOMMANDS: dict[str, tuple[Callable, Callable]] = {
     "opt": (_add_opt, _run_opt),
     "dump": (_add_dump, _run_dump),
+    "compile": (_add_compile, _run_compile),
 }
 
 

@@ -1,0 +1,311 @@
+"""Ahead-of-time compilation: a traced function -> `NAME.so` (or `NAME.a`), `NAME.h`, `NAME.json`.
+
+    optimized graph  --lower_graph, MLIR pipelines, llvmlite O3 (reloc=pic)-->  kernel object
+    kernel object + generated C wrapper (aot_c.py)  --system C compiler-->      shared/static library
+
+The library needs no Python, MLIR or LLVM at run time: libc, libm and, unless built with
+`threads="serial"`, the OpenMP runtime `libiomp5.so` (linked with an rpath to `$ORIGIN` and to the
+build environment's lib folder, so copying it next to the library is enough to ship it). With
+`threads="serial"` the parallel loops are compiled as plain loops and no OpenMP call remains.
+
+Variables: with `frozen_variables` (name -> array) they are constants of the code; otherwise each
+becomes an input (its value before the call) and, when the function updates it, an output (its
+value after), named after the variable, so the C caller owns the state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+import flowjit
+from flowjit.backends.cpu import aot_c, toolchain
+from flowjit.backends.cpu.compiler import generate_mlir
+from flowjit.errors import CompileError, FlowjitValueError
+from flowjit.frontend.jit import PIPELINE, VariableArg
+from flowjit.frontend.pytree import leaf_paths, tree_unflatten
+from flowjit.ir.builder import make_op
+from flowjit.ir.graph import Graph, Value
+from flowjit.ir.parser import parse_graph
+from flowjit.ir.printer import print_graph
+from flowjit.passes.registry import run_pipeline
+from flowjit.passes.state import functionalize_state
+
+THREADS = ("openmp", "serial")
+# The OpenMP pass turns the scf.parallel loops of the schedule into OpenMP regions; without it,
+# `convert-scf-to-cf` lowers them to sequential loops.
+_OPENMP_PASS = "convert-scf-to-openmp,"
+
+
+@dataclass(frozen=True)
+class AotOptions:
+    """How to build the library: its C name, threading, and shared (.so) or static (.a)."""
+
+    name: str
+    threads: str = "openmp"
+    static_lib: bool = False
+
+    def __post_init__(self):
+        if not self.name.isidentifier() or not self.name.isascii():
+            raise FlowjitValueError(f"--name '{self.name}': expected a C identifier (letters, digits, _)")
+        if self.threads not in THREADS:
+            raise FlowjitValueError(f"--threads '{self.threads}': expected one of {', '.join(THREADS)}")
+
+
+@dataclass(frozen=True)
+class Library:
+    """The files written by `build_library`."""
+
+    library: str
+    header: str
+    manifest: str
+
+
+def llvm_pipeline(threads: str) -> str:
+    """The backend's lowering pipeline to the LLVM dialect, with or without OpenMP."""
+    if threads == "openmp":
+        return toolchain.LLVM_PIPELINE
+    if _OPENMP_PASS not in toolchain.LLVM_PIPELINE:
+        raise CompileError(f"internal error: the CPU pipeline no longer contains '{_OPENMP_PASS}'")
+    return toolchain.LLVM_PIPELINE.replace(_OPENMP_PASS, "")
+
+
+def kernel_object(graph: Graph, kernel: str, threads: str):
+    """Compile `graph` to a position-independent object defining `kernel` (hidden visibility);
+    returns (object bytes, the MlirModule, the external functions it calls)."""
+    mlir = generate_mlir(graph)
+    text = mlir.text
+    if "transform.named_sequence" in text:
+        text = toolchain.apply_transform_schedule(text)
+        text = toolchain.run_mlir(text, [f"builtin.module({toolchain.SCHEDULE_CLEANUP_PIPELINE})"])
+    text = toolchain.run_mlir(
+        text, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})", f"builtin.module({llvm_pipeline(threads)})"]
+    )
+    llvm_ir = toolchain.translate_to_llvm_ir(text)
+    module = toolchain.llvm().parse_assembly(llvm_ir)
+    # Two libraries from functions of the same name may be linked into one program: the kernel
+    # gets the library's name and stays out of the dynamic symbol table.
+    entry = module.get_function(mlir.entry)
+    entry.name = kernel
+    entry.visibility = "hidden"
+    externals = toolchain.undefined_symbols(module)
+    return toolchain.emit_object(str(module), kernel), mlir, externals
+
+
+def ports(lowered, graph: Graph, variables: dict[str, tuple[int | None, int | None]]):
+    """The C inputs and outputs: the function's leaves named after their pytree paths, then the
+    variables (`variables`: name -> (param index, result index), either may be None)."""
+    taken: set[str] = set()
+    param_types, result_types = graph.param_types, graph.result_types
+    var_params = {i for i, _ in variables.values() if i is not None}
+    var_results = {j for _, j in variables.values() if j is not None}
+    arg_paths = [p for p, a in zip(lowered.paths, lowered.signature.avals) if not isinstance(a, VariableArg)]
+    user_params = [i for i in range(len(param_types)) if i not in var_params]
+    if len(user_params) != len(arg_paths):
+        raise CompileError(f"internal error: {len(user_params)} parameters for {len(arg_paths)} arguments")
+    by_param: dict[int, aot_c.Port] = {}
+    for i, path in zip(user_params, arg_paths):
+        t = param_types[i]
+        by_param[i] = aot_c.Port(aot_c.c_identifier(path, taken), path, tuple(t.shape), t.dtype)
+    for name, (i, _) in sorted(variables.items()):
+        if i is not None:
+            t = param_types[i]
+            by_param[i] = aot_c.Port(aot_c.c_identifier(name, taken), f"variable {name}", tuple(t.shape), t.dtype, name)
+    inputs = [by_param[i] for i in range(len(param_types))]
+    user_results = [j for j in range(len(result_types)) if j not in var_results]
+    out_paths = leaf_paths(tree_unflatten(lowered.out_tree, list(range(len(user_results)))), "out")
+    by_result: dict[int, aot_c.Port] = {}
+    for j, path in zip(user_results, out_paths):
+        t = result_types[j]
+        by_result[j] = aot_c.Port(aot_c.c_identifier(path, taken), path, tuple(t.shape), t.dtype)
+    for name, (_, j) in sorted(variables.items()):
+        if j is not None:
+            t = result_types[j]
+            c_name = aot_c.c_identifier(f"{name}_out", taken)
+            by_result[j] = aot_c.Port(c_name, f"variable {name}", tuple(t.shape), t.dtype, name)
+    outputs = [by_result[j] for j in range(len(result_types))]
+    return inputs, outputs
+
+
+def functional_graph(lowered, frozen: dict | None):
+    """The graph to compile and where its variables went: name -> (parameter index, result index
+    or None). Without variables, the optimized graph; with them, the traced graph with state made
+    explicit (`functionalize-state`), frozen variables replaced by constants, then optimized."""
+    if not lowered.variables:
+        return lowered.graph("optimized"), {}
+    graph = parse_graph(print_graph(lowered.graph("traced")))  # passes rewrite in place
+    n_params, n_results = len(graph.params), len(graph.results)
+    graph, layout = functionalize_state(graph)
+    variables: dict[str, tuple[int, int | None]] = {
+        name: (n_params + i, None) for i, (name, _) in enumerate(layout.inputs)
+    }
+    for j, name in enumerate(layout.outputs):
+        variables[name] = (variables[name][0], n_results + j)
+    if frozen is not None:
+        if layout.outputs:
+            raise FlowjitValueError(
+                f"--freeze-variables: {lowered.name} updates variable(s) {', '.join(layout.outputs)}; frozen "
+                "variables are constants. Compile without --freeze-variables to pass them as arguments"
+            )
+        values = {}
+        for name, vtype in layout.inputs:
+            values[variables[name][0]] = _frozen_value(frozen, name, vtype)
+        _freeze_parameters(graph, values)
+        variables = {}
+    return run_pipeline(graph, PIPELINE), variables
+
+
+def _frozen_value(frozen: dict, name: str, vtype):
+    if name not in frozen:
+        listed = ", ".join(sorted(map(str, frozen))) or "none"
+        raise FlowjitValueError(f"--checkpoint has no value for variable '{name}'; it holds: {listed}")
+    value = np.asarray(frozen[name])
+    if tuple(value.shape) != tuple(vtype.shape) or value.dtype != vtype.dtype.np_dtype:
+        raise FlowjitValueError(
+            f"--checkpoint: variable '{name}' is {vtype.dtype.name}{list(vtype.shape)} in the function; the "
+            f"checkpoint holds {value.dtype}{list(value.shape)}"
+        )
+    return np.ascontiguousarray(value)
+
+
+def _freeze_parameters(graph: Graph, values: dict[int, np.ndarray]) -> None:
+    """Replace the parameters at the indices of `values` by constants holding those values."""
+    replace: dict[Value, Value] = {}
+    constants = []
+    for index, value in values.items():
+        op = make_op("constant", [], {"value": value})
+        constants.append(op)
+        replace[graph.params[index]] = op.results[0]
+    graph.ops[:0] = constants
+    for op in graph.walk():
+        op.operands = [replace.get(v, v) for v in op.operands]
+    graph.results = [replace.get(v, v) for v in graph.results]
+    graph.params = [p for i, p in enumerate(graph.params) if i not in values]
+    for i, p in enumerate(graph.params):
+        p.index = i
+
+
+def load_frozen_variables(path: str) -> dict:
+    """Variable name -> value from a checkpoint of a dict (`fj.save_checkpoint(path, {name: value
+    or Variable})`)."""
+    from flowjit.runtime.checkpoint import load_checkpoint
+
+    tree = load_checkpoint(path)
+    if not isinstance(tree, dict):
+        raise FlowjitValueError(
+            f"--checkpoint '{path}': expected a checkpoint of a dict variable name -> value (e.g. "
+            f"fj.save_checkpoint(path, {{v.name: v for v in variables}})); found a {type(tree).__name__}"
+        )
+    return tree
+
+
+def c_compiler() -> list[str]:
+    """The system C compiler (`$CC`, else `cc`), as an argv prefix."""
+    command = shlex.split(os.environ.get("CC", "cc"))
+    if not command or shutil.which(command[0]) is None:
+        raise CompileError(
+            f"no C compiler found ('{' '.join(command)}'): flowjit compile links the generated object with "
+            "the system C compiler; install one (e.g. gcc) or set CC"
+        )
+    return command
+
+
+def _run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise CompileError(f"internal error: '{shlex.join(argv)}' failed:\n{proc.stderr}")
+
+
+def link(workdir: str, name: str, object_path: str, c_path: str, options: AotOptions, out_path: str, openmp: bool):
+    """Compile the wrapper and link it with the kernel object into `out_path` (.so or .a); with
+    `openmp`, against libiomp5."""
+    cc = c_compiler()
+    if options.static_lib:
+        wrapper_object = os.path.join(workdir, f"{name}_wrapper.o")
+        _run([*cc, "-c", "-O2", "-fPIC", "-fvisibility=hidden", "-o", wrapper_object, c_path])
+        _run(["ar", "rcs", out_path, wrapper_object, object_path])
+        return
+    argv = [*cc, "-shared", "-O2", "-fPIC", f"-Wl,-soname,{name}.so", "-Wl,-z,noexecstack", "-o", out_path]
+    argv += [c_path, object_path, "-lm"]
+    if openmp:
+        lib_dir = os.path.dirname(toolchain.openmp_library())
+        argv += [f"-L{lib_dir}", "-liomp5", f"-Wl,-rpath,$ORIGIN:{lib_dir}"]
+    _run(argv)
+
+
+def build_library(lowered, out_dir: str, options: AotOptions, source: str, frozen: dict | None = None) -> Library:
+    """Compile `lowered` (a `fj.jit(...).lower(...)` result) into a C library in `out_dir`."""
+    graph, variables = functional_graph(lowered, frozen)
+    inputs, outputs = ports(lowered, graph, variables)
+    kernel = f"{options.name}_kernel"
+    object_code, mlir, externals = kernel_object(graph, kernel, options.threads)
+    workspace = mlir.workspace_bytes + aot_c.WORKSPACE_ALIGNMENT
+    manifest = _manifest(lowered, options, source, inputs, outputs, workspace, externals)
+    paths = Library(
+        os.path.join(out_dir, options.name + (".a" if options.static_lib else ".so")),
+        os.path.join(out_dir, f"{options.name}.h"),
+        os.path.join(out_dir, f"{options.name}.json"),
+    )
+    with open(paths.header, "w", encoding="utf-8") as f:
+        f.write(aot_c.header(options.name, inputs, outputs, manifest))
+    with tempfile.TemporaryDirectory(prefix="flowjit-aot-") as workdir:
+        object_path = os.path.join(workdir, f"{kernel}.o")
+        with open(object_path, "wb") as f:
+            f.write(object_code)
+        c_path = os.path.join(workdir, f"{options.name}.c")
+        with open(c_path, "w", encoding="utf-8") as f:
+            f.write(aot_c.wrapper(options.name, kernel, inputs, outputs, mlir.workspace_bytes))
+        # The wrapper includes the header from the output folder.
+        shutil.copy(paths.header, workdir)
+        openmp = "libiomp5" in manifest["runtime_libraries"]
+        link(workdir, options.name, object_path, c_path, options, paths.library, openmp)
+    with open(paths.manifest, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+    return paths
+
+
+def _port_json(port: aot_c.Port) -> dict:
+    entry = {
+        "name": port.c_name,
+        "path": port.path,
+        "shape": list(port.shape),
+        "dtype": port.dtype.name,
+        "c_type": port.c_type,
+        "layout": "C-contiguous",
+        "bytes": port.nbytes,
+    }
+    if port.variable is not None:
+        entry["variable"] = port.variable
+    return entry
+
+
+def _manifest(lowered, options: AotOptions, source: str, inputs, outputs, workspace: int, externals) -> dict:
+    cpu = toolchain.host_cpu()
+    runtime = ["libc", "libm"] + (["libiomp5"] if any(s.startswith("__kmpc") for s in externals) else [])
+    return {
+        "name": options.name,
+        "source": source,
+        "flowjit_version": flowjit.__version__,
+        "library": options.name + (".a" if options.static_lib else ".so"),
+        "header": f"{options.name}.h",
+        "entry_points": [
+            options.name,
+            *(f"{options.name}_{s}" for s in ("with_workspace", "workspace_size", "status_string")),
+        ],
+        "inputs": [_port_json(p) for p in inputs],
+        "outputs": [_port_json(p) for p in outputs],
+        "variables": sorted({p.variable for p in inputs + outputs if p.variable}),
+        "workspace_bytes": workspace,
+        "threads": options.threads,
+        "runtime_libraries": runtime,
+        "external_symbols": externals,
+        "target": {"triple": cpu.triple, "cpu": cpu.name, "features": cpu.features},
+    }
