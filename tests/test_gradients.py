@@ -27,7 +27,11 @@ from flowjit.passes.autodiff import VJP_RULES, VJPSpec, is_non_differentiable, v
 F16, BF16, F32, F64, I32 = dt.float16, dt.bfloat16, dt.float32, dt.float64, dt.int32
 
 # Ops whose gradients are checked in tests/test_autodiff.py instead (they need a traced program).
-CHECKED_ELSEWHERE = {"custom_vjp_call": "test_autodiff.py::test_custom_vjp*", "while": "the error test"}
+CHECKED_ELSEWHERE = {
+    "custom_vjp_call": "test_autodiff.py::test_custom_vjp*",
+    "while": "the error test",
+    "fusion": "made by the fuse pass, which runs after autodiff (never differentiated)",
+}
 
 
 @dataclass(frozen=True)

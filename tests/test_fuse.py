@@ -1,0 +1,247 @@
+"""The `fuse` pass and fused kernels: what it groups on traced programs (softmax, layer norm,
+cross-entropy, MLP gradients), that fused IR verifies and round-trips, that fused and unfused
+programs compute the same (interpreter: exactly; CPU: bit-identical to the unfused compile and
+close to the interpreter) on hand-written and random programs, that effects keep their order,
+and that the optimized stage and the dumps show kernels and member source lines."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.nn as nn
+import flowjit.numpy as fnp
+from flowjit.backends import compile_graph
+from flowjit.ir.interpreter import interpret
+from flowjit.ir.parser import parse_graph
+from flowjit.ir.printer import print_graph
+from flowjit.passes.fuse import kernel_count
+from flowjit.passes.registry import run_pipeline
+
+RNG = np.random.default_rng(7)
+
+
+def _traced(fn, *args):
+    return fj.jit(fn).lower(*args).graph("traced")
+
+
+def _optimized(fn, *args, fuse=True):
+    graph = parse_graph(print_graph(_traced(fn, *args)))
+    return run_pipeline(graph, ["canonicalize", "fuse"] if fuse else ["canonicalize"], verify=True)
+
+
+def _fusions(graph):
+    return [op for op in graph.ops if op.name == "fusion"]
+
+
+def _softmax(x):
+    return nn.softmax(x, axis=-1)
+
+
+def _layer_norm(x):
+    return nn.layer_norm(x)
+
+
+def _cross_entropy(logits, labels):
+    return nn.cross_entropy(logits, labels)
+
+
+def _chain(x):
+    return fnp.tanh(x * 0.7 + 0.1) * nn.sigmoid(x) + 0.5 * x
+
+
+def _mlp_loss(params, x, labels):
+    w1, b1, w2, b2 = params
+    h = nn.relu(x @ w1 + b1)
+    return nn.cross_entropy(h @ w2 + b2, labels)
+
+
+def _mlp_grad(params, x, labels):
+    return fj.grad(_mlp_loss)(params, x, labels)
+
+
+def _mlp_args():
+    params = (
+        RNG.standard_normal((20, 16)).astype(np.float32) * 0.3,
+        RNG.standard_normal(16).astype(np.float32),
+        RNG.standard_normal((16, 5)).astype(np.float32) * 0.3,
+        RNG.standard_normal(5).astype(np.float32),
+    )
+    return params, RNG.standard_normal((8, 20)).astype(np.float32), RNG.integers(0, 5, 8)
+
+
+X = RNG.standard_normal((32, 24)).astype(np.float32)
+LABELS = RNG.integers(0, 24, 32)
+
+
+# --- what the pass groups --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn, args, kernels",
+    [(_chain, (X,), 1), (_softmax, (X,), 1), (_layer_norm, (X,), 1), (_cross_entropy, (X, LABELS), 2)],
+    ids=["chain", "softmax", "layer_norm", "cross_entropy"],
+)
+def test_groups_become_one_or_two_kernels(fn, args, kernels):
+    unfused = _optimized(fn, *args, fuse=False)
+    fused = _optimized(fn, *args)
+    assert kernel_count(fused) <= kernels < kernel_count(unfused)
+    assert _fusions(fused)
+
+
+def test_kinds():
+    assert [op.attrs["kind"] for op in _fusions(_optimized(_chain, X))] == ["loop"]
+    assert [op.attrs["kind"] for op in _fusions(_optimized(_softmax, X))] == ["reduction"]
+    dense = _optimized(lambda x, w, b: nn.relu(x @ w + b), X, X.T.copy(), np.ones(32, np.float32))
+    assert [op.attrs["kind"] for op in _fusions(dense)] == ["output"]
+    assert [op.name for op in _fusions(dense)[0].regions[0].ops if op.name != "constant"][0] == "dot_general"
+
+
+def test_mlp_gradient_fuses_epilogues_and_keeps_contractions_apart():
+    graph = _optimized(_mlp_grad, *_mlp_args())
+    kinds = [op.attrs["kind"] for op in _fusions(graph)]
+    assert "output" in kinds
+    for op in _fusions(graph):
+        contractions = [inner for inner in op.regions[0].ops if inner.name in ("dot_general", "conv2d")]
+        assert len(contractions) <= 1
+        if contractions:  # a contraction's operands come from outside the group
+            assert all(v.producer is None for v in contractions[0].operands)
+
+
+def test_fused_ir_round_trips_and_verifies():
+    graph = _optimized(_mlp_grad, *_mlp_args())
+    text = print_graph(graph)
+    assert print_graph(parse_graph(text)) == text
+    refused = run_pipeline(parse_graph(text), ["fuse"], verify=True)  # fusing again changes nothing
+    assert print_graph(refused) == text
+
+
+# --- numerics: fused == unfused ----------------------------------------------------------------------
+
+
+def _random_program(seed: int):
+    """A random function of two inputs: elementwise ops, scalar constants, broadcasts of a row
+    vector, row reductions broadcast back; returns the program and its arguments."""
+    rng = np.random.default_rng(seed)
+    unary = [fnp.exp, fnp.tanh, nn.sigmoid, fnp.abs, fnp.negative, lambda v: fnp.log1p(fnp.abs(v))]
+    steps = [int(k) for k in rng.integers(0, 6, size=8)]
+    scalars = [float(s) for s in rng.uniform(-1.5, 1.5, size=8)]
+    picks = [int(k) for k in rng.integers(0, len(unary), size=8)]
+
+    def program(x, row):
+        values = [x, x * row]
+        for step, scalar, pick in zip(steps, scalars, picks):
+            a, b = values[-1], values[len(values) // 2]
+            if step == 0:
+                values.append(unary[pick](a))
+            elif step == 1:
+                values.append(a * scalar + b)
+            elif step == 2:
+                values.append(fnp.maximum(a, b) - row)
+            elif step == 3:
+                values.append(a - fnp.max(a, axis=1, keepdims=True))
+            elif step == 4:
+                values.append(a / (fnp.sum(fnp.abs(a), axis=1, keepdims=True) + 1.0))
+            else:
+                values.append(fnp.where(a > b, a, b * 0.5).astype(np.float32))
+        return values[-1], values[len(values) // 2]
+
+    args = (rng.standard_normal((16, 40)).astype(np.float32), rng.standard_normal(40).astype(np.float32))
+    return program, args
+
+
+def _check_fused_equals_unfused(fn, args, tol):
+    flat = [np.asarray(a) for a in _flatten(args)]
+    unfused = _optimized(fn, *args, fuse=False)
+    fused = _optimized(fn, *args)
+    assert _fusions(fused), "nothing was fused"
+    expected = interpret(unfused, flat)
+    for got, want in zip(interpret(fused, flat), expected):
+        np.testing.assert_array_equal(got, want)
+    compiled_fused = compile_graph(fused, "cpu").run(flat)
+    compiled_unfused = compile_graph(unfused, "cpu").run(flat)
+    for f, u, want in zip(compiled_fused, compiled_unfused, expected):
+        np.testing.assert_array_equal(f, u)  # same scalar code, same roundings
+        np.testing.assert_allclose(f, want, rtol=tol, atol=tol)
+
+
+def _flatten(args):
+    for a in args:
+        if isinstance(a, tuple | list):
+            yield from _flatten(a)
+        else:
+            yield a
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_programs_fused_equal_unfused(seed):
+    fn, args = _random_program(seed)
+    _check_fused_equals_unfused(fn, args, 2e-5)
+
+
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (_chain, (X,)),
+        (_softmax, (X,)),
+        (_layer_norm, (X,)),
+        (_cross_entropy, (X, LABELS)),
+        (_mlp_grad, _mlp_args()),
+    ],
+    ids=["chain", "softmax", "layer_norm", "cross_entropy", "mlp_grad"],
+)
+def test_models_fused_equal_unfused(fn, args):
+    _check_fused_equals_unfused(fn, args, 1e-5)
+
+
+def test_half_precision_and_bool_values_in_a_fused_loop():
+    def fn(x, y):
+        h = (x.astype(fnp.float16) * 3.0 + 1.0).astype(fnp.float32)
+        mask = fnp.logical_and(x > y, y > 0)
+        return fnp.where(mask, h, -y), mask
+
+    args = (X, RNG.standard_normal((32, 24)).astype(np.float32))
+    _check_fused_equals_unfused(fn, args, 1e-3)
+
+
+def test_effects_keep_their_order_and_values():
+    v = fj.Variable(np.zeros(24, np.float32), name="fuse_order")
+
+    @fj.jit
+    def step(x):
+        y = fnp.exp(x) * 2.0
+        v.assign(y)
+        z = v.value + y
+        return fnp.tanh(z) + 1.0
+
+    x = RNG.standard_normal(24).astype(np.float32)
+    np.testing.assert_allclose(step(x), np.tanh(np.exp(x) * 4.0) + 1.0, rtol=1e-5)
+    np.testing.assert_allclose(v.value, np.exp(x) * 2.0, rtol=1e-6)
+    graph = step.lower(x).graph("optimized")
+    names = [op.name for op in graph.ops]
+    assert names.index("assign") < names.index("read_variable")
+
+
+# --- what users see ------------------------------------------------------------------------------------
+
+
+def test_optimized_stage_shows_kernels_and_member_lines():
+    text = fj.jit(_chain).lower(X).as_text("optimized")
+    assert "// pipeline: canonicalize, fuse" in text
+    assert "// kernels: 1 (1 fused regions holding" in text
+    line = _chain.__code__.co_firstlineno + 1
+    assert f'fusion %x {{kind = "loop"}}' in text
+    assert text.count(f'test_fuse.py":{line})') >= 5  # each member carries its source line
+
+
+def test_dumps_count_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWJIT_DUMP_DIR", str(tmp_path))
+    fj.jit(_softmax).lower(X).graph("optimized")
+    (fuse_dump,) = [p for p in os.listdir(tmp_path) if p.endswith("-fuse.fj")]
+    text = (tmp_path / fuse_dump).read_text()
+    assert "// kernels: 1 (1 fused regions holding" in text
+    (canon_dump,) = [p for p in os.listdir(tmp_path) if p.endswith("-canonicalize.fj")]
+    assert "(0 fused regions" in (tmp_path / canon_dump).read_text()
