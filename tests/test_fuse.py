@@ -233,7 +233,7 @@ def test_optimized_stage_shows_kernels_and_member_lines():
     assert "// pipeline: canonicalize, fuse" in text
     assert "// kernels: 1 (1 fused regions holding" in text
     line = _chain.__code__.co_firstlineno + 1
-    assert f'fusion %x {{kind = "loop"}}' in text
+    assert 'fusion %x {kind = "loop"}' in text
     assert text.count(f'test_fuse.py":{line})') >= 5  # each member carries its source line
 
 
