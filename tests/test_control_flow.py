@@ -8,7 +8,7 @@ import flowjit.numpy as fnp
 from flowjit.ir.parser import parse_graph
 from flowjit.ir.printer import print_graph
 
-TARGETS = ["interpreter"]
+TARGETS = ["interpreter", "cpu"]
 
 
 @pytest.mark.parametrize("target", TARGETS)

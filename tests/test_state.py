@@ -9,13 +9,17 @@ import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.passes.registry import run_pipeline
 
-TARGET = "interpreter"
+
+@pytest.fixture(params=["interpreter", "cpu"])
+def target(request):
+    """Every test runs on the reference interpreter and on compiled CPU code."""
+    return request.param
 
 
-def test_reads_and_writes_are_ordered():
+def test_reads_and_writes_are_ordered(target):
     v = fj.Variable(np.zeros(3, np.float32), name="acc")
 
-    @fj.jit(target=TARGET)
+    @fj.jit(target=target)
     def step(x):
         before = v.value
         v.assign_add(x)
@@ -32,10 +36,10 @@ def test_reads_and_writes_are_ordered():
     np.testing.assert_array_equal(v.value, 1.0)
 
 
-def test_canonicalize_keeps_state_ops_and_their_order():
+def test_canonicalize_keeps_state_ops_and_their_order(target):
     v = fj.Variable(np.zeros(2, np.float32), name="kept")
 
-    @fj.jit(target=TARGET)
+    @fj.jit(target=target)
     def f(x):
         a = v.value
         v.assign(x)
@@ -61,10 +65,10 @@ def test_update_outside_jit_and_eager_reads():
         v.assign(np.ones(5))
 
 
-def test_assign_type_mismatch_inside_jit_is_clear():
+def test_assign_type_mismatch_inside_jit_is_clear(target):
     v = fj.Variable(np.zeros((2, 2), np.float32), name="typed")
 
-    @fj.jit(target=TARGET)
+    @fj.jit(target=target)
     def f(x):
         v.assign(x)
 
@@ -72,10 +76,10 @@ def test_assign_type_mismatch_inside_jit_is_clear():
         f(np.ones(3, np.float32))
 
 
-def test_concurrent_calls_do_not_tear():
+def test_concurrent_calls_do_not_tear(target):
     counter = fj.Variable(np.zeros(64, np.float32), name="counter")
 
-    @fj.jit(target=TARGET)
+    @fj.jit(target=target)
     def bump():
         counter.assign(counter.value + 1.0)
 
@@ -87,10 +91,10 @@ def test_concurrent_calls_do_not_tear():
     np.testing.assert_array_equal(counter.value, np.full(64, 200.0, np.float32))
 
 
-def test_variable_in_control_flow():
+def test_variable_in_control_flow(target):
     total = fj.Variable(np.float32(0), name="loop_total")
 
-    @fj.jit(target=TARGET)
+    @fj.jit(target=target)
     def f(n):
         def body(i, c):
             total.assign_add(fnp.astype(i, "float32"))
@@ -127,11 +131,11 @@ def _functional_matches_stateful(fn, args, initial):
     return layout
 
 
-def test_functionalize_state_straight_line_and_regions():
+def test_functionalize_state_straight_line_and_regions(target):
     acc = fj.Variable(np.zeros(3, np.float32), name="f_acc")
     scale = fj.Variable(np.float32(1), name="f_scale")
 
-    @fj.jit(target=TARGET)
+    @fj.jit(target=target)
     def step(x, n):
         old = acc.value
         acc.assign_add(x)
@@ -141,16 +145,16 @@ def test_functionalize_state_straight_line_and_regions():
 
     for x in (np.ones(3, np.float32), -np.ones(3, np.float32)):
         layout = _functional_matches_stateful(
-            step, (x, np.int64(3)), {"f_acc": np.arange(3, dtype=np.float32), "f_scale": np.float32(1.5)}
+            step, (x, np.int64(3)), {acc.name: np.arange(3, dtype=np.float32), scale.name: np.float32(1.5)}
         )
-    assert [name for name, _ in layout.inputs] == ["f_acc", "f_scale"]
-    assert layout.outputs == ("f_acc",)
+    assert [name for name, _ in layout.inputs] == [acc.name, scale.name]
+    assert layout.outputs == (acc.name,)
 
 
-def test_functionalize_state_while_loop_carries_updated_variables():
+def test_functionalize_state_while_loop_carries_updated_variables(target):
     total = fj.Variable(np.float32(0), name="w_total")
 
-    @fj.jit(target=TARGET)
+    @fj.jit(target=target)
     def f(x):
         def body(c):
             total.assign_add(c)
@@ -158,4 +162,4 @@ def test_functionalize_state_while_loop_carries_updated_variables():
 
         return fj.while_loop(lambda c: c < 100.0, body, x)
 
-    _functional_matches_stateful(f, (np.float32(3.0),), {"w_total": np.float32(1.0)})
+    _functional_matches_stateful(f, (np.float32(3.0),), {total.name: np.float32(1.0)})

@@ -32,6 +32,7 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_contraction",
     "flowjit.backends.cpu.lower_communication",
     "flowjit.backends.cpu.lower_fusion",
+    "flowjit.backends.cpu.lower_control",
 )
 
 OPT_LEVEL = 3
@@ -42,6 +43,8 @@ class CompileOptions:
     """Options that change the generated code (hashed into the cache key)."""
 
     opt_level: int = OPT_LEVEL
+    # Outputs the caller may alias with an input (variables updated in place): written last.
+    late_outputs: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.opt_level not in (0, 1, 2, 3):
@@ -63,12 +66,12 @@ def load_lowerings() -> dict:
     return LOWERINGS
 
 
-def generate_mlir(graph: Graph):
+def generate_mlir(graph: Graph, options: CompileOptions | None = None):
     """Stage 'mlir': the generated module and its calling layout."""
     load_lowerings()
     from flowjit.backends.cpu.lowering import lower_graph
 
-    return lower_graph(graph)
+    return lower_graph(graph, late_outputs=frozenset(options.late_outputs if options else ()))
 
 
 def mlir_to_llvm_dialect(text: str) -> str:
@@ -103,7 +106,7 @@ class Stages:
 
             graph = parse_graph(self.graph_text)
         t0 = time.perf_counter()
-        mlir = generate_mlir(graph)
+        mlir = generate_mlir(graph, self.options)
         t1 = time.perf_counter()
         llvm_dialect = mlir_to_llvm_dialect(mlir.text)
         llvm_ir = toolchain.translate_to_llvm_ir(llvm_dialect)
@@ -140,8 +143,13 @@ class Stages:
         return list(self.NAMES)
 
 
-def compile_cpu(graph: Graph, options: CompileOptions | None = None) -> CpuExecutable:
-    """Compile `graph` for the host CPU (or load it from the compile cache)."""
+def compile_cpu(graph: Graph, options: CompileOptions | None = None):
+    """Compile `graph` for the host CPU (or load it from the compile cache). A graph with state ops
+    is functionalized first and bound to the variables' buffers at call time (`stateful.py`)."""
+    from flowjit.backends.cpu.stateful import compile_stateful, has_state
+
+    if has_state(graph):
+        return compile_stateful(graph, options or CompileOptions())
     options = options or CompileOptions()
     graph_text = print_graph(graph)
     key = cache.cache_key(graph_text, options)

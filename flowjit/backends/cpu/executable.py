@@ -97,9 +97,14 @@ class CpuExecutable(Executable):
         self.check_args(args)
         return self.run_trusted([a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args])
 
-    def run_trusted(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """`run` for arguments already known to be C-contiguous arrays of the right types."""
+    def run_trusted(
+        self, args: Sequence[np.ndarray], provided: dict[int, np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        """`run` for arguments already known to be C-contiguous arrays of the right types.
+        `provided` maps output indices to caller-owned buffers to write instead of fresh arrays."""
         outs = [np.empty(shape, dtype) for shape, dtype in self._out_specs]
+        for index, buffer in (provided or {}).items():
+            outs[index] = buffer
         workspace = self._take_workspace()
         try:
             self._function(*[_address(a) for a in args], *[_address(o) for o in outs], workspace[1])

@@ -328,8 +328,13 @@ def check_lowerings(graph: Graph) -> None:
             raise no_lowering_error(op)
 
 
-def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
-    """The MLIR module (text) computing `graph` in one function, plus its calling layout."""
+def lower_graph(graph: Graph, name: str | None = None, late_outputs: frozenset[int] = frozenset()) -> MlirModule:
+    """The MLIR module (text) computing `graph` in one function, plus its calling layout.
+
+    Outputs in `late_outputs` are written only at the very end of the function (from a workspace
+    slot), never as a kernel's destination: the caller may pass the same buffer as one of the
+    inputs (a variable updated in place), which must stay intact until its last read.
+    """
     check_lowerings(graph)
     name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
     fl = _FunctionLowering(graph, name)
@@ -343,7 +348,9 @@ def lower_graph(graph: Graph, name: str | None = None) -> MlirModule:
 
     # The first output holding a value produced by an op is that op's destination; other outputs
     # (params, constants, repeated results) get a copy at the end.
-    for out, value in zip(outputs, graph.results):
+    for index, (out, value) in enumerate(zip(outputs, graph.results)):
+        if index in late_outputs:
+            continue
         if value.producer is not None and value.producer.name != "constant" and value not in fl.result_outputs:
             fl.result_outputs[value] = out
             fl.buffers[value] = out

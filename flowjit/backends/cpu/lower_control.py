@@ -1,0 +1,195 @@
+"""CPU lowering of structured control flow: `cond` -> `scf.if`, `for` -> `scf.for`, `while` ->
+`scf.while`, compiled as real branches and loops (never unrolled).
+
+The op itself is one kernel of the function: its operands are read from their buffers and its
+results written to their destinations like any op's. Inside, region bodies are lowered on tensors
+with the ordinary `LOWERINGS` table (no per-op buffers: one-shot bufferization places the loop's
+intermediates), scalars cross between tensors and the scf control values with
+`tensor.extract`/`tensor.from_elements`, and region parameters beyond the carried values refer to the
+enclosing tensors directly.
+
+bool values never cross a region boundary as `i1` tensors: a carried or yielded bool travels as
+bytes (`i8`, numpy's layout) and predicates are read as bytes, because bufferizing an `i1` tensor
+into memory is rejected by MLIR 22's MemRefToLLVM (an assertion, which would abort the process).
+"""
+
+from __future__ import annotations
+
+from flowjit.backends.cpu.emitter import KernelEmitter, tensor_type
+from flowjit.backends.cpu.lowering import (
+    BUFFER_LOWERINGS,
+    LOWERINGS,
+    bool_from_bytes,
+    bool_to_bytes,
+    dense_literal,
+    no_lowering_error,
+)
+from flowjit.errors import CompileError
+from flowjit.ir.graph import Graph, Op
+
+CONTROL_OPS = ("cond", "for", "while")
+
+
+def _carrier_type(value) -> str:
+    """The tensor type a value has while crossing a region boundary (bools as bytes)."""
+    return tensor_type(value.type, "i8" if value.type.dtype.is_bool else None)
+
+
+def _types(values) -> str:
+    return ", ".join(_carrier_type(v) for v in values)
+
+
+def _to_carrier(em: KernelEmitter, tensor: str, value) -> str:
+    return bool_to_bytes(em, tensor, value.type) if value.type.dtype.is_bool else tensor
+
+
+def _from_carrier(em: KernelEmitter, tensor: str, value) -> str:
+    return bool_from_bytes(em, tensor, value.type) if value.type.dtype.is_bool else tensor
+
+
+def _predicate(em: KernelEmitter, tensor: str, value) -> str:
+    """The i1 scalar of a bool scalar tensor, read through its byte form."""
+    byte = em.op(f"tensor.extract {_to_carrier(em, tensor, value)}[] : tensor<i8>")
+    zero = em.op("arith.constant 0 : i8")
+    return em.op(f"arith.cmpi ne, {byte}, {zero} : i8")
+
+
+def _results(em: KernelEmitter, count: int) -> tuple[str, list[str]]:
+    """The result name to write (`%vN:2`) and the names to use (`%vN#0`, `%vN#1`)."""
+    name = em.fresh()
+    if count == 1:
+        return name, [name]
+    return f"{name}:{count}", [f"{name}#{i}" for i in range(count)]
+
+
+def lower_region(em: KernelEmitter, region: Graph, args: list[str]) -> list[str]:
+    """Emit `region`'s ops on tensors, with its parameters bound to `args`; returns its results."""
+    env = dict(zip(region.params, args))
+    for op in region.ops:
+        if op.name == "constant":
+            value = op.attrs["value"]
+            env[op.result] = em.op(
+                f"arith.constant {dense_literal(value, op.result.type.dtype)} : {tensor_type(op.result.type)}"
+            )
+            continue
+        if op.name in CONTROL_OPS:
+            outs = _EMITTERS[op.name](em, op, [env[v] for v in op.operands])
+        else:
+            fn = LOWERINGS.get(op.name)
+            if fn is None:
+                if op.name in BUFFER_LOWERINGS:
+                    raise CompileError(f"{op.loc}: op '{op.name}' cannot run inside a compiled loop or branch")
+                raise no_lowering_error(op)
+            outs = fn(em, op, [env[v] for v in op.operands])
+        env.update(zip(op.results, outs))
+    return [env[v] for v in region.results]
+
+
+def _scalar(em: KernelEmitter, tensor: str, elem: str) -> str:
+    return em.op(f"tensor.extract {tensor}[] : tensor<{elem}>")
+
+
+def _yield(em: KernelEmitter, values: list[str], region: Graph, into: list[str] | None = None) -> None:
+    """`scf.yield` the region's results. In loops (`into` = the loop's carried block arguments), each
+    value is first written into its carried buffer, so the loop updates its state in place: no
+    allocation escapes an iteration, which keeps buffer deallocation static (its dynamic ownership
+    flags are i1 memrefs, which MLIR 22 cannot lower)."""
+    if not values:
+        em.line("scf.yield")
+        return
+    carried = [_to_carrier(em, t, v) for t, v in zip(values, region.results)]
+    if into is not None:
+        carried = [
+            em.op(f"bufferization.materialize_in_destination {c} in {d} : ({t}, {t}) -> {t}")
+            for c, d, t in zip(carried, into, (_carrier_type(v) for v in region.results))
+        ]
+    em.line(f"scf.yield {', '.join(carried)} : {_types(region.results)}")
+
+
+def _unpack(em: KernelEmitter, names: list[str], values) -> list[str]:
+    return [_from_carrier(em, n, v) for n, v in zip(names, values)]
+
+
+def emit_cond(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    pred = _predicate(em, operands[0], op.operands[0])
+    head, names = _results(em, len(op.results))
+    arrow = f" -> ({_types(op.results)})" if op.results else ""
+    em.line(f"{head + ' = ' if op.results else ''}scf.if {pred}{arrow} {{")
+    for i, region in enumerate(op.regions):
+        if i:
+            em.line("} else {")
+        _yield(em, lower_region(em, region, operands[1:]), region)
+    em.line("}")
+    return _unpack(em, names, op.results) if op.results else []
+
+
+def _index(em: KernelEmitter, tensor: str, elem: str) -> str:
+    return em.op(f"arith.index_cast {_scalar(em, tensor, elem)} : {elem} to index")
+
+
+def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    num_carry = op.attrs["num_carry"]
+    (body,) = op.regions
+    elem = {"i32": "i32", "i64": "i64"}[op.operands[0].type.dtype.name]
+    lo, hi = _index(em, operands[0], elem), _index(em, operands[1], elem)
+    step = em.op("arith.constant 1 : index")
+    carry, invariants = operands[2 : 2 + num_carry], operands[2 + num_carry :]
+    iv = em.fresh("i")
+    carried = [em.fresh("c") for _ in carry]
+    head, names = _results(em, num_carry)
+    iter_args = ""
+    if carry:
+        initial = [_to_carrier(em, x, v) for x, v in zip(carry, op.results)]
+        pairs = ", ".join(f"{c} = {x}" for c, x in zip(carried, initial))
+        iter_args = f" iter_args({pairs}) -> ({_types(op.results)})"
+    em.line(f"{head + ' = ' if carry else ''}scf.for {iv} = {lo} to {hi} step {step}{iter_args} {{")
+    index_scalar = em.op(f"arith.index_cast {iv} : index to {elem}")
+    index_tensor = em.op(f"tensor.from_elements {index_scalar} : tensor<{elem}>")
+    outs = lower_region(em, body, [index_tensor, *_unpack(em, carried, op.results), *invariants])
+    if carry:
+        _yield(em, outs, body, into=carried)
+    em.line("}")
+    return _unpack(em, names, op.results) if carry else []
+
+
+def emit_while(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    num_carry = op.attrs["num_carry"]
+    cond_region, body_region = op.regions
+    carry, invariants = operands[:num_carry], operands[num_carry:]
+    before = [em.fresh("b") for _ in carry]
+    after = [em.fresh("d") for _ in carry]
+    types = _types(op.results)
+    head, names = _results(em, num_carry)
+    initial = [_to_carrier(em, x, v) for x, v in zip(carry, op.results)]
+    inits = ", ".join(f"{b} = {x}" for b, x in zip(before, initial))
+    em.line(f"{head} = scf.while ({inits}) : ({types}) -> ({types}) {{")
+    (flag,) = lower_region(em, cond_region, [*_unpack(em, before, op.results), *invariants])
+    em.line(f"scf.condition({_predicate(em, flag, cond_region.results[0])}) {', '.join(before)} : {types}")
+    em.line("} do {")
+    em.line(f"^bb0({', '.join(f'{d}: {_carrier_type(v)}' for d, v in zip(after, op.results))}):")
+    _yield(em, lower_region(em, body_region, [*_unpack(em, after, op.results), *invariants]), body_region, after)
+    em.line("}")
+    return _unpack(em, names, op.results)
+
+
+_EMITTERS = {"cond": emit_cond, "for": emit_for, "while": emit_while}
+
+
+def _check_nested(op: Op) -> None:
+    for region in op.regions:
+        for inner in region.walk():
+            if inner.name not in ("constant", *CONTROL_OPS) and inner.name not in LOWERINGS:
+                raise no_lowering_error(inner)
+
+
+def _lower_control(fl, op: Op) -> None:
+    if op.name == "while" and op.attrs["num_carry"] == 0:
+        raise CompileError(f"{op.loc}: a while_loop needs at least one carried value")
+    _check_nested(op)
+    operands = [fl.read(v) for v in op.operands]
+    results = _EMITTERS[op.name](fl.em, op, operands)
+    for value, tensor in zip(op.results, results):
+        fl.write(tensor, value, fl.buffers[value])
+
+
+BUFFER_LOWERINGS.update({name: _lower_control for name in CONTROL_OPS})
