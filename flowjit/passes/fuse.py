@@ -39,6 +39,7 @@ import heapq
 
 import numpy as np
 
+from flowjit.errors import CompileError
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops import (
@@ -232,6 +233,12 @@ def _stable_topological_order(ops: list[Op], position: dict[Op, int]) -> list[Op
             waiting[user] -= 1
             if waiting[user] == 0:
                 heapq.heappush(ready, (position[user], order_of[user], user))
+    if len(order) != len(ops):  # never drop ops silently: a cycle means an illegal merge
+        stuck = [op for op in ops if waiting[op] > 0]
+        raise CompileError(
+            f"internal error: fusion made a dependency cycle through {len(stuck)} ops, e.g. "
+            f"'{stuck[0].name}' at {stuck[0].loc}"
+        )
     return order
 
 
