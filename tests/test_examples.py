@@ -1,0 +1,31 @@
+"""The examples users run first must keep working: they train for real and reach real accuracy."""
+
+import importlib.util
+import os
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_digits():
+    pytest.importorskip("sklearn")
+    return _load("train_digits")
+
+
+def test_mlp_reaches_95_percent(train_digits):
+    results = train_digits.main(["--epochs", "10", "--model", "mlp"])
+    assert results["mlp"] >= 0.95
+
+
+def test_cnn_learns(train_digits):
+    results = train_digits.main(["--epochs", "4", "--model", "cnn"])
+    assert results["cnn"] >= 0.90
