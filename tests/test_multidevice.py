@@ -204,3 +204,25 @@ def test_send_then_recv_delivers_the_same_buffer():
     rendezvous, value = Rendezvous(timeout_s=5), np.arange(4.0)
     rendezvous.send("k", value)
     assert rendezvous.recv("k") is value  # no copy between devices sharing host memory
+
+
+def test_raw_transfers_in_both_orders():
+    """Native send/recv move raw bytes: straight into a waiting receiver's buffer, or through a
+    snapshot when the sender comes first (its buffer may change right after the send)."""
+    source = np.arange(1000, dtype=np.float32)
+    late, early = np.zeros_like(source), np.zeros_like(source)
+    rendezvous = Rendezvous(timeout_s=30)
+    rendezvous.send_bytes("first", source.ctypes.data, source.nbytes)
+    source_copy = source.copy()
+    source[:] = -1  # the sender reuses its buffer: the snapshot must not change
+    rendezvous.recv_into("first", late.ctypes.data, late.nbytes)
+    np.testing.assert_array_equal(late, source_copy)
+
+    receiver = threading.Thread(target=rendezvous.recv_into, args=("second", early.ctypes.data, early.nbytes))
+    receiver.start()
+    while "second" not in rendezvous._waiting:  # the receiver is registered and waiting
+        receiver.join(timeout=0.001)
+    rendezvous.send_bytes("second", source.ctypes.data, source.nbytes)
+    receiver.join(timeout=30)
+    assert not receiver.is_alive()
+    np.testing.assert_array_equal(early, source)

@@ -16,10 +16,11 @@ entry point runs; send/recv sit at the top level of the entry (never inside a pa
 they run on that thread. This keeps every entry point's signature `(inputs, outputs, workspace)`;
 a runtime without Python binds its step the same way. A send deposits a copy of its buffer (the
 sender's workspace slot is reused right after, and sends must never wait for their receiver or
-two partitions exchanging values would deadlock); the recv copies it straight into the buffer its
-value lives in: two copies per native transfer, none in the interpreter. `flowjit_recv` returns 0
-on delivery and 1 when the step was cancelled or timed out (the destination is then zero-filled
-so the partition can finish; the executor raises).
+two partitions exchanging values would deadlock) unless the recv is already waiting, in which case
+the sender copies straight into the buffer the received value lives in: one copy per native
+transfer when the receiver is first, two when the sender is; none in the interpreter.
+`flowjit_recv` returns 0 on delivery and 1 when the step was cancelled or timed out (the
+destination is then zero-filled so the partition can finish; the executor raises).
 """
 
 from __future__ import annotations
@@ -56,13 +57,20 @@ _step_ids = itertools.count(1)
 
 
 class Rendezvous:
-    """The meeting point of one step's sends and recvs."""
+    """The meeting point of one step's sends and recvs.
+
+    Arrays (`send`/`recv`) are handed over as they are. Raw buffers (`send_bytes`/`recv_into`,
+    used by native code) move with one copy when the receiver is already waiting (the sender copies
+    straight into the receiver's destination), else with two (a snapshot, then the copy out).
+    """
 
     def __init__(self, timeout_s: float | None = None):
         self.step_id = next(_step_ids)
         self.timeout_s = recv_timeout_s() if timeout_s is None else timeout_s
         self._cond = threading.Condition()
         self._values: dict[str, np.ndarray] = {}
+        self._waiting: dict[str, tuple[int, int]] = {}  # key -> (destination address, nbytes) of a recv_into
+        self._delivered: set[str] = set()
         self._cancelled: BaseException | None = None
 
     def send(self, key: str, value: np.ndarray) -> None:
@@ -71,24 +79,63 @@ class Rendezvous:
             self._values[key] = value
             self._cond.notify_all()
 
+    def send_bytes(self, key: str, address: int, nbytes: int) -> None:
+        """Deliver `nbytes` at `address`: into a waiting `recv_into`'s destination if there is one,
+        else as a snapshot. The caller may reuse the memory as soon as this returns."""
+        with self._cond:
+            claim = self._waiting.pop(key, None)
+        if claim is None:
+            snapshot = np.empty(nbytes, np.uint8)
+            ctypes.memmove(snapshot.ctypes.data, address, nbytes)
+            self.send(key, snapshot)
+            return
+        ctypes.memmove(claim[0], address, min(nbytes, claim[1]))
+        with self._cond:
+            self._delivered.add(key)
+            self._cond.notify_all()
+
     def recv(self, key: str, where: str = "") -> np.ndarray:
         """The value sent under `key`, waiting for it; raises TransferError when the step is
         cancelled or nothing arrives within the timeout."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while key not in self._values:
-                if self._cancelled is not None:
-                    raise TransferError(
-                        f"{where}recv '{key}' of step {self.step_id} cancelled: another partition failed"
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferError(
-                        f"{where}recv '{key}' of step {self.step_id} timed out after {self.timeout_s:g} s waiting for "
-                        "its send (FLOWJIT_RECV_TIMEOUT sets the limit)"
-                    )
-                self._cond.wait(left)
+                self._wait(key, deadline, where)
             return self._values.pop(key)
+
+    def recv_into(self, key: str, address: int, nbytes: int, where: str = "") -> None:
+        """Receive `key`'s bytes into the buffer at `address`; raises like `recv`."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            if key not in self._values:
+                self._waiting[key] = (address, nbytes)
+                try:
+                    while key not in self._delivered and key not in self._values:
+                        self._wait(key, deadline, where)
+                except TransferError:
+                    if self._waiting.pop(key, None) is not None:
+                        raise
+                    # A sender claimed the destination and is copying: the copy ends soon.
+                    while key not in self._delivered:
+                        self._cond.wait()
+                if key in self._delivered:
+                    self._delivered.discard(key)
+                    return
+                self._waiting.pop(key, None)
+            value = self._values.pop(key)
+        ctypes.memmove(address, value.ctypes.data, min(nbytes, value.nbytes))
+
+    def _wait(self, key: str, deadline: float, where: str) -> None:
+        """Wait for a change under the lock; raise when the step is cancelled or time is up."""
+        if self._cancelled is not None:
+            raise TransferError(f"{where}recv '{key}' of step {self.step_id} cancelled: another partition failed")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(
+                f"{where}recv '{key}' of step {self.step_id} timed out after {self.timeout_s:g} s waiting for its "
+                "send (FLOWJIT_RECV_TIMEOUT sets the limit)"
+            )
+        self._cond.wait(left)
 
     def cancel(self, error: BaseException) -> None:
         """Wake every waiting recv with an error: `error` ended this step."""
@@ -140,9 +187,7 @@ def _native_send(key: int, data: int, nbytes: int) -> None:
         step = _bound_step()
     except TransferError:
         return  # nothing can wait on this value
-    buffer = np.empty(nbytes, np.uint8)
-    ctypes.memmove(buffer.ctypes.data, data, nbytes)
-    step.rendezvous.send(ctypes.string_at(key).decode(), buffer)
+    step.rendezvous.send_bytes(ctypes.string_at(key).decode(), data, nbytes)
 
 
 def _native_recv(key: int, dest: int, nbytes: int) -> int:
@@ -150,13 +195,12 @@ def _native_recv(key: int, dest: int, nbytes: int) -> int:
     try:
         step = _bound_step()
         where = step.where.get(name, "")
-        value = step.rendezvous.recv(name, f"{where}: " if where else "")
+        step.rendezvous.recv_into(name, dest, nbytes, f"{where}: " if where else "")
     except TransferError as e:
         if step.error is None:
             step.error = e
         ctypes.memset(dest, 0, nbytes)
         return 1
-    ctypes.memmove(dest, value.ctypes.data, nbytes)
     return 0
 
 
