@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+	FLOWJIT_CPU_DEVICES=2 $(PY) examples/model_parallel.py --epochs 3
 
 test: $(STAMP)
 	$(PY) -m pytest tests
