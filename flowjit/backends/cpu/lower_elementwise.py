@@ -193,6 +193,7 @@ _UNARY = {
     "abs": _abs,
     "sign": _sign,
     "logical_not": lambda b, x, e: b.op(f"arith.xori {x}, {b.const(1, 'i1')} : i1"),
+    "bitwise_not": lambda b, x, e: b.op(f"arith.xori {x}, {b.const(1 if e == 'i1' else -1, e)} : {e}"),
 }
 
 
@@ -281,6 +282,44 @@ _BINARY = {
     "logical_or": _arith("", "ori"),
     "logical_xor": _arith("", "xori"),
 }
+
+
+def _shift(kind: str):
+    """Shifts by the amount clamped to [0, bits]: >= bits gives 0 (left, logical) or the sign
+    fill (arithmetic); LLVM's shifts by >= bits are poison, so the amount is made safe first."""
+
+    def fn(b: ScalarBuilder, x: str, y: str, e: str) -> str:
+        zero, bits = b.const(0, e), b.const(_bits(e), e)
+        negative = b.op(f"arith.cmpi slt, {y}, {zero} : {e}")
+        amount = b.op(f"arith.select {negative}, {zero}, {y} : {e}")
+        too_far = b.op(f"arith.cmpi sge, {amount}, {bits} : {e}")
+        if kind == "arithmetic":
+            last = b.const(_bits(e) - 1, e)
+            amount = b.op(f"arith.select {too_far}, {last}, {amount} : {e}")
+            return b.op(f"arith.shrsi {x}, {amount} : {e}")
+        safe = b.op(f"arith.select {too_far}, {zero}, {amount} : {e}")
+        shifted = b.op(f"arith.{'shli' if kind == 'left' else 'shrui'} {x}, {safe} : {e}")
+        return b.op(f"arith.select {too_far}, {zero}, {shifted} : {e}")
+
+    return fn
+
+
+_BINARY.update(
+    {
+        "bitwise_and": _arith("", "andi"),
+        "bitwise_or": _arith("", "ori"),
+        "bitwise_xor": _arith("", "xori"),
+        "shift_left": _shift("left"),
+        "shift_right_logical": _shift("logical"),
+        "shift_right_arithmetic": _shift("arithmetic"),
+    }
+)
+
+
+@lowering("stop_gradient")
+def lower_identity(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """An autodiff marker: the value itself."""
+    return [operands[0]]
 
 
 @lowering(*_BINARY)
