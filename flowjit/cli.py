@@ -332,7 +332,10 @@ def _run_compile(args) -> int:
     positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
     jitted = _jit_with_statics(fn, tuple(statics))
     lowered = _trace(path, fn_name, lambda: jitted.lower(*positional, **keywords))
-    library = _trace(path, fn_name, lambda: aot.build_library(lowered, args.output, options, args.target, frozen))
+    try:
+        library = aot.build_library(lowered, args.output, options, args.target, frozen)
+    except FlowjitError as e:
+        raise UsageError(f"compiling {path}:{fn_name} failed: {e}") from None
     print(f"wrote {library.library}, {library.header}, {library.manifest}")
     return 0
 

@@ -66,15 +66,20 @@ class Port:
         return C_TYPES[self.dtype.name]
 
 
+# Names the wrapper's functions use for themselves.
+RESERVED_NAMES = frozenset({"workspace", "flowjit_in", "flowjit_out", "flowjit_status"})
+
+
 def c_identifier(path: str, taken: set[str]) -> str:
-    """A C identifier for a pytree path (`params['w1']` -> `params_w1`), unique among `taken`."""
+    """A C identifier for a pytree path (`params['w1']` -> `params_w1`), unique among `taken` and
+    different from the wrapper's own names."""
     name = re.sub(r"[^A-Za-z0-9]+", "_", path).strip("_") or "arg"
     if name[0].isdigit():
         name = "_" + name
     if name in _C_KEYWORDS or keyword.iskeyword(name):
         name += "_"
     unique, n = name, 2
-    while unique in taken:
+    while unique in taken or unique in RESERVED_NAMES:
         unique, n = f"{name}_{n}", n + 1
     taken.add(unique)
     return unique
@@ -246,17 +251,17 @@ size_t {name}_workspace_size(void) {{ return KERNEL_WORKSPACE + ALIGNMENT; }}
 
 int {name}_with_workspace({workspace_params}{sep}void* workspace) {{
   if ({null_checks}) return FLOWJIT_ERROR_NULL_ARGUMENT;
-  const void* in[NUM_INPUTS] = {{{", ".join(in_names) or "0"}}};
-  void* out[NUM_OUTPUTS] = {{{", ".join(out_names) or "0"}}};
-  return run(in, out, workspace);
+  const void* flowjit_in[NUM_INPUTS] = {{{", ".join(in_names) or "0"}}};
+  void* flowjit_out[NUM_OUTPUTS] = {{{", ".join(out_names) or "0"}}};
+  return run(flowjit_in, flowjit_out, workspace);
 }}
 
 int {name}({params}) {{
   void* workspace = malloc(KERNEL_WORKSPACE + ALIGNMENT);
   if (workspace == NULL) return FLOWJIT_ERROR_OUT_OF_MEMORY;
-  int status = {name}_with_workspace({", ".join(in_names + out_names)}{sep}workspace);
+  int flowjit_status = {name}_with_workspace({", ".join(in_names + out_names)}{sep}workspace);
   free(workspace);
-  return status;
+  return flowjit_status;
 }}
 
 const char* {name}_status_string(int status) {{
