@@ -16,9 +16,10 @@ import os
 
 from flowjit.backends.cpu import toolchain
 
-# Below this many elements a kernel stays on one thread: forking an OpenMP team costs a few
-# microseconds, which is the time one core needs for ~64K simple elementwise operations.
-PARALLEL_MIN_ELEMENTS = 1 << 16
+# Below this many elements a kernel stays on one thread. A fork/join costs 5-20 us and, on a
+# shared machine, waits for a descheduled worker; one core streams 256K f32 in ~60 us, so smaller
+# kernels cannot win (docs/cpu-backend.md has the measurements).
+PARALLEL_MIN_ELEMENTS = 1 << 18
 ANY = "!transform.any_op"
 
 
