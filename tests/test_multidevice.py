@@ -183,6 +183,25 @@ def test_recv_times_out_instead_of_hanging():
         rendezvous.recv("cpu:0->cpu:1:%2", "m.py:3: ")
 
 
+def test_a_recv_no_partition_can_satisfy_fails_at_once():
+    alone = Rendezvous(timeout_s=600, parties=1)
+    with pytest.raises(TransferError, match="can never complete"):
+        alone.recv("missing")
+    pair, errors = Rendezvous(timeout_s=600, parties=2), []
+
+    def wait():
+        try:
+            pair.recv("missing")
+        except TransferError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    pair.leave()  # the other partition finishes without sending
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and "can never complete" in str(errors[0])
+
+
 def test_cancel_wakes_a_waiting_recv():
     rendezvous = Rendezvous(timeout_s=60)
     errors = []

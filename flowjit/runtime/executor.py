@@ -9,7 +9,8 @@ function are independent. The first partition runs on the calling thread and the
 thread each; native partitions release the GIL, so devices really run at the same time. When a
 partition fails, the step is cancelled: waiting recvs wake with an error, native code finishes
 with zero-filled inputs, and the caller gets the first real failure (with the op's source line and
-device), with the cancelled partitions listed in its notes. Recvs also time out
+device), with the cancelled partitions listed in its notes. A recv whose send can no longer come
+(every other partition finished or waits too) fails at once, and recvs time out as a last resort
 (`FLOWJIT_RECV_TIMEOUT`), so a call never hangs.
 """
 
@@ -109,7 +110,7 @@ class PartitionedExecutable(Executable):
     def run(self, args: Sequence[np.ndarray], variables: dict | None = None) -> list[np.ndarray]:
         """One step: every partition on its own thread, results gathered in the original order."""
         variables = variables or {}
-        rendezvous = Rendezvous()
+        rendezvous = Rendezvous(parties=len(self.parts))
         outs: list[list | None] = [None] * len(self.parts)
         errors: list[BaseException | None] = [None] * len(self.parts)
 
@@ -120,6 +121,8 @@ class PartitionedExecutable(Executable):
             except BaseException as e:  # noqa: BLE001 (any failure must cancel the step, then reach the caller)
                 errors[n] = e
                 rendezvous.cancel(e)
+            finally:
+                rendezvous.leave()
 
         threads = [threading.Thread(target=work, args=(n,), daemon=True) for n in range(1, len(self.parts))]
         for t in threads:

@@ -35,7 +35,7 @@ import numpy as np
 
 from flowjit.errors import FlowjitError
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class TransferError(FlowjitError):
@@ -43,7 +43,8 @@ class TransferError(FlowjitError):
 
 
 def recv_timeout_s() -> float:
-    """Seconds a recv waits for its send (`FLOWJIT_RECV_TIMEOUT`, default 120)."""
+    """Seconds a recv waits for its send (`FLOWJIT_RECV_TIMEOUT`, default 600): the last resort
+    against a partition stuck in native code; missing sends are detected without waiting."""
     raw = os.environ.get("FLOWJIT_RECV_TIMEOUT")
     if raw is None:
         return DEFAULT_TIMEOUT_S
@@ -64,8 +65,13 @@ class Rendezvous:
     straight into the receiver's destination), else with two (a snapshot, then the copy out).
     """
 
-    def __init__(self, timeout_s: float | None = None):
+    def __init__(self, timeout_s: float | None = None, parties: int | None = None):
         self.step_id = next(_step_ids)
+        # With `parties` (the step's partition count), a recv that no running partition can still
+        # satisfy fails at once: every partition not finished (`leave`) is waiting in a recv.
+        self._parties = parties
+        self._finished = 0
+        self._blocked: list[str] = []  # the keys recvs wait for right now
         self.timeout_s = recv_timeout_s() if timeout_s is None else timeout_s
         self._cond = threading.Condition()
         self._values: dict[str, np.ndarray] = {}
@@ -125,17 +131,40 @@ class Rendezvous:
             value = self._values.pop(key)
         ctypes.memmove(address, value.ctypes.data, min(nbytes, value.nbytes))
 
+    def leave(self) -> None:
+        """One partition of the step has finished: it will send nothing more."""
+        with self._cond:
+            self._finished += 1
+            self._cond.notify_all()
+
     def _wait(self, key: str, deadline: float, where: str) -> None:
-        """Wait for a change under the lock; raise when the step is cancelled or time is up."""
+        """Wait for a change under the lock; raise when the step is cancelled, no partition can
+        send any more, or time is up."""
         if self._cancelled is not None:
             raise TransferError(f"{where}recv '{key}' of step {self.step_id} cancelled: another partition failed")
+        if self._parties is not None and self._stuck(len(self._blocked) + 1):
+            raise TransferError(
+                f"{where}recv '{key}' of step {self.step_id} can never complete: every other partition has "
+                "finished or waits in a recv too, and none sent this key (a compiler bug: please report it)"
+            )
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferError(
                 f"{where}recv '{key}' of step {self.step_id} timed out after {self.timeout_s:g} s waiting for its "
                 "send (FLOWJIT_RECV_TIMEOUT sets the limit)"
             )
-        self._cond.wait(left)
+        self._blocked.append(key)
+        try:
+            self._cond.wait(left)
+        finally:
+            self._blocked.remove(key)
+
+    def _stuck(self, waiting: int) -> bool:
+        """True when `waiting` recvs are all the partitions still running and none of the keys
+        they wait for has arrived (a woken waiter still counts until it runs: check its key)."""
+        if waiting < self._parties - self._finished:
+            return False
+        return not any(k in self._values or k in self._delivered for k in self._blocked)
 
     def cancel(self, error: BaseException) -> None:
         """Wake every waiting recv with an error: `error` ended this step."""
