@@ -1,28 +1,34 @@
 """CPU lowering of `fusion` ops (made by the `fuse` pass): the whole group between one set of reads
-and one set of writes, with its elementwise work in as few loop nests as possible.
+and one set of writes, its elementwise work inside as few loop nests as possible.
 
-The body's ops split into
-- **pointwise clusters**: elementwise ops and converts of one shape that are connected without a
-  reduction or contraction in between. Each cluster becomes ONE multi-result `linalg.generic` whose
-  body chains the ops' scalar code (the same scalar code as the one-op lowerings, so results are
-  bit-identical); values only used inside the cluster never leave registers. Broadcasts feeding
-  a cluster become indexing maps, splat constants become scalars. The generic gets the
-  elementwise schedule (vectors, one chunk per core) when it is 1-D after collapsing, or the n-d
-  one (rows over cores, last dimension in vectors) when it reads broadcasts.
-- **other members** (reductions, contractions, reshapes, iota, broadcasts whose value is needed as
-  a tensor): their one-op lowerings, on tensors, with their own schedules.
+Pointwise ops (elementwise ops and converts) are never kernels of their own: their scalar code is
+inlined into the `linalg.generic` of whatever needs their value:
+- a **reduction** whose input is pointwise runs that computation inside its own loop (softmax's
+  `sum(exp(x - max))` reads x once and stores only the row sums);
+- values the group returns, or that other members (reshapes, contractions, ...) read, are computed
+  by one multi-result generic per shape;
+- broadcasts become indexing maps and splat constants scalars, so neither is ever stored.
+The scalar code is the one-op lowerings' own (`lower_elementwise`), rounding after every op as
+they do, so fused and unfused results are bit-identical.
 
-A cluster may not contain two ops with a reduction or contraction between them, which `_levels`
-ensures: a value's level counts the non-pointwise ops on its longest path from the body's
-parameters, and clusters are connected components of same-level, same-shape pointwise ops.
+Cost check: a pointwise value read by several consumers is recomputed in each (no intermediate
+buffer) while its expression costs at most `RECOMPUTE_BUDGET` (in simple instructions per element,
+transcendental functions ~8: softmax's exp(x - max) is recomputed in the sum and the division,
+which is cheaper than a 16 MB round trip through memory); above it, it is computed once and stored.
+Other members use their one-op lowerings on tensors, with their own schedules.
 """
 
 from __future__ import annotations
 
-import heapq
-
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, tensor_type
+from flowjit.backends.cpu.emitter import (
+    KernelEmitter,
+    ScalarBuilder,
+    elem_type,
+    memory_elem_type,
+    scalar_literal,
+    tensor_type,
+)
 from flowjit.backends.cpu.lower_elementwise import (
     _BINARY,
     _BOOL_PREDICATE,
@@ -34,7 +40,9 @@ from flowjit.backends.cpu.lower_elementwise import (
     convert_scalar,
     extend,
     narrow,
+    reshape_tensor,
 )
+from flowjit.backends.cpu.lower_reduction import _COMBINE
 from flowjit.backends.cpu.lowering import (
     LOWERINGS,
     bool_from_bytes,
@@ -44,9 +52,14 @@ from flowjit.backends.cpu.lowering import (
     no_lowering_error,
     splat_value,
 )
+from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.ops.reduction import reduction_identity
 from flowjit.ir.types import TensorType
+
+RECOMPUTE_BUDGET = 24
+_REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
 
 def _pointwise(op: Op) -> bool:
@@ -84,40 +97,11 @@ def _storage(dtype: dt.DType) -> str:
     return memory_elem_type(dtype)
 
 
-def _levels(body: Graph) -> dict[Value, int]:
-    level: dict[Value, int] = {p: 0 for p in body.params}
-    for op in body.ops:
-        inputs = max((level[v] for v in op.operands), default=0)
-        step = 0 if _pointwise(op) or op.name in ("broadcast", "constant") else 1
-        for r in op.results:
-            level[r] = inputs + step
-    return level
-
-
-def _clusters(body: Graph) -> dict[Op, int]:
-    """Each pointwise op's cluster id (the position of its cluster's first op)."""
-    level = _levels(body)
-    cluster: dict[Op, int] = {}
-    members: dict[int, list[Op]] = {}
-    for i, op in enumerate(body.ops):
-        if not _pointwise(op) or op.result.type.size == 0:
-            continue
-        cid = i
-        cluster[op] = cid
-        members[cid] = [op]
-        for v in op.operands:
-            p = v.producer
-            if (
-                p in cluster
-                and cluster[p] != cid
-                and level[v] == level[op.result]
-                and v.type.shape == op.result.type.shape
-            ):
-                old = cluster[p]
-                for m in members.pop(old):
-                    cluster[m] = cid
-                    members[cid].append(m)
-    return cluster
+def _weight(op: Op) -> int:
+    """Rough cost of one element of `op`, in simple arithmetic instructions."""
+    if op.name in MATH or op.name in MATH_BINARY or op.name == "pow":
+        return 8
+    return 2 if op.name in ("div", "rem") else 1
 
 
 class _FusionLowering:
@@ -127,17 +111,34 @@ class _FusionLowering:
         self.em = em
         self.body = body
         self.tensors: dict[Value, str] = dict(zip(body.params, operands))
-        self.cluster = _clusters(body)
-        self.users = body.uses()
-        self.results = set(body.results)
+        users = body.uses()
+        cost: dict[Value, int] = {}
+        # A pointwise value read by several ops is recomputed in each generic that needs it when
+        # that is cheap (memory traffic dominates), else stored once (`materialized`).
+        self.materialized: set[Value] = set()
+        for op in body.ops:
+            if not self._pointwise(op):
+                continue
+            cost[op.result] = _weight(op) + sum(cost.get(v, 0) for v in op.operands if v not in self.materialized)
+            if len(set(users.get(op.result, ()))) > 1 and cost[op.result] > RECOMPUTE_BUDGET:
+                self.materialized.add(op.result)
+
+    @staticmethod
+    def _pointwise(op: Op) -> bool:
+        return _pointwise(op) and op.result.type.size > 0
+
+    def _inline(self, value: Value) -> bool:
+        op = value.producer
+        return op is not None and value not in self.tensors and self._pointwise(op)
 
     def tensor(self, value: Value) -> str:
-        """The tensor holding `value` (lowering its producer now if it is a broadcast or constant
-        that so far lived only as an indexing map or a scalar)."""
+        """The tensor holding `value`, emitting what computes it if it is not there yet."""
         if value not in self.tensors:
             op = value.producer
             if op.name == "constant":
                 self.tensors[value] = self._constant(value)
+            elif self._inline(value):
+                self._emit_generic([value])
             else:
                 self._lower_member(op)
         return self.tensors[value]
@@ -156,175 +157,194 @@ class _FusionLowering:
         self.tensors.update(zip(op.results, results))
 
     def run(self) -> list[str]:
-        for unit in self._units_in_order():
-            if isinstance(unit, list):
-                self._emit_cluster(unit)
-            elif unit.name not in ("constant", "broadcast"):  # those are lowered when a tensor is needed
-                self._lower_member(unit)
+        for op in self.body.ops:
+            if self._pointwise(op):
+                if op.result in self.materialized:
+                    self._emit_generic([op.result])
+            elif self._fusable_reduction(op):
+                self._emit_generic([op.operands[0]], reduction=op)
+            elif op.name not in ("constant", "broadcast"):  # those are lowered when a tensor is needed
+                self._lower_member(op)
+        pending: dict[tuple, list[Value]] = {}
+        for v in self.body.results:
+            if self._inline(v) and v not in pending.get(v.type.shape, ()):
+                pending.setdefault(v.type.shape, []).append(v)
+        for values in pending.values():  # results of one shape: one generic
+            self._emit_generic(values)
         return [self.tensor(v) for v in self.body.results]
 
-    def _units_in_order(self) -> list:
-        """Clusters (lists of ops) and other ops, in an order that respects their dependencies
-        (Kahn's algorithm; ties keep the body's order)."""
-        index = {op: i for i, op in enumerate(self.body.ops)}
-        units: dict[int, list[Op] | Op] = {}
-        unit_of: dict[Op, int] = {}
-        for op in self.body.ops:
-            key = self.cluster.get(op, index[op])
-            unit_of[op] = key
-            if op in self.cluster:
-                units.setdefault(key, []).append(op)
-            else:
-                units[key] = op
-        deps: dict[int, set[int]] = {k: set() for k in units}
-        for op in self.body.ops:
-            for v in op.operands:
-                if v.producer is not None and unit_of[v.producer] != unit_of[op]:
-                    deps[unit_of[op]].add(unit_of[v.producer])
-        users: dict[int, list[int]] = {k: [] for k in units}
-        for k, ds in deps.items():
-            for d in ds:
-                users[d].append(k)
-        waiting = {k: len(ds) for k, ds in deps.items()}
-        ready = [k for k, n in waiting.items() if n == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            k = heapq.heappop(ready)
-            order.append(units[k])
-            for u in users[k]:
-                waiting[u] -= 1
-                if waiting[u] == 0:
-                    heapq.heappush(ready, u)
-        return order
+    def _fusable_reduction(self, op: Op) -> bool:
+        """A reduction whose input is computed by pointwise ops: they run inside its loop."""
+        if op.name not in _REDUCE_KINDS or not op.attrs["axes"]:
+            return False
+        (x,) = op.operands
+        return self._inline(x) and x.dtype in (dt.float32, dt.float64)
 
-    def _emit_cluster(self, ops: list[Op]) -> None:
+    def _collect(self, targets: list[Value]) -> tuple[list[Op], list[Value], list[Value]]:
+        """The pointwise ops computing `targets` (in order) and what they read: tensors, splats."""
+        ops: list[Op] = []
+        leaves: list[Value] = []
+        splats: list[Value] = []
+        seen: set[Value] = set()
+
+        def walk(v: Value) -> None:
+            if v in seen:
+                return
+            seen.add(v)
+            if self._inline(v) and (v in targets or v not in self.materialized):
+                for u in v.producer.operands:
+                    walk(u)
+                ops.append(v.producer)
+            elif splat_value(v) is not None:
+                splats.append(v)
+            else:
+                leaves.append(v)
+
+        for t in targets:
+            walk(t)
+        return ops, leaves, splats
+
+    def _input(self, v: Value, shape: tuple[int, ...]) -> tuple[str, str, str]:
+        """(tensor, tensor type, indexing map) reading leaf `v` in an iteration space of `shape`:
+        a broadcast not stored yet is read from its source through a projected-permutation map
+        (its size-1 source dimensions dropped by a reshape)."""
         em = self.em
-        inside = set(ops)
-        shape = ops[0].result.type.shape
-        out_type = ops[0].result.type
-        rank = len(shape)
-        dims = [f"d{i}" for i in range(rank)]
-        identity = em.identity_map(rank)
-        inputs: list[tuple[str, str, str, Value]] = []  # (tensor, tensor type, map, value)
-        slot: dict[Value, int | object] = {}
-        scalars: dict[Value, object] = {}
-        for op in ops:
-            for v in op.operands:
-                if (v.producer in inside) or v in slot or v in scalars:
-                    continue
-                splat = splat_value(v)
-                if splat is not None:
-                    scalars[v] = splat
-                    continue
-                source, input_map = v, identity
-                if v.producer is not None and v.producer.name == "broadcast" and v not in self.tensors:
-                    source = v.producer.operands[0]
-                    source_dims = []
-                    for i, d in enumerate(v.producer.attrs["dims"]):
-                        keep = source.type.shape[i] != 1 or shape[d] == 1
-                        source_dims.append(f"d{d}" if keep else "0")
-                    input_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(source_dims)})")
-                tensor = self.tensor(source)
-                if source.type.dtype.is_bool:
-                    tensor = bool_to_bytes(em, tensor, source.type)
-                slot[v] = len(inputs)
-                storage = _storage(source.type.dtype)
-                inputs.append((tensor, tensor_type(source.type, storage), input_map, v))
-        outputs = [
-            r
-            for op in ops
-            for r in op.results
-            if r in self.results or any(u not in inside for u in self.users.get(r, ()))
-        ]
-        if not outputs:  # nothing reads the cluster (a body that was not cleaned up): no kernel
-            return
-        broadcasting = any(m != identity for _, _, m, _ in inputs)
-        flat = rank > 1 and not broadcasting
-        loop_type = TensorType((out_type.size,), out_type.dtype) if flat else out_type
-        if flat:
+        dims = [f"d{i}" for i in range(len(shape))]
+        op = v.producer
+        if op is None or op.name != "broadcast" or v in self.tensors:
+            tensor = self.tensor(v)
+            if v.dtype.is_bool:
+                tensor = bool_to_bytes(em, tensor, v.type)
+            return tensor, tensor_type(v.type, _storage(v.dtype)), em.identity_map(len(shape))
+        source = op.operands[0]
+        kept = [(i, d) for i, d in enumerate(op.attrs["dims"]) if source.type.shape[i] != 1 or shape[d] == 1]
+        squeezed = TensorType(tuple(source.type.shape[i] for i, _ in kept), source.dtype)
+        tensor = self.tensor(source)
+        elem = _storage(source.dtype)
+        if source.dtype.is_bool:
+            tensor = bool_to_bytes(em, tensor, source.type)
+        tensor = reshape_tensor(em, tensor, source.type, squeezed, elem=elem)
+        input_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(f'd{d}' for _, d in kept)})")
+        return tensor, tensor_type(squeezed, elem), input_map
+
+    def _emit_generic(self, targets: list[Value], reduction: Op | None = None) -> None:
+        """One `linalg.generic` computing `targets` (pointwise values of one shape) from their
+        leaves, or, with `reduction`, that reduction of the single target."""
+        em = self.em
+        ops, leaves, splats = self._collect(targets)
+        shape = targets[0].type.shape
+        inputs = [self._input(v, shape) for v in leaves]
+        broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs)
+        flat = reduction is None and len(shape) > 1 and not broadcasting
+        if flat:  # a 1-D loop: the elementwise schedule, and collapsing is free
             inputs = [
-                (
-                    self._collapse(t, v.type),
-                    tensor_type(loop_type.with_dtype(v.dtype), _storage(v.dtype)),
-                    em.identity_map(1),
-                    v,
-                )
-                for t, _, _, v in inputs
+                (_collapse(em, t, v.type), tensor_type(_flat(v.type), _storage(v.dtype)), em.identity_map(1))
+                for (t, _, _), v in zip(inputs, leaves)
             ]
-            identity = em.identity_map(1)
-        inits = [
-            (
-                em.empty(loop_type, _storage(r.type.dtype)),
-                tensor_type(loop_type.with_dtype(r.type.dtype), _storage(r.type.dtype)),
-            )
-            for r in outputs
-        ]
+        loop = _flat(targets[0].type) if flat else targets[0].type
+        if reduction is None:
+            outputs = [
+                (
+                    em.empty(loop.with_dtype(v.dtype), _storage(v.dtype)),
+                    tensor_type(loop.with_dtype(v.dtype), _storage(v.dtype)),
+                    em.identity_map(loop.rank),
+                )
+                for v in targets
+            ]
+            iterators = ["parallel"] * loop.rank
+            out_elems = [_storage(v.dtype) for v in targets]
+        else:
+            outputs, iterators, kind, axes = self._accumulator(reduction, shape)
+            out_elems = [elem_type(reduction.result.dtype)]
         result = em.fresh()
         name = result if len(outputs) == 1 else f"{result}:{len(outputs)}"
-        maps = [m for _, _, m, _ in inputs] + [identity] * len(outputs)
-        ins = (
-            f"ins({', '.join(t for t, _, _, _ in inputs)} : {', '.join(tt for _, tt, _, _ in inputs)}) "
-            if inputs
-            else ""
-        )
-        iters = ", ".join(['"parallel"'] * loop_type.rank)
+        maps = [m for _, _, m in inputs] + [m for _, _, m in outputs]
+        ins = f"ins({', '.join(t for t, _, _ in inputs)} : {', '.join(tt for _, tt, _ in inputs)}) " if inputs else ""
+        iters = ", ".join(f'"{i}"' for i in iterators)
+        result_types = ", ".join(t for _, t, _ in outputs)
         em.line(
             f"{name} = linalg.generic {{indexing_maps = [{', '.join(maps)}], iterator_types = [{iters}]}} "
-            f"{ins}outs({', '.join(i for i, _ in inits)} : {', '.join(t for _, t in inits)}) {{"
+            f"{ins}outs({', '.join(o for o, _, _ in outputs)} : {result_types}) {{"
         )
+        in_elems = [_storage(v.dtype) for v in leaves]
         args = [em.fresh("a") for _ in range(len(inputs) + len(outputs))]
-        elems = [_storage(v.dtype) for _, _, _, v in inputs] + [_storage(r.dtype) for r in outputs]
-        em.line(f"^bb0({', '.join(f'{a}: {e}' for a, e in zip(args, elems))}):")
+        em.line(f"^bb0({', '.join(f'{a}: {e}' for a, e in zip(args, in_elems + out_elems))}):")
         b = ScalarBuilder(em, em.indent + "  ")
         value: dict[Value, str] = {}
-        for v, i in slot.items():
-            arg = args[i]
+        for v, arg in zip(leaves, args):
             if v.dtype.is_bool:
                 arg = b.op(f"arith.cmpi ne, {arg}, {b.const(0, 'i8')} : i8")
             value[v] = extend(b, arg, v.dtype)
-        for v, splat in scalars.items():
-            value[v] = b.const(splat, compute_elem(v.dtype) if not v.dtype.is_bool else "i1")
+        for v in splats:
+            value[v] = b.const(splat_value(v), compute_elem(v.dtype))
         for op in ops:
             value[op.result] = _scalar(b, op, [value[v] for v in op.operands])
-        yielded = []
-        for r in outputs:
-            x = value[r]
-            if r.dtype.is_bool:
-                x = b.op(f"arith.extui {x} : i1 to i8")
-            else:
-                x = narrow(b, x, r.dtype)
-            yielded.append(x)
+        if reduction is None:
+            yielded = [
+                b.op(f"arith.extui {value[v]} : i1 to i8") if v.dtype.is_bool else narrow(b, value[v], v.dtype)
+                for v in targets
+            ]
+        else:
+            e = out_elems[0]
+            combine = _COMBINE[kind][0]
+            yielded = [b.op(f"arith.{combine} {value[targets[0]]}, {args[-1]} : {e}")]
         em.body.extend(b.lines)
-        em.line(f"  linalg.yield {', '.join(yielded)} : {', '.join(_storage(r.dtype) for r in outputs)}")
-        result_types = ", ".join(t for _, t in inits)
-        em.line(f"}} -> {result_types}" if len(inits) == 1 else f"}} -> ({result_types})")
-        widest = max(_bits(e) for e in elems)
-        if loop_type.rank == 1 and loop_type.size > 1:
-            em.schedule(name, schedule.elementwise(loop_type.size, widest))
-        elif loop_type.rank > 1 and loop_type.size >= schedule.PARALLEL_MIN_ELEMENTS:
-            em.schedule(name, schedule.copy_nd(loop_type.shape, widest))
-        for k, r in enumerate(outputs):
+        em.line(f"  linalg.yield {', '.join(yielded)} : {', '.join(out_elems)}")
+        em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
+        self._schedule(name, loop, reduction, axes if reduction is not None else None, in_elems + out_elems)
+        if reduction is not None:
+            self.tensors[reduction.result] = result
+            return
+        for k, v in enumerate(targets):
             tensor = result if len(outputs) == 1 else f"{result}#{k}"
             if flat:
-                tensor = self._expand(tensor, r.type)
-            self.tensors[r] = bool_from_bytes(em, tensor, r.type) if r.dtype.is_bool else tensor
+                tensor = _expand(em, tensor, v.type)
+            self.tensors[v] = bool_from_bytes(em, tensor, v.type) if v.dtype.is_bool else tensor
 
-    def _collapse(self, tensor: str, t: TensorType) -> str:
-        group = ", ".join(str(i) for i in range(t.rank))
-        flat = TensorType((t.size,), t.dtype)
-        e = _storage(t.dtype)
-        return self.em.op(
-            f"tensor.collapse_shape {tensor} [[{group}]] : {tensor_type(t, e)} into {tensor_type(flat, e)}"
+    def _accumulator(self, op: Op, shape: tuple[int, ...]):
+        """outs (init filled with the identity, type, map), iterators, kind, axes of reduction `op`."""
+        em = self.em
+        rank = len(shape)
+        axes = sorted(a % max(rank, 1) for a in op.attrs["axes"])
+        kind = op.name.removeprefix("reduce_")
+        acc = op.result.type
+        e = elem_type(acc.dtype)
+        identity = em.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc.dtype), acc.dtype)} : {e}")
+        init = em.op(
+            f"linalg.fill ins({identity} : {e}) outs({em.empty(acc)} : {tensor_type(acc)}) -> {tensor_type(acc)}"
         )
+        dims = [f"d{i}" for i in range(rank)]
+        out_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i not in axes)})")
+        iterators = ["reduction" if i in axes else "parallel" for i in range(rank)]
+        return [(init, tensor_type(acc), out_map)], iterators, kind, axes
 
-    def _expand(self, tensor: str, t: TensorType) -> str:
-        group = ", ".join(str(i) for i in range(t.rank))
-        flat = TensorType((t.size,), t.dtype)
-        e = _storage(t.dtype)
-        shape = ", ".join(str(d) for d in t.shape)
-        into = f"{tensor_type(flat, e)} into {tensor_type(t, e)}"
-        return self.em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
+    def _schedule(self, name: str, loop: TensorType, reduction: Op | None, axes, elems: list[str]) -> None:
+        widest = max(_bits(e) for e in elems)
+        if reduction is not None:
+            if loop.size >= 2 and (loop.rank == 1 or (loop.rank == 2 and len(axes) == 1)):
+                self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
+        elif loop.rank == 1 and loop.size > 1:
+            self.em.schedule(name, schedule.elementwise(loop.size, widest))
+        elif loop.rank > 1 and loop.size >= schedule.PARALLEL_MIN_ELEMENTS:
+            self.em.schedule(name, schedule.copy_nd(loop.shape, widest))
+
+
+def _flat(t: TensorType) -> TensorType:
+    return TensorType((t.size,), t.dtype)
+
+
+def _collapse(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+    group = ", ".join(str(i) for i in range(t.rank))
+    e = _storage(t.dtype)
+    return em.op(f"tensor.collapse_shape {tensor} [[{group}]] : {tensor_type(t, e)} into {tensor_type(_flat(t), e)}")
+
+
+def _expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
+    group = ", ".join(str(i) for i in range(t.rank))
+    e = _storage(t.dtype)
+    shape = ", ".join(str(d) for d in t.shape)
+    into = f"{tensor_type(_flat(t), e)} into {tensor_type(t, e)}"
+    return em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
 
 
 def _bits(elem: str) -> int:
@@ -333,7 +353,7 @@ def _bits(elem: str) -> int:
 
 @lowering("fusion")
 def lower_fusion(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """The fused body on tensors: one generic per pointwise cluster, other members as themselves."""
+    """The fused body on tensors (see the module docstring)."""
     return _FusionLowering(em, op.regions[0], operands).run()
 
 
