@@ -125,7 +125,8 @@ def main() -> None:
         peak = peak_of(lambda exe=exe: exe.run([x]))
         print(
             f"peak extra memory of one chain call, {label}: RSS +{peak['rss_peak_delta_mib']:.0f} MiB, "
-            f"numpy-allocated +{peak['tracemalloc_peak_mib']:.0f} MiB (input {mib:.0f} MiB, output {mib:.0f} MiB)"
+            f"numpy-allocated +{peak['tracemalloc_peak_mib']:.0f} MiB (input {mib:.0f} MiB, output {mib:.0f} MiB); "
+            f"planned workspace {exe.workspace_bytes / 2**20:.0f} MiB (allocated on the first call, then reused)"
         )
 
 
