@@ -24,6 +24,16 @@ import flowjit as fj  # noqa: E402
 import flowjit.nn as nn  # noqa: E402
 import flowjit.numpy as fnp  # noqa: E402
 
+# The placement rules, by how their reasons start (flowjit/passes/place.py, partition.py).
+RULES = (
+    ("constraint", "a device constraint"),
+    ("colocated", "colocation with a variable"),
+    ("cost model", "the cost model"),
+    ("transfer", "send/recv of a cut edge"),
+    ("created where", "constant, where used"),
+    ("copy of the constant", "constant, where used"),
+)
+
 
 def cpu_target() -> str:
     """'cpu' when the CPU backend compiles variable updates, else the reference interpreter."""
@@ -75,10 +85,12 @@ class PlacedMLP:
         self.count.assign(new_state["step"])
         return loss
 
+    def weights(self) -> dict:
+        return {k: v.value for k, v in self.params.items()}
+
     def accuracy(self, x, y) -> float:
-        values = {k: v.value for k, v in self.params.items()}
-        logits = self.logits(values, fnp.asarray(x))
-        return float(np.mean(np.argmax(np.asarray(logits), axis=1) == y))
+        predict = fj.jit(lambda params, x: fnp.argmax(self.logits(params, x), axis=1))
+        return float(np.mean(predict(self.weights(), x) == y))
 
 
 def train(model, train_set, epochs):
@@ -92,6 +104,7 @@ def train(model, train_set, epochs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--full-report", action="store_true", help="print every op of the placement report")
     args = parser.parse_args(argv)
     print("devices:", ", ".join(d.name for d in fj.devices()))
     if len(fj.devices()) < 2:
@@ -105,8 +118,23 @@ def main(argv=None):
     single = PlacedMLP(init, ("cpu:0", "cpu:0"), target)
 
     x0, y0 = next(batches(*train_set, np.random.default_rng(1)))
+    lowered = placed.step.lower(x0, y0)
+    report = lowered.as_text("placement").split("\nfunc @")[0].splitlines()
     print("\n=== placement of one training step " + "=" * 40)
-    print(placed.step.lower(x0, y0).as_text("placement").split("\nfunc @")[0])
+    if args.full_report:
+        print("\n".join(report))
+    else:  # how many ops each rule put on each device, then the transfers
+        graph = lowered.graph("placement")
+        tally: dict[tuple[str, str], int] = {}
+        for op in graph.ops:
+            reason = graph.placement[op]
+            rule = next((name for prefix, name in RULES if reason.startswith(prefix)), reason)
+            key = (op.device.rsplit("device:", 1)[1], rule)
+            tally[key] = tally.get(key, 0) + 1
+        for (device, rule), count in sorted(tally.items()):
+            print(f"//   {device}: {count:3d} ops by rule: {rule}")
+        print("\n".join(line for line in report if line.startswith(("// transfers", "//   cpu"))))
+        print("(--full-report prints every op with its device, source line and reason)")
 
     results = {}
     for name, model in (("two devices", placed), ("one device", single)):
@@ -119,6 +147,10 @@ def main(argv=None):
             f"{args.epochs} epochs in {seconds:.1f} s"
         )
     (losses_2, model_2), (losses_1, model_1) = results["two devices"], results["one device"]
+    # Inference takes the weights as arguments (no variables), so its partitions run natively.
+    predict = fj.jit(lambda params, x: model_2.logits(params, x))
+    executable = predict.lower(model_2.weights(), test_set[0]).compile().executable
+    print(f"inference: {executable.backend}")
     worst = max(float(np.max(np.abs(model_2.params[k].value - model_1.params[k].value))) for k in model_1.params)
     same = losses_2 == losses_1 and worst == 0.0
     print(f"identical to single-device training: {same} (largest weight difference {worst:g})")
