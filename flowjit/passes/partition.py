@@ -90,7 +90,7 @@ def partition(graph: Graph) -> Graph:
     graph.transfers = []
     if len(graph_devices(graph)) <= 1:
         return graph
-    reasons = getattr(graph, "placement", {})
+    reasons = graph.placement = getattr(graph, "placement", {})
     here: dict[tuple[Value, str], Value] = {}  # (value, device) -> the value readable on that device
     sends_after: dict[Op, list[Op]] = {}
     consumers: dict[tuple[Value, str], list[Op]] = {}

@@ -198,12 +198,13 @@ class _Scheduler:
             self.ready[(r, device)] = finish
 
 
-def _candidates(unit_ops: list[Op], constraint: DeviceSpec | None, source: Op | None, local: list[Device]):
+def _candidates(op: Op, constraint: DeviceSpec | None, source: Op | None, local: list[Device]) -> list[Device]:
+    """The devices fitting `constraint` (which `source` set on `op`'s unit); an error when none does."""
     if constraint is None:
         return local
     found = [d for d in local if constraint.matches(d)]
     if not found:
-        op = source or unit_ops[0]
+        op = source or op
         raise FlowjitValueError(
             f"{op.loc}: op '{op.name}': no device matches the constraint '{constraint}'; the devices are "
             f"{', '.join(d.name for d in local)} (set FLOWJIT_CPU_DEVICES=N for N CPU devices)"
@@ -278,10 +279,10 @@ def place(graph: Graph) -> Graph:
             )
         group_constraint[g] = (merged, source)
 
-    pinned = {}
-    for i in range(len(units)):
-        spec = group_constraint.get(groups[i], (None, None))[0]
-        fitting = _candidates([units[i].op], spec, group_constraint.get(groups[i], (None, None))[1], local)
+    pinned = {}  # unit index -> its device, when its constraint leaves one
+    for i, unit in enumerate(units):
+        spec, source = group_constraint.get(groups[i], (None, None))
+        fitting = _candidates(unit.op, spec, source, local)
         if spec is not None and len(fitting) == 1:
             pinned[i] = fitting[0].name
     bound_for = _bound_for(units, pinned)
@@ -296,14 +297,14 @@ def place(graph: Graph) -> Graph:
         in_group = bool(unit.variables)  # only units touching variables share groups
         if g in group_device and in_group:
             device, leader = group_device[g]
-            var = sorted(unit.variables)[0] if unit.variables else "?"
+            var = sorted(unit.variables)[0]
             reasons[op] = f"colocated with variable '{var}' (as op '{leader.name}' at {leader.loc})"
         elif op.name in FREE_CREATIONS and constrained is None and not op.operands:
             deferred.append(op)
             continue
         else:
             spec, source = constrained if constrained else (None, None)
-            fitting = _candidates([op], spec, source, local)
+            fitting = _candidates(op, spec, source, local)
             if len(fitting) == 1 and spec is not None:
                 device = fitting[0].name
                 reasons[op] = f"constraint '{spec}' ({source.loc})"
