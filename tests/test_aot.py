@@ -66,6 +66,10 @@ def wide(x, w):
     return fnp.tanh(x @ w).sum(axis=1)
 
 
+def shift_and_scale(a):
+    return a + 1.0, a * 2.0
+
+
 def broken(x):
     return x @ x
 """
@@ -164,6 +168,19 @@ int main(int argc, char** argv) {
 }
 """
 
+# An in-place call: without the library's copy, the second output would read the first one's values.
+SHIFT_C = r"""
+#include "shift_and_scale.h"
+int main(int argc, char** argv) {
+  float a[SHIFT_AND_SCALE_A_SIZE], scaled[SHIFT_AND_SCALE_OUT_1_SIZE];
+  load(argv[1], "a", a, sizeof a);
+  CHECK(shift_and_scale(a, a, scaled));
+  save(argv[1], "shifted", a, sizeof a);
+  save(argv[1], "scaled", scaled, sizeof scaled);
+  return 0;
+}
+"""
+
 # Threads calling the same entry point concurrently, each on its own data, against one sequential run.
 THREADS_C = r"""
 #include <pthread.h>
@@ -227,6 +244,7 @@ def built(tmp_path_factory):
                      "i32[16]", *serial)  # fmt: skip
     _flowjit_compile(root, out, "train_var", "--arg", "f32[16,8]", "--arg", "i32[16]")
     _flowjit_compile(root, out, "predict_var", "--arg", "f32[4,8]", "--freeze-variables", "--checkpoint", root / "ckpt")
+    _flowjit_compile(root, out, "shift_and_scale", "--arg", "f32[16,16]", *serial)
     _flowjit_compile(root, out, "wide", "--arg", "f32[256,784]", "--arg", "f32[784,64]")
     return root
 
@@ -353,6 +371,15 @@ def test_variables_are_arguments_updated_in_place(built):
     np.testing.assert_allclose(_read(data, "w_out", np.float32, (8, 3)), w_np, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_read(data, "loss", np.float32, ()), loss_np, rtol=1e-4)
     assert _read(data, "steps", np.int32, ()) == 3
+
+
+def test_output_may_alias_an_input(built):
+    a = np.random.default_rng(7).standard_normal((16, 16)).astype(np.float32)
+    data = built / "shift_data"
+    _write(data, a=a)
+    _run(_build_c(built, built / "out", "shift_and_scale", SHIFT_C), data)
+    np.testing.assert_array_equal(_read(data, "shifted", np.float32, (16, 16)), a + np.float32(1))
+    np.testing.assert_array_equal(_read(data, "scaled", np.float32, (16, 16)), a * np.float32(2))
 
 
 def test_frozen_variables_are_constants(built):
