@@ -138,21 +138,30 @@ class _Grouping:
 
     def _can_merge(self, members: list[Op], last: Op) -> bool:
         """False if an op outside `members` placed before `last` depends on a member and either is
-        a barrier (it would have to move after the group) or feeds a member (a cycle)."""
+        a barrier (it would have to move after the group) or feeds a member (a cycle). Other groups
+        count as one node each (they become one op): reaching one member reaches them all, so two
+        groups can never depend on each other."""
         inside = set(members)
         end = self.index[last]
-        stack = [op for op in members]
+        stack = list(members)
         seen: set[Op] = set()
+
+        def reach(op: Op) -> bool:
+            if op in inside or op in seen or self.index[op] >= end:
+                return True
+            if _is_barrier(op) or any(u in inside for r in op.results for u in self.users.get(r, ())):
+                return False
+            seen.add(op)
+            stack.append(op)
+            return True
+
         while stack:
             op = stack.pop()
             for result in op.results:
                 for user in self.users.get(result, ()):
-                    if user in inside or user in seen or self.index[user] >= end:
-                        continue
-                    if _is_barrier(user) or any(u in inside for r in user.results for u in self.users.get(r, ())):
+                    group = self.members.get(self.group_of[user], [user]) if user in self.group_of else [user]
+                    if not all(reach(o) for o in ([user] if user in inside else group)):
                         return False
-                    seen.add(user)
-                    stack.append(user)
         return True
 
 
