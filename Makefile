@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 	FLOWJIT_CPU_DEVICES=2 $(PY) examples/model_parallel.py --epochs 3
+	$(PY) examples/aot_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest tests
@@ -22,6 +23,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# Differential fuzzing (docs/fuzzing.md): random programs for FUZZ_MINUTES, shrunk reproducers
+# written to tests/fuzz/regressions/.
+FUZZ_MINUTES ?= 5
+fuzz: $(STAMP)
+	FUZZ_MINUTES=$(FUZZ_MINUTES) $(PY) tests/fuzz/run.py
 
 # Benchmarks need the peers (JAX, PyTorch) from the `bench` extra; BENCH_ARGS=--quick for a short run.
 $(VENV)/.bench-installed: $(STAMP)
