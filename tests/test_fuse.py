@@ -54,9 +54,10 @@ def _chain(x):
 
 
 def _mlp_loss(params, x, labels):
-    w1, b1, w2, b2 = params
+    w1, b1, w2, b2, w3, b3 = params
     h = nn.relu(x @ w1 + b1)
-    return nn.cross_entropy(h @ w2 + b2, labels)
+    h = nn.relu(h @ w2 + b2)  # two hidden layers: their gradients once made two groups need each other
+    return nn.cross_entropy(h @ w3 + b3, labels)
 
 
 def _mlp_grad(params, x, labels):
@@ -67,7 +68,9 @@ def _mlp_args():
     params = (
         RNG.standard_normal((20, 16)).astype(np.float32) * 0.3,
         RNG.standard_normal(16).astype(np.float32),
-        RNG.standard_normal((16, 5)).astype(np.float32) * 0.3,
+        RNG.standard_normal((16, 12)).astype(np.float32) * 0.3,
+        RNG.standard_normal(12).astype(np.float32),
+        RNG.standard_normal((12, 5)).astype(np.float32) * 0.3,
         RNG.standard_normal(5).astype(np.float32),
     )
     return params, RNG.standard_normal((8, 20)).astype(np.float32), RNG.integers(0, 5, 8)
@@ -109,6 +112,17 @@ def test_mlp_gradient_fuses_epilogues_and_keeps_contractions_apart():
         assert len(contractions) <= 1
         if contractions:  # a contraction's operands come from outside the group
             assert all(v.producer is None for v in contractions[0].operands)
+
+
+def test_training_step_groups_never_depend_on_each_other():
+    """784-1024-1024-10 MLP gradient (shapes only, no compile): the grouping of its backward
+    pass once had two groups each reading the other's result (a cycle the verifier rejects)."""
+    shapes = [(784, 1024), (1024,), (1024, 1024), (1024,), (1024, 10), (10,)]
+    params = tuple(fj.ShapeDtype(s, "float32") for s in shapes)
+    x, labels = fj.ShapeDtype((256, 784), "float32"), fj.ShapeDtype((256,), "int64")
+    graph = parse_graph(print_graph(fj.jit(_mlp_grad).lower(params, x, labels).graph("traced")))
+    fused = run_pipeline(graph, ["canonicalize", "fuse"], verify=True)
+    assert len(_fusions(fused)) >= 4
 
 
 def test_fused_ir_round_trips_and_verifies():
