@@ -70,6 +70,10 @@ def shift_and_scale(a):
     return a + 1.0, a * 2.0
 
 
+def mixed(flag, n, d, h, b):
+    return fnp.where(flag, d, -d), n * 2, h * 2, fnp.logical_not(flag), b * 2
+
+
 def broken(x):
     return x @ x
 """
@@ -181,6 +185,23 @@ int main(int argc, char** argv) {
 }
 """
 
+# Every dtype's C type: bool as uint8_t, f16/bf16 as uint16_t bit patterns.
+MIXED_C = r"""
+#include "mixed.h"
+int main(int argc, char** argv) {
+  uint8_t flag[MIXED_FLAG_SIZE], not_flag[MIXED_OUT_3_SIZE];
+  int64_t n[MIXED_N_SIZE], n2[MIXED_OUT_1_SIZE];
+  double d[MIXED_D_SIZE], d2[MIXED_OUT_0_SIZE];
+  uint16_t h[MIXED_H_SIZE], h2[MIXED_OUT_2_SIZE], b[MIXED_B_SIZE], b2[MIXED_OUT_4_SIZE];
+  load(argv[1], "flag", flag, sizeof flag); load(argv[1], "n", n, sizeof n); load(argv[1], "d", d, sizeof d);
+  load(argv[1], "h", h, sizeof h); load(argv[1], "b", b, sizeof b);
+  CHECK(mixed(flag, n, d, h, b, d2, n2, h2, not_flag, b2));
+  save(argv[1], "d2", d2, sizeof d2); save(argv[1], "n2", n2, sizeof n2); save(argv[1], "h2", h2, sizeof h2);
+  save(argv[1], "not_flag", not_flag, sizeof not_flag); save(argv[1], "b2", b2, sizeof b2);
+  return 0;
+}
+"""
+
 # Threads calling the same entry point concurrently, each on its own data, against one sequential run.
 THREADS_C = r"""
 #include <pthread.h>
@@ -245,6 +266,8 @@ def built(tmp_path_factory):
     _flowjit_compile(root, out, "train_var", "--arg", "f32[16,8]", "--arg", "i32[16]")
     _flowjit_compile(root, out, "predict_var", "--arg", "f32[4,8]", "--freeze-variables", "--checkpoint", root / "ckpt")
     _flowjit_compile(root, out, "shift_and_scale", "--arg", "f32[16,16]", *serial)
+    _flowjit_compile(root, out, "mixed", "--arg", "bool[6]", "--arg", "i64[6]", "--arg", "f64[6]", "--arg", "f16[6]",
+                     "--arg", "bf16[6]", *serial)  # fmt: skip
     _flowjit_compile(root, out, "wide", "--arg", "f32[256,784]", "--arg", "f32[784,64]")
     return root
 
@@ -380,6 +403,32 @@ def test_output_may_alias_an_input(built):
     _run(_build_c(built, built / "out", "shift_and_scale", SHIFT_C), data)
     np.testing.assert_array_equal(_read(data, "shifted", np.float32, (16, 16)), a + np.float32(1))
     np.testing.assert_array_equal(_read(data, "scaled", np.float32, (16, 16)), a * np.float32(2))
+
+
+def test_every_dtype_crosses_the_c_interface(built):
+    import ml_dtypes
+
+    rng = np.random.default_rng(8)
+    args = {
+        "flag": np.array([True, False, True, True, False, False]),
+        "n": rng.integers(-1000, 1000, 6),
+        "d": rng.standard_normal(6),
+        "h": rng.standard_normal(6).astype(np.float16),
+        "b": rng.standard_normal(6).astype(ml_dtypes.bfloat16),
+    }
+    data = built / "mixed_data"
+    _write(data, **args)
+    _run(_build_c(built, built / "out", "mixed", MIXED_C), data)
+    np.testing.assert_array_equal(_read(data, "d2", np.float64, (6,)), np.where(args["flag"], args["d"], -args["d"]))
+    np.testing.assert_array_equal(_read(data, "n2", np.int64, (6,)), args["n"] * 2)
+    np.testing.assert_array_equal(_read(data, "h2", np.float16, (6,)), args["h"] * 2)
+    np.testing.assert_array_equal(_read(data, "not_flag", np.bool_, (6,)), ~args["flag"])
+    np.testing.assert_array_equal(_read(data, "b2", ml_dtypes.bfloat16, (6,)), args["b"] * 2)
+    header = (built / "out" / "mixed.h").read_text()
+    assert (
+        "int mixed(const uint8_t* flag, const int64_t* n, const double* d, const uint16_t* h, const uint16_t* b, "
+        "double* out_0, int64_t* out_1, uint16_t* out_2, uint8_t* out_3, uint16_t* out_4);" in header
+    )
 
 
 def test_frozen_variables_are_constants(built):
