@@ -99,67 +99,49 @@ def kernel_object(graph: Graph, kernel: str, threads: str):
     return toolchain.emit_object(str(module), kernel), mlir, externals
 
 
-def ports(lowered, graph: Graph, variables: dict[str, tuple[int | None, int | None]]):
-    """The C inputs and outputs: the function's leaves named after their pytree paths, then the
-    variables (`variables`: name -> (param index, result index), either may be None)."""
-    taken: set[str] = set()
-    param_types, result_types = graph.param_types, graph.result_types
-    var_params = {i for i, _ in variables.values() if i is not None}
-    var_results = {j for _, j in variables.values() if j is not None}
+def ports(lowered, graph: Graph, state_inputs: tuple[str, ...], state_outputs: tuple[str, ...]):
+    """The C inputs and outputs: the function's own, named after their pytree paths, then the
+    variables (`functionalize-state` appends them: `state_inputs` are the last parameters,
+    `state_outputs` the last results)."""
     arg_paths = [p for p, a in zip(lowered.paths, lowered.signature.avals) if not isinstance(a, VariableArg)]
-    user_params = [i for i in range(len(param_types)) if i not in var_params]
-    if len(user_params) != len(arg_paths):
-        raise CompileError(f"internal error: {len(user_params)} parameters for {len(arg_paths)} arguments")
-    by_param: dict[int, aot_c.Port] = {}
-    for i, path in zip(user_params, arg_paths):
-        t = param_types[i]
-        by_param[i] = aot_c.Port(aot_c.c_identifier(path, taken), path, tuple(t.shape), t.dtype)
-    for name, (i, _) in sorted(variables.items()):
-        if i is not None:
-            t = param_types[i]
-            by_param[i] = aot_c.Port(aot_c.c_identifier(name, taken), f"variable {name}", tuple(t.shape), t.dtype, name)
-    inputs = [by_param[i] for i in range(len(param_types))]
-    user_results = [j for j in range(len(result_types)) if j not in var_results]
-    out_paths = leaf_paths(tree_unflatten(lowered.out_tree, list(range(len(user_results)))), "out")
-    by_result: dict[int, aot_c.Port] = {}
-    for j, path in zip(user_results, out_paths):
-        t = result_types[j]
-        by_result[j] = aot_c.Port(aot_c.c_identifier(path, taken), path, tuple(t.shape), t.dtype)
-    for name, (_, j) in sorted(variables.items()):
-        if j is not None:
-            t = result_types[j]
-            c_name = aot_c.c_identifier(f"{name}_out", taken)
-            by_result[j] = aot_c.Port(c_name, f"variable {name}", tuple(t.shape), t.dtype, name)
-    outputs = [by_result[j] for j in range(len(result_types))]
-    return inputs, outputs
+    if len(graph.params) != len(arg_paths) + len(state_inputs):
+        raise CompileError(f"internal error: {len(graph.params)} parameters for {len(arg_paths)} arguments")
+    n_results = len(graph.results) - len(state_outputs)
+    out_paths = leaf_paths(tree_unflatten(lowered.out_tree, list(range(n_results))), "out")
+    # (C name stem, description, variable) per parameter and per result, in the graph's order.
+    inputs = [(p, p, None) for p in arg_paths] + [(v, f"variable {v}", v) for v in state_inputs]
+    outputs = [(p, p, None) for p in out_paths] + [(f"{v}_out", f"variable {v}", v) for v in state_outputs]
+    taken: set[str] = set()
+
+    def port(stem, path, variable, t) -> aot_c.Port:
+        return aot_c.Port(aot_c.c_identifier(stem, taken), path, tuple(t.shape), t.dtype, variable)
+
+    return (
+        [port(*names, t) for names, t in zip(inputs, graph.param_types)],
+        [port(*names, t) for names, t in zip(outputs, graph.result_types)],
+    )
 
 
 def functional_graph(lowered, frozen: dict | None):
-    """The graph to compile and where its variables went: name -> (parameter index, result index
-    or None). Without variables, the optimized graph; with them, the traced graph with state made
-    explicit (`functionalize-state`), frozen variables replaced by constants, then optimized."""
+    """The graph to compile and the variables behind its last parameters and results (names).
+    Without variables, the optimized graph; with them, the traced graph with state made explicit
+    (`functionalize-state`), frozen variables replaced by constants, then optimized."""
     if not lowered.variables:
-        return lowered.graph("optimized"), {}
+        return lowered.graph("optimized"), (), ()
     graph = parse_graph(print_graph(lowered.graph("traced")))  # passes rewrite in place
-    n_params, n_results = len(graph.params), len(graph.results)
+    n_params = len(graph.params)
     graph, layout = functionalize_state(graph)
-    variables: dict[str, tuple[int, int | None]] = {
-        name: (n_params + i, None) for i, (name, _) in enumerate(layout.inputs)
-    }
-    for j, name in enumerate(layout.outputs):
-        variables[name] = (variables[name][0], n_results + j)
+    state_inputs = tuple(name for name, _ in layout.inputs)
     if frozen is not None:
         if layout.outputs:
             raise FlowjitValueError(
                 f"--freeze-variables: {lowered.name} updates variable(s) {', '.join(layout.outputs)}; frozen "
                 "variables are constants. Compile without --freeze-variables to pass them as arguments"
             )
-        values = {}
-        for name, vtype in layout.inputs:
-            values[variables[name][0]] = _frozen_value(frozen, name, vtype)
+        values = {n_params + i: _frozen_value(frozen, name, vtype) for i, (name, vtype) in enumerate(layout.inputs)}
         _freeze_parameters(graph, values)
-        variables = {}
-    return run_pipeline(graph, PIPELINE), variables
+        state_inputs = ()
+    return run_pipeline(graph, PIPELINE), state_inputs, layout.outputs
 
 
 def _frozen_value(frozen: dict, name: str, vtype):
@@ -229,7 +211,7 @@ def link(workdir: str, name: str, object_path: str, c_path: str, options: AotOpt
     cc = c_compiler()
     if options.static_lib:
         wrapper_object = os.path.join(workdir, f"{name}_wrapper.o")
-        _run([*cc, "-c", "-O2", "-fPIC", "-fvisibility=hidden", "-o", wrapper_object, c_path])
+        _run([*cc, "-c", "-O2", "-fPIC", "-o", wrapper_object, c_path])
         _run(["ar", "rcs", out_path, wrapper_object, object_path])
         return
     argv = [*cc, "-shared", "-O2", "-fPIC", f"-Wl,-soname,{name}.so", "-Wl,-z,noexecstack", "-o", out_path]
@@ -242,8 +224,8 @@ def link(workdir: str, name: str, object_path: str, c_path: str, options: AotOpt
 
 def build_library(lowered, out_dir: str, options: AotOptions, source: str, frozen: dict | None = None) -> Library:
     """Compile `lowered` (a `fj.jit(...).lower(...)` result) into a C library in `out_dir`."""
-    graph, variables = functional_graph(lowered, frozen)
-    inputs, outputs = ports(lowered, graph, variables)
+    graph, state_inputs, state_outputs = functional_graph(lowered, frozen)
+    inputs, outputs = ports(lowered, graph, state_inputs, state_outputs)
     kernel = f"{options.name}_kernel"
     object_code, mlir, externals = kernel_object(graph, kernel, options.threads)
     workspace = mlir.workspace_bytes + aot_c.WORKSPACE_ALIGNMENT
