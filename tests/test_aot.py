@@ -269,6 +269,7 @@ def built(tmp_path_factory):
     _flowjit_compile(root, out, "mixed", "--arg", "bool[6]", "--arg", "i64[6]", "--arg", "f64[6]", "--arg", "f16[6]",
                      "--arg", "bf16[6]", *serial)  # fmt: skip
     _flowjit_compile(root, out, "wide", "--arg", "f32[256,784]", "--arg", "f32[784,64]")
+    _flowjit_compile(root, root / "serial", "wide", "--arg", "f32[256,784]", "--arg", "f32[784,64]", *serial)
     return root
 
 
@@ -472,8 +473,8 @@ def test_libraries_depend_on_libc_libm_and_only_openmp_when_threaded(built):
     import ctypes
 
     libc, libm = ctypes.CDLL("libc.so.6"), ctypes.CDLL("libm.so.6")
-    for name in ("predict", "train_step", "predict_var"):
-        library = built / "out" / f"{name}.so"
+    libraries = [built / "out" / f"{name}.so" for name in ("predict", "train_step", "predict_var")]
+    for library in [*libraries, built / "serial" / "wide.so"]:  # wide.so is threaded without --threads serial
         assert set(_needed(library)) <= {"libc.so.6", "libm.so.6"}
         for symbol in _undefined(library):
             assert hasattr(libc, symbol) or hasattr(libm, symbol), symbol

@@ -8,7 +8,7 @@ The library needs no Python, MLIR or LLVM at run time: libc, libm and, unless bu
 build environment's lib folder, so copying it next to the library is enough to ship it). With
 `threads="serial"` the parallel loops are compiled as plain loops and no OpenMP call remains.
 
-Variables: with `frozen_variables` (name -> array) they are constants of the code; otherwise each
+Variables: with `frozen` values (name -> array) they are constants of the code; otherwise each
 becomes an input (its value before the call) and, when the function updates it, an output (its
 value after), named after the variable, so the C caller owns the state.
 """
@@ -244,7 +244,7 @@ def build_library(lowered, out_dir: str, options: AotOptions, source: str, froze
         c_path = os.path.join(workdir, f"{options.name}.c")
         with open(c_path, "w", encoding="utf-8") as f:
             f.write(aot_c.wrapper(options.name, kernel, inputs, outputs, mlir.workspace_bytes))
-        # The wrapper includes the header from the output folder.
+        # The wrapper includes NAME.h: a copy sits next to it.
         shutil.copy(paths.header, workdir)
         openmp = "libiomp5" in manifest["runtime_libraries"]
         link(workdir, options.name, object_path, c_path, options, paths.library, openmp)
