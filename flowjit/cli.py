@@ -296,7 +296,7 @@ def _add_compile(sub) -> None:
     p.add_argument("--static", action="append", default=[], metavar="NAME=VALUE", help="a static argument by name")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (created if missing)")
     p.add_argument("--name", help="C name of the entry point and base name of the files (default: FUNCTION)")
-    p.add_argument("--target", dest="backend", default="cpu", help="code generation target (only cpu)")
+    p.add_argument("--target", dest="backend", default="cpu", metavar="TARGET", help="code generation target (cpu)")
     p.add_argument(
         "--threads",
         default="openmp",
@@ -314,8 +314,8 @@ def _add_compile(sub) -> None:
 
 
 def _run_compile(args) -> int:
-    """Compile FUNCTION of FILE.py for the given arguments into OUT/NAME.so (or .a), OUT/NAME.h and
-    OUT/NAME.json: a C library that runs without Python."""
+    """Compile FUNCTION of FILE.py for the given arguments into DIR/NAME.so (or .a), DIR/NAME.h and
+    DIR/NAME.json: a C library that runs without Python (see docs/aot.md)."""
     from flowjit.backends.cpu import aot
 
     if args.backend != "cpu":
