@@ -200,7 +200,12 @@ def c_compiler() -> list[str]:
 
 
 def _run(argv: list[str]) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    except OSError as e:  # e.g. no `ar` on the PATH
+        raise CompileError(
+            f"cannot run '{argv[0]}': {e.strerror or e}; the AOT build needs binutils and a C compiler"
+        ) from None
     if proc.returncode != 0:
         raise CompileError(f"internal error: '{shlex.join(argv)}' failed:\n{proc.stderr}")
 
