@@ -41,11 +41,13 @@ def predict(x, w1, b1, w2):
 
 
 def train_step(w, b, x, y):
-    def loss(w, b):
-        return nn.cross_entropy(x @ w + b, y)
+    def loss(params):
+        return nn.cross_entropy(x @ params["w"] + params["b"], y)
 
-    l, (gw, gb) = fj.value_and_grad(loss, argnums=(0, 1))(w, b)
-    return w - 0.5 * gw, b - 0.5 * gb, l
+    params = {"w": w, "b": b}
+    l, grads = fj.value_and_grad(loss)(params)
+    new, _ = fj.optim.SGD(0.5).update(grads, (), params)
+    return new["w"], new["b"], l
 
 
 def train_var(x, y):
