@@ -227,6 +227,17 @@ class _FusionLowering:
         input_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(f'd{d}' for _, d in kept)})")
         return tensor, tensor_type(squeezed, elem), input_map
 
+    def _uncovered_dims(self, leaves: list[Value], shape: tuple[int, ...]) -> set[int]:
+        """Loop dimensions that no leaf's indexing map reads (see `_input`)."""
+        uncovered = set(range(len(shape)))
+        for v in leaves:
+            op = v.producer
+            if op is None or op.name != "broadcast" or v in self.tensors:
+                return set()
+            source = op.operands[0]
+            uncovered -= {d for i, d in enumerate(op.attrs["dims"]) if source.type.shape[i] != 1 or shape[d] == 1}
+        return uncovered
+
     def _emit_generic(self, targets: list[Value], reduction: Op | None = None) -> None:
         """One `linalg.generic` computing `targets` (pointwise values of one shape) from their
         leaves, or, with `reduction`, that reduction of the single target."""
@@ -234,6 +245,11 @@ class _FusionLowering:
         ops, leaves, splats = self._collect(targets)
         shape = targets[0].type.shape
         inputs = [self._input(v, shape) for v in leaves]
+        if reduction is not None and leaves and self._uncovered_dims(leaves, shape):
+            # A reduced dimension that only broadcasts read has no extent linalg can infer (the
+            # maps are not invertible): read the first leaf stored, through the identity map.
+            self.tensor(leaves[0])
+            inputs[0] = self._input(leaves[0], shape)
         broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs)
         flat = reduction is None and len(shape) > 1 and not broadcasting
         if flat:  # a 1-D loop: the elementwise schedule, and collapsing is free
