@@ -43,6 +43,7 @@ GRID = 8  # inputs are multiples of 1/GRID: exact in every float dtype
 NOT_GENERATED = {
     "send": "created only by the partition pass (checked by the per-pass oracle on multi-device graphs)",
     "recv": "created only by the partition pass (checked by the per-pass oracle on multi-device graphs)",
+    "fusion": "created only by the fuse pass (checked by the per-pass oracle on every program)",
     "custom_vjp_call": "needs a user-written backward rule; covered by tests/test_gradients.py",
 }
 
@@ -161,8 +162,10 @@ class Gen:
         with np.errstate(all="ignore"):
             array = np.asarray(eval(np_expr, self.np_env))
         if array.shape != shape or dt.dtype(array.dtype).name != dtype:
-            raise AssertionError(f"fuzz builder bug: {fj_expr!r} is {dtype}{list(shape)} in flowjit but numpy "
-                                 f"{np_expr!r} gives {array.dtype}{list(array.shape)}")
+            raise AssertionError(
+                f"fuzz builder bug: {fj_expr!r} is {dtype}{list(shape)} in flowjit but numpy "
+                f"{np_expr!r} gives {array.dtype}{list(array.shape)}"
+            )
         val = Val(f"v{len(self.program.stmts)}", array, exact)
         if not np.all(np.isfinite(array.astype(np.float64))) or val.magnitude > MAX_MAGNITUDE:
             raise Rejected
@@ -260,7 +263,9 @@ def _bitwise_not(g: Gen) -> None:
 
 
 def _scalar(g: Gen, kinds: str) -> str:
-    options = [s for s in ("2", "-3", "0.5", "2.5", "-1.25") if ("." in s and "f" in kinds) or ("." not in s and "i" in kinds)]
+    options = [
+        s for s in ("2", "-3", "0.5", "2.5", "-1.25") if ("." in s and "f" in kinds) or ("." not in s and "i" in kinds)
+    ]
     return g.choice(options)
 
 
@@ -347,7 +352,14 @@ def _compare(g: Gen) -> None:
     a = g.need(lambda v: v.exact and v.dtype != "bool")
     fb, nb, b_exact = _second_operand(g, a, lambda v: v.exact and v.dtype != "bool")
     op, np_op = g.choice(
-        [("==", "equal"), ("!=", "not_equal"), ("<", "less"), ("<=", "less_equal"), (">", "greater"), (">=", "greater_equal")]
+        [
+            ("==", "equal"),
+            ("!=", "not_equal"),
+            ("<", "less"),
+            ("<=", "less_equal"),
+            (">", "greater"),
+            (">=", "greater_equal"),
+        ]
     )
     g.emit(f"{a.name} {op} {fb}", f"np.{np_op}({_w(a)}, {nb})", exact=True)
 
@@ -526,7 +538,9 @@ def _reduce(g: Gen) -> None:
     if fn == "prod" and a.magnitude > 2 and a.is_int:
         raise Rejected
     exact = a.exact and (fn in ("max", "min") or a.is_int)
-    g.emit(f"M.{fn}({fa}, axis={axis}, keepdims={keep})", f"C(np.{fn}({na}, axis={axis}, keepdims={keep}), {{T}})", exact)
+    g.emit(
+        f"M.{fn}({fa}, axis={axis}, keepdims={keep})", f"C(np.{fn}({na}, axis={axis}, keepdims={keep}), {{T}})", exact
+    )
 
 
 @builder("argmax", "argmin")
@@ -575,7 +589,8 @@ def _max_pool(g: Gen) -> None:
 
 @builder("cond")
 def _cond(g: Gen) -> None:
-    p = g.need(lambda v: v.exact and v.dtype != "bool" and v.array.size > 0)
+    # Smooth programs have continuous random values: a perturbation never flips the predicate.
+    p = g.need(lambda v: (v.exact or g.smooth) and v.dtype != "bool" and v.array.size > 0)
     a = g.need(lambda v: v.is_float)
     ta = g.choice(["M.tanh({a}) * 2", "{a} - 1", "M.sin({a})"])
     fa = g.choice(["M.cos({a})", "{a} * 0.5", "-{a}"])

@@ -85,7 +85,9 @@ def max_pool2d(x, window, stride):
     out = np.empty((n, c, oh, ow), x.dtype)
     for i in range(oh):
         for j in range(ow):
-            out[:, :, i, j] = x[:, :, i * stride : i * stride + window, j * stride : j * stride + window].max(axis=(2, 3))
+            out[:, :, i, j] = x[:, :, i * stride : i * stride + window, j * stride : j * stride + window].max(
+                axis=(2, 3)
+            )
     return out
 
 

@@ -41,6 +41,11 @@ class Program:
     stmts: list[Stmt] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        # What hypothesis prints for a falsifying example: the program as the user would write it.
+        shapes = ", ".join(f"{n}: {dtype_name(a)}{list(a.shape)}" for n, a in self.inputs.items())
+        return f"Program({shapes})\n{self.flowjit_source()}"
+
     def _source(self, which: str) -> str:
         lines = [f"def program({', '.join(self.inputs)}):"]
         for s in self.stmts:
@@ -72,7 +77,9 @@ class Program:
             "import ml_dtypes  # noqa: F401  (bfloat16 literals)",
             "import numpy as np",
             "",
-            "sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))",
+            "# tests/ (where the `fuzz` package lives): two levels up, or FLOWJIT_TESTS_DIR for a copy elsewhere",
+            "TESTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..')",
+            "sys.path.insert(0, os.environ.get('FLOWJIT_TESTS_DIR', TESTS_DIR))",
             "from fuzz.oracles import check_sources  # noqa: E402",
             "",
             f"INPUTS = {{\n{inputs}\n}}" if inputs else "INPUTS = {}",
