@@ -168,8 +168,9 @@ int {name}({params});
 /* The size of the workspace {name}_with_workspace() needs, in bytes ({prefix}_WORKSPACE_SIZE). */
 size_t {name}_workspace_size(void);
 
-/* Run {name} in a caller-owned workspace of at least {name}_workspace_size() bytes; allocates
- * nothing unless an input overlaps an output (then a temporary copy of that input). */
+/* Run {name} in a caller-owned workspace of at least {name}_workspace_size() bytes. The wrapper
+ * allocates only for an input that overlaps an output (a temporary copy); the generated code
+ * allocates only if the manifest's external_symbols lists malloc. */
 int {name}_with_workspace({params.removesuffix("void").rstrip(", ")}{", " if inputs or outputs else ""}void* workspace);
 
 /* A short English description of a status code. */
