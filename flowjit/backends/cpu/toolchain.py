@@ -77,7 +77,25 @@ def llvm():
         binding.load_library_permanently("libm.so.6")
     except RuntimeError:
         binding.load_library_permanently(ctypes.util.find_library("m"))
+    keep_kernel_temporaries()
     return binding
+
+
+def keep_kernel_temporaries() -> None:
+    """Let glibc's malloc keep blocks up to 32 MiB in its heap instead of mmap-ing them per call.
+
+    Kernels allocate temporaries (packed matmul panels, im2col columns) with malloc. By default
+    glibc maps big blocks fresh and unmaps them on free, so every call page-faults them in again:
+    a 64->32-channel conv spent 9 of its 11.3 ms in page faults, 2.9 ms with this setting. Blocks
+    stay in the process for reuse, as PyTorch's caching allocator keeps them.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its defaults stand
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 512 << 20)
 
 
 @dataclass(frozen=True)
