@@ -93,6 +93,8 @@ def plan_workspace(graph: Graph, needs_slot: Callable[[Value], bool]) -> tuple[d
     for i, op in enumerate(graph.ops):
         for v in op.operands:
             last_use[v] = i
+    for v in graph.results:  # a result in a slot (a late output) is copied out after the last op
+        last_use[v] = len(graph.ops)
     live: dict[Value, tuple[int, int]] = {}  # value -> (offset, size)
     offsets: dict[Value, int] = {}
     peak = 0
