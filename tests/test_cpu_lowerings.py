@@ -267,6 +267,16 @@ def test_conv2d_stride_padding_dilation(dtype):
     check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
 
 
+def test_conv2d_deep_goes_through_im2col_and_the_matmul_kernel():
+    x, w = data((3, 16, 11, 10), dt.float32, 1), data((20, 16, 3, 3), dt.float32, 2)
+    mlir = check("conv2d", [x, w], dict(stride=(2, 2), padding=((1, 1), (2, 0)), dilation=(1, 1)))
+    assert "vector.fma" in mlir
+    shallow = check(
+        "conv2d", [x[:, :1], w[:5, :1, :2, :2]], dict(stride=(1, 1), padding=((0, 0),) * 2, dilation=(1, 1))
+    )
+    assert "vector.fma" not in shallow  # 4 taps: the direct generic
+
+
 def test_conv2d_cnn_shape_and_1x1():
     check(
         "conv2d",
