@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import matmul_kernel
+from flowjit.backends.cpu import lower_contraction, matmul_kernel
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
@@ -275,6 +275,15 @@ def test_conv2d_deep_goes_through_im2col_and_the_matmul_kernel():
         "conv2d", [x[:, :1], w[:5, :1, :2, :2]], dict(stride=(1, 1), padding=((0, 0),) * 2, dilation=(1, 1))
     )
     assert "vector.fma" not in shallow  # 4 taps: the direct generic
+
+
+def test_conv2d_im2col_in_chunks_of_images(monkeypatch):
+    """A column-matrix cap below the batch's size: whole chunks in a loop plus a tail chunk."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")  # the cap is not part of the cache key
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 18 * 7 * 4)
+    x, w = data((5, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
+    mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
+    assert "tensor<2x2x9x10xf32>" in mlir and "tensor<1x2x9x10xf32>" in mlir  # chunks of 2, tail of 1
 
 
 def test_conv2d_cnn_shape_and_1x1():

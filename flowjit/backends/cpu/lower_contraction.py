@@ -318,7 +318,7 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         zero = const(em, 0, tx.dtype)
         padded = pad_tensor(em, x, tx, padded_type, zero, (0, 0, padding[0][0], padding[1][0]), (0, 0, 0, 0))
     depth = tw.size // tw.shape[0]
-    if depth >= IM2COL_MIN_DEPTH and depth * (result.size // result.shape[1]) <= IM2COL_MAX_ELEMENTS:
+    if depth >= IM2COL_MIN_DEPTH and depth * result.shape[2] * result.shape[3] <= IM2COL_MAX_ELEMENTS:
         return [_conv_as_matmul(em, padded, padded_type, w, tw, result, stride, dilation)]
     # Loops (n, o, oh, ow, c, kh, kw), reductions innermost: LLVM unrolls the small window into
     # one register accumulator per output and vectorizes across outputs. (Putting `ow` innermost
@@ -333,7 +333,8 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 # kernel: the generic's reduction is one scalar add chain per output (no reassociation), slower
 # even for a 3x3 window (CNN layer 1x28x28 -> 32: generic 0.81 ms, im2col + kernel 0.50 ms, one
 # core) and latency-bound for deep ones (32 -> 64 channels: 111 ms vs 3 ms). The column matrix
-# is a temporary of depth x N*OH*OW elements, capped by IM2COL_MAX_ELEMENTS.
+# is a temporary of depth x N*OH*OW elements: images are processed in chunks that keep it under
+# IM2COL_MAX_ELEMENTS (a single image above the cap falls back to the generic).
 IM2COL_MIN_DEPTH = 8
 IM2COL_MAX_ELEMENTS = 1 << 24
 
@@ -341,12 +342,48 @@ IM2COL_MAX_ELEMENTS = 1 << 24
 def _conv_as_matmul(
     em: KernelEmitter, padded: str, padded_type: TensorType, w: str, tw: TensorType, result, stride, dilation
 ) -> str:
-    """conv2d as W (O, C*KH*KW) @ cols (C*KH*KW, N*OH*OW), where cols[c, kh, kw, n, oh, ow] =
-    x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] is built by one all-parallel generic; the (O, N, OH, OW)
-    product is transposed to NCHW."""
+    """conv2d as W (O, C*KH*KW) @ cols (C*KH*KW, N*OH*OW) (see `_conv_images`), over chunks of
+    images whose column matrix fits IM2COL_MAX_ELEMENTS."""
+    n, o, oh, ow = result.shape
+    depth = tw.size // o
+    acc = accumulator_elem(result.dtype)
+    weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
+    chunk = max(1, min(n, IM2COL_MAX_ELEMENTS // (depth * oh * ow)))
+    conv = (weights, tw, stride, dilation, acc)
+    if chunk == n:
+        return narrow(em, _conv_images(em, padded, padded_type, conv, result), result, acc)
+    w_ = matmul_kernel.LoopWriter(em)
+    out_type = tensor_type(result, acc)
+
+    def images(first: str, count: int, into: str) -> str:
+        part_in = padded_type.with_shape((count,) + padded_type.shape[1:])
+        part_out = result.with_shape((count,) + result.shape[1:])
+        sizes_in = ", ".join(map(str, part_in.shape))
+        x = em.op(
+            f"tensor.extract_slice {padded}[{first}, 0, 0, 0] [{sizes_in}] [1, 1, 1, 1] "
+            f": {tensor_type(padded_type)} to {tensor_type(part_in)}"
+        )
+        y = _conv_images(em, x, part_in, conv, part_out)
+        sizes_out = ", ".join(map(str, part_out.shape))
+        return em.op(
+            f"tensor.insert_slice {y} into {into}[{first}, 0, 0, 0] [{sizes_out}] [1, 1, 1, 1] "
+            f": {tensor_type(part_out, acc)} into {out_type}"
+        )
+
+    full = n // chunk
+    loop, i, (carried,) = w_.open_for(w_.index(0), w_.index(full), w_.index(1), [(em.empty(result, acc), out_type)])
+    w_.close_for([images(w_.mul(i, w_.index(chunk)), chunk, carried)], [out_type])
+    done = loop if n % chunk == 0 else images(w_.index(full * chunk), n % chunk, loop)
+    return narrow(em, done, result, acc)
+
+
+def _conv_images(em: KernelEmitter, padded: str, padded_type: TensorType, conv, result: TensorType) -> str:
+    """The convolution of the images in `padded` in the accumulator type: cols[c, kh, kw, n, oh, ow]
+    = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] by one all-parallel generic, the matmul kernel's
+    W @ cols as (O, N, OH, OW), transposed to NCHW."""
+    weights, tw, stride, dilation, acc = conv
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
-    acc = accumulator_elem(result.dtype)
     cols_type = TensorType((c, kh, kw, n, oh, ow), result.dtype)
     rows = f"d4 * {stride[0]} + d1 * {dilation[0]}"
     columns_expr = f"d5 * {stride[1]} + d2 * {dilation[1]}"
@@ -363,12 +400,10 @@ def _conv_as_matmul(
     )
     depth, columns = c * kh * kw, n * oh * ow
     cols = reshape(em, cols, cols_type, (depth, columns), acc)
-    weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
     product = matmul_kernel.emit_matmul(em, weights, cols, matmul_kernel.MatmulShape(0, o, columns, depth, acc))
     onhw = TensorType((o, n, oh, ow), result.dtype)
     product = reshape(em, product, TensorType((o, columns), result.dtype), onhw.shape, acc)
-    nchw, _ = transpose(em, product, onhw, [1, 0, 2, 3], acc)
-    return narrow(em, nchw, result, acc)
+    return transpose(em, product, onhw, [1, 0, 2, 3], acc)[0]
 
 
 def _window_pad_value(kind: str, dtype: dt.DType):
