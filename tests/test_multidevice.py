@@ -2,6 +2,8 @@
 variables; interpreter and native CPU partitions), concurrent calls, errors that cancel the step."""
 
 import contextlib
+import importlib.util
+import os
 import threading
 
 import numpy as np
@@ -271,3 +273,17 @@ def test_variable_assigned_a_received_value(target):
     out = step(x)
     np.testing.assert_allclose(v.value, x @ x, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out, x @ a @ a @ a, rtol=1e-4, atol=1e-4)
+
+
+def test_model_parallel_demo_matches_single_device(monkeypatch, capsys):
+    pytest.importorskip("sklearn")
+    examples = os.path.join(os.path.dirname(__file__), "..", "examples")
+    monkeypatch.syspath_prepend(examples)
+    spec = importlib.util.spec_from_file_location("model_parallel", os.path.join(examples, "model_parallel.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    demo.main(["--epochs", "1"])  # exits with an error when the two trainings differ
+    out = capsys.readouterr().out
+    assert "identical to single-device training: True (largest weight difference 0)" in out
+    assert "training step: 2 partitions on cpu:0, cpu:1" in out
+    assert "ops by rule: colocation with a variable" in out and "// transfers:" in out
