@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+	$(PY) examples/train_digits.py --epochs 20
 	FLOWJIT_CPU_DEVICES=2 $(PY) examples/model_parallel.py --epochs 3
 	$(PY) examples/aot_demo.py
 
