@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flowjit.errors import CompileError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph
 from flowjit.ir.interpreter import RunContext, interpret
@@ -51,7 +52,10 @@ class CheckReport:
             if s.culprit:
                 lines.append(f"  {'':<24} first differing result: {s.culprit}")
         bad = self.first_failure
-        if bad is None:
+        skipped = sum(s.skipped is not None for s in self.stages)
+        if bad is None and skipped:
+            lines.append(f"result: every stage that ran agrees with the reference interpreter ({skipped} skipped)")
+        elif bad is None:
             lines.append("result: every stage agrees with the reference interpreter")
         else:
             lines.append(f"result: {bad.name} changes the result" + (f" ({bad.culprit})" if bad.culprit else ""))
@@ -134,7 +138,15 @@ def check_lowered(lowered, args: Sequence[np.ndarray], pipeline: Sequence[str]) 
             return report
     stage = Stage(f"compiled ({lowered.target})")
     report.stages.append(stage)
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except CompileError as e:
+        # An op the backend does not lower yet is a missing feature, not a wrong answer.
+        if "has no lowering" in str(e):
+            stage.skipped = str(e)
+        else:
+            stage.problem = f"compilation failed: {e}"
+        return report
     for name, v in lowered.variables.items():
         v.assign(variables[name])
     outs = compiled.executable.run(list(args), {v.name: v.buffer for v in lowered.variables.values()})

@@ -25,6 +25,10 @@ def predict(x, w):
     return fnp.sum(h * 2.0, axis=1), fnp.exp(h)
 
 
+def loop(x):
+    return fj.fori_loop(0, 3, lambda i, c: c * 0.5 + 1.0, x)
+
+
 def step(x):
     state.assign_add(x.sum(axis=0))
     return state.value * 2.0
@@ -82,6 +86,19 @@ def test_variables_are_checked_and_left_unchanged(model, capsys):
     assert "every stage agrees" in capsys.readouterr().out
     module = next(m for name, m in sys.modules.items() if name.startswith("_flowjit_user_model"))
     np.testing.assert_array_equal(module.state.numpy(), np.zeros(3, np.float32))
+
+
+def test_a_missing_lowering_is_skipped_not_blamed(model, capsys, monkeypatch):
+    from flowjit.backends.cpu.lowering import no_lowering_error
+
+    def compile_without_for(graph, options):
+        op = next(op for op in graph.ops if op.name != "constant")
+        raise no_lowering_error(op)
+
+    monkeypatch.setitem(backends.BACKENDS, "cpu", compile_without_for)
+    assert cli.main(["check", f"{model}:loop", "--arg", "f32[3]"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"compiled \(cpu\) +skipped: .*has no lowering for target 'cpu'", out)
 
 
 def test_bad_argument_is_a_user_error(model, capsys):

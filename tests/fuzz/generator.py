@@ -199,7 +199,7 @@ def _w(v: Val) -> str:
     return f"W({v.name})"
 
 
-def _bounded(g: Gen, v: Val, bound: float) -> tuple[str, str]:
+def _bounded(v: Val, bound: float) -> tuple[str, str]:
     """`v`, squashed through tanh when it could overflow the op (|v| > bound)."""
     if v.magnitude <= bound:
         return v.name, _w(v)
@@ -227,7 +227,7 @@ def _unary_float(op: str):
 
     def build(g: Gen) -> None:
         a = g.need(lambda v: v.is_float)
-        fa, na = _bounded(g, a, bound)
+        fa, na = _bounded(a, bound)
         g.emit(fj_t.format(a=fa), f"C({np_t.format(a=na)}, {{T}})", exact=False)
 
     return build
@@ -389,7 +389,7 @@ def _shift(g: Gen) -> None:
 @builder("select")
 def _select(g: Gen) -> None:
     c = g.need(lambda v: v.dtype == "bool")
-    a = g.broadcast_partner(c, lambda v: v.dtype != "bool" or True)
+    a = g.broadcast_partner(c, lambda v: True)
     b = g.broadcast_partner(a, lambda v: True) if a is not None else None
     if a is None or b is None:
         raise Rejected
