@@ -56,21 +56,17 @@ from flowjit.passes.registry import register
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 # Constants this small are copied into every group that reads them instead of being read from memory.
 CLONE_CONSTANT_ELEMENTS = 64
-
-
-def _loop_ops() -> frozenset[str]:
-    return ops_in(ELEMENTWISE_UNARY, ELEMENTWISE_BINARY, ELEMENTWISE_TERNARY, CONVERSION) | {
-        "broadcast",
-        "reshape",
-        "iota",
-    }
+# A value a kernel cannot stream from producer to consumer (see `_streamable`) stays inside a group
+# only up to this size: below glibc's mmap threshold (128 KiB) a temporary is a cheap heap block;
+# above it every call maps fresh pages, which cost more than the fusion saves.
+MAX_INTERNAL_BYTES = 64 * 1024
 
 
 def op_kind(op: Op) -> str | None:
     """'loop', 'reduction' or 'output' for an op the pass may fuse; None for one it never fuses."""
     if op.regions or get_opdef(op.name).effectful:
         return None
-    if op.name in _loop_ops():
+    if op.name in _pointwise_ops() | {"broadcast", "reshape", "iota"}:
         return "loop"
     if op.name in REDUCTIONS:
         return "reduction"
@@ -90,6 +86,25 @@ def _merged_kind(producer: str, consumer: str, consumer_op: Op) -> str | None:
     if kinds == {"loop", "output"}:
         return "output"
     return None  # two contractions, or a contraction with a reduction
+
+
+def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
+    """Whether a kernel can pass `value` from `producer` to `consumer` without storing it: an
+    elementwise value read by elementwise ops or reductions (computed in their loop), a broadcast
+    or reshape read by elementwise ops (an indexing map, a view). Anything else (a contraction's
+    result, an elementwise value read by a reshape) is a temporary inside the kernel, allowed up to
+    `MAX_INTERNAL_BYTES`: above that the value is better a group boundary, stored in the planned
+    workspace, than a per-call allocation."""
+    if value.type.size * value.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
+        return True
+    pointwise = _pointwise_ops()
+    if producer.name in pointwise:
+        return consumer.name in pointwise or consumer.name in REDUCTIONS
+    return producer.name in ("broadcast", "reshape") and consumer.name in pointwise
+
+
+def _pointwise_ops() -> frozenset[str]:
+    return ops_in(ELEMENTWISE_UNARY, ELEMENTWISE_BINARY, ELEMENTWISE_TERNARY, CONVERSION)
 
 
 def _is_barrier(op: Op) -> bool:
@@ -128,13 +143,24 @@ class _Grouping:
         if source == target or consumer.device != self.members[source][0].device:
             return
         kind = _merged_kind(self.kind[source], self.kind[target], consumer)
-        if kind is None or not self._can_merge(self.members[source] + self.members[target], consumer):
+        if kind is None or not self._streams(self.members[source], self.members[target]):
+            return
+        if not self._can_merge(self.members[source] + self.members[target], consumer):
             return
         for op in self.members.pop(source):
             self.group_of[op] = target
             self.members[target].append(op)
         self.kind[target] = kind
         del self.kind[source]
+
+    def _streams(self, a: list[Op], b: list[Op]) -> bool:
+        """Every value passed between groups `a` and `b` (either way) can stay out of memory."""
+        for producers, consumers in ((a, set(b)), (b, set(a))):
+            for op in producers:
+                for value in op.results:
+                    if any(u in consumers and not _streamable(op, u, value) for u in self.users.get(value, ())):
+                        return False
+        return True
 
     def _can_merge(self, members: list[Op], last: Op) -> bool:
         """False if an op outside `members` placed before `last` depends on a member and either is

@@ -360,7 +360,9 @@ def _expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     e = _storage(t.dtype)
     shape = ", ".join(str(d) for d in t.shape)
     into = f"{tensor_type(_flat(t), e)} into {tensor_type(t, e)}"
-    return em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
+    result = em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
+    em.flat_views[result] = tensor  # stored through a 1-D view of its buffer: no temporary + copy
+    return result
 
 
 def _bits(elem: str) -> int:
