@@ -5,8 +5,9 @@
     exe.run(args, variables)                          # one call = one step
 
 Each call creates a fresh `Rendezvous` (its own namespace and step id), so concurrent calls of one
-function are independent. The first partition runs on the calling thread and the others on one
-thread each; native partitions release the GIL, so devices really run at the same time. When a
+function are independent. The first partition runs on the calling thread and the others on
+workers of a shared pool (one per partition in flight); native partitions release the GIL, so
+devices really run at the same time. When a
 partition fails, the step is cancelled: waiting recvs wake with an error, native code finishes
 with zero-filled inputs, and the caller gets the first real failure (with the op's source line and
 device), with the cancelled partitions listed in its notes. A recv whose send can no longer come
@@ -17,6 +18,7 @@ device), with the cancelled partitions listed in its notes. A recv whose send ca
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 from collections.abc import Sequence
 
@@ -124,12 +126,10 @@ class PartitionedExecutable(Executable):
             finally:
                 rendezvous.leave()
 
-        threads = [threading.Thread(target=work, args=(n,), daemon=True) for n in range(1, len(self.parts))]
-        for t in threads:
-            t.start()
+        finished = [WORKERS.submit(functools.partial(work, n)) for n in range(1, len(self.parts))]
         work(0)
-        for t in threads:
-            t.join()
+        for event in finished:
+            event.wait()
         if any(e is not None for e in errors):
             raise self._step_error(errors)
         return [
@@ -146,6 +146,40 @@ class PartitionedExecutable(Executable):
             if other is not root:
                 root.add_note(f"partition on {other_device} stopped: {other}")
         return root
+
+
+class _WorkerPool:
+    """Threads that run partitions, kept between calls (starting a thread costs more than a small
+    step). It grows whenever every worker is busy: a partition may wait in a recv for another one,
+    so a bounded pool could deadlock under concurrent calls."""
+
+    def __init__(self):
+        self._idle: list[queue.SimpleQueue] = []
+        self._lock = threading.Lock()
+
+    def submit(self, task) -> threading.Event:
+        """Run `task()` on an idle worker (or a new one); the event is set when it returns."""
+        done = threading.Event()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), daemon=True, name="flowjit-partition").start()
+        inbox.put((task, done))
+        return done
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            task, done = inbox.get()
+            try:
+                task()  # partition work catches its own errors and records them for the step
+            finally:
+                with self._lock:
+                    self._idle.append(inbox)
+                done.set()
+
+
+WORKERS = _WorkerPool()
 
 
 class _PartitionStages:
