@@ -10,6 +10,9 @@ What fuses (legality comes from op families):
 - a contraction (`dot_general`, `conv2d`) with its elementwise consumers (bias, activation): the
   epilogue. A contraction never takes fused producers (its operands stay materialized) and a group
   holds at most one.
+- a value a kernel would have to store between two members (a contraction's result, an
+  elementwise value read by a reshape) stays inside a group only up to `MAX_INTERNAL_BYTES`;
+  larger ones are group boundaries (see `_streamable`).
 
 What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
 other movement ops (transpose, slice, gather, ...), pooling, argmax/argmin; ops with different
