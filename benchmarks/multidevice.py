@@ -3,7 +3,8 @@
     FLOWJIT_CPU_DEVICES is set by the script (2 devices); run it as
     python benchmarks/multidevice.py [--quick] [--threads-per-device N]
 
-1. rendezvous: one send + recv hand-off between two Python threads (the runtime's floor).
+1. rendezvous: one send + recv hand-off between two Python threads (the runtime's floor), and the
+   cost of one call of a tiny function on one device vs split over two.
 2. transfer: a chain of `hops` elementwise ops alternating between cpu:0 and cpu:1, minus the same
    chain on one device, per hop: microseconds per Send/Recv for a small tensor, GB/s for a large one.
 3. branches: two independent matmul chains, pinned to cpu:0 and cpu:1 vs both on cpu:0.
@@ -57,6 +58,21 @@ def rendezvous_handoff_us(rounds: int) -> float:
     elapsed = time.perf_counter() - start
     thread.join()
     return elapsed / (2 * rounds) * 1e6
+
+
+def call_overhead_us(repeats: int) -> tuple[float, float]:
+    """(one device, two devices) microseconds per call of `(x + 1) * 2` on 16 floats."""
+    import flowjit as fj
+
+    def placed(x):
+        with fj.device("cpu:0"):
+            a = x + 1.0
+        with fj.device("cpu:1"):
+            return a * 2.0
+
+    x = np.ones(16, np.float32)
+    one, two = fj.jit(lambda x: (x + 1.0) * 2.0), fj.jit(placed)
+    return best_seconds(lambda: one(x), repeats) * 1e6, best_seconds(lambda: two(x), repeats) * 1e6
 
 
 def hop_chain(hops: int, placed: bool):
@@ -116,6 +132,8 @@ def main(argv=None) -> None:
     repeats = 5 if args.quick else 30
     print(f"host: {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print(f"rendezvous hand-off (Python threads): {rendezvous_handoff_us(200 if args.quick else 2000):.1f} us")
+    one, two = call_overhead_us(200 if args.quick else 2000)
+    print(f"call of a tiny function: one device {one:.1f} us, split over two devices {two:.1f} us")
     sizes = [64, 1 << 20] if args.quick else [64, 1 << 20, 64 << 20]
     for nbytes in sizes:
         us, gbs = transfer_cost(nbytes, hops=16, repeats=repeats)
