@@ -173,10 +173,6 @@ class Rendezvous:
                 self._cancelled = error
             self._cond.notify_all()
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled is not None
-
 
 # --- the C ABI for native partitions ---------------------------------------------------------------------
 
