@@ -287,3 +287,28 @@ def test_model_parallel_demo_matches_single_device(monkeypatch, capsys):
     assert "identical to single-device training: True (largest weight difference 0)" in out
     assert "training step: 2 partitions on cpu:0, cpu:1" in out
     assert "ops by rule: colocation with a variable" in out and "// transfers:" in out
+
+
+@pytest.mark.parametrize("target", ["interpreter", "cpu"])
+def test_transfers_of_every_kind_of_value(target):
+    """bool (bytes in memory), integers, half floats, scalars and empty arrays cross devices."""
+
+    def f(x, n, e):
+        with fj.device("cpu:0"):
+            positive = x > 0
+            halves = x.astype(fnp.float16) * 2
+            count = fnp.sum(n * 3)
+            empty = e + 1.0
+        with fj.device("cpu:1"):
+            return fnp.where(positive, x, 0.0), halves + 1, count - 1, empty * 2
+
+    x = np.linspace(-1, 1, 10, dtype=np.float32)
+    n = np.arange(6, dtype=np.int64)
+    e = np.zeros((0, 3), np.float32)
+    lowered = fj.jit(f, target=target).lower(x, n, e)
+    assert lowered.as_text("placement").count("send %") >= 3
+    got = fj.jit(f, target=target)(x, n, e)
+    want = (np.where(x > 0, x, 0), x.astype(np.float16) * 2 + 1, np.sum(n * 3) - 1, e)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=1e-3)

@@ -252,7 +252,7 @@ class _FunctionLowering:
                 f"expected {len(op.results)}"
             )
         for value, tensor in zip(op.results, results):
-            self.write(tensor, value, self.buffers[value])
+            self.write(tensor, value, self.buffers.get(value))  # zero-size values have no buffer
 
 
 def _virtual_splats(graph: Graph) -> set[Value]:
