@@ -126,7 +126,8 @@ def cross_entropy(logits, labels, reduction: str = "mean"):
             f"{fnp.shape(logits)} (expected labels of shape {fnp.shape(logits)[:-1]})"
         )
     logp = log_softmax(logits, axis=-1)
-    picked = fnp.sum(fnp.multiply(logp, one_hot(labels, fnp.shape(logits)[-1], logp.dtype)), axis=-1)
+    # Select, not multiply by the one-hot: a -inf logit elsewhere in the row would give -inf * 0 = nan.
+    picked = fnp.sum(fnp.where(one_hot(labels, fnp.shape(logits)[-1], "bool"), logp, 0.0), axis=-1)
     losses = fnp.negative(picked)
     if reduction == "none":
         return losses
@@ -158,16 +159,19 @@ def _pair(v, what: str) -> tuple[int, int]:
     return (int(v[0]), int(v[1]))
 
 
-def _conv_padding(padding, kernel, dilation):
-    """'VALID', 'SAME', an int, a pair, or ((top, bottom), (left, right)) -> ((lo, hi), (lo, hi))."""
+def _conv_padding(padding, size, kernel, stride, dilation):
+    """'VALID', 'SAME', an int, a pair, or ((top, bottom), (left, right)) -> ((lo, hi), (lo, hi)).
+
+    'SAME' is TensorFlow's and XLA's: the output has ceil(size / stride) positions and the odd pixel
+    of padding goes at the end, so strided layers match models ported from those frameworks."""
     if isinstance(padding, str):
         mode = padding.upper()
         if mode == "VALID":
             return ((0, 0), (0, 0))
         if mode == "SAME":
             pads = []
-            for k, d in zip(kernel, dilation):
-                total = d * (k - 1)
+            for n, k, s, d in zip(size, kernel, stride, dilation):
+                total = max((-(-n // s) - 1) * s + d * (k - 1) + 1 - n, 0)
                 pads.append((total // 2, total - total // 2))
             return tuple(pads)
         raise FlowjitValueError(f"{user_location()}: padding must be 'SAME', 'VALID' or numbers; found {padding!r}")
@@ -185,13 +189,14 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1):
     if not target.is_float:
         raise FlowjitTypeError(f"{user_location()}: conv2d needs float inputs; found {target}")
     x, w = fnp.astype(x, target), fnp.astype(w, target)
-    dilation = _pair(dilation, "dilation")
-    kernel = tuple(fnp.shape(w)[2:]) if fnp.ndim(w) == 4 else (1, 1)
-    out = bind(
-        "conv2d",
-        [x, w],
-        {"stride": _pair(stride, "stride"), "padding": _conv_padding(padding, kernel, dilation), "dilation": dilation},
-    )
+    dilation, stride = _pair(dilation, "dilation"), _pair(stride, "stride")
+    if fnp.ndim(x) != 4 or fnp.ndim(w) != 4:
+        raise FlowjitTypeError(
+            f"{user_location()}: conv2d expects NCHW input and OIHW weights; found shapes {fnp.shape(x)} and "
+            f"{fnp.shape(w)}"
+        )
+    pads = _conv_padding(padding, fnp.shape(x)[2:], fnp.shape(w)[2:], stride, dilation)
+    out = bind("conv2d", [x, w], {"stride": stride, "padding": pads, "dilation": dilation})
     if b is not None:
         out = fnp.add(out, fnp.reshape(b, (1, -1, 1, 1)))
     return out
@@ -203,7 +208,7 @@ def _pool(kind, x, window, stride, padding):
         raise FlowjitTypeError(f"{user_location()}: {kind} pooling expects NCHW input; found shape {fnp.shape(x)}")
     window = _pair(window, "window")
     stride = window if stride is None else _pair(stride, "stride")
-    pad = _conv_padding(padding, window, (1, 1))
+    pad = _conv_padding(padding, fnp.shape(x)[2:], window, stride, (1, 1))
     return bind(
         "reduce_window",
         [x],
