@@ -312,3 +312,27 @@ def test_transfers_of_every_kind_of_value(target):
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=1e-3)
+
+
+# Interpreter only: the CPU backend cannot compile this loop even on one device yet (its lowering
+# calls MLIR's `memrefCopy` runtime function, which is not linked).
+@pytest.mark.parametrize("target", ["interpreter"])
+def test_control_flow_on_another_device(target):
+    """A loop placed on cpu:1 as a unit, fed from and feeding cpu:0."""
+
+    def f(x):
+        with fj.device("cpu:0"):
+            start = fnp.tanh(x)
+        with fj.device("cpu:1"):
+            looped = fj.fori_loop(0, 3, lambda i, c: c * 0.5 + 1.0, start)
+        with fj.device("cpu:0"):
+            return fj.cond(looped.sum() > 0, lambda v: v * 2.0, lambda v: -v, looped)
+
+    graph = fj.jit(f, target=target).lower(X).graph("placement")
+    (loop,) = [op for op in graph.ops if op.name == "for"]
+    assert loop.device.endswith("cpu:1") and all(o.device == loop.device for o in loop.regions[0].walk())
+    expected = np.tanh(X)
+    for _ in range(3):
+        expected = expected * 0.5 + 1.0
+    expected = expected * 2.0 if expected.sum() > 0 else -expected
+    np.testing.assert_allclose(fj.jit(f, target=target)(X), expected, rtol=1e-5)
