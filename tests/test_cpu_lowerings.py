@@ -247,6 +247,7 @@ def test_matmul_kernel_batched_and_transposed():
     batched = dict(lhs_contract=(2,), rhs_contract=(1,), lhs_batch=(0,), rhs_batch=(0,))
     mlir = check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)
     assert "vector.fma" in mlir
+    check("dot_general", [data((2, 16, 40), dt.float64, 1), data((2, 40, 33), dt.float64, 2)], batched)  # M % 8 == 0
     mlir = check("dot_general", [data((2, 70, 120), dt.float32, 1), data((2, 120, 130), dt.float32, 2)], batched)
     assert ("scf.forall" in mlir) == ((os.cpu_count() or 1) > 1)
     transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())

@@ -268,7 +268,8 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
     strides = ", ".join(["1"] * (3 if bi else 2))
     tile = em.op(f"tensor.extract_slice {shared}[{where}] [{sizes}] [{strides}] : {c_type} to {tile_type}")
     tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, w.index(0), full, MR, bi)
-    tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, full, rows, 1, bi)
+    if s.m % MR:  # chunks are multiples of MR rows, so only a ragged M leaves single rows
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, full, rows, 1, bi)
     em.line("scf.forall.in_parallel {")
     em.line(f"  tensor.parallel_insert_slice {tile} into {shared}[{where}] [{sizes}] [{strides}]")
     em.line(f"    : {tile_type} into {c_type}")
@@ -285,12 +286,15 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     c_type, full = s.tensor(s.m, s.n), s.m // MR * MR
     if not bi:
         tile = _row_blocks(w, s, a, packed, c_all, c_type, w.index(0), w.index(0), w.index(full), MR, None)
+        if s.m % MR == 0:
+            return tile
         return _row_blocks(w, s, a, packed, tile, c_type, w.index(0), w.index(full), w.index(s.m), 1, None)
     tile_type = f"tensor<{s.m}x{s.n}x{s.elem}>"
     where = f"[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1]"
     tile = em.op(f"tensor.extract_slice {c_all}{where} : {c_type} to {tile_type}")
     tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), w.index(0), w.index(full), MR, bi)
-    tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), w.index(full), w.index(s.m), 1, bi)
+    if s.m % MR:
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), w.index(full), w.index(s.m), 1, bi)
     return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}")
 
 
