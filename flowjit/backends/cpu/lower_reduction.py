@@ -3,7 +3,8 @@
 A reduction over a contiguous group of axes is normalized to one of three shapes by collapsing
 (free on contiguous buffers): a full reduction `(R) -> ()`, rows `(A, R) -> (A)` or columns
 `(A, R, B) -> (A, B)` with B the contiguous trailing extent; each has a schedule in `schedule.py`
-(vector accumulators, both cores when large). Other axis sets reduce with a plain generic.
+(vector accumulators, both cores when large). Other axis sets reduce one contiguous group at a
+time, in the accumulator type.
 
 max/min propagate nan like numpy (`arith.maximumf`/`minimumf`); half types accumulate in f32 and
 round once; an empty reduction gives the identity (the accumulator's initial value).
@@ -31,10 +32,8 @@ _COMBINE = {
 }
 
 
-def _normal_form(shape: tuple[int, ...], axes: list[int]) -> tuple[int, int, int] | None:
-    """(A, R, B) when `axes` are one contiguous group of dimensions, else None."""
-    if axes != list(range(axes[0], axes[-1] + 1)):
-        return None
+def _normal_form(shape: tuple[int, ...], axes: list[int]) -> tuple[int, int, int]:
+    """(A, R, B): the extents before, of and after the contiguous group of dimensions `axes`."""
     return math.prod(shape[: axes[0]]), math.prod(shape[axes[0] : axes[-1] + 1]), math.prod(shape[axes[-1] + 1 :])
 
 
@@ -47,23 +46,43 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         return [operands[0]]
     kind = op.name.removeprefix("reduce_")
     acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
-    form = _normal_form(source.shape, axes) if source.size > 0 else None
-    if form is None:
-        in_shape, reduced = source.shape, axes
+    if source.size == 0:  # nothing to read: the identity, from one plain generic
+        acc_type = TensorType(result.shape, acc_dtype)
+        acc = _reduce(em, kind, operands[0], source, axes, acc_type)
     else:
-        a, r, b = form
-        in_shape = tuple(d for d, keep in ((a, a > 1), (r, True), (b, b > 1)) if keep)
-        reduced = [1 if a > 1 else 0]
-    in_type = source.with_shape(in_shape)
-    out_shape = tuple(d for i, d in enumerate(in_shape) if i not in reduced)
-    acc_type = TensorType(out_shape, acc_dtype)
-    x_in = reshape_tensor(em, operands[0], source, in_type)
-    acc = _reduce(em, kind, x_in, in_type, reduced, acc_type)
-    if form is not None and in_type.size >= 2:
-        em.schedule(acc, schedule.reduction(in_shape, reduced[0], acc_dtype.bits))
+        # One contiguous group of axes at a time, the last first (earlier axes keep their numbers):
+        # each step is a scheduled normal form, e.g. axes (0, 2) are a row then a column reduction.
+        acc, acc_type = operands[0], source
+        for group in reversed(_contiguous_groups(axes)):
+            acc, acc_type = _reduce_group(em, kind, acc, acc_type, group, acc_dtype)
     if acc_dtype != result.dtype:
         acc = map_elementwise(em, acc_type.with_dtype(result.dtype), [(acc, Value(acc_type))], lambda b, v: v[0])
     return [reshape_tensor(em, acc, acc_type.with_dtype(result.dtype), result)]
+
+
+def _contiguous_groups(axes: list[int]) -> list[list[int]]:
+    groups = [[axes[0]]]
+    for a in axes[1:]:
+        if a == groups[-1][-1] + 1:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    return groups
+
+
+def _reduce_group(em: KernelEmitter, kind: str, x: str, source: TensorType, group: list[int], acc_dtype):
+    """Reduce the contiguous axes `group` of a non-empty `x` in normal form (A, R, B) with its
+    schedule; returns the accumulator tensor and its type (`source` without the group's axes)."""
+    a, r, b = _normal_form(source.shape, group)
+    in_shape = tuple(d for d, keep in ((a, a > 1), (r, True), (b, b > 1)) if keep)
+    reduced = 1 if a > 1 else 0
+    in_type = source.with_shape(in_shape)
+    flat_acc = TensorType(tuple(d for i, d in enumerate(in_shape) if i != reduced), acc_dtype)
+    acc = _reduce(em, kind, reshape_tensor(em, x, source, in_type), in_type, [reduced], flat_acc)
+    if in_type.size >= 2:
+        em.schedule(acc, schedule.reduction(in_shape, reduced, acc_dtype.bits))
+    kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in group), acc_dtype)
+    return reshape_tensor(em, acc, flat_acc, kept), kept
 
 
 def _reduce(em: KernelEmitter, kind: str, x: str, source: TensorType, reduced: list[int], acc: TensorType) -> str:

@@ -42,11 +42,11 @@ BUFFERIZE_PIPELINE = (
 # inside the loop, one per iteration (stack overflow on a 45000-row sum + max).
 LLVM_PIPELINE = (
     "func.func(scf-forall-to-parallel),convert-scf-to-openmp,convert-linalg-to-loops,lower-affine,"
-    "convert-vector-to-scf{full-unroll=true},expand-strided-metadata,lower-affine,finalize-memref-to-llvm,convert-scf-to-cf,"
-    "convert-math-to-llvm,convert-math-to-libm,"
-    "convert-vector-to-llvm{enable-x86vector=false},finalize-memref-to-llvm,convert-arith-to-llvm,convert-index-to-llvm,"
-    "convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,convert-cf-to-llvm,convert-ub-to-llvm,"
-    "reconcile-unrealized-casts"
+    "convert-vector-to-scf{full-unroll=true},expand-strided-metadata,lower-affine,finalize-memref-to-llvm,"
+    "convert-scf-to-cf,convert-math-to-llvm,convert-math-to-libm,"
+    "convert-vector-to-llvm{enable-x86vector=false},finalize-memref-to-llvm,convert-arith-to-llvm,"
+    "convert-index-to-llvm,convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,"
+    "convert-cf-to-llvm,convert-ub-to-llvm,reconcile-unrealized-casts"
 )
 
 _lock = threading.RLock()
