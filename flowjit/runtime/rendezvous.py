@@ -200,26 +200,23 @@ class StepBinding:
         _bound.step = None
 
 
-def _bound_step() -> StepBinding:
-    step = getattr(_bound, "step", None)
-    if step is None:  # only reachable by calling a partition's entry point outside the executor
-        raise TransferError("a partition's send/recv ran outside a step: run it through the executor")
-    return step
-
-
 def _native_send(key: int, data: int, nbytes: int) -> None:
-    try:
-        step = _bound_step()
-    except TransferError:
-        return  # nothing can wait on this value
+    step = getattr(_bound, "step", None)
+    if step is None:  # the entry point was called outside the executor: nothing can wait on this
+        return
     step.rendezvous.send_bytes(ctypes.string_at(key).decode(), data, nbytes)
 
 
 def _native_recv(key: int, dest: int, nbytes: int) -> int:
+    # An exception must not escape a ctypes callback (it would be printed and ignored): failures
+    # are recorded on the step and reported by the executor once the native call returns.
+    step = getattr(_bound, "step", None)
+    if step is None:  # the entry point was called outside the executor: no value will come
+        ctypes.memset(dest, 0, nbytes)
+        return 1
     name = ctypes.string_at(key).decode()
+    where = step.where.get(name, "")
     try:
-        step = _bound_step()
-        where = step.where.get(name, "")
         step.rendezvous.recv_into(name, dest, nbytes, f"{where}: " if where else "")
     except TransferError as e:
         if step.error is None:
