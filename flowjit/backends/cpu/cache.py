@@ -41,10 +41,12 @@ class Entry:
 
 
 def enabled() -> bool:
+    """False when `FLOWJIT_CACHE=0` (or false/off) turns the disk cache off."""
     return os.environ.get("FLOWJIT_CACHE", "1") not in ("0", "false", "off", "")
 
 
 def cache_dir() -> str:
+    """`$FLOWJIT_CACHE_DIR`, else `~/.cache/flowjit`."""
     return os.environ.get("FLOWJIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flowjit")
 
 
@@ -71,6 +73,7 @@ def _backend_fingerprint() -> str:
 
 
 def cache_key(graph_text: str, options) -> str:
+    """sha256 of the optimized IR, the options and everything else that changes the code."""
     digest = hashlib.sha256()
     for part in (graph_text, repr(options), _backend_fingerprint()):
         digest.update(part.encode())
@@ -79,10 +82,12 @@ def cache_key(graph_text: str, options) -> str:
 
 
 def entry_path(key: str) -> str:
+    """Where the entry for `key` lives."""
     return os.path.join(cache_dir(), f"{key}.fjo")
 
 
 def encode(entry: Entry) -> bytes:
+    """The file contents for `entry`: magic, header, object code, checksum."""
     header = json.dumps(
         {
             "symbol": entry.symbol,

@@ -53,6 +53,7 @@ class CompileOptions:
 
 @functools.cache
 def load_lowerings() -> dict:
+    """Import every lowering module once; returns the filled `LOWERINGS` table."""
     import importlib
 
     for name in LOWERING_MODULES:

@@ -22,7 +22,6 @@ Note for lowering authors (stable API: `LOWERINGS`, `em.generic`, `em.op`, `Scal
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -44,6 +43,7 @@ _ELEM = {
 
 
 def elem_type(dtype: dt.DType) -> str:
+    """MLIR element type of `dtype` in registers (bool is i1)."""
     return _ELEM[dtype]
 
 
@@ -53,11 +53,13 @@ def memory_elem_type(dtype: dt.DType) -> str:
 
 
 def tensor_type(t: TensorType, elem: str | None = None) -> str:
+    """`tensor<AxBxE>` for `t`, with element type `elem` if given."""
     dims = "".join(f"{d}x" for d in t.shape)
     return f"tensor<{dims}{elem or elem_type(t.dtype)}>"
 
 
 def memref_type(t: TensorType) -> str:
+    """`memref<AxBxE>` of `t`'s buffer (bool as i8)."""
     dims = "".join(f"{d}x" for d in t.shape)
     return f"memref<{dims}{memory_elem_type(t.dtype)}>"
 
@@ -219,7 +221,3 @@ class KernelEmitter:
 
     def module_prelude(self) -> str:
         return "".join(f"{alias} = affine_map<{text}>\n" for text, alias in self.aliases.items())
-
-
-def total_elements(t: TensorType) -> int:
-    return math.prod(t.shape)

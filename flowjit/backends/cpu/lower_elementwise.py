@@ -140,10 +140,12 @@ def _storage(dtype: dt.DType) -> str:
 
 
 def extend(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:
+    """A scalar of `dtype` in its compute type (half types widened to f32)."""
     return b.op(f"arith.extf {x} : {elem_type(dtype)} to f32") if dtype in _HALF else x
 
 
 def narrow(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:
+    """A compute-type scalar rounded back to `dtype`."""
     return b.op(f"arith.truncf {x} : f32 to {elem_type(dtype)}") if dtype in _HALF else x
 
 
@@ -199,6 +201,7 @@ _UNARY = {
 
 @lowering(*_FLOAT_UNARY, *_UNARY)
 def lower_unary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Unary math, neg/abs/sign, logical and bitwise not."""
     (x,) = op.operands
     fn = _UNARY.get(op.name) or _FLOAT_UNARY[op.name]
     e = compute_elem(x.dtype)
@@ -324,6 +327,7 @@ def lower_identity(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 
 @lowering(*_BINARY)
 def lower_binary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Arithmetic, min/max, pow, atan2, logical, bitwise and shift ops."""
     x, y = op.operands
     fn = _BINARY[op.name]
     e = compute_elem(x.dtype)
@@ -339,6 +343,7 @@ _BOOL_PREDICATE = {"eq": "eq", "ne": "ne", "lt": "ult", "le": "ule", "gt": "ugt"
 
 @lowering(*_FLOAT_PREDICATE)
 def lower_compare(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """eq/ne/lt/le/gt/ge with numpy's nan rules; bools compare as unsigned."""
     x, _ = op.operands
     e = compute_elem(x.dtype)
     if x.dtype.is_float:
@@ -352,6 +357,7 @@ def lower_compare(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 
 @lowering("select")
 def lower_select(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """p ? a : b elementwise."""
     e = compute_elem(op.result.type.dtype)
     inputs = list(zip(operands, op.operands))
     body = lambda b, a: b.op(f"arith.select {a[0]}, {a[1]}, {a[2]} : {e}")  # noqa: E731
@@ -410,6 +416,7 @@ def convert_scalar(b: ScalarBuilder, x: str, src: dt.DType, dst: dt.DType) -> st
 
 @lowering("convert")
 def lower_convert(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """dtype conversion with flowjit's semantics (see `convert_scalar`)."""
     (x,) = op.operands
     src, dst = x.dtype, op.result.type.dtype
     if src == dst:
@@ -426,6 +433,7 @@ INLINES_SPLATS.update(_FLOAT_UNARY, _UNARY, _BINARY, _FLOAT_PREDICATE, ["select"
 
 @lowering("iota")
 def lower_iota(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """0, 1, 2, ... along `dimension` from `linalg.index`."""
     t = op.result.type
     dimension = op.attrs["dimension"]
     identity = em.identity_map(t.rank)

@@ -31,6 +31,7 @@ def _copy_with_map(em: KernelEmitter, x: str, source: TensorType, result: Tensor
 
 @lowering("broadcast")
 def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A copy with a broadcasting input map (size-1 operand dims read at index 0); a fill for splats."""
     (x,) = op.operands
     result = op.result.type
     splat = splat_value(x)
@@ -56,6 +57,7 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
 
 @lowering("reshape")
 def lower_reshape(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A view: collapse to 1-D, expand to the new shape."""
     source, result = op.operands[0].type, op.result.type
     if not source.dtype.is_bool:
         return [reshape_tensor(em, operands[0], source, result)]
@@ -68,6 +70,7 @@ def lower_reshape(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 
 @lowering("transpose")
 def lower_transpose(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A copy with a permuted input map."""
     (x,) = op.operands
     result = op.result.type
     perm = op.attrs["perm"]

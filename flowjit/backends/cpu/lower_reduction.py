@@ -39,6 +39,7 @@ def _normal_form(shape: tuple[int, ...], axes: list[int]) -> tuple[int, int, int
 
 @lowering("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """reduce_sum/max/min/prod over `axes` (see the module docstring)."""
     (x,) = op.operands
     source, result = x.type, op.result.type
     axes = sorted(a % max(source.rank, 1) for a in op.attrs["axes"])

@@ -167,9 +167,6 @@ class _FunctionLowering:
         self.result_outputs: dict[Value, str] = {}  # op result that is a graph result -> its output arg
         self.virtual = _virtual_splats(graph)  # splats only read as scalars: never computed or stored
 
-    def fresh_buffer(self, prefix: str) -> str:
-        return self.em.fresh(prefix)
-
     # Reading a value as a tensor.
     def read(self, value: Value) -> str:
         if value in self.inline:
@@ -270,6 +267,7 @@ def _virtual_splats(graph: Graph) -> set[Value]:
 
 
 def no_lowering_error(op: Op) -> CompileError:
+    """The error for an op the CPU backend cannot compile: names the op, its line and the target."""
     return op_error(
         CompileError,
         op.loc,

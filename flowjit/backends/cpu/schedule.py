@@ -35,6 +35,7 @@ def vector_bits() -> int:
 
 
 def threads() -> int:
+    """Cores the schedules split large kernels over."""
     return os.cpu_count() or 1
 
 

@@ -111,11 +111,13 @@ class HostCPU:
 
 @functools.cache
 def host_cpu() -> HostCPU:
+    """This machine's triple, CPU name and features (what code is generated for)."""
     binding = llvm()
     return HostCPU(binding.get_process_triple(), binding.get_host_cpu_name(), binding.get_host_cpu_features().flatten())
 
 
 def target_machine(reloc: str = "default", opt: int = 3):
+    """An llvmlite target machine for the host CPU (`reloc="pic"` for shared objects)."""
     binding = llvm()
     cpu = host_cpu()
     target = binding.Target.from_triple(cpu.triple)
@@ -269,6 +271,7 @@ def load_object(object_code: bytes, name: str) -> NativeModule:
 
 
 def emit_assembly(module, tm) -> str:
+    """Host assembly of an optimized module (the "asm" stage)."""
     with _lock:
         return tm.emit_assembly(module)
 
