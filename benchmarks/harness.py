@@ -1,13 +1,20 @@
 """Timing and checking of peers on one workload: first call, interleaved steady state, error.
 
 A *peer* is one implementation of a workload (numpy, flowjit, jax, torch, torch.compile). Every peer
-is timed in the same process, round-robin, so that machine noise (other jobs on the 2 shared cores,
+is timed in the same process, in rounds, so that machine noise (other jobs on the 2 shared cores,
 frequency changes) hits all of them alike instead of whichever happened to run during the noise.
+
+Peers disturb each other too: after a call, a library's worker threads keep spinning for a while
+(OpenBLAS about 0.1 s, Intel OpenMP's KMP_BLOCKTIME 0.2 s), taking the cores from the next peer; on
+this machine numpy's BLAS spinning doubled the time of a flowjit call right after it. So each round
+runs the peers in a fresh random order (no peer always follows the same one), and a sample starts
+only after a pause of `settle_s`, long enough for the previous peer's threads to go to sleep.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -65,14 +72,17 @@ class PeerResult:
 class TimingPolicy:
     """How long to measure: at least `min_reps` rounds, then stop at `max_reps` or after `budget_s`."""
 
+    name: str
     min_reps: int
     max_reps: int
     budget_s: float
     min_sample_s: float  # a sample repeats the call until it lasts at least this long
+    settle_s: float  # pause before each sample, for the previous peer's spinning threads to sleep
 
 
-FULL = TimingPolicy(min_reps=5, max_reps=25, budget_s=8.0, min_sample_s=0.005)
-QUICK = TimingPolicy(min_reps=3, max_reps=8, budget_s=2.5, min_sample_s=0.002)
+FULL = TimingPolicy("full", min_reps=5, max_reps=25, budget_s=10.0, min_sample_s=0.005, settle_s=0.25)
+QUICK = TimingPolicy("quick", min_reps=3, max_reps=8, budget_s=4.0, min_sample_s=0.002, settle_s=0.25)
+SMOKE = TimingPolicy("smoke", min_reps=2, max_reps=3, budget_s=0.5, min_sample_s=0.001, settle_s=0.0)  # tiny sizes
 
 
 def _leaves(out) -> list:
@@ -118,6 +128,7 @@ def run_peers(
         try:
             fn = peer.make()
             args = [peer.to_native(a) for a in inputs]
+            time.sleep(policy.settle_s)
             start = time.perf_counter()
             out = peer.block(fn(*args))
             result.first_call_s = time.perf_counter() - start
@@ -156,17 +167,18 @@ def _calibrate(call, min_sample_s: float) -> int:
 
 
 def _interleave(calls: dict, results: dict[str, PeerResult], policy: TimingPolicy) -> None:
-    """Round-robin samples, rotating which peer goes first so none always follows the same one."""
+    """Rounds of one sample per peer, in a fresh random order each round, each after a settling pause."""
     names = list(calls)
     if not names:
         return
+    order = random.Random(0)
     start = time.perf_counter()
     for rep in range(policy.max_reps):
         if rep >= policy.min_reps and time.perf_counter() - start > policy.budget_s:
             break
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in order.sample(names, len(names)):
             call, inner = calls[name], results[name].inner
+            time.sleep(policy.settle_s)
             t0 = time.perf_counter()
             for _ in range(inner):
                 call()

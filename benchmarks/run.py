@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     # flowjit's on-disk compile cache would turn first calls (and the preflight's compiles) into loads.
     os.environ["FLOWJIT_CACHE"] = "0"
     peers.prepare(args.peer_names)
-    policy = harness.QUICK if args.quick else harness.FULL
+    policy = harness.SMOKE if args.sizes == "tiny" else harness.QUICK if args.quick else harness.FULL
     started = time.perf_counter()
     command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -151,8 +151,9 @@ def main(argv=None) -> int:
         print("measuring peak memory of the elementwise chain ...", flush=True)
         memory = measure_memory(WORKLOADS[0].sizes[args.sizes]["n"])
     mode = (
-        f"{'quick' if args.quick else 'full'} (rounds {policy.min_reps}..{policy.max_reps}, "
-        f"budget {policy.budget_s} s per workload), sizes {args.sizes}, peers {', '.join(args.peer_names)}, "
+        f"{policy.name} (rounds {policy.min_reps}..{policy.max_reps}, "
+        f"budget {policy.budget_s} s per workload, {policy.settle_s} s settling pause before each sample), "
+        f"sizes {args.sizes}, peers {', '.join(args.peer_names)}, "
         "flowjit's on-disk compile cache off (FLOWJIT_CACHE=0); "
         f"total run time {time.perf_counter() - started:.0f} s"
     )
