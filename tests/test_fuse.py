@@ -211,6 +211,21 @@ def test_models_fused_equal_unfused(fn, args):
     _check_fused_equals_unfused(fn, args, 1e-5)
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: fnp.sum(fnp.exp(x) * 2.0, axis=1),
+        lambda x: fnp.max(fnp.tanh(x) + x, axis=(1, 2)),
+        lambda x: fnp.sum(fnp.abs(x), axis=0),
+        lambda x: x / fnp.sum(fnp.abs(x), axis=2, keepdims=True),
+    ],
+    ids=["middle", "trailing_pair", "leading", "last_keepdims"],
+)
+def test_fused_reductions_over_3d_use_the_one_op_schedule(fn):
+    """Contiguous axes collapse to the one-op lowering's (A, R, B) form: same summation order."""
+    _check_fused_equals_unfused(fn, (RNG.standard_normal((6, 50, 40)).astype(np.float32),), 1e-5)
+
+
 def test_half_precision_and_bool_values_in_a_fused_loop():
     def fn(x, y):
         h = (x.astype(fnp.float16) * 3.0 + 1.0).astype(fnp.float32)

@@ -20,6 +20,8 @@ Other members use their one-op lowerings on tensors, with their own schedules.
 
 from __future__ import annotations
 
+import math
+
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import (
     KernelEmitter,
@@ -258,6 +260,17 @@ class _FusionLowering:
                 for (t, _, _), v in zip(inputs, leaves)
             ]
         loop = _flat(targets[0].type) if flat else targets[0].type
+        normal = None if reduction is None or broadcasting else self._normal_form(reduction, shape)
+        if normal is not None:  # the same (A, R, B) view as the one-op lowering, so the same schedule
+            loop, axes = normal
+            inputs = [
+                (
+                    reshape_tensor(em, t, v.type, loop.with_dtype(v.dtype), elem=_storage(v.dtype)),
+                    tensor_type(loop.with_dtype(v.dtype), _storage(v.dtype)),
+                    em.identity_map(loop.rank),
+                )
+                for (t, _, _), v in zip(inputs, leaves)
+            ]
         if reduction is None:
             outputs = [
                 (
@@ -270,7 +283,10 @@ class _FusionLowering:
             iterators = ["parallel"] * loop.rank
             out_elems = [_storage(v.dtype) for v in targets]
         else:
-            outputs, iterators, kind, axes = self._accumulator(reduction, shape)
+            if normal is None:
+                loop, axes = targets[0].type, sorted(a % max(len(shape), 1) for a in reduction.attrs["axes"])
+            acc_type = TensorType(tuple(d for i, d in enumerate(loop.shape) if i not in axes), reduction.result.dtype)
+            outputs, iterators, kind = self._accumulator(reduction, loop.shape, axes, acc_type)
             out_elems = [elem_type(reduction.result.dtype)]
         result = em.fresh()
         name = result if len(outputs) == 1 else f"{result}:{len(outputs)}"
@@ -307,9 +323,10 @@ class _FusionLowering:
         em.body.extend(b.lines)
         em.line(f"  linalg.yield {', '.join(yielded)} : {', '.join(out_elems)}")
         em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
-        self._schedule(name, loop, reduction, axes if reduction is not None else None, in_elems + out_elems)
+        axes = axes if reduction is not None else None
+        self._schedule(name, loop, reduction, axes, in_elems + out_elems, normal is not None)
         if reduction is not None:
-            self.tensors[reduction.result] = result
+            self.tensors[reduction.result] = reshape_tensor(em, result, acc_type, reduction.result.type)
             return
         for k, v in enumerate(targets):
             tensor = result if len(outputs) == 1 else f"{result}#{k}"
@@ -317,13 +334,27 @@ class _FusionLowering:
                 tensor = _expand(em, tensor, v.type)
             self.tensors[v] = bool_from_bytes(em, tensor, v.type) if v.dtype.is_bool else tensor
 
-    def _accumulator(self, op: Op, shape: tuple[int, ...]):
-        """outs (init filled with the identity, type, map), iterators, kind, axes of reduction `op`."""
+    @staticmethod
+    def _normal_form(op: Op, shape: tuple[int, ...]) -> tuple[TensorType, list[int]] | None:
+        """The reduction's iteration space collapsed to (R), (A, R), (R, B) or (A, R, B) when its
+        axes are one contiguous group (as `lower_reduction` does), with the reduced axis."""
+        axes = sorted(a % max(len(shape), 1) for a in op.attrs["axes"])
+        if not axes or axes != list(range(axes[0], axes[-1] + 1)):
+            return None
+        a, r, b = (
+            math.prod(shape[: axes[0]]),
+            math.prod(shape[axes[0] : axes[-1] + 1]),
+            math.prod(shape[axes[-1] + 1 :]),
+        )
+        collapsed = tuple(d for d, keep in ((a, a > 1), (r, True), (b, b > 1)) if keep)
+        return TensorType(collapsed, op.operands[0].dtype), [1 if a > 1 else 0]
+
+    def _accumulator(self, op: Op, shape: tuple[int, ...], axes: list[int], acc: TensorType):
+        """outs (init filled with the identity, type, map), iterators and kind of reduction `op`
+        over an iteration space of `shape` reducing `axes` into `acc`."""
         em = self.em
         rank = len(shape)
-        axes = sorted(a % max(rank, 1) for a in op.attrs["axes"])
         kind = op.name.removeprefix("reduce_")
-        acc = op.result.type
         e = elem_type(acc.dtype)
         identity = em.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc.dtype), acc.dtype)} : {e}")
         init = em.op(
@@ -332,12 +363,14 @@ class _FusionLowering:
         dims = [f"d{i}" for i in range(rank)]
         out_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i not in axes)})")
         iterators = ["reduction" if i in axes else "parallel" for i in range(rank)]
-        return [(init, tensor_type(acc), out_map)], iterators, kind, axes
+        return [(init, tensor_type(acc), out_map)], iterators, kind
 
-    def _schedule(self, name: str, loop: TensorType, reduction: Op | None, axes, elems: list[str]) -> None:
+    def _schedule(
+        self, name: str, loop: TensorType, reduction: Op | None, axes, elems: list[str], normalized: bool = False
+    ) -> None:
         widest = max(_bits(e) for e in elems)
         if reduction is not None:
-            if loop.size >= 2 and (loop.rank == 1 or (loop.rank == 2 and len(axes) == 1)):
+            if loop.size >= 2 and len(axes) == 1 and (loop.rank <= 2 or normalized):
                 self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
         elif loop.rank == 1 and loop.size > 1:
             self.em.schedule(name, schedule.elementwise(loop.size, widest))
