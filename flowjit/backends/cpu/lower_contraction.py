@@ -379,31 +379,75 @@ def _conv_as_matmul(
 
 def _conv_images(em: KernelEmitter, padded: str, padded_type: TensorType, conv, result: TensorType) -> str:
     """The convolution of the images in `padded` in the accumulator type: cols[c, kh, kw, n, oh, ow]
-    = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] by one all-parallel generic, the matmul kernel's
-    W @ cols as (O, N, OH, OW), transposed to NCHW."""
+    = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] (`_im2col`), the matmul kernel's W @ cols as
+    (O, N, OH, OW), transposed to NCHW."""
     weights, tw, stride, dilation, acc = conv
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
     cols_type = TensorType((c, kh, kw, n, oh, ow), result.dtype)
-    rows = f"d4 * {stride[0]} + d1 * {dilation[0]}"
-    columns_expr = f"d5 * {stride[1]} + d2 * {dilation[1]}"
-    x_map = em.affine_map(f"(d0, d1, d2, d3, d4, d5) -> (d3, d0, {rows}, {columns_expr})")
-    elem = elem_type(result.dtype)
-    cols = em.generic(
-        [(padded, tensor_type(padded_type))],
-        (em.empty(cols_type, acc), tensor_type(cols_type, acc)),
-        [x_map, em.identity_map(6)],
-        ["parallel"] * 6,
-        lambda b, args: widen(b, args[0], elem, acc),
-        [elem],
-        acc,
-    )
+    cols = _im2col(em, padded, padded_type, cols_type, stride, dilation, acc)
     depth, columns = c * kh * kw, n * oh * ow
-    cols = reshape(em, cols, cols_type, (depth, columns), acc)
+    cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
     product = matmul_kernel.emit_matmul(em, weights, cols, matmul_kernel.MatmulShape(0, o, columns, depth, acc))
     onhw = TensorType((o, n, oh, ow), result.dtype)
     product = reshape(em, product, TensorType((o, columns), result.dtype), onhw.shape, acc)
     return transpose(em, product, onhw, [1, 0, 2, 3], acc)[0]
+
+
+def _im2col(em: KernelEmitter, padded: str, padded_type: TensorType, cols_type: TensorType, stride, dilation, acc):
+    """cols[c, kh, kw, n, oh, ow] = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] as a flat tensor, written
+    one output row (fixed c, kh, kw, n, oh) at a time with vectors: a contiguous read of s1 * lanes
+    inputs on a 1-D view, a shuffle keeping every s1-th, a store masked to the row. (A 6-D generic
+    computed the same but LLVM spent 150-300 ms compiling its unrolled small loops.)"""
+    c, kh, kw, n, oh, ow = cols_type.shape
+    elem = elem_type(padded_type.dtype)
+    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    step = stride[1]
+    vec, wide = f"vector<{lanes}x{acc}>", f"vector<{step * lanes}x{elem}>"
+    flat_in = TensorType((padded_type.size,), padded_type.dtype)
+    source = reshape(em, padded, padded_type, flat_in.shape)
+    in_strides = _row_major_strides(padded_type.shape)
+    flat_type = tensor_type(TensorType((cols_type.size,), cols_type.dtype), acc)
+    w = matmul_kernel.LoopWriter(em)
+    pad = em.op(f"arith.constant 0.0 : {elem}")
+    carried, loops = em.empty(TensorType((cols_type.size,), cols_type.dtype), acc), []
+    in_offset, out_row = w.index(0), w.index(0)
+    # (bound, input elements per step, output rows per step) of the c, kh, kw, n, oh loops
+    dims = [
+        (c, in_strides[1], kh * kw * n * oh),
+        (kh, dilation[0] * in_strides[2], kw * n * oh),
+        (kw, dilation[1], n * oh),
+        (n, in_strides[0], oh),
+        (oh, stride[0] * in_strides[2], 1),
+    ]
+    for bound, in_step, out_step in dims:
+        loop, iv, (carried,) = w.open_for(w.index(0), w.index(bound), w.index(1), [(carried, flat_type)])
+        loops.append(loop)
+        in_offset = w.add(in_offset, w.mul(iv, w.index(in_step)))
+        out_row = w.add(out_row, w.mul(iv, w.index(out_step)))
+    out_offset = w.mul(out_row, w.index(ow))
+    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-ow // lanes)), w.index(1), [(carried, flat_type)])
+    column = w.mul(j, w.index(lanes))
+    where = w.add(in_offset, w.mul(column, w.index(step)))
+    value = em.op(
+        f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [false]}} : {tensor_type(flat_in)}, {wide}"
+    )
+    if step > 1:
+        picks = ", ".join(str(i * step) for i in range(lanes))
+        value = em.op(f"vector.shuffle {value}, {value} [{picks}] : {wide}, {wide}")
+    if elem != acc:
+        value = em.op(f"arith.extf {value} : vector<{lanes}x{elem}> to {vec}")
+    mask = em.op(f"vector.create_mask {em.op(f'arith.subi {w.index(ow)}, {column} : index')} : vector<{lanes}xi1>")
+    stored = em.op(
+        f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
+        f": {vec}, {flat_type}"
+    )
+    w.close_for([stored], [flat_type])
+    done = chunks
+    for loop in reversed(loops):
+        w.close_for([done], [flat_type])
+        done = loop
+    return done
 
 
 def _window_pad_value(kind: str, dtype: dt.DType):
