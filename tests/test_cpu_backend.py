@@ -22,6 +22,7 @@ from flowjit.backends.cpu import cache
 from flowjit.backends.cpu.compiler import load_lowerings
 from flowjit.backends.cpu.lowering import BUFFER_LOWERINGS, LOWERINGS, plan_workspace
 from flowjit.errors import CompileError, FlowjitTypeError
+from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph, Op
 from flowjit.ir.interpreter import RunContext, interpret
 from flowjit.ir.ops import REGISTRY
@@ -136,6 +137,38 @@ def test_large_ops_run_threaded_and_vectorized_correctly():
     np.testing.assert_allclose(total, x.sum(dtype=np.float64), rtol=1e-6)
     np.testing.assert_allclose(rows, x.sum(axis=1, dtype=np.float64), rtol=1e-6)
     np.testing.assert_array_equal(cols, x.max(axis=0))
+
+
+def test_large_layout_and_bool_kernels_match_interpreter():
+    """Above the threshold kernels are tiled, vectorized and threaded; bool ones must still never
+    need an i1 buffer (MLIR cannot store those: the process would abort)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((700, 401)).astype(np.float32)
+    mask = rng.random((700, 1)) > 0.5
+
+    @fj.jit
+    def f(x, mask):
+        positive = x > 0
+        wide = fnp.broadcast_to(mask, x.shape)
+        both = fnp.logical_and(positive, wide)
+        return both, both.T, fnp.where(both, x, -x), x.T * 2.0, positive.reshape(401, 700)
+
+    for name, operand, attrs in (
+        ("broadcast", mask, {"shape": x.shape, "dims": (0, 1)}),
+        ("transpose", x > 0, {"perm": (1, 0)}),
+        ("reshape", x > 0, {"shape": (401, 700)}),
+    ):
+        graph = Graph(name)
+        param = graph.add_param(TensorType(operand.shape, "bool"))
+        graph.results = list(emit(graph, name, [param], attrs).results)
+        np.testing.assert_array_equal(compile_graph(graph, "cpu").run([operand])[0], interpret(graph, [operand])[0])
+
+    got = f(x, mask)
+    positive = x > 0
+    both = positive & np.broadcast_to(mask, x.shape)
+    want = (both, both.T, np.where(both, x, -x), x.T * 2.0, positive.reshape(401, 700))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_results_that_are_params_constants_or_repeated_are_copied():

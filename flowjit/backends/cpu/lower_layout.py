@@ -15,12 +15,31 @@ from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 
 
+def _storage(t: TensorType) -> str:
+    return "i8" if t.dtype.is_bool else elem_type(t.dtype)
+
+
+def _on_bytes(fn):
+    """Run a layout lowering on numpy's bool bytes instead of i1 tensors: a scheduled (vectorized)
+    kernel between the driver's i1 <-> byte conversions would need an i1 buffer, which MLIR
+    cannot store."""
+
+    def wrapped(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        if not op.result.type.dtype.is_bool:
+            return fn(em, op, operands)
+        as_bytes = [bool_to_bytes(em, x, v.type) for x, v in zip(operands, op.operands)]
+        return [bool_from_bytes(em, r, op.result.type) for r in fn(em, op, as_bytes)]
+
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
 def _copy_with_map(em: KernelEmitter, x: str, source: TensorType, result: TensorType, input_map: str) -> str:
-    e = elem_type(result.dtype)
+    e = _storage(result)
     out_map = em.identity_map(result.rank)
     return em.generic(
-        [(x, tensor_type(source))],
-        (em.empty(result), tensor_type(result)),
+        [(x, tensor_type(source, e))],
+        (em.empty(result, e), tensor_type(result, e)),
         [input_map, out_map],
         ["parallel"] * result.rank,
         lambda b, args: args[0],
@@ -30,20 +49,20 @@ def _copy_with_map(em: KernelEmitter, x: str, source: TensorType, result: Tensor
 
 
 @lowering("broadcast")
+@_on_bytes
 def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A copy with a broadcasting input map (size-1 operand dims read at index 0); a fill for splats."""
     (x,) = op.operands
     result = op.result.type
+    e = _storage(result)
     splat = splat_value(x)
     if splat is not None and result.size > 0:
-        e = elem_type(result.dtype)
-        fill = em.op(f"arith.constant {scalar_literal(splat, result.dtype)} : {e}")
+        literal = int(bool(splat)) if result.dtype.is_bool else scalar_literal(splat, result.dtype)
+        fill = em.op(f"arith.constant {literal} : {e}")
         flat = TensorType((result.size,), result.dtype) if result.rank > 1 else result
-        filled = em.op(
-            f"linalg.fill ins({fill} : {e}) outs({collapse(em, em.empty(result), result)} : {tensor_type(flat)}) "
-            f"-> {tensor_type(flat)}"
-        )
-        return [expand(em, filled, result)]
+        init = collapse(em, em.empty(result, e), result, e)
+        filled = em.op(f"linalg.fill ins({fill} : {e}) outs({init} : {tensor_type(flat, e)}) -> {tensor_type(flat, e)}")
+        return [expand(em, filled, result, e)]
     dims = ", ".join(f"d{i}" for i in range(result.rank))
     source_dims = []
     for i, d in enumerate(op.attrs["dims"]):
@@ -56,19 +75,15 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
 
 
 @lowering("reshape")
+@_on_bytes
 def lower_reshape(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A view: collapse to 1-D, expand to the new shape."""
     source, result = op.operands[0].type, op.result.type
-    if not source.dtype.is_bool:
-        return [reshape_tensor(em, operands[0], source, result)]
-    # A reshape sits between the i1 <-> byte conversions and keeps them from fusing, which would
-    # leave an i1 buffer (MLIR cannot store those): reshape the bytes instead.
-    as_bytes = bool_to_bytes(em, operands[0], source)
-    moved = reshape_tensor(em, as_bytes, source, result, elem="i8")
-    return [bool_from_bytes(em, moved, result)]
+    return [reshape_tensor(em, operands[0], source, result, _storage(result))]
 
 
 @lowering("transpose")
+@_on_bytes
 def lower_transpose(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A copy with a permuted input map."""
     (x,) = op.operands
