@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
 from flowjit.backends.cpu.lowering import INLINES_SPLATS, bool_from_bytes, bool_to_bytes, lowering, splat_value
-from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
+from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.types import TensorType
@@ -145,8 +145,11 @@ def extend(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:
 
 
 def narrow(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:
-    """A compute-type scalar rounded back to `dtype`."""
-    return b.op(f"arith.truncf {x} : f32 to {elem_type(dtype)}") if dtype in _HALF else x
+    """A compute-type scalar rounded back to `dtype` (bf16 without `arith.truncf`, which flushes
+    denormals on AVX512-BF16 hosts)."""
+    if dtype is dt.bfloat16:
+        return truncate_to_bf16(b, x)
+    return b.op(f"arith.truncf {x} : f32 to {elem_type(dtype)}") if dtype is dt.float16 else x
 
 
 # --- unary ---------------------------------------------------------------------------------------
@@ -410,6 +413,8 @@ def convert_scalar(b: ScalarBuilder, x: str, src: dt.DType, dst: dt.DType) -> st
     # JIT cannot resolve; the double rounding differs from numpy's by at most one ulp, rarely.
     if s == "f64" and dst.bits == 16:
         x, s = b.op(f"arith.truncf {x} : f64 to f32"), "f32"
+    if dst is dt.bfloat16:
+        return truncate_to_bf16(b, x)
     widen = dst.bits > (32 if s == "f32" else 64)
     return b.op(f"arith.{'extf' if widen else 'truncf'} {x} : {s} to {d}")
 
