@@ -11,6 +11,7 @@ import textwrap
 import threading
 from collections import defaultdict
 
+import ml_dtypes
 import numpy as np
 import pytest
 from op_table import assert_close, cases, fresh_variables
@@ -169,6 +170,15 @@ def test_large_layout_and_bool_kernels_match_interpreter():
     want = (both, both.T, np.where(both, x, -x), x.T * 2.0, positive.reshape(401, 700))
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_bf16_results_keep_denormals():
+    x = np.array([1e-39, -3e-40, 9.2e-41, 1.5, np.nan, 3e38], np.float32)
+    bf16 = x.astype(ml_dtypes.bfloat16)
+    to_bf16, halve = fj.jit(lambda x: x.astype(ml_dtypes.bfloat16))(x), fj.jit(lambda y: y * 0.5)(bf16)
+    np.testing.assert_array_equal(to_bf16.view(np.uint16), bf16.view(np.uint16))
+    expected = (bf16.astype(np.float32) * 0.5).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(halve.view(np.uint16), expected.view(np.uint16))
 
 
 def test_results_that_are_params_constants_or_repeated_are_copied():
