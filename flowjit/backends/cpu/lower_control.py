@@ -89,19 +89,26 @@ def _scalar(em: KernelEmitter, tensor: str, elem: str) -> str:
     return em.op(f"tensor.extract {tensor}[] : tensor<{elem}>")
 
 
-def _yield(em: KernelEmitter, values: list[str], region: Graph, into: list[str] | None = None) -> None:
+def _yield(
+    em: KernelEmitter, values: list[str], region: Graph, into: list[str] | None = None, copy: bool = False
+) -> None:
     """`scf.yield` the region's results. In loops (`into` = the loop's carried block arguments), each
     value is first written into its carried buffer, so the loop updates its state in place: no
     allocation escapes an iteration, which keeps buffer deallocation static (its dynamic ownership
-    flags are i1 memrefs, which MLIR 22 cannot lower)."""
+    flags are i1 memrefs, which MLIR 22 cannot lower). With `copy` (the body has tiled kernels), each
+    value goes through a copy first: a tiled kernel writing its result into the carried buffer it
+    is still reading is a read-after-write conflict that bufferization rejects."""
     if not values:
         em.line("scf.yield")
         return
     carried = [_to_carrier(em, t, v) for t, v in zip(values, region.results)]
     if into is not None:
+        types = [_carrier_type(v) for v in region.results]
+        if copy:
+            carried = [em.op(f"bufferization.alloc_tensor() copy({c}) : {t}") for c, t in zip(carried, types)]
         carried = [
             em.op(f"bufferization.materialize_in_destination {c} in {d} : ({t}, {t}) -> {t}")
-            for c, d, t in zip(carried, into, (_carrier_type(v) for v in region.results))
+            for c, d, t in zip(carried, into, types)
         ]
     em.line(f"scf.yield {', '.join(carried)} : {_types(region.results)}")
 
@@ -145,9 +152,10 @@ def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     em.line(f"{head + ' = ' if carry else ''}scf.for {iv} = {lo} to {hi} step {step}{iter_args} {{")
     index_scalar = em.op(f"arith.index_cast {iv} : index to {elem}")
     index_tensor = em.op(f"tensor.from_elements {index_scalar} : tensor<{elem}>")
+    scheduled = len(em.schedules)
     outs = lower_region(em, body, [index_tensor, *_unpack(em, carried, op.results), *invariants])
     if carry:
-        _yield(em, outs, body, into=carried)
+        _yield(em, outs, body, into=carried, copy=len(em.schedules) > scheduled)
     em.line("}")
     return _unpack(em, names, op.results) if carry else []
 
@@ -167,7 +175,9 @@ def emit_while(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     em.line(f"scf.condition({_predicate(em, flag, cond_region.results[0])}) {', '.join(before)} : {types}")
     em.line("} do {")
     em.line(f"^bb0({', '.join(f'{d}: {_carrier_type(v)}' for d, v in zip(after, op.results))}):")
-    _yield(em, lower_region(em, body_region, [*_unpack(em, after, op.results), *invariants]), body_region, after)
+    scheduled = len(em.schedules)
+    outs = lower_region(em, body_region, [*_unpack(em, after, op.results), *invariants])
+    _yield(em, outs, body_region, after, copy=len(em.schedules) > scheduled)
     em.line("}")
     return _unpack(em, names, op.results)
 
