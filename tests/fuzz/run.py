@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import time
 
@@ -52,6 +53,7 @@ def main() -> int:
     deadline = time.monotonic() + 60 * minutes
     counts = {"programs": 0, "compiled": 0, "statements": 0}
     failures = []
+    symptoms: set[tuple[str, str]] = set()
     start = time.monotonic()
     rounds = 0
     while time.monotonic() < deadline:
@@ -61,18 +63,22 @@ def main() -> int:
         if failure is not None:
             program, error = failure
             where = getattr(error, "where", type(error).__name__)
-            path = write_reproducer(program, f"{type(error).__name__}: {str(error).splitlines()[0]}", where)
-            failures.append(path)
-            print(f"FAILURE (seed {round_seed}) [{where}] {str(error).splitlines()[0]}\n  reproducer: {path}")
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            failures.append(first_line)
+            # One reproducer per symptom (numbers aside): a known bug found again adds no file.
+            symptom = (where, re.sub(r"[-+0-9.e]+", "#", first_line))
+            path = "(same symptom as an earlier failure)"
+            if symptom not in symptoms:
+                symptoms.add(symptom)
+                path = write_reproducer(program, f"{type(error).__name__}: {first_line}", where)
+            print(f"FAILURE (seed {round_seed}) [{where}] {first_line}\n  reproducer: {path}")
         elapsed = time.monotonic() - start
         print(
             f"{elapsed:7.0f}s  {counts['programs']} programs ({counts['programs'] / elapsed:.1f}/s), "
             f"{counts['statements']} statements, {counts['compiled']} compiled, {len(failures)} failures",
             flush=True,
         )
-    print(f"done: {counts['programs']} programs, {len(failures)} failures")
-    for path in failures:
-        print(f"  {path}")
+    print(f"done: {counts['programs']} programs, {len(failures)} failures, {len(symptoms)} distinct symptoms")
     return 1 if failures else 0
 
 
