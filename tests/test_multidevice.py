@@ -230,25 +230,44 @@ def test_send_then_recv_delivers_the_same_buffer():
 
 
 def test_raw_transfers_in_both_orders():
-    """Native send/recv move raw bytes: straight into a waiting receiver's buffer, or through a
-    snapshot when the sender comes first (its buffer may change right after the send)."""
+    """Native send/recv move raw bytes with one copy: straight into a waiting receiver's buffer,
+    or, when the sender comes first, out of its lent buffer, which it keeps until `send_done`."""
     source = np.arange(1000, dtype=np.float32)
     late, early = np.zeros_like(source), np.zeros_like(source)
     rendezvous = Rendezvous(timeout_s=30)
-    rendezvous.send_bytes("first", source.ctypes.data, source.nbytes)
-    source_copy = source.copy()
-    source[:] = -1  # the sender reuses its buffer: the snapshot must not change
+    assert rendezvous.send_bytes("first", source.ctypes.data, source.nbytes)  # lent: nobody waits yet
+    returned = threading.Event()
+
+    def sender_done():
+        rendezvous.wait_returned(["first"])
+        returned.set()
+
+    sender = threading.Thread(target=sender_done, daemon=True)
+    sender.start()
+    assert not returned.wait(0.05), "send_done must wait until the receiver has read the loan"
     rendezvous.recv_into("first", late.ctypes.data, late.nbytes)
-    np.testing.assert_array_equal(late, source_copy)
+    sender.join(timeout=30)
+    assert returned.is_set()
+    np.testing.assert_array_equal(late, source)
 
     receiver = threading.Thread(target=rendezvous.recv_into, args=("second", early.ctypes.data, early.nbytes))
     receiver.start()
     while "second" not in rendezvous._waiting:  # the receiver is registered and waiting
         receiver.join(timeout=0.001)
-    rendezvous.send_bytes("second", source.ctypes.data, source.nbytes)
+    assert not rendezvous.send_bytes("second", source.ctypes.data, source.nbytes)  # copied: not lent
     receiver.join(timeout=30)
     assert not receiver.is_alive()
     np.testing.assert_array_equal(early, source)
+
+
+def test_send_done_withdraws_loans_when_the_step_is_cancelled():
+    rendezvous = Rendezvous(timeout_s=30)
+    buffer = np.ones(4, np.float32)
+    assert rendezvous.send_bytes("k", buffer.ctypes.data, buffer.nbytes)
+    rendezvous.cancel(RuntimeError("receiver failed"))
+    rendezvous.wait_returned(["k"])  # returns: the loan is withdrawn, nobody reads it any more
+    with pytest.raises(TransferError, match="cancelled"):
+        rendezvous.recv_into("k", np.zeros(4, np.float32).ctypes.data, 16)
 
 
 @pytest.mark.parametrize("target", ["interpreter", "cpu"])
@@ -336,3 +355,29 @@ def test_control_flow_on_another_device(target):
         expected = expected * 0.5 + 1.0
     expected = expected * 2.0 if expected.sum() > 0 else -expected
     np.testing.assert_allclose(fj.jit(f, target=target)(X), expected, rtol=1e-5)
+
+
+def test_lent_buffer_stays_intact_until_received():
+    """cpu:0 sends `s` while cpu:1 is still busy, so the send lends its workspace slot; cpu:0's
+    later values of the same size must not reuse that slot before cpu:1 has read it."""
+    big = (RNG.standard_normal((192, 192)) / 14).astype(np.float32)
+    x = RNG.standard_normal((192, 192)).astype(np.float32)
+
+    def f(x, big):
+        with fj.device("cpu:0"):
+            s = fnp.tanh(x @ big)
+            t = fnp.exp(s @ big)
+            u = fnp.sin(t @ big)
+        with fj.device("cpu:1"):
+            w = fnp.tanh(big @ big) @ big
+            w = fnp.tanh(w @ big) @ big
+            r = w + s
+        return u, r
+
+    jitted = fj.jit(f, target="cpu")
+    s = np.tanh(x @ big)
+    w = np.tanh(np.tanh(big @ big) @ big @ big) @ big
+    for _ in range(5):
+        u, r = jitted(x, big)
+        np.testing.assert_allclose(r, w + s, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(u, np.sin(np.exp(s @ big) @ big), rtol=1e-4, atol=1e-5)

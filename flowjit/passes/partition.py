@@ -2,13 +2,13 @@
 
 Assumes: `place` ran (every op has a full device name; a region's body is on its op's device).
 Guarantees: no op reads a value computed on another device. Each cross-device edge reads a `recv`
-on the consumer's device, fed by a `send` right after the producer; the pair shares a rendezvous
-key `src->dst:%name` (`cpu:0->cpu:1:%3`, `%3` being the value's name in the placed graph). There is
-one send per (value, destination device), however many ops there read it. Constants and `iota`
-read on another device are copied there instead of sent. Parameters are host buffers every
-partition reads directly; results are collected from the partition that computes them.
-`graph.transfers` lists the transfers (for the "placement" report). With one device the pass
-changes nothing.
+on the consumer's device, fed by a `send` right after the producer (each sending device ends with
+one `send_done`); the pair shares a rendezvous key `src->dst:%name` (`cpu:0->cpu:1:%3`, `%3` being
+the value's name in the partitioned graph). There is one send per (value, destination device),
+however many ops there read it. Constants and `iota` read on another device are copied there
+instead of sent. Parameters are host buffers every partition reads directly; results are
+collected from the partition that computes them. `graph.transfers` lists the transfers (for the
+"placement" report). With one device the pass changes nothing.
 
 `split_partitions` then turns the partitioned graph into one self-contained graph per device,
 which the runtime compiles and runs concurrently (`flowjit.runtime.executor`).
@@ -84,7 +84,8 @@ def partition(graph: Graph) -> Graph:
     1. Walk ops in order. For each operand computed on another device: reuse the recv already made
        for (value, this device), else copy a constant here, else add a send right after the
        producer and a recv right before this op.
-    2. Rebuild the op list with the sends after their producers.
+    2. Rebuild the op list with the sends after their producers, and end each sending device's ops
+       with a `send_done` reading its sent values (native sends lend their buffers until there).
     3. Key each pair by the sent value's printed name in the new graph; record the transfers.
     """
     graph.transfers = []
@@ -120,6 +121,7 @@ def partition(graph: Graph) -> Graph:
     for op in new_ops:
         ordered.append(op)
         ordered.extend(sends_after.get(op, []))
+    ordered += _send_dones(graph.transfers, reasons)
     graph.ops = ordered
     # Keys name each value as the partitioned graph prints it, so the IR and the report agree.
     final_names = value_names(graph)
@@ -131,6 +133,21 @@ def partition(graph: Graph) -> Graph:
             op.attrs["key"] = transfer.key
             reasons[op] = f"transfer {transfer.key} ({transfer.nbytes} bytes)"
     return graph
+
+
+def _send_dones(transfers: list[Transfer], reasons: dict) -> list[Op]:
+    """One `send_done` per sending device, reading every value it sent: the last op there."""
+    sent: dict[str, list[Value]] = {}
+    for t in transfers:
+        values = sent.setdefault(t.src, [])
+        if t.value not in values:
+            values.append(t.value)
+    dones = []
+    for device, values in sent.items():
+        done = make_op("send_done", values, {}, values[-1].producer.loc, device=device)
+        reasons[done] = f"keeps the {len(values)} value(s) sent from {short_device_name(device)} until received"
+        dones.append(done)
+    return dones
 
 
 def _add_transfer(graph: Graph, v: Value, dst: str, sends_after: dict) -> Op:

@@ -5,20 +5,22 @@ blocks; `recv(key)` waits until that key is deposited, the step is cancelled (an
 failed), or the timeout passes. Every call gets a fresh `Rendezvous`, so concurrent calls of one
 function never see each other's values (the step id names the namespace in errors).
 
-Native partitions reach the rendezvous through two C-ABI functions (see `native_symbols`; the
+Native partitions reach the rendezvous through three C-ABI functions (see `native_symbols`; the
 pointers travel as 64-bit integers):
 
     void    flowjit_send(const char *key, const void *data, int64_t nbytes);
     int32_t flowjit_recv(const char *key, void *dest, int64_t nbytes);
+    void    flowjit_send_done(void);   /* returns once every receiver has read what was sent */
 
 The step a call belongs to is bound to the calling thread (`StepBinding`) before the partition's
 entry point runs; send/recv sit at the top level of the entry (never inside a parallel loop), so
 they run on that thread. This keeps every entry point's signature `(inputs, outputs, workspace)`;
-a runtime without Python binds its step the same way. A send deposits a copy of its buffer (the
-sender's workspace slot is reused right after, and sends must never wait for their receiver or
-two partitions exchanging values would deadlock) unless the recv is already waiting, in which case
-the sender copies straight into the buffer the received value lives in: one copy per native
-transfer when the receiver is first, two when the sender is; none in the interpreter.
+a runtime without Python binds its step the same way. A native transfer is one copy: when the
+recv is waiting, the send copies straight into the buffer the received value lives in; otherwise
+the send lends its buffer (without waiting: two partitions exchanging values would deadlock) and
+the recv copies out of it. A partition's last op, `send_done`, waits until its lent buffers were
+read, and the partition pass keeps every sent value alive until then (they are its operands), so
+no workspace slot is reused under a reader. The interpreter hands arrays over with no copy.
 `flowjit_recv` returns 0 on delivery and 1 when the step was cancelled or timed out (the
 destination is then zero-filled so the partition can finish; the executor raises).
 """
@@ -61,8 +63,9 @@ class Rendezvous:
     """The meeting point of one step's sends and recvs.
 
     Arrays (`send`/`recv`) are handed over as they are. Raw buffers (`send_bytes`/`recv_into`,
-    used by native code) move with one copy when the receiver is already waiting (the sender copies
-    straight into the receiver's destination), else with two (a snapshot, then the copy out).
+    used by native code) move with one copy: straight into the receiver's destination when it is
+    already waiting, else the sender lends its buffer and the receiver copies out of it; the sender
+    keeps lent buffers intact until `wait_returned` (its partition's `send_done`).
     """
 
     def __init__(self, timeout_s: float | None = None, parties: int | None = None):
@@ -71,12 +74,15 @@ class Rendezvous:
         # satisfy fails at once: every partition not finished (`leave`) is waiting in a recv.
         self._parties = parties
         self._finished = 0
-        self._blocked: list[str] = []  # the keys recvs wait for right now
+        self._blocked: list[str | None] = []  # the keys recvs wait for right now (None: a send_done)
         self.timeout_s = recv_timeout_s() if timeout_s is None else timeout_s
         self._cond = threading.Condition()
         self._values: dict[str, np.ndarray] = {}
         self._waiting: dict[str, tuple[int, int]] = {}  # key -> (destination address, nbytes) of a recv_into
         self._delivered: set[str] = set()
+        self._loans: dict[str, tuple[int, int]] = {}  # key -> (source address, nbytes) lent by a sender
+        self._copying: set[str] = set()  # loans a receiver is copying out of right now
+        self._returned: set[str] = set()  # loans fully copied
         self._cancelled: BaseException | None = None
 
     def send(self, key: str, value: np.ndarray) -> None:
@@ -85,20 +91,37 @@ class Rendezvous:
             self._values[key] = value
             self._cond.notify_all()
 
-    def send_bytes(self, key: str, address: int, nbytes: int) -> None:
-        """Deliver `nbytes` at `address`: into a waiting `recv_into`'s destination if there is one,
-        else as a snapshot. The caller may reuse the memory as soon as this returns."""
+    def send_bytes(self, key: str, address: int, nbytes: int) -> bool:
+        """Deliver `nbytes` at `address`: into a waiting `recv_into`'s destination if there is one
+        (returns False: the memory is free again), else as a loan (returns True: keep the memory
+        intact until `wait_returned`). Never waits for the receiver."""
         with self._cond:
             claim = self._waiting.pop(key, None)
-        if claim is None:
-            snapshot = np.empty(nbytes, np.uint8)
-            ctypes.memmove(snapshot.ctypes.data, address, nbytes)
-            self.send(key, snapshot)
-            return
+            if claim is None:
+                self._loans[key] = (address, nbytes)
+                self._cond.notify_all()
+                return True
         ctypes.memmove(claim[0], address, min(nbytes, claim[1]))
         with self._cond:
             self._delivered.add(key)
             self._cond.notify_all()
+        return False
+
+    def wait_returned(self, keys: list[str], where: str = "") -> None:
+        """Wait until every loan in `keys` has been copied by its receiver (or the step was
+        cancelled); afterwards no receiver reads those buffers. Raises like `recv` when a receiver
+        can never come."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            try:
+                while self._cancelled is None and any(k not in self._returned for k in keys):
+                    self._wait(None, deadline, where)
+            finally:
+                for k in keys:  # unclaimed loans are withdrawn; claimed ones finish copying first
+                    self._loans.pop(k, None)
+                while any(k in self._copying for k in keys):
+                    self._cond.wait()
+                self._returned.difference_update(keys)
 
     def recv(self, key: str, where: str = "") -> np.ndarray:
         """The value sent under `key`, waiting for it; raises TransferError when the step is
@@ -113,10 +136,10 @@ class Rendezvous:
         """Receive `key`'s bytes into the buffer at `address`; raises like `recv`."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            if key not in self._values:
+            if key not in self._values and key not in self._loans:
                 self._waiting[key] = (address, nbytes)
                 try:
-                    while key not in self._delivered and key not in self._values:
+                    while key not in self._delivered and key not in self._values and key not in self._loans:
                         self._wait(key, deadline, where)
                 except TransferError:
                     if self._waiting.pop(key, None) is not None:
@@ -128,8 +151,21 @@ class Rendezvous:
                     self._delivered.discard(key)
                     return
                 self._waiting.pop(key, None)
-            value = self._values.pop(key)
-        ctypes.memmove(address, value.ctypes.data, min(nbytes, value.nbytes))
+            if key in self._values:
+                value = self._values.pop(key)
+                source, available = value.ctypes.data, value.nbytes
+            else:
+                value = None
+                source, available = self._loans.pop(key)
+                self._copying.add(key)
+        try:
+            ctypes.memmove(address, source, min(nbytes, available))
+        finally:
+            if value is None:
+                with self._cond:
+                    self._copying.discard(key)
+                    self._returned.add(key)
+                    self._cond.notify_all()
 
     def leave(self) -> None:
         """One partition of the step has finished: it will send nothing more."""
@@ -137,21 +173,22 @@ class Rendezvous:
             self._finished += 1
             self._cond.notify_all()
 
-    def _wait(self, key: str, deadline: float, where: str) -> None:
-        """Wait for a change under the lock; raise when the step is cancelled, no partition can
-        send any more, or time is up."""
+    def _wait(self, key: str | None, deadline: float, where: str) -> None:
+        """Wait for a change under the lock (`key` None: a send_done waiting for its receivers);
+        raise when the step is cancelled, nothing can arrive any more, or time is up."""
+        what = f"recv '{key}'" if key is not None else "send_done"
         if self._cancelled is not None:
-            raise TransferError(f"{where}recv '{key}' of step {self.step_id} cancelled: another partition failed")
+            raise TransferError(f"{where}{what} of step {self.step_id} cancelled: another partition failed")
         if self._parties is not None and self._stuck(len(self._blocked) + 1):
             raise TransferError(
-                f"{where}recv '{key}' of step {self.step_id} can never complete: every other partition has "
-                "finished or waits in a recv too, and none sent this key (a compiler bug: please report it)"
+                f"{where}{what} of step {self.step_id} can never complete: every other partition has "
+                "finished or waits too, with nothing to receive (a compiler bug: please report it)"
             )
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferError(
-                f"{where}recv '{key}' of step {self.step_id} timed out after {self.timeout_s:g} s waiting for its "
-                "send (FLOWJIT_RECV_TIMEOUT sets the limit)"
+                f"{where}{what} of step {self.step_id} timed out after {self.timeout_s:g} s waiting for the other "
+                "side (FLOWJIT_RECV_TIMEOUT sets the limit)"
             )
         self._blocked.append(key)
         try:
@@ -164,7 +201,9 @@ class Rendezvous:
         they wait for has arrived (a woken waiter still counts until it runs: check its key)."""
         if waiting < self._parties - self._finished:
             return False
-        return not any(k in self._values or k in self._delivered for k in self._blocked)
+        return not any(
+            k is not None and (k in self._values or k in self._delivered or k in self._loans) for k in self._blocked
+        )
 
     def cancel(self, error: BaseException) -> None:
         """Wake every waiting recv with an error: `error` ended this step."""
@@ -177,6 +216,7 @@ class Rendezvous:
 # --- the C ABI for native partitions ---------------------------------------------------------------------
 
 SEND_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+SEND_DONE_PROTOTYPE = ctypes.CFUNCTYPE(None)
 RECV_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
 
 _bound = threading.local()
@@ -191,6 +231,7 @@ class StepBinding:
         self.rendezvous = rendezvous
         self.where = where
         self.error: BaseException | None = None
+        self.lent: list[str] = []  # keys whose buffers receivers may still read
 
     def __enter__(self) -> StepBinding:
         _bound.step = self
@@ -204,7 +245,21 @@ def _native_send(key: int, data: int, nbytes: int) -> None:
     step = getattr(_bound, "step", None)
     if step is None:  # the entry point was called outside the executor: nothing can wait on this
         return
-    step.rendezvous.send_bytes(ctypes.string_at(key).decode(), data, nbytes)
+    name = ctypes.string_at(key).decode()
+    if step.rendezvous.send_bytes(name, data, nbytes):
+        step.lent.append(name)
+
+
+def _native_send_done() -> None:
+    step = getattr(_bound, "step", None)
+    if step is None or not step.lent:
+        return
+    try:
+        step.rendezvous.wait_returned(step.lent)
+    except TransferError as e:
+        if step.error is None:
+            step.error = e
+    step.lent.clear()
 
 
 def _native_recv(key: int, dest: int, nbytes: int) -> int:
@@ -229,6 +284,7 @@ def _native_recv(key: int, dest: int, nbytes: int) -> int:
 # Kept alive for the life of the process: native code holds their addresses.
 _SEND_CALLBACK = SEND_PROTOTYPE(_native_send)
 _RECV_CALLBACK = RECV_PROTOTYPE(_native_recv)
+_SEND_DONE_CALLBACK = SEND_DONE_PROTOTYPE(_native_send_done)
 
 
 def native_symbols() -> dict[str, int]:
@@ -236,4 +292,5 @@ def native_symbols() -> dict[str, int]:
     return {
         "flowjit_send": ctypes.cast(_SEND_CALLBACK, ctypes.c_void_p).value,
         "flowjit_recv": ctypes.cast(_RECV_CALLBACK, ctypes.c_void_p).value,
+        "flowjit_send_done": ctypes.cast(_SEND_DONE_CALLBACK, ctypes.c_void_p).value,
     }

@@ -1,12 +1,14 @@
 """CPU lowering of `send`/`recv`: calls into the runtime's rendezvous with pointers.
 
-    send %v {key}   ->  flowjit_send(key, &v, nbytes)            (the runtime copies v out)
-    %r = recv {key} ->  flowjit_recv(key, &destination(r), nbytes) (the runtime copies into r's buffer)
+    send %v {key}   ->  flowjit_send(key, &v, nbytes)            (v is copied out, or lent)
+    %r = recv {key} ->  flowjit_recv(key, &destination(r), nbytes) (one copy into r's buffer)
+    send_done %v... ->  flowjit_send_done()                      (returns once lent buffers were read)
 
 with the C ABI (`flowjit.runtime.rendezvous`, pointers passed as 64-bit integers):
 
     void    flowjit_send(const char *key, const void *data, int64_t nbytes);
     int32_t flowjit_recv(const char *key, void *dest, int64_t nbytes);   // 0: delivered
+    void    flowjit_send_done(void);
 
 Keys are NUL-terminated module constants. The step (which rendezvous a key belongs to) is bound
 to the calling thread by the runtime before it calls the entry point, so the entry keeps the
@@ -23,6 +25,7 @@ from flowjit.ir.graph import Op
 
 SEND_DECL = "  func.func private @flowjit_send(i64, i64, i64)"
 RECV_DECL = "  func.func private @flowjit_recv(i64, i64, i64) -> i32"
+SEND_DONE_DECL = "  func.func private @flowjit_send_done()"
 
 
 def _declare(fl, decl: str) -> None:
@@ -78,4 +81,10 @@ def lower_recv(fl, op: Op) -> None:
     fl.em.op(f"func.call @flowjit_recv({key}, {dest}, {_nbytes(fl, op, t)}) : (i64, i64, i64) -> i32")
 
 
-BUFFER_LOWERINGS.update({"send": lower_send, "recv": lower_recv})
+def lower_send_done(fl, op: Op) -> None:
+    # The sent values are this op's operands, so the workspace plan keeps their slots until here.
+    _declare(fl, SEND_DONE_DECL)
+    fl.em.line("func.call @flowjit_send_done() : () -> ()")
+
+
+BUFFER_LOWERINGS.update({"send": lower_send, "recv": lower_recv, "send_done": lower_send_done})

@@ -7,6 +7,8 @@ interpreter and the CPU backend each provide one.
 
     send (value) {key, src, dst} -> ()
     recv {key, src, dst, shape, dtype} -> value
+    send_done (*sent values) -> ()     last op of a partition that sends: its sent buffers stay
+                                       intact (and alive) until every receiver has read them
 """
 
 from __future__ import annotations
@@ -41,3 +43,17 @@ def _recv_rule(types, attrs):
 
 defop("send", COMMUNICATION, _send_rule, None, 1, attrs=SEND_ATTRS, doc="deliver the value to the rendezvous key")
 defop("recv", COMMUNICATION, _recv_rule, None, 0, attrs=RECV_ATTRS, doc="wait for the value sent to the key")
+
+
+def _send_done_rule(types, attrs):
+    return []
+
+
+defop(
+    "send_done",
+    COMMUNICATION,
+    _send_done_rule,
+    None,
+    None,
+    doc="wait until every receiver has read the values this partition sent (which stay alive until here)",
+)
