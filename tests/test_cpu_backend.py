@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from collections import defaultdict
@@ -19,7 +20,7 @@ from op_table import assert_close, cases, fresh_variables
 import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import cache
+from flowjit.backends.cpu import cache, toolchain
 from flowjit.backends.cpu.compiler import load_lowerings
 from flowjit.backends.cpu.lowering import BUFFER_LOWERINGS, LOWERINGS, plan_workspace
 from flowjit.errors import CompileError, FlowjitTypeError
@@ -253,6 +254,35 @@ def test_two_conds_in_one_function():
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.strip() == str([6.0] * 5)
+
+
+def test_failed_pipeline_saves_a_reproducer(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # scf-to-openmp wraps the body in an alloca_scope that scf-to-cf then splits into several blocks.
+    text = textwrap.dedent(
+        """
+        module {
+          func.func @f(%m: memref<8xf32>) {
+            %c0 = arith.constant 0 : index
+            %c1 = arith.constant 1 : index
+            %c8 = arith.constant 8 : index
+            %x = arith.constant 1.0 : f32
+            scf.parallel (%i) = (%c0) to (%c8) step (%c1) {
+              scf.for %j = %c0 to %c8 step %c1 {
+                memref.store %x, %m[%i] : memref<8xf32>
+              }
+              scf.reduce
+            }
+            return
+          }
+        }
+        """
+    )
+    pipelines = ["builtin.module(convert-scf-to-openmp)", "builtin.module(convert-scf-to-cf)"]
+    with pytest.raises(CompileError, match="reproduce with: python -c") as info:
+        toolchain.run_mlir(text, pipelines)
+    (saved,) = tmp_path.iterdir()
+    assert saved.read_text() == text and str(saved) in str(info.value)
 
 
 # --- workspace planning ----------------------------------------------------------------------------

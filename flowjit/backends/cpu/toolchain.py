@@ -14,6 +14,7 @@ import ctypes.util
 import functools
 import os
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -143,12 +144,27 @@ def run_mlir(text: str, pipelines: list[str]) -> str:
             module = ir.Module.parse(text)
         except Exception as e:  # the bindings raise MLIRError with diagnostics
             raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
-        for pipeline in pipelines:
-            try:
-                PassManager.parse(pipeline).run(module.operation)
-            except Exception as e:
-                raise CompileError(f"internal error: MLIR pipeline failed: {pipeline}\n{e}") from None
+        # One pass manager for all pipelines: the input text is then the reproducer of a failure.
+        prefix = "builtin.module("
+        if not all(p.startswith(prefix) and p.endswith(")") for p in pipelines):
+            raise CompileError(f"internal error: pipelines must be '{prefix}...)' strings; found {pipelines}")
+        pipeline = prefix + ",".join(p[len(prefix) : -1] for p in pipelines) + ")"
+        try:
+            PassManager.parse(pipeline).run(module.operation)
+        except Exception as e:
+            raise CompileError(
+                f"internal error: MLIR pipeline failed: {pipeline}\n{e}\n{_repro(text, pipeline)}"
+            ) from None
         return str(module)
+
+
+def _repro(text: str, pipeline: str) -> str:
+    """Save the input of a failed pipeline and say how to rerun it."""
+    fd, path = tempfile.mkstemp(prefix="flowjit-failed-", suffix=".mlir")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    command = f"from flowjit.backends.cpu import toolchain; toolchain.run_mlir(open({path!r}).read(), [{pipeline!r}])"
+    return f'input saved to {path}; reproduce with: python -c "{command}"'
 
 
 def apply_transform_schedule(text: str) -> str:
