@@ -29,6 +29,11 @@ bfloat16 = dt.bfloat16.np_dtype.type
 _SCALARS = (bool, int, float)
 
 
+def _is_python_scalar(x) -> bool:
+    """A weak Python scalar. np.float64 subclasses float but is a typed numpy scalar (strong, NEP 50)."""
+    return isinstance(x, _SCALARS) and not isinstance(x, np.generic)
+
+
 # --- conversion, promotion and broadcasting ---------------------------------------------------------
 
 
@@ -39,7 +44,7 @@ def _is_array(x) -> bool:
 def _dtype_of(x) -> dt.DType:
     if isinstance(x, Tracer):
         return x.value.type.dtype
-    if isinstance(x, _SCALARS):
+    if _is_python_scalar(x):
         return dt.default_for_kind(_scalar_kind(x))
     array = np.asarray(x)  # unsupported dtypes (uint8, int16) take asarray's conversion; complex is an error
     return dt.dtype(array.dtype) if dt.is_supported_numpy_dtype(array.dtype) else dt.dtype(asarray(x).dtype)
@@ -53,7 +58,7 @@ def asarray(x, dtype=None):
     """`x` as a Tracer or numpy array of a flowjit dtype (lists, scalars and arrays accepted)."""
     if isinstance(x, Tracer):
         return x if dtype is None else astype(x, dtype)
-    if isinstance(x, _SCALARS) and dtype is None:
+    if _is_python_scalar(x) and dtype is None:
         return np.asarray(x, dt.default_for_kind(_scalar_kind(x)).np_dtype)
     if isinstance(x, (list, tuple)) and builtins.any(isinstance(v, Tracer) for v in _flat(x)):
         return stack([asarray(v, dtype) for v in x])
@@ -89,8 +94,8 @@ def _flat(x):
 
 def result_type(*xs) -> dt.DType:
     """The promoted dtype of operands, treating Python scalars as weak."""
-    strong = [_dtype_of(x) for x in xs if not isinstance(x, _SCALARS)]
-    weak = [_scalar_kind(x) for x in xs if isinstance(x, _SCALARS)]
+    strong = [_dtype_of(x) for x in xs if not _is_python_scalar(x)]
+    weak = [_scalar_kind(x) for x in xs if _is_python_scalar(x)]
     if not strong:
         rank = {"b": 0, "i": 1, "f": 2}
         return dt.default_for_kind(builtins.max(weak, key=rank.__getitem__))
@@ -112,7 +117,7 @@ def astype(x, dtype):
 
 
 def _cast_all(xs, dtype: dt.DType):
-    return [_weak_scalar(x, dtype) if isinstance(x, _SCALARS) else astype(x, dtype) for x in xs]
+    return [_weak_scalar(x, dtype) if _is_python_scalar(x) else astype(x, dtype) for x in xs]
 
 
 def _weak_scalar(x, dtype: dt.DType) -> np.ndarray:
@@ -714,7 +719,7 @@ def scatter_add(x, indices, updates, axis: int = 0):
     idx = where(less(idx, 0), add(idx, n), idx) if isinstance(idx, Tracer) else np.where(idx < 0, idx + n, idx)
     target_shape = shape(x)[:axis] + shape(idx) + shape(x)[axis + 1 :]
     upd = broadcast_to(
-        astype(updates, _dtype_of(x)) if not isinstance(updates, _SCALARS) else asarray(updates, _dtype_of(x)),
+        astype(updates, _dtype_of(x)) if not _is_python_scalar(updates) else asarray(updates, _dtype_of(x)),
         target_shape,
     )
     return bind("scatter_add", [x, idx, upd], {"axis": axis})

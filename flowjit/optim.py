@@ -11,6 +11,7 @@ the TensorFlow paper intended.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,16 +19,39 @@ import numpy as np
 from flowjit import numpy as fnp
 from flowjit.errors import FlowjitValueError
 from flowjit.frontend.pytree import tree_flatten, tree_map
+from flowjit.ir.location import UNKNOWN, Location, _display_path, is_internal_file, user_location
 
 
-def _check(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
-    if value < low or (high is not None and value >= high):
+def _construction_site() -> Location:
+    """The user's line that built the optimizer. `user_location` would stop at the `__init__` that
+    dataclasses generate (file "<string>"), so those frames are skipped too."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not is_internal_file(filename) and not filename.startswith("<"):
+            return Location(_display_path(filename), frame.f_lineno)
+        frame = frame.f_back
+    return UNKNOWN
+
+
+def _check(optimizer, name: str, low: float = 0.0, high: float | None = None) -> None:
+    value = getattr(optimizer, name)
+    # Written so that nan fails too.
+    if not (value >= low and (high is None or value < high)):
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
-        raise FlowjitValueError(f"optimizer hyperparameter {name} must be {bound}; found {value}")
+        raise FlowjitValueError(
+            f"{_construction_site()}: {type(optimizer).__name__}: hyperparameter {name} must be {bound}; found {value}"
+        )
 
 
-def _like(p, dtype=None):
-    return fnp.zeros(fnp.shape(p), dtype or fnp.asarray(p).dtype)
+def _dtype(x):
+    """The dtype of a leaf. Not `fnp.asarray(x).dtype`: that treats a numpy float64 scalar (what eager
+    arithmetic on 0-d arrays returns) as a weak Python float, i.e. float32."""
+    return x.dtype if hasattr(x, "dtype") else fnp.asarray(x).dtype
+
+
+def _like(p):
+    return fnp.zeros(fnp.shape(p), _dtype(p))
 
 
 @dataclass(frozen=True)
@@ -40,11 +64,11 @@ class SGD:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        _check("lr", self.lr)
-        _check("momentum", self.momentum, 0.0, 1.0)
-        _check("weight_decay", self.weight_decay)
+        _check(self, "lr")
+        _check(self, "momentum", 0.0, 1.0)
+        _check(self, "weight_decay")
         if self.nesterov and self.momentum == 0.0:
-            raise FlowjitValueError("Nesterov momentum needs momentum > 0")
+            raise FlowjitValueError(f"{_construction_site()}: SGD: Nesterov momentum needs momentum > 0")
 
     def init(self, params):
         if self.momentum == 0.0:
@@ -75,11 +99,11 @@ class Adam:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        _check("lr", self.lr)
-        _check("b1", self.b1, 0.0, 1.0)
-        _check("b2", self.b2, 0.0, 1.0)
-        _check("eps", self.eps)
-        _check("weight_decay", self.weight_decay)
+        _check(self, "lr")
+        _check(self, "b1", 0.0, 1.0)
+        _check(self, "b2", 0.0, 1.0)
+        _check(self, "eps")
+        _check(self, "weight_decay")
 
     def init(self, params):
         return {"m": tree_map(_like, params), "v": tree_map(_like, params), "step": np.zeros((), np.int64)}
@@ -93,19 +117,25 @@ class Adam:
         step = fnp.add(state["step"], 1)
         m = tree_map(lambda m, g: self.b1 * m + (1.0 - self.b1) * g, state["m"], grads)
         v = tree_map(lambda v, g: self.b2 * v + (1.0 - self.b2) * (g * g), state["v"], grads)
-        t = fnp.astype(step, "float32")
-        correction1 = fnp.subtract(1.0, fnp.power(np.float32(self.b1), t))
-        correction2 = fnp.subtract(1.0, fnp.power(np.float32(self.b2), t))
+        # The corrections are scalars: computed in float64, then cast to each leaf's dtype (below), so
+        # float64 parameters get exact bias correction and float32 ones stay float32 elementwise.
+        t = fnp.astype(step, "float64")
+        correction1 = fnp.subtract(1.0, fnp.power(np.float64(self.b1), t))
+        correction2 = fnp.subtract(1.0, fnp.power(np.float64(self.b2), t))
         return step, m, v, correction1, correction2
 
     def _direction(self, m, v, c1, c2):
-        return tree_map(lambda m_, v_: (m_ / c1) / (fnp.sqrt(v_ / c2) + self.eps), m, v)
+        def leaf(m_, v_):
+            dtype = _dtype(m_)
+            return (m_ / fnp.astype(c1, dtype)) / (fnp.sqrt(v_ / fnp.astype(c2, dtype)) + self.eps)
+
+        return tree_map(leaf, m, v)
 
     def update(self, grads, state, params):
         grads = self._decay_grads(grads, params)
         step, m, v, c1, c2 = self._moments(grads, state)
         direction = self._direction(m, v, c1, c2)
-        new_params = tree_map(lambda p, d: p - fnp.astype(self.lr * d, fnp.asarray(p).dtype), params, direction)
+        new_params = tree_map(lambda p, d: p - fnp.astype(self.lr * d, _dtype(p)), params, direction)
         return new_params, {"m": m, "v": v, "step": step}
 
 
@@ -119,7 +149,7 @@ class AdamW(Adam):
         step, m, v, c1, c2 = self._moments(grads, state)
         direction = self._direction(m, v, c1, c2)
         new_params = tree_map(
-            lambda p, d: p - fnp.astype(self.lr * (d + self.weight_decay * p), fnp.asarray(p).dtype), params, direction
+            lambda p, d: p - fnp.astype(self.lr * (d + self.weight_decay * p), _dtype(p)), params, direction
         )
         return new_params, {"m": m, "v": v, "step": step}
 
@@ -129,7 +159,10 @@ def apply_to_variables(variables, new_values) -> None:
     targets, treedef = tree_flatten(variables)
     values = tree_flatten(new_values)[0]
     if len(values) != len(targets):
-        raise FlowjitValueError(f"expected {len(targets)} values for the variables {treedef}; found {len(values)}")
+        raise FlowjitValueError(
+            f"{user_location()}: apply_to_variables: expected {len(targets)} values for the variables {treedef}; "
+            f"found {len(values)}"
+        )
     for variable, value in zip(targets, values):
         variable.assign(value)
 

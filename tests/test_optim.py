@@ -1,0 +1,288 @@
+"""flowjit.optim against hand-written float64 numpy update rules over several steps on nested pytrees,
+eagerly and inside jitted steps (CPU and interpreter); hyperparameter validation; Variables."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.nn as nn
+import flowjit.numpy as fnp
+from flowjit import optim
+from flowjit.errors import FlowjitValueError
+from flowjit.frontend.pytree import tree_flatten, tree_unflatten
+
+
+def make_tree(rng, dtype):
+    """A nested dict/list/tuple pytree with a matrix, a vector and a scalar leaf."""
+    return {
+        "w": rng.standard_normal((3, 2)).astype(dtype),
+        "layers": [rng.standard_normal(4).astype(dtype), {"b": np.asarray(rng.standard_normal(), dtype)}],
+        "pair": (rng.standard_normal((2, 2)).astype(dtype),),
+    }
+
+
+def gradient_sequence(steps, dtype):
+    rng = np.random.default_rng(100)
+    return [make_tree(rng, dtype) for _ in range(steps)]
+
+
+# --- numpy references, one leaf at a time, float64 ---------------------------------------------------------
+
+
+def ref_sgd(lr, momentum=0.0, nesterov=False, weight_decay=0.0):
+    def step(p, g, state, t):
+        g = g + weight_decay * p
+        if momentum == 0.0:
+            return p - lr * g, state
+        v = momentum * state + g
+        return p - lr * (g + momentum * v if nesterov else v), v
+
+    return step
+
+
+def ref_adam(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False):
+    def step(p, g, state, t):
+        m, v = state
+        if not decoupled:
+            g = g + weight_decay * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        direction = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        if decoupled:
+            direction = direction + weight_decay * p
+        return p - lr * direction, (m, v)
+
+    return step
+
+
+def run_reference(rule, initial_state, params, grads_seq):
+    leaves, treedef = tree_flatten(params)
+    leaves = [leaf.astype(np.float64) for leaf in leaves]
+    states = [initial_state(leaf) for leaf in leaves]
+    for t, grads in enumerate(grads_seq, start=1):
+        g_leaves = [g.astype(np.float64) for g in tree_flatten(grads)[0]]
+        stepped = [rule(p, g, s, t) for p, g, s in zip(leaves, g_leaves, states)]
+        leaves, states = [p for p, _ in stepped], [s for _, s in stepped]
+    return tree_unflatten(treedef, leaves)
+
+
+def zero_momentum(p):
+    return np.zeros_like(p)
+
+
+def zero_moments(p):
+    return (np.zeros_like(p), np.zeros_like(p))
+
+
+# (optimizer, numpy rule, initial reference state per leaf)
+CASES = {
+    "sgd": (optim.SGD(0.1), ref_sgd(0.1), zero_momentum),
+    "sgd_wd": (optim.SGD(0.05, weight_decay=0.1), ref_sgd(0.05, weight_decay=0.1), zero_momentum),
+    "momentum": (optim.SGD(0.1, momentum=0.9), ref_sgd(0.1, 0.9), zero_momentum),
+    "nesterov_wd": (
+        optim.SGD(0.1, momentum=0.8, nesterov=True, weight_decay=0.01),
+        ref_sgd(0.1, 0.8, True, 0.01),
+        zero_momentum,
+    ),
+    "adam": (optim.Adam(0.01), ref_adam(0.01), zero_moments),
+    "adam_l2": (
+        optim.Adam(0.02, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1),
+        ref_adam(0.02, 0.8, 0.99, 1e-6, 0.1),
+        zero_moments,
+    ),
+    "adamw": (optim.AdamW(0.01, weight_decay=0.1), ref_adam(0.01, weight_decay=0.1, decoupled=True), zero_moments),
+}
+STEPS = 5
+
+
+def leaves_close(actual, expected, rtol, atol):
+    actual_leaves, actual_def = tree_flatten(actual)
+    expected_leaves, expected_def = tree_flatten(expected)
+    assert actual_def == expected_def
+    for a, e in zip(actual_leaves, expected_leaves):
+        assert np.shape(a) == np.shape(e)
+        np.testing.assert_allclose(np.asarray(a, np.float64), e, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eager_updates_match_numpy_float64(name):
+    opt, rule, initial_state = CASES[name]
+    params = make_tree(np.random.default_rng(0), np.float64)
+    grads_seq = gradient_sequence(STEPS, np.float64)
+    state = opt.init(params)
+    new = params
+    for grads in grads_seq:
+        new, state = opt.update(grads, state, new)
+    for leaf in tree_flatten(new)[0]:
+        assert np.asarray(leaf).dtype == np.float64
+    leaves_close(new, run_reference(rule, initial_state, params, grads_seq), rtol=1e-12, atol=1e-14)
+    if isinstance(opt, optim.Adam):
+        assert int(state["step"]) == STEPS
+
+
+def opt_step(name):
+    """One jitted update per optimizer (module-level so each case compiles once per target)."""
+    opt = CASES[name][0]
+    return lambda grads, state, params: opt.update(grads, state, params)
+
+
+_STEPS = {}
+
+
+@pytest.mark.parametrize("target", [None, "interpreter"])
+@pytest.mark.parametrize("name", ["sgd", "nesterov_wd", "adam", "adamw"])
+def test_jitted_updates_match_numpy_float32(name, target):
+    if (name, target) not in _STEPS:
+        _STEPS[name, target] = fj.jit(opt_step(name), target=target)
+    step = _STEPS[name, target]
+    opt, rule, initial_state = CASES[name]
+    params = make_tree(np.random.default_rng(0), np.float32)
+    grads_seq = gradient_sequence(STEPS, np.float32)
+    state = opt.init(params)
+    new = params
+    for grads in grads_seq:
+        new, state = step(grads, state, new)
+    for leaf in tree_flatten(new)[0]:
+        assert leaf.dtype == np.float32
+    leaves_close(new, run_reference(rule, initial_state, params, grads_seq), rtol=2e-5, atol=2e-6)
+
+
+def test_adam_bias_correction_first_step_is_lr_times_sign():
+    # With zero moments, step 1 moves every coordinate by lr * g / (|g| + eps) ~ lr * sign(g).
+    params = {"x": np.zeros(5)}
+    grads = {"x": np.array([3.0, -0.5, 1e-3, -20.0, 0.25])}
+    new, state = optim.Adam(0.1, eps=1e-12).update(grads, optim.Adam(0.1).init(params), params)
+    np.testing.assert_allclose(new["x"], -0.1 * np.sign(grads["x"]), rtol=1e-9)
+    np.testing.assert_allclose(state["m"]["x"], 0.1 * grads["x"], rtol=1e-12)
+    np.testing.assert_allclose(state["v"]["x"], 0.001 * grads["x"] ** 2, rtol=1e-12)
+
+
+def test_adamw_decay_is_decoupled_from_the_moments():
+    params = {"x": np.full(3, 2.0)}
+    zero = {"x": np.zeros(3)}
+    adamw, adam_l2 = optim.AdamW(0.1, weight_decay=0.5), optim.Adam(0.1, weight_decay=0.5)
+    new, state = adamw.update(zero, adamw.init(params), params)
+    np.testing.assert_allclose(new["x"], 2.0 - 0.1 * 0.5 * 2.0)  # zero gradient: only the decay acts
+    assert not state["m"]["x"].any()  # and it does not enter the moments
+    new_l2, state_l2 = adam_l2.update(zero, adam_l2.init(params), params)
+    np.testing.assert_allclose(state_l2["m"]["x"], 0.1 * 0.5 * 2.0)  # L2 goes through the moments
+    np.testing.assert_allclose(new_l2["x"], 2.0 - 0.1, rtol=1e-6)
+
+
+def test_state_structure_and_dtypes():
+    params = make_tree(np.random.default_rng(0), np.float32)
+    _, treedef = tree_flatten(params)
+    assert optim.SGD(0.1).init(params) == ()
+    velocity = optim.SGD(0.1, momentum=0.5).init(params)["velocity"]
+    assert tree_flatten(velocity)[1] == treedef
+    state = optim.Adam().init(params)
+    assert tree_flatten(state["m"])[1] == treedef and tree_flatten(state["v"])[1] == treedef
+    assert all(np.asarray(leaf).dtype == np.float32 and not np.any(leaf) for leaf in tree_flatten(state["m"])[0])
+    assert np.asarray(state["step"]).dtype == np.int64 and int(state["step"]) == 0
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: optim.SGD(-0.1), "lr"),
+        (lambda: optim.SGD(0.1, momentum=1.0), "momentum"),
+        (lambda: optim.SGD(0.1, momentum=-0.5), "momentum"),
+        (lambda: optim.SGD(0.1, nesterov=True), "Nesterov"),
+        (lambda: optim.SGD(0.1, weight_decay=-1.0), "weight_decay"),
+        (lambda: optim.SGD(float("nan")), "lr"),
+        (lambda: optim.Adam(b1=1.0), "b1"),
+        (lambda: optim.Adam(b2=-0.1), "b2"),
+        (lambda: optim.Adam(eps=-1e-8), "eps"),
+        (lambda: optim.AdamW(weight_decay=-0.01), "weight_decay"),
+    ],
+)
+def test_hyperparameter_validation(make, message):
+    with pytest.raises(FlowjitValueError, match=message) as info:
+        make()
+    assert "test_optim.py:" in str(info.value)
+
+
+def test_validation_error_names_the_user_line():
+    line = inspect.currentframe().f_lineno + 2
+    with pytest.raises(FlowjitValueError) as info:
+        optim.Adam(lr=-1.0)
+    assert f"test_optim.py:{line}" in str(info.value)
+
+
+def test_mismatched_trees_are_an_error():
+    params = {"a": np.zeros(2), "b": np.zeros(3)}
+    with pytest.raises(FlowjitValueError, match="structure"):
+        optim.SGD(0.1).update({"a": np.zeros(2)}, (), params)
+
+
+# --- a whole train step in one jit ---------------------------------------------------------------------------
+
+_X = np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32)
+_Y = (_X[:, 0] + _X[:, 1] > 0).astype(np.int32)
+_ADAM = optim.Adam(0.05)
+
+
+def _loss(params, x, y):
+    hidden = nn.relu(nn.linear(x, params["w1"], params["b1"]))
+    return nn.cross_entropy(nn.linear(hidden, params["w2"], params["b2"]), y)
+
+
+def _train_step(params, state, x, y):
+    loss, grads = fj.value_and_grad(_loss)(params, x, y)
+    params, state = _ADAM.update(grads, state, params)
+    return params, state, loss
+
+
+def test_one_jitted_train_step_matches_eager_and_learns():
+    rng = np.random.default_rng(2)
+    params = {
+        "w1": (rng.standard_normal((4, 8)) * 0.5).astype(np.float32),
+        "b1": np.zeros(8, np.float32),
+        "w2": (rng.standard_normal((8, 2)) * 0.5).astype(np.float32),
+        "b2": np.zeros(2, np.float32),
+    }
+    step = fj.jit(_train_step)
+    jit_params, jit_state = params, _ADAM.init(params)
+    eager_params, eager_state = params, _ADAM.init(params)
+    losses = []
+    for _ in range(30):
+        jit_params, jit_state, loss = step(jit_params, jit_state, _X, _Y)
+        eager_params, eager_state, _ = _train_step(eager_params, eager_state, _X, _Y)
+        losses.append(float(loss))
+    leaves_close(jit_params, eager_params, rtol=1e-3, atol=1e-4)
+    assert int(jit_state["step"]) == 30
+    assert losses[-1] < 0.5 * losses[0]
+
+
+# --- Variables -----------------------------------------------------------------------------------------------
+
+
+def test_apply_to_variables_eager_and_inside_jit():
+    opt = optim.SGD(0.5, momentum=0.5)
+    variables = {
+        "w": fj.Variable(np.ones((2, 2), np.float32), name="opt_w"),
+        "b": [fj.Variable(np.zeros(2), name="opt_b")],
+    }
+    state = opt.init({"w": variables["w"].numpy(), "b": [variables["b"][0].numpy()]})
+
+    @fj.jit
+    def step(state, g):
+        values = {"w": variables["w"].value, "b": [variables["b"][0].value]}
+        grads = {"w": fnp.full((2, 2), g, "float32"), "b": [fnp.full((2,), g, "float64")]}
+        new_values, state = opt.update(grads, state, values)
+        optim.apply_to_variables(variables, new_values)
+        return state
+
+    state = step(state, np.float32(1.0))
+    state = step(state, np.float32(1.0))
+    # velocity 1 then 1.5; w = 1 - 0.5 * (1 + 1.5) = -0.25; b = 0 - 1.25 = -1.25
+    np.testing.assert_allclose(variables["w"].numpy(), np.full((2, 2), -0.25))
+    np.testing.assert_allclose(variables["b"][0].numpy(), np.full(2, -1.25))
+    assert variables["b"][0].numpy().dtype == np.float64
+    optim.apply_to_variables(variables, {"w": np.zeros((2, 2), np.float32), "b": [np.ones(2)]})
+    np.testing.assert_array_equal(variables["w"].numpy(), 0.0)
+    np.testing.assert_array_equal(variables["b"][0].numpy(), 1.0)
+    with pytest.raises(FlowjitValueError, match="expected 2 values"):
+        optim.apply_to_variables(variables, [np.zeros(2)])
