@@ -13,8 +13,10 @@ Loading checks the magic, lengths and checksum: a truncated or corrupted file ra
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -24,6 +26,7 @@ import numpy as np
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, tree_flatten, tree_unflatten
 from flowjit.ir import dtypes as dt
+from flowjit.ir.location import user_location
 
 MAGIC = b"FLOWJIT-CKPT\x01"
 
@@ -32,31 +35,51 @@ def _treedef_to_json(td: TreeDef):
     if td.kind == "dict":
         for k in td.keys:
             if not isinstance(k, str | int):
-                raise FlowjitTypeError(f"checkpoint dict keys must be str or int; found {type(k).__name__} {k!r}")
-    return {"kind": td.kind, "keys": list(td.keys), "children": [_treedef_to_json(c) for c in td.children]}
+                raise FlowjitTypeError(
+                    f"{user_location()}: save_checkpoint: dict keys must be str or int; found {type(k).__name__} "
+                    f"{k!r}. Convert the key (e.g. str(key)) before saving"
+                )
+    node = {"kind": td.kind, "keys": list(td.keys), "children": [_treedef_to_json(c) for c in td.children]}
+    if td.kind == "namedtuple":
+        node["name"] = td.node_type.__name__
+    return node
 
 
 def _treedef_from_json(obj) -> TreeDef:
-    return TreeDef(obj["kind"], tuple(_treedef_from_json(c) for c in obj["children"]), tuple(obj["keys"]))
+    children = tuple(_treedef_from_json(c) for c in obj["children"])
+    if obj["kind"] == "namedtuple":
+        # The class itself is not stored (no pickle): an equivalent namedtuple with the same name and fields.
+        node_type = collections.namedtuple(obj["name"], obj["keys"])
+        return TreeDef("namedtuple", children, tuple(obj["keys"]), node_type)
+    if obj["kind"] not in ("leaf", "none", "tuple", "list", "dict"):
+        raise ValueError(f"unknown tree node kind {obj['kind']!r}")
+    return TreeDef(obj["kind"], children, tuple(obj["keys"]))
 
 
-def _leaf_array(leaf) -> np.ndarray:
+def _leaf_array(index: int, leaf) -> np.ndarray:
     from flowjit.frontend.trace import Tracer
     from flowjit.frontend.variables import Variable
 
     if isinstance(leaf, Variable):
         return leaf.numpy()
     if isinstance(leaf, Tracer):
-        raise FlowjitTypeError("save_checkpoint needs concrete values, not traced ones: call it outside jit")
+        raise FlowjitTypeError(
+            f"{user_location()}: save_checkpoint needs concrete values, not traced ones: call it outside jit"
+        )
     array = np.asarray(leaf)
-    dt.dtype(array.dtype)  # raises a clear error for unsupported dtypes
+    try:
+        dt.dtype(array.dtype)
+    except ValueError as e:
+        raise FlowjitTypeError(
+            f"{user_location()}: save_checkpoint: leaf {index} ({type(leaf).__name__}): {e}"
+        ) from None
     return np.array(array, order="C")
 
 
 def save_checkpoint(path: str | os.PathLike, tree) -> None:
     """Write `tree` to `path` atomically."""
     leaves, treedef = tree_flatten(tree)
-    arrays = [_leaf_array(leaf) for leaf in leaves]
+    arrays = [_leaf_array(i, leaf) for i, leaf in enumerate(leaves)]
     entries, chunks, offset = [], [], 0
     for a in arrays:
         data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
@@ -100,6 +123,8 @@ def load_checkpoint(path: str | os.PathLike):
             raw = f.read()
     except FileNotFoundError:
         raise FlowjitValueError(f"checkpoint {path} does not exist") from None
+    except OSError as e:
+        raise FlowjitValueError(f"checkpoint {path} cannot be read: {e.strerror or e}") from None
     if not raw.startswith(MAGIC):
         raise _corrupt(path, "bad magic bytes")
     start = len(MAGIC) + 8
@@ -117,9 +142,21 @@ def load_checkpoint(path: str | os.PathLike):
         raise _corrupt(path, f"expected {data_bytes} bytes of data, found {len(blob)} (truncated?)")
     if hashlib.sha256(blob).hexdigest() != digest:
         raise _corrupt(path, "checksum mismatch")
-    leaves = []
-    for e in entries:
-        np_dtype = dt.dtype(e["dtype"]).np_dtype
-        chunk = blob[e["offset"] : e["offset"] + e["nbytes"]]
-        leaves.append(np.frombuffer(chunk, np_dtype.newbyteorder("<")).astype(np_dtype).reshape(e["shape"]))
-    return tree_unflatten(treedef, leaves)
+    try:
+        leaves = [_leaf_from_entry(blob, e) for e in entries]
+        return tree_unflatten(treedef, leaves)
+    except (ValueError, KeyError, TypeError) as e:
+        raise _corrupt(path, f"inconsistent header: {e}") from None
+
+
+def _leaf_from_entry(blob: bytes, entry) -> np.ndarray:
+    """One leaf's array, after checking that the header's dtype, shape and byte range agree."""
+    np_dtype = dt.dtype(entry["dtype"]).np_dtype
+    shape = tuple(int(d) for d in entry["shape"])
+    offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
+    if min(shape, default=0) < 0 or nbytes != math.prod(shape) * np_dtype.itemsize:
+        raise ValueError(f"leaf of shape {shape} and dtype {entry['dtype']} cannot hold {nbytes} bytes")
+    if offset < 0 or offset + nbytes > len(blob):
+        raise ValueError(f"leaf bytes [{offset}, {offset + nbytes}) lie outside the {len(blob)} data bytes")
+    chunk = blob[offset : offset + nbytes]
+    return np.frombuffer(chunk, np_dtype.newbyteorder("<")).astype(np_dtype).reshape(shape)
