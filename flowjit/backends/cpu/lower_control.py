@@ -102,6 +102,14 @@ def _yield(
         em.line("scf.yield")
         return
     carried = [_to_carrier(em, t, v) for t, v in zip(values, region.results)]
+    if into is None:
+        # Branch results of rank >= 2 (often reshaped views) would give the bufferized `scf.if` a
+        # fully dynamic layout, whose copy to the destination calls `memrefCopy`, which the JIT
+        # cannot resolve: a copy into a fresh tensor keeps the identity layout.
+        carried = [
+            em.op(f"bufferization.alloc_tensor() copy({c}) : {_carrier_type(v)}") if v.type.rank >= 2 else c
+            for c, v in zip(carried, region.results)
+        ]
     if into is not None:
         types = [_carrier_type(v) for v in region.results]
         if copy:
@@ -111,6 +119,12 @@ def _yield(
             for c, d, t in zip(carried, into, types)
         ]
     em.line(f"scf.yield {', '.join(carried)} : {_types(region.results)}")
+
+
+def _writable_copies(em: KernelEmitter, tensors: list[str], values) -> list[str]:
+    """The loop's initial carried values in fresh buffers: the loop updates them in place, and an
+    initial value may be a read-only function input (bufferization would refuse the write)."""
+    return [em.op(f"bufferization.alloc_tensor() copy({t}) : {_carrier_type(v)}") for t, v in zip(tensors, values)]
 
 
 def _unpack(em: KernelEmitter, names: list[str], values) -> list[str]:
@@ -146,7 +160,7 @@ def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     head, names = _results(em, num_carry)
     iter_args = ""
     if carry:
-        initial = [_to_carrier(em, x, v) for x, v in zip(carry, op.results)]
+        initial = _writable_copies(em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results)
         pairs = ", ".join(f"{c} = {x}" for c, x in zip(carried, initial))
         iter_args = f" iter_args({pairs}) -> ({_types(op.results)})"
     em.line(f"{head + ' = ' if carry else ''}scf.for {iv} = {lo} to {hi} step {step}{iter_args} {{")
@@ -168,7 +182,7 @@ def emit_while(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     after = [em.fresh("d") for _ in carry]
     types = _types(op.results)
     head, names = _results(em, num_carry)
-    initial = [_to_carrier(em, x, v) for x, v in zip(carry, op.results)]
+    initial = _writable_copies(em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results)
     inits = ", ".join(f"{b} = {x}" for b, x in zip(before, initial))
     em.line(f"{head} = scf.while ({inits}) : ({types}) -> ({types}) {{")
     (flag,) = lower_region(em, cond_region, [*_unpack(em, before, op.results), *invariants])
