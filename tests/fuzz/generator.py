@@ -45,6 +45,7 @@ GRID = 8  # inputs are multiples of 1/GRID: exact in every float dtype
 NOT_GENERATED = {
     "send": "created only by the partition pass (checked by the per-pass oracle on multi-device graphs)",
     "recv": "created only by the partition pass (checked by the per-pass oracle on multi-device graphs)",
+    "send_done": "created only by the partition pass (checked by the per-pass oracle on multi-device graphs)",
     "fusion": "created only by the fuse pass (checked by the per-pass oracle on every program)",
     "custom_vjp_call": "needs a user-written backward rule; covered by tests/test_gradients.py",
 }

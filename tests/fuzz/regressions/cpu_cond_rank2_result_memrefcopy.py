@@ -3,8 +3,6 @@
 Written by tests/fuzz (see docs/fuzzing.md); run by tests/test_fuzz.py forever after.
 """
 
-XFAIL = "CompileError: the generated code calls unresolved functions: memrefCopy (rank >= 2 cond results)"
-
 import os
 import sys
 
