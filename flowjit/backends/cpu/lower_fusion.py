@@ -21,6 +21,7 @@ Other members use their one-op lowerings on tensors, with their own schedules.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import (
@@ -245,32 +246,8 @@ class _FusionLowering:
         leaves, or, with `reduction`, that reduction of the single target."""
         em = self.em
         ops, leaves, splats = self._collect(targets)
-        shape = targets[0].type.shape
-        inputs = [self._input(v, shape) for v in leaves]
-        if reduction is not None and leaves and self._uncovered_dims(leaves, shape):
-            # A reduced dimension that only broadcasts read has no extent linalg can infer (the
-            # maps are not invertible): read the first leaf stored, through the identity map.
-            self.tensor(leaves[0])
-            inputs[0] = self._input(leaves[0], shape)
-        broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs)
-        flat = reduction is None and len(shape) > 1 and not broadcasting
-        if flat:  # a 1-D loop: the elementwise schedule, and collapsing is free
-            inputs = [
-                (_collapse(em, t, v.type), tensor_type(_flat(v.type), _storage(v.dtype)), em.identity_map(1))
-                for (t, _, _), v in zip(inputs, leaves)
-            ]
-        loop = _flat(targets[0].type) if flat else targets[0].type
-        normal = None if reduction is None or broadcasting else self._normal_form(reduction, shape)
-        if normal is not None:  # the same (A, R, B) view as the one-op lowering, so the same schedule
-            loop, axes = normal
-            inputs = [
-                (
-                    reshape_tensor(em, t, v.type, loop.with_dtype(v.dtype), elem=_storage(v.dtype)),
-                    tensor_type(loop.with_dtype(v.dtype), _storage(v.dtype)),
-                    em.identity_map(loop.rank),
-                )
-                for (t, _, _), v in zip(inputs, leaves)
-            ]
+        space = self._iteration_space(targets, leaves, reduction)
+        loop = space.loop
         if reduction is None:
             outputs = [
                 (
@@ -283,27 +260,78 @@ class _FusionLowering:
             iterators = ["parallel"] * loop.rank
             out_elems = [_storage(v.dtype) for v in targets]
         else:
-            if normal is None:
-                loop, axes = targets[0].type, sorted(a % max(len(shape), 1) for a in reduction.attrs["axes"])
-            acc_type = TensorType(tuple(d for i, d in enumerate(loop.shape) if i not in axes), reduction.result.dtype)
-            outputs, iterators, kind = self._accumulator(reduction, loop.shape, axes, acc_type)
+            acc_type = TensorType(
+                tuple(d for i, d in enumerate(loop.shape) if i not in space.axes), reduction.result.dtype
+            )
+            outputs, iterators = self._accumulator(reduction, loop.shape, space.axes, acc_type)
             out_elems = [elem_type(reduction.result.dtype)]
+        in_elems = [_storage(v.dtype) for v in leaves]
         result = em.fresh()
         name = result if len(outputs) == 1 else f"{result}:{len(outputs)}"
-        maps = [m for _, _, m in inputs] + [m for _, _, m in outputs]
-        ins = f"ins({', '.join(t for t, _, _ in inputs)} : {', '.join(tt for _, tt, _ in inputs)}) " if inputs else ""
+        maps = [m for _, _, m in space.inputs] + [m for _, _, m in outputs]
+        tensors = ", ".join(t for t, _, _ in space.inputs)
+        ins = f"ins({tensors} : {', '.join(tt for _, tt, _ in space.inputs)}) " if space.inputs else ""
         iters = ", ".join(f'"{i}"' for i in iterators)
         result_types = ", ".join(t for _, t, _ in outputs)
         em.line(
             f"{name} = linalg.generic {{indexing_maps = [{', '.join(maps)}], iterator_types = [{iters}]}} "
             f"{ins}outs({', '.join(o for o, _, _ in outputs)} : {result_types}) {{"
         )
-        in_elems = [_storage(v.dtype) for v in leaves]
-        args = [em.fresh("a") for _ in range(len(inputs) + len(outputs))]
+        args = [em.fresh("a") for _ in range(len(space.inputs) + len(outputs))]
         em.line(f"^bb0({', '.join(f'{a}: {e}' for a, e in zip(args, in_elems + out_elems))}):")
         b = ScalarBuilder(em, em.indent + "  ")
+        yielded = self._body(b, ops, dict(zip(leaves, args)), splats, targets, reduction, args[-1])
+        em.body.extend(b.lines)
+        em.line(f"  linalg.yield {', '.join(yielded)} : {', '.join(out_elems)}")
+        em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
+        self._schedule(name, space, reduction, in_elems + out_elems)
+        if reduction is not None:
+            self.tensors[reduction.result] = reshape_tensor(em, result, acc_type, reduction.result.type)
+            return
+        for k, v in enumerate(targets):
+            tensor = result if len(outputs) == 1 else f"{result}#{k}"
+            if space.flat:
+                tensor = _expand(em, tensor, v.type)
+            self.tensors[v] = bool_from_bytes(em, tensor, v.type) if v.dtype.is_bool else tensor
+
+    def _iteration_space(self, targets: list[Value], leaves: list[Value], reduction: Op | None) -> _Space:
+        """How the generic iterates and reads its leaves: 1-D when nothing broadcasts (the
+        elementwise schedule; collapsing is free), a reduction's (A, R, B) form when its axes are
+        contiguous (the one-op lowering's view, so the same schedule), else the targets' shape."""
+        em = self.em
+        shape = targets[0].type.shape
+        inputs = [self._input(v, shape) for v in leaves]
+        if reduction is not None and leaves and self._uncovered_dims(leaves, shape):
+            # A reduced dimension that only broadcasts read has no extent linalg can infer (the
+            # maps are not invertible): read the first leaf stored, through the identity map.
+            self.tensor(leaves[0])
+            inputs[0] = self._input(leaves[0], shape)
+        broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs)
+        if reduction is not None:
+            normal = None if broadcasting else self._normal_form(reduction, shape)
+            if normal is None:
+                axes = sorted(a % max(len(shape), 1) for a in reduction.attrs["axes"])
+                return _Space(inputs, targets[0].type, axes, flat=False, normalized=False)
+            loop, axes = normal
+        elif len(shape) > 1 and not broadcasting:
+            loop, axes = _flat(targets[0].type), []
+        else:
+            return _Space(inputs, targets[0].type, [], flat=False, normalized=False)
+        reshaped = [
+            (
+                reshape_tensor(em, t, v.type, loop.with_dtype(v.dtype), elem=_storage(v.dtype)),
+                tensor_type(loop.with_dtype(v.dtype), _storage(v.dtype)),
+                em.identity_map(loop.rank),
+            )
+            for (t, _, _), v in zip(inputs, leaves)
+        ]
+        return _Space(reshaped, loop, axes, flat=reduction is None, normalized=reduction is not None)
+
+    @staticmethod
+    def _body(b: ScalarBuilder, ops, leaf_args: dict, splats, targets, reduction: Op | None, acc: str) -> list[str]:
+        """The scalar code of the generic: leaves in compute types, the ops, the yielded values."""
         value: dict[Value, str] = {}
-        for v, arg in zip(leaves, args):
+        for v, arg in leaf_args.items():
             if v.dtype.is_bool:
                 arg = b.op(f"arith.cmpi ne, {arg}, {b.const(0, 'i8')} : i8")
             value[v] = extend(b, arg, v.dtype)
@@ -312,27 +340,13 @@ class _FusionLowering:
         for op in ops:
             value[op.result] = _scalar(b, op, [value[v] for v in op.operands])
         if reduction is None:
-            yielded = [
+            return [
                 b.op(f"arith.extui {value[v]} : i1 to i8") if v.dtype.is_bool else narrow(b, value[v], v.dtype)
                 for v in targets
             ]
-        else:
-            e = out_elems[0]
-            combine = _COMBINE[kind][0]
-            yielded = [b.op(f"arith.{combine} {value[targets[0]]}, {args[-1]} : {e}")]
-        em.body.extend(b.lines)
-        em.line(f"  linalg.yield {', '.join(yielded)} : {', '.join(out_elems)}")
-        em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
-        axes = axes if reduction is not None else None
-        self._schedule(name, loop, reduction, axes, in_elems + out_elems, normal is not None)
-        if reduction is not None:
-            self.tensors[reduction.result] = reshape_tensor(em, result, acc_type, reduction.result.type)
-            return
-        for k, v in enumerate(targets):
-            tensor = result if len(outputs) == 1 else f"{result}#{k}"
-            if flat:
-                tensor = _expand(em, tensor, v.type)
-            self.tensors[v] = bool_from_bytes(em, tensor, v.type) if v.dtype.is_bool else tensor
+        combine = _COMBINE[reduction.name.removeprefix("reduce_")][0]
+        e = elem_type(reduction.result.dtype)
+        return [b.op(f"arith.{combine} {value[targets[0]]}, {acc} : {e}")]
 
     @staticmethod
     def _normal_form(op: Op, shape: tuple[int, ...]) -> tuple[TensorType, list[int]] | None:
@@ -350,8 +364,8 @@ class _FusionLowering:
         return TensorType(collapsed, op.operands[0].dtype), [1 if a > 1 else 0]
 
     def _accumulator(self, op: Op, shape: tuple[int, ...], axes: list[int], acc: TensorType):
-        """outs (init filled with the identity, type, map), iterators and kind of reduction `op`
-        over an iteration space of `shape` reducing `axes` into `acc`."""
+        """outs (init filled with the identity, type, map) and iterators of reduction `op` over an
+        iteration space of `shape` reducing `axes` into `acc`."""
         em = self.em
         rank = len(shape)
         kind = op.name.removeprefix("reduce_")
@@ -363,14 +377,13 @@ class _FusionLowering:
         dims = [f"d{i}" for i in range(rank)]
         out_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i not in axes)})")
         iterators = ["reduction" if i in axes else "parallel" for i in range(rank)]
-        return [(init, tensor_type(acc), out_map)], iterators, kind
+        return [(init, tensor_type(acc), out_map)], iterators
 
-    def _schedule(
-        self, name: str, loop: TensorType, reduction: Op | None, axes, elems: list[str], normalized: bool = False
-    ) -> None:
+    def _schedule(self, name: str, space: _Space, reduction: Op | None, elems: list[str]) -> None:
         widest = max(_bits(e) for e in elems)
+        loop, axes = space.loop, space.axes
         if reduction is not None:
-            if loop.size >= 2 and len(axes) == 1 and (loop.rank <= 2 or normalized):
+            if loop.size >= 2 and len(axes) == 1 and (loop.rank <= 2 or space.normalized):
                 self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
         elif loop.rank == 1 and loop.size > 1:
             self.em.schedule(name, schedule.elementwise(loop.size, widest))
@@ -378,14 +391,21 @@ class _FusionLowering:
             self.em.schedule(name, schedule.copy_nd(loop.shape, widest))
 
 
+@dataclass(frozen=True)
+class _Space:
+    """A generic's iteration space: its inputs (tensor, type, map), the loop's extents and dtype,
+    the reduced dimensions, whether it is the 1-D view of n-d values (`flat`) or a reduction's
+    (A, R, B) form (`normalized`)."""
+
+    inputs: list
+    loop: TensorType
+    axes: list[int]
+    flat: bool
+    normalized: bool
+
+
 def _flat(t: TensorType) -> TensorType:
     return TensorType((t.size,), t.dtype)
-
-
-def _collapse(em: KernelEmitter, tensor: str, t: TensorType) -> str:
-    group = ", ".join(str(i) for i in range(t.rank))
-    e = _storage(t.dtype)
-    return em.op(f"tensor.collapse_shape {tensor} [[{group}]] : {tensor_type(t, e)} into {tensor_type(_flat(t), e)}")
 
 
 def _expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
