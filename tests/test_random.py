@@ -166,16 +166,16 @@ def test_permutation_is_a_permutation(n):
 
 
 def test_permutation_ties_are_broken_by_index():
-    # 3000 keys of 24-bit uniforms would collide with probability ~0.24; the 64-bit scores and the
+    # Ranking 3000 24-bit uniforms collides with probability ~0.24 per draw; the 64-bit scores and the
     # index tie-break make every draw a permutation.
-    for seed in range(3):
+    for seed in range(2):
         np.testing.assert_array_equal(np.sort(fr.permutation(fr.key(seed), 3000)), np.arange(3000))
 
 
 def test_permutation_is_random():
-    perms = np.stack([fr.permutation(k, 8) for k in fr.split(fr.key(0), 400)])
-    assert len({tuple(p) for p in perms}) > 390
-    # Each position takes each value about 400/8 = 50 times.
+    perms = np.stack([fr.permutation(k, 8) for k in fr.split(fr.key(0), 200)])
+    assert len({tuple(p) for p in perms}) > 195  # 8! = 40320 orders
+    # Each position takes each value about 200/8 = 25 times (std ~4.7).
     counts = np.stack([np.bincount(perms[:, i], minlength=8) for i in range(8)])
-    assert counts.min() > 25 and counts.max() < 80
+    assert counts.min() >= 8 and counts.max() <= 45
     assert math.isclose(perms.mean(), 3.5)
