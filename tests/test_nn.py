@@ -177,6 +177,13 @@ def test_hard_logits(mode, dtype):
         np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-13, atol=1e-6, err_msg=name)
 
 
+def test_hard_logits_gradients_are_finite_and_exact():
+    ce = fj.grad(lambda z: nn.cross_entropy(z, HARD_LABELS))(HARD_LOGITS)
+    np.testing.assert_allclose(ce, (ref_softmax(HARD_LOGITS) - np.eye(4)[HARD_LABELS]) / 5, atol=1e-15)
+    lse = fj.grad(lambda z: nn.logsumexp(z).sum())(HARD_LOGITS)
+    np.testing.assert_allclose(lse, ref_softmax(HARD_LOGITS), atol=1e-15)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_softplus_extremes(dtype):
     x = np.array([-100.0, -30.0, 0.0, 30.0, 100.0], dtype)
