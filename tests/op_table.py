@@ -1148,6 +1148,33 @@ for _op, _ref in _STATE_REFS.items():
         )
 
 
+# --- communication -------------------------------------------------------------------------------------
+
+
+def _loopback_graph(inputs, attrs):
+    """send x; r = recv (same key); send_done x; return r: a function sending to itself."""
+    graph = Graph("loopback")
+    (x,) = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype)), "x") for a in inputs]
+    keys = {"key": "cpu:0->cpu:1:%x", "src": "cpu:0", "dst": "cpu:1"}
+    emit(graph, "send", [x], keys)
+    received = emit(graph, "recv", [], {**keys, "shape": x.type.shape, "dtype": x.type.dtype}).result
+    emit(graph, "send_done", [x], {})
+    graph.results = [received]
+    return graph
+
+
+for _op in ("send", "recv", "send_done"):
+    for _shape in ((), (2, 3)):
+        add_row(
+            f"{_op}-{_shape_id(_shape)}",
+            _op,
+            ALL,
+            lambda rng, d, s=_shape: [rand(rng, s, d)],
+            lambda x, dtype: x,
+            graph=_loopback_graph,
+        )
+
+
 def fresh_variables(graph: Graph) -> dict[str, np.ndarray]:
     """A zero buffer for every variable the graph's state ops name (by their `var` attribute)."""
     return {

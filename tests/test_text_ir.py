@@ -140,6 +140,7 @@ EXAMPLES = {
         {"key": "cpu:0->cpu:1:%3", "src": "cpu:0", "dst": "cpu:1", "shape": (2, 2), "dtype": F32},
         device="cpu:1",
     ),
+    "send_done": lambda: _graph_with("send_done", [T(2, 2), T(3)], {}, device="cpu:0"),
     "custom_vjp_call": lambda: _graph_with(
         "custom_vjp_call", [T(3), T(3), T(3), T(2)], {"rule": 7, "num_inputs": 1, "num_residuals": 1}
     ),

@@ -29,7 +29,7 @@ from flowjit.errors import FlowjitError
 from flowjit.ir.graph import Graph
 from flowjit.ir.interpreter import RunContext, check_array, eval_op
 from flowjit.passes.partition import PartitionPlan, short_device_name
-from flowjit.runtime.rendezvous import Rendezvous, StepBinding, TransferError, native_symbols
+from flowjit.runtime.rendezvous import Rendezvous, StepBinding, TransferError
 
 
 class PartitionError(FlowjitError):
@@ -66,7 +66,6 @@ class NativePartition:
     bound to the calling thread."""
 
     def __init__(self, graph: Graph, device: str, target: str):
-        _link_runtime_symbols()
         self.device = short_device_name(device)
         self.executable = compile_graph(graph, target)
         self.uses_variables = any("var" in op.attrs for op in graph.walk())
@@ -81,15 +80,6 @@ class NativePartition:
         if step.error is not None:
             raise step.error
         return outs
-
-
-@functools.cache
-def _link_runtime_symbols() -> None:
-    """Make `flowjit_send`/`flowjit_recv` resolvable by the code that native partitions call."""
-    import llvmlite.binding as binding
-
-    for name, address in native_symbols().items():
-        binding.add_symbol(name, address)
 
 
 class PartitionedExecutable(Executable):

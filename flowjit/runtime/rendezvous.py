@@ -28,6 +28,7 @@ destination is then zero-filled so the partition can finish; the executor raises
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -241,11 +242,22 @@ class StepBinding:
         _bound.step = None
 
 
+def loopback() -> Rendezvous:
+    """The rendezvous of a function run outside the executor (one function on its own, as in
+    backend tests): its sends reach its own recvs on this thread."""
+    if getattr(_bound, "loopback", None) is None:
+        _bound.loopback = Rendezvous(parties=1)
+    return _bound.loopback
+
+
 def _native_send(key: int, data: int, nbytes: int) -> None:
-    step = getattr(_bound, "step", None)
-    if step is None:  # the entry point was called outside the executor: nothing can wait on this
-        return
     name = ctypes.string_at(key).decode()
+    step = getattr(_bound, "step", None)
+    if step is None:  # a snapshot: nothing ends the loan of a function called on its own
+        snapshot = np.empty(nbytes, np.uint8)
+        ctypes.memmove(snapshot.ctypes.data, data, nbytes)
+        loopback().send(name, snapshot)
+        return
     if step.rendezvous.send_bytes(name, data, nbytes):
         step.lent.append(name)
 
@@ -265,16 +277,14 @@ def _native_send_done() -> None:
 def _native_recv(key: int, dest: int, nbytes: int) -> int:
     # An exception must not escape a ctypes callback (it would be printed and ignored): failures
     # are recorded on the step and reported by the executor once the native call returns.
-    step = getattr(_bound, "step", None)
-    if step is None:  # the entry point was called outside the executor: no value will come
-        ctypes.memset(dest, 0, nbytes)
-        return 1
     name = ctypes.string_at(key).decode()
-    where = step.where.get(name, "")
+    step = getattr(_bound, "step", None)
+    rendezvous = step.rendezvous if step is not None else loopback()
+    where = step.where.get(name, "") if step is not None else ""
     try:
-        step.rendezvous.recv_into(name, dest, nbytes, f"{where}: " if where else "")
+        rendezvous.recv_into(name, dest, nbytes, f"{where}: " if where else "")
     except TransferError as e:
-        if step.error is None:
+        if step is not None and step.error is None:
             step.error = e
         ctypes.memset(dest, 0, nbytes)
         return 1
@@ -287,10 +297,23 @@ _RECV_CALLBACK = RECV_PROTOTYPE(_native_recv)
 _SEND_DONE_CALLBACK = SEND_DONE_PROTOTYPE(_native_send_done)
 
 
+# Ops whose native code calls the functions below.
+COMMUNICATION_OPS = frozenset({"send", "recv", "send_done"})
+
+
 def native_symbols() -> dict[str, int]:
-    """The addresses native code links `flowjit_send` / `flowjit_recv` to."""
+    """The addresses native code links `flowjit_send` / `flowjit_recv` / `flowjit_send_done` to."""
     return {
         "flowjit_send": ctypes.cast(_SEND_CALLBACK, ctypes.c_void_p).value,
         "flowjit_recv": ctypes.cast(_RECV_CALLBACK, ctypes.c_void_p).value,
         "flowjit_send_done": ctypes.cast(_SEND_DONE_CALLBACK, ctypes.c_void_p).value,
     }
+
+
+@functools.cache
+def link_native_symbols() -> None:
+    """Make the functions above resolvable by JIT-compiled and cache-loaded native code."""
+    import llvmlite.binding as binding
+
+    for name, address in native_symbols().items():
+        binding.add_symbol(name, address)

@@ -22,6 +22,7 @@ from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph
 from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
+from flowjit.runtime.rendezvous import COMMUNICATION_OPS, link_native_symbols
 
 # Modules that fill `LOWERINGS`, imported when compiling (not when loading from the cache).
 LOWERING_MODULES = (
@@ -152,6 +153,8 @@ def compile_cpu(graph: Graph, options: CompileOptions | None = None):
     if has_state(graph):
         return compile_stateful(graph, options or CompileOptions())
     options = options or CompileOptions()
+    if any(op.name in COMMUNICATION_OPS for op in graph.ops):
+        link_native_symbols()  # the runtime functions send/recv call (compiled or loaded code)
     graph_text = print_graph(graph)
     key = cache.cache_key(graph_text, options)
     stages = Stages(graph_text, graph.name, options)
