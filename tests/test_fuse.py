@@ -226,6 +226,24 @@ def test_fused_reductions_over_3d_use_the_one_op_schedule(fn):
     _check_fused_equals_unfused(fn, (RNG.standard_normal((6, 50, 40)).astype(np.float32),), 1e-5)
 
 
+def _normalized_by_row_sum(v):
+    return v / fnp.sum(v, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize(
+    "fn, generics",
+    [
+        (lambda x: _normalized_by_row_sum(fnp.exp(x - 1.0)), 2),  # exp recomputed in the sum and the division
+        (lambda x: _normalized_by_row_sum(fnp.tanh(fnp.exp(fnp.log1p(fnp.abs(x)))) * fnp.sin(x)), 3),  # stored once
+    ],
+    ids=["cheap_recomputed", "costly_stored"],
+)
+def test_cost_check_recomputes_cheap_values_and_stores_costly_ones(fn, generics):
+    mlir = fj.jit(fn).lower(X).as_text("mlir")
+    assert mlir.count("= linalg.generic") == generics
+    _check_fused_equals_unfused(fn, (X,), 1e-5)
+
+
 def test_half_precision_and_bool_values_in_a_fused_loop():
     def fn(x, y):
         h = (x.astype(fnp.float16) * 3.0 + 1.0).astype(fnp.float32)
