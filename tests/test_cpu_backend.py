@@ -72,8 +72,7 @@ def test_not_yet_lowered_is_exactly_the_ops_without_lowering():
 def test_compiled_matches_interpreter(op_name):
     """All rows of one op compiled as one function, each result compared with the interpreter."""
     rows = CASES_BY_OP[op_name]
-    # One by one: state ops (a variable name with several types across rows) and region ops (several
-    # in one function trip the bug in test_two_conds_in_one_function).
+    # One by one: state ops (a variable name with several types across rows) and region ops.
     if op_name in COMPILED_OUTSIDE_LOWERINGS or rows[0][1].graph.ops[-1].regions:
         for case_id, case in rows:
             variables, reference_variables = fresh_variables(case.graph), fresh_variables(case.graph)
@@ -235,11 +234,6 @@ def test_missing_lowering_names_op_line_and_target(monkeypatch):
         compile_graph(graph, "cpu")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the results of two scf.if in one function are deallocated by "
-    "a dealloc helper with memref<?xi1> flags, which MemRefToLLVM cannot store (abort)",
-)
 def test_two_conds_in_one_function():
     program = textwrap.dedent(
         """
@@ -253,7 +247,7 @@ def test_two_conds_in_one_function():
     )
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
-    assert out.stdout.strip() == str([6.0] * 5)
+    assert out.stdout.strip() == str([5.0] * 5)  # 2x + (x + 2) at x = 1
 
 
 def test_failed_pipeline_saves_a_reproducer(tmp_path, monkeypatch):

@@ -133,13 +133,16 @@ def _unpack(em: KernelEmitter, names: list[str], values) -> list[str]:
 
 def emit_cond(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     pred = _predicate(em, operands[0], op.operands[0])
+    # Both branches write their results into destinations created before the `scf.if`, so no
+    # buffer allocated in a branch escapes it (that would need dynamic ownership: i1 memrefs).
+    destinations = [em.op(f"bufferization.alloc_tensor() : {_carrier_type(r)}") for r in op.results]
     head, names = _results(em, len(op.results))
     arrow = f" -> ({_types(op.results)})" if op.results else ""
     em.line(f"{head + ' = ' if op.results else ''}scf.if {pred}{arrow} {{")
     for i, region in enumerate(op.regions):
         if i:
             em.line("} else {")
-        _yield(em, lower_region(em, region, operands[1:]), region)
+        _yield(em, lower_region(em, region, operands[1:]), region, into=destinations)
     em.line("}")
     return _unpack(em, names, op.results) if op.results else []
 
