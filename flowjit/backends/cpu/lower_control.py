@@ -22,6 +22,7 @@ from flowjit.backends.cpu.lowering import (
     bool_from_bytes,
     bool_to_bytes,
     dense_literal,
+    lowering,
     no_lowering_error,
 )
 from flowjit.errors import CompileError
@@ -220,3 +221,9 @@ def _lower_control(fl, op: Op) -> None:
 
 
 BUFFER_LOWERINGS.update({name: _lower_control for name in CONTROL_OPS})
+
+
+@lowering("custom_vjp_call")
+def _custom_vjp_call(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """An identity on its last operands (its backward rule matters only to the autodiff pass)."""
+    return operands[op.attrs["num_inputs"] + op.attrs["num_residuals"] :]
