@@ -7,10 +7,10 @@
 Each call creates a fresh `Rendezvous` (its own namespace and step id), so concurrent calls of one
 function are independent. The first partition runs on the calling thread and the others on
 workers of a shared pool (one per partition in flight); native partitions release the GIL, so
-devices really run at the same time. When a
-partition fails, the step is cancelled: waiting recvs wake with an error, native code finishes
-with zero-filled inputs, and the caller gets the first real failure (with the op's source line and
-device), with the cancelled partitions listed in its notes. A recv whose send can no longer come
+devices really run at the same time. When a partition fails, the step is cancelled: waiting recvs
+wake with an error, native code finishes with zero-filled inputs, and the caller gets the first
+real failure (with the op's source line and device), with the cancelled partitions listed in its
+notes. A recv whose send can no longer come
 (every other partition finished or waits too) fails at once, and recvs time out as a last resort
 (`FLOWJIT_RECV_TIMEOUT`), so a call never hangs.
 """
@@ -85,7 +85,7 @@ class NativePartition:
 class PartitionedExecutable(Executable):
     """All partitions of one function, each compiled for `target`, run together per call."""
 
-    def __init__(self, plan: PartitionPlan, target: str, report: str = ""):
+    def __init__(self, plan: PartitionPlan, target: str):
         self.plan = plan
         self.parts = [
             InterpretedPartition(p.graph, p.device)
@@ -97,7 +97,6 @@ class PartitionedExecutable(Executable):
         inner = "reference interpreter" if target == "interpreter" else self.parts[0].executable.backend
         self.backend = f"{len(self.parts)} partitions on {names}, each {inner}"
         self.stages = {} if target == "interpreter" else _PartitionStages(self.parts)
-        self.report = report
 
     def run(self, args: Sequence[np.ndarray], variables: dict | None = None) -> list[np.ndarray]:
         """One step: every partition on its own thread, results gathered in the original order."""
