@@ -49,7 +49,7 @@ def _key_pointer(fl, key: str) -> str:
     return _pointer(fl, fl.em.op(f"memref.get_global @{symbol} : {ty}"), ty)
 
 
-def _nbytes(fl, op: Op, t) -> str:
+def _nbytes(fl, t) -> str:
     return fl.em.op(f"arith.constant {t.nbytes} : i64")
 
 
@@ -68,7 +68,7 @@ def lower_send(fl, op: Op) -> None:
     )
     data = _pointer(fl, buffer, ty)
     key = _key_pointer(fl, op.attrs["key"])
-    fl.em.line(f"func.call @flowjit_send({key}, {data}, {_nbytes(fl, op, t)}) : (i64, i64, i64) -> ()")
+    fl.em.line(f"func.call @flowjit_send({key}, {data}, {_nbytes(fl, t)}) : (i64, i64, i64) -> ()")
 
 
 def lower_recv(fl, op: Op) -> None:
@@ -78,7 +78,7 @@ def lower_recv(fl, op: Op) -> None:
     _declare(fl, RECV_DECL)
     dest = _pointer(fl, fl.buffers[op.result], memref_type(t))
     key = _key_pointer(fl, op.attrs["key"])
-    fl.em.op(f"func.call @flowjit_recv({key}, {dest}, {_nbytes(fl, op, t)}) : (i64, i64, i64) -> i32")
+    fl.em.op(f"func.call @flowjit_recv({key}, {dest}, {_nbytes(fl, t)}) : (i64, i64, i64) -> i32")
 
 
 def lower_send_done(fl, op: Op) -> None:
