@@ -331,7 +331,11 @@ def remainder(x, y):
     target = result_type(x, y)
     x, y = _cast_all([x, y], target)
     r = _elementwise("rem", x, y)
-    return where(_needs_sign_fix(r, y), add(r, y), r)
+    r = where(_needs_sign_fix(r, y), add(r, y), r)
+    if target.is_float:
+        # A zero remainder takes the divisor's sign, as in numpy: -3.0 % 3.0 is +0.0, not -0.0.
+        r = where(equal(r, 0), multiply(abs(r), sign(y)), r)
+    return r
 
 
 mod = remainder
