@@ -401,55 +401,6 @@ def _run_check(args) -> int:
     return EXIT_USER_ERROR if report.first_failure is not None else 0
 
 
-# --- flowjit check -------------------------------------------------------------------------------------
-
-
-def _add_check(sub) -> None:
-    p = sub.add_parser(
-        "check",
-        help="run every compilation stage of a function against the reference interpreter",
-        description=_run_check.__doc__,
-    )
-    p.add_argument("target", metavar="FILE.py:FUNCTION", help="the Python file and the function in it")
-    p.add_argument(
-        "--arg",
-        action="append",
-        default=[],
-        metavar="DTYPE[DIMS]",
-        help="an array argument, in order (random values: floats in [-2, 2), ints in [0, 4))",
-    )
-    p.add_argument(
-        "--static",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a static (compile-time) argument given by name, VALUE a Python literal",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random argument values (default: 0)")
-
-
-def _run_check(args) -> int:
-    """Trace FUNCTION of FILE.py, run the traced graph, the graph after each pass and the compiled code
-    on random arguments, and compare each with the reference interpreter. Exit 0 when all agree; 1
-    naming the first stage (pass or backend) that changes the result, the op and its source line."""
-    from flowjit.check import check_lowered, random_arguments
-    from flowjit.frontend.jit import PIPELINE
-
-    arg_specs = [parse_arg_spec(s) for s in args.arg]
-    statics = dict(parse_static(s) for s in args.static)
-    path, fn_name = _split_target(args.target)
-    fn = _load_function(path, fn_name)
-    arrays = iter(random_arguments(arg_specs, args.seed))
-    positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
-    positional = [next(arrays) if isinstance(a, flowjit.ShapeDtype) else a for a in positional]
-    lowered = _trace(path, fn_name, lambda: _jit_with_statics(fn, tuple(statics)).lower(*positional, **keywords))
-    array_args = [a for a in positional if not isinstance(a, flowjit.Variable)]
-    report = _trace(path, fn_name, lambda: check_lowered(lowered, array_args, PIPELINE))
-    signature = ", ".join(args.arg)
-    sys.stdout.write(report.format(f"flowjit check {args.target}({signature}), seed {args.seed}") + "\n")
-    return EXIT_USER_ERROR if report.first_failure is not None else 0
-
-
 # --- entry point ---------------------------------------------------------------------------------------
 
 # name -> (declare arguments, run). `compile` and `check` join this table when they exist.
