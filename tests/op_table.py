@@ -1084,6 +1084,46 @@ for _lo, _hi in ((0, 4), (-2, 3), (5, 5), (6, 2)):
     )
 
 
+def _fusion_loop_regions(dtype):
+    t = TensorType((3, 4), dtype)
+    # (x * y + x, max(x, y)): an elementwise group with two outputs.
+    body = region("fused", [t, t], lambda g, x, y: [_op1(g, "add", _op1(g, "mul", x, y), x), _op1(g, "max", x, y)])
+    return [body]
+
+
+add_row(
+    "fusion-loop",
+    "fusion",
+    FLOATS,
+    lambda rng, d: [rand(rng, (3, 4), d, -2, 2), rand(rng, (3, 4), d, -2, 2)],
+    lambda x, y, dtype: [x * y + x, np.maximum(x, y)],
+    attrs={"kind": "loop"},
+    regions=_fusion_loop_regions,
+)
+
+
+def _fusion_reduction_regions(dtype):
+    t = TensorType((3, 4), dtype)
+
+    def body(g, x):
+        peak = _op1(g, "reduce_max", x, axes=(1,))
+        shifted = _op1(g, "sub", x, _op1(g, "broadcast", peak, shape=(3, 4), dims=(0,)))
+        return [_op1(g, "reduce_sum", _op1(g, "exp", shifted), axes=(1,))]
+
+    return [region("fused", [t], body)]
+
+
+add_row(
+    "fusion-reduction",
+    "fusion",
+    FLOATS,
+    lambda rng, d: [rand(rng, (3, 4), d, -2, 2)],
+    lambda x, dtype: np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1),
+    attrs={"kind": "reduction"},
+    regions=_fusion_reduction_regions,
+)
+
+
 # --- ops for differentiation: identities on values ---------------------------------------------------------
 
 for _shape in ELEMENTWISE_SHAPES:
