@@ -333,9 +333,7 @@ def test_transfers_of_every_kind_of_value(target):
         np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=1e-3)
 
 
-# Interpreter only: the CPU backend cannot compile this loop even on one device yet (its lowering
-# calls MLIR's `memrefCopy` runtime function, which is not linked).
-@pytest.mark.parametrize("target", ["interpreter"])
+@pytest.mark.parametrize("target", ["interpreter", "cpu"])
 def test_control_flow_on_another_device(target):
     """A loop placed on cpu:1 as a unit, fed from and feeding cpu:0."""
 
