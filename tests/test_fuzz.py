@@ -46,6 +46,7 @@ def test_fixed_seed_sample():
         compiled.append(outcome.compiled)
 
     run()
+    assert len(compiled) >= 150, f"only {len(compiled)} programs ran"
     assert len(seen) > len(BUILDERS) // 2
     assert sum(compiled) > len(compiled) // 3, "too few programs reached the CPU backend"
 

@@ -590,27 +590,54 @@ def _max_pool(g: Gen) -> None:
     g.emit(f"nn.max_pool2d({x}, {window})", f"R.max_pool2d({x}, {window}, {window})", exact=a.exact)
 
 
+# Branch bodies of fj.cond per operand kind: (true, false), flowjit templates over `{a}`; bools and
+# ints cross region boundaries differently from floats in compiled code (bools travel as bytes).
+COND_BRANCHES = {
+    "float": (("M.tanh({a}) * 2", "{a} - 1", "M.sin({a})"), ("M.cos({a})", "{a} * 0.5", "-{a}")),
+    "int": (("{a} + 1", "{a} * 2"), ("-{a}", "{a} - 3")),
+    "bool": (("M.logical_not({a})", "{a}"), ("{a}", "M.logical_not({a})")),
+}
+
+
+def _kind(v: Val) -> str:
+    return "float" if v.is_float else "int" if v.is_int else "bool"
+
+
 @builder("cond")
 def _cond(g: Gen) -> None:
     # Smooth programs have continuous random values: a perturbation never flips the predicate.
     p = g.need(lambda v: (v.exact or g.smooth) and v.dtype != "bool" and v.array.size > 0)
-    a = g.need(lambda v: v.is_float)
-    ta = g.choice(["M.tanh({a}) * 2", "{a} - 1", "M.sin({a})"])
-    fa = g.choice(["M.cos({a})", "{a} * 0.5", "-{a}"])
+    a = g.need(lambda v: v.is_float or not g.smooth)
+    true_options, false_options = COND_BRANCHES[_kind(a)]
+    ta, fa = g.choice(true_options), g.choice(false_options)
     to_np = lambda t: t.replace("M.", "np.").format(a="W(a)")  # noqa: E731
     g.emit(
         f"FJ.cond(M.max({p.name}) > 0, lambda a: {ta.format(a='a')}, lambda a: {fa.format(a='a')}, {a.name})",
         f"C(R.cond(np.max({p.name}) > 0, lambda a: {to_np(ta)}, lambda a: {to_np(fa)}, {a.name}), {{T}})",
-        exact=False,
+        exact=a.exact and not a.is_float,
     )
 
 
 @builder("for")
 def _fori_loop(g: Gen) -> None:
-    c = g.need(lambda v: v.is_float)
-    x = g.broadcast_partner(c, lambda v: v.is_float and np.broadcast_shapes(v.shape, c.shape) == c.shape) or c
+    c = g.need(lambda v: v.is_float or not g.smooth)
     n = g.draw(st.integers(0, 3))
     t = c.dtype
+    if c.dtype == "bool":  # bools are carried as bytes in compiled loops
+        g.emit(
+            f"FJ.fori_loop(0, {n}, lambda i, c: M.logical_xor(c, i % 2 == 0), {c.name})",
+            f"R.fori_loop(0, {n}, lambda i, c: np.logical_xor(c, i % 2 == 0), {c.name})",
+            exact=c.exact,
+        )
+        return
+    if c.is_int:
+        g.emit(
+            f"FJ.fori_loop(0, {n}, lambda i, c: (c * 2 - i).astype({t!r}), {c.name})",
+            f"R.fori_loop(0, {n}, lambda i, c: C(c * 2 - i, {t!r}), {c.name})",
+            exact=c.exact,
+        )
+        return
+    x = g.broadcast_partner(c, lambda v: v.is_float and np.broadcast_shapes(v.shape, c.shape) == c.shape) or c
     g.emit(
         f"FJ.fori_loop(0, {n}, lambda i, c: (c * 0.5 + M.tanh({x.name}) + i).astype({t!r}), {c.name})",
         f"R.fori_loop(0, {n}, lambda i, c: C(W(c) * 0.5 + np.tanh({_w(x)}) + i, {t!r}), {c.name})",
