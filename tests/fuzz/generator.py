@@ -667,7 +667,24 @@ def _variable(g: Gen) -> None:
     g.fj_vars[name] = fj.Variable(init.copy())
     g.np_env[name] = numpy_ref.Var(init)
     update = g.choice(["assign", "assign_add", "assign_sub"])
-    g.effect(f"{name}.{update}({a.name})", f"{name}.{update}({a.name})")
+    # The update runs plainly, or inside a loop or a branch: state threaded through regions.
+    where = g.choice(["plain", "loop", "branch"])
+    if where == "plain":
+        g.effect(f"{name}.{update}({a.name})", f"{name}.{update}({a.name})")
+    elif where == "loop":
+        n = g.draw(st.integers(0, 3))
+        body = "lambda i, c: ({var}.{update}(c * 2), c)[1]"
+        g.effect(
+            f"FJ.fori_loop(0, {n}, {body.format(var=name, update=update)}, {a.name})",
+            f"R.fori_loop(0, {n}, {body.format(var=name, update=update)}, {a.name})",
+        )
+    else:
+        p = g.need(lambda v: v.exact and v.dtype != "bool" and v.array.size > 0)
+        branch = "lambda c: ({var}.{update}(c), c)[1]"
+        g.effect(
+            f"FJ.cond(M.max({p.name}) > 0, {branch.format(var=name, update=update)}, lambda c: c, {a.name})",
+            f"R.cond(np.max({p.name}) > 0, {branch.format(var=name, update=update)}, lambda c: c, {a.name})",
+        )
     g.emit(f"{name}.value", f"{name}.value", exact=a.exact and update == "assign")
 
 
