@@ -60,12 +60,8 @@ class Outcome:
 
 
 def all_ops(graph: Graph) -> set[str]:
-    names = set()
-    for op in graph.ops:
-        names.add(op.name)
-        for region in op.regions:
-            names |= all_ops(region)
-    return names
+    """Names of the ops in `graph`, regions included."""
+    return {op.name for op in graph.walk()}
 
 
 def compile_if_supported(lowered):
@@ -83,15 +79,8 @@ def compile_if_supported(lowered):
 def loosest_rtol(graph: Graph) -> float:
     """The tolerance of the least precise float dtype anywhere in `graph`: an output of float64
     computed from a float16 intermediate is only as accurate as float16."""
-    names = {t.dtype.name for t in graph.param_types} | {r.type.dtype.name for op in _walk(graph) for r in op.results}
+    names = {t.dtype.name for t in graph.param_types} | {r.type.dtype.name for op in graph.walk() for r in op.results}
     return max([RTOL[n] for n in names if n in RTOL], default=0.0)
-
-
-def _walk(graph: Graph):
-    for op in graph.ops:
-        yield op
-        for region in op.regions:
-            yield from _walk(region)
 
 
 def assert_close(actual, expected, what: str, where: str, rtol_floor: float = 0.0) -> None:
