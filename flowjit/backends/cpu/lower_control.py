@@ -103,14 +103,6 @@ def _yield(
         em.line("scf.yield")
         return
     carried = [_to_carrier(em, t, v) for t, v in zip(values, region.results)]
-    if into is None:
-        # Branch results of rank >= 2 (often reshaped views) would give the bufferized `scf.if` a
-        # fully dynamic layout, whose copy to the destination calls `memrefCopy`, which the JIT
-        # cannot resolve: a copy into a fresh tensor keeps the identity layout.
-        carried = [
-            em.op(f"bufferization.alloc_tensor() copy({c}) : {_carrier_type(v)}") if v.type.rank >= 2 else c
-            for c, v in zip(carried, region.results)
-        ]
     if into is not None:
         types = [_carrier_type(v) for v in region.results]
         if copy:
