@@ -314,6 +314,13 @@ def _add_compile(sub) -> None:
         "extra arguments)",
     )
     p.add_argument("--checkpoint", metavar="FILE", help="fj.save_checkpoint file of a dict variable name -> value")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        metavar="N",
+        help="trace with N CPU devices (default: $FLOWJIT_CPU_DEVICES, else 1); a function placed on several "
+        "becomes one library running every partition",
+    )
 
 
 def _run_compile(args) -> int:
@@ -330,6 +337,11 @@ def _run_compile(args) -> int:
     path, fn_name = _split_target(args.target)
     options = aot.AotOptions(args.name or fn_name, args.threads, args.static_lib)
     frozen = aot.load_frozen_variables(args.checkpoint) if args.checkpoint else None
+    if args.cpu_devices is not None:
+        if args.cpu_devices < 1:
+            raise UsageError(f"--cpu-devices {args.cpu_devices}: expected a positive number of devices")
+        # Before the model is imported: it may ask for its devices at import time.
+        os.environ["FLOWJIT_CPU_DEVICES"] = str(args.cpu_devices)
     _prepare_output_dir(args.output)
     fn = _load_function(path, fn_name)
     positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)

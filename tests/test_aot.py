@@ -78,6 +78,16 @@ def mixed(flag, n, d, h, b):
 
 def broken(x):
     return x @ x
+
+
+def two_devices(x, w1, b1, w2):
+    with fj.device("cpu:0"):
+        h = fnp.tanh(x @ w1 + b1)
+    with fj.device("cpu:1"):
+        logits = h @ w2
+        top = fnp.max(logits, axis=1)
+    with fj.device("cpu:0"):
+        return {"logits": logits, "score": top + h.sum(axis=1), "x": x}
 """
 
 # Shared by the C programs: read and write raw buffers, abort with a message on failure.
@@ -542,3 +552,152 @@ def test_frozen_checkpoint_must_hold_every_variable(built, tmp_path, capsys):
     assert main(["compile", f"{built}/model.py:predict_var", "--arg", "f32[4,8]", *argv]) == 1
     # In this process the model's variable may be named w_N: the test imported the model before.
     assert re.search(r"has no value for variable 'w(_\d+)?'; it holds: v", capsys.readouterr().err)
+
+
+# --- functions partitioned over several CPU devices ----------------------------------------------------
+
+# The two-device model (layers pinned to cpu:0 and cpu:1, values crossing both ways, an argument
+# returned as is), called through both entry points.
+TWO_DEVICES_C = r"""
+#include "two_devices.h"
+int main(int argc, char** argv) {
+  const char* dir = argv[1];
+  static float x[TWO_DEVICES_X_SIZE], w1[TWO_DEVICES_W1_SIZE], b1[TWO_DEVICES_B1_SIZE], w2[TWO_DEVICES_W2_SIZE];
+  static float logits[TWO_DEVICES_OUT_LOGITS_SIZE], score[TWO_DEVICES_OUT_SCORE_SIZE], xo[TWO_DEVICES_OUT_X_SIZE];
+  static float logits2[TWO_DEVICES_OUT_LOGITS_SIZE], score2[TWO_DEVICES_OUT_SCORE_SIZE], xo2[TWO_DEVICES_OUT_X_SIZE];
+  load(dir, "x", x, sizeof x); load(dir, "w1", w1, sizeof w1);
+  load(dir, "b1", b1, sizeof b1); load(dir, "w2", w2, sizeof w2);
+  CHECK(two_devices(x, w1, b1, w2, logits, score, xo));
+  save(dir, "logits", logits, sizeof logits); save(dir, "score", score, sizeof score); save(dir, "xo", xo, sizeof xo);
+  if (two_devices_workspace_size() != TWO_DEVICES_WORKSPACE_SIZE) return 4;
+  char* workspace = malloc(two_devices_workspace_size() + 1);
+  CHECK(two_devices_with_workspace(x, w1, b1, w2, logits2, score2, xo2, workspace + 1)); /* any alignment */
+  free(workspace);
+  if (memcmp(logits, logits2, sizeof logits) || memcmp(score, score2, sizeof score) || memcmp(xo, xo2, sizeof xo))
+    return 5;
+  return 0;
+}
+"""
+
+# Threads calling the partitioned entry point at once: each call has its own rendezvous.
+TWO_DEVICES_THREADS_C = r"""
+#include <pthread.h>
+#include "two_devices.h"
+#define THREADS 6
+#define CALLS 40
+static float x[THREADS][TWO_DEVICES_X_SIZE], w1[TWO_DEVICES_W1_SIZE], b1[TWO_DEVICES_B1_SIZE];
+static float w2[TWO_DEVICES_W2_SIZE], logits[THREADS][TWO_DEVICES_OUT_LOGITS_SIZE];
+static float score[THREADS][TWO_DEVICES_OUT_SCORE_SIZE];
+static int failures;
+
+static void* worker(void* arg) {
+  long t = (long)arg;
+  float l[TWO_DEVICES_OUT_LOGITS_SIZE], s[TWO_DEVICES_OUT_SCORE_SIZE], xo[TWO_DEVICES_OUT_X_SIZE];
+  for (int i = 0; i < CALLS; i++) {
+    memset(l, 0, sizeof l);
+    memset(s, 0, sizeof s);
+    int status = two_devices(x[t], w1, b1, w2, l, s, xo);
+    if (status != FLOWJIT_OK || memcmp(l, logits[t], sizeof l) || memcmp(s, score[t], sizeof s))
+      __sync_fetch_and_add(&failures, 1);
+  }
+  return NULL;
+}
+
+int main(int argc, char** argv) {
+  const char* dir = argv[1];
+  load(dir, "w1", w1, sizeof w1); load(dir, "b1", b1, sizeof b1); load(dir, "w2", w2, sizeof w2);
+  for (int t = 0; t < THREADS; t++) {
+    load(dir, "x", x[t], sizeof x[t]);
+    for (int i = 0; i < TWO_DEVICES_X_SIZE; i++) x[t][i] *= (float)(t + 1) / THREADS;
+    float xo[TWO_DEVICES_OUT_X_SIZE];
+    CHECK(two_devices(x[t], w1, b1, w2, logits[t], score[t], xo));
+  }
+  pthread_t threads[THREADS];
+  for (long t = 0; t < THREADS; t++) pthread_create(&threads[t], NULL, worker, (void*)t);
+  for (int t = 0; t < THREADS; t++) pthread_join(threads[t], NULL);
+  save(dir, "score", score[THREADS - 1], sizeof score[THREADS - 1]);
+  printf("failures %d\n", failures);
+  return failures != 0;
+}
+"""
+
+# h is 512x512: big enough for parallel loops (OpenMP) without --threads serial.
+TWO_DEVICES_ARGS = ("--arg", "f32[512,64]", "--arg", "f32[64,512]", "--arg", "f32[512]", "--arg", "f32[512,10]")
+
+
+@pytest.fixture(scope="module")
+def partitioned(built):
+    """The two-device model compiled by the CLI with --cpu-devices 2: serial and with OpenMP."""
+    _flowjit_compile(built, built / "parts_serial", "two_devices", *TWO_DEVICES_ARGS, "--cpu-devices", "2",
+                     "--threads", "serial")  # fmt: skip
+    _flowjit_compile(built, built / "parts_openmp", "two_devices", *TWO_DEVICES_ARGS, "--cpu-devices", "2")
+    rng = np.random.default_rng(7)
+    shapes = {"x": (512, 64), "w1": (64, 512), "b1": (512,), "w2": (512, 10)}
+    args = {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in shapes.items()}
+    data = built / "two_devices_data"
+    _write(data, **args)
+    return built, args, data
+
+
+def _two_devices_expected(built, args, monkeypatch):
+    monkeypatch.setenv("FLOWJIT_CPU_DEVICES", "2")
+    lowered = fj.jit(_model(built).two_devices).lower(*args.values())
+    assert lowered.as_text("placement").startswith("// stage: placement")
+    return fj.jit(_model(built).two_devices)(*args.values())
+
+
+def test_partitioned_function_from_c_matches_jit(partitioned, monkeypatch):
+    built, args, data = partitioned
+    manifest = json.loads((built / "parts_serial" / "two_devices.json").read_text())
+    assert [p["device"] for p in manifest["partitions"]] == ["cpu:0", "cpu:1"]
+    assert manifest["runtime_libraries"] == ["libc", "libm", "libpthread"]
+    assert manifest["entry_points"][0] == "two_devices" and len(manifest["outputs"]) == 3
+    _run(_build_c(built, built / "parts_serial", "two_devices", TWO_DEVICES_C), data)
+    expected = _two_devices_expected(built, args, monkeypatch)
+    np.testing.assert_allclose(_read(data, "logits", np.float32, (512, 10)), expected["logits"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_read(data, "score", np.float32, (512,)), expected["score"], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(_read(data, "xo", np.float32, (512, 64)), args["x"])
+
+
+def test_partitioned_function_in_a_static_library(partitioned, tmp_path, monkeypatch):
+    built, args, data = partitioned
+    out = tmp_path / "static"
+    _flowjit_compile(built, out, "two_devices", *TWO_DEVICES_ARGS, "--cpu-devices", "2", "--threads", "serial",
+                     "--static-lib")  # fmt: skip
+    _run(_build_c(tmp_path, out, "two_devices", TWO_DEVICES_C, static=True, extra=["-pthread"]), data)
+    expected = _two_devices_expected(built, args, monkeypatch)
+    np.testing.assert_allclose(_read(data, "logits", np.float32, (512, 10)), expected["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_partitioned_function_called_from_threads(partitioned):
+    built, args, data = partitioned
+    stdout = _run(_build_c(built, built / "parts_openmp", "two_devices", TWO_DEVICES_THREADS_C, extra=["-pthread"]),
+                  data)  # fmt: skip
+    assert "failures 0" in stdout
+    x = args["x"].astype(np.float64)  # the last thread's input: x scaled by 6/6
+    h = np.tanh(x @ args["w1"] + args["b1"])
+    expected = (h @ args["w2"]).max(axis=1) + h.sum(axis=1)
+    np.testing.assert_allclose(_read(data, "score", np.float32, (512,)), expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(shutil.which("nm") is None or shutil.which("readelf") is None, reason="needs binutils")
+def test_partitioned_library_depends_on_libc_libm_libpthread_only(partitioned):
+    import ctypes
+
+    built, _, _ = partitioned
+    library = built / "parts_serial" / "two_devices.so"
+    assert set(_needed(library)) <= {"libc.so.6", "libm.so.6", "libpthread.so.0"}
+    runtime = [ctypes.CDLL("libc.so.6"), ctypes.CDLL("libm.so.6"), ctypes.CDLL("libpthread.so.0")]
+    undefined = _undefined(library)
+    assert "pthread_create" in undefined
+    for symbol in undefined:
+        assert any(hasattr(lib, symbol) for lib in runtime), symbol
+    manifest = json.loads((built / "parts_serial" / "two_devices.json").read_text())
+    assert set(undefined) <= set(manifest["external_symbols"])
+    # The rendezvous and the kernels are hidden: only the documented entry points are exported.
+    proc = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, timeout=60,
+                          check=True)  # fmt: skip
+    exported = sorted(line.split()[-1] for line in proc.stdout.splitlines() if " T " in line)
+    assert exported == [f"two_devices{s}" for s in ("", "_status_string", "_with_workspace", "_workspace_size")]
+    openmp = built / "parts_openmp" / "two_devices.so"
+    assert "libiomp5.so" in _needed(openmp) and any(s.startswith("__kmpc_") for s in _undefined(openmp))

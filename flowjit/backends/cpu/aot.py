@@ -29,16 +29,30 @@ import flowjit
 from flowjit.backends.cpu import aot_c, toolchain
 from flowjit.backends.cpu.compiler import generate_mlir
 from flowjit.errors import CompileError, FlowjitValueError
-from flowjit.frontend.jit import PIPELINE, VariableArg
+from flowjit.frontend.jit import PIPELINE, PLACEMENT_PIPELINE, VariableArg
 from flowjit.frontend.pytree import leaf_paths, tree_unflatten
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Value
 from flowjit.ir.parser import parse_graph
 from flowjit.ir.printer import print_graph
+from flowjit.passes.partition import PartitionPlan, graph_devices, short_device_name, split_partitions
 from flowjit.passes.registry import run_pipeline
 from flowjit.passes.state import functionalize_state
 
 THREADS = ("openmp", "serial")
+# The rendezvous functions partition kernels call (lower_communication.py); a partitioned library
+# defines them (aot_runtime.c).
+COMMUNICATION_SYMBOLS = ("flowjit_send", "flowjit_recv", "flowjit_send_done")
+# What the wrapper of a partitioned library and its rendezvous runtime call (libc; pthread_* are in
+# libc since glibc 2.34, in libpthread before).
+RUNTIME_SYMBOLS = (
+    "clock_gettime", "free", "getenv", "malloc", "memcpy", "memmove", "memset", "strcmp", "strtod", "pthread_attr_destroy", "pthread_attr_init",
+    "pthread_attr_setstacksize", "pthread_cond_broadcast", "pthread_cond_destroy", "pthread_cond_init",
+    "pthread_cond_timedwait", "pthread_cond_wait", "pthread_condattr_destroy", "pthread_condattr_init",
+    "pthread_condattr_setclock", "pthread_create", "pthread_getspecific", "pthread_join", "pthread_key_create",
+    "pthread_mutex_destroy", "pthread_mutex_init", "pthread_mutex_lock", "pthread_mutex_unlock", "pthread_once",
+    "pthread_setspecific",
+)  # fmt: skip
 # The OpenMP pass turns the scf.parallel loops of the schedule into OpenMP regions; without it,
 # `convert-scf-to-cf` lowers them to sequential loops.
 _OPENMP_PASS = "convert-scf-to-openmp,"
@@ -77,9 +91,10 @@ def llvm_pipeline(threads: str) -> str:
     return toolchain.LLVM_PIPELINE.replace(_OPENMP_PASS, "")
 
 
-def kernel_object(graph: Graph, kernel: str, threads: str):
+def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str = ""):
     """Compile `graph` to a position-independent object defining `kernel` (hidden visibility);
-    returns (object bytes, the MlirModule, the external functions it calls)."""
+    returns (object bytes, the MlirModule, the external functions it calls). Its calls of the
+    rendezvous (`flowjit_send`...) go to `runtime_prefix` + that name, defined by the library."""
     mlir = generate_mlir(graph)
     text = mlir.text
     if "transform.named_sequence" in text:
@@ -95,6 +110,10 @@ def kernel_object(graph: Graph, kernel: str, threads: str):
     entry = module.get_function(mlir.entry)
     entry.name = kernel
     entry.visibility = "hidden"
+    for function in module.functions:
+        if function.name in COMMUNICATION_SYMBOLS:
+            function.name = runtime_prefix + function.name
+            function.visibility = "hidden"
     externals = toolchain.undefined_symbols(module)
     return toolchain.emit_object(str(module), kernel), mlir, externals
 
@@ -210,31 +229,84 @@ def _run(argv: list[str]) -> None:
         raise CompileError(f"internal error: '{shlex.join(argv)}' failed:\n{proc.stderr}")
 
 
-def link(workdir: str, name: str, object_path: str, c_path: str, options: AotOptions, out_path: str, openmp: bool):
-    """Compile the wrapper and link it with the kernel object into `out_path` (.so or .a); with
-    `openmp`, against libiomp5."""
+def link(
+    workdir: str,
+    name: str,
+    object_paths: list[str],
+    c_path: str,
+    options: AotOptions,
+    out_path: str,
+    openmp: bool,
+    pthread: bool = False,
+):
+    """Compile the wrapper and link it with the kernel objects into `out_path` (.so or .a); with
+    `openmp`, against libiomp5; with `pthread` (a partitioned function), against libpthread."""
     cc = c_compiler()
+    threads = ["-pthread"] if pthread else []
     if options.static_lib:
         wrapper_object = os.path.join(workdir, f"{name}_wrapper.o")
-        _run([*cc, "-c", "-O2", "-fPIC", "-o", wrapper_object, c_path])
-        _run(["ar", "rcs", out_path, wrapper_object, object_path])
+        _run([*cc, "-c", "-O2", "-fPIC", *threads, "-o", wrapper_object, c_path])
+        _run(["ar", "rcs", out_path, wrapper_object, *object_paths])
         return
-    argv = [*cc, "-shared", "-O2", "-fPIC", f"-Wl,-soname,{name}.so", "-Wl,-z,noexecstack", "-o", out_path]
-    argv += [c_path, object_path, "-lm"]
+    argv = [*cc, "-shared", "-O2", "-fPIC", *threads, f"-Wl,-soname,{name}.so", "-Wl,-z,noexecstack", "-o", out_path]
+    argv += [c_path, *object_paths, "-lm"]
     if openmp:
         lib_dir = os.path.dirname(toolchain.openmp_library())
         argv += [f"-L{lib_dir}", "-liomp5", f"-Wl,-rpath,$ORIGIN:{lib_dir}"]
     _run(argv)
 
 
+def partition_plan(graph: Graph) -> PartitionPlan | None:
+    """`graph` placed and partitioned as `fj.jit` does it (stage "placement"), split per device;
+    None when it runs on one device."""
+    placed = run_pipeline(parse_graph(print_graph(graph)), PLACEMENT_PIPELINE)
+    return split_partitions(placed) if len(graph_devices(placed)) > 1 else None
+
+
+def _compile_partitions(plan: PartitionPlan, name: str, threads: str):
+    """Compile each partition's kernel. Returns the (kernel, object bytes) pairs, the wrapper's C
+    source, the total workspace, the external symbols and the manifest's list of partitions."""
+    objects, kernels, externals, described, keys = [], [], set(RUNTIME_SYMBOLS), [], []
+    for n, part in enumerate(plan.partitions):
+        kernel = f"{name}_kernel{n}"
+        code, mlir, calls = kernel_object(part.graph, kernel, threads, runtime_prefix=f"{name}_")
+        objects.append((kernel, code))
+        kernels.append(aot_c.PartitionKernel(kernel, tuple(part.inputs), tuple(part.outputs), mlir.workspace_bytes))
+        externals.update(s for s in calls if not s.startswith(f"{name}_flowjit_"))
+        keys += [op.attrs["key"] for op in part.graph.ops if op.name == "send"]
+        described.append(
+            {
+                "device": short_device_name(part.device),
+                "inputs": list(part.inputs),
+                "outputs": list(part.outputs),
+                "workspace_bytes": mlir.workspace_bytes,
+            }
+        )
+    passthrough = [(k, source[1]) for k, source in enumerate(plan.result_sources) if source[0] == "param"]
+    workspace = aot_c.partitioned_workspace_bytes(kernels) + aot_c.WORKSPACE_ALIGNMENT
+    return objects, (kernels, keys, passthrough), workspace, sorted(externals), described
+
+
 def build_library(lowered, out_dir: str, options: AotOptions, source: str, frozen: dict | None = None) -> Library:
-    """Compile `lowered` (a `fj.jit(...).lower(...)` result) into a C library in `out_dir`."""
+    """Compile `lowered` (a `fj.jit(...).lower(...)` result) into a C library in `out_dir`. A
+    function placed on several devices becomes one kernel per partition, run concurrently by the
+    entry point (see docs/aot.md)."""
     graph, state_inputs, state_outputs = functional_graph(lowered, frozen)
     inputs, outputs = ports(lowered, graph, state_inputs, state_outputs)
-    kernel = f"{options.name}_kernel"
-    object_code, mlir, externals = kernel_object(graph, kernel, options.threads)
-    workspace = mlir.workspace_bytes + aot_c.WORKSPACE_ALIGNMENT
-    manifest = _manifest(lowered, options, source, inputs, outputs, workspace, externals)
+    plan = partition_plan(graph)
+    if plan is None:
+        kernel = f"{options.name}_kernel"
+        object_code, mlir, externals = kernel_object(graph, kernel, options.threads)
+        objects = [(kernel, object_code)]
+        workspace = mlir.workspace_bytes + aot_c.WORKSPACE_ALIGNMENT
+        wrapper = aot_c.wrapper(options.name, kernel, inputs, outputs, mlir.workspace_bytes)
+        partitions = None
+    else:
+        objects, (kernels, keys, passthrough), workspace, externals, partitions = _compile_partitions(
+            plan, options.name, options.threads
+        )
+        wrapper = aot_c.partitioned_wrapper(options.name, kernels, keys, passthrough, inputs, outputs)
+    manifest = _manifest(lowered, options, source, inputs, outputs, workspace, externals, partitions)
     paths = Library(
         os.path.join(out_dir, options.name + (".a" if options.static_lib else ".so")),
         os.path.join(out_dir, f"{options.name}.h"),
@@ -243,16 +315,18 @@ def build_library(lowered, out_dir: str, options: AotOptions, source: str, froze
     with open(paths.header, "w", encoding="utf-8") as f:
         f.write(aot_c.header(options.name, inputs, outputs, manifest))
     with tempfile.TemporaryDirectory(prefix="flowjit-aot-") as workdir:
-        object_path = os.path.join(workdir, f"{kernel}.o")
-        with open(object_path, "wb") as f:
-            f.write(object_code)
+        object_paths = []
+        for kernel, code in objects:
+            object_paths.append(os.path.join(workdir, f"{kernel}.o"))
+            with open(object_paths[-1], "wb") as f:
+                f.write(code)
         c_path = os.path.join(workdir, f"{options.name}.c")
         with open(c_path, "w", encoding="utf-8") as f:
-            f.write(aot_c.wrapper(options.name, kernel, inputs, outputs, mlir.workspace_bytes))
+            f.write(wrapper)
         # The wrapper includes NAME.h: a copy sits next to it.
         shutil.copy(paths.header, workdir)
         openmp = "libiomp5" in manifest["runtime_libraries"]
-        link(workdir, options.name, object_path, c_path, options, paths.library, openmp)
+        link(workdir, options.name, object_paths, c_path, options, paths.library, openmp, plan is not None)
     with open(paths.manifest, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2)
         f.write("\n")
@@ -274,10 +348,13 @@ def _port_json(port: aot_c.Port) -> dict:
     return entry
 
 
-def _manifest(lowered, options: AotOptions, source: str, inputs, outputs, workspace: int, externals) -> dict:
+def _manifest(
+    lowered, options: AotOptions, source: str, inputs, outputs, workspace: int, externals, partitions
+) -> dict:
     cpu = toolchain.host_cpu()
-    runtime = ["libc", "libm"] + (["libiomp5"] if any(s.startswith("__kmpc") for s in externals) else [])
-    return {
+    runtime = ["libc", "libm"] + (["libpthread"] if partitions else [])
+    runtime += ["libiomp5"] if any(s.startswith("__kmpc") for s in externals) else []
+    manifest = {
         "name": options.name,
         "source": source,
         "flowjit_version": flowjit.__version__,
@@ -296,3 +373,6 @@ def _manifest(lowered, options: AotOptions, source: str, inputs, outputs, worksp
         "external_symbols": externals,
         "target": {"triple": cpu.triple, "cpu": cpu.name, "features": cpu.features},
     }
+    if partitions:
+        manifest["partitions"] = partitions
+    return manifest
