@@ -80,6 +80,21 @@ def broken(x):
     return x @ x
 
 
+V2 = fj.Variable(np.full((16, 4), 0.1, np.float32), name="v2")
+
+
+def two_device_step(x, w1):
+    def loss(params):
+        with fj.device("cpu:0"):
+            h = fnp.tanh(x @ params[0])
+        with fj.device("cpu:1"):
+            return ((h @ params[1]) ** 2).mean()
+
+    l, grads = fj.value_and_grad(loss)((w1, V2.value))
+    V2.assign_sub(0.1 * grads[1])
+    return w1 - 0.1 * grads[0], l
+
+
 def two_devices(x, w1, b1, w2):
     with fj.device("cpu:0"):
         h = fnp.tanh(x @ w1 + b1)
@@ -701,3 +716,117 @@ def test_partitioned_library_depends_on_libc_libm_libpthread_only(partitioned):
     assert exported == [f"two_devices{s}" for s in ("", "_status_string", "_with_workspace", "_workspace_size")]
     openmp = built / "parts_openmp" / "two_devices.so"
     assert "libiomp5.so" in _needed(openmp) and any(s.startswith("__kmpc_") for s in _undefined(openmp))
+
+
+# A training step over two devices, its parameter and its variable updated in place.
+TWO_DEVICE_STEP_C = r"""
+#include "two_device_step.h"
+int main(int argc, char** argv) {
+  const char* dir = argv[1];
+  float x[TWO_DEVICE_STEP_X_SIZE], w1[TWO_DEVICE_STEP_W1_SIZE], v2[TWO_DEVICE_STEP_V2_SIZE], loss[1];
+  load(dir, "x", x, sizeof x); load(dir, "w1", w1, sizeof w1); load(dir, "v2", v2, sizeof v2);
+  for (int i = 0; i < 3; i++) CHECK(two_device_step(x, w1, v2, w1, loss, v2));
+  save(dir, "w1_out", w1, sizeof w1); save(dir, "v2_out", v2, sizeof v2); save(dir, "loss", loss, sizeof loss);
+  return 0;
+}
+"""
+
+
+def test_partitioned_training_step_updates_in_place(partitioned, monkeypatch):
+    built, _, _ = partitioned
+    out = built / "parts_step"
+    _flowjit_compile(built, out, "two_device_step", "--arg", "f32[8,12]", "--arg", "f32[12,16]", "--cpu-devices", "2",
+                     "--threads", "serial")  # fmt: skip
+    assert len(json.loads((out / "two_device_step.json").read_text())["partitions"]) == 2
+    rng = np.random.default_rng(8)
+    x, w1 = rng.standard_normal((8, 12)).astype(np.float32), rng.standard_normal((12, 16)).astype(np.float32)
+    data = built / "two_device_step_data"
+    _write(data, x=x, w1=w1, v2=np.full((16, 4), 0.1, np.float32))
+    _run(_build_c(built, out, "two_device_step", TWO_DEVICE_STEP_C), data)
+    monkeypatch.setenv("FLOWJIT_CPU_DEVICES", "2")
+    model = _model(built)
+    step = fj.jit(model.two_device_step)
+    for _ in range(3):
+        w1, loss = step(x, w1)
+    np.testing.assert_allclose(_read(data, "w1_out", np.float32, (12, 16)), w1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_read(data, "v2_out", np.float32, (16, 4)), model.V2.value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_read(data, "loss", np.float32, ()), loss, rtol=1e-5)
+
+
+# Stand-ins for two partition kernels driving the rendezvous runtime directly: the recv waits first
+# (mode 0), the send lends its buffer first (mode 1), or each waits for a value never sent (mode 2).
+RENDEZVOUS_C = r"""
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include "t.h"
+void t_flowjit_send(int64_t key, int64_t data, int64_t nbytes);
+int32_t t_flowjit_recv(int64_t key, int64_t dest, int64_t nbytes);
+void t_flowjit_send_done(void);
+static int mode;
+static int32_t received = -1;
+
+static void sleep_ms(int ms) { struct timespec t = {0, ms * 1000000L}; nanosleep(&t, NULL); }
+
+void t_kernel0(const void* a, void* b, void* workspace) {
+  (void)a; (void)workspace;
+  if (mode == 1) sleep_ms(50); /* the sender has lent its buffer by now */
+  received = t_flowjit_recv((int64_t)(intptr_t)"k1", (int64_t)(intptr_t)b, 4 * sizeof(float));
+}
+
+void t_kernel1(const void* a, void* workspace) {
+  float* buffer = workspace;
+  if (mode == 2) {
+    t_flowjit_recv((int64_t)(intptr_t)"k0", (int64_t)(intptr_t)buffer, 4 * sizeof(float));
+    return;
+  }
+  if (mode == 0) sleep_ms(50); /* the receiver waits by now */
+  for (int i = 0; i < 4; i++) buffer[i] = ((const float*)a)[i] + 1.0f;
+  t_flowjit_send((int64_t)(intptr_t)"k1", (int64_t)(intptr_t)buffer, 4 * sizeof(float));
+  t_flowjit_send_done();
+  for (int i = 0; i < 4; i++) buffer[i] = -99.0f; /* after send_done the loan is the sender's again */
+}
+
+int main(void) {
+  float a[4] = {1, 2, 3, 4}, b[4];
+  for (mode = 0; mode < 3; mode++) {
+    struct timespec start, end;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    memset(b, 0x7f, sizeof b);
+    int status = t(a, b);
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    double seconds = (double)(end.tv_sec - start.tv_sec) + (double)(end.tv_nsec - start.tv_nsec) * 1e-9;
+    printf("mode %d status %d received %d b %g %g %g %g seconds %.2f\n", mode, status, received, b[0], b[1], b[2],
+           b[3], seconds);
+  }
+  return 0;
+}
+"""
+
+
+def test_rendezvous_runtime_delivers_lends_and_times_out(tmp_path):
+    from flowjit.backends.cpu import aot_c
+    from flowjit.ir import dtypes
+
+    a, b = aot_c.Port("a", "a", (4,), dtypes.float32), aot_c.Port("b", "out", (4,), dtypes.float32)
+    kernels = [aot_c.PartitionKernel("t_kernel0", (0,), (0,), 0), aot_c.PartitionKernel("t_kernel1", (0,), (), 16)]
+    manifest = {"flowjit_version": "test", "source": "test", "runtime_libraries": ["libc"], "threads": "serial",
+                "workspace_bytes": 128, "target": {"cpu": "any", "triple": "any"}}  # fmt: skip
+    (tmp_path / "t.h").write_text(aot_c.header("t", [a], [b], manifest))
+    (tmp_path / "t.c").write_text(aot_c.partitioned_wrapper("t", kernels, ["k0", "k1"], [], [a], [b]))
+    (tmp_path / "main.c").write_text(RENDEZVOUS_C)
+    binary = str(tmp_path / "main")
+    argv = ["cc", "-O1", "-Wall", "-Werror", "-pthread", "-I", str(tmp_path), str(tmp_path / "t.c"),
+            str(tmp_path / "main.c"), "-o", binary]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([binary], capture_output=True, text=True, timeout=60, env={**os.environ,
+                          "FLOWJIT_RECV_TIMEOUT": "0.3"})  # fmt: skip
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 3, proc.stdout + proc.stderr
+    assert lines[0].startswith("mode 0 status 0 received 0 b 2 3 4 5 ")  # copied into the waiting destination
+    assert lines[1].startswith("mode 1 status 0 received 0 b 2 3 4 5 ")  # copied out of the loan before send_done
+    # Nothing arrives: one timeout fails the call (FLOWJIT_ERROR_TRANSFER), cancels the other
+    # partition's wait, and zero-fills the destination.
+    assert lines[2].startswith("mode 2 status 3 received 1 b 0 0 0 0 ")
+    assert 0.25 < float(lines[2].split()[-1]) < 0.55

@@ -8,6 +8,10 @@ The library needs no Python, MLIR or LLVM at run time: libc, libm and, unless bu
 build environment's lib folder, so copying it next to the library is enough to ship it). With
 `threads="serial"` the parallel loops are compiled as plain loops and no OpenMP call remains.
 
+A function placed on several CPU devices is partitioned as `fj.jit` does it: one kernel object per
+partition, and the wrapper (`aot_c.partitioned_wrapper`, with the rendezvous of `aot_runtime.c`)
+runs them concurrently per call; the library then also needs libpthread.
+
 Variables: with `frozen` values (name -> array) they are constants of the code; otherwise each
 becomes an input (its value before the call) and, when the function updates it, an output (its
 value after), named after the variable, so the C caller owns the state.
@@ -46,12 +50,12 @@ COMMUNICATION_SYMBOLS = ("flowjit_send", "flowjit_recv", "flowjit_send_done")
 # What the wrapper of a partitioned library and its rendezvous runtime call (libc; pthread_* are in
 # libc since glibc 2.34, in libpthread before).
 RUNTIME_SYMBOLS = (
-    "clock_gettime", "free", "getenv", "malloc", "memcpy", "memmove", "memset", "strcmp", "strtod", "pthread_attr_destroy", "pthread_attr_init",
-    "pthread_attr_setstacksize", "pthread_cond_broadcast", "pthread_cond_destroy", "pthread_cond_init",
-    "pthread_cond_timedwait", "pthread_cond_wait", "pthread_condattr_destroy", "pthread_condattr_init",
-    "pthread_condattr_setclock", "pthread_create", "pthread_getspecific", "pthread_join", "pthread_key_create",
-    "pthread_mutex_destroy", "pthread_mutex_init", "pthread_mutex_lock", "pthread_mutex_unlock", "pthread_once",
-    "pthread_setspecific",
+    "clock_gettime", "free", "getenv", "malloc", "memcpy", "memmove", "memset", "strcmp", "strtod",
+    "pthread_attr_destroy", "pthread_attr_init", "pthread_attr_setstacksize", "pthread_cond_broadcast",
+    "pthread_cond_destroy", "pthread_cond_init", "pthread_cond_timedwait", "pthread_cond_wait",
+    "pthread_condattr_destroy", "pthread_condattr_init", "pthread_condattr_setclock", "pthread_create",
+    "pthread_getspecific", "pthread_join", "pthread_key_create", "pthread_mutex_destroy", "pthread_mutex_init",
+    "pthread_mutex_lock", "pthread_mutex_unlock", "pthread_once", "pthread_setspecific",
 )  # fmt: skip
 # The OpenMP pass turns the scf.parallel loops of the schedule into OpenMP regions; without it,
 # `convert-scf-to-cf` lowers them to sequential loops.

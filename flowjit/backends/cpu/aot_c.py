@@ -5,6 +5,8 @@ The kernel is the CPU backend's entry point `void NAME_kernel(in..., out..., wor
 bare pointers (see `lowering.py`); it assumes no input overlaps an output. The wrapper makes
 in-place calls correct anyway: an input whose bytes overlap an output's is first copied to a
 temporary, so the caller may pass one buffer as both (the usual way to update parameters).
+A partitioned function's wrapper calls one kernel per partition, concurrently, through the
+rendezvous runtime in `aot_runtime.c`.
 """
 
 from __future__ import annotations
