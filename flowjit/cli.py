@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -337,22 +338,38 @@ def _run_compile(args) -> int:
     path, fn_name = _split_target(args.target)
     options = aot.AotOptions(args.name or fn_name, args.threads, args.static_lib)
     frozen = aot.load_frozen_variables(args.checkpoint) if args.checkpoint else None
-    if args.cpu_devices is not None:
-        if args.cpu_devices < 1:
-            raise UsageError(f"--cpu-devices {args.cpu_devices}: expected a positive number of devices")
-        # Before the model is imported: it may ask for its devices at import time.
-        os.environ["FLOWJIT_CPU_DEVICES"] = str(args.cpu_devices)
     _prepare_output_dir(args.output)
-    fn = _load_function(path, fn_name)
-    positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
-    jitted = _jit_with_statics(fn, tuple(statics))
-    lowered = _trace(path, fn_name, lambda: jitted.lower(*positional, **keywords))
-    try:
-        library = aot.build_library(lowered, args.output, options, args.target, frozen)
-    except FlowjitError as e:
-        raise UsageError(f"compiling {path}:{fn_name} failed: {e}") from None
+    with _cpu_devices(args.cpu_devices):
+        fn = _load_function(path, fn_name)
+        positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
+        jitted = _jit_with_statics(fn, tuple(statics))
+        lowered = _trace(path, fn_name, lambda: jitted.lower(*positional, **keywords))
+        try:
+            library = aot.build_library(lowered, args.output, options, args.target, frozen)
+        except FlowjitError as e:
+            raise UsageError(f"compiling {path}:{fn_name} failed: {e}") from None
     print(f"wrote {library.library}, {library.header}, {library.manifest}")
     return 0
+
+
+@contextlib.contextmanager
+def _cpu_devices(count: int | None):
+    """`FLOWJIT_CPU_DEVICES=count` while the model is imported, traced and compiled (it may ask for
+    its devices at import time); restored afterwards, as `main` may run inside a longer process."""
+    if count is None:
+        yield
+        return
+    if count < 1:
+        raise UsageError(f"--cpu-devices {count}: expected a positive number of devices")
+    previous = os.environ.get("FLOWJIT_CPU_DEVICES")
+    os.environ["FLOWJIT_CPU_DEVICES"] = str(count)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["FLOWJIT_CPU_DEVICES"]
+        else:
+            os.environ["FLOWJIT_CPU_DEVICES"] = previous
 
 
 def _prepare_output_dir(path: str) -> None:

@@ -543,9 +543,15 @@ def test_static_library(built, tmp_path):
             ["updates variable(s)", "steps", "w"],
         ),  # fmt: skip
         (["predict", "--name", "1bad"], ["--name '1bad'", "C identifier"]),
+        (["predict", "--cpu-devices", "0"], ["--cpu-devices 0", "positive"]),
+        (
+            ["two_devices", "--arg", "f32[4,2]", "--arg", "f32[2,3]", "--arg", "f32[3]", "--arg", "f32[3,5]"],
+            ["model.py:", "no device matches", "cpu:1", "FLOWJIT_CPU_DEVICES"],
+        ),  # one device: cpu:1 does not exist
     ],
 )
-def test_errors(built, tmp_path, capsys, argv, fragments):
+def test_errors(built, tmp_path, capsys, monkeypatch, argv, fragments):
+    monkeypatch.delenv("FLOWJIT_CPU_DEVICES", raising=False)
     argv = [f"{built}/model.py:{argv[0]}", *[str(built / "ckpt") if a == "CKPT" else a for a in argv[1:]]]
     assert main(["compile", *argv, "-o", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
@@ -682,6 +688,14 @@ def test_partitioned_function_in_a_static_library(partitioned, tmp_path, monkeyp
     _run(_build_c(tmp_path, out, "two_devices", TWO_DEVICES_C, static=True, extra=["-pthread"]), data)
     expected = _two_devices_expected(built, args, monkeypatch)
     np.testing.assert_allclose(_read(data, "logits", np.float32, (512, 10)), expected["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_devices_option_is_restored_after_an_in_process_compile(built, tmp_path, monkeypatch):
+    monkeypatch.delenv("FLOWJIT_CPU_DEVICES", raising=False)
+    argv = ["--arg", "f32[4,2]", "--arg", "f32[2,3]", "--arg", "f32[3]", "--arg", "f32[3,5]", "--threads", "serial"]
+    assert main(["compile", f"{built}/model.py:two_devices", *argv, "--cpu-devices", "2", "-o", str(tmp_path)]) == 0
+    assert "FLOWJIT_CPU_DEVICES" not in os.environ
+    assert len(json.loads((tmp_path / "two_devices.json").read_text())["partitions"]) == 2
 
 
 def test_partitioned_function_called_from_threads(partitioned):
