@@ -121,7 +121,8 @@ def parse_static(spec: str) -> tuple[str, object]:
 
 
 def _add_function_arguments(p) -> None:
-    """FILE.py:FUNCTION, --arg and --static: how `dump` and `compile` name a function and its signature."""
+    """FILE.py:FUNCTION, --arg and --static: how `dump`, `compile` and `check` name a function and its
+    signature."""
     p.add_argument("target", metavar="FILE.py:FUNCTION", help="the Python file and the function in it")
     p.add_argument(
         "--arg",
@@ -390,22 +391,13 @@ def _add_check(sub) -> None:
         help="run every compilation stage of a function against the reference interpreter",
         description=_run_check.__doc__,
     )
-    p.add_argument("target", metavar="FILE.py:FUNCTION", help="the Python file and the function in it")
+    _add_function_arguments(p)
     p.add_argument(
-        "--arg",
-        action="append",
-        default=[],
-        metavar="DTYPE[DIMS]",
-        help="an array argument, in order (random values: floats in [-2, 2), ints in [0, 4))",
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random argument values: floats in [-2, 2), ints in [0, 4) (default: 0)",
     )
-    p.add_argument(
-        "--static",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a static (compile-time) argument given by name, VALUE a Python literal",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random argument values (default: 0)")
 
 
 def _run_check(args) -> int:
