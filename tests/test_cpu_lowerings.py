@@ -252,7 +252,28 @@ def test_matmul_kernel_batched_and_transposed():
     assert ("scf.forall" in mlir) == ((os.cpu_count() or 1) > 1)
     transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())
     mlir = check("dot_general", [data((70, 45), dt.float32, 1), data((90, 45), dt.float32, 2)], transposed)
-    assert "linalg.transpose" in mlir and "vector.fma" in mlir
+    # B as (N, K) is packed from its rows (transposed in registers), not copied to (K, N) first
+    assert "linalg.transpose" not in mlir and "vector.transpose" in mlir and "vector.fma" in mlir
+
+
+@pytest.mark.parametrize(
+    ("lead", "m", "n", "k", "dtype"),
+    [
+        ((), 70, 90, 45, dt.float32),
+        ((), 33, 37, 19, dt.float32),  # odd N and K: partial panel, masked k tail
+        ((), 9, 64, 128, dt.float64),
+        ((), 40, 35, 77, dt.int32),
+        ((), 24, 50, 33, dt.float16),
+        ((3,), 21, 41, 29, dt.float32),
+        ((2,), 70, 130, 120, dt.int64),
+    ],
+)
+def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype):
+    """`a @ b.T`: the rhs arrives as (batch, N, K) and the kernel packs it without a transpose."""
+    b = len(lead)
+    dims = dict(lhs_contract=(b + 1,), rhs_contract=(b + 1,), lhs_batch=tuple(range(b)), rhs_batch=tuple(range(b)))
+    mlir = check("dot_general", [data(lead + (m, k), dtype, 1), data(lead + (n, k), dtype, 2)], dims)
+    assert "linalg.transpose" not in mlir and "vector.transpose" in mlir
     # two free dims on the left become the kernel's rows (a view, no copy)
     check(
         "dot_general",

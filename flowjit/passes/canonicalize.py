@@ -19,6 +19,7 @@ from flowjit.ir.dtypes import DType
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.interpreter import eval_op
 from flowjit.ir.ops import CREATION, get_opdef
+from flowjit.ir.ops.contraction import dot_dims
 from flowjit.passes.registry import register
 
 # Fold only small results, or elementwise ops that do not grow their operands: folding a broadcast
@@ -148,6 +149,24 @@ def _transpose_rules(op, rw):
     )  # transpose(transpose(x, p), q) -> transpose(x, p∘q)
 
 
+def _dot_general_rules(op, rw):
+    """dot_general(x, transpose(y)) -> dot_general(x, y) with the rhs dims renamed, when y's free dims
+    keep their order (so does the result's): backends read y in place (`a @ b.T` with no copy)."""
+    a, b = op.operands
+    p = b.producer
+    if p is None or p.name != "transpose":
+        return None
+    perm = p.attrs["perm"]
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
+    free = [perm[d] for d in range(len(perm)) if d not in rhs_contract and d not in rhs_batch]
+    if free != sorted(free):
+        return None
+    attrs = dict(op.attrs)
+    attrs["rhs_contract"] = tuple(perm[d] for d in rhs_contract)
+    attrs["rhs_batch"] = tuple(perm[d] for d in rhs_batch)
+    return rw.emit_like(op, "dot_general", [a, p.operands[0]], attrs)
+
+
 def _widens_exactly(src: DType, dst: DType) -> bool:
     """Every `src` value is exactly representable in `dst` (and conversions from it keep their value)."""
     if src.is_bool:
@@ -226,6 +245,7 @@ RULES = {
     "logical_not": [_involution],
     "reshape": [_reshape_rules],
     "transpose": [_transpose_rules],
+    "dot_general": [_dot_general_rules],
     "convert": [_convert_rules],
     "broadcast": [_broadcast_rules],
     "slice": [_slice_rules],

@@ -185,11 +185,22 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
     if not matmul_kernel.worth_it(batch, m, n, k):
         return None
     acc = accumulator_elem(result.dtype)
-    a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=False)
-    shape = matmul_kernel.MatmulShape(batch if lead else 0, m, n, k, acc)
+    # B already laid out as (batch, N, K) (`a @ b.T`): the kernel packs it from there, no transpose.
+    rhs_rows = _rhs_in_row_order(op)
+    a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=rhs_rows)
+    shape = matmul_kernel.MatmulShape(batch if lead else 0, m, n, k, acc, b_rows=rhs_rows)
     product = matmul_kernel.emit_matmul(em, a, b, shape)
     product = reshape(em, product, TensorType(lead + (m, n), result.dtype), result.shape, acc)
     return narrow(em, product, result, acc)
+
+
+def _rhs_in_row_order(op: Op) -> bool:
+    """Whether the rhs's dims are already (batch, free, contracting) in memory order."""
+    tb = op.operands[1].type
+    _, rhs_contract, _, rhs_batch = dot_dims(op.attrs)
+    rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
+    order = list(rhs_batch) + rhs_free + list(rhs_contract)
+    return order == sorted(order) and order != list(rhs_batch) + list(rhs_contract) + rhs_free
 
 
 def _dot_operands(em: KernelEmitter, op: Op, operands: list[str], acc: str, rhs_rows: bool):

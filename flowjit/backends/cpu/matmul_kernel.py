@@ -53,6 +53,11 @@ class MatmulShape:
     n: int
     k: int
     elem: str  # "f32", "f64", "i32" or "i64"
+    b_rows: bool = False  # B arrives as (.., N, K) (e.g. `a @ b.T`): packed straight from its rows
+
+    @property
+    def b_tensor(self) -> str:
+        return self.tensor(self.n, self.k) if self.b_rows else self.tensor(self.k, self.n)
 
     @property
     def zero(self) -> str:
@@ -136,6 +141,8 @@ def _panel_ranges(s: MatmulShape) -> list[tuple[int, int, list[str]]]:
 
 def _pack_b(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> str:
     """Bp[p, k, :] = B[k, p*NR : p*NR + NR] (zero past N)."""
+    if s.b_rows:
+        return _pack_b_rows(w, s, b, batch_index)
     em = w.em
     vl, nr = s.lanes, s.nr
     vec = f"vector<{vl}x{s.elem}>"
@@ -160,6 +167,50 @@ def _pack_b(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> s
             )
         w.close_for([cur], [packed_type])
         w.close_for([inner], [packed_type])
+        packed = outer
+    return packed
+
+
+def _pack_b_rows(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> str:
+    """Bp[p, k, j] = B[p*NR + j, k] (zero past N) for B given as (N, K): blocks of NR rows x one
+    vector of k, read contiguously and transposed in registers. A strided copy of B to (K, N) before
+    the usual packing costs more than the product itself."""
+    em = w.em
+    vl, nr = s.lanes, s.nr
+    vec, block, packed_block = f"vector<{vl}x{s.elem}>", f"vector<{nr}x{vl}x{s.elem}>", f"vector<{vl}x{nr}x{s.elem}>"
+    packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
+    zero = em.op(f"arith.constant {s.zero} : {s.elem}")
+    packed = em.op(f"tensor.empty() : {packed_type}")
+    whole_k = s.k // vl * vl
+    for first, end, _ in _panel_ranges(s):
+        # Rows of the partial last panel at or past N stay zero (that range holds one, static, panel).
+        live = min(nr, s.n - (end - 1) * nr)
+        outer, p, (q,) = w.open_for(w.index(first), w.index(end), w.index(1), [(packed, packed_type)])
+        row0 = w.mul(p, w.index(nr))
+        rows = [w.add(row0, w.index(j)) for j in range(live)]
+
+        def pack_block(p: str, rows: list[str], k: str, k_in_bounds: str, cur: str) -> str:
+            m = em.op(f"arith.constant dense<{s.zero}> : {block}")
+            for j, row in enumerate(rows):
+                where = ", ".join(([batch_index] if batch_index else []) + [row, k])
+                v = em.op(
+                    f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{k_in_bounds}]}} : {s.b_tensor}, {vec}"
+                )
+                m = em.op(f"vector.insert {v}, {m} [{j}] : {vec} into {block}")
+            t = em.op(f"vector.transpose {m}, [1, 0] : {block} to {packed_block}")
+            return em.op(
+                f"vector.transfer_write {t}, {cur}[{p}, {k}, {w.index(0)}] {{in_bounds = [{k_in_bounds}, true]}} "
+                f": {packed_block}, {packed_type}"
+            )
+
+        cur = q
+        if whole_k:
+            inner, k, (c,) = w.open_for(w.index(0), w.index(whole_k), w.index(vl), [(cur, packed_type)])
+            w.close_for([pack_block(p, rows, k, "true", c)], [packed_type])
+            cur = inner
+        if s.k % vl:
+            cur = pack_block(p, rows, w.index(whole_k), "false", cur)
+        w.close_for([cur], [packed_type])
         packed = outer
     return packed
 
@@ -230,7 +281,8 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, 
 
 
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
-    """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N)."""
+    """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N),
+    or `b` is (.., N, K) with `s.b_rows`."""
     w = LoopWriter(em)
     c_type = s.tensor(s.m, s.n)
     result = em.op(f"tensor.empty() : {c_type}")
