@@ -214,13 +214,19 @@ def lower_unary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 # --- binary --------------------------------------------------------------------------------------
 
 
-def _int_div(b: ScalarBuilder, x: str, y: str, e: str) -> str:
-    """Truncating division with x/0 = 0 and INT_MIN/-1 = INT_MIN (wrapping negation)."""
+def _safe_divisor(b: ScalarBuilder, y: str, e: str) -> tuple[str, str, str, str, str]:
+    """(zero, y == 0, y == -1, either, divisor): the divisor is 1 where y is 0 or -1, the two divisors that
+    trap on x86 (x/0, INT_MIN/-1); callers select the defined result for those lanes."""
     zero, one, minus_one = b.const(0, e), b.const(1, e), b.const(-1, e)
     y_zero = b.op(f"arith.cmpi eq, {y}, {zero} : {e}")
     y_minus_one = b.op(f"arith.cmpi eq, {y}, {minus_one} : {e}")
     unsafe = b.op(f"arith.ori {y_zero}, {y_minus_one} : i1")
-    divisor = b.op(f"arith.select {unsafe}, {one}, {y} : {e}")
+    return zero, y_zero, y_minus_one, unsafe, b.op(f"arith.select {unsafe}, {one}, {y} : {e}")
+
+
+def _int_div(b: ScalarBuilder, x: str, y: str, e: str) -> str:
+    """Truncating division with x/0 = 0 and INT_MIN/-1 = INT_MIN (wrapping negation)."""
+    zero, y_zero, y_minus_one, _, divisor = _safe_divisor(b, y, e)
     quotient = b.op(f"arith.divsi {x}, {divisor} : {e}")
     negated = b.op(f"arith.subi {zero}, {x} : {e}")
     by_minus_one = b.op(f"arith.select {y_minus_one}, {negated}, {quotient} : {e}")
@@ -229,11 +235,7 @@ def _int_div(b: ScalarBuilder, x: str, y: str, e: str) -> str:
 
 def _int_rem(b: ScalarBuilder, x: str, y: str, e: str) -> str:
     """Remainder with the sign of x; x rem 0 = 0 and x rem -1 = 0 (no trap on INT_MIN rem -1)."""
-    zero, one, minus_one = b.const(0, e), b.const(1, e), b.const(-1, e)
-    y_zero = b.op(f"arith.cmpi eq, {y}, {zero} : {e}")
-    y_minus_one = b.op(f"arith.cmpi eq, {y}, {minus_one} : {e}")
-    unsafe = b.op(f"arith.ori {y_zero}, {y_minus_one} : i1")
-    divisor = b.op(f"arith.select {unsafe}, {one}, {y} : {e}")
+    zero, _, _, unsafe, divisor = _safe_divisor(b, y, e)
     remainder = b.op(f"arith.remsi {x}, {divisor} : {e}")
     return b.op(f"arith.select {unsafe}, {zero}, {remainder} : {e}")
 

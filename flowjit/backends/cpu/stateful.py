@@ -26,10 +26,9 @@ def has_state(graph: Graph) -> bool:
 class StatefulExecutable(Executable):
     """A CPU executable plus the binding of its extra inputs/outputs to variable buffers."""
 
-    def __init__(self, inner, layout: StateLayout, num_inputs: int, num_results: int):
+    def __init__(self, inner, layout: StateLayout, num_results: int):
         self.inner = inner
         self.layout = layout
-        self.num_inputs = num_inputs
         self.num_results = num_results
         self.backend = inner.backend
         self.stages = inner.stages
@@ -39,18 +38,13 @@ class StatefulExecutable(Executable):
         missing = [name for name, _ in self.layout.inputs if name not in variables]
         if missing:
             raise CompileError(f"internal error: no buffer for variable(s) {', '.join(missing)} in this call")
+        # Variable buffers are C-contiguous by construction; check_args checks their shapes and dtypes.
         buffers = [variables[name] for name, _ in self.layout.inputs]
-        for (name, vtype), buffer in zip(self.layout.inputs, buffers):
-            if buffer.shape != vtype.shape or buffer.dtype != vtype.dtype.np_dtype or not buffer.flags.c_contiguous:
-                raise CompileError(f"internal error: variable '{name}' buffer does not match {vtype}")
         provided = {self.num_results + j: variables[name] for j, name in enumerate(self.layout.outputs)}
         arrays = [np.ascontiguousarray(a) if not a.flags.c_contiguous else a for a in args]
         self.inner.check_args(arrays + buffers)
         outs = self.inner.run_trusted(arrays + buffers, provided)
         return outs[: self.num_results]
-
-    def run_trusted(self, args):
-        return self.run(args)
 
 
 def compile_stateful(graph: Graph, options):
@@ -58,8 +52,8 @@ def compile_stateful(graph: Graph, options):
 
     from flowjit.backends.cpu.compiler import compile_cpu
 
-    num_inputs, num_results = len(graph.params), len(graph.results)
+    num_results = len(graph.results)
     functional, layout = functionalize_state(parse_graph(print_graph(graph)))
     late = tuple(range(num_results, num_results + len(layout.outputs)))
     inner = compile_cpu(functional, replace(options, late_outputs=late))
-    return StatefulExecutable(inner, layout, num_inputs, num_results)
+    return StatefulExecutable(inner, layout, num_results)
