@@ -448,13 +448,23 @@ def _im2col(em: KernelEmitter, padded: str, padded_type: TensorType, cols_type: 
         value = em.op(f"vector.shuffle {value}, {value} [{picks}] : {wide}, {wide}")
     if elem != acc:
         value = em.op(f"arith.extf {value} : vector<{lanes}x{elem}> to {vec}")
-    mask = em.op(f"vector.create_mask {em.op(f'arith.subi {w.index(ow)}, {column} : index')} : vector<{lanes}xi1>")
+    return _store_chunk_and_close(
+        em, w, value, row_out, (out_offset, column, ow), (lanes, vec), flat_type, [*loops, chunks]
+    )
+
+
+def _store_chunk_and_close(em, w, value, row_out, position, vector, flat_type, loops):
+    """Write one vector of a row at `position` = (row offset, column, row width), masked past the
+    width, then close the chunk loop and its enclosing row loops (innermost last in `loops`);
+    returns the result of the outermost loop. `vector` = (lanes, its MLIR vector type)."""
+    out_offset, column, width = position
+    lanes, vec = vector
+    mask = em.op(f"vector.create_mask {em.op(f'arith.subi {w.index(width)}, {column} : index')} : vector<{lanes}xi1>")
     stored = em.op(
         f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
         f": {vec}, {flat_type}"
     )
-    w.close_for([stored], [flat_type])
-    done = chunks
+    done = stored
     for loop in reversed(loops):
         w.close_for([done], [flat_type])
         done = loop
@@ -565,17 +575,9 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
         total = value if total is None else _combine(em, kind, total, value, vec, is_int)
     if count is not None:
         total = em.op(f"arith.divf {total}, {count} : {vec}")
-    left = em.op(f"arith.subi {w.index(width)}, {column} : index")
-    mask = em.op(f"vector.create_mask {left} : vector<{lanes}xi1>")
-    stored = em.op(
-        f"vector.transfer_write {total}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
-        f": {vec}, {out_type}"
+    result_flat = _store_chunk_and_close(
+        em, w, total, row_out, (out_offset, column, width), (lanes, vec), out_type, [*loops, chunk_loop]
     )
-    w.close_for([stored], [out_type])
-    result_flat = chunk_loop
-    for loop in reversed(loops):
-        w.close_for([result_flat], [out_type])
-        result_flat = loop
     return reshape(em, result_flat, flat_out, result.shape, acc)
 
 
