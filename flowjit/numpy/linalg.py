@@ -1,0 +1,153 @@
+"""Contractions: matmul, dot, tensordot, einsum and friends."""
+
+from __future__ import annotations
+
+import builtins
+import string
+
+from flowjit.errors import FlowjitTypeError, FlowjitValueError, op_error
+from flowjit.frontend.trace import bind
+from flowjit.ir import dtypes as dt
+from flowjit.ir.location import user_location
+from flowjit.numpy.elementwise import multiply, not_equal
+from flowjit.numpy.promotion import _cast_all, asarray, astype, broadcast_shapes, broadcast_to, result_type
+from flowjit.numpy.reductions import sum
+from flowjit.numpy.shapes import _norm_axis, ndim, ravel, reshape, shape, transpose
+
+# --- contractions -----------------------------------------------------------------------------------
+
+
+def matmul(a, b):
+    """numpy.matmul: 1-D operands are promoted to matrices; batch dims broadcast."""
+    target = result_type(a, b)
+    a, b = _cast_all([a, b], target)
+    if target.is_bool:  # numpy: a logical or of ands
+        return not_equal(matmul(astype(a, dt.int32), astype(b, dt.int32)), 0)
+    sa, sb = shape(a), shape(b)
+    if not sa or not sb:
+        raise op_error(
+            FlowjitTypeError,
+            user_location(),
+            "matmul",
+            f"operands must have rank >= 1; found shapes {sa} and {sb} (use * for scalars)",
+        )
+    a2 = reshape(a, (1,) + sa) if len(sa) == 1 else a
+    b2 = reshape(b, sb + (1,)) if len(sb) == 1 else b
+    sa2, sb2 = shape(a2), shape(b2)
+    if sa2[-1] != sb2[-2]:
+        raise op_error(
+            FlowjitTypeError,
+            user_location(),
+            "matmul",
+            f"contracting dimension mismatch: {sa} @ {sb}: {sa2[-1]} != {sb2[-2]}",
+        )
+    batch = broadcast_shapes(sa2[:-2], sb2[:-2], op="matmul")
+    a3 = broadcast_to(a2, batch + sa2[-2:])
+    b3 = broadcast_to(b2, batch + sb2[-2:])
+    nb = len(batch)
+    out = bind(
+        "dot_general",
+        [a3, b3],
+        {
+            "lhs_contract": (nb + 1,),
+            "rhs_contract": (nb,),
+            "lhs_batch": tuple(range(nb)),
+            "rhs_batch": tuple(range(nb)),
+        },
+    )
+    final = batch + ((sa2[-2],) if len(sa) > 1 else ()) + ((sb2[-1],) if len(sb) > 1 else ())
+    return reshape(out, final) if final != shape(out) else out
+
+
+def dot(a, b):
+    """numpy.dot for the common cases: scalars multiply, otherwise contract a's last axis with b's
+    second-to-last (b's only axis when 1-D)."""
+    if ndim(a) == 0 or ndim(b) == 0:
+        return multiply(a, b)
+    if ndim(b) <= 2:
+        return matmul(a, b)
+    return tensordot(a, b, axes=([ndim(a) - 1], [ndim(b) - 2]))
+
+
+def tensordot(a, b, axes=2):
+    target = result_type(a, b)
+    a, b = _cast_all([a, b], target)
+    if isinstance(axes, int):
+        ax_a = list(range(ndim(a) - axes, ndim(a)))
+        ax_b = list(range(axes))
+    else:
+        ax_a = [_norm_axis(x, ndim(a)) for x in (axes[0] if not isinstance(axes[0], int) else [axes[0]])]
+        ax_b = [_norm_axis(x, ndim(b)) for x in (axes[1] if not isinstance(axes[1], int) else [axes[1]])]
+    for x, y in zip(ax_a, ax_b):
+        if shape(a)[x] != shape(b)[y]:
+            raise op_error(
+                FlowjitTypeError,
+                user_location(),
+                "tensordot",
+                f"shape mismatch: {shape(a)} axis {x} vs {shape(b)} axis {y}",
+            )
+    return bind("dot_general", [a, b], {"lhs_contract": ax_a, "rhs_contract": ax_b, "lhs_batch": (), "rhs_batch": ()})
+
+
+def inner(a, b):
+    return tensordot(a, b, axes=([ndim(a) - 1], [ndim(b) - 1]))
+
+
+def outer(a, b):
+    return multiply(reshape(ravel(a), (-1, 1)), reshape(ravel(b), (1, -1)))
+
+
+def vdot(a, b):
+    return sum(multiply(ravel(a), ravel(b)))
+
+
+def einsum(subscripts: str, *operands):
+    """einsum for one or two operands without repeated indices inside one operand, e.g.
+    'ij,jk->ik', 'bij,bjk->bik', 'ij->ji', 'ij->', 'i,i->', 'ij,j->i'."""
+    spec = subscripts.replace(" ", "")
+    if "->" in spec:
+        inputs, output = spec.split("->")
+    else:
+        inputs = spec
+        letters = [c for c in inputs.replace(",", "")]
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    terms = inputs.split(",")
+    if len(terms) != len(operands) or len(terms) not in (1, 2):
+        raise FlowjitValueError(f"{user_location()}: einsum supports one or two operands; got {subscripts!r}")
+    for t, x in zip(terms, operands):
+        if len(set(t)) != len(t) or len(t) != ndim(x) or not builtins.all(c in string.ascii_letters for c in t):
+            raise FlowjitValueError(
+                f"{user_location()}: einsum term {t!r} does not fit an operand of shape {shape(x)} "
+                "(repeated or '...' indices are not supported)"
+            )
+    xs = [asarray(x) for x in operands]
+    # Sum away indices that appear in one operand only and not in the output.
+    for i, t in enumerate(terms):
+        others = "".join(terms[:i] + terms[i + 1 :]) + output
+        drop = [j for j, c in enumerate(t) if c not in others]
+        if drop:
+            xs[i] = sum(xs[i], axis=tuple(drop))
+            terms[i] = "".join(c for c in t if c in others)
+    if len(terms) == 1:
+        return transpose(xs[0], [terms[0].index(c) for c in output])
+    ta, tb = terms
+    target = result_type(*xs)
+    a, b = _cast_all(xs, target)
+    batch = [c for c in ta if c in tb and c in output]
+    contract = [c for c in ta if c in tb and c not in output]
+    out = bind(
+        "dot_general",
+        [a, b],
+        {
+            "lhs_contract": [ta.index(c) for c in contract],
+            "rhs_contract": [tb.index(c) for c in contract],
+            "lhs_batch": [ta.index(c) for c in batch],
+            "rhs_batch": [tb.index(c) for c in batch],
+        },
+    )
+    produced = (
+        batch
+        + [c for c in ta if c not in batch and c not in contract]
+        + [c for c in tb if c not in batch and c not in contract]
+    )
+    return transpose(out, [produced.index(c) for c in output])

@@ -1,0 +1,469 @@
+"""Array creation, shape manipulation and indexing."""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError, op_error
+from flowjit.frontend.trace import Tracer, bind
+from flowjit.ir import dtypes as dt
+from flowjit.ir.location import user_location
+from flowjit.numpy.elementwise import add, less, multiply, where
+from flowjit.numpy.promotion import (
+    _cast_all,
+    _dtype_of,
+    _is_python_scalar,
+    asarray,
+    astype,
+    broadcast_shapes,
+    broadcast_to,
+    result_type,
+)
+
+# --- creation ---------------------------------------------------------------------------------------
+
+
+def _shape_tuple(shape) -> tuple[int, ...]:
+    return (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
+
+
+def zeros(shape, dtype=None):
+    return np.zeros(_shape_tuple(shape), dt.dtype(dtype or "f32").np_dtype)
+
+
+def ones(shape, dtype=None):
+    return np.ones(_shape_tuple(shape), dt.dtype(dtype or "f32").np_dtype)
+
+
+def full(shape, fill_value, dtype=None):
+    if isinstance(fill_value, Tracer):
+        return broadcast_to(astype(fill_value, dtype) if dtype else fill_value, _shape_tuple(shape))
+    dtype = dt.dtype(dtype) if dtype is not None else _dtype_of(fill_value)
+    return np.full(_shape_tuple(shape), fill_value, dtype.np_dtype)
+
+
+def _like(x, dtype):
+    return tuple(np.shape(x) if not isinstance(x, Tracer) else x.shape), (dtype or _dtype_of(asarray(x)))
+
+
+def zeros_like(x, dtype=None):
+    shape, d = _like(x, dtype)
+    return zeros(shape, d)
+
+
+def ones_like(x, dtype=None):
+    shape, d = _like(x, dtype)
+    return ones(shape, d)
+
+
+def full_like(x, fill_value, dtype=None):
+    shape, d = _like(x, dtype)
+    return full(shape, fill_value, d)
+
+
+def arange(start, stop=None, step=1, dtype=None):
+    if stop is None:
+        start, stop = 0, start
+    if dtype is None:
+        dtype = dt.float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else dt.int64
+    return np.arange(start, stop, step, dtype=dt.dtype(dtype).np_dtype)
+
+
+def linspace(start, stop, num=50, endpoint=True, dtype=None):
+    return np.linspace(start, stop, num, endpoint=endpoint).astype(dt.dtype(dtype or "f32").np_dtype)
+
+
+def eye(n, m=None, k=0, dtype=None):
+    return np.eye(n, m, k, dtype=dt.dtype(dtype or "f32").np_dtype)
+
+
+def iota(shape, dimension=0, dtype="i64"):
+    """0, 1, 2, ... along `dimension` of a new array of `shape` (as an op, never a big constant)."""
+    return bind("iota", [], {"shape": _shape_tuple(shape), "dimension": dimension, "dtype": dt.dtype(dtype)})
+
+
+# --- shape manipulation -----------------------------------------------------------------------------
+
+
+def shape(x) -> tuple[int, ...]:
+    return tuple(x.shape) if isinstance(x, Tracer) else np.shape(x)
+
+
+def ndim(x) -> int:
+    return len(shape(x))
+
+
+def size(x) -> int:
+    return math.prod(shape(x))
+
+
+def reshape(x, *newshape, order="C"):
+    if order != "C":
+        raise FlowjitValueError(f"{user_location()}: reshape supports order='C' only; found {order!r}")
+    x = asarray(x)
+    if len(newshape) == 1 and not isinstance(newshape[0], int | np.integer):
+        newshape = tuple(newshape[0])
+    newshape = [int(d) for d in newshape]
+    total = size(x)
+    if newshape.count(-1) > 1:
+        raise op_error(FlowjitValueError, user_location(), "reshape", "can only specify one unknown dimension")
+    if -1 in newshape:
+        known = math.prod(d for d in newshape if d != -1)
+        if known == 0 or total % known:
+            raise op_error(
+                FlowjitTypeError,
+                user_location(),
+                "reshape",
+                f"cannot reshape {shape(x)} ({total} elements) to {tuple(newshape)}",
+            )
+        newshape[newshape.index(-1)] = total // known
+    if tuple(newshape) == shape(x):
+        return x
+    return bind("reshape", [x], {"shape": tuple(newshape)})
+
+
+def ravel(x):
+    return reshape(x, (-1,))
+
+
+def _norm_axis(axis: int, rank: int, op: str = "axis") -> int:
+    if not -rank <= axis < rank:
+        raise op_error(
+            FlowjitValueError, user_location(), op, f"axis {axis} is out of bounds for an array of rank {rank}"
+        )
+    return axis % rank
+
+
+def transpose(x, axes=None):
+    x = asarray(x)
+    rank = ndim(x)
+    perm = tuple(reversed(range(rank))) if axes is None else tuple(_norm_axis(a, rank, "transpose") for a in axes)
+    if perm == tuple(range(rank)):
+        return x
+    return bind("transpose", [x], {"perm": perm})
+
+
+def swapaxes(x, axis1, axis2):
+    rank = ndim(x)
+    perm = list(range(rank))
+    a, b = _norm_axis(axis1, rank), _norm_axis(axis2, rank)
+    perm[a], perm[b] = perm[b], perm[a]
+    return transpose(x, perm)
+
+
+def moveaxis(x, source, destination):
+    rank = ndim(x)
+    src, dst = _norm_axis(source, rank), _norm_axis(destination, rank)
+    perm = [i for i in range(rank) if i != src]
+    perm.insert(dst, src)
+    return transpose(x, perm)
+
+
+def expand_dims(x, axis):
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    rank = ndim(x) + len(axes)
+    axes = sorted(_norm_axis(a, rank, "expand_dims") for a in axes)
+    out_shape = list(shape(x))
+    for a in axes:
+        out_shape.insert(a, 1)
+    return reshape(x, out_shape)
+
+
+def squeeze(x, axis=None):
+    s = shape(x)
+    if axis is None:
+        axes = [i for i, d in enumerate(s) if d == 1]
+    else:
+        axes = [_norm_axis(a, len(s), "squeeze") for a in ((axis,) if isinstance(axis, int) else axis)]
+        for a in axes:
+            if s[a] != 1:
+                raise op_error(
+                    FlowjitValueError, user_location(), "squeeze", f"cannot squeeze axis {a} of size {s[a]} (shape {s})"
+                )
+    return reshape(x, [d for i, d in enumerate(s) if i not in axes])
+
+
+def concatenate(arrays: Sequence, axis: int | None = 0):
+    """numpy.concatenate with promotion; `axis=None` joins the flattened arrays."""
+    arrays = list(arrays)
+    if not arrays:
+        raise op_error(FlowjitValueError, user_location(), "concatenate", "needs at least one array")
+    target = result_type(*arrays)
+    arrays = _cast_all(arrays, target)
+    if axis is None:
+        arrays, axis = [ravel(a) for a in arrays], 0
+    arrays = [a if ndim(a) else reshape(a, (1,)) for a in arrays]
+    axis = _norm_axis(axis, ndim(arrays[0]), "concatenate")
+    if len(arrays) == 1:
+        return arrays[0]
+    return bind("concatenate", arrays, {"axis": axis})
+
+
+def stack(arrays: Sequence, axis: int = 0):
+    arrays = [asarray(a) for a in arrays]
+    if not arrays:
+        raise op_error(FlowjitValueError, user_location(), "stack", "needs at least one array")
+    axis = _norm_axis(axis, ndim(arrays[0]) + 1, "stack")
+    return concatenate([expand_dims(a, axis) for a in arrays], axis)
+
+
+def split(x, indices_or_sections, axis=0):
+    x = asarray(x)
+    axis = _norm_axis(axis, ndim(x), "split")
+    n = shape(x)[axis]
+    if isinstance(indices_or_sections, int):
+        if n % indices_or_sections:
+            raise op_error(
+                FlowjitValueError,
+                user_location(),
+                "split",
+                f"axis {axis} of size {n} does not divide into {indices_or_sections} equal parts",
+            )
+        step = n // indices_or_sections
+        bounds = [i * step for i in range(indices_or_sections + 1)]
+    else:
+        bounds = [0, *indices_or_sections, n]
+    # Each part is x[lo:hi] with Python's slice rules (negative and out-of-range bounds), as numpy.
+    parts = [slice(lo, hi).indices(n)[:2] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return [_slice_axis(x, axis, lo, hi) for lo, hi in parts]
+
+
+def _slice_axis(x, axis, lo, hi, step=1):
+    rank = ndim(x)
+    start = [0] * rank
+    limit = list(shape(x))
+    stride = [1] * rank
+    start[axis], limit[axis], stride[axis] = lo, builtins.max(lo, hi), step
+    return bind("slice", [x], {"start": start, "limit": limit, "stride": stride})
+
+
+def pad(x, pad_width, mode="constant", constant_values=0):
+    if mode != "constant":
+        raise FlowjitValueError(f"{user_location()}: pad supports mode='constant' only; found {mode!r}")
+    x = asarray(x)
+    rank = ndim(x)
+    widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (rank, 2))  # numpy's pad_width rule
+    value = (
+        asarray(constant_values, _dtype_of(x))
+        if not isinstance(constant_values, Tracer)
+        else astype(constant_values, _dtype_of(x))
+    )
+    return bind(
+        "pad",
+        [x, value],
+        {
+            "low": tuple(int(w) for w in widths[:, 0]),
+            "high": tuple(int(w) for w in widths[:, 1]),
+            "interior": (0,) * rank,
+        },
+    )
+
+
+def tile(x, reps):
+    x = asarray(x)
+    reps = (reps,) if isinstance(reps, int) else tuple(reps)
+    s = (1,) * (len(reps) - ndim(x)) + shape(x)
+    reps = (1,) * (len(s) - len(reps)) + reps
+    x = reshape(x, s)
+    expanded = [d for pair in zip(reps, s) for d in pair]
+    out = broadcast_to(reshape(x, [d for dd in s for d in (1, dd)]), expanded)
+    return reshape(out, [r * d for r, d in zip(reps, s)])
+
+
+def repeat(x, repeats: int, axis=None):
+    x = asarray(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    axis = _norm_axis(axis, ndim(x), "repeat")
+    s = shape(x)
+    expanded = expand_dims(x, axis + 1)
+    target = s[: axis + 1] + (repeats,) + s[axis + 1 :]
+    return reshape(broadcast_to(expanded, target), s[:axis] + (s[axis] * repeats,) + s[axis + 1 :])
+
+
+def flip(x, axis=None):
+    x = asarray(x)
+    axes = range(ndim(x)) if axis is None else ((axis,) if isinstance(axis, int) else axis)
+    for a in axes:
+        a = _norm_axis(a, ndim(x), "flip")
+        x = take(x, np.arange(shape(x)[a] - 1, -1, -1), axis=a)
+    return x
+
+
+# --- indexing ---------------------------------------------------------------------------------------
+
+
+def take(x, indices, axis=None):
+    """numpy.take with in-range semantics: negative indices count from the end; out-of-range
+    indices are clamped (never read outside the array)."""
+    x = asarray(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    axis = _norm_axis(axis, ndim(x), "take")
+    idx = asarray(indices)
+    if not _dtype_of(idx).is_int:
+        raise op_error(FlowjitTypeError, user_location(), "gather", f"indices must be integers; found {_dtype_of(idx)}")
+    n = shape(x)[axis]
+    if isinstance(idx, Tracer):
+        idx = where(less(idx, 0), add(idx, n), idx)
+    else:
+        idx = np.where(idx < 0, idx + n, idx)
+    return bind("gather", [x, idx], {"axis": axis})
+
+
+def scatter_add(x, indices, updates, axis: int = 0):
+    """A copy of `x` with `updates` added at `indices` along `axis` (numpy's `np.add.at`, functional).
+    Duplicate indices accumulate; negative indices count from the end; out-of-range ones clamp."""
+    x = asarray(x)
+    axis = _norm_axis(axis, ndim(x), "scatter_add")
+    idx = asarray(indices)
+    n = shape(x)[axis]
+    idx = where(less(idx, 0), add(idx, n), idx) if isinstance(idx, Tracer) else np.where(idx < 0, idx + n, idx)
+    target_shape = shape(x)[:axis] + shape(idx) + shape(x)[axis + 1 :]
+    upd = broadcast_to(
+        astype(updates, _dtype_of(x)) if not _is_python_scalar(updates) else asarray(updates, _dtype_of(x)),
+        target_shape,
+    )
+    return bind("scatter_add", [x, idx, upd], {"axis": axis})
+
+
+def _index_error(message: str) -> FlowjitError:
+    return op_error(FlowjitTypeError, user_location(), "getitem", message)
+
+
+def _index_entries(key, rank: int) -> list:
+    """`key` as a list of entries, one per axis plus `None`s: `...` expanded, full slices appended,
+    lists as numpy arrays, static integer scalars (numpy's too) as ints."""
+    key = list(key) if isinstance(key, tuple) else [key]
+    entries = []
+    for k in key:
+        if isinstance(k, list):
+            k = np.asarray(k)
+        if isinstance(k, Tracer | np.ndarray) and _dtype_of(k).is_bool:
+            raise _index_error("boolean mask indexing gives a data-dependent shape; use fnp.where(mask, x, 0) instead")
+        if isinstance(k, Tracer | np.ndarray | np.generic) and not _dtype_of(k).is_int:
+            raise _index_error(f"array indices must be integers; found {_dtype_of(k)}")
+        if isinstance(k, np.ndarray | np.generic) and np.ndim(k) == 0:
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, int | slice | np.ndarray | Tracer | type(None) | type(...)):
+            raise _index_error(f"unsupported index {k!r}; use ints, slices, None, ... or integer arrays")
+        entries.append(k)
+    ellipses = [i for i, k in enumerate(entries) if k is Ellipsis]
+    if len(ellipses) > 1:
+        raise _index_error("an index can only have a single ellipsis ('...')")
+    used = builtins.sum(1 for k in entries if k is not None and k is not Ellipsis)
+    if used > rank:
+        raise _index_error(f"too many indices for an array of rank {rank}: {used}")
+    fill = [slice(None)] * (rank - used)
+    if ellipses:
+        return entries[: ellipses[0]] + fill + entries[ellipses[0] + 1 :]
+    return entries + fill
+
+
+def _wrap_index(idx, n: int, axis: int):
+    """Negative indices count from the end. Static ones must be in range (numpy raises); traced
+    ones are clamped into range by `gather`, never read outside the array."""
+    if isinstance(idx, Tracer):
+        return where(less(idx, 0), add(idx, n), idx)
+    idx = np.asarray(idx, np.int64)
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        bad = idx[(idx < -n) | (idx >= n)].flat[0]
+        raise op_error(
+            FlowjitValueError, user_location(), "getitem", f"index {bad} is out of bounds for axis {axis} with size {n}"
+        )
+    return np.where(idx < 0, idx + n, idx)
+
+
+def getitem(x, key):
+    """x[key] with numpy semantics: ints (negative count from the end), slices with any step,
+    None, ... and integer arrays (advanced indexing, including traced indices; traced indices out
+    of range are clamped). Ints combined with arrays are advanced indices, as in numpy.
+
+    Algorithm:
+      1. Apply every slice (a strided `slice`, or a `gather` of the positions for negative steps).
+      2. Without array indices: ints become size-1 slices; one reshape drops them and adds Nones.
+      3. With array indices (ints included): gather them as one linearized index over their axes,
+         giving (broadcast index dims, remaining axes); when the array indices are adjacent in the
+         key, the index dims move to where the first one was (numpy's rule); Nones are added last.
+    """
+    x = asarray(x)
+    entries = _index_entries(key, ndim(x))
+    advanced = builtins.any(isinstance(k, np.ndarray | Tracer) for k in entries)
+    axis_of = {}  # entry position -> axis of x
+    start, limit, stride = [0] * ndim(x), list(shape(x)), [1] * ndim(x)
+    reversed_axes = []
+    for pos, k in enumerate(entries):
+        if k is None:
+            continue
+        axis = axis_of[pos] = len(axis_of)
+        n = shape(x)[axis]
+        if isinstance(k, slice):
+            lo, hi, st = k.indices(n)
+            if st < 0:
+                reversed_axes.append((axis, np.arange(lo, hi, st)))
+            else:
+                start[axis], limit[axis], stride[axis] = lo, builtins.max(lo, hi), st
+        elif isinstance(k, int) and not advanced:
+            k = int(_wrap_index(k, n, axis))
+            start[axis], limit[axis] = k, k + 1
+    if (start, limit, stride) != ([0] * ndim(x), list(shape(x)), [1] * ndim(x)):
+        x = bind("slice", [x], {"start": start, "limit": limit, "stride": stride})
+    for axis, positions in reversed_axes:
+        x = bind("gather", [x, positions], {"axis": axis})
+    if not advanced:
+        out = [1 if k is None else shape(x)[axis_of[p]] for p, k in enumerate(entries) if not isinstance(k, int)]
+        return reshape(x, out)
+    return _advanced_index(x, entries, axis_of)
+
+
+def _advanced_index(x, entries, axis_of):
+    """Step 3 of `getitem`: `entries` holds Nones, slices (already applied) and array indices."""
+    adv_positions = [p for p, k in enumerate(entries) if k is not None and not isinstance(k, slice)]
+    adv_axes = [axis_of[p] for p in adv_positions]
+    idxs = [_wrap_index(entries[p], shape(x)[axis_of[p]], axis_of[p]) for p in adv_positions]
+    bshape = broadcast_shapes(*(shape(i) for i in idxs), op="getitem")
+    adjacent = adv_positions == list(range(adv_positions[0], adv_positions[-1] + 1))
+    if len(idxs) == 1:  # gather in place: (axes before, index dims, axes after)
+        gathered = bind("gather", [x, idxs[0]], {"axis": adv_axes[0]})
+    else:
+        gathered = _gather_linearized(x, adv_axes, idxs, bshape)
+    if len(idxs) > 1 and adjacent:  # move the index dims to where the first index was
+        before = builtins.sum(1 for p in range(adv_positions[0]) if entries[p] is not None)
+        nb = len(bshape)
+        gathered = transpose(gathered, [*range(nb, nb + before), *range(nb), *range(nb + before, ndim(gathered))])
+    out = []
+    for p, k in enumerate(entries):
+        if k is None:
+            out.append(1)
+        elif isinstance(k, slice):
+            out.append(shape(x)[axis_of[p]])
+        elif adjacent and p == adv_positions[0]:
+            out.extend(bshape)
+    return reshape(gathered, out if adjacent else list(bshape) + out)
+
+
+def _gather_linearized(x, axes, idxs, bshape):
+    """Gather by several index arrays at once: one row-major index over `axes` moved to the front
+    and flattened. The result has dims (bshape, remaining axes of x in order)."""
+    rest = [a for a in range(ndim(x)) if a not in axes]
+    sizes = [shape(x)[a] for a in axes]
+    if math.prod(bshape) and not math.prod(sizes):
+        raise op_error(FlowjitValueError, user_location(), "getitem", "cannot index into an axis of size 0")
+    linear = None
+    for i, idx in enumerate(idxs):
+        term, step = astype(idx, dt.int64), math.prod(sizes[i + 1 :])
+        term = multiply(term, step) if step != 1 else term
+        linear = term if linear is None else add(linear, term)
+    flat = reshape(transpose(x, axes + rest), (math.prod(sizes),) + tuple(shape(x)[a] for a in rest))
+    return bind("gather", [flat, broadcast_to(linear, bshape)], {"axis": 0})
+
+
+def dynamic_slice(x, start_indices, sizes):
+    """x[start:start+size] per dimension with runtime starts, clamped so the window fits."""
+    x = asarray(x)
+    starts = [astype(s, dt.int64) if not isinstance(s, int) else np.asarray(s, np.int64) for s in start_indices]
+    return bind("dynamic_slice", [x, *starts], {"sizes": tuple(int(s) for s in sizes)})
