@@ -230,7 +230,13 @@ def avg_pool2d(x, window=2, stride=None, padding=0):
 
 
 def embedding(table, ids):
-    """Rows of `table` [vocab, dim] for integer `ids` (any shape) -> [*ids.shape, dim]."""
+    """Rows of `table` [vocab, dim] for integer `ids` (any shape) -> [*ids.shape, dim].
+
+    PyTorch's `F.embedding(ids, table)` order is accepted too: a float `ids` with an integer `table`
+    can only mean the arguments were swapped."""
+    table, ids = fnp.asarray(table), fnp.asarray(ids)
+    if np.issubdtype(table.dtype, np.integer) and np.issubdtype(ids.dtype, np.floating):
+        table, ids = ids, table
     return fnp.take(table, ids, axis=0)
 
 

@@ -47,6 +47,22 @@ def test_while_loop_with_pytree_carry(target):
     np.testing.assert_allclose(out["x"], np.full(2, 1.5**10, np.float32), rtol=1e-6)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_python_scalars_in_carries_and_results_convert_as_flowjit_numpy_does(target):
+    # A lone Python float is float32 (not numpy's float64) in the carry, in what bodies return and in
+    # cond operands and results, so a carry started from `1.0` matches a body computing in float32.
+    @fj.jit(target=target)
+    def f(n):
+        i, x = fj.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 2.0), (0, 1.0))
+        y = fj.fori_loop(0, 3, lambda i, c: c + 0.5, 1.0)
+        z = fj.cond(n > 3, lambda a: 2.0, lambda a: a, 1.0)
+        return i, x, y, z
+
+    i, x, y, z = f(10)
+    assert (int(i), float(x), float(y), float(z)) == (10, 1024.0, 2.5, 2.0)
+    assert (i.dtype, x.dtype, y.dtype, z.dtype) == (np.int64, np.float32, np.float32, np.float32)
+
+
 def test_dynamic_trip_count():
     @fj.jit(target="interpreter")
     def f(n, x):

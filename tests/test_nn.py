@@ -402,6 +402,7 @@ def test_pooling_rejects_non_nchw():
 def small_layers(table, ids, x, w, b, logits, labels):
     return {
         "embedding": nn.embedding(table, ids),
+        "embedding_torch_order": nn.embedding(ids, table),
         "one_hot": nn.one_hot(labels, 5),
         "linear": nn.linear(x, w, b),
         "linear_no_bias": nn.linear(x, w),
@@ -420,6 +421,7 @@ def test_small_layers(mode):
     labels = np.array([1, 0, 2, 3], np.int32)
     out = run(mode, small_layers, table, ids, x, w, b, logits, labels)
     np.testing.assert_array_equal(out["embedding"], table[ids])
+    np.testing.assert_array_equal(out["embedding_torch_order"], table[ids])
     np.testing.assert_array_equal(out["one_hot"], np.eye(5, dtype=np.float32)[labels])
     assert out["one_hot"].dtype == np.float32
     np.testing.assert_allclose(out["linear"], x.astype(np.float64) @ w + b, rtol=1e-5)

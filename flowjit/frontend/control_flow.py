@@ -23,11 +23,15 @@ from flowjit.ir.types import TensorType
 def _aval(x) -> TensorType:
     if isinstance(x, Tracer):
         return x.value.type
-    array = np.asarray(x)
-    if type(x) in (bool, int, float):  # Python scalars only: np.float64 is a float subclass but strong
-        kind = "b" if isinstance(x, bool) else "i" if isinstance(x, int) else "f"
-        return TensorType((), dt.default_for_kind(kind))
-    return TensorType(array.shape, dt.dtype(array.dtype))
+    return TensorType(np.shape(x), dt.dtype(np.asarray(x).dtype))
+
+
+def _as_operands(leaves: list) -> list:
+    """Leaves as tracers or arrays of flowjit dtypes, converted as `flowjit.numpy` converts them: a
+    lone Python float is float32 (numpy would make it float64), a Python int int64, lists arrays."""
+    from flowjit import numpy as fnp
+
+    return [x if isinstance(x, Tracer) else fnp.asarray(x) for x in leaves]
 
 
 def _traced_region(fn: Callable, name: str, arg_types: Sequence[TensorType]):
@@ -36,7 +40,7 @@ def _traced_region(fn: Callable, name: str, arg_types: Sequence[TensorType]):
     with Trace(name) as trace:
         out = fn([trace.new_param(t) for t in arg_types])
         leaves, out_tree = tree_flatten(out)
-        trace.graph.results = [trace.lift(leaf if isinstance(leaf, Tracer) else np.asarray(leaf)) for leaf in leaves]
+        trace.graph.results = [trace.lift(leaf) for leaf in _as_operands(leaves)]
     return trace.graph, out_tree, [outer for outer, _ in trace.captures]
 
 
@@ -86,6 +90,7 @@ def cond(pred, true_fn: Callable, false_fn: Callable, *operands):
         raise FlowjitTypeError(f"{user_location()}: cond's predicate must be a scalar; found shape {pred.shape}")
     pred = fnp.astype(pred, dt.bool_) if fnp.asarray(pred).dtype != np.bool_ else pred
     leaves, in_tree = tree_flatten(list(operands))
+    leaves = _as_operands(leaves)
     types = [_aval(x) for x in leaves]
     true_g, true_tree, true_caps = _traced_region(lambda p: true_fn(*tree_unflatten(in_tree, p)), "true", types)
     false_g, false_tree, false_caps = _traced_region(lambda p: false_fn(*tree_unflatten(in_tree, p)), "false", types)
@@ -122,6 +127,7 @@ def while_loop(cond_fn: Callable, body_fn: Callable, init_val):
             val = body_fn(val)
         return val
     leaves, tree = tree_flatten(init_val)
+    leaves = _as_operands(leaves)
     types = [_aval(x) for x in leaves]
     cond_g, cond_tree, cond_caps = _traced_region(lambda p: cond_fn(tree_unflatten(tree, p)), "cond", types)
     if cond_g.result_types != [TensorType((), dt.bool_)]:
@@ -160,6 +166,7 @@ def fori_loop(lower, upper, body_fn: Callable, init_val):
     lo = fnp.astype(fnp.asarray(lower), index_dtype)
     hi = fnp.astype(fnp.asarray(upper), index_dtype)
     leaves, tree = tree_flatten(init_val)
+    leaves = _as_operands(leaves)
     types = [_aval(x) for x in leaves]
     in_types = [TensorType((), index_dtype), *types]
     body_g, body_tree, caps = _traced_region(lambda p: body_fn(p[0], tree_unflatten(tree, p[1:])), "body", in_types)
