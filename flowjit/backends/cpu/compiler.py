@@ -6,8 +6,10 @@
     translate + llvmlite   LLVM IR, O3 for the host CPU                                  stage "llvm"
     MCJIT                  machine code in this process                                  stage "asm"
 
-A compile-cache hit (see `cache.py`) skips everything but loading the object code: `mlir` is not
-even imported. Stages of a cached function are recomputed from the graph when first asked for.
+The MLIR half works on one in-memory module (`toolchain.lower_to_llvm_ir`); stage texts other than
+'mlir' are printed only when asked for. A compile-cache hit (see `cache.py`) skips everything but
+loading the object code: `mlir` is not even imported. Stages of a cached function are recomputed
+from the graph when first asked for.
 """
 
 from __future__ import annotations
@@ -76,18 +78,10 @@ def generate_mlir(graph: Graph, options: CompileOptions | None = None):
     return lower_graph(graph, late_outputs=frozenset(options.late_outputs if options else ()))
 
 
-def mlir_to_llvm_dialect(text: str) -> str:
-    """Stage 'mlir-llvm': schedule, bufferize and lower to the LLVM dialect."""
-    if "transform.named_sequence" in text:
-        text = toolchain.apply_transform_schedule(text)
-        text = toolchain.run_mlir(text, [f"builtin.module({toolchain.SCHEDULE_CLEANUP_PIPELINE})"])
-    return toolchain.run_mlir(
-        text, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})", f"builtin.module({toolchain.LLVM_PIPELINE})"]
-    )
-
-
 class Stages:
-    """All backend stage texts of one function, computed from the graph on first use."""
+    """All backend stage texts of one function. Compiling keeps only the 'mlir' text (and all of
+    them when `FLOWJIT_DUMP_DIR` is set); the others are recomputed from the graph on first use,
+    as for a function loaded from the compile cache."""
 
     NAMES = ("mlir", "mlir-llvm", "llvm", "asm")
 
@@ -96,13 +90,13 @@ class Stages:
         self.name = name
         self.options = options
         self.texts: dict[str, str] = {}
+        self.mlir = None  # the MlirModule, when compiled in this process
         self.module = None  # the optimized llvmlite module, when compiled in this process
         self.tm = None
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {}  # seconds per phase of the last build
 
-    def compute(self, graph: Graph | None = None) -> None:
-        if self.module is not None:
-            return
+    def build(self, graph: Graph | None = None, keep_texts: bool = False) -> None:
+        """Lower, run the MLIR pipelines and optimize: `module` is ready for code generation."""
         if graph is None:
             from flowjit.ir.parser import parse_graph
 
@@ -110,8 +104,7 @@ class Stages:
         t0 = time.perf_counter()
         mlir = generate_mlir(graph, self.options)
         t1 = time.perf_counter()
-        llvm_dialect = mlir_to_llvm_dialect(mlir.text)
-        llvm_ir = toolchain.translate_to_llvm_ir(llvm_dialect)
+        llvm_ir, llvm_dialect = toolchain.lower_to_llvm_ir(mlir.text, keep_text=keep_texts)
         t2 = time.perf_counter()
         self.module, self.tm = toolchain.optimize(llvm_ir, mlir.entry, opt=self.options.opt_level)
         toolchain.check_symbols(self.module)
@@ -121,13 +114,17 @@ class Stages:
             raise CompileError(f"internal error: @{mlir.entry} takes {found} arguments; expected {expected} pointers")
         self.timings = {"lower": t1 - t0, "mlir": t2 - t1, "llvm-opt": time.perf_counter() - t2}
         self.mlir = mlir
-        self.texts.update({"mlir": mlir.text, "mlir-llvm": llvm_dialect, "llvm": str(self.module)})
+        self.texts["mlir"] = mlir.text
+        if keep_texts:
+            # Printed before code generation, which rewrites the module in place (CodeGenPrepare).
+            self.texts.update({"mlir-llvm": llvm_dialect, "llvm": str(self.module)})
 
     def __getitem__(self, stage: str) -> str:
         if stage not in self.NAMES:
             raise KeyError(stage)
         if stage not in self.texts:
-            self.compute()
+            if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
+                self.build(keep_texts=True)
             if stage == "asm":
                 self.texts["asm"] = toolchain.emit_assembly(self.module, self.tm)
         return self.texts[stage]
@@ -160,8 +157,10 @@ def compile_cpu(graph: Graph, options: CompileOptions | None = None):
     stages = Stages(graph_text, graph.name, options)
     entry = cache.load(key)
     if entry is None:
-        stages.compute(graph)
+        stages.build(graph, keep_texts=dump.dump_dir() is not None)
+        t0 = time.perf_counter()
         native = toolchain.jit_compile(stages.module, stages.tm)
+        stages.timings["codegen"] = time.perf_counter() - t0
         mlir = stages.mlir
         entry = cache.Entry(
             native.object_code, mlir.entry, mlir.workspace_bytes, Layout.of(mlir.inputs), Layout.of(mlir.outputs)

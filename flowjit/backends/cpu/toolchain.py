@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from flowjit.errors import CompileError
+from flowjit.passes import dump
 
 # After a transform schedule: hoist vector accumulators out of reduction loops (on tensors). No
 # `cse` before bufferization: it merges the `tensor.empty`s of different kernels (e.g. two
@@ -134,27 +135,60 @@ def mlir_context():
     return ir.Context()
 
 
-def run_mlir(text: str, pipelines: list[str]) -> str:
-    """Parse MLIR text, run each pass pipeline (a 'builtin.module(...)' string), return MLIR text."""
-    from mlir import ir
+def _pass_manager(pipeline: str):
+    """A pass manager for `pipeline`. The MLIR verifier runs after every pass only with
+    `FLOWJIT_VERIFY=1` (the test suite): it costs about a sixth of the pipelines' time. Without it
+    the input is still verified when parsed and the result once at the end (`_verified`)."""
     from mlir.passmanager import PassManager
 
+    pm = PassManager.parse(pipeline)
+    pm.enable_verifier(dump.verify_enabled())
+    return pm
+
+
+def _parse(text: str):
+    from mlir import ir
+
+    try:
+        return ir.Module.parse(text)
+    except Exception as e:  # the bindings raise MLIRError with diagnostics
+        raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
+
+
+def _join(pipelines: list[str]) -> str:
+    """One 'builtin.module(...)' pipeline from several."""
+    prefix = "builtin.module("
+    if not all(p.startswith(prefix) and p.endswith(")") for p in pipelines):
+        raise CompileError(f"internal error: pipelines must be '{prefix}...)' strings; found {pipelines}")
+    return prefix + ",".join(p[len(prefix) : -1] for p in pipelines) + ")"
+
+
+def _run_pipeline(module, pipeline: str, repro_text) -> None:
+    """Run `pipeline` on `module`; on failure save the input (`repro_text()`) and say how to rerun it."""
+    try:
+        _pass_manager(pipeline).run(module.operation)
+    except Exception as e:
+        repro = _repro(repro_text(), pipeline)
+        raise CompileError(f"internal error: MLIR pipeline failed: {pipeline}\n{e}\n{repro}") from None
+
+
+def _verified(module) -> None:
+    """Verify the final module once when the verifier did not run after every pass."""
+    if dump.verify_enabled():
+        return
+    try:
+        module.operation.verify()
+    except Exception as e:
+        raise CompileError(f"internal error: the MLIR pipelines produced invalid IR:\n{e}") from None
+
+
+def run_mlir(text: str, pipelines: list[str]) -> str:
+    """Parse MLIR text, run each pass pipeline (a 'builtin.module(...)' string), return MLIR text."""
     with _lock, mlir_context():
-        try:
-            module = ir.Module.parse(text)
-        except Exception as e:  # the bindings raise MLIRError with diagnostics
-            raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
+        module = _parse(text)
         # One pass manager for all pipelines: the input text is then the reproducer of a failure.
-        prefix = "builtin.module("
-        if not all(p.startswith(prefix) and p.endswith(")") for p in pipelines):
-            raise CompileError(f"internal error: pipelines must be '{prefix}...)' strings; found {pipelines}")
-        pipeline = prefix + ",".join(p[len(prefix) : -1] for p in pipelines) + ")"
-        try:
-            PassManager.parse(pipeline).run(module.operation)
-        except Exception as e:
-            raise CompileError(
-                f"internal error: MLIR pipeline failed: {pipeline}\n{e}\n{_repro(text, pipeline)}"
-            ) from None
+        _run_pipeline(module, _join(pipelines), lambda: text)
+        _verified(module)
         return str(module)
 
 
@@ -167,52 +201,81 @@ def _repro(text: str, pipeline: str) -> str:
     return f'input saved to {path}; reproduce with: python -c "{command}"'
 
 
+def _apply_schedule(module) -> bool:
+    """Run the module's transform schedule, if it has one, and erase it; True if there was one."""
+    if "transform.with_named_sequence" not in module.operation.attributes:
+        return False
+    try:
+        _pass_manager("builtin.module(transform-interpreter)").run(module.operation)
+    except Exception as e:
+        raise CompileError(f"internal error: transform schedule failed:\n{e}") from None
+    for op in list(module.body.operations):
+        if op.operation.name == "transform.named_sequence":
+            op.operation.erase()
+    del module.operation.attributes["transform.with_named_sequence"]
+    return True
+
+
 def apply_transform_schedule(text: str) -> str:
     """Run the transform-dialect schedule embedded in the module (`transform.named_sequence
     @__transform_main` inside a module carrying `transform.with_named_sequence`), then erase the
     schedule so the payload is an ordinary module again."""
+    with _lock, mlir_context():
+        module = _parse(text)
+        _apply_schedule(module)
+        return str(module)
+
+
+def _check_lowered(module) -> None:
+    """Ops of other dialects left behind by the pipeline are an internal error (the translation
+    itself would crash on them)."""
     from mlir import ir
-    from mlir.passmanager import PassManager
+
+    leftovers: set[str] = set()
+
+    def visit(op):
+        name = op.name
+        if not name.startswith(("llvm.", "omp.")) and name != "builtin.module":
+            leftovers.add(name)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    if leftovers:
+        raise CompileError(
+            f"internal error: ops not lowered to the LLVM dialect: {', '.join(sorted(leftovers))}"
+            f"\n--- MLIR ---\n{module}"
+        )
+
+
+def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False):
+    """The backend's MLIR half on one in-memory module: parse the lowering's text, run its transform
+    schedule, the cleanup, bufferization and `llvm_pipeline`, translate to LLVM IR. Returns (LLVM IR
+    text, the LLVM-dialect MLIR text when `keep_text` else None): printing and re-parsing the module
+    between steps cost a fifth of this function's time, so the text is made only when asked for."""
+    from mlir.dialects import llvm as llvm_dialect
 
     with _lock, mlir_context():
-        try:
-            module = ir.Module.parse(text)
-        except Exception as e:
-            raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
-        try:
-            PassManager.parse("builtin.module(transform-interpreter)").run(module.operation)
-        except Exception as e:
-            raise CompileError(f"internal error: transform schedule failed:\n{e}") from None
-        for op in list(module.body.operations):
-            if op.operation.name == "transform.named_sequence":
-                op.operation.erase()
-        if "transform.with_named_sequence" in module.operation.attributes:
-            del module.operation.attributes["transform.with_named_sequence"]
-        return str(module)
+        module = _parse(text)
+        pipelines = [f"builtin.module({BUFFERIZE_PIPELINE})", f"builtin.module({llvm_pipeline})"]
+        scheduled = _apply_schedule(module)
+        if scheduled:
+            pipelines.insert(0, f"builtin.module({SCHEDULE_CLEANUP_PIPELINE})")
+        # A failure's reproducer starts after the schedule, as `run_mlir` would be given it.
+        _run_pipeline(module, _join(pipelines), lambda: apply_transform_schedule(text) if scheduled else text)
+        _verified(module)
+        _check_lowered(module)
+        dialect_text = str(module) if keep_text else None
+        return str(llvm_dialect.translate_module_to_llvmir(module.operation)), dialect_text
 
 
 def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
     """LLVM-dialect MLIR (with OpenMP ops) -> LLVM IR text. Ops of other dialects left behind by the
     pipeline are an internal error (the translation itself would crash on them)."""
-    from mlir import ir
     from mlir.dialects import llvm as llvm_dialect
 
     with _lock, mlir_context():
-        module = ir.Module.parse(llvm_dialect_text)
-        leftovers: set[str] = set()
-
-        def visit(op):
-            name = op.name
-            if not name.startswith(("llvm.", "omp.")) and name != "builtin.module":
-                leftovers.add(name)
-            return ir.WalkResult.ADVANCE
-
-        module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-        if leftovers:
-            raise CompileError(
-                f"internal error: ops not lowered to the LLVM dialect: {', '.join(sorted(leftovers))}"
-                f"\n--- MLIR ---\n{llvm_dialect_text}"
-            )
+        module = _parse(llvm_dialect_text)
+        _check_lowered(module)
         return str(llvm_dialect.translate_module_to_llvmir(module.operation))
 
 
