@@ -63,6 +63,13 @@ def test_python_scalars_in_carries_and_results_convert_as_flowjit_numpy_does(tar
     assert (i.dtype, x.dtype, y.dtype, z.dtype) == (np.int64, np.float32, np.float32, np.float32)
 
 
+def test_fori_loop_bounds_must_be_integer_scalars():
+    with pytest.raises(fj.FlowjitTypeError, match="upper bound must be an integer scalar; found tensor<f32>"):
+        fj.jit(lambda x: fj.fori_loop(0, 2.5, lambda i, c: c, x))(np.float32(1))
+    with pytest.raises(fj.FlowjitTypeError, match="lower bound must be an integer scalar"):
+        fj.fori_loop(np.zeros(2, np.int32), 3, lambda i, c: c, 1.0)
+
+
 def test_dynamic_trip_count():
     @fj.jit(target="interpreter")
     def f(n, x):

@@ -155,6 +155,11 @@ def _check_carry(tree, types, body_tree, body_g, what):
 
 def fori_loop(lower, upper, body_fn: Callable, init_val):
     """`for i in range(lower, upper): val = body_fn(i, val)`, compiled as one loop op."""
+    for what, bound in (("lower", lower), ("upper", upper)):
+        aval = _aval(_as_operands([bound])[0])
+        if aval.dtype.np_dtype.kind not in "iub" or aval.shape != ():
+            where = user_location()
+            raise FlowjitTypeError(f"{where}: fori_loop's {what} bound must be an integer scalar; found {aval}")
     if not _is_traced(lower, upper, init_val):
         val = init_val
         for i in range(int(lower), int(upper)):
