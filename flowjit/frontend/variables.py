@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 
-from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.trace import Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
@@ -112,6 +112,12 @@ class Variable:
 
             x = fnp.asarray(x)
             if tuple(fnp.shape(x)) != self.shape:
+                try:
+                    fits = fnp.broadcast_shapes(tuple(fnp.shape(x)), self.shape) == self.shape
+                except FlowjitError:
+                    fits = False
+                if not fits:
+                    raise self._shape_error(FlowjitTypeError, op, fnp.shape(x))  # as traced ops report shapes
                 x = fnp.broadcast_to(x, self.shape)
             x = fnp.astype(x, self.type.dtype)
             self._register()
@@ -121,10 +127,7 @@ class Variable:
         try:
             array = np.broadcast_to(array, self.shape)
         except ValueError:
-            raise FlowjitValueError(
-                f"{user_location()}: {op} to variable '{self.name}' of shape {self.shape}: value has shape "
-                f"{array.shape}"
-            ) from None
+            raise self._shape_error(FlowjitValueError, op, array.shape) from None  # as numpy reports them
         with self.lock, np.errstate(over="ignore"):
             if op == "assign":
                 np.copyto(self._buffer, array, casting="unsafe")
@@ -133,6 +136,12 @@ class Variable:
             else:
                 np.copyto(self._buffer, self._buffer - array, casting="unsafe")
         return self
+
+    def _shape_error(self, kind: type[FlowjitError], op: str, shape) -> FlowjitError:
+        return kind(
+            f"{user_location()}: {op} to variable '{self.name}' of shape {self.shape}: value has shape "
+            f"{tuple(shape)}, which does not broadcast to it"
+        )
 
     def assign(self, x) -> Variable:
         """Set the variable to `x` (broadcast and cast to its shape and dtype)."""
