@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -279,6 +280,37 @@ def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype):
         "dot_general",
         [data((4, 9, 45), dt.float64, 1), data((45, 30), dt.float64, 2)],
         MATMUL | dict(lhs_contract=(2,)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("lead", "m", "n", "k", "dtype"),
+    [
+        ((), 70, 150, 45, dt.float32),  # 5 panels: A packed by blocks of 8 columns, 6 single rows
+        ((), 64, 300, 19, dt.float64),
+        ((), 33, 10, 19, dt.float32),  # one partial panel: A read in place, by columns
+        ((), 40, 135, 77, dt.int32),
+        ((), 24, 50, 33, dt.float16),
+        ((3,), 21, 141, 29, dt.float32),
+        ((2,), 70, 130, 120, dt.int64),
+        ((), 300, 200, 64, dt.float32),  # above PARALLEL_MIN_FLOPS: each core packs its own rows
+    ],
+)
+def test_matmul_kernel_lhs_columns(lead, m, n, k, dtype):
+    """`a.T @ b` (weight gradients): the lhs arrives as (batch, K, M) and the kernel reads its
+    columns (packed when several panels re-read them), without a transpose copy."""
+    b = len(lead)
+    dims = dict(lhs_contract=(b,), rhs_contract=(b,), lhs_batch=tuple(range(b)), rhs_batch=tuple(range(b)))
+    mlir = check("dot_general", [data(lead + (k, m), dtype, 1), data(lead + (k, n), dtype, 2)], dims)
+    assert "linalg.transpose" not in mlir and ("vector.fma" in mlir or dtype.is_int)
+    panels = -(-n // (2 * matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)))
+    packs = re.search(rf"tensor<{''.join(f'{d}x' for d in lead)}{k}x{m}x\w+>, vector<8x", mlir) is not None
+    assert packs == (panels >= matmul_kernel.PACK_A_MIN_PANELS)
+    # both operands transposed: `a.T @ b.T`
+    check(
+        "dot_general",
+        [data((k, m), dtype, 3), data((n, k), dtype, 4)],
+        MATMUL | dict(lhs_contract=(0,), rhs_contract=(1,)),
     )
 
 

@@ -150,21 +150,28 @@ def _transpose_rules(op, rw):
 
 
 def _dot_general_rules(op, rw):
-    """dot_general(x, transpose(y)) -> dot_general(x, y) with the rhs dims renamed, when y's free dims
-    keep their order (so does the result's): backends read y in place (`a @ b.T` with no copy)."""
-    a, b = op.operands
-    p = b.producer
-    if p is None or p.name != "transpose":
-        return None
-    perm = p.attrs["perm"]
+    """dot_general(transpose(x), transpose(y)) -> dot_general(x, y) with the dims renamed, for each
+    transposed operand whose free dims keep their order (so do the result's): backends read it in
+    place (`a @ b.T`, `a.T @ b` with no copy)."""
+    operands, attrs = list(op.operands), dict(op.attrs)
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
-    free = [perm[d] for d in range(len(perm)) if d not in rhs_contract and d not in rhs_batch]
-    if free != sorted(free):
+    for side, (value, contract, batch) in enumerate(
+        zip(op.operands, (lhs_contract, rhs_contract), (lhs_batch, rhs_batch))
+    ):
+        p = value.producer
+        if p is None or p.name != "transpose":
+            continue
+        perm = p.attrs["perm"]
+        prefix = ("lhs_", "rhs_")[side]
+        free = [perm[d] for d in range(len(perm)) if d not in contract and d not in batch]
+        if free != sorted(free):
+            continue
+        attrs[prefix + "contract"] = tuple(perm[d] for d in contract)
+        attrs[prefix + "batch"] = tuple(perm[d] for d in batch)
+        operands[side] = p.operands[0]
+    if operands == list(op.operands):
         return None
-    attrs = dict(op.attrs)
-    attrs["rhs_contract"] = tuple(perm[d] for d in rhs_contract)
-    attrs["rhs_batch"] = tuple(perm[d] for d in rhs_batch)
-    return rw.emit_like(op, "dot_general", [a, p.operands[0]], attrs)
+    return rw.emit_like(op, "dot_general", operands, attrs)
 
 
 def _widens_exactly(src: DType, dst: DType) -> bool:

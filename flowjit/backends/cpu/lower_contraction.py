@@ -185,10 +185,11 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
     if not matmul_kernel.worth_it(batch, m, n, k):
         return None
     acc = accumulator_elem(result.dtype)
-    # B already laid out as (batch, N, K) (`a @ b.T`): the kernel packs it from there, no transpose.
-    rhs_rows = _rhs_in_row_order(op)
-    a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=rhs_rows)
-    shape = matmul_kernel.MatmulShape(batch if lead else 0, m, n, k, acc, b_rows=rhs_rows)
+    # B already laid out as (batch, N, K) (`a @ b.T`): the kernel packs it from there; A laid out as
+    # (batch, K, M) (`a.T @ b`, weight gradients): the kernel reads its columns. No transpose copies.
+    rhs_rows, lhs_cols = _rhs_in_row_order(op), _lhs_in_column_order(op)
+    a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=rhs_rows, lhs_cols=lhs_cols)
+    shape = matmul_kernel.MatmulShape(batch if lead else 0, m, n, k, acc, b_rows=rhs_rows, a_cols=lhs_cols)
     product = matmul_kernel.emit_matmul(em, a, b, shape)
     product = reshape(em, product, TensorType(lead + (m, n), result.dtype), result.shape, acc)
     return narrow(em, product, result, acc)
@@ -203,10 +204,19 @@ def _rhs_in_row_order(op: Op) -> bool:
     return order == sorted(order) and order != list(rhs_batch) + list(rhs_contract) + rhs_free
 
 
-def _dot_operands(em: KernelEmitter, op: Op, operands: list[str], acc: str, rhs_rows: bool):
+def _lhs_in_column_order(op: Op) -> bool:
+    """Whether the lhs's dims are already (batch, contracting, free) in memory order."""
+    ta = op.operands[0].type
+    lhs_contract, _, lhs_batch, _ = dot_dims(op.attrs)
+    lhs_free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
+    order = list(lhs_batch) + list(lhs_contract) + lhs_free
+    return order == sorted(order) and order != list(lhs_batch) + lhs_free + list(lhs_contract)
+
+
+def _dot_operands(em: KernelEmitter, op: Op, operands: list[str], acc: str, rhs_rows: bool, lhs_cols: bool = False):
     """The operands widened to `acc`, transposed (only if needed) and reshaped as views to
-    (batch, M, K) and (batch, K, N), or (batch, N, K) with `rhs_rows` (no batch dim when the op has
-    none). Returns (a, b, the leading batch shape: () or (batch,))."""
+    (batch, M, K) and (batch, K, N), or (batch, K, M) with `lhs_cols` and (batch, N, K) with
+    `rhs_rows` (no batch dim when the op has none). Returns (a, b, the leading batch shape: () or (batch,))."""
     a, b = operands
     ta, tb = op.operands[0].type, op.operands[1].type
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
@@ -215,11 +225,12 @@ def _dot_operands(em: KernelEmitter, op: Op, operands: list[str], acc: str, rhs_
     batch = _prod(lhs_batch, ta.shape)
     m, k, n = _prod(lhs_free, ta.shape), _prod(lhs_contract, ta.shape), _prod(rhs_free, tb.shape)
     a, b = widen_tensor(em, a, ta, acc), widen_tensor(em, b, tb, acc)
-    a, ta = transpose(em, a, ta, list(lhs_batch) + lhs_free + list(lhs_contract), acc)
+    lhs_order = list(lhs_contract) + lhs_free if lhs_cols else lhs_free + list(lhs_contract)
+    a, ta = transpose(em, a, ta, list(lhs_batch) + lhs_order, acc)
     rhs_order = rhs_free + list(rhs_contract) if rhs_rows else list(rhs_contract) + rhs_free
     b, tb = transpose(em, b, tb, list(rhs_batch) + rhs_order, acc)
     lead = (batch,) if lhs_batch else ()
-    a = reshape(em, a, ta, lead + (m, k), acc)
+    a = reshape(em, a, ta, lead + ((k, m) if lhs_cols else (m, k)), acc)
     b = reshape(em, b, tb, lead + ((n, k) if rhs_rows else (k, n)), acc)
     return a, b, lead
 

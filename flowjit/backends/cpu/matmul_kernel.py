@@ -54,6 +54,11 @@ class MatmulShape:
     k: int
     elem: str  # "f32", "f64", "i32" or "i64"
     b_rows: bool = False  # B arrives as (.., N, K) (e.g. `a @ b.T`): packed straight from its rows
+    a_cols: bool = False  # A arrives as (.., K, M) (e.g. `a.T @ b`): read by columns (see `_pack_a_columns`)
+
+    @property
+    def a_tensor(self) -> str:
+        return self.tensor(self.k, self.m) if self.a_cols else self.tensor(self.m, self.k)
 
     @property
     def b_tensor(self) -> str:
@@ -85,6 +90,9 @@ class MatmulShape:
 
 
 MR = 8  # rows of the register tile
+# A given as (K, M) is packed (see `_pack_a_columns`) when this many panels re-read it; a product
+# with fewer (a narrow N) reads its columns in place (packing a.T @ dz with N = 10 cost 3x).
+PACK_A_MIN_PANELS = 4
 
 
 class LoopWriter:
@@ -223,31 +231,80 @@ def _row_blocks(
     c_tile: str,
     c_type: str,
     row0: str,
-    lo: str,
-    hi: str,
+    rows: tuple[str, str, int],
     mr: int,
     batch_index: str | None,
 ) -> str:
     """For every panel and every block of `mr` rows in [lo, hi) of `c_tile` (whose row 0 is A's row
-    `row0`): the register-tile product, stored into `c_tile`."""
+    `row0`; `rows` = (lo, hi, the most rows hi - lo can be)): the register-tile product, stored into
+    `c_tile`."""
+    lo, hi, _ = rows
+    read_a = _a_reader(w, s, a, row0, batch_index)
+    if s.a_cols and mr == MR and s.panels >= PACK_A_MIN_PANELS:
+        read_a = _packed_a_reader(w, s, _pack_a_columns(w, s, a, row0, rows, batch_index), lo)
     for first, end, states in _panel_ranges(s):
-        c_tile = _panel_loop(w, s, a, packed, c_tile, c_type, row0, (lo, hi), mr, batch_index, (first, end, states))
+        c_tile = _panel_loop(w, s, read_a, packed, c_tile, c_type, (lo, hi), mr, (first, end, states))
     return c_tile
 
 
-def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, row_range, mr, batch_index, panels):
+def _a_reader(w: LoopWriter, s: MatmulShape, a: str, row0: str, batch_index: str | None):
+    """read(i, r, k) = A[row0 + i + r, k], read in place."""
+    prefix = [batch_index] if batch_index else []
+
+    def read(i: str, r: int, k: str) -> str:
+        row = w.add(w.add(row0, i), w.index(r))
+        where = [k, row] if s.a_cols else [row, k]
+        return w.em.op(f"tensor.extract {a}[{', '.join(prefix + where)}] : {s.a_tensor}")
+
+    return read
+
+
+def _pack_a_columns(w: LoopWriter, s: MatmulShape, a: str, row0: str, rows, batch_index: str | None) -> tuple[str, str]:
+    """Ap[q, k, 0:MR] = A[row0 + lo + q*MR : .. + MR, k] for A given as (K, M) and the whole blocks of
+    MR rows in [lo, hi). Read in place, the micro-kernel would touch a new line per k, M elements
+    apart (4 KiB for M = 1024: all in the same cache sets); packed, each block is contiguous."""
+    em = w.em
+    lo, hi, most = rows
+    vec = f"vector<{MR}x{s.elem}>"
+    packed_type = f"tensor<{max(most // MR, 1)}x{s.k}x{MR}x{s.elem}>"
+    pad = em.op(f"arith.constant {s.zero} : {s.elem}")
+    packed = em.op(f"tensor.empty() : {packed_type}")
+    blocks = em.op(f"arith.divsi {em.op(f'arith.subi {hi}, {lo} : index')}, {w.index(MR)} : index")
+    first = w.add(row0, lo)
+    prefix = [batch_index] if batch_index else []
+    outer, k, (cur,) = w.open_for(w.index(0), w.index(s.k), w.index(1), [(packed, packed_type)])
+    inner, q, (c,) = w.open_for(w.index(0), blocks, w.index(1), [(cur, packed_type)])
+    col = w.add(first, w.mul(q, w.index(MR)))
+    v = em.op(
+        f"vector.transfer_read {a}[{', '.join(prefix + [k, col])}], {pad} {{in_bounds = [true]}} : {s.a_tensor}, {vec}"
+    )
+    c = em.op(f"vector.transfer_write {v}, {c}[{q}, {k}, {w.index(0)}] {{in_bounds = [true]}} : {vec}, {packed_type}")
+    w.close_for([c], [packed_type])
+    w.close_for([inner], [packed_type])
+    return outer, packed_type
+
+
+def _packed_a_reader(w: LoopWriter, s: MatmulShape, packed: tuple[str, str], lo: str):
+    """read(i, r, k) = Ap[(i - lo) / MR, k, r] (see `_pack_a_columns`)."""
+    packed, packed_type = packed
+
+    def read(i: str, r: int, k: str) -> str:
+        q = w.em.op(f"arith.divsi {w.em.op(f'arith.subi {i}, {lo} : index')}, {w.index(MR)} : index")
+        return w.em.op(f"tensor.extract {packed}[{q}, {k}, {w.index(r)}] : {packed_type}")
+
+    return read
+
+
+def _panel_loop(w: LoopWriter, s: MatmulShape, read_a, packed, c_tile, c_type, row_range, mr, panels):
     em = w.em
     vl, nr, nv = s.lanes, s.nr, s.vectors_per_row
     first, end, states = panels
     vec = f"vector<{vl}x{s.elem}>"
     packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
-    a_type = s.tensor(s.m, s.k)
     zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
     loop, p, (t1,) = w.open_for(w.index(first), w.index(end), w.index(1), [(c_tile, c_type)])
     col = w.mul(p, w.index(nr))
     rows, i, (t2,) = w.open_for(*row_range, w.index(mr), [(t1, c_type)])
-    a_rows = [w.add(w.add(row0, i), w.index(r)) for r in range(mr)]
-    prefix = [batch_index] if batch_index else []
     accs, k, acc_names = w.open_for(w.index(0), w.index(s.k), w.index(1), [(zero_vec, vec)] * (mr * nv))
     pad = em.op(f"arith.constant {s.zero} : {s.elem}")
     b_vecs = [
@@ -259,7 +316,7 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, 
     ]
     new = []
     for r in range(mr):
-        scalar = em.op(f"tensor.extract {a}[{', '.join(prefix + [a_rows[r], k])}] : {a_type}")
+        scalar = read_a(i, r, k)
         broadcast = em.op(f"vector.broadcast {scalar} : {s.elem} to {vec}")
         for c in range(nv):
             new.append(multiply_add_vectors(em, broadcast, b_vecs[c], acc_names[r * nv + c], vec, s.elem))
@@ -282,7 +339,7 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, a, packed, c_tile, c_type, row0, 
 
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
     """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N),
-    or `b` is (.., N, K) with `s.b_rows`."""
+    or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K) with `s.b_rows`."""
     w = LoopWriter(em)
     c_type = s.tensor(s.m, s.n)
     result = em.op(f"tensor.empty() : {c_type}")
@@ -319,9 +376,9 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
     sizes = ", ".join((["1"] if bi else []) + [rows, str(s.n)])
     strides = ", ".join(["1"] * (3 if bi else 2))
     tile = em.op(f"tensor.extract_slice {shared}[{where}] [{sizes}] [{strides}] : {c_type} to {tile_type}")
-    tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, w.index(0), full, MR, bi)
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (w.index(0), full, chunk), MR, bi)
     if s.m % MR:  # chunks are multiples of MR rows, so only a ragged M leaves single rows
-        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, full, rows, 1, bi)
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (full, rows, chunk), 1, bi)
     em.line("scf.forall.in_parallel {")
     em.line(f"  tensor.parallel_insert_slice {tile} into {shared}[{where}] [{sizes}] [{strides}]")
     em.line(f"    : {tile_type} into {c_type}")
@@ -337,16 +394,16 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     a, packed, bi = operands
     c_type, full = s.tensor(s.m, s.n), s.m // MR * MR
     if not bi:
-        tile = _row_blocks(w, s, a, packed, c_all, c_type, w.index(0), w.index(0), w.index(full), MR, None)
+        tile = _row_blocks(w, s, a, packed, c_all, c_type, w.index(0), (w.index(0), w.index(full), full), MR, None)
         if s.m % MR == 0:
             return tile
-        return _row_blocks(w, s, a, packed, tile, c_type, w.index(0), w.index(full), w.index(s.m), 1, None)
+        return _row_blocks(w, s, a, packed, tile, c_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, None)
     tile_type = f"tensor<{s.m}x{s.n}x{s.elem}>"
     where = f"[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1]"
     tile = em.op(f"tensor.extract_slice {c_all}{where} : {c_type} to {tile_type}")
-    tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), w.index(0), w.index(full), MR, bi)
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), (w.index(0), w.index(full), full), MR, bi)
     if s.m % MR:
-        tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), w.index(full), w.index(s.m), 1, bi)
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, bi)
     return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}")
 
 
