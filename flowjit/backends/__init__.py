@@ -16,6 +16,7 @@ class Executable:
 
     backend: str = ""
     stages: dict[str, str]
+    fresh_outputs: bool = False  # True: results are always new arrays, never an argument passed through
 
     def run(self, args: Sequence[np.ndarray], variables: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Run on host arrays; `variables` maps each variable name the graph uses to its live buffer,
