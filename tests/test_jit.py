@@ -432,6 +432,73 @@ def test_non_contiguous_and_scalar_numpy_arguments():
     np.testing.assert_allclose(f(X.T, 2), X.T * 2)
 
 
+# --- the call fast path (positional arrays of a signature seen before) ---------------------------------
+
+
+def test_fast_path_takes_any_layout_of_the_compiled_shapes_and_dtypes():
+    traces = Counter()
+
+    @fj.jit
+    def f(x, y):
+        traces()
+        return x * 2 + y
+
+    np.testing.assert_array_equal(f(X, X), X * 2 + X)
+    read_only = X.copy()
+    read_only.flags.writeable = False
+    offset_view = np.vstack([X + 1, X])[4:]  # C-contiguous, its data pointer inside another array
+    calls = [
+        (np.asfortranarray(X), X),
+        (X, offset_view),
+        (read_only, read_only),
+        (np.broadcast_to(X[0], X.shape), X),  # zero strides
+    ]
+    for a, b in calls:
+        np.testing.assert_array_equal(f(a, b), a * 2 + b)
+    assert traces.n == 1
+
+
+def test_fast_path_results_are_fresh_arrays_every_call():
+    f = fj.jit(lambda x: (x + 1, x))
+    first, second = f(X), f(X)
+    for a, b in zip(first, second):
+        assert not np.shares_memory(a, b) and not np.shares_memory(a, X)
+    first[0][...] = 0
+    first[1][...] = 0
+    np.testing.assert_array_equal(second[0], X + 1)
+    np.testing.assert_array_equal(second[1], X)
+
+
+def test_fast_path_with_many_or_no_native_arguments():
+    f = fj.jit(lambda *xs: sum(xs[1:], xs[0]))
+    xs = [np.full(3, i, np.float32) for i in range(40)]
+    for _ in range(2):
+        np.testing.assert_array_equal(f(*xs), np.full(3, sum(range(40)), np.float32))
+    g = fj.jit(lambda x: None)
+    assert g(X) is None and g(X) is None
+    h = fj.jit(lambda x: x.sum())
+    empty = np.zeros((0, 3), np.float32)
+    assert h(empty) == 0 and h(empty) == 0
+
+
+def test_non_native_byte_order_is_rejected_by_name():
+    f = fj.jit(lambda x: x * 2)
+    f(X)
+    with pytest.raises(fj.FlowjitTypeError, match=r"float32 in non-native byte order \('>f4'\).*astype"):
+        f(X.astype(">f4"))
+
+
+def test_executable_checks_what_it_is_given():
+    executable = fj.jit(lambda x, w: x @ w).lower(X, W).compile().executable
+    np.testing.assert_allclose(executable.run([X, W])[0], X @ W, rtol=1e-5)
+    with pytest.raises(fj.FlowjitTypeError, match=r"argument 1: expected an array of shape \(8, 3\)"):
+        executable.run([X, X])
+    with pytest.raises(fj.FlowjitTypeError, match="argument 0: .* found list"):
+        executable.run([X.tolist(), W])
+    with pytest.raises(fj.FlowjitTypeError, match="expected 2 arrays; found 1"):
+        executable.run([X])
+
+
 def test_variables_as_arguments_are_passed_by_reference():
     traces = Counter()
     v = fj.Variable(np.zeros(3, np.float32), name="jit_arg_v")

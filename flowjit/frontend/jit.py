@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import os
 import re
 import sys
@@ -123,12 +124,14 @@ def user_errors(fn):
 def _unsupported_dtype(path: str, np_dtype) -> FlowjitTypeError:
     np_dtype = np.dtype(np_dtype)
     supported = ", ".join(d.np_dtype.name for d in dt.ALL_DTYPES)
+    # '>f4' is named float32 too: say what differs.
+    found = np_dtype.name if np_dtype.isnative else f"{np_dtype.name} in non-native byte order ('{np_dtype.str}')"
     if np_dtype.kind == "c":
         fix = f"flowjit has no complex dtypes: pass {path}.real and {path}.imag as float32 arrays"
     else:
         fix = f"convert it before the call, e.g. {path}.astype(np.{'int32' if np_dtype.kind in 'iu' else 'float32'})"
     return FlowjitTypeError(
-        f"{user_location()}: argument {path}: unsupported dtype {np_dtype.name}; flowjit supports {supported}; {fix}"
+        f"{user_location()}: argument {path}: unsupported dtype {found}; flowjit supports {supported}; {fix}"
     )
 
 
@@ -195,12 +198,13 @@ class VariableArg:
 
 def _array_key(args: tuple) -> tuple | None:
     """The fast-path cache key of a call whose arguments are all numpy arrays: their shapes and
-    dtypes. It skips binding and flattening, the cost that dominates calls on small arrays."""
+    dtypes (shape0, dtype0, shape1, ...). It skips binding and flattening, the cost that dominates
+    calls on small arrays. The dtype objects, not their names, so byte order counts."""
     key = []
     for a in args:
         if type(a) is not np.ndarray:
             return None
-        key.append((a.shape, a.dtype))
+        key += (a.shape, a.dtype)
     return tuple(key)
 
 
@@ -307,7 +311,7 @@ class Jitted:
         self.donate_argnums = _as_tuple(donate_argnums)
         self.target = target
         self._cache: dict[Signature, Compiled] = {}
-        self._by_array_key: dict[tuple, Compiled] = {}  # fast path: see _array_key
+        self._fast_calls: dict[tuple, Callable] = {}  # _array_key -> that signature's Compiled.call_arrays
         self._last: Signature | None = None
         # Reentrant: a jitted function may call itself on concrete values while being traced.
         self._lock = threading.RLock()
@@ -439,10 +443,6 @@ class Jitted:
         if current_trace() is not None:
             return self.fun(*args, **kwargs)  # inside another trace: inline into its graph
         array_key = None if kwargs or bound_self else _array_key(args)
-        if array_key is not None:
-            compiled = self._by_array_key.get(array_key)
-            if compiled is not None:
-                return compiled.call_arrays(args)
         sig, bound, leaves, paths = self._signature_of(args, kwargs, bound_self)
         compiled = self._cache.get(sig)
         if compiled is None:
@@ -459,7 +459,7 @@ class Jitted:
         # Positional arrays that are exactly the dynamic leaves (no statics, pytrees or defaults
         # among them) determine the signature by their shapes and dtypes alone: remember that.
         if array_key is not None and len(leaves) == len(args) and all(a is b for a, b in zip(leaves, args)):
-            self._by_array_key[array_key] = compiled
+            self._fast_calls[array_key] = compiled.call_arrays
         return compiled.call_leaves(leaves)
 
     @user_errors
@@ -467,15 +467,24 @@ class Jitted:
         """Trace and optimize for these arguments (arrays or `ShapeDtype`s) without running."""
         return self._lower(args, kwargs, bound_self=False)
 
-    @user_errors
     def __call__(self, *args, **kwargs):
-        return self._call(args, kwargs, bound_self=False)
+        # `user_errors` by hand: a decorator's frame is a tenth of a small call's cost.
+        try:
+            if not kwargs:
+                call = self._fast_calls.get(_array_key(args))
+                if call is not None and current_trace() is None:
+                    return call(args)
+            return self._call(args, kwargs, bound_self=False)
+        except FlowjitError as e:
+            if os.environ.get("FLOWJIT_FULL_TRACEBACK"):
+                raise
+            raise e.with_traceback(_user_traceback(e.__traceback__)) from e.__cause__
 
     def clear_cache(self) -> None:
         """Forget every compiled signature; the next call traces again."""
         with self._lock:
             self._cache.clear()
-            self._by_array_key.clear()
+            self._fast_calls.clear()
             self._last = None
 
 
@@ -616,6 +625,21 @@ class Lowered:
         )
 
 
+def _unaliased(outs: list, arrays: Sequence) -> list:
+    """An output that is an input passed through must not alias the caller's array: copy it."""
+    return [np.array(o) if any(o is a for a in arrays) else o for o in outs]
+
+
+def _output_builder(out_tree: TreeDef) -> Callable[[list], object]:
+    """Rebuilds a call's result from the executable's outputs; one leaf or a flat tuple without
+    walking the tree (a third of a small call's cost)."""
+    if out_tree.kind == "leaf":
+        return operator.itemgetter(0)
+    if out_tree.kind == "tuple" and all(child.kind == "leaf" for child in out_tree.children):
+        return tuple
+    return functools.partial(tree_unflatten, out_tree)
+
+
 def _backend_note(executable: Executable) -> str:
     if executable.backend == "interpreter":
         return (
@@ -648,6 +672,8 @@ class Compiled:
         self.paths = paths
         self.name = name
         self._binder = binder
+        self._fresh_outputs = executable.fresh_outputs
+        self._build_output = _output_builder(out_tree)
 
     def call_leaves(self, leaves: Sequence) -> object:
         """Run on the flattened dynamic arguments (already checked against the signature)."""
@@ -660,19 +686,23 @@ class Compiled:
             outs = self._run_with_variables(arrays)
         else:
             outs = self.executable.run(arrays)
-        # An output that is an input passed through must not alias the caller's array.
-        outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
-        return tree_unflatten(self.out_tree, outs)
+        if not self._fresh_outputs:
+            outs = _unaliased(outs, arrays)
+        return self._build_output(outs)
 
     def call_arrays(self, args: tuple) -> object:
         """The call fast path: `args` are numpy arrays of exactly the signature's shapes and dtypes
         (the jitted function's array-key cache vouches for that), so no conversion or re-check."""
         if self.variables:
             return self.call_leaves(args)
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
-        outs = self.executable.run_trusted(arrays)
-        outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
-        return tree_unflatten(self.out_tree, outs)
+        for a in args:
+            if not a.flags.c_contiguous:
+                args = [np.ascontiguousarray(a) for a in args]
+                break
+        outs = self.executable.run_trusted(args)
+        if not self._fresh_outputs:
+            outs = _unaliased(outs, args)
+        return self._build_output(outs)
 
     def _run_with_variables(self, arrays):
         with contextlib.ExitStack() as stack:

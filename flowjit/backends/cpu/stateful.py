@@ -26,6 +26,8 @@ def has_state(graph: Graph) -> bool:
 class StatefulExecutable(Executable):
     """A CPU executable plus the binding of its extra inputs/outputs to variable buffers."""
 
+    fresh_outputs = True  # the results are the inner executable's fresh arrays; variable buffers are not returned
+
     def __init__(self, inner, layout: StateLayout, num_results: int):
         self.inner = inner
         self.layout = layout
