@@ -783,6 +783,70 @@ add_row(
 )
 
 
+# --- sort ---------------------------------------------------------------------------------------------------
+
+
+def _positions(shape, axis, dtype):
+    """0, 1, 2, ... along `axis`: the payload that shows where each sorted element came from."""
+    ramp = np.arange(shape[axis]).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return np.broadcast_to(ramp, shape).astype(dtype.np_dtype)
+
+
+def _sort_ref(keys, *payloads, dtype, axis):
+    """Stable ascending order of the keys (numpy's argsort puts nans last), applied to every operand."""
+    order = np.argsort(keys, axis=axis, kind="stable")
+    out = [np.take_along_axis(x, order, axis=axis) for x in (keys, *payloads)]
+    return out if payloads else out[0]
+
+
+for _shape, _axis in (((5,), 0), ((3, 4), 1), ((3, 4), 0), ((2, 3, 4), 1), ((2, 37), 1), ((3, 1), 1), ((0, 3), 1)):
+    # Few distinct keys: many ties, whose order the payloads (positions) reveal.
+    add_row(
+        f"sort-{_shape_id(_shape)}-axis{_axis}",
+        "sort",
+        ALL,
+        lambda rng, d, s=_shape: [small_ints(rng, s, d, -3, 3)],
+        lambda x, dtype, a=_axis: _sort_ref(x, dtype=dtype, axis=a),
+        attrs={"axis": _axis},
+    )
+    add_row(
+        f"sort-{_shape_id(_shape)}-axis{_axis}-payloads",
+        "sort",
+        NUMERIC,
+        lambda rng, d, s=_shape, a=_axis: [
+            small_ints(rng, s, d, -3, 3),
+            _positions(s, a, d),
+            rand(rng, s, d),
+        ],
+        lambda x, p, q, dtype, a=_axis: _sort_ref(x, p, q, dtype=dtype, axis=a),
+        attrs={"axis": _axis},
+    )
+add_row(
+    "sort-special",
+    "sort",
+    FLOATS,
+    lambda rng, d: [literal([[np.nan, 1.0, -np.inf, 0.0, -0.0, np.inf, np.nan, -2.0, 1.0]], d)],
+    lambda x, dtype: _sort_ref(x, dtype=dtype, axis=1),
+    attrs={"axis": 1},
+)
+add_row(
+    "sort-index-payload",
+    "sort",
+    FLOATS,
+    lambda rng, d: [literal([[2.0, np.nan, 0.0, -0.0, 2.0, np.nan, -1.0]], d), np.arange(7, dtype=np.int64)[None]],
+    lambda x, p, dtype: _sort_ref(x, p, dtype=dtype, axis=1),
+    attrs={"axis": 1},
+)
+add_row(
+    "sort-long",
+    "sort",
+    (F32, I32),
+    lambda rng, d: [rand(rng, (3, 1000), d, -500, 500)],
+    lambda x, dtype: _sort_ref(x, dtype=dtype, axis=1),
+    attrs={"axis": 1},
+)
+
+
 # --- reductions --------------------------------------------------------------------------------------------
 
 
@@ -1124,6 +1188,39 @@ add_row(
 )
 
 
+def _fusion_rows_regions(dtype):
+    # Two dependent row reductions, a per-column input and two outputs (full, per row): the CPU
+    # backend runs it as a loop over tiles of rows (37 is no multiple of the tile: a last, larger tile).
+    t, column = TensorType((37, 1000), dtype), TensorType((1000,), dtype)
+
+    def body(g, x, gamma):
+        count = _op1(g, "broadcast", _const(g, 1000.0, dtype), shape=(37,), dims=())
+        mean = _op1(g, "div", _op1(g, "reduce_sum", x, axes=(1,)), count)
+        centered = _op1(g, "sub", x, _op1(g, "broadcast", mean, shape=(37, 1000), dims=(0,)))
+        spread = _op1(g, "reduce_max", _op1(g, "abs", centered), axes=(1,))
+        scaled = _op1(g, "div", centered, _op1(g, "broadcast", spread, shape=(37, 1000), dims=(0,)))
+        return [_op1(g, "mul", scaled, _op1(g, "broadcast", gamma, shape=(37, 1000), dims=(1,))), mean]
+
+    return [region("fused", [t, column], body)]
+
+
+def _fusion_rows_reference(x, gamma, dtype):
+    mean = x.sum(axis=1) / 1000
+    centered = x - mean[:, None]
+    return [centered / np.abs(centered).max(axis=1, keepdims=True) * gamma, mean]
+
+
+add_row(
+    "fusion-rows",
+    "fusion",
+    FLOATS,
+    lambda rng, d: [rand(rng, (37, 1000), d, -2, 2), rand(rng, (1000,), d, 0.5, 2)],
+    _fusion_rows_reference,
+    attrs={"kind": "reduction"},
+    regions=_fusion_rows_regions,
+)
+
+
 # --- ops for differentiation: identities on values ---------------------------------------------------------
 
 for _shape in ELEMENTWISE_SHAPES:
@@ -1252,8 +1349,9 @@ def build_case(row: Row, dtype: dt.DType) -> OpCase:
     with np.errstate(all="ignore"):
         ref = row.ref(*(_wide(a) for a in inputs), dtype=dtype)
         refs = list(ref) if isinstance(ref, list | tuple) else [ref]
-        # Results of control-flow ops keep their own types: each takes its graph result's dtype.
-        dtypes = [r.dtype for r in graph.result_types] if row.regions else [out_dtype] * len(refs)
+        # Results of multi-result ops (control flow, sort) keep their own types: each takes its
+        # graph result's dtype.
+        dtypes = [r.dtype for r in graph.result_types] if len(refs) > 1 or row.regions else [out_dtype] * len(refs)
         expected = [np.asarray(r).astype(d.np_dtype) for r, d in zip(refs, dtypes)]
     return OpCase(graph, inputs, expected, tolerance(out_dtype, row.tol_scale))
 

@@ -292,3 +292,114 @@ def test_dumps_count_kernels(tmp_path, monkeypatch):
     assert "// kernels: 1 (1 fused regions holding" in text
     (canon_dump,) = [p for p in os.listdir(tmp_path) if p.endswith("-canonicalize.fj")]
     assert "(0 fused regions" in (tmp_path / canon_dump).read_text()
+
+
+# --- row loop nests (lower_rows) -----------------------------------------------------------------------
+
+
+def _log_softmax(x):
+    return nn.log_softmax(x, axis=-1)
+
+
+def _logsumexp(x):
+    return nn.logsumexp(x, axis=-1)
+
+
+def _layer_norm_affine(x, gamma, beta):
+    return nn.layer_norm(x, gamma, beta)
+
+
+def _softmax_and_logsumexp(x):
+    return nn.softmax(x, axis=-1), nn.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _masked_softmax(x, mask):
+    return nn.softmax(fnp.where(mask, x, -1e9), axis=-1)
+
+
+def _layer_norm_gradient(x, gamma):
+    return fj.grad(lambda x, g: fnp.sum(fnp.tanh(nn.layer_norm(x, g)) * g))(x, gamma)
+
+
+def _softmax_gradient(x):
+    return fj.grad(lambda x: fnp.sum(nn.softmax(x, axis=-1) * x))(x)
+
+
+def _row_nest_lines(fn, *args):
+    return [line.strip() for line in fj.jit(fn).lower(*args).as_text("mlir").splitlines() if "// fusion:" in line]
+
+
+# 103 rows (prime: a last tile of more rows after the loop) of 2600 f32 (above the parallel
+# threshold: scf.forall); 3-d inputs flatten their leading axes; 1000 is no multiple of a vector.
+_ROWS = RNG.standard_normal((103, 2600)).astype(np.float32)
+_ROWS_3D = RNG.standard_normal((3, 7, 1000)).astype(np.float32)
+_GAMMA, _BETA = RNG.uniform(0.5, 2, 2600).astype(np.float32), RNG.standard_normal(2600).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (_softmax, (_ROWS,)),
+        (_softmax, (_ROWS.astype(np.float64),)),
+        (_softmax, (_ROWS_3D,)),
+        (_log_softmax, (_ROWS,)),
+        (_logsumexp, (_ROWS_3D,)),
+        (_layer_norm, (_ROWS_3D,)),
+        (_layer_norm_affine, (_ROWS, _GAMMA, _BETA)),
+        (_softmax_and_logsumexp, (_ROWS,)),
+        (_masked_softmax, (_ROWS, _ROWS > 0.5)),
+        (_cross_entropy, (_ROWS, RNG.integers(0, 2600, 103))),
+        (_layer_norm_gradient, (_ROWS_3D, _GAMMA[:1000])),
+        (_softmax_gradient, (X,)),
+    ],
+    ids=[
+        "softmax",
+        "softmax_f64",
+        "softmax_3d",
+        "log_softmax",
+        "logsumexp_3d",
+        "layer_norm_3d",
+        "layer_norm_affine",
+        "two_outputs",
+        "bool_input",
+        "cross_entropy",
+        "layer_norm_gradient",
+        "softmax_gradient",
+    ],
+)
+def test_row_reductions_run_as_one_loop_nest(fn, args):
+    """Each fused region with row reductions runs as one loop over row tiles, bit-identical to the
+    unfused program (same kernels per tile, same summation order)."""
+    lines = _row_nest_lines(fn, *args)
+    assert lines and all("row loop nest" in line for line in lines), lines
+    _check_fused_equals_unfused(fn, args, 1e-5 if args[0].dtype == np.float32 else 1e-12)
+
+
+def test_row_nest_splits_large_inputs_over_cores_and_tiles_small_ones_whole():
+    (large,) = _row_nest_lines(_softmax, _ROWS)
+    (small,) = _row_nest_lines(_softmax, X)
+    if os.cpu_count() > 1:
+        assert "(forall): 103 rows of 2600" in large
+    assert "(for): 32 rows of 24, tiles of 32 rows" in small  # one tile: no loop at all
+    assert "scf.for" not in fj.jit(_softmax).lower(X).as_text("mlir")
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        (lambda x: fnp.sum(x, axis=0) + fnp.max(x, axis=0), "no reduction over trailing axes"),
+        (lambda x: fnp.sum(fnp.exp(x), axis=1), "one sweep already"),
+        (lambda x: x > fnp.max(x, axis=1, keepdims=True), "a bool output"),
+    ],
+    ids=["columns", "one_sweep", "bool_output"],
+)
+def test_row_nest_falls_back_visibly(fn, reason):
+    """Regions the nest does not cover keep the whole-tensor kernels, and the MLIR says why."""
+    assert _row_nest_lines(fn, _ROWS) == [f"// fusion: whole-tensor kernels ({reason})"]
+    _check_fused_equals_unfused(fn, (_ROWS,), 1e-5)
+
+
+def test_row_nest_falls_back_for_rows_too_long_to_stay_in_cache():
+    x = RNG.standard_normal((4, 20000)).astype(np.float32)
+    assert _row_nest_lines(_softmax, x) == ["// fusion: whole-tensor kernels (rows of 80000 bytes (above 65536))"]
+    _check_fused_equals_unfused(_softmax, (x,), 1e-5)

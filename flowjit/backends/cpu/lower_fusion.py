@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import schedule
+from flowjit.backends.cpu import lower_rows, schedule
 from flowjit.backends.cpu.emitter import (
     KernelEmitter,
     ScalarBuilder,
@@ -110,9 +110,10 @@ def _weight(op: Op) -> int:
 class _FusionLowering:
     """State of one fusion op's lowering: the tensor of each body value, emitted on demand."""
 
-    def __init__(self, em: KernelEmitter, body: Graph, operands: list[str]):
+    def __init__(self, em: KernelEmitter, body: Graph, operands: list[str], tile: bool = False):
         self.em = em
         self.body = body
+        self.tile = tile  # the body of a row loop nest (`lower_rows`): its kernels stay on one thread
         self.tensors: dict[Value, str] = dict(zip(body.params, operands))
         users = body.uses()
         cost: dict[Value, int] = {}
@@ -160,7 +161,10 @@ class _FusionLowering:
         self.tensors.update(zip(op.results, results))
 
     def run(self) -> list[str]:
+        nested = self._row_nest()
         for op in self.body.ops:
+            if op in nested:
+                continue
             if self._pointwise(op):
                 if op.result in self.materialized:
                     self._emit_generic([op.result])
@@ -175,6 +179,24 @@ class _FusionLowering:
         for values in pending.values():  # results of one shape: one generic
             self._emit_generic(values)
         return [self.tensor(v) for v in self.body.results]
+
+    def _row_nest(self) -> set[Op]:
+        """Lower the row part of the body as one loop nest over row tiles when it has one (see
+        `lower_rows`); returns its members. The MLIR says which way each region went."""
+        if self.tile or not any(op.name in _REDUCE_KINDS for op in self.body.ops):
+            return set()
+        nest = lower_rows.plan(self.body, self._pointwise)
+        if isinstance(nest, str):
+            self.em.line(f"// fusion: whole-tensor kernels ({nest})")
+            return set()
+        self.em.line(f"// fusion: {nest.describe()}")
+        tensors = [self.tensor(v) for v in nest.inputs]
+        outputs = lower_rows.emit(
+            self.em, nest, tensors, lambda graph, operands: _FusionLowering(self.em, graph, operands, True).run()
+        )
+        for v, tensor in zip(nest.outputs, outputs):
+            self.tensors[v] = tensor
+        return set(nest.ops)
 
     def _fusable_reduction(self, op: Op) -> bool:
         """A reduction whose input is computed by pointwise ops: they run inside its loop."""
@@ -387,6 +409,8 @@ class _FusionLowering:
                 self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
         elif loop.rank == 1 and loop.size > 1:
             self.em.schedule(name, schedule.elementwise(loop.size, widest))
+        elif loop.rank > 1 and self.tile and loop.size > 1:
+            self.em.schedule(name, _vectorize_rows(loop.shape, widest))
         elif loop.rank > 1 and loop.size >= schedule.PARALLEL_MIN_ELEMENTS:
             self.em.schedule(name, schedule.copy_nd(loop.shape, widest))
 
@@ -416,6 +440,22 @@ def _expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     result = em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
     em.flat_views[result] = tensor  # stored through a 1-D view of its buffer: no temporary + copy
     return result
+
+
+def _vectorize_rows(shape: tuple[int, ...], elem_bits: int):
+    """An n-d kernel inside a row tile: one thread, vectors along the last dimension."""
+    tiles = [1] * (len(shape) - 1) + [schedule.lanes(elem_bits)]
+
+    def steps(h: str) -> list[str]:
+        loops = ", ".join(f"%loop{i}{h[1:]}" for i in range(len(shape)))
+        types = ", ".join([schedule.ANY] * (len(shape) + 1))
+        return [
+            f"%vec{h[1:]}, {loops} = transform.structured.tile_using_for {h} tile_sizes {tiles} "
+            f": ({schedule.ANY}) -> ({types})",
+            f"transform.structured.vectorize %vec{h[1:]} vector_sizes {tiles} : {schedule.ANY}",
+        ]
+
+    return steps
 
 
 def _bits(elem: str) -> int:

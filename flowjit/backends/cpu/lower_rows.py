@@ -1,0 +1,393 @@
+"""The row part of a fused region as ONE loop nest over tiles of rows (softmax, log_softmax,
+logsumexp, layer norm, cross-entropy's forward, the row sums of their gradients).
+
+Lowered as whole-tensor kernels, such a region streams its input from memory once per dependent
+reduction and once more for the elementwise tail (softmax: max, sum, divide = three sweeps). Here
+the members that work row by row run inside one loop over tiles of `T` rows (split over the cores
+when large): each tile is read from memory by its first kernel and from cache by the others, and
+each output tile is written once.
+
+Values of the nest have one of four kinds, relative to the shape F = lead + row of the first
+reduction over trailing axes (A = prod(lead) rows of R = prod(row) elements):
+- full: shape F, viewed as (A, R); a tile is (T, R);
+- row: one value per row: shape `lead` (a reduction's result) or lead + 1s (keepdims); a tile is
+  (T,) or (T, 1);
+- col: one value per column, broadcast over the rows (gamma, beta): read whole by every tile, (R,);
+- scalar: one element (splats and scalars), unchanged.
+
+Algorithm:
+1. F is the operand shape of the first reduction over trailing axes (rows of at most
+   `MAX_ROW_BYTES`).
+2. Walk the body in order. An op joins the nest when its kind rule holds (pointwise ops of full or
+   row values, broadcasts from row, col or scalar values, reshapes between row forms, reductions of
+   full values over the row axes) and it reads nothing computed after the nest; what it reads from
+   outside (parameters, other members, non-splat constants) becomes a nest input of the kind it is
+   read as (splat constants are copied in). Members outside the nest are lowered before it (what
+   the nest reads) or after it (what reads the nest) by the whole-tensor lowering.
+3. The nest is worth it when it saves sweeps: two reductions or more, or a full-sized output.
+4. The body is rebuilt on tile shapes (`tile_graph`) and lowered by the caller's whole-tensor
+   lowering (same scalar code, same schedules per kernel, hence the same summation order as the
+   unfused reductions) inside `scf.forall` (or `scf.for` below the parallel threshold) over the
+   tiles; a last tile of T + A % T rows runs after the loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowjit.backends.cpu import schedule
+from flowjit.backends.cpu.emitter import KernelEmitter, memory_elem_type, tensor_type
+from flowjit.backends.cpu.lower_elementwise import reshape_tensor
+from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, splat_value
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.types import TensorType
+
+# Rows per tile: about this many bytes of the widest full value, so a tile stays in L1 between the
+# sweeps (docs/cpu-backend.md, "Row loop nests", has the measurements).
+TILE_BYTES = 32 * 1024
+# Longer rows are not tiled: one row would not stay in cache between the sweeps.
+MAX_ROW_BYTES = 64 * 1024
+_REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+FULL, ROW, COL, SCALAR = "full", "row", "col", "scalar"
+
+
+@dataclass
+class RowNest:
+    """The members of a fused body that run in the row loop nest, and how it is tiled."""
+
+    lead: tuple[int, ...]
+    row: tuple[int, ...]
+    tile: int  # rows per tile
+    parallel: bool  # tiles split over the cores (`scf.forall`)
+    ops: list[Op]
+    kinds: dict[Value, str]  # kind of every input and member result
+    inputs: list[Value]  # read from outside the nest, in first-use order
+    outputs: list[Value]  # members read after the nest or returned
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.lead)
+
+    @property
+    def length(self) -> int:
+        return math.prod(self.row)
+
+    def describe(self) -> str:
+        reductions = sum(op.name in _REDUCE_KINDS for op in self.ops)
+        where = "forall" if self.parallel else "for"
+        return (
+            f"row loop nest ({where}): {self.rows} rows of {self.length}, tiles of {self.tile} rows, "
+            f"{len(self.ops)} ops, {reductions} reductions"
+        )
+
+
+class _Kinds:
+    """Kind rules of step 2 for one shape F = lead + row."""
+
+    def __init__(self, lead: tuple[int, ...], row: tuple[int, ...], pointwise: Callable[[Op], bool]):
+        self.lead, self.row = lead, row
+        self.pointwise = pointwise
+
+    def of_shape(self, shape: tuple[int, ...]) -> str | None:
+        if shape == self.lead + self.row:
+            return FULL
+        n = len(self.lead)
+        if shape[:n] == self.lead and all(d == 1 for d in shape[n:]):
+            return ROW
+        return None
+
+    def member(self, op: Op) -> tuple[str, list[str]] | None:
+        """(kind of the result, kinds its operands are read as) if `op` can join the nest."""
+        if len(op.results) != 1 or op.regions:
+            return None
+        kind = self.of_shape(op.result.shape)
+        if op.name in _REDUCE_KINDS:
+            (x,) = op.operands
+            axes = sorted(a % max(x.type.rank, 1) for a in op.attrs["axes"])
+            trailing = list(range(len(self.lead), x.type.rank))
+            if self.of_shape(x.shape) == FULL and axes == trailing and op.result.shape == self.lead:
+                return ROW, [FULL]
+            return None
+        if kind is None:
+            return None
+        if op.name == "broadcast":
+            source = self.broadcast_source(op, kind)
+            if source is None or (source == COL and kind != FULL):
+                return None
+            return kind, [source]
+        if op.name == "reshape":
+            return (ROW, [ROW]) if kind == ROW and self.of_shape(op.operands[0].shape) == ROW else None
+        if self.pointwise(op) and all(v.shape == op.result.shape for v in op.operands):
+            return kind, [kind] * len(op.operands)
+        return None
+
+    def broadcast_source(self, op: Op, kind: str) -> str | None:
+        """How a broadcast into a `kind` value reads its source, if a tile can express it."""
+        (x,) = op.operands
+        dims = tuple(op.attrs["dims"])
+        n = len(self.lead)
+        if x.type.size == 1:
+            return SCALAR if x.type.rank <= (2 if kind == FULL or op.result.shape != self.lead else 1) else None
+        if self.of_shape(x.shape) == ROW and dims[:n] == tuple(range(n)):
+            return ROW
+        leading_ones = next((i for i, d in enumerate(x.shape) if d != 1), x.type.rank)
+        if x.shape[leading_ones:] == self.row and dims[leading_ones:] == tuple(range(n, n + len(self.row))):
+            return COL
+        return None
+
+
+def _tile_shape(kind: str, v: Value, kinds: _Kinds, tile: int) -> tuple[int, ...]:
+    if kind == FULL:
+        return (tile, math.prod(kinds.row))
+    if kind == ROW:
+        return (tile,) if v.shape == kinds.lead else (tile, 1)
+    if kind == COL:
+        return (math.prod(kinds.row),)
+    return v.shape
+
+
+def _row_shape(body: Graph) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    for op in body.ops:
+        if op.name not in _REDUCE_KINDS:
+            continue
+        shape = op.operands[0].shape
+        axes = sorted(a % max(len(shape), 1) for a in op.attrs["axes"])
+        if axes and 0 < axes[0] and axes == list(range(axes[0], len(shape))):
+            return shape[: axes[0]], shape[axes[0] :]
+    return None
+
+
+def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
+    """The row loop nest of fused `body` (see the module docstring), or why there is none."""
+    shape = _row_shape(body)
+    if shape is None:
+        return "no reduction over trailing axes"
+    lead, row = shape
+    kinds = _Kinds(lead, row, pointwise)
+    rows, length = math.prod(lead), math.prod(row)
+    if rows < 2 or length < 1:
+        return f"{rows} rows of {length}"
+    members: list[Op] = []
+    kind_of: dict[Value, str] = {}
+    inputs: list[Value] = []
+    computed: set[Value] = set()
+    after: set[Value] = set()  # values that depend on the nest without being in it
+    for op in body.ops:
+        rule = None if any(v in after for v in op.operands) else kinds.member(op)
+        if rule is None or not _admit(op, rule, kind_of, inputs):
+            if any(v in after or v in computed for v in op.operands):
+                after.update(op.results)
+            continue
+        members.append(op)
+        computed.add(op.result)
+    if sum(op.name in _REDUCE_KINDS for op in members) == 0:
+        return "no reduction of full rows"
+    users = body.uses()
+    outputs = [
+        v for op in members for v in op.results if v in body.results or any(u not in members for u in users.get(v, ()))
+    ]
+    if not outputs:
+        return "no outputs"
+    if any(v.dtype.is_bool for v in outputs):
+        return "a bool output"
+    full_values = [v for v in (*inputs, *computed) if kind_of[v] == FULL]
+    widest = max(memory_itemsize(v) for v in full_values)
+    if length * widest > MAX_ROW_BYTES:
+        return f"rows of {length * widest} bytes (above {MAX_ROW_BYTES})"
+    sweeps = sum(op.name in _REDUCE_KINDS for op in members) + any(kind_of[v] == FULL for v in outputs)
+    if sweeps < 2:
+        return "one sweep already"
+    parallel = rows * length >= schedule.PARALLEL_MIN_ELEMENTS and schedule.threads() > 1
+    tile = _tile_rows(rows, length * widest, schedule.threads() if parallel else 1)
+    return RowNest(lead, row, tile, parallel, members, kind_of, inputs, outputs)
+
+
+def _admit(op: Op, rule: tuple[str, list[str]], kind_of: dict, inputs: list) -> bool:
+    """Record `op`'s operands and result kinds if they agree with what the nest already has."""
+    kind, operand_kinds = rule
+    new_inputs = []
+    for v, want in zip(op.operands, operand_kinds):
+        if _splat(v):
+            continue
+        have = kind_of.get(v)
+        if have is not None and have != want:
+            return False
+        if have is None:
+            new_inputs.append((v, want))
+    for v, want in new_inputs:
+        kind_of[v] = want
+        inputs.append(v)
+    kind_of[op.result] = kind
+    return True
+
+
+def _splat(v: Value) -> bool:
+    return v.producer is not None and v.producer.name == "constant" and splat_value(v) is not None
+
+
+def memory_itemsize(v: Value) -> int:
+    return 1 if v.dtype.is_bool else v.dtype.itemsize
+
+
+def _tile_rows(rows: int, row_bytes: int, threads: int) -> int:
+    """Rows per tile: ~TILE_BYTES, a multiple of 8 (the reduction kernels' row block) when that
+    large, at least 2 (one row would reduce as a full reduction, in another summation order), at
+    most a share of the rows per thread; a divisor of `rows` near that when there is one."""
+    tile = max(2, min(TILE_BYTES // row_bytes, max(2, rows // threads)))
+    if tile >= 8:
+        tile -= tile % 8
+    tile = min(tile, rows)
+    for t in range(tile, max(1, tile // 2), -1):
+        if rows % t == 0 and (t % 8 == 0 or tile < 8):
+            return t
+    return tile
+
+
+def tile_graph(nest: RowNest, tile: int) -> Graph:
+    """The nest's members rebuilt on tiles of `tile` rows: inputs are parameters in
+    `nest.inputs` order, results are `nest.outputs` in order."""
+    kinds = _Kinds(nest.lead, nest.row, lambda op: True)
+    graph = Graph("tile")
+    mapped: dict[tuple[Value, str], Value] = {}
+    for v in nest.inputs:
+        kind = nest.kinds[v]
+        mapped[v, kind] = graph.add_param(v.type.with_shape(_tile_shape(kind, v, kinds, tile)), v.name_hint)
+
+    def operand(v: Value, kind: str) -> Value:
+        if (v, kind) not in mapped:  # a splat constant, copied in
+            shape = _tile_shape(kind, v, kinds, tile)
+            value = np.full(shape, splat_value(v), dtype=v.producer.attrs["value"].dtype)
+            mapped[v, kind] = graph.append(Op("constant", [], [v.type.with_shape(shape)], {"value": value})).result
+        return mapped[v, kind]
+
+    for op in nest.ops:
+        kind, operand_kinds = kinds.member(op)
+        result = op.result.type.with_shape(_tile_shape(kind, op.result, kinds, tile))
+        attrs = dict(op.attrs)
+        if op.name in _REDUCE_KINDS:
+            attrs["axes"] = (1,)
+        elif op.name == "broadcast":
+            attrs["shape"] = result.shape
+            source = operand_kinds[0]
+            rank = len(_tile_shape(source, op.operands[0], kinds, tile))
+            # row sources fill the leading dimensions, columns the last, scalars the trailing ones
+            attrs["dims"] = {ROW: tuple(range(rank)), COL: (1,)}.get(
+                source, tuple(range(result.rank - rank, result.rank))
+            )
+        elif op.name == "reshape":
+            attrs["shape"] = result.shape
+        operands = [operand(v, k) for v, k in zip(op.operands, operand_kinds)]
+        new = graph.append(Op(op.name, operands, [result], attrs, op.loc, op.device))
+        mapped[op.result, kind] = new.result
+    graph.results = [mapped[v, nest.kinds[v]] for v in nest.outputs]
+    return graph
+
+
+def _whole_type(v: Value, kind: str, nest: RowNest) -> TensorType:
+    """The nest's view of a value: (A, R), (A,), (R,) or its own type."""
+    if kind == FULL:
+        return v.type.with_shape((nest.rows, nest.length))
+    if kind == ROW:
+        return v.type.with_shape((nest.rows,))
+    if kind == COL:
+        return v.type.with_shape((nest.length,))
+    return v.type
+
+
+def emit(
+    em: KernelEmitter, nest: RowNest, tensors: list[str], lower_tile: Callable[[Graph, list[str]], list[str]]
+) -> list[str]:
+    """The loop nest reading `tensors` (one per `nest.inputs`); returns the outputs' tensors.
+    `lower_tile(graph, operands)` lowers a tile graph on the tile operands."""
+    views = []
+    for v, t in zip(nest.inputs, tensors):
+        kind = nest.kinds[v]
+        elem = memory_elem_type(v.dtype)
+        if v.dtype.is_bool:
+            t = bool_to_bytes(em, t, v.type)
+        views.append(reshape_tensor(em, t, v.type, _whole_type(v, kind, nest), elem=elem))
+    results = [em.empty(_whole_type(v, nest.kinds[v], nest), memory_elem_type(v.dtype)) for v in nest.outputs]
+    rows, tile = nest.rows, nest.tile
+    count = rows // tile - (1 if rows % tile else 0)
+    last = tile + rows % tile if rows % tile else 0  # the rows after the loop
+    if count == 1 and not last:  # one tile: no loop
+        count, last = 0, tile
+    if count > 0:
+        results = _loop(em, nest, views, results, count, lower_tile)
+    if last:
+        offset = em.op(f"arith.constant {count * tile} : index")
+        tiles = _tile_body(em, nest, views, offset, last, lower_tile)
+        results = [em.op(f"tensor.insert_slice {t} into {r}{slice_}") for r, (t, slice_) in zip(results, tiles)]
+    return [
+        reshape_tensor(em, r, _whole_type(v, nest.kinds[v], nest), v.type, elem=memory_elem_type(v.dtype))
+        for r, v in zip(results, nest.outputs)
+    ]
+
+
+def _loop(em: KernelEmitter, nest: RowNest, views, inits: list[str], count: int, lower_tile) -> list[str]:
+    types = [tensor_type(_whole_type(v, nest.kinds[v], nest), memory_elem_type(v.dtype)) for v in nest.outputs]
+    result, iv = em.fresh(), em.fresh("i")
+    carried = [em.fresh("o") for _ in inits]
+    name = f"{result}:{len(inits)}" if len(inits) > 1 else result
+    init = ", ".join(f"{c} = {i}" for c, i in zip(carried, inits))
+    if nest.parallel:
+        em.line(f"{name} = scf.forall ({iv}) in ({count}) shared_outs({init}) -> ({', '.join(types)}) {{")
+    else:
+        lo, hi, step = (em.op(f"arith.constant {n} : index") for n in (0, count, 1))
+        em.line(f"{name} = scf.for {iv} = {lo} to {hi} step {step} iter_args({init}) -> ({', '.join(types)}) {{")
+    em.indent += "  "
+    offset = em.op(f"arith.muli {iv}, {em.op(f'arith.constant {nest.tile} : index')} : index")
+    tiles = _tile_body(em, nest, views, offset, nest.tile, lower_tile)
+    if nest.parallel:
+        em.line("scf.forall.in_parallel {")
+        for c, (t, slice_) in zip(carried, tiles):
+            em.line(f"  tensor.parallel_insert_slice {t} into {c}{slice_}")
+        em.line("}")
+    else:
+        inserted = [em.op(f"tensor.insert_slice {t} into {c}{slice_}") for c, (t, slice_) in zip(carried, tiles)]
+        em.line(f"scf.yield {', '.join(inserted)} : {', '.join(types)}")
+    em.indent = em.indent[:-2]
+    em.line("}")
+    return [f"{result}#{k}" for k in range(len(inits))] if len(inits) > 1 else [result]
+
+
+def _slice(nest: RowNest, v: Value, offset: str, rows: int) -> tuple[str, TensorType, TensorType]:
+    """(offsets/sizes/strides, tile type, whole type) of `rows` rows of a full or row value at
+    `offset` in the nest's view."""
+    whole = _whole_type(v, nest.kinds[v], nest)
+    if nest.kinds[v] == FULL:
+        return f"[{offset}, 0] [{rows}, {nest.length}] [1, 1]", whole.with_shape((rows, nest.length)), whole
+    return f"[{offset}] [{rows}] [1]", whole.with_shape((rows,)), whole
+
+
+def _tile_body(em: KernelEmitter, nest: RowNest, views, offset: str, rows: int, lower_tile) -> list[tuple[str, str]]:
+    """The members on the tile of `rows` rows at `offset`; returns each output tile with the
+    slice clause (`[..] [..] [..] : tile type into whole type`) that stores it."""
+    graph = tile_graph(nest, rows)
+    operands = []
+    for v, view, param in zip(nest.inputs, views, graph.params):
+        elem = memory_elem_type(v.dtype)
+        if nest.kinds[v] in (COL, SCALAR):
+            tile = view
+        else:
+            where, part, whole = _slice(nest, v, offset, rows)
+            tile = em.op(
+                f"tensor.extract_slice {view}{where} : {tensor_type(whole, elem)} to {tensor_type(part, elem)}"
+            )
+            tile = reshape_tensor(em, tile, part, param.type, elem=elem)
+        operands.append(bool_from_bytes(em, tile, param.type) if v.dtype.is_bool else tile)
+    results = lower_tile(graph, operands)
+    tiles = []
+    for v, t, r in zip(nest.outputs, results, graph.results):
+        elem = memory_elem_type(v.dtype)
+        where, part, whole = _slice(nest, v, offset, rows)
+        t = reshape_tensor(em, t, r.type, part, elem=elem)
+        tiles.append((t, f"{where} : {tensor_type(part, elem)} into {tensor_type(whole, elem)}"))
+    return tiles
+
+
+__all__ = ["RowNest", "emit", "plan", "tile_graph"]
