@@ -28,6 +28,20 @@ class Executable:
         backends with a cheaper unchecked call override it."""
         return self.run(args)
 
+    def caller(self, single_output: bool) -> Callable[[Sequence[np.ndarray]], object]:
+        """The jit fast path's call: a function of arrays known to match the signature (any layout)
+        returning the list of outputs, or with `single_output` the one output; never an argument
+        itself. Backends whose `run_trusted` costs more than the call's own work override it."""
+
+        def call(args):
+            arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+            outs = self.run_trusted(arrays)
+            if not self.fresh_outputs:  # an input passed through must not alias the caller's array
+                outs = [np.array(o) if any(o is a for a in args) else o for o in outs]
+            return outs[0] if single_output else outs
+
+        return call
+
 
 def _compile_interpreter(graph: Graph, options) -> Executable:
     from flowjit.backends.interpreter import InterpreterExecutable

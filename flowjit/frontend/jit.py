@@ -625,11 +625,6 @@ class Lowered:
         )
 
 
-def _unaliased(outs: list, arrays: Sequence) -> list:
-    """An output that is an input passed through must not alias the caller's array: copy it."""
-    return [np.array(o) if any(o is a for a in arrays) else o for o in outs]
-
-
 def _output_builder(out_tree: TreeDef) -> Callable[[list], object]:
     """Rebuilds a call's result from the executable's outputs; one leaf or a flat tuple without
     walking the tree (a third of a small call's cost)."""
@@ -674,6 +669,16 @@ class Compiled:
         self._binder = binder
         self._fresh_outputs = executable.fresh_outputs
         self._build_output = _output_builder(out_tree)
+        # The call fast path: `call_arrays(args)` for numpy arrays of exactly the signature's shapes
+        # and dtypes (the jitted function's array-key cache vouches for that): no conversion or
+        # re-check, and for one result no Python frame between the jitted function and the backend.
+        if self.variables:
+            self.call_arrays = self.call_leaves
+        elif out_tree.kind == "leaf":
+            self.call_arrays = executable.caller(single_output=True)
+        else:
+            run, build = executable.caller(single_output=False), self._build_output
+            self.call_arrays = lambda args: build(run(args))
 
     def call_leaves(self, leaves: Sequence) -> object:
         """Run on the flattened dynamic arguments (already checked against the signature)."""
@@ -686,22 +691,8 @@ class Compiled:
             outs = self._run_with_variables(arrays)
         else:
             outs = self.executable.run(arrays)
-        if not self._fresh_outputs:
-            outs = _unaliased(outs, arrays)
-        return self._build_output(outs)
-
-    def call_arrays(self, args: tuple) -> object:
-        """The call fast path: `args` are numpy arrays of exactly the signature's shapes and dtypes
-        (the jitted function's array-key cache vouches for that), so no conversion or re-check."""
-        if self.variables:
-            return self.call_leaves(args)
-        for a in args:
-            if not a.flags.c_contiguous:
-                args = [np.ascontiguousarray(a) for a in args]
-                break
-        outs = self.executable.run_trusted(args)
-        if not self._fresh_outputs:
-            outs = _unaliased(outs, args)
+        if not self._fresh_outputs:  # an input passed through must not alias the caller's array
+            outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
         return self._build_output(outs)
 
     def _run_with_variables(self, arrays):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,3 +168,23 @@ class CpuExecutable(Executable):
         finally:
             self._pool.append(workspace)
         return outs
+
+    def caller(self, single_output: bool) -> Callable[[Sequence[np.ndarray]], object]:
+        """`Executable.caller`; a function of one result and no workspace, the usual small call, gets
+        a closure doing only the call's own work (half the time of going through `run_trusted`)."""
+        if not single_output or self.workspace_bytes:
+            return super().caller(single_output)
+        trampoline, entry = self._trampoline, self._entry_address
+        ((shape, dtype),) = zip(self._out_shapes, self._out_dtypes)
+        empty, contiguous = np.empty, np.ascontiguousarray
+
+        def call(args):
+            for a in args:
+                if not a.flags.c_contiguous:
+                    args = [contiguous(a) for a in args]
+                    break
+            out = empty(shape, dtype)
+            trampoline(entry, *args, out, _NO_WORKSPACE_ADDRESS)
+            return out
+
+        return call
