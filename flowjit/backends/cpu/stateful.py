@@ -34,19 +34,21 @@ class StatefulExecutable(Executable):
         self.num_results = num_results
         self.backend = inner.backend
         self.stages = inner.stages
+        self._input_names = [name for name, _ in layout.inputs]
+        self._output_slots = [(num_results + j, name) for j, name in enumerate(layout.outputs)]
 
     def run(self, args, variables=None):
         variables = variables or {}
-        missing = [name for name, _ in self.layout.inputs if name not in variables]
-        if missing:
-            raise CompileError(f"internal error: no buffer for variable(s) {', '.join(missing)} in this call")
+        try:
+            buffers = [variables[name] for name in self._input_names]
+            provided = {index: variables[name] for index, name in self._output_slots}
+        except KeyError:
+            missing = sorted({*self._input_names, *(name for _, name in self._output_slots)} - variables.keys())
+            raise CompileError(f"internal error: no buffer for variable(s) {', '.join(missing)} in this call") from None
         # Variable buffers are C-contiguous by construction; check_args checks their shapes and dtypes.
-        buffers = [variables[name] for name, _ in self.layout.inputs]
-        provided = {self.num_results + j: variables[name] for j, name in enumerate(self.layout.outputs)}
-        arrays = [np.ascontiguousarray(a) if not a.flags.c_contiguous else a for a in args]
-        self.inner.check_args(arrays + buffers)
-        outs = self.inner.run_trusted(arrays + buffers, provided)
-        return outs[: self.num_results]
+        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args] + buffers
+        self.inner.check_args(arrays)
+        return self.inner.run_trusted(arrays, provided)[: self.num_results]
 
 
 def compile_stateful(graph: Graph, options):
