@@ -74,6 +74,10 @@ def scalar_literal(value, dtype: dt.DType) -> str:
     return f"0x{bits:0{dtype.itemsize * 2}X}"
 
 
+# Attribute a schedule puts on a loop whose loop-invariant subsets are hoisted after the cleanup.
+HOIST_MARK = "fj.hoist"
+
+
 class ScalarBuilder:
     """Writes SSA lines of a region body: `b.op("arith.addf %a, %b : f32")` returns the new name."""
 
@@ -215,6 +219,11 @@ class KernelEmitter:
             '      transform.apply_patterns.vector.lower_multi_reduction lowering_strategy = "innerreduction"',
             "      transform.apply_patterns.canonicalization",
             "    } : !transform.any_op",
+            # Loops the schedules marked (reductions' accumulators): their subsets are hoisted
+            # once the function is canonical; canonicalization may fold some of them away.
+            f"    %hoisted = transform.structured.match attributes{{{HOIST_MARK}}} in %root "
+            ": (!transform.any_op) -> !transform.any_op",
+            "    transform.loop.hoist_loop_invariant_subsets %hoisted : !transform.any_op",
             "    transform.yield",
             "  }",
         ]

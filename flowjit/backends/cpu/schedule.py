@@ -15,6 +15,7 @@ import functools
 import os
 
 from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu.emitter import HOIST_MARK
 
 # Below this many elements a kernel stays on one thread. A fork/join costs 5-20 us and, on a
 # shared machine, waits for a descheduled worker; one core streams 256K f32 in ~60 us, so smaller
@@ -115,6 +116,12 @@ def _vectorize(h: str, sizes: list[int] | None = None) -> str:
     return f"transform.structured.vectorize {h}{vs} : {ANY}"
 
 
+def _hoist(loop: str) -> str:
+    # The vectorized reduction reads and writes its accumulator in every iteration: hoisted out of
+    # the loop, it stays in vector registers.
+    return f'transform.annotate {loop} "{HOIST_MARK}" : {ANY}'
+
+
 def reduction(shape: tuple[int, ...], axis: int, acc_bits: int):
     """A reduction in normal form: (R) -> (), (A, R) -> (A), (R, B) -> (B) or (A, R, B) -> (A, B)."""
     vl = lanes(acc_bits)
@@ -151,7 +158,7 @@ def _full_reduction(r: int, vl: int, parallel: bool):
         ]
         if parallel:
             lines += [_vectorize(f"%pcomb{n}"), _vectorize(f"%pfill{n}")]
-        return lines
+        return lines + [_hoist(f"%rloop{n}")]
 
     return steps
 
@@ -173,6 +180,7 @@ def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
             _vectorize(f"%split{n}", [rows, vl]),
             _vectorize(f"%comb{n}", [rows, vl]),
             _vectorize(f"%fill{n}", [rows, vl]),
+            _hoist(f"%rloop{n}"),
         ]
         return lines
 
@@ -203,6 +211,7 @@ def _column_reduction(shape: tuple[int, ...], axis: int, vl: int, parallel: bool
             # only the inner-parallel strategy emits as one vector instruction.
             f"transform.apply_patterns to %red{n}_l0 {{ transform.apply_patterns.vector.lower_multi_reduction "
             f'lowering_strategy = "innerparallel" }} : {ANY}',
+            _hoist(f"%red{n}_l0"),
         ]
         return lines
 

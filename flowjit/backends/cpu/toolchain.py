@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from flowjit.errors import CompileError
 from flowjit.passes import dump
 
-# After a transform schedule: hoist vector accumulators out of reduction loops (on tensors). No
-# `cse` before bufferization: it merges the `tensor.empty`s of different kernels (e.g. two
-# reductions' partial accumulators), and the shared buffer then costs copies on every iteration.
-SCHEDULE_CLEANUP_PIPELINE = "canonicalize,func.func(loop-invariant-subset-hoisting),canonicalize"
+# The transform schedule ends with a function-wide canonicalization and hoists the vector
+# accumulators out of the reduction loops it marked (`emitter.HOIST_MARK`): the
+# `loop-invariant-subset-hoisting` pass over every loop cost a third of the MLIR pipelines' time
+# in a training step (its packed matmul loops hold many subsets). No `cse` before bufferization:
+# it merges the `tensor.empty`s of different kernels (e.g. two reductions' partial accumulators),
+# and the shared buffer then costs copies on every iteration.
 # Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
 # `linalg-fuse-elementwise-ops` first folds the i8 <-> i1 conversions of bool tensors into their
 # neighbours: an i1 tensor that stays materialized between two kernels would be a memref<..xi1>,
@@ -249,19 +251,17 @@ def _check_lowered(module) -> None:
 
 def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False):
     """The backend's MLIR half on one in-memory module: parse the lowering's text, run its transform
-    schedule, the cleanup, bufferization and `llvm_pipeline`, translate to LLVM IR. Returns (LLVM IR
+    schedule, bufferization and `llvm_pipeline`, translate to LLVM IR. Returns (LLVM IR
     text, the LLVM-dialect MLIR text when `keep_text` else None): printing and re-parsing the module
     between steps cost a fifth of this function's time, so the text is made only when asked for."""
     from mlir.dialects import llvm as llvm_dialect
 
     with _lock, mlir_context():
         module = _parse(text)
-        pipelines = [f"builtin.module({BUFFERIZE_PIPELINE})", f"builtin.module({llvm_pipeline})"]
+        pipeline = f"builtin.module({BUFFERIZE_PIPELINE},{llvm_pipeline})"
         scheduled = _apply_schedule(module)
-        if scheduled:
-            pipelines.insert(0, f"builtin.module({SCHEDULE_CLEANUP_PIPELINE})")
         # A failure's reproducer starts after the schedule, as `run_mlir` would be given it.
-        _run_pipeline(module, _join(pipelines), lambda: apply_transform_schedule(text) if scheduled else text)
+        _run_pipeline(module, pipeline, lambda: apply_transform_schedule(text) if scheduled else text)
         _verified(module)
         _check_lowered(module)
         dialect_text = str(module) if keep_text else None
