@@ -36,6 +36,7 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_communication",
     "flowjit.backends.cpu.lower_fusion",
     "flowjit.backends.cpu.lower_control",
+    "flowjit.backends.cpu.lower_sort",
 )
 
 OPT_LEVEL = 3
