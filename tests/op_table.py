@@ -783,6 +783,70 @@ add_row(
 )
 
 
+# --- sort ---------------------------------------------------------------------------------------------------
+
+
+def _positions(shape, axis, dtype):
+    """0, 1, 2, ... along `axis`: the payload that shows where each sorted element came from."""
+    ramp = np.arange(shape[axis]).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return np.broadcast_to(ramp, shape).astype(dtype.np_dtype)
+
+
+def _sort_ref(keys, *payloads, dtype, axis):
+    """Stable ascending order of the keys (numpy's argsort puts nans last), applied to every operand."""
+    order = np.argsort(keys, axis=axis, kind="stable")
+    out = [np.take_along_axis(x, order, axis=axis) for x in (keys, *payloads)]
+    return out if payloads else out[0]
+
+
+for _shape, _axis in (((5,), 0), ((3, 4), 1), ((3, 4), 0), ((2, 3, 4), 1), ((2, 37), 1), ((3, 1), 1), ((0, 3), 1)):
+    # Few distinct keys: many ties, whose order the payloads (positions) reveal.
+    add_row(
+        f"sort-{_shape_id(_shape)}-axis{_axis}",
+        "sort",
+        ALL,
+        lambda rng, d, s=_shape: [small_ints(rng, s, d, -3, 3)],
+        lambda x, dtype, a=_axis: _sort_ref(x, dtype=dtype, axis=a),
+        attrs={"axis": _axis},
+    )
+    add_row(
+        f"sort-{_shape_id(_shape)}-axis{_axis}-payloads",
+        "sort",
+        NUMERIC,
+        lambda rng, d, s=_shape, a=_axis: [
+            small_ints(rng, s, d, -3, 3),
+            _positions(s, a, d),
+            rand(rng, s, d),
+        ],
+        lambda x, p, q, dtype, a=_axis: _sort_ref(x, p, q, dtype=dtype, axis=a),
+        attrs={"axis": _axis},
+    )
+add_row(
+    "sort-special",
+    "sort",
+    FLOATS,
+    lambda rng, d: [literal([[np.nan, 1.0, -np.inf, 0.0, -0.0, np.inf, np.nan, -2.0, 1.0]], d)],
+    lambda x, dtype: _sort_ref(x, dtype=dtype, axis=1),
+    attrs={"axis": 1},
+)
+add_row(
+    "sort-index-payload",
+    "sort",
+    FLOATS,
+    lambda rng, d: [literal([[2.0, np.nan, 0.0, -0.0, 2.0, np.nan, -1.0]], d), np.arange(7, dtype=np.int64)[None]],
+    lambda x, p, dtype: _sort_ref(x, p, dtype=dtype, axis=1),
+    attrs={"axis": 1},
+)
+add_row(
+    "sort-long",
+    "sort",
+    (F32, I32),
+    lambda rng, d: [rand(rng, (3, 1000), d, -500, 500)],
+    lambda x, dtype: _sort_ref(x, dtype=dtype, axis=1),
+    attrs={"axis": 1},
+)
+
+
 # --- reductions --------------------------------------------------------------------------------------------
 
 

@@ -161,6 +161,13 @@ def _rows() -> list[GradRow]:
             lambda rng: [rng.uniform(-1, 1, (4, 3)), np.array([2, 0, 2], np.int32), rng.uniform(-1, 1, (3, 3))],
             {"axis": 0},
         ),
+        GradRow("sort", "sort", distinct(3, 5), {"axis": 1}),
+        GradRow(
+            "sort-payloads",
+            "sort",
+            lambda rng: [distinct(4, 3)(rng), rng.uniform(-1, 1, (4, 3)), np.arange(12, dtype=np.int32).reshape(4, 3)],
+            {"axis": 0},
+        ),
         GradRow("reduce_sum", "reduce_sum", uniform(-1, 1, 2, 3, 4), {"axes": (0, 2)}),
         GradRow("reduce_sum-all", "reduce_sum", uniform(-1, 1, 3, 2), {"axes": (0, 1)}),
         GradRow("reduce_max", "reduce_max", distinct(3, 4), {"axes": (1,)}),

@@ -759,7 +759,8 @@ def test_traced_index_out_of_range_is_clamped():
         ((1, 2, 3, 4), "too many indices"),
         ((Ellipsis, Ellipsis), "single ellipsis"),
         (1.5, "unsupported index"),
-        (np.array([True, False, True, True]), "boolean mask"),
+        (np.array([True, False, True]), "boolean index of shape"),
+        (np.array(True), "0-d boolean"),
         (np.array([0.0, 1.0]), "integers"),
     ],
 )

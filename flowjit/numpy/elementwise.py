@@ -15,6 +15,7 @@ from flowjit.numpy.promotion import (
     _dtype_of,
     _elementwise,
     _float_operand,
+    _is_python_scalar,
     asarray,
     astype,
     broadcast_shapes,
@@ -312,3 +313,212 @@ def right_shift(x, y):
 def right_shift_logical(x, y):
     """x >>> y on the unsigned bits of signed integers (numpy has no such function for signed types)."""
     return _bitwise("shift_right_logical", x, y)
+
+
+# --- more elementwise math (compositions of the ops above) -------------------------------------------
+
+
+def _float_pair(x, y):
+    """x and y in their promoted float dtype (ints and bools give float32)."""
+    target = result_type(x, y)
+    return _cast_all([x, y], target if target.is_float else dt.float32)
+
+
+def arctan(x):
+    """numpy.arctan, as atan2(x, 1)."""
+    x = _float_operand(x)
+    return arctan2(x, np.ones((), _dtype_of(x).np_dtype))
+
+
+def arcsin(x):
+    """numpy.arcsin, as atan2(x, sqrt(1 - x^2)) (nan outside [-1, 1])."""
+    x = _float_operand(x)
+    return arctan2(x, sqrt(subtract(1, multiply(x, x))))
+
+
+def arccos(x):
+    """numpy.arccos, as atan2(sqrt(1 - x^2), x) (nan outside [-1, 1])."""
+    x = _float_operand(x)
+    return arctan2(sqrt(subtract(1, multiply(x, x))), x)
+
+
+_LN2 = math.log(2.0)
+
+
+def arcsinh(x):
+    """numpy.arcsinh: sign(x) * log1p(|x| + x^2 / (1 + sqrt(1 + x^2))), log(2|x|) for huge |x|."""
+    x = _float_operand(x)
+    a = abs(x)
+    small = log1p(add(a, divide(multiply(a, a), add(1, sqrt(add(1, multiply(a, a)))))))
+    huge = add(log(a), _LN2)
+    r = where(greater(a, 1e9), huge, small)
+    return where(less(x, 0), negative(r), r)
+
+
+def arccosh(x):
+    """numpy.arccosh: log1p((x - 1) + sqrt((x - 1)(x + 1))), log(2x) for huge x (nan below 1)."""
+    x = _float_operand(x)
+    t = subtract(x, 1)
+    near = log1p(add(t, sqrt(multiply(t, add(x, 1)))))
+    return where(greater(x, 1e9), add(log(x), _LN2), near)
+
+
+def arctanh(x):
+    """numpy.arctanh: 0.5 * log1p(2x / (1 - x)) (+-inf at +-1, nan outside)."""
+    x = _float_operand(x)
+    return multiply(0.5, log1p(divide(multiply(2, x), subtract(1, x))))
+
+
+def cbrt(x):
+    """numpy.cbrt: the real cube root, |x|^(1/3) with x's sign, refined by one Newton step."""
+    x = _float_operand(x)
+    a = abs(x)
+    y = power(a, 1.0 / 3.0)
+    refined = subtract(y, divide(subtract(multiply(multiply(y, y), y), a), multiply(3, multiply(y, y))))
+    y = where(logical_and(greater(y, 0), isfinite(y)), refined, y)
+    return where(signbit(x), negative(y), y)
+
+
+def hypot(x, y):
+    """numpy.hypot: sqrt(x^2 + y^2) without overflow or underflow (scaled by the larger magnitude)."""
+    x, y = _float_pair(x, y)
+    ax, ay = abs(x), abs(y)
+    big, small = maximum(ax, ay), minimum(ax, ay)
+    ratio = divide(small, where(equal(big, 0), 1, big))
+    out = multiply(big, sqrt(add(1, multiply(ratio, ratio))))
+    return where(logical_or(isinf(x), isinf(y)), np.inf, out)  # inf beats nan, as numpy
+
+
+def logaddexp(x, y):
+    """numpy.logaddexp: log(exp(x) + exp(y)) without overflow."""
+    x, y = _float_pair(x, y)
+    big = maximum(x, y)
+    out = add(big, log1p(exp(negative(abs(subtract(x, y))))))
+    return where(equal(x, y), add(x, _LN2), out)  # equal infinities: inf - inf would be nan
+
+
+def logaddexp2(x, y):
+    """numpy.logaddexp2: log2(2^x + 2^y) without overflow."""
+    x, y = _float_pair(x, y)
+    big = maximum(x, y)
+    out = add(big, multiply(log1p(exp(multiply(negative(abs(subtract(x, y))), _LN2))), 1.0 / _LN2))
+    return where(equal(x, y), add(x, 1), out)
+
+
+def deg2rad(x):
+    """numpy.deg2rad: degrees to radians."""
+    return multiply(_float_operand(x), math.pi / 180.0)
+
+
+def rad2deg(x):
+    """numpy.rad2deg: radians to degrees."""
+    return multiply(_float_operand(x), 180.0 / math.pi)
+
+
+radians, degrees = deg2rad, rad2deg
+
+
+def signbit(x):
+    """numpy.signbit: True where the sign bit is set (-0.0 included; nans count as positive)."""
+    x = asarray(x)
+    kind = _dtype_of(x)
+    if kind.is_bool:
+        return _all_false(x)
+    if not kind.is_float:
+        return less(x, 0)
+    zero = np.zeros((), kind.np_dtype)
+    return where(equal(x, zero), less(divide(1, x), zero), less(x, zero))  # 1 / -0.0 is -inf
+
+
+def copysign(x, y):
+    """numpy.copysign: |x| with the sign of y (-0.0 counts as negative)."""
+    x, y = _float_pair(x, y)
+    return where(signbit(y), negative(abs(x)), abs(x))
+
+
+def heaviside(x, h0):
+    """numpy.heaviside: 0 for x < 0, h0 at 0, 1 for x > 0 (nan stays nan)."""
+    x, h0 = _float_pair(x, h0)
+    zero = np.zeros((), _dtype_of(x).np_dtype)
+    step = where(less(x, zero), zero, where(greater(x, zero), 1, h0))
+    return where(isnan(x), x, step)
+
+
+def sinc(x):
+    """numpy.sinc: sin(pi x) / (pi x), 1 at 0."""
+    x = _float_operand(x)
+    px = multiply(x, math.pi)
+    return where(equal(x, 0), 1, divide(sin(px), where(equal(x, 0), 1, px)))
+
+
+def fmax(x, y):
+    """numpy.fmax: the maximum, ignoring a nan when the other operand is not nan."""
+    return where(isnan(y), x, where(isnan(x), y, maximum(x, y)))
+
+
+def fmin(x, y):
+    """numpy.fmin: the minimum, ignoring a nan when the other operand is not nan."""
+    return where(isnan(y), x, where(isnan(x), y, minimum(x, y)))
+
+
+def float_power(x, y):
+    """numpy.float_power: x ** y computed in float64."""
+    return power(astype(x, dt.float64), y if _is_python_scalar(y) else astype(y, dt.float64))
+
+
+def trunc(x):
+    """numpy.trunc: round toward zero."""
+    x = asarray(x)
+    if not _dtype_of(x).is_float:
+        return x
+    return where(less(x, 0), ceil(x), floor(x))
+
+
+fix = trunc
+
+
+def rint(x):
+    """numpy.rint: round half to even."""
+    return round(x)
+
+
+def positive(x):
+    """numpy.positive: +x (a copy)."""
+    return asarray(x)
+
+
+def isposinf(x):
+    """numpy.isposinf."""
+    x = asarray(x)
+    return equal(x, np.inf) if _dtype_of(x).is_float else _all_false(x)
+
+
+def isneginf(x):
+    """numpy.isneginf."""
+    x = asarray(x)
+    return equal(x, -np.inf) if _dtype_of(x).is_float else _all_false(x)
+
+
+def nan_to_num(x, nan=0.0, posinf=None, neginf=None):
+    """numpy.nan_to_num (copy=False ignored): nan -> `nan`, +-inf -> `posinf`/`neginf`, by default
+    the largest finite values of the dtype."""
+    x = asarray(x)
+    kind = _dtype_of(x)
+    if not kind.is_float:
+        return x
+    info = np.finfo(kind.np_dtype) if kind is not dt.bfloat16 else None
+    largest = float(info.max) if info is not None else float(np.asarray(3.3895314e38, np.float32))
+    x = where(isnan(x), asarray(nan, kind), x)
+    x = where(equal(x, np.inf), asarray(largest if posinf is None else posinf, kind), x)
+    return where(equal(x, -np.inf), asarray(-largest if neginf is None else neginf, kind), x)
+
+
+def isclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """numpy.isclose: |a - b| <= atol + rtol * |b|; infinities are close only to themselves."""
+    a, b = _float_pair(a, b)
+    finite = logical_and(isfinite(a), isfinite(b))
+    close = less_equal(abs(subtract(a, b)), add(atol, multiply(rtol, abs(b))))
+    out = where(finite, close, equal(a, b))
+    if equal_nan:
+        out = logical_or(out, logical_and(isnan(a), isnan(b)))
+    return out

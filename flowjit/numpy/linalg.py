@@ -5,13 +5,24 @@ from __future__ import annotations
 import builtins
 import string
 
+import numpy as np
+
 from flowjit.errors import FlowjitTypeError, FlowjitValueError, op_error
 from flowjit.frontend.trace import bind
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
-from flowjit.numpy.elementwise import multiply, not_equal
-from flowjit.numpy.promotion import _cast_all, asarray, astype, broadcast_shapes, broadcast_to, result_type
-from flowjit.numpy.reductions import sum
+from flowjit.numpy.elementwise import abs, multiply, not_equal, power, sqrt
+from flowjit.numpy.promotion import (
+    _cast_all,
+    _dtype_of,
+    _float_operand,
+    asarray,
+    astype,
+    broadcast_shapes,
+    broadcast_to,
+    result_type,
+)
+from flowjit.numpy.reductions import max, min, sum
 from flowjit.numpy.shapes import _norm_axis, ndim, ravel, reshape, shape, transpose
 
 # --- contractions -----------------------------------------------------------------------------------
@@ -151,3 +162,69 @@ def einsum(subscripts: str, *operands):
         + [c for c in tb if c not in batch and c not in contract]
     )
     return transpose(out, [produced.index(c) for c in output])
+
+
+def trace(x, offset=0, axis1=0, axis2=1, dtype=None):
+    """numpy.trace: the sum of the `offset` diagonal of the (axis1, axis2) planes."""
+    from flowjit.numpy.shapes import diagonal  # shapes' diagonal is the gather
+
+    return sum(diagonal(x, offset, axis1, axis2), axis=-1, dtype=dtype)
+
+
+def kron(a, b):
+    """numpy.kron: the Kronecker product (blocks a[i, j] * b)."""
+    a, b = asarray(a), asarray(b)
+    rank = builtins.max(ndim(a), ndim(b))
+    sa = (1,) * (rank - ndim(a)) + shape(a)
+    sb = (1,) * (rank - ndim(b)) + shape(b)
+    wide_a = reshape(a, [d for s in sa for d in (s, 1)])
+    wide_b = reshape(b, [d for s in sb for d in (1, s)])
+    return reshape(multiply(wide_a, wide_b), [x * y for x, y in zip(sa, sb)])
+
+
+def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (numpy's name)
+    """numpy.linalg.norm for vectors (ord None/2, 1, inf, -inf, 0 or any p) and matrices (ord None/'fro',
+    1, -1, inf, -inf, 'nuc' and 2 need singular values and are not supported)."""
+    x = _float_operand(x)
+    if axis is None and (ord is None or ord == "fro"):
+        return _keep_all(sqrt(sum(multiply(x, x))), x, keepdims)
+    if axis is None:
+        if ndim(x) not in (1, 2):
+            raise FlowjitValueError(f"{user_location()}: norm with ord={ord!r} needs a 1-D or 2-D array or axis=")
+        axis = tuple(range(ndim(x)))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    axes = tuple(_norm_axis(a, ndim(x), "norm") for a in axes)
+    if len(axes) == 1:
+        a = abs(x)
+        if ord is None or ord == 2:
+            return sqrt(sum(multiply(x, x), axes, keepdims))
+        if ord == np.inf:
+            return max(a, axes, keepdims)
+        if ord == -np.inf:
+            return min(a, axes, keepdims)
+        if ord == 0:
+            return sum(astype(not_equal(x, 0), _dtype_of(x)), axes, keepdims)
+        if ord == 1:
+            return sum(a, axes, keepdims)
+        return power(sum(power(a, ord), axes, keepdims), 1.0 / ord)
+    if len(axes) != 2:
+        raise FlowjitValueError(f"{user_location()}: norm takes one axis (vector) or two (matrix); found {axis}")
+    row, col = axes
+    a = abs(x)
+    if ord is None or ord == "fro":
+        return sqrt(sum(multiply(x, x), axes, keepdims))
+    if ord in (1, -1):  # max (min) column sum
+        sums = sum(a, row, keepdims=True)
+        out = (max if ord == 1 else min)(sums, col, keepdims=True)
+    elif ord in (np.inf, -np.inf):  # max (min) row sum
+        sums = sum(a, col, keepdims=True)
+        out = (max if ord == np.inf else min)(sums, row, keepdims=True)
+    else:
+        raise FlowjitValueError(
+            f"{user_location()}: matrix norm ord={ord!r} needs singular values, which flowjit does not compute"
+        )
+    return out if keepdims else reshape(out, [d for i, d in enumerate(shape(out)) if i not in axes])
+
+
+def _keep_all(out, x, keepdims):
+    return reshape(out, (1,) * ndim(x)) if keepdims else out

@@ -11,9 +11,26 @@ from flowjit.errors import FlowjitValueError, op_error
 from flowjit.frontend.trace import bind
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
-from flowjit.numpy.elementwise import divide, greater, multiply, sqrt, subtract
-from flowjit.numpy.promotion import _dtype_of, _float_operand, asarray, astype
-from flowjit.numpy.shapes import _norm_axis, moveaxis, ndim, ravel, reshape, shape
+from flowjit.numpy.elementwise import (
+    add,
+    divide,
+    equal,
+    greater,
+    isclose,
+    isnan,
+    logical_and,
+    logical_not,
+    logical_or,
+    maximum,
+    minimum,
+    multiply,
+    not_equal,
+    sqrt,
+    subtract,
+)
+from flowjit.numpy.elementwise import where as _where
+from flowjit.numpy.promotion import _dtype_of, _float_operand, asarray, astype, broadcast_to
+from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, moveaxis, ndim, pad, ravel, reshape, shape, size
 
 # --- reductions -------------------------------------------------------------------------------------
 
@@ -33,29 +50,52 @@ def _keep(x, out, axes, keepdims):
 
 
 def _reduction(kind):
-    def fn(x, axis=None, keepdims=False, dtype=None):
+    def fn(x, axis=None, keepdims=False, dtype=None, initial=None, where=None):
         x = asarray(x)
         if dtype is not None:
             x = astype(x, dtype)
         elif kind in ("sum", "prod") and _dtype_of(x).is_bool:
             x = astype(x, dt.int64)
         elif _dtype_of(x).is_bool:
-            return astype(fn(astype(x, dt.int32), axis, keepdims), dt.bool_)
+            out = fn(astype(x, dt.int32), axis, keepdims, initial=initial, where=where)
+            return astype(out, dt.bool_)
         axes = _reduce_axes(x, axis)
-        if kind in ("max", "min") and builtins.any(shape(x)[a] == 0 for a in axes):
+        if where is not None:
+            x = _masked_operand(kind, x, where, initial)
+        if kind in ("max", "min") and initial is None and builtins.any(shape(x)[a] == 0 for a in axes):
             raise op_error(
                 FlowjitValueError,
                 user_location(),
                 f"reduce_{kind}",
-                f"zero-size array to reduction operation {kind} which has no identity",
+                f"zero-size array to reduction operation {kind} which has no identity; pass initial=",
             )
         out = bind(f"reduce_{kind}", [x], {"axes": axes})
+        if initial is not None:
+            out = _COMBINE[kind](out, initial)
         return _keep(x, out, axes, keepdims)
 
     fn.__name__ = kind
-    fn.__doc__ = f"numpy.{kind}: reduce over `axis` (all axes when None)."
+    fn.__doc__ = (
+        f"numpy.{kind}: reduce over `axis` (all axes when None); `initial` joins the reduction, "
+        "`where` (a boolean mask broadcast to x) leaves elements out."
+    )
     return fn
 
+
+def _masked_operand(kind, x, mask, initial):
+    """x with the elements outside `mask` replaced by the reduction's identity (or `initial`)."""
+    if kind in ("max", "min") and initial is None:
+        raise op_error(
+            FlowjitValueError,
+            user_location(),
+            f"reduce_{kind}",
+            f"{kind} with where= needs initial= (the value of an empty reduction), as numpy",
+        )
+    identity = {"sum": 0, "prod": 1}.get(kind, initial)
+    return _where(mask, x, np.asarray(identity).astype(_dtype_of(x).np_dtype))
+
+
+_COMBINE = {"sum": add, "prod": multiply, "max": maximum, "min": minimum}
 
 sum = _reduction("sum")  # noqa: A001
 prod = _reduction("prod")
@@ -64,11 +104,15 @@ min = _reduction("min")  # noqa: A001
 amax, amin = max, min
 
 
-def mean(x, axis=None, keepdims=False, dtype=None):
+def mean(x, axis=None, keepdims=False, dtype=None, where=None):
+    """numpy.mean (ints and bools average in float32); `where` averages the masked elements only."""
     x = asarray(x)
     if dtype is not None or not _dtype_of(x).is_float:
         x = astype(x, dtype or dt.float32)
     axes = _reduce_axes(x, axis)
+    if where is not None:
+        count = sum(astype(broadcast_to(where, shape(x)), _dtype_of(x)), axis, keepdims)
+        return divide(sum(x, axis, keepdims, where=where), count)
     count = math.prod(shape(x)[a] for a in axes)
     return divide(sum(x, axis, keepdims), builtins.max(count, 1) if count else float("nan"))
 
@@ -137,3 +181,161 @@ def cumsum(x, axis=None):
     from flowjit.numpy.linalg import matmul  # linalg builds on this module
 
     return moveaxis(matmul(moved, tri), -1, axis)
+
+
+def cumprod(x, axis=None):
+    """Inclusive prefix product: log2(n) steps of multiplying by a shifted copy (Hillis-Steele),
+    exact for integers and zeros (no logarithms)."""
+    x = asarray(x)
+    if _dtype_of(x).is_bool:
+        x = astype(x, dt.int64)
+    if axis is None:
+        x, axis = ravel(x), 0
+    axis = _norm_axis(axis, ndim(x), "cumprod")
+    n, step = shape(x)[axis], 1
+    while step < n:
+        widths = [(0, 0)] * ndim(x)
+        widths[axis] = (step, 0)
+        shifted = pad(_slice_axis(x, axis, 0, n - step), widths, constant_values=1)
+        x = multiply(x, shifted)
+        step *= 2
+    return x
+
+
+def diff(x, n=1, axis=-1, prepend=None, append=None):
+    """numpy.diff: the n-th discrete difference along `axis` (bools: not_equal, as numpy)."""
+    x = asarray(x)
+    axis = _norm_axis(axis, ndim(x), "diff")
+    edges = []
+    for extra in (prepend, append):
+        if extra is None:
+            edges.append([])
+            continue
+        extra = asarray(extra)
+        edge_shape = shape(x)[:axis] + ((shape(extra)[axis] if ndim(extra) else 1),) + shape(x)[axis + 1 :]
+        edges.append([broadcast_to(extra, edge_shape) if ndim(extra) == 0 else extra])
+    if edges[0] or edges[1]:
+        x = concatenate([*edges[0], x, *edges[1]], axis=axis)
+    for _ in range(n):
+        length = shape(x)[axis]
+        later, earlier = _slice_axis(x, axis, 1, length), _slice_axis(x, axis, 0, builtins.max(length - 1, 0))
+        x = not_equal(later, earlier) if _dtype_of(x).is_bool else subtract(later, earlier)
+    return x
+
+
+def ptp(x, axis=None, keepdims=False):
+    """numpy.ptp: max - min along `axis`."""
+    return subtract(max(x, axis, keepdims), min(x, axis, keepdims))
+
+
+def _nan_reduction(name, reduce, fill):
+    def fn(x, axis=None, keepdims=False, **kwargs):
+        x = asarray(x)
+        if not _dtype_of(x).is_float:
+            return reduce(x, axis, keepdims, **kwargs)
+        return reduce(_where(isnan(x), np.asarray(fill, _dtype_of(x).np_dtype), x), axis, keepdims, **kwargs)
+
+    fn.__name__ = name
+    fn.__doc__ = f"numpy.{name}: {reduce.__name__} with nans treated as {fill}."
+    return fn
+
+
+nansum = _nan_reduction("nansum", sum, 0)
+nanprod = _nan_reduction("nanprod", prod, 1)
+
+
+def _nan_extreme(name, reduce, fill):
+    def fn(x, axis=None, keepdims=False):
+        x = asarray(x)
+        if not _dtype_of(x).is_float:
+            return reduce(x, axis, keepdims)
+        nan_ = isnan(x)
+        out = reduce(_where(nan_, np.asarray(fill, _dtype_of(x).np_dtype), x), axis, keepdims)
+        return _where(all(nan_, axis, keepdims), np.asarray(np.nan, _dtype_of(x).np_dtype), out)  # all-nan: nan
+
+    fn.__name__ = name
+    fn.__doc__ = f"numpy.{name}: {reduce.__name__} ignoring nans (nan where a slice is all nan)."
+    return fn
+
+
+nanmax = _nan_extreme("nanmax", max, -np.inf)
+nanmin = _nan_extreme("nanmin", min, np.inf)
+
+
+def nanmean(x, axis=None, keepdims=False):
+    """numpy.nanmean: the mean of the non-nan elements (nan where there are none)."""
+    x = _float_operand(x)
+    valid = logical_not(isnan(x))
+    return divide(nansum(x, axis, keepdims), sum(astype(valid, _dtype_of(x)), axis, keepdims))
+
+
+def nanvar(x, axis=None, keepdims=False, ddof=0):
+    """numpy.nanvar: the variance of the non-nan elements."""
+    x = _float_operand(x)
+    valid = logical_not(isnan(x))
+    count = sum(astype(valid, _dtype_of(x)), axis, keepdims)
+    centered = _where(valid, subtract(x, nanmean(x, axis, keepdims=True)), np.zeros((), _dtype_of(x).np_dtype))
+    return divide(sum(multiply(centered, centered), axis, keepdims), maximum(subtract(count, ddof), 0))
+
+
+def nanstd(x, axis=None, keepdims=False, ddof=0):
+    """numpy.nanstd: the standard deviation of the non-nan elements."""
+    return sqrt(nanvar(x, axis, keepdims, ddof))
+
+
+def nanargmax(x, axis=None, keepdims=False):
+    """numpy.nanargmax: argmax ignoring nans (an all-nan slice gives 0; numpy raises)."""
+    x = asarray(x)
+    if _dtype_of(x).is_float:
+        x = _where(isnan(x), np.asarray(-np.inf, _dtype_of(x).np_dtype), x)
+    return argmax(x, axis, keepdims)
+
+
+def nanargmin(x, axis=None, keepdims=False):
+    """numpy.nanargmin: argmin ignoring nans (an all-nan slice gives 0; numpy raises)."""
+    x = asarray(x)
+    if _dtype_of(x).is_float:
+        x = _where(isnan(x), np.asarray(np.inf, _dtype_of(x).np_dtype), x)
+    return argmin(x, axis, keepdims)
+
+
+def average(x, axis=None, weights=None, returned=False, keepdims=False):
+    """numpy.average: the (weighted) mean along `axis`; `returned` adds the sum of the weights."""
+    x = _float_operand(x)
+    if weights is None:
+        out = mean(x, axis, keepdims)
+        total = broadcast_to(np.asarray(size(x) // builtins.max(size(out), 1), _dtype_of(out).np_dtype), shape(out))
+        return (out, total) if returned else out
+    w = asarray(weights)
+    if shape(w) != shape(x):
+        if axis is None or ndim(w) != 1:
+            raise op_error(
+                FlowjitValueError,
+                user_location(),
+                "average",
+                f"weights of shape {shape(w)} need axis= and must be 1-D or x's shape {shape(x)}",
+            )
+        axis_ = _norm_axis(axis, ndim(x), "average")
+        w = reshape(w, [shape(w)[0] if i == axis_ else 1 for i in range(ndim(x))])
+    w = broadcast_to(astype(w, _dtype_of(x)), shape(x))
+    total = sum(w, axis, keepdims)
+    out = divide(sum(multiply(x, w), axis, keepdims), total)
+    return (out, total) if returned else out
+
+
+def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """numpy.allclose: all(isclose(...)); a Python bool on plain arrays, a traced bool under jit."""
+    out = all(isclose(a, b, rtol, atol, equal_nan))
+    return bool(out) if isinstance(out, np.ndarray) else out
+
+
+def array_equal(a, b, equal_nan=False):
+    """numpy.array_equal: same shape and elements (a shape mismatch is a static False)."""
+    a, b = asarray(a), asarray(b)
+    if shape(a) != shape(b):
+        return False
+    same = equal(a, b)
+    if equal_nan:
+        same = logical_or(same, logical_and(isnan(a), isnan(b)))
+    out = all(same)
+    return bool(out) if isinstance(out, np.ndarray) else out

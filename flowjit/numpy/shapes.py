@@ -12,7 +12,18 @@ from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError, op
 from flowjit.frontend.trace import Tracer, bind
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
-from flowjit.numpy.elementwise import add, less, multiply, where
+from flowjit.numpy.elementwise import (
+    add,
+    equal,
+    less,
+    less_equal,
+    logical_not,
+    maximum,
+    minimum,
+    multiply,
+    subtract,
+    where,
+)
 from flowjit.numpy.promotion import (
     _cast_all,
     _dtype_of,
@@ -84,6 +95,98 @@ def eye(n, m=None, k=0, dtype=None):
 def iota(shape, dimension=0, dtype="i64"):
     """0, 1, 2, ... along `dimension` of a new array of `shape` (as an op, never a big constant)."""
     return bind("iota", [], {"shape": _shape_tuple(shape), "dimension": dimension, "dtype": dt.dtype(dtype)})
+
+
+def identity(n, dtype=None):
+    """numpy.identity: the n x n identity matrix."""
+    return eye(n, dtype=dtype)
+
+
+def empty(shape, dtype=None):
+    """numpy.empty, as zeros: flowjit never hands out uninitialized memory."""
+    return zeros(shape, dtype)
+
+
+def empty_like(x, dtype=None):
+    """numpy.empty_like, as zeros (see `empty`)."""
+    return zeros_like(x, dtype)
+
+
+def tri(n, m=None, k=0, dtype=None):
+    """numpy.tri: ones at and below the k-th diagonal of an n x m matrix."""
+    return np.tri(n, m, k, dtype=dt.dtype(dtype or "f32").np_dtype)
+
+
+def _tri_mask(n: int, m: int, k: int):
+    """Where `col - row <= k` in an (n, m) matrix; built from iota ops under a trace, never a literal."""
+    rows, cols = iota((n, m), 0), iota((n, m), 1)
+    return less_equal(subtract(cols, rows), k)
+
+
+def _masked(x, mask):
+    """x where `mask` (broadcast over x's leading dims), zero elsewhere, in x's dtype."""
+    x = asarray(x)
+    return where(mask, x, np.zeros((), _dtype_of(x).np_dtype))
+
+
+def tril(x, k=0):
+    """numpy.tril: zero above the k-th diagonal of the last two axes (a 1-D x is a row, as numpy)."""
+    x = asarray(x)
+    if ndim(x) < 2:
+        x = broadcast_to(x, (shape(x)[0], shape(x)[0]) if ndim(x) else (1, 1))
+    return _masked(x, _tri_mask(*shape(x)[-2:], k))
+
+
+def triu(x, k=0):
+    """numpy.triu: zero below the k-th diagonal of the last two axes (a 1-D x is a row, as numpy)."""
+    x = asarray(x)
+    if ndim(x) < 2:
+        x = broadcast_to(x, (shape(x)[0], shape(x)[0]) if ndim(x) else (1, 1))
+    return _masked(x, logical_not(_tri_mask(*shape(x)[-2:], k - 1)))
+
+
+def diagonal(x, offset=0, axis1=0, axis2=1):
+    """numpy.diagonal: the `offset` diagonal of the (axis1, axis2) planes, as the last axis."""
+    x = asarray(x)
+    rank = ndim(x)
+    a1, a2 = _norm_axis(axis1, rank, "diagonal"), _norm_axis(axis2, rank, "diagonal")
+    if a1 == a2:
+        raise op_error(FlowjitValueError, user_location(), "diagonal", "axis1 and axis2 cannot be the same")
+    x = transpose(x, [a for a in range(rank) if a not in (a1, a2)] + [a1, a2])
+    n, m = shape(x)[-2:]
+    length = builtins.max(0, builtins.min(n + builtins.min(offset, 0), m - builtins.max(offset, 0)))
+    rows = np.arange(length) - builtins.min(offset, 0)
+    return getitem(x, (Ellipsis, rows, rows + offset))
+
+
+def diag(v, k=0):
+    """numpy.diag: the k-th diagonal of a matrix, or a square matrix with `v` on its k-th diagonal."""
+    v = asarray(v)
+    if ndim(v) == 2:
+        return diagonal(v, k)
+    if ndim(v) != 1:
+        raise op_error(FlowjitValueError, user_location(), "diag", f"needs a 1-D or 2-D input; found shape {shape(v)}")
+    n = shape(v)[0] + builtins.abs(k)
+    row_values = pad(v, ((builtins.max(-k, 0), builtins.max(k, 0)),))  # row r holds v[r - max(-k, 0)]
+    on_diagonal = equal(subtract(iota((n, n), 1), iota((n, n), 0)), k)
+    return _masked(broadcast_to(reshape(row_values, (n, 1)), (n, n)), on_diagonal)
+
+
+def meshgrid(*xs, indexing="xy", sparse=False):
+    """numpy.meshgrid: coordinate arrays from 1-D vectors ('xy' swaps the first two output axes)."""
+    if indexing not in ("xy", "ij"):
+        raise FlowjitValueError(f"{user_location()}: meshgrid indexing must be 'xy' or 'ij'; found {indexing!r}")
+    xs = [ravel(x) for x in xs]
+    sizes = [size(x) for x in xs]
+    if indexing == "xy" and len(xs) >= 2:
+        sizes[0], sizes[1] = sizes[1], sizes[0]
+    out = []
+    for i, x in enumerate(xs):
+        position = {0: 1, 1: 0}.get(i, i) if indexing == "xy" and len(xs) >= 2 else i
+        view = [1] * len(xs)
+        view[position] = size(x)
+        out.append(reshape(x, view) if sparse else broadcast_to(reshape(x, view), sizes))
+    return tuple(out)
 
 
 # --- shape manipulation -----------------------------------------------------------------------------
@@ -294,6 +397,115 @@ def flip(x, axis=None):
     return x
 
 
+def flipud(x):
+    """numpy.flipud: reverse axis 0."""
+    return flip(x, 0)
+
+
+def fliplr(x):
+    """numpy.fliplr: reverse axis 1."""
+    return flip(x, 1)
+
+
+def _atleast(rank: int, xs, expand):
+    out = [asarray(x) for x in xs]
+    out = [x if ndim(x) >= rank else reshape(x, expand(shape(x))) for x in out]
+    return out[0] if len(out) == 1 else out
+
+
+def atleast_1d(*xs):
+    """numpy.atleast_1d: scalars become shape (1,); one array in, one out, else a list."""
+    return _atleast(1, xs, lambda s: (1,))
+
+
+def atleast_2d(*xs):
+    """numpy.atleast_2d: (n,) becomes (1, n)."""
+    return _atleast(2, xs, lambda s: (1,) * (2 - len(s)) + s)
+
+
+def atleast_3d(*xs):
+    """numpy.atleast_3d: (n,) becomes (1, n, 1), (m, n) becomes (m, n, 1)."""
+    return _atleast(3, xs, lambda s: {0: (1, 1, 1), 1: (1, *s, 1), 2: (*s, 1)}[len(s)])
+
+
+def _as_list(xs):
+    return [xs] if isinstance(xs, Tracer | np.ndarray) else list(xs)
+
+
+def vstack(arrays):
+    """numpy.vstack: concatenate along axis 0 after atleast_2d."""
+    return concatenate([atleast_2d(a) for a in _as_list(arrays)], axis=0)
+
+
+def hstack(arrays):
+    """numpy.hstack: concatenate along axis 1 (axis 0 for 1-D arrays)."""
+    arrays = [atleast_1d(a) for a in _as_list(arrays)]
+    return concatenate(arrays, axis=0 if ndim(arrays[0]) == 1 else 1)
+
+
+def dstack(arrays):
+    """numpy.dstack: concatenate along axis 2 after atleast_3d."""
+    return concatenate([atleast_3d(a) for a in _as_list(arrays)], axis=2)
+
+
+def column_stack(arrays):
+    """numpy.column_stack: 1-D arrays become columns, then concatenate along axis 1."""
+    arrays = [asarray(a) for a in _as_list(arrays)]
+    return concatenate([reshape(a, (-1, 1)) if ndim(a) < 2 else a for a in arrays], axis=1)
+
+
+def roll(x, shift, axis=None):
+    """numpy.roll: elements shifted along `axis` wrap around (the flattened array when None)."""
+    x = asarray(x)
+    if axis is None:
+        return reshape(roll(ravel(x), shift, 0), shape(x))
+    shifts = (shift,) if isinstance(shift, int | np.integer) else tuple(shift)
+    axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
+    if len(shifts) == 1:
+        shifts = shifts * len(axes)
+    if len(axes) == 1:
+        axes = axes * len(shifts)
+    if len(shifts) != len(axes):
+        raise FlowjitValueError(f"{user_location()}: roll got {len(shifts)} shifts for {len(axes)} axes")
+    for s, a in zip(shifts, axes):
+        a = _norm_axis(a, ndim(x), "roll")
+        n = shape(x)[a]
+        if n == 0 or s % n == 0:
+            continue
+        cut = n - int(s) % n
+        x = concatenate([_slice_axis(x, a, cut, n), _slice_axis(x, a, 0, cut)], axis=a)
+    return x
+
+
+def array_split(x, indices_or_sections, axis=0):
+    """numpy.array_split: like `split`, but n sections need not divide the axis (the first
+    `size % n` parts get one more element)."""
+    if not isinstance(indices_or_sections, int | np.integer):
+        return split(x, indices_or_sections, axis)
+    sections = int(indices_or_sections)
+    if sections <= 0:
+        raise FlowjitValueError(f"{user_location()}: array_split needs a positive number of sections")
+    n = shape(x)[_norm_axis(axis, ndim(x), "array_split")]
+    each, extra = divmod(n, sections)
+    bounds = np.cumsum([each + 1] * extra + [each] * (sections - extra))[:-1]
+    return split(x, [int(b) for b in bounds], axis)
+
+
+def hsplit(x, indices_or_sections):
+    """numpy.hsplit: split along axis 1 (axis 0 for 1-D arrays)."""
+    return split(x, indices_or_sections, axis=1 if ndim(x) > 1 else 0)
+
+
+def vsplit(x, indices_or_sections):
+    """numpy.vsplit: split along axis 0."""
+    return split(x, indices_or_sections, axis=0)
+
+
+def dsplit(x, indices_or_sections):
+    """numpy.dsplit: split along axis 2."""
+    return split(x, indices_or_sections, axis=2)
+
+
 # --- indexing ---------------------------------------------------------------------------------------
 
 
@@ -331,20 +543,91 @@ def scatter_add(x, indices, updates, axis: int = 0):
     return bind("scatter_add", [x, idx, upd], {"axis": axis})
 
 
+def _linear_along_axis(idx, full_shape, axis: int):
+    """Row-major positions in an array of `full_shape` of the elements `idx` picks along `axis`
+    (idx has full_shape's other dims): idx * stride[axis] + sum of iota(d) * stride[d]."""
+    strides = [math.prod(full_shape[d + 1 :]) for d in range(len(full_shape))]
+    linear = multiply(astype(idx, dt.int64), strides[axis])
+    for d in range(len(full_shape)):
+        if d != axis and full_shape[d] > 1:
+            linear = add(linear, multiply(iota(shape(idx), d), strides[d]))
+    return linear
+
+
+def _along_axis_operands(x, indices, axis, op):
+    """x and in-range indices broadcast against each other off `axis` (numpy's take_along_axis rule)."""
+    x, idx = asarray(x), asarray(indices)
+    if not _dtype_of(idx).is_int:
+        raise op_error(FlowjitTypeError, user_location(), op, f"indices must be integers; found {_dtype_of(idx)}")
+    if ndim(idx) != ndim(x):
+        raise op_error(
+            FlowjitValueError,
+            user_location(),
+            op,
+            f"indices must have the array's rank {ndim(x)}; found shape {shape(idx)} for an array of shape {shape(x)}",
+        )
+    axis = _norm_axis(axis, ndim(x), op)
+    n = shape(x)[axis]
+    idx = _wrap_index(idx, n, axis)
+    if isinstance(idx, Tracer):
+        idx = minimum(maximum(idx, 0), builtins.max(n - 1, 0))  # clamped, as gather: never another row
+    common = list(broadcast_shapes(*(s[:axis] + (1,) + s[axis + 1 :] for s in (shape(x), shape(idx))), op=op))
+    x = broadcast_to(x, tuple(common[:axis] + [n] + common[axis + 1 :]))
+    idx = broadcast_to(idx, tuple(common[:axis] + [shape(idx)[axis]] + common[axis + 1 :]))
+    return x, idx, axis
+
+
+def take_along_axis(x, indices, axis):
+    """numpy.take_along_axis: out[..., i, ...] = x[..., indices[..., i, ...], ...] along `axis`
+    (the flattened array when None). Traced indices out of range are clamped."""
+    if axis is None:
+        x, axis = ravel(x), 0
+    x, idx, axis = _along_axis_operands(x, indices, axis, "take_along_axis")
+    if size(idx) == 0:
+        return zeros(shape(idx), _dtype_of(x))
+    linear = _linear_along_axis(idx, shape(x), axis)
+    return reshape(bind("gather", [ravel(x), ravel(linear)], {"axis": 0}), shape(idx))
+
+
+def scatter_add_along_axis(x, indices, updates, axis):
+    """A copy of `x` with `updates[..., i, ...]` added at `x[..., indices[..., i, ...], ...]` along
+    `axis`: the transpose of `take_along_axis` (duplicates accumulate; traced indices clamp)."""
+    target = asarray(x)
+    x, idx, axis = _along_axis_operands(x, indices, axis, "scatter_add_along_axis")
+    if shape(x) != shape(target):
+        raise op_error(FlowjitValueError, user_location(), "scatter_add_along_axis", "indices must not broadcast x")
+    upd = broadcast_to(_cast_all([updates], _dtype_of(x))[0], shape(idx))
+    if size(idx) == 0:
+        return x
+    linear = _linear_along_axis(idx, shape(x), axis)
+    flat = bind("scatter_add", [ravel(x), ravel(linear), ravel(upd)], {"axis": 0})
+    return reshape(flat, shape(x))
+
+
 def _index_error(message: str) -> FlowjitError:
     return op_error(FlowjitTypeError, user_location(), "getitem", message)
 
 
-def _index_entries(key, rank: int) -> list:
+def _index_entries(key, shape_: tuple[int, ...]) -> list:
     """`key` as a list of entries, one per axis plus `None`s: `...` expanded, full slices appended,
-    lists as numpy arrays, static integer scalars (numpy's too) as ints."""
+    lists as numpy arrays, static integer scalars (numpy's too) as ints, static boolean masks as
+    their nonzero() index arrays."""
     key = list(key) if isinstance(key, tuple) else [key]
     entries = []
     for k in key:
         if isinstance(k, list):
             k = np.asarray(k)
-        if isinstance(k, Tracer | np.ndarray) and _dtype_of(k).is_bool:
-            raise _index_error("boolean mask indexing gives a data-dependent shape; use fnp.where(mask, x, 0) instead")
+        if isinstance(k, Tracer) and _dtype_of(k).is_bool:
+            raise _index_error(
+                "boolean mask indexing with a traced mask gives a data-dependent shape; use "
+                "fnp.where(mask, x, 0), or fnp.nonzero(mask, size=n) for indices of a fixed count, or a "
+                "numpy (static) mask"
+            )
+        if isinstance(k, np.ndarray) and k.dtype == np.bool_:
+            if k.ndim == 0:
+                raise _index_error("0-d boolean indices are not supported; use x[None] or fnp.where")
+            entries.append(_Mask(k))
+            continue
         if isinstance(k, Tracer | np.ndarray | np.generic) and not _dtype_of(k).is_int:
             raise _index_error(f"array indices must be integers; found {_dtype_of(k)}")
         if isinstance(k, np.ndarray | np.generic) and np.ndim(k) == 0:
@@ -355,13 +638,42 @@ def _index_entries(key, rank: int) -> list:
     ellipses = [i for i, k in enumerate(entries) if k is Ellipsis]
     if len(ellipses) > 1:
         raise _index_error("an index can only have a single ellipsis ('...')")
-    used = builtins.sum(1 for k in entries if k is not None and k is not Ellipsis)
-    if used > rank:
-        raise _index_error(f"too many indices for an array of rank {rank}: {used}")
-    fill = [slice(None)] * (rank - used)
+    used = builtins.sum(
+        k.mask.ndim if isinstance(k, _Mask) else 1 for k in entries if k is not None and k is not Ellipsis
+    )
+    if used > len(shape_):
+        raise _index_error(f"too many indices for an array of rank {len(shape_)}: {used}")
+    fill = [slice(None)] * (len(shape_) - used)
     if ellipses:
-        return entries[: ellipses[0]] + fill + entries[ellipses[0] + 1 :]
-    return entries + fill
+        entries = entries[: ellipses[0]] + fill + entries[ellipses[0] + 1 :]
+    else:
+        entries = entries + fill
+    return _expand_masks(entries, shape_)
+
+
+class _Mask:
+    """A static (numpy) boolean index while the key is parsed: it stands for `mask.ndim` axes."""
+
+    def __init__(self, mask: np.ndarray):
+        self.mask = mask
+
+
+def _expand_masks(entries: list, shape_: tuple[int, ...]) -> list:
+    """Each static boolean mask becomes its `nonzero()` integer arrays, as numpy does."""
+    out, axis = [], 0
+    for k in entries:
+        if not isinstance(k, _Mask):
+            out.append(k)
+            axis += k is not None
+            continue
+        covered = shape_[axis : axis + k.mask.ndim]
+        if k.mask.shape != covered:
+            raise _index_error(
+                f"boolean index of shape {k.mask.shape} does not match the indexed axes {axis}.. of shape {covered}"
+            )
+        out.extend(k.mask.nonzero())
+        axis += k.mask.ndim
+    return out
 
 
 def _wrap_index(idx, n: int, axis: int):
@@ -391,7 +703,7 @@ def getitem(x, key):
          key, the index dims move to where the first one was (numpy's rule); Nones are added last.
     """
     x = asarray(x)
-    entries = _index_entries(key, ndim(x))
+    entries = _index_entries(key, shape(x))
     advanced = builtins.any(isinstance(k, np.ndarray | Tracer) for k in entries)
     axis_of = {}  # entry position -> axis of x
     start, limit, stride = [0] * ndim(x), list(shape(x)), [1] * ndim(x)

@@ -442,8 +442,24 @@ def _scatter_add_vjp(op, cts, operands, results):
     return [ct, None, bind("gather", [ct, idx], {"axis": op.attrs["axis"]})]
 
 
+def _sort_vjp(op, cts, operands, results):
+    # Each cotangent goes back to where its element came from: scattered by the permutation. The
+    # permutation is the result of an `iota` payload along the axis (argsort), else a second sort.
+    axis = op.attrs["axis"] % len(operands[0].shape)
+    perm = None
+    for operand, result in zip(operands[1:], results[1 : len(operands)]):
+        producer = operand.value.producer
+        if producer is not None and producer.name == "iota" and producer.attrs["dimension"] == axis:
+            perm = result
+    if perm is None:
+        positions = fnp.iota(operands[0].shape, axis)
+        perm = bind("sort", [operands[0], positions], {"axis": axis})[1]
+    return [None if ct is None else fnp.scatter_add_along_axis(_zeros_like(ct), perm, ct, axis) for ct in cts]
+
+
 VJP_RULES.update(
     {
+        "sort": _sort_vjp,
         "broadcast": _broadcast_vjp,
         "reshape": _reshape_vjp,
         "transpose": _transpose_vjp,

@@ -554,6 +554,19 @@ def _arg_reduce(g: Gen) -> None:
     g.emit(f"M.{fn}({a.name}, axis={axis})", f"C(np.{fn}({a.name}, axis={axis}), {{T}})", exact=True)
 
 
+@builder("sort")
+def _sort(g: Gen) -> None:
+    # Any value: the order is exact (a permutation), and ties keep their order in both (stable).
+    a = g.need(lambda v: len(v.shape) >= 1 and v.array.size > 0 and (v.is_float or not g.smooth))
+    axis = g.choice([None, -1, *range(len(a.shape))])
+    fn = "sort" if g.smooth else g.choice(["sort", "argsort"])
+    g.emit(
+        f"M.{fn}({a.name}, axis={axis})",
+        f"C(np.{fn}({_w(a)}, axis={axis}, kind='stable'), {{T}})",
+        exact=a.exact,
+    )
+
+
 @builder("dot_general")
 def _matmul(g: Gen) -> None:
     a = g.need(lambda v: v.is_float and len(v.shape) in (1, 2, 3))
@@ -710,6 +723,7 @@ SMOOTH_OPS = (
     "slice",
     "pad",
     "concatenate",
+    "sort",
     "reduce_sum",
     "dot_general",
     "conv2d",

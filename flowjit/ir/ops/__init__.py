@@ -11,6 +11,7 @@ from flowjit.ir.ops import (  # noqa: F401
     fusion,
     movement,
     reduction,
+    sort,
     stateful,
 )
 from flowjit.ir.ops.registry import (  # noqa: F401

@@ -1,0 +1,263 @@
+"""CPU lowering of `sort`: a stable bottom-up merge sort of each row, rows split over the cores.
+
+The operands are viewed as (rows, n) with the sorted axis last (a transpose first when it is not
+last). Each row is sorted by `ceil(log2 n)` merge passes of doubling run widths, any n (no padding
+to a power of two). The passes ping-pong between the result and a scratch row, starting on the
+side that makes the last pass land in the result. A pass is an `scf.for` over pairs of adjacent
+runs; each pair is merged by an `scf.for` over its output positions carrying the two read
+positions (i in the left run, j in the right) and the destination rows of every operand.
+
+Order: the merge takes from the right run only when its key is strictly smaller, so equal keys
+keep their order (stable). Float keys compare in the total order that puts nans last (`a < b`, or
+`b` is nan and `a` is not), half types widened to f32; -0.0 and 0.0 are equal. Integer keys
+compare signed; bool data moves as numpy's bytes (0 or 1).
+
+Rows: one `scf.forall` chunk of rows per core when there are enough elements, else a single chunk
+(the forall folds away). Each row is an `extract_slice` of the chunk, sorted in place and inserted
+back, so bufferization writes into the result buffer directly; the scratch rows are one more
+`shared_outs` tensor per operand.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flowjit.backends.cpu import schedule
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, memory_elem_type
+from flowjit.backends.cpu.lower_elementwise import reshape_tensor
+from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Op
+from flowjit.ir.types import TensorType
+
+
+def _tensor(shape: tuple[int, ...], elem: str) -> str:
+    return f"tensor<{''.join(f'{d}x' for d in shape)}{elem}>"
+
+
+@lowering("sort")
+def lower_sort(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """sort(keys, *payloads) along `axis` (see the module docstring)."""
+    types = [v.type for v in op.operands]
+    keys = types[0]
+    axis = op.attrs["axis"] % keys.rank
+    n = keys.shape[axis]
+    if keys.size == 0 or n == 1:
+        return list(operands)
+    elems = [memory_elem_type(t.dtype) for t in types]
+    data = [bool_to_bytes(em, x, t) if t.dtype.is_bool else x for x, t in zip(operands, types)]
+    perm = [d for d in range(keys.rank) if d != axis] + [axis]
+    moved_shape = tuple(keys.shape[d] for d in perm)
+    if axis != keys.rank - 1:
+        data = [_permute(em, x, keys.shape, perm, e) for x, e in zip(data, elems)]
+    rows = keys.size // n
+    flat = [
+        reshape_tensor(em, x, TensorType(moved_shape, t.dtype), TensorType((rows, n), t.dtype), e)
+        for x, t, e in zip(data, types, elems)
+    ]
+    parallel = schedule.threads() > 1 and rows > 1 and keys.size * max(1, math.ceil(math.log2(n))) >= (1 << 16)
+    chunks = min(rows, schedule.threads()) if parallel else 1
+    done = _SortKernel(em, types[0].dtype, elems, rows, n).emit(flat, chunks)
+    results = []
+    inverse = [perm.index(d) for d in range(keys.rank)]
+    for x, t, e in zip(done, types, elems):
+        x = reshape_tensor(em, x, TensorType((rows, n), t.dtype), TensorType(moved_shape, t.dtype), e)
+        if axis != keys.rank - 1:
+            x = _permute(em, x, moved_shape, inverse, e)
+        results.append(bool_from_bytes(em, x, t) if t.dtype.is_bool else x)
+    return results
+
+
+def _permute(em: KernelEmitter, x: str, shape: tuple[int, ...], perm: list[int], elem: str) -> str:
+    """x transposed: result dim i is operand dim perm[i] (one copying `linalg.generic`)."""
+    rank = len(shape)
+    out_shape = tuple(shape[p] for p in perm)
+    dims = [f"d{i}" for i in range(rank)]
+    # Iterate over the result; the operand index of result position (d0..dk) puts d_i at perm[i].
+    source = [""] * rank
+    for i, p in enumerate(perm):
+        source[p] = dims[i]
+    in_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(source)})")
+    init = em.op(f"tensor.empty() : {_tensor(out_shape, elem)}")
+    return em.generic(
+        [(x, _tensor(shape, elem))],
+        (init, _tensor(out_shape, elem)),
+        [in_map, em.identity_map(rank)],
+        ["parallel"] * rank,
+        lambda b, args: args[0],
+        [elem],
+        elem,
+    )
+
+
+class _SortKernel:
+    """Emits the row loops and merge passes of one sort (see the module docstring)."""
+
+    def __init__(self, em: KernelEmitter, key_dtype: dt.DType, elems: list[str], rows: int, n: int):
+        self.em = em
+        self.key_dtype = key_dtype
+        self.elems = elems
+        self.rows = rows
+        self.n = n
+
+    def index(self, value: int) -> str:
+        # Emitted at each use (canonicalize hoists and merges them): a cached one could sit inside
+        # a loop body that does not dominate a later use.
+        return self.em.op(f"arith.constant {value} : index")
+
+    def emit(self, flat: list[str], chunks: int) -> list[str]:
+        """The sorted (rows, n) tensors: a forall over `chunks` chunks of rows, a loop over each
+        chunk's rows, the merge passes of each row."""
+        em, rows, n = self.em, self.rows, self.n
+        full = [_tensor((rows, n), e) for e in self.elems]
+        outs = [em.op(f"tensor.empty() : {t}") for t in full]
+        scratch = [em.op(f"tensor.empty() : {t}") for t in full]
+        chunk = -(-rows // chunks)
+        shared = [em.fresh("c") for _ in range(2 * len(full))]
+        done, t = em.fresh(), em.fresh("t")
+        bindings = ", ".join(f"{s} = {v}" for s, v in zip(shared, outs + scratch))
+        em.line(
+            f"{done}:{len(shared)} = scf.forall ({t}) in ({-(-rows // chunk)}) shared_outs({bindings}) "
+            f"-> ({', '.join(full + full)}) {{"
+        )
+        em.indent += "  "
+        first = em.op(f"arith.muli {t}, {self.index(chunk)} : index")
+        left = em.op(f"arith.subi {self.index(rows)}, {first} : index")
+        count = em.op(f"arith.minsi {left}, {self.index(chunk)} : index")
+        parts = [_tensor(("?", n), e) for e in self.elems] * 2
+        sliced = [
+            em.op(f"tensor.extract_slice {s}[{first}, 0] [{count}, {n}] [1, 1] : {f} to {p}")
+            for s, f, p in zip(shared, full + full, parts)
+        ]
+        loop, row = em.fresh(), em.fresh("r")
+        carried = [em.fresh("c") for _ in sliced]
+        init = ", ".join(f"{c} = {v}" for c, v in zip(carried, sliced))
+        em.line(
+            f"{loop}:{len(carried)} = scf.for {row} = {self.index(0)} to {count} step {self.index(1)} "
+            f"iter_args({init}) -> ({', '.join(parts)}) {{"
+        )
+        em.indent += "  "
+        source_row = em.op(f"arith.addi {first}, {row} : index")
+        sources = [self._row(x, f, source_row, e) for x, f, e in zip(flat, full, self.elems)]
+        row_results, row_scratch = self._sort_row(
+            sources,
+            [self._row(c, p, row, e) for c, p, e in zip(carried[: len(full)], parts, self.elems)],
+            [self._row(c, p, row, e) for c, p, e in zip(carried[len(full) :], parts, self.elems)],
+        )
+        yielded = [
+            self._insert(r, c, p, row, e)
+            for r, c, p, e in zip(row_results + row_scratch, carried, parts, self.elems + self.elems)
+        ]
+        em.line(f"scf.yield {', '.join(yielded)} : {', '.join(parts)}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        em.line("scf.forall.in_parallel {")
+        for i, (s, f, p) in enumerate(zip(shared, full + full, parts)):
+            em.line(
+                f"  tensor.parallel_insert_slice {loop}#{i} into {s}[{first}, 0] [{count}, {n}] [1, 1] : {p} into {f}"
+            )
+        em.line("}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        return [f"{done}#{i}" for i in range(len(full))]
+
+    def _row(self, x: str, ttype: str, row: str, elem: str) -> str:
+        return self.em.op(
+            f"tensor.extract_slice {x}[{row}, 0] [1, {self.n}] [1, 1] : {ttype} to {_tensor((self.n,), elem)}"
+        )
+
+    def _insert(self, row_value: str, into: str, ttype: str, row: str, elem: str) -> str:
+        return self.em.op(
+            f"tensor.insert_slice {row_value} into {into}[{row}, 0] [1, {self.n}] [1, 1] : "
+            f"{_tensor((self.n,), elem)} into {ttype}"
+        )
+
+    def _sort_row(self, sources: list[str], results: list[str], scratch: list[str]) -> tuple[list[str], list[str]]:
+        """The merge passes of one row: returns the (result, scratch) row tensors after them."""
+        passes = math.ceil(math.log2(self.n))
+        current = sources
+        width = 1
+        for p in range(passes):
+            into_result = (passes - 1 - p) % 2 == 0
+            merged = self._merge_pass(current, results if into_result else scratch, width)
+            if into_result:
+                results = merged
+            else:
+                scratch = merged
+            current = merged
+            width *= 2
+        return results, scratch
+
+    def _merge_pass(self, source: list[str], dest: list[str], width: int) -> list[str]:
+        """Merge adjacent runs of `width` of `source` into `dest` (one row per operand)."""
+        em, n = self.em, self.n
+        row_types = [_tensor((n,), e) for e in self.elems]
+        pairs = -(-n // (2 * width))
+        outer, pair = em.fresh(), em.fresh("p")
+        carried = [em.fresh("d") for _ in dest]
+        init = ", ".join(f"{c} = {d}" for c, d in zip(carried, dest))
+        results = f"{outer}:{len(dest)}" if len(dest) > 1 else outer
+        em.line(
+            f"{results} = scf.for {pair} = {self.index(0)} to {self.index(pairs)} step {self.index(1)} "
+            f"iter_args({init}) -> ({', '.join(row_types)}) {{"
+        )
+        em.indent += "  "
+        lo = em.op(f"arith.muli {pair}, {self.index(2 * width)} : index")
+        mid = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {self.index(width)} : index')}, {self.index(n)} : index")
+        hi = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {self.index(2 * width)} : index')}, {self.index(n)} : index")
+        merged = self._merge(source, carried, row_types, lo, mid, hi)
+        em.line(f"scf.yield {', '.join(merged)} : {', '.join(row_types)}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        return [f"{outer}#{i}" for i in range(len(dest))] if len(dest) > 1 else [outer]
+
+    def _merge(self, source, dest, row_types, lo, mid, hi) -> list[str]:
+        """One `scf.for` over [lo, hi) writing source[lo:mid] merged with source[mid:hi]."""
+        em = self.em
+        loop, k = em.fresh(), em.fresh("k")
+        i, j = em.fresh("i"), em.fresh("j")
+        carried = [em.fresh("d") for _ in dest]
+        init = ", ".join([f"{i} = {lo}", f"{j} = {mid}"] + [f"{c} = {d}" for c, d in zip(carried, dest)])
+        em.line(
+            f"{loop}:{2 + len(dest)} = scf.for {k} = {lo} to {hi} step {self.index(1)} iter_args({init}) "
+            f"-> (index, index, {', '.join(row_types)}) {{"
+        )
+        em.indent += "  "
+        last = self.index(self.n - 1)
+        i_read = em.op(f"arith.minsi {i}, {last} : index")  # i == mid == n, j == hi == n: stay inside
+        j_read = em.op(f"arith.minsi {j}, {last} : index")
+        key_elem = self.elems[0]
+        key_i = em.op(f"tensor.extract {source[0]}[{i_read}] : {row_types[0]}")
+        key_j = em.op(f"tensor.extract {source[0]}[{j_read}] : {row_types[0]}")
+        left_done = em.op(f"arith.cmpi sge, {i}, {mid} : index")
+        right_open = em.op(f"arith.cmpi slt, {j}, {hi} : index")
+        b = ScalarBuilder(em, em.indent)
+        smaller = _less(b, key_j, key_i, key_elem, self.key_dtype)
+        em.body.extend(b.lines)
+        prefer_right = em.op(f"arith.ori {left_done}, {smaller} : i1")
+        take_right = em.op(f"arith.andi {right_open}, {prefer_right} : i1")
+        position = em.op(f"arith.select {take_right}, {j_read}, {i_read} : index")
+        updated = []
+        for x, d, t in zip(source, carried, row_types):
+            value = em.op(f"tensor.extract {x}[{position}] : {t}")
+            updated.append(em.op(f"tensor.insert {value} into {d}[{k}] : {t}"))
+        step = em.op(f"arith.index_cast {em.op(f'arith.extui {take_right} : i1 to i64')} : i64 to index")
+        next_j = em.op(f"arith.addi {j}, {step} : index")
+        next_i = em.op(f"arith.addi {i}, {em.op(f'arith.subi {self.index(1)}, {step} : index')} : index")
+        em.line(f"scf.yield {next_i}, {next_j}, {', '.join(updated)} : index, index, {', '.join(row_types)}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        return [f"{loop}#{2 + m}" for m in range(len(dest))]
+
+
+def _less(b: ScalarBuilder, x: str, y: str, elem: str, dtype: dt.DType) -> str:
+    """x < y in the sort's order: signed for integers (and bool bytes), nans last for floats."""
+    if not dtype.is_float:
+        return b.op(f"arith.cmpi slt, {x}, {y} : {elem}")
+    if elem in ("f16", "bf16"):
+        x, y = b.op(f"arith.extf {x} : {elem} to f32"), b.op(f"arith.extf {y} : {elem} to f32")
+        elem = "f32"
+    ordered_less = b.op(f"arith.cmpf olt, {x}, {y} : {elem}")
+    y_nan = b.op(f"arith.cmpf uno, {y}, {y} : {elem}")
+    x_number = b.op(f"arith.cmpf ord, {x}, {x} : {elem}")
+    return b.op(f"arith.ori {ordered_less}, {b.op(f'arith.andi {y_nan}, {x_number} : i1')} : i1")
