@@ -110,10 +110,14 @@ def _weight(op: Op) -> int:
 class _FusionLowering:
     """State of one fusion op's lowering: the tensor of each body value, emitted on demand."""
 
-    def __init__(self, em: KernelEmitter, body: Graph, operands: list[str], tile: bool = False):
+    def __init__(
+        self, em: KernelEmitter, body: Graph, operands: list[str], tile: bool = False, destinations: dict | None = None
+    ):
         self.em = em
         self.body = body
         self.tile = tile  # the body of a row loop nest (`lower_rows`): its kernels stay on one thread
+        # result -> (1-D, shaped) tensor to compute it into (its slice of the nest's output)
+        self.destinations: dict[Value, tuple[str, str]] = destinations or {}
         self.tensors: dict[Value, str] = dict(zip(body.params, operands))
         users = body.uses()
         cost: dict[Value, int] = {}
@@ -192,7 +196,10 @@ class _FusionLowering:
         self.em.line(f"// fusion: {nest.describe()}")
         tensors = [self.tensor(v) for v in nest.inputs]
         outputs = lower_rows.emit(
-            self.em, nest, tensors, lambda graph, operands: _FusionLowering(self.em, graph, operands, True).run()
+            self.em,
+            nest,
+            tensors,
+            lambda graph, operands, destinations: _FusionLowering(self.em, graph, operands, True, destinations).run(),
         )
         for v, tensor in zip(nest.outputs, outputs):
             self.tensors[v] = tensor
@@ -273,7 +280,7 @@ class _FusionLowering:
         if reduction is None:
             outputs = [
                 (
-                    em.empty(loop.with_dtype(v.dtype), _storage(v.dtype)),
+                    self._destination(v, loop) or em.empty(loop.with_dtype(v.dtype), _storage(v.dtype)),
                     tensor_type(loop.with_dtype(v.dtype), _storage(v.dtype)),
                     em.identity_map(loop.rank),
                 )
@@ -315,6 +322,13 @@ class _FusionLowering:
             if space.flat:
                 tensor = _expand(em, tensor, v.type)
             self.tensors[v] = bool_from_bytes(em, tensor, v.type) if v.dtype.is_bool else tensor
+
+    def _destination(self, v: Value, loop: TensorType) -> str | None:
+        """The tensor a generic iterating over `loop` computes `v` into, if `v` has a destination."""
+        if v not in self.destinations:
+            return None
+        flat, shaped = self.destinations[v]
+        return shaped if loop.shape == v.type.shape else flat if loop.shape == (v.type.size,) else None
 
     def _iteration_space(self, targets: list[Value], leaves: list[Value], reduction: Op | None) -> _Space:
         """How the generic iterates and reads its leaves: 1-D when nothing broadcasts (the

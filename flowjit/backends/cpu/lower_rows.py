@@ -288,7 +288,7 @@ def tile_graph(nest: RowNest, tile: int) -> Graph:
 
 
 def _whole_type(v: Value, kind: str, nest: RowNest) -> TensorType:
-    """The nest's view of a value: (A, R), (A,), (R,) or its own type."""
+    """The nest's view of an input: (A, R), (A,), (R,) or its own type."""
     if kind == FULL:
         return v.type.with_shape((nest.rows, nest.length))
     if kind == ROW:
@@ -298,19 +298,38 @@ def _whole_type(v: Value, kind: str, nest: RowNest) -> TensorType:
     return v.type
 
 
-def emit(
-    em: KernelEmitter, nest: RowNest, tensors: list[str], lower_tile: Callable[[Graph, list[str]], list[str]]
-) -> list[str]:
+def _output_type(v: Value, nest: RowNest) -> TensorType:
+    """The nest's view of an output: 1-D, so that it is stored through a 1-D view of its
+    destination (`em.flat_views`); through any other reshape, empty-tensor elimination gives up
+    and each call pays a temporary and a copy."""
+    return v.type.with_shape((nest.rows * nest.length if nest.kinds[v] == FULL else nest.rows,))
+
+
+def _grouped(em: KernelEmitter, tensor: str, v: Value, nest: RowNest) -> str:
+    """Input `tensor` viewed as the nest reads it: leading axes merged into rows, row axes into one."""
+    kind, t = nest.kinds[v], v.type
+    lead = len(nest.lead)
+    groups = [list(range(lead)), list(range(lead, t.rank))] if kind == FULL else [list(range(t.rank))]
+    if t.rank == 0 or all(len(g) == 1 for g in groups):
+        return tensor
+    elem = memory_elem_type(v.dtype)
+    reassociation = ", ".join(f"[{', '.join(str(i) for i in g)}]" for g in groups)
+    view = tensor_type(_whole_type(v, kind, nest), elem)
+    return em.op(f"tensor.collapse_shape {tensor} [{reassociation}] : {tensor_type(t, elem)} into {view}")
+
+
+LowerTile = Callable[[Graph, list[str], dict[Value, tuple[str, str]]], list[str]]
+
+
+def emit(em: KernelEmitter, nest: RowNest, tensors: list[str], lower_tile: LowerTile) -> list[str]:
     """The loop nest reading `tensors` (one per `nest.inputs`); returns the outputs' tensors.
-    `lower_tile(graph, operands)` lowers a tile graph on the tile operands."""
+    `lower_tile(graph, operands, destinations)` lowers a tile graph on the tile operands, writing
+    the results in `destinations` (tile result -> its slice of the output, 1-D and tile-shaped)
+    into them."""
     views = []
     for v, t in zip(nest.inputs, tensors):
-        kind = nest.kinds[v]
-        elem = memory_elem_type(v.dtype)
-        if v.dtype.is_bool:
-            t = bool_to_bytes(em, t, v.type)
-        views.append(reshape_tensor(em, t, v.type, _whole_type(v, kind, nest), elem=elem))
-    results = [em.empty(_whole_type(v, nest.kinds[v], nest), memory_elem_type(v.dtype)) for v in nest.outputs]
+        views.append(_grouped(em, bool_to_bytes(em, t, v.type) if v.dtype.is_bool else t, v, nest))
+    results = [em.empty(_output_type(v, nest), memory_elem_type(v.dtype)) for v in nest.outputs]
     rows, tile = nest.rows, nest.tile
     count = rows // tile - (1 if rows % tile else 0)
     last = tile + rows % tile if rows % tile else 0  # the rows after the loop
@@ -320,16 +339,16 @@ def emit(
         results = _loop(em, nest, views, results, count, lower_tile)
     if last:
         offset = em.op(f"arith.constant {count * tile} : index")
-        tiles = _tile_body(em, nest, views, offset, last, lower_tile)
+        tiles = _tile_body(em, nest, views, results, offset, last, lower_tile)
         results = [em.op(f"tensor.insert_slice {t} into {r}{slice_}") for r, (t, slice_) in zip(results, tiles)]
     return [
-        reshape_tensor(em, r, _whole_type(v, nest.kinds[v], nest), v.type, elem=memory_elem_type(v.dtype))
+        reshape_tensor(em, r, _output_type(v, nest), v.type, elem=memory_elem_type(v.dtype))
         for r, v in zip(results, nest.outputs)
     ]
 
 
 def _loop(em: KernelEmitter, nest: RowNest, views, inits: list[str], count: int, lower_tile) -> list[str]:
-    types = [tensor_type(_whole_type(v, nest.kinds[v], nest), memory_elem_type(v.dtype)) for v in nest.outputs]
+    types = [tensor_type(_output_type(v, nest), memory_elem_type(v.dtype)) for v in nest.outputs]
     result, iv = em.fresh(), em.fresh("i")
     carried = [em.fresh("o") for _ in inits]
     name = f"{result}:{len(inits)}" if len(inits) > 1 else result
@@ -341,7 +360,7 @@ def _loop(em: KernelEmitter, nest: RowNest, views, inits: list[str], count: int,
         em.line(f"{name} = scf.for {iv} = {lo} to {hi} step {step} iter_args({init}) -> ({', '.join(types)}) {{")
     em.indent += "  "
     offset = em.op(f"arith.muli {iv}, {em.op(f'arith.constant {nest.tile} : index')} : index")
-    tiles = _tile_body(em, nest, views, offset, nest.tile, lower_tile)
+    tiles = _tile_body(em, nest, views, carried, offset, nest.tile, lower_tile)
     if nest.parallel:
         em.line("scf.forall.in_parallel {")
         for c, (t, slice_) in zip(carried, tiles):
@@ -355,39 +374,46 @@ def _loop(em: KernelEmitter, nest: RowNest, views, inits: list[str], count: int,
     return [f"{result}#{k}" for k in range(len(inits))] if len(inits) > 1 else [result]
 
 
-def _slice(nest: RowNest, v: Value, offset: str, rows: int) -> tuple[str, TensorType, TensorType]:
-    """(offsets/sizes/strides, tile type, whole type) of `rows` rows of a full or row value at
-    `offset` in the nest's view."""
+def _input_tile(em: KernelEmitter, nest: RowNest, v: Value, view: str, offset: str, rows: int, param: Value) -> str:
+    elem = memory_elem_type(v.dtype)
+    if nest.kinds[v] in (COL, SCALAR):
+        return view
     whole = _whole_type(v, nest.kinds[v], nest)
     if nest.kinds[v] == FULL:
-        return f"[{offset}, 0] [{rows}, {nest.length}] [1, 1]", whole.with_shape((rows, nest.length)), whole
-    return f"[{offset}] [{rows}] [1]", whole.with_shape((rows,)), whole
+        where, part = f"[{offset}, 0] [{rows}, {nest.length}] [1, 1]", whole.with_shape((rows, nest.length))
+    else:
+        where, part = f"[{offset}] [{rows}] [1]", whole.with_shape((rows,))
+    tile = em.op(f"tensor.extract_slice {view}{where} : {tensor_type(whole, elem)} to {tensor_type(part, elem)}")
+    return reshape_tensor(em, tile, part, param.type, elem=elem)
 
 
-def _tile_body(em: KernelEmitter, nest: RowNest, views, offset: str, rows: int, lower_tile) -> list[tuple[str, str]]:
-    """The members on the tile of `rows` rows at `offset`; returns each output tile with the
-    slice clause (`[..] [..] [..] : tile type into whole type`) that stores it."""
+def _tile_body(em: KernelEmitter, nest: RowNest, views, outs, offset: str, rows: int, lower_tile):
+    """The members on the tile of `rows` rows at `offset`, full-sized results written into their
+    slices of `outs`; returns each output tile with the slice clause (`[..] [..] [..] : tile type
+    into whole type`) that stores it."""
     graph = tile_graph(nest, rows)
     operands = []
     for v, view, param in zip(nest.inputs, views, graph.params):
-        elem = memory_elem_type(v.dtype)
-        if nest.kinds[v] in (COL, SCALAR):
-            tile = view
-        else:
-            where, part, whole = _slice(nest, v, offset, rows)
-            tile = em.op(
-                f"tensor.extract_slice {view}{where} : {tensor_type(whole, elem)} to {tensor_type(part, elem)}"
-            )
-            tile = reshape_tensor(em, tile, part, param.type, elem=elem)
+        tile = _input_tile(em, nest, v, view, offset, rows, param)
         operands.append(bool_from_bytes(em, tile, param.type) if v.dtype.is_bool else tile)
-    results = lower_tile(graph, operands)
-    tiles = []
-    for v, t, r in zip(nest.outputs, results, graph.results):
+    slices, destinations = [], {}
+    for v, out, r in zip(nest.outputs, outs, graph.results):
         elem = memory_elem_type(v.dtype)
-        where, part, whole = _slice(nest, v, offset, rows)
-        t = reshape_tensor(em, t, r.type, part, elem=elem)
-        tiles.append((t, f"{where} : {tensor_type(part, elem)} into {tensor_type(whole, elem)}"))
-    return tiles
+        whole = _output_type(v, nest)
+        if nest.kinds[v] == FULL:
+            start = em.op(f"arith.muli {offset}, {em.op(f'arith.constant {nest.length} : index')} : index")
+            part = whole.with_shape((rows * nest.length,))
+            where = f"[{start}] [{part.size}] [1]"
+            flat = em.op(f"tensor.extract_slice {out}{where} : {tensor_type(whole, elem)} to {tensor_type(part, elem)}")
+            destinations[r] = (flat, reshape_tensor(em, flat, part, r.type, elem=elem))
+        else:
+            part, where = whole.with_shape((rows,)), f"[{offset}] [{rows}] [1]"
+        slices.append((part, f"{where} : {tensor_type(part, elem)} into {tensor_type(whole, elem)}"))
+    results = lower_tile(graph, operands, destinations)
+    return [
+        (reshape_tensor(em, t, r.type, part, elem=memory_elem_type(r.dtype)), clause)
+        for t, r, (part, clause) in zip(results, graph.results, slices)
+    ]
 
 
 __all__ = ["RowNest", "emit", "plan", "tile_graph"]
