@@ -218,7 +218,10 @@ def diff(x, n=1, axis=-1, prepend=None, append=None):
         x = concatenate([*edges[0], x, *edges[1]], axis=axis)
     for _ in range(n):
         length = shape(x)[axis]
-        later, earlier = _slice_axis(x, axis, 1, length), _slice_axis(x, axis, 0, builtins.max(length - 1, 0))
+        later, earlier = (
+            _slice_axis(x, axis, builtins.min(1, length), length),
+            _slice_axis(x, axis, 0, builtins.max(length - 1, 0)),
+        )
         x = not_equal(later, earlier) if _dtype_of(x).is_bool else subtract(later, earlier)
     return x
 

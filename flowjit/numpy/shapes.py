@@ -410,11 +410,11 @@ def fliplr(x):
 def _atleast(rank: int, xs, expand):
     out = [asarray(x) for x in xs]
     out = [x if ndim(x) >= rank else reshape(x, expand(shape(x))) for x in out]
-    return out[0] if len(out) == 1 else out
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def atleast_1d(*xs):
-    """numpy.atleast_1d: scalars become shape (1,); one array in, one out, else a list."""
+    """numpy.atleast_1d: scalars become shape (1,); one array in, one out, else a tuple."""
     return _atleast(1, xs, lambda s: (1,))
 
 
