@@ -12,6 +12,8 @@ Never reuse a key for two purposes; `split` it.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from flowjit import numpy as fnp
@@ -109,13 +111,127 @@ def randint(key, shape, minval: int, maxval: int, dtype="int64"):
     return fnp.astype(fnp.add(fnp.remainder(bits, span), minval), dtype)
 
 
-def permutation(key, n: int):
-    """A random permutation of range(n): the rank of each element's 64 random bits (argsort-free,
-    O(n^2) compares). Equal bits are ranked by index, so the result is a permutation even on a tie."""
-    scores = _bits(key, (n,))
+def _ranks(scores):
+    """The rank of each of the (n,) `scores` in increasing order, argsort-free with O(n^2) compares;
+    equal scores are ranked by index, so the ranks are always a permutation of range(n)."""
+    n = fnp.shape(scores)[0]
     index = fnp.iota((n,), 0, "i64")
     before = fnp.logical_or(
         fnp.less(scores[None, :], scores[:, None]),
         fnp.logical_and(fnp.equal(scores[None, :], scores[:, None]), fnp.less(index[None, :], index[:, None])),
     )
     return fnp.astype(fnp.sum(before, axis=1), dt.int64)
+
+
+def permutation(key, x, axis: int = 0):
+    """A random permutation of range(x) for an integer `x` (the rank of each element's 64 random bits),
+    or the array `x` shuffled along `axis`."""
+    if isinstance(x, int | np.integer):
+        return _ranks(_bits(key, (int(x),)))
+    x = fnp.asarray(x)
+    if fnp.ndim(x) == 0:
+        raise FlowjitValueError(f"{user_location()}: permutation needs an integer or an array; found a 0-d array")
+    return fnp.take(x, _ranks(_bits(key, (fnp.shape(x)[axis],))), axis=axis)
+
+
+def shuffle(key, x, axis: int = 0):
+    """The array `x` with its slices along `axis` in a random order (permutation(key, x, axis))."""
+    return permutation(key, fnp.asarray(x), axis)
+
+
+def _work_dtype(dtype):
+    return "float64" if dt.dtype(dtype) is dt.float64 else "float32"
+
+
+def gumbel(key, shape=(), dtype="float32"):
+    """Standard Gumbel draws -log(-log(u)), u uniform in (0, 1)."""
+    work = _work_dtype(dtype)
+    u = uniform(key, shape, work, float(np.finfo(work).tiny), 1.0)
+    return fnp.astype(fnp.negative(fnp.log(fnp.negative(fnp.log(u)))), dtype)
+
+
+def categorical(key, logits, axis: int = -1, shape=None):
+    """Class indices drawn with probabilities softmax(logits) along `axis` (the Gumbel-max trick).
+    The result has the shape of `logits` without `axis`, or `shape` (which that must broadcast to)."""
+    logits = fnp.moveaxis(fnp.asarray(logits), axis, -1)
+    batch = tuple(fnp.shape(logits)[:-1]) if shape is None else tuple(shape)
+    noise = gumbel(key, (*batch, fnp.shape(logits)[-1]), _work_dtype(fnp.result_type(logits)))
+    return fnp.argmax(fnp.add(noise, logits), axis=-1)
+
+
+def choice(key, a, shape=(), replace: bool = True, p=None, axis: int = 0):
+    """Random elements of `a` (an array, along `axis`) or of range(a) (an integer), as numpy's choice:
+    with or without replacement, uniform or with probabilities `p`."""
+    population = int(a) if isinstance(a, int | np.integer) else fnp.shape(a)[axis]
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    count = int(np.prod(shape))
+    if not replace and count > population:
+        raise FlowjitValueError(
+            f"{user_location()}: choice without replacement of {count} elements from a population of {population}"
+        )
+    if p is None:
+        index = randint(key, shape, 0, population) if replace else permutation(key, population)[:count]
+    elif replace:
+        index = categorical(key, fnp.log(p), shape=shape)
+    else:
+        # The `count` largest of log(p) + Gumbel noise are a weighted draw without replacement.
+        ranks = _ranks(fnp.negative(fnp.add(fnp.log(p), gumbel(key, (population,), _work_dtype(fnp.result_type(p))))))
+        picked = fnp.equal(ranks[None, :], fnp.iota((count, population), 0, "i64"))
+        index = fnp.sum(fnp.where(picked, fnp.iota((count, population), 1, "i64"), 0), axis=1)
+    index = fnp.reshape(index, shape)
+    return index if isinstance(a, int | np.integer) else fnp.take(fnp.asarray(a), index, axis=axis)
+
+
+# Acklam's rational approximation of the normal quantile (relative error below 1.2e-9).
+_ACKLAM_A = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02,
+             -3.066479806614716e01, 2.506628277459239e00)  # fmt: skip
+_ACKLAM_B = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01,
+             -1.328068155288572e01)  # fmt: skip
+_ACKLAM_C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549732539343734e00,
+             4.374664141464968e00, 2.938163982698783e00)  # fmt: skip
+_ACKLAM_D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+_ACKLAM_LOW = 0.02425
+
+
+def _polynomial(coefficients, x):
+    out = coefficients[0]
+    for c in coefficients[1:]:
+        out = fnp.add(fnp.multiply(out, x), c)
+    return out
+
+
+def _normal_cdf(x):
+    return fnp.multiply(0.5, fnp.add(1.0, fnp.erf(fnp.multiply(x, 1.0 / np.sqrt(2.0)))))
+
+
+def _normal_quantile(p):
+    """The inverse of the standard normal CDF for float64 p in (0, 1): Acklam's approximation, refined
+    by one Halley step in the central region (in the tails 1 + erf cancels and the step would not help)."""
+    central = fnp.logical_and(fnp.greater_equal(p, _ACKLAM_LOW), fnp.less_equal(p, 1.0 - _ACKLAM_LOW))
+    q = fnp.subtract(p, 0.5)
+    r = fnp.multiply(q, q)
+    middle = fnp.divide(fnp.multiply(_polynomial(_ACKLAM_A, r), q), _polynomial((*_ACKLAM_B, 1.0), r))
+    tail_p = fnp.minimum(p, fnp.subtract(1.0, p))
+    t = fnp.sqrt(fnp.multiply(-2.0, fnp.log(tail_p)))
+    tail = fnp.divide(_polynomial(_ACKLAM_C, t), _polynomial((*_ACKLAM_D, 1.0), t))
+    tail = fnp.where(fnp.less(p, 0.5), tail, fnp.negative(tail))
+    error = fnp.subtract(_normal_cdf(middle), p)
+    step = fnp.multiply(fnp.multiply(error, np.sqrt(2.0 * np.pi)), fnp.exp(fnp.multiply(0.5, fnp.square(middle))))
+    refined = fnp.subtract(middle, fnp.divide(step, fnp.add(1.0, fnp.multiply(0.5, fnp.multiply(middle, step)))))
+    return fnp.where(central, refined, tail)
+
+
+def truncated_normal(key, lower, upper, shape=(), dtype="float32"):
+    """Standard normal draws conditioned on [lower, upper] (Python floats, possibly infinite) by
+    inverse-CDF sampling in float64; bounds beyond about 37 standard deviations collapse to the bound."""
+    lower, upper = float(lower), float(upper)
+    if not lower < upper:
+        raise FlowjitValueError(f"{user_location()}: truncated_normal needs lower < upper; found [{lower}, {upper}]")
+    if lower > 0.0:
+        # Sample the mirrored interval: CDF values near 0 are far more precise than near 1.
+        return fnp.negative(truncated_normal(key, -upper, -lower, shape, dtype))
+    low_p, high_p = (0.5 * math.erfc(-bound / math.sqrt(2.0)) for bound in (lower, upper))
+    u = uniform(key, shape, "float64", low_p, high_p)
+    # Keep p inside (0, 1) where the quantile is finite; the clip to the bounds catches the rest.
+    p = fnp.clip(u, np.finfo(np.float64).tiny, 1.0 - np.finfo(np.float64).epsneg)
+    return fnp.astype(fnp.clip(_normal_quantile(p), lower, upper), dtype)

@@ -11,6 +11,10 @@ import flowjit as fj
 import flowjit.random as fr
 from flowjit.errors import FlowjitValueError
 
+ARRAY = np.arange(24.0).reshape(4, 6)
+LOGITS = np.log(np.array([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]], np.float32))
+PROBS = np.array([0.1, 0.0, 0.6, 0.3])
+
 
 def draws(seed):
     """Every generator from one seed: compiled once per target and compared bit for bit."""
@@ -31,6 +35,19 @@ def draws(seed):
         "randint32": fr.randint(k3, (6,), 0, 3, "int32"),
         "permutation": fr.permutation(k1, 11),
         "scalar": fr.uniform(k2),
+        "permutation_array": fr.permutation(k2, ARRAY, axis=1),
+        "shuffle": fr.shuffle(k3, ARRAY),
+        "gumbel": fr.gumbel(k1, (3, 4)),
+        "gumbel64": fr.gumbel(k1, (5,), "float64"),
+        "categorical": fr.categorical(k2, LOGITS),
+        "categorical_shape": fr.categorical(k2, LOGITS[0], shape=(6,)),
+        "choice": fr.choice(k3, 10, (2, 3)),
+        "choice_array": fr.choice(k3, ARRAY, (2,), axis=1),
+        "choice_p": fr.choice(k1, 4, (5,), p=PROBS),
+        "choice_no_replace": fr.choice(k2, 12, (7,), replace=False),
+        "choice_no_replace_p": fr.choice(k3, 4, (3,), replace=False, p=PROBS),
+        "truncated_normal": fr.truncated_normal(k1, -1.0, 2.0, (4, 3)),
+        "truncated_normal64": fr.truncated_normal(k2, 0.5, float("inf"), (6,), "float64"),
     }
 
 
@@ -49,8 +66,11 @@ def test_eager_cpu_and_interpreter_are_bit_identical():
                     np.testing.assert_array_equal(a, b, err_msg=f"{name} {target}")
                 continue
             assert got.dtype == np.asarray(value).dtype and got.shape == np.shape(value), (name, target)
-            if name.startswith("normal"):  # log and cos may differ by an ulp between libms; the bits may not
-                np.testing.assert_allclose(got, value, rtol=4 * np.finfo(got.dtype).eps, err_msg=f"{name} {target}")
+            # log, cos and erf may differ by an ulp between libms; the bits may not. Near 0 (Gumbel's
+            # log of a log close to 1, the normal quantile at p = 0.5) that ulp is relative to 1.
+            if name.startswith(("normal", "gumbel", "truncated_normal")):
+                eps = np.finfo(got.dtype).eps
+                np.testing.assert_allclose(got, value, rtol=4 * eps, atol=8 * eps, err_msg=f"{name} {target}")
                 continue
             np.testing.assert_array_equal(got, value, err_msg=f"{name} {target}")
 
@@ -179,3 +199,106 @@ def test_permutation_is_random():
     counts = np.stack([np.bincount(perms[:, i], minlength=8) for i in range(8)])
     assert counts.min() >= 8 and counts.max() <= 45
     assert math.isclose(perms.mean(), 3.5)
+
+
+# --- truncated normal, Gumbel, categorical, choice, shuffle ---------------------------------------------------
+
+
+def normal_pdf(x):
+    return math.exp(-x * x / 2) / math.sqrt(2 * math.pi) if math.isfinite(x) else 0.0
+
+
+def normal_cdf(x):
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))  # erfc: accurate in the lower tail
+
+
+def truncated_moments(a, b):
+    """Mean and variance of a standard normal conditioned on [a, b]."""
+    mass = normal_cdf(b) - normal_cdf(a)
+    mean = (normal_pdf(a) - normal_pdf(b)) / mass
+    fa = a * normal_pdf(a) if math.isfinite(a) else 0.0
+    fb = b * normal_pdf(b) if math.isfinite(b) else 0.0
+    return mean, 1.0 + (fa - fb) / mass - mean * mean
+
+
+def test_normal_quantile_inverts_the_cdf():
+    p = np.concatenate([np.geomspace(1e-12, 0.02, 50), np.linspace(0.02, 0.98, 200)])
+    x = fr._normal_quantile(p)
+    # The quantile's own error, from the CDF's: dx = (cdf(x) - p) / pdf(x).
+    error = np.array([(normal_cdf(v) - q) / normal_pdf(v) for v, q in zip(x, p)])
+    assert (np.abs(error) <= 1.2e-9 * np.abs(x) + 1e-15).all()  # Acklam's bound
+    central = (p > 0.03) & (p < 0.97)
+    assert np.abs(error[central]).max() < 1e-14  # refined by the Halley step
+    tail = np.geomspace(1e-6, 0.02, 20)
+    np.testing.assert_allclose(fr._normal_quantile(1.0 - tail), -fr._normal_quantile(tail), rtol=1e-8)
+
+
+@pytest.mark.parametrize("bounds", [(-2.0, 2.0), (-1.0, 0.5), (1.5, float("inf")), (-float("inf"), -3.0), (4.0, 5.0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_truncated_normal_bounds_and_moments(bounds, dtype):
+    z = fr.truncated_normal(fr.key(23), *bounds, (100_000,), dtype)
+    assert z.dtype == dtype and np.isfinite(z).all()
+    assert z.min() >= bounds[0] and z.max() <= bounds[1]
+    mean, var = truncated_moments(*bounds)
+    assert abs(z.mean() - mean) < 0.01 and abs(z.var() / var - 1.0) < 0.03
+
+
+def test_truncated_normal_rejects_empty_interval():
+    with pytest.raises(FlowjitValueError, match="lower < upper"):
+        fr.truncated_normal(fr.key(0), 1.0, 1.0, (3,))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gumbel_moments(dtype):
+    g = fr.gumbel(fr.key(29), (200_000,), dtype)
+    assert g.dtype == dtype and np.isfinite(g).all()
+    assert abs(g.mean() - 0.5772156649) < 0.01 and abs(g.var() - math.pi**2 / 6) < 0.03
+
+
+def test_categorical_frequencies_follow_softmax():
+    logits = np.array([[0.0, 1.0, 2.0, -np.inf], [3.0, 3.0, 0.0, 0.0]])
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    draws_ = fr.categorical(fr.key(31), logits, shape=(20_000, 2))
+    assert draws_.shape == (20_000, 2) and draws_.dtype == np.int64
+    for row in range(2):
+        counts = np.bincount(draws_[:, row], minlength=4) / 20_000
+        np.testing.assert_allclose(counts, probs[row], atol=0.015)
+    assert (draws_[:, 0] != 3).all()  # probability 0 is never drawn
+    columns = fr.categorical(fr.key(31), logits.T, axis=0, shape=(20_000, 2))
+    assert abs(np.mean(columns[:, 0] == 2) - probs[0, 2]) < 0.015
+
+
+def test_choice_with_and_without_replacement():
+    p = np.array([0.5, 0.0, 0.2, 0.3])
+    weighted = fr.choice(fr.key(37), 4, (30_000,), p=p)
+    np.testing.assert_allclose(np.bincount(weighted, minlength=4) / 30_000, p, atol=0.015)
+    uniform = fr.choice(fr.key(37), 5, (30_000,))
+    np.testing.assert_allclose(np.bincount(uniform, minlength=5) / 30_000, 0.2, atol=0.015)
+
+    def draw(seed):
+        key = fr.key(seed)
+        return fr.choice(key, 9, (2, 3), replace=False), fr.choice(key, 4, (3,), replace=False, p=p)
+
+    without_replacement = fj.jit(draw, target="interpreter")
+    firsts = []
+    for seed in range(2000):
+        picked, weighted = without_replacement(np.int64(seed))
+        assert picked.shape == (2, 3) and len(set(picked.ravel().tolist())) == 6 and picked.max() < 9
+        assert len(set(weighted.tolist())) == 3 and 1 not in weighted.tolist()  # p = 0 is never picked
+        firsts.append(weighted[0])
+    # Without replacement, the first pick follows p.
+    np.testing.assert_allclose(np.bincount(firsts, minlength=4) / 2000, p, atol=0.03)
+    rows = fr.choice(fr.key(1), np.arange(12.0).reshape(6, 2), (4,), replace=False)
+    assert rows.shape == (4, 2) and len({tuple(r) for r in rows.tolist()}) == 4
+    with pytest.raises(FlowjitValueError, match="without replacement"):
+        fr.choice(fr.key(0), 3, (4,), replace=False)
+
+
+def test_shuffle_and_permutation_of_arrays():
+    x = np.arange(30).reshape(10, 3)
+    shuffled = fr.shuffle(fr.key(41), x)
+    assert not np.array_equal(shuffled, x)
+    np.testing.assert_array_equal(np.sort(shuffled[:, 0]), x[:, 0])
+    np.testing.assert_array_equal(shuffled[:, 1:] - shuffled[:, :1], x[:, 1:] - x[:, :1])  # rows stay whole
+    columns = fr.permutation(fr.key(41), x, axis=1)
+    np.testing.assert_array_equal(np.sort(columns, axis=1), x)
