@@ -724,3 +724,52 @@ def test_compiled_programs_match_numpy():
     expected_unique = np.zeros(8, np.float32)
     expected_unique[: min(8, len(uniq))] = uniq[:8]
     np.testing.assert_array_equal(got[3], expected_unique)
+
+
+def test_more_sorting_and_searching():
+    x = np.array([[3, 1, 2, 1], [0, 5, 5, 4]], np.int32)
+    check(lambda a: fnp.partition(a, 2, axis=1)[:, 2], x, ref=lambda a: np.partition(a, 2, axis=1)[:, 2])
+    check(
+        lambda a: fnp.take_along_axis(a, fnp.argpartition(a, 1, axis=0), 0)[1],
+        x,
+        ref=lambda a: np.take_along_axis(a, np.argpartition(a, 1, axis=0), 0)[1],
+    )
+    surnames, names = np.array([2, 1, 2, 0, 1], np.int32), np.array([0.5, 0.1, -1.0, 3.0, 0.1], np.float32)
+    check(lambda a, b: fnp.lexsort((a, b)), surnames, names, ref=lambda a, b: np.lexsort((a, b)).astype(np.int64))
+    bins = np.array([0.0, 1.0, 2.5], np.float32)
+    v = np.array([-1.0, 0.0, 1.0, 2.0, 2.5, 7.0], np.float32)
+    for right in (False, True):
+        check(
+            lambda a, r=right: fnp.digitize(a, bins, r),
+            v,
+            ref=lambda a, r=right: np.digitize(a, bins, r).astype(np.int64),
+        )
+    ints = np.array([1, 4, 1, 0, 4, 4], np.int32)
+    np.testing.assert_array_equal(fnp.bincount(ints, minlength=7), np.bincount(ints, minlength=7))
+    check(lambda a: fnp.bincount(a, length=3), ints, ref=lambda a: np.bincount(a)[:3].astype(np.int64))
+    w = f32(6)
+    check(
+        lambda a: fnp.bincount(a, w, length=7),
+        ints,
+        ref=lambda a: np.bincount(a, w, minlength=7).astype(np.float32),
+        rtol=1e-6,
+    )
+    with pytest.raises(FlowjitError, match="length=N"):
+        jit(fnp.bincount)(ints)
+    check(lambda a: fnp.isin(a, [1, 4]), x, ref=lambda a: np.isin(a, [1, 4]))
+    check(lambda a: fnp.isin(a, np.array([5]), invert=True), x, ref=lambda a: np.isin(a, [5], invert=True))
+
+
+def test_more_shape_functions():
+    a3 = f32(2, 3, 4)
+    for k in (-1, 0, 1, 2, 3, 5):
+        check(lambda a, k=k: fnp.rot90(a, k), X, ref=lambda a, k=k: np.rot90(a, k))
+        check(lambda a, k=k: fnp.rot90(a, k, axes=(2, 0)), a3, ref=lambda a, k=k: np.rot90(a, k, axes=(2, 0)))
+    check(lambda a, b: fnp.broadcast_arrays(a, b), f32(3, 1), f32(4), ref=lambda a, b: np.broadcast_arrays(a, b))
+    check(lambda a: fnp.append(a, a[:1], axis=0), X, ref=lambda a: np.append(a, a[:1], axis=0))
+    check(lambda a: fnp.append(a, np.float32(2.0)), X, ref=lambda a: np.append(a, np.float32(2.0)))
+    check(
+        lambda a: fnp.select([a > 1, a < -1], [a, -a], 0.5), X, ref=lambda a: np.select([a > 1, a < -1], [a, -a], 0.5)
+    )
+    np.testing.assert_allclose(fnp.logspace(0, 2, 3), np.logspace(0, 2, 3), rtol=1e-6)
+    np.testing.assert_allclose(fnp.geomspace(1, 8, 4), np.geomspace(1, 8, 4), rtol=1e-6)

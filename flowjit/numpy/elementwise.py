@@ -522,3 +522,13 @@ def isclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
     if equal_nan:
         out = logical_or(out, logical_and(isnan(a), isnan(b)))
     return out
+
+
+def select(condlist, choicelist, default=0):
+    """numpy.select: elementwise, the choice of the first true condition, else `default`."""
+    if len(condlist) != len(choicelist):
+        raise op_error(FlowjitTypeError, user_location(), "select", "condlist and choicelist need equal lengths")
+    out = default
+    for cond, choice in reversed(list(zip(condlist, choicelist))):
+        out = where(cond, choice, out)
+    return asarray(out)

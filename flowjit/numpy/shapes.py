@@ -92,6 +92,16 @@ def eye(n, m=None, k=0, dtype=None):
     return np.eye(n, m, k, dtype=dt.dtype(dtype or "f32").np_dtype)
 
 
+def logspace(start, stop, num=50, endpoint=True, base=10.0, dtype=None):
+    """numpy.logspace: `base ** linspace(start, stop, num)` (float32 by default)."""
+    return np.logspace(start, stop, num, endpoint=endpoint, base=base).astype(dt.dtype(dtype or "f32").np_dtype)
+
+
+def geomspace(start, stop, num=50, endpoint=True, dtype=None):
+    """numpy.geomspace: a geometric progression from `start` to `stop` (float32 by default)."""
+    return np.geomspace(start, stop, num, endpoint=endpoint).astype(dt.dtype(dtype or "f32").np_dtype)
+
+
 def iota(shape, dimension=0, dtype="i64"):
     """0, 1, 2, ... along `dimension` of a new array of `shape` (as an op, never a big constant)."""
     return bind("iota", [], {"shape": _shape_tuple(shape), "dimension": dimension, "dtype": dt.dtype(dtype)})
@@ -395,6 +405,34 @@ def flip(x, axis=None):
         a = _norm_axis(a, ndim(x), "flip")
         x = take(x, np.arange(shape(x)[a] - 1, -1, -1), axis=a)
     return x
+
+
+def rot90(x, k=1, axes=(0, 1)):
+    """numpy.rot90: rotate by 90 degrees k times in the plane of `axes` (from the first toward the second)."""
+    x = asarray(x)
+    a, b = (_norm_axis(axis, ndim(x), "rot90") for axis in axes)
+    k %= 4
+    if k == 0:
+        return x
+    if k == 2:
+        return flip(flip(x, a), b)
+    perm = list(range(ndim(x)))
+    perm[a], perm[b] = perm[b], perm[a]
+    return transpose(flip(x, b), perm) if k == 1 else flip(transpose(x, perm), b)
+
+
+def broadcast_arrays(*xs):
+    """numpy.broadcast_arrays: every input broadcast to their common shape (a tuple)."""
+    xs = [asarray(x) for x in xs]
+    common = broadcast_shapes(*(shape(x) for x in xs))
+    return tuple(broadcast_to(x, common) for x in xs)
+
+
+def append(x, values, axis=None):
+    """numpy.append: `values` after `x` along `axis` (both flattened when None)."""
+    if axis is None:
+        return concatenate([ravel(x), ravel(values)], axis=0)
+    return concatenate([x, values], axis=axis)
 
 
 def flipud(x):

@@ -37,6 +37,7 @@ from flowjit.numpy.elementwise import (
     where,
 )
 from flowjit.numpy.promotion import _cast_all, _dtype_of, _float_operand, asarray, astype, broadcast_to, result_type
+from flowjit.numpy.reductions import any as _any
 from flowjit.numpy.reductions import cumsum, sum
 from flowjit.numpy.shapes import (
     _norm_axis,
@@ -51,6 +52,7 @@ from flowjit.numpy.shapes import (
     shape,
     size,
     take,
+    take_along_axis,
 )
 
 
@@ -100,6 +102,68 @@ def argsort(x, axis=-1, kind=None, order=None, stable=None):
     if size(x) == 0:
         return positions
     return bind("sort", [x, positions], {"axis": axis})[1]
+
+
+def partition(x, kth, axis=-1):
+    """numpy.partition: element `kth` in its sorted place, smaller ones before, larger after. The
+    result is the full sort along `axis`, which is one valid partition (numpy leaves the order
+    inside each side unspecified)."""
+    return sort(x, axis)
+
+
+def argpartition(x, kth, axis=-1):
+    """numpy.argpartition: the indices of `partition` (the stable argsort, one valid answer)."""
+    return argsort(x, axis)
+
+
+def lexsort(keys, axis=-1):
+    """numpy.lexsort: indices sorting by the last key, ties broken by the one before, and so on
+    (one stable argsort per key, least significant first)."""
+    keys = [asarray(k) for k in keys]
+    if not keys:
+        raise op_error(FlowjitValueError, user_location(), "lexsort", "needs at least one key")
+    order = argsort(keys[0], axis)
+    for key in keys[1:]:
+        order = take_along_axis(order, argsort(take_along_axis(key, order, axis), axis), axis)
+    return order
+
+
+def digitize(x, bins, right=False):
+    """numpy.digitize for increasing `bins`: the index of the bin each x falls in (0 below the
+    first edge, len(bins) above the last)."""
+    return searchsorted(bins, x, side="left" if right else "right")
+
+
+def bincount(x, weights=None, minlength=0, length=None):
+    """numpy.bincount of non-negative ints: how often each value occurs (or the sum of its
+    weights). The result's length is max(x) + 1 (at least `minlength`); under jit pass `length`
+    (as JAX), and values at or past it are dropped."""
+    x = asarray(x)
+    if not _dtype_of(x).is_int and not _dtype_of(x).is_bool:
+        raise op_error(FlowjitValueError, user_location(), "bincount", f"needs integers; found {_dtype_of(x)}")
+    if length is None:
+        if isinstance(x, Tracer) or isinstance(weights, Tracer):
+            raise op_error(
+                FlowjitValueError,
+                user_location(),
+                "bincount",
+                "the result's length depends on the values, which are not known while tracing; pass "
+                "length=N (fnp.bincount(x, length=N)), or call it outside jit",
+            )
+        length = builtins.max(int(np.max(x)) + 1 if np.size(x) else 0, minlength)
+    x = ravel(x)
+    slot = where(logical_and(greater_equal(x, 0), less(x, length)), x, length)
+    w = broadcast_to(np.ones((), np.int64), shape(x)) if weights is None else ravel(_float_operand(weights))
+    totals = scatter_add(broadcast_to(np.zeros((), _dtype_of(w).np_dtype), (length + 1,)), slot, w)
+    return _slice_axis(totals, 0, 0, length)
+
+
+def isin(element, test_elements, invert=False):
+    """numpy.isin: whether each element occurs in `test_elements` (compared against all of them)."""
+    element = asarray(element)
+    tests = ravel(asarray(test_elements))
+    found = _any(equal(reshape(element, (*shape(element), 1)), tests), axis=-1)
+    return logical_not(found) if invert else found
 
 
 def searchsorted(a, v, side="left", sorter=None):
