@@ -1,0 +1,83 @@
+"""Where flowjit's first call of each workload goes: `python benchmarks/compile_time.py [--reps N] [NAME...]`.
+
+For each workload (all by default), N fresh function objects (`FLOWJIT_CACHE=0`) are called once, after
+one warm-up compile in this process (as the suite's first calls are timed after flowjit's start-up).
+Printed per workload, each the minimum over the N first calls:
+- `first`: the first call's wall time (trace + compile + run);
+- the CPU time of this thread in each compile phase: `lower` (flowjit IR -> MLIR text), `mlir`
+  (transform schedule, MLIR pipelines, translation to LLVM IR), `llvm-opt` (llvmlite O3) and
+  `codegen` (MCJIT). CPU time, unlike wall time, hardly moves when other jobs share the cores;
+- `lines`: the size of the optimized LLVM IR, which the two LLVM phases scale with.
+docs/cpu-backend.md ("Compile time") has a run and what it shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["FLOWJIT_CACHE"] = "0"  # a cache hit would skip every phase measured here
+
+import numpy as np
+from harness import Skip
+from workloads import WORKLOADS
+
+import flowjit as fj
+from flowjit.backends.cpu import compiler, toolchain
+
+PHASES = {"lower": (compiler, "generate_mlir"), "mlir": (toolchain, "lower_to_llvm_ir")}
+PHASES.update({"llvm-opt": (toolchain, "optimize"), "codegen": (toolchain, "jit_compile")})
+
+
+def instrument(spent: dict[str, float]) -> None:
+    """Wrap each phase's function so that it adds its thread CPU time to `spent[phase]`."""
+    for phase, (module, name) in PHASES.items():
+        original = getattr(module, name)
+
+        def timed(*args, _original=original, _phase=phase, **kwargs):
+            start = time.thread_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[_phase] = spent.get(_phase, 0.0) + time.thread_time() - start
+
+        setattr(module, name, timed)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="workloads (default: all)")
+    parser.add_argument("--reps", type=int, default=3, help="fresh functions per workload (minimum reported)")
+    args = parser.parse_args(argv)
+    spent: dict[str, float] = {}
+    instrument(spent)
+    fj.jit(lambda x: x * 2)(np.ones(4, np.float32))
+    print(f"{'workload':15s} {'first':>8s} {'lower':>7s} {'mlir':>7s} {'llvm-opt':>8s} {'codegen':>8s} {'lines':>6s}")
+    for workload in WORKLOADS:
+        if args.names and workload.name not in args.names:
+            continue
+        inputs = workload.inputs(np.random.default_rng(0), **workload.sizes["full"])
+        best: dict[str, float] = {}
+        try:
+            for _ in range(args.reps):
+                spent.clear()
+                fn = workload.flowjit()
+                start = time.perf_counter()
+                fn(*inputs)
+                spent["first"] = time.perf_counter() - start
+                for phase, seconds in spent.items():
+                    best[phase] = min(best.get(phase, seconds), seconds)
+        except Skip as e:
+            print(f"{workload.name:15s} skipped: {e}")
+            continue
+        lines = fn.lower(*inputs).as_text("llvm").count("\n")
+        ms = [best.get(p, 0.0) * 1e3 for p in ("first", "lower", "mlir", "llvm-opt", "codegen")]
+        row = f"{ms[0]:8.0f} {ms[1]:7.1f} {ms[2]:7.1f} {ms[3]:8.1f} {ms[4]:8.1f} {lines:6d}"
+        print(f"{workload.name:15s} {row}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
