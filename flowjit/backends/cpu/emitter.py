@@ -121,6 +121,8 @@ class KernelEmitter:
         # n-d tensor -> the 1-D tensor it expands: results are stored through a collapsed view of
         # their buffer, so bufferization writes the 1-D kernel straight into it (no temporary).
         self.flat_views: dict[str, str] = {}
+        # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (lowering.SCRATCH)
+        self.scratch: tuple[str, int] | None = None
 
     def fresh(self, prefix: str = "v") -> str:
         self._counter += 1

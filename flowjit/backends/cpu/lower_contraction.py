@@ -20,7 +20,7 @@ import numpy as np
 from flowjit.backends.cpu import matmul_kernel
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
-from flowjit.backends.cpu.lowering import lowering
+from flowjit.backends.cpu.lowering import SCRATCH, lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import conv_params, dot_dims
@@ -177,22 +177,39 @@ def _dims_of_dot(op: Op):
     return lhs_free, rhs_free, (*sizes, _prod(lhs_contract, ta.shape))
 
 
-def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
-    """dot_general through the tiled kernel (operands as (batch, M, K), (batch, K, N) views), or None
-    when the product is too small or too narrow for it."""
-    result = op.result.type
+def _kernel_shape(op: Op) -> matmul_kernel.MatmulShape | None:
+    """The tiled kernel's view of a dot_general, or None when the product is too small or too
+    narrow for it. B already laid out as (batch, N, K) (`a @ b.T`): the kernel packs it from there;
+    A laid out as (batch, K, M) (`a.T @ b`, weight gradients): the kernel reads its columns. No
+    transpose copies."""
+    lhs_contract, _, lhs_batch, _ = dot_dims(op.attrs)
     _, _, (batch, m, n, k) = _dims_of_dot(op)
     if not matmul_kernel.worth_it(batch, m, n, k):
         return None
-    acc = accumulator_elem(result.dtype)
-    # B already laid out as (batch, N, K) (`a @ b.T`): the kernel packs it from there; A laid out as
-    # (batch, K, M) (`a.T @ b`, weight gradients): the kernel reads its columns. No transpose copies.
+    acc = accumulator_elem(op.result.type.dtype)
     rhs_rows, lhs_cols = _rhs_in_row_order(op), _lhs_in_column_order(op)
-    a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=rhs_rows, lhs_cols=lhs_cols)
-    shape = matmul_kernel.MatmulShape(batch if lead else 0, m, n, k, acc, b_rows=rhs_rows, a_cols=lhs_cols)
+    return matmul_kernel.MatmulShape(batch if lhs_batch else 0, m, n, k, acc, b_rows=rhs_rows, a_cols=lhs_cols)
+
+
+def _dot_general_scratch(op: Op) -> int:
+    shape = _kernel_shape(op)
+    return 0 if shape is None else matmul_kernel.scratch_bytes(shape)
+
+
+SCRATCH["dot_general"] = _dot_general_scratch
+
+
+def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
+    """dot_general through the tiled kernel (operands as (batch, M, K), (batch, K, N) views), or None
+    when the product is too small or too narrow for it."""
+    shape = _kernel_shape(op)
+    if shape is None:
+        return None
+    result = op.result.type
+    a, b, lead = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
     product = matmul_kernel.emit_matmul(em, a, b, shape)
-    product = reshape(em, product, TensorType(lead + (m, n), result.dtype), result.shape, acc)
-    return narrow(em, product, result, acc)
+    product = reshape(em, product, TensorType(lead + (shape.m, shape.n), result.dtype), result.shape, shape.elem)
+    return narrow(em, product, result, shape.elem)
 
 
 def _rhs_in_row_order(op: Op) -> bool:

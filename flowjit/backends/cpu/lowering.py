@@ -8,7 +8,9 @@ then the outputs, then one `i8` workspace buffer. Every flowjit op is one kernel
     result:    bufferization.materialize_in_destination %r in restrict writable %destination
 
 Destinations are the outputs for graph results and otherwise `memref.view`s into the workspace at
-offsets chosen by `plan_workspace` (liveness-based reuse, 64-byte alignment). Kernels stay
+offsets chosen by `plan_workspace` (liveness-based reuse, 64-byte alignment). The workspace ends
+with a scratch area for kernel temporaries (`SCRATCH`: packed matmul panels), sized for the op that
+needs most and shared by all, since kernels run one after another. Kernels stay
 separate on purpose: a later fusion pass groups ops into one kernel by emitting several ops
 between one set of reads and one set of writes.
 
@@ -44,6 +46,9 @@ LOWERINGS: dict[str, Callable[[KernelEmitter, Op, list[str]], list[str]]] = {}
 # Ops lowered on buffers rather than tensors (send/recv call the runtime with pointers): the
 # lowering gets the function's state (`_FunctionLowering`) and writes its results itself.
 BUFFER_LOWERINGS: dict[str, Callable] = {}
+
+# op name -> bytes of temporaries its kernel keeps in the scratch area (`KernelEmitter.scratch`).
+SCRATCH: dict[str, Callable[[Op], int]] = {}
 
 ALIGNMENT = 64
 # Non-splat constants with at most this many elements are inlined in the kernels that use them;
@@ -358,12 +363,18 @@ def lower_graph(graph: Graph, name: str | None = None, late_outputs: frozenset[i
     def needs_slot(v: Value) -> bool:
         return v.type.size > 0 and v not in fl.result_outputs and v.producer.name != "constant" and v not in fl.virtual
 
-    offsets, workspace = plan_workspace(graph, needs_slot)
+    offsets, planned = plan_workspace(graph, needs_slot)
+    planned = _aligned(planned)
+    scratch = _aligned(max((SCRATCH[op.name](op) for op in graph.walk() if op.name in SCRATCH), default=0))
+    workspace = planned + scratch
     ws_type = f"memref<{max(workspace, 1)}xi8>"
     args.append(f"%ws: {ws_type}")
     for value, offset in offsets.items():
         c = em.op(f"arith.constant {offset} : index")
         fl.buffers[value] = em.op(f"memref.view %ws[{c}][] : {ws_type} to {memref_type(value.type)}")
+    if scratch:
+        c = em.op(f"arith.constant {planned} : index")
+        em.scratch = (em.op(f"memref.view %ws[{c}][] : {ws_type} to memref<{scratch}xi8>"), scratch)
 
     for op in graph.ops:
         if op.name != "constant" and not (op.results and all(v in fl.virtual for v in op.results)):

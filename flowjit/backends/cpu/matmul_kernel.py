@@ -98,8 +98,19 @@ PACK_A_MIN_PANELS = 4
 class LoopWriter:
     """Small helpers over KernelEmitter for loop nests with tensor iter_args."""
 
-    def __init__(self, em: KernelEmitter):
+    def __init__(self, em: KernelEmitter, scratch: tuple[str, int] | None = None):
         self.em = em
+        self.scratch = scratch  # (memref<Nxi8>, N) holding this kernel's temporaries, or None: allocate them
+
+    def temporary(self, shape: tuple[int, ...], elem: str, offset: str) -> str:
+        """A tensor for a kernel temporary, at byte `offset` of the scratch area (or newly allocated)."""
+        tensor = f"tensor<{'x'.join(map(str, shape))}x{elem}>"
+        if self.scratch is None:
+            return self.em.op(f"tensor.empty() : {tensor}")
+        memref = f"memref<{'x'.join(map(str, shape))}x{elem}>"
+        area, size = self.scratch
+        view = self.em.op(f"memref.view {area}[{offset}][] : memref<{size}xi8> to {memref}")
+        return self.em.op(f"bufferization.to_tensor {view} restrict writable : {memref} to {tensor}")
 
     def index(self, value: int) -> str:
         # Emitted at each use (canonicalize hoists and merges them): a cached one could sit inside
@@ -157,7 +168,7 @@ def _pack_b(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> s
     packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
     zero = em.op(f"arith.constant {s.zero} : {s.elem}")
     zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
-    packed = em.op(f"tensor.empty() : {packed_type}")
+    packed = w.temporary((s.panels, s.k, nr), s.elem, w.index(0))
     for first, end, states in _panel_ranges(s):
         outer, p, (q,) = w.open_for(w.index(first), w.index(end), w.index(1), [(packed, packed_type)])
         col = w.mul(p, w.index(nr))
@@ -188,7 +199,7 @@ def _pack_b_rows(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None)
     vec, block, packed_block = f"vector<{vl}x{s.elem}>", f"vector<{nr}x{vl}x{s.elem}>", f"vector<{vl}x{nr}x{s.elem}>"
     packed_type = f"tensor<{s.panels}x{s.k}x{nr}x{s.elem}>"
     zero = em.op(f"arith.constant {s.zero} : {s.elem}")
-    packed = em.op(f"tensor.empty() : {packed_type}")
+    packed = w.temporary((s.panels, s.k, nr), s.elem, w.index(0))
     whole_k = s.k // vl * vl
     for first, end, _ in _panel_ranges(s):
         # Rows of the partial last panel at or past N stay zero (that range holds one, static, panel).
@@ -234,14 +245,15 @@ def _row_blocks(
     rows: tuple[str, str, int],
     mr: int,
     batch_index: str | None,
+    thread: str,
 ) -> str:
     """For every panel and every block of `mr` rows in [lo, hi) of `c_tile` (whose row 0 is A's row
     `row0`; `rows` = (lo, hi, the most rows hi - lo can be)): the register-tile product, stored into
-    `c_tile`."""
+    `c_tile`. `thread` numbers the caller's share of the scratch area."""
     lo, hi, _ = rows
     read_a = _a_reader(w, s, a, row0, batch_index)
-    if s.a_cols and mr == MR and s.panels >= PACK_A_MIN_PANELS:
-        read_a = _packed_a_reader(w, s, _pack_a_columns(w, s, a, row0, rows, batch_index), lo)
+    if _packs_a(s) and mr == MR:
+        read_a = _packed_a_reader(w, s, _pack_a_columns(w, s, a, row0, rows, batch_index, thread), lo)
     for first, end, states in _panel_ranges(s):
         c_tile = _panel_loop(w, s, read_a, packed, c_tile, c_type, (lo, hi), mr, (first, end, states))
     return c_tile
@@ -259,16 +271,20 @@ def _a_reader(w: LoopWriter, s: MatmulShape, a: str, row0: str, batch_index: str
     return read
 
 
-def _pack_a_columns(w: LoopWriter, s: MatmulShape, a: str, row0: str, rows, batch_index: str | None) -> tuple[str, str]:
+def _pack_a_columns(
+    w: LoopWriter, s: MatmulShape, a: str, row0: str, rows, batch_index: str | None, thread: str
+) -> tuple[str, str]:
     """Ap[q, k, 0:MR] = A[row0 + lo + q*MR : .. + MR, k] for A given as (K, M) and the whole blocks of
     MR rows in [lo, hi). Read in place, the micro-kernel would touch a new line per k, M elements
     apart (4 KiB for M = 1024: all in the same cache sets); packed, each block is contiguous."""
     em = w.em
     lo, hi, most = rows
     vec = f"vector<{MR}x{s.elem}>"
-    packed_type = f"tensor<{max(most // MR, 1)}x{s.k}x{MR}x{s.elem}>"
+    blocks_most = max(most // MR, 1)
+    packed_type = f"tensor<{blocks_most}x{s.k}x{MR}x{s.elem}>"
     pad = em.op(f"arith.constant {s.zero} : {s.elem}")
-    packed = em.op(f"tensor.empty() : {packed_type}")
+    offset = w.add(w.index(_packed_b_bytes(s)), w.mul(thread, w.index(_packed_a_bytes(s, most))))
+    packed = w.temporary((blocks_most, s.k, MR), s.elem, offset)
     blocks = em.op(f"arith.divsi {em.op(f'arith.subi {hi}, {lo} : index')}, {w.index(MR)} : index")
     first = w.add(row0, lo)
     prefix = [batch_index] if batch_index else []
@@ -340,17 +356,16 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, read_a, packed, c_tile, c_type, r
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
     """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N),
     or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K) with `s.b_rows`."""
-    w = LoopWriter(em)
+    w = LoopWriter(em, em.scratch if em.scratch and em.scratch[1] >= scratch_bytes(s) else None)
     c_type = s.tensor(s.m, s.n)
     result = em.op(f"tensor.empty() : {c_type}")
-    threads = cores()
-    parallel = threads > 1 and s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS and s.m >= 2 * MR * threads
+    threads = _threads(s)
     if s.batch:
         outer, batch_index, (c_all,) = w.open_for(w.index(0), w.index(s.batch), w.index(1), [(result, c_type)])
     else:
         batch_index, c_all = None, result
     operands = (a, _pack_b(w, s, b, batch_index), batch_index)
-    if parallel:
+    if threads > 1:
         c_new = _rows_in_parallel(w, s, operands, c_all, threads)
     else:
         c_new = _rows_serially(w, s, operands, c_all)
@@ -365,7 +380,7 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
     em = w.em
     a, packed, bi = operands
     c_type, tile_type = s.tensor(s.m, s.n), f"tensor<?x{s.n}x{s.elem}>"
-    chunk = _ceil_div(_ceil_div(s.m, threads), MR) * MR
+    chunk = _chunk_rows(s, threads)
     done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
     em.line(f"{done} = scf.forall ({t}) in ({_ceil_div(s.m, chunk)}) shared_outs({shared} = {c_all}) -> ({c_type}) {{")
     em.indent += "  "
@@ -376,9 +391,9 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
     sizes = ", ".join((["1"] if bi else []) + [rows, str(s.n)])
     strides = ", ".join(["1"] * (3 if bi else 2))
     tile = em.op(f"tensor.extract_slice {shared}[{where}] [{sizes}] [{strides}] : {c_type} to {tile_type}")
-    tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (w.index(0), full, chunk), MR, bi)
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (w.index(0), full, chunk), MR, bi, t)
     if s.m % MR:  # chunks are multiples of MR rows, so only a ragged M leaves single rows
-        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (full, rows, chunk), 1, bi)
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (full, rows, chunk), 1, bi, t)
     em.line("scf.forall.in_parallel {")
     em.line(f"  tensor.parallel_insert_slice {tile} into {shared}[{where}] [{sizes}] [{strides}]")
     em.line(f"    : {tile_type} into {c_type}")
@@ -394,17 +409,61 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     a, packed, bi = operands
     c_type, full = s.tensor(s.m, s.n), s.m // MR * MR
     if not bi:
-        tile = _row_blocks(w, s, a, packed, c_all, c_type, w.index(0), (w.index(0), w.index(full), full), MR, None)
+        tile = _row_blocks(
+            w, s, a, packed, c_all, c_type, w.index(0), (w.index(0), w.index(full), full), MR, None, w.index(0)
+        )
         if s.m % MR == 0:
             return tile
-        return _row_blocks(w, s, a, packed, tile, c_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, None)
+        return _row_blocks(
+            w, s, a, packed, tile, c_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, None, w.index(0)
+        )
     tile_type = f"tensor<{s.m}x{s.n}x{s.elem}>"
     where = f"[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1]"
     tile = em.op(f"tensor.extract_slice {c_all}{where} : {c_type} to {tile_type}")
-    tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), (w.index(0), w.index(full), full), MR, bi)
+    tile = _row_blocks(
+        w, s, a, packed, tile, tile_type, w.index(0), (w.index(0), w.index(full), full), MR, bi, w.index(0)
+    )
     if s.m % MR:
-        tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, bi)
+        tile = _row_blocks(
+            w, s, a, packed, tile, tile_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, bi, w.index(0)
+        )
     return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}")
+
+
+def _threads(s: MatmulShape) -> int:
+    """Threads C's rows are split over: all cores for a large enough product, else 1."""
+    threads = cores()
+    parallel = threads > 1 and s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS and s.m >= 2 * MR * threads
+    return threads if parallel else 1
+
+
+def _chunk_rows(s: MatmulShape, threads: int) -> int:
+    """Rows of C per thread: a multiple of MR (all of them on one thread)."""
+    return _ceil_div(_ceil_div(s.m, threads), MR) * MR if threads > 1 else s.m
+
+
+def _packs_a(s: MatmulShape) -> bool:
+    return s.a_cols and s.panels >= PACK_A_MIN_PANELS
+
+
+def _packed_b_bytes(s: MatmulShape) -> int:
+    return _round_up(s.panels * s.k * s.nr * int(s.elem[1:]) // 8, 64)
+
+
+def _packed_a_bytes(s: MatmulShape, most_rows: int) -> int:
+    """One thread's packed A (see `_pack_a_columns`) for up to `most_rows` rows."""
+    return _round_up(max(most_rows // MR, 1) * s.k * MR * int(s.elem[1:]) // 8, 64) if _packs_a(s) else 0
+
+
+def scratch_bytes(s: MatmulShape) -> int:
+    """Bytes of temporaries `emit_matmul` keeps in the function's scratch area (`KernelEmitter.scratch`)
+    when the area is that large, else allocates: the packed B panels (one batch at a time), then each
+    thread's packed A. Per-call allocations this big fragmented glibc's heap (small blocks allocated
+    between calls land in the freed panels), so every call page-faulted fresh memory."""
+    threads = _threads(s)
+    chunk = _chunk_rows(s, threads)
+    most = chunk if threads > 1 else s.m // MR * MR
+    return _packed_b_bytes(s) + threads * _packed_a_bytes(s, most)
 
 
 def multiply_add_vectors(em: KernelEmitter, a: str, b: str, acc: str, vec: str, elem: str) -> str:
@@ -416,6 +475,10 @@ def multiply_add_vectors(em: KernelEmitter, a: str, b: str, acc: str, vec: str, 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
 
 
 def cores() -> int:
