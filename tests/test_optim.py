@@ -2,6 +2,7 @@
 eagerly and inside jitted steps (CPU and interpreter); hyperparameter validation; Variables."""
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -57,6 +58,39 @@ def ref_adam(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False):
     return step
 
 
+def ref_rmsprop(lr, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False):
+    def step(p, g, state, t):
+        square, mean, buffer = state
+        g = g + weight_decay * p
+        square = alpha * square + (1 - alpha) * g * g
+        mean = alpha * mean + (1 - alpha) * g
+        direction = g / (np.sqrt(square - mean * mean if centered else square) + eps)
+        if momentum:
+            buffer = momentum * buffer + direction
+            direction = buffer
+        return p - lr * direction, (square, mean, buffer)
+
+    return step
+
+
+def ref_adagrad(lr, eps=1e-10, weight_decay=0.0):
+    def step(p, g, total, t):
+        g = g + weight_decay * p
+        total = total + g * g
+        return p - lr * g / (np.sqrt(total) + eps), total
+
+    return step
+
+
+def scheduled(rule_for_lr, schedule):
+    """A reference rule whose learning rate at update t (from 1) is schedule(t - 1)."""
+
+    def step(p, g, state, t):
+        return rule_for_lr(schedule(t - 1))(p, g, state, t)
+
+    return step
+
+
 def run_reference(rule, initial_state, params, grads_seq):
     leaves, treedef = tree_flatten(params)
     leaves = [leaf.astype(np.float64) for leaf in leaves]
@@ -76,6 +110,22 @@ def zero_moments(p):
     return (np.zeros_like(p), np.zeros_like(p))
 
 
+def zero_triple(p):
+    return (np.zeros_like(p), np.zeros_like(p), np.zeros_like(p))
+
+
+def half_accumulator(p):
+    return np.full_like(p, 0.5)
+
+
+def ref_cosine(t, init=0.1, steps=4, alpha=0.1):
+    return init * ((1 - alpha) * 0.5 * (1 + np.cos(np.pi * min(t, steps) / steps)) + alpha)
+
+
+def ref_warmup_cosine(t):
+    return 0.05 * t / 2 if t < 2 else 0.001 + (0.05 - 0.001) * 0.5 * (1 + np.cos(np.pi * min(t - 2, 3) / 3))
+
+
 # (optimizer, numpy rule, initial reference state per leaf)
 CASES = {
     "sgd": (optim.SGD(0.1), ref_sgd(0.1), zero_momentum),
@@ -93,6 +143,43 @@ CASES = {
         zero_moments,
     ),
     "adamw": (optim.AdamW(0.01, weight_decay=0.1), ref_adam(0.01, weight_decay=0.1, decoupled=True), zero_moments),
+    "rmsprop": (optim.RMSprop(0.01), ref_rmsprop(0.01), zero_triple),
+    "rmsprop_centered_momentum": (
+        optim.RMSprop(0.02, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.5, centered=True),
+        ref_rmsprop(0.02, 0.9, 1e-6, 0.1, 0.5, True),
+        zero_triple,
+    ),
+    "adagrad": (
+        optim.Adagrad(0.1, eps=1e-8, weight_decay=0.05, initial_accumulator_value=0.5),
+        ref_adagrad(0.1, 1e-8, 0.05),
+        half_accumulator,
+    ),
+    "sgd_step_decay": (
+        optim.SGD(optim.step_decay(0.1, 2, 0.5), momentum=0.9),
+        scheduled(lambda lr: ref_sgd(lr, 0.9), lambda t: 0.1 * 0.5 ** (t // 2)),
+        zero_momentum,
+    ),
+    "sgd_exponential": (
+        optim.SGD(optim.exponential_decay(0.1, 3, 0.5)),
+        scheduled(ref_sgd, lambda t: 0.1 * 0.5 ** (t / 3)),
+        zero_momentum,
+    ),
+    "adam_cosine": (
+        optim.Adam(optim.cosine_decay_schedule(0.1, 4, alpha=0.1)),
+        scheduled(ref_adam, ref_cosine),
+        zero_moments,
+    ),
+    "adamw_warmup_cosine": (
+        optim.AdamW(optim.warmup_cosine_decay_schedule(0.0, 0.05, 2, 5, 0.001), weight_decay=0.1),
+        scheduled(lambda lr: ref_adam(lr, weight_decay=0.1, decoupled=True), ref_warmup_cosine),
+        zero_moments,
+    ),
+    "rmsprop_linear": (
+        optim.RMSprop(optim.linear_schedule(0.02, 0.0, 4)),
+        scheduled(ref_rmsprop, lambda t: 0.02 * max(1 - t / 4, 0.0)),
+        zero_triple,
+    ),
+    "adagrad_constant": (optim.Adagrad(optim.constant_schedule(0.1)), ref_adagrad(0.1), np.zeros_like),
 }
 STEPS = 5
 
@@ -132,7 +219,9 @@ _STEPS = {}
 
 
 @pytest.mark.parametrize("target", [None, "interpreter"])
-@pytest.mark.parametrize("name", ["sgd", "nesterov_wd", "adam", "adamw"])
+@pytest.mark.parametrize(
+    "name", ["sgd", "nesterov_wd", "adam", "adamw", "rmsprop_centered_momentum", "adagrad", "adamw_warmup_cosine"]
+)
 def test_jitted_updates_match_numpy_float32(name, target):
     if (name, target) not in _STEPS:
         _STEPS[name, target] = fj.jit(opt_step(name), target=target)
@@ -286,3 +375,97 @@ def test_apply_to_variables_eager_and_inside_jit():
     np.testing.assert_array_equal(variables["b"][0].numpy(), 1.0)
     with pytest.raises(FlowjitValueError, match="expected 2 values"):
         optim.apply_to_variables(variables, [np.zeros(2)])
+
+
+# --- learning-rate schedules -----------------------------------------------------------------------------------
+
+SCHEDULES = {
+    "constant": (optim.constant_schedule(0.3), lambda t: 0.3),
+    "linear": (optim.linear_schedule(1.0, 0.2, 4), lambda t: 1.0 - 0.8 * min(t, 4) / 4),
+    "exponential": (optim.exponential_decay(2.0, 3, 0.5), lambda t: 2.0 * 0.5 ** (t / 3)),
+    "staircase": (optim.exponential_decay(2.0, 3, 0.5, staircase=True), lambda t: 2.0 * 0.5 ** (t // 3)),
+    "step_decay": (optim.step_decay(0.1, 4), lambda t: 0.1 * 0.1 ** (t // 4)),
+    "cosine": (optim.cosine_decay_schedule(0.1, 4, alpha=0.1), ref_cosine),
+    "warmup_cosine": (optim.warmup_cosine_decay_schedule(0.0, 0.05, 2, 5, 0.001), ref_warmup_cosine),
+}
+
+
+def all_schedules(step):
+    return {name: schedule(step) for name, (schedule, _) in SCHEDULES.items()}
+
+
+def test_schedules_eager_and_jitted_with_a_traced_step():
+    jitted = fj.jit(all_schedules)
+    for t in range(9):
+        eager, traced = all_schedules(t), jitted(np.int64(t))
+        for name, (_, ref) in SCHEDULES.items():
+            np.testing.assert_allclose(float(eager[name]), ref(t), rtol=1e-12, err_msg=f"{name} {t}")
+            assert traced[name].dtype == np.float64
+            np.testing.assert_allclose(traced[name], ref(t), rtol=1e-12, err_msg=f"{name} {t} jit")
+
+
+def test_scheduled_state_counts_steps():
+    opt = optim.SGD(optim.constant_schedule(0.1))
+    state = opt.init({"w": np.zeros(2)})
+    assert int(state["step"]) == 0 and "velocity" not in state
+    params, state = opt.update({"w": np.ones(2)}, state, {"w": np.zeros(2)})
+    assert int(state["step"]) == 1
+    np.testing.assert_allclose(params["w"], -0.1)
+    assert optim.RMSprop().init({"w": np.zeros(2)}).keys() == {"square_avg"}
+    assert optim.RMSprop(optim.constant_schedule(0.1), momentum=0.5, centered=True).init({"w": np.zeros(2)}).keys() == {
+        "step",
+        "square_avg",
+        "grad_avg",
+        "momentum_buffer",
+    }
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: optim.exponential_decay(0.1, 0, 0.5), "decay_steps"),
+        (lambda: optim.cosine_decay_schedule(0.1, 0), "decay_steps"),
+        (lambda: optim.warmup_cosine_decay_schedule(0.0, 0.1, 10, 10), "warmup_steps < decay_steps"),
+        (lambda: optim.RMSprop(alpha=1.0), "alpha"),
+        (lambda: optim.RMSprop(momentum=-0.1), "momentum"),
+        (lambda: optim.Adagrad(eps=-1.0), "eps"),
+        (lambda: optim.Adagrad(initial_accumulator_value=-1.0), "initial_accumulator_value"),
+    ],
+)
+def test_schedule_and_new_optimizer_validation(make, message):
+    with pytest.raises(FlowjitValueError, match=message) as info:
+        make()
+    assert "test_optim.py:" in str(info.value)
+
+
+# --- gradient clipping ---------------------------------------------------------------------------------------
+
+
+def clip_tree(grads):
+    return optim.clip_by_global_norm(grads, 1.5), optim.global_norm(grads)
+
+
+@pytest.mark.parametrize("mode", ["eager", "cpu"])
+@pytest.mark.parametrize("scale", [0.01, 10.0])
+def test_clip_by_global_norm(mode, scale):
+    grads = make_tree(np.random.default_rng(5), np.float32)
+    grads = fj.tree_map(lambda leaf: leaf * np.float32(scale), grads)
+    grads["f64"] = np.array([0.5 * scale, -scale])
+    leaves = [np.asarray(leaf, np.float64) for leaf in tree_flatten(grads)[0]]
+    norm = math.sqrt(sum(float((leaf**2).sum()) for leaf in leaves))
+    clipped, got_norm = (clip_tree if mode == "eager" else fj.jit(clip_tree))(grads)
+    np.testing.assert_allclose(got_norm, norm, rtol=1e-6)
+    assert np.asarray(got_norm).dtype == np.float64  # a float64 leaf makes the norm float64
+    factor = min(1.0, 1.5 / norm)
+    assert (factor < 1.0) == (scale == 10.0)
+    for got, leaf, original in zip(tree_flatten(clipped)[0], leaves, tree_flatten(grads)[0]):
+        assert got.dtype == np.asarray(original).dtype and got.shape == np.shape(original)
+        np.testing.assert_allclose(got, leaf * factor, rtol=1e-6)
+    clipped_leaves = [np.asarray(leaf, np.float64) for leaf in tree_flatten(clipped)[0]]
+    assert math.sqrt(sum(float((leaf**2).sum()) for leaf in clipped_leaves)) <= 1.5 * (1 + 1e-6)
+
+
+def test_clip_by_global_norm_rejects_a_bad_max_norm():
+    with pytest.raises(FlowjitValueError, match="max_norm") as info:
+        optim.clip_by_global_norm({"g": np.ones(2)}, 0.0)
+    assert "test_optim.py:" in str(info.value)
