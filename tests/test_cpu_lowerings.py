@@ -474,6 +474,9 @@ GUARDED_CASES = [
     ("conv2d", [data((2, 3, 9, 8), dt.float32), data((4, 3, 3, 2), dt.float32)], CONV_ATTRS),
     ("argmax", [data((300, 1001), dt.float32)], dict(axis=1, index_dtype="i64")),
     ("dot_general", [data((130, 128), dt.float32), data((128, 141), dt.float32)], MATMUL),
+    ("sort", [data((5, 37), dt.float32)], dict(axis=1)),
+    ("sort", [data((37, 3), dt.int64)], dict(axis=0)),
+    ("sort", [data((3, 70), dt.bool_)], dict(axis=1)),
 ]
 
 
