@@ -463,6 +463,10 @@ def test_data_dependent_functions_eagerly():
     np.testing.assert_array_equal(fnp.flatnonzero(x), np.flatnonzero(x))
     np.testing.assert_array_equal(fnp.argwhere(x), np.argwhere(x))
     np.testing.assert_array_equal(fnp.unique(x), np.unique(x))
+    for g, w in zip(fnp.where(x > 0), np.where(x > 0)):
+        np.testing.assert_array_equal(g, w)
+    for g, w in zip(jit(lambda a: fnp.where(a > 0, size=3))(x), np.where(x > 0)):
+        np.testing.assert_array_equal(g, w[:3])
     values, counts = fnp.unique(np.array([2.0, np.nan, 1.0, np.nan, 2.0], np.float32), return_counts=True)
     np.testing.assert_array_equal(values, [1.0, 2.0, np.nan])
     np.testing.assert_array_equal(counts, [1, 2, 2])

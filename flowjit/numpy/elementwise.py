@@ -224,8 +224,15 @@ def logical_not(x):
     return bind("logical_not", [astype(x, dt.bool_)])
 
 
-def where(condition, x, y):
-    """Elementwise `x if condition else y`, broadcasting all three."""
+def where(condition, x=None, y=None, *, size=None, fill_value=None):
+    """Elementwise `x if condition else y`, broadcasting all three. With the condition alone it is
+    `nonzero(condition)` (numpy's one-argument form; `size`/`fill_value` as there)."""
+    if x is None and y is None:
+        from flowjit.numpy.sorting import nonzero  # sorting builds on this module
+
+        return nonzero(condition, size=size, fill_value=fill_value)
+    if x is None or y is None:
+        raise FlowjitTypeError(f"{user_location()}: where takes the condition alone or with both x and y")
     cond = astype(condition, dt.bool_)
     target = result_type(x, y)
     xs = _cast_all([x, y], target)
