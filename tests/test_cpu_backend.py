@@ -224,6 +224,23 @@ def test_dump_dir_gets_backend_stages(tmp_path, monkeypatch):
         assert any(n.endswith(f"-{stage}.{ext}") for n in names), names
 
 
+def test_stage_texts_are_made_on_demand_and_match_the_dumped_ones(tmp_path, monkeypatch):
+    graph = parse_graph(
+        "func @h(%x: tensor<4096xf32>) -> (tensor<f32>) {\n  %0 = tanh %x : tensor<4096xf32>\n"
+        "  %1 = reduce_sum %0 {axes = [0]} : tensor<f32>\n  return %1 : tensor<f32>\n}\n"
+    )
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    compiled = compile_graph(graph, "cpu")
+    assert sorted(compiled.stages.texts) == ["mlir"]  # the compile itself printed nothing else
+    monkeypatch.setenv("FLOWJIT_DUMP_DIR", str(tmp_path))
+    dumped = compile_graph(graph, "cpu")
+    assert sorted(dumped.stages.texts) == ["asm", "llvm", "mlir", "mlir-llvm"]
+    for stage in ("mlir", "mlir-llvm", "llvm", "asm"):
+        assert compiled.stages[stage] == dumped.stages[stage], stage
+    x = np.linspace(0, 2, 4096, dtype=np.float32)
+    np.testing.assert_allclose(compiled.run([x])[0], np.tanh(x.astype(np.float64)).sum(), rtol=1e-5)
+
+
 def test_missing_lowering_names_op_line_and_target(monkeypatch):
     monkeypatch.delitem(LOWERINGS, "exp")
     graph = parse_graph(
