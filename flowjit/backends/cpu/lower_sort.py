@@ -4,8 +4,9 @@ The operands are viewed as (rows, n) with the sorted axis last (a transpose firs
 last). Each row is sorted by `ceil(log2 n)` merge passes of doubling run widths, any n (no padding
 to a power of two). The passes ping-pong between the result and a scratch row, starting on the
 side that makes the last pass land in the result. A pass is an `scf.for` over pairs of adjacent
-runs; each pair is merged by an `scf.for` over its output positions carrying the two read
-positions (i in the left run, j in the right) and the destination rows of every operand.
+runs; each pair is merged from both ends at once by an `scf.for` carrying the read positions (the
+heads and the tails of both runs) and the destination rows of every operand: two independent
+dependency chains per iteration, which this latency-bound loop needs.
 
 Order: the merge takes from the right run only when its key is strictly smaller, so equal keys
 keep their order (stable). Float keys compare in the total order that puts nans last (`a < b`, or
@@ -212,42 +213,110 @@ class _SortKernel:
         return [f"{outer}#{i}" for i in range(len(dest))] if len(dest) > 1 else [outer]
 
     def _merge(self, source, dest, row_types, lo, mid, hi) -> list[str]:
-        """One `scf.for` over [lo, hi) writing source[lo:mid] merged with source[mid:hi]."""
+        """source[lo:mid] merged with source[mid:hi] into dest[lo:hi], from both ends at once: each
+        iteration writes the next smallest element at the front and the next largest at the back
+        (two independent dependency chains, which the latency-bound loop needs), then an odd
+        length takes one more front step. The merged order is unique (ties: left run first), so the
+        two halves agree."""
         em = self.em
+        half = em.op(f"arith.divui {em.op(f'arith.subi {hi}, {lo} : index')}, {self.index(2)} : index")
+        rows = ", ".join(row_types)
         loop, k = em.fresh(), em.fresh("k")
-        i, j = em.fresh("i"), em.fresh("j")
+        i, j, i_back, j_back = em.fresh("i"), em.fresh("j"), em.fresh("i"), em.fresh("j")
         carried = [em.fresh("d") for _ in dest]
-        init = ", ".join([f"{i} = {lo}", f"{j} = {mid}"] + [f"{c} = {d}" for c, d in zip(carried, dest)])
+        starts = [f"{i} = {lo}", f"{j} = {mid}"]
+        starts += [f"{i_back} = {em.op(f'arith.subi {mid}, {self.index(1)} : index')}"]
+        starts += [f"{j_back} = {em.op(f'arith.subi {hi}, {self.index(1)} : index')}"]
+        init = ", ".join(starts + [f"{c} = {d}" for c, d in zip(carried, dest)])
         em.line(
-            f"{loop}:{2 + len(dest)} = scf.for {k} = {lo} to {hi} step {self.index(1)} iter_args({init}) "
-            f"-> (index, index, {', '.join(row_types)}) {{"
+            f"{loop}:{4 + len(dest)} = scf.for {k} = {self.index(0)} to {half} step {self.index(1)} "
+            f"iter_args({init}) -> (index, index, index, index, {rows}) {{"
         )
         em.indent += "  "
-        last = self.index(self.n - 1)
-        i_read = em.op(f"arith.minsi {i}, {last} : index")  # i == mid == n, j == hi == n: stay inside
-        j_read = em.op(f"arith.minsi {j}, {last} : index")
-        key_elem = self.elems[0]
-        key_i = em.op(f"tensor.extract {source[0]}[{i_read}] : {row_types[0]}")
-        key_j = em.op(f"tensor.extract {source[0]}[{j_read}] : {row_types[0]}")
-        left_done = em.op(f"arith.cmpi sge, {i}, {mid} : index")
-        right_open = em.op(f"arith.cmpi slt, {j}, {hi} : index")
-        b = ScalarBuilder(em, em.indent)
-        smaller = _less(b, key_j, key_i, key_elem, self.key_dtype)
-        em.body.extend(b.lines)
-        prefer_right = em.op(f"arith.ori {left_done}, {smaller} : i1")
-        take_right = em.op(f"arith.andi {right_open}, {prefer_right} : i1")
-        position = em.op(f"arith.select {take_right}, {j_read}, {i_read} : index")
-        updated = []
-        for x, d, t in zip(source, carried, row_types):
-            value = em.op(f"tensor.extract {x}[{position}] : {t}")
-            updated.append(em.op(f"tensor.insert {value} into {d}[{k}] : {t}"))
-        step = em.op(f"arith.index_cast {em.op(f'arith.extui {take_right} : i1 to i64')} : i64 to index")
-        next_j = em.op(f"arith.addi {j}, {step} : index")
-        next_i = em.op(f"arith.addi {i}, {em.op(f'arith.subi {self.index(1)}, {step} : index')} : index")
-        em.line(f"scf.yield {next_i}, {next_j}, {', '.join(updated)} : index, index, {', '.join(row_types)}")
+        front = em.op(f"arith.addi {lo}, {k} : index")
+        next_i, next_j, written = self._front_step(source, carried, row_types, front, i, j, mid, hi)
+        back = em.op(f"arith.subi {em.op(f'arith.subi {hi}, {self.index(1)} : index')}, {k} : index")
+        next_ib, next_jb, written = self._back_step(source, written, row_types, back, i_back, j_back, lo, mid)
+        em.line(
+            f"scf.yield {next_i}, {next_j}, {next_ib}, {next_jb}, {', '.join(written)} : "
+            f"index, index, index, index, {rows}"
+        )
         em.indent = em.indent[:-2]
         em.line("}")
-        return [f"{loop}#{2 + m}" for m in range(len(dest))]
+        # An odd length leaves the middle element: one more front step (a loop of 0 or 1 trips).
+        first_left = em.op(f"arith.addi {lo}, {half} : index")
+        last_left = em.op(f"arith.subi {hi}, {half} : index")
+        tail, position = em.fresh(), em.fresh("k")
+        ti, tj = em.fresh("i"), em.fresh("j")
+        tail_carried = [em.fresh("d") for _ in dest]
+        init = ", ".join(
+            [f"{ti} = {loop}#0", f"{tj} = {loop}#1"] + [f"{c} = {loop}#{4 + m}" for m, c in enumerate(tail_carried)]
+        )
+        em.line(
+            f"{tail}:{2 + len(dest)} = scf.for {position} = {first_left} to {last_left} step {self.index(1)} "
+            f"iter_args({init}) -> (index, index, {rows}) {{"
+        )
+        em.indent += "  "
+        next_i, next_j, written = self._front_step(source, tail_carried, row_types, position, ti, tj, mid, hi)
+        em.line(f"scf.yield {next_i}, {next_j}, {', '.join(written)} : index, index, {rows}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        return [f"{tail}#{2 + m}" for m in range(len(dest))]
+
+    def _pick(self, source, dest, row_types, at, take_b, a_read, b_read) -> list[str]:
+        """dest[at] = source[b_read if take_b else a_read], for every operand."""
+        em = self.em
+        position = em.op(f"arith.select {take_b}, {b_read}, {a_read} : index")
+        written = []
+        for x, d, t in zip(source, dest, row_types):
+            value = em.op(f"tensor.extract {x}[{position}] : {t}")
+            written.append(em.op(f"tensor.insert {value} into {d}[{at}] : {t}"))
+        return written
+
+    def _key_less(self, source, row_type, x_read, y_read) -> str:
+        """key[x_read] < key[y_read] in the sort's order."""
+        em = self.em
+        x = em.op(f"tensor.extract {source[0]}[{x_read}] : {row_type}")
+        y = em.op(f"tensor.extract {source[0]}[{y_read}] : {row_type}")
+        b = ScalarBuilder(em, em.indent)
+        less = _less(b, x, y, self.elems[0], self.key_dtype)
+        em.body.extend(b.lines)
+        return less
+
+    def _step(self, taken: str) -> str:
+        return self.em.op(f"arith.index_cast {self.em.op(f'arith.extui {taken} : i1 to i64')} : i64 to index")
+
+    def _front_step(self, source, dest, row_types, at, i, j, mid, hi):
+        """The smallest remaining element to dest[at]: the right run's head only if strictly
+        smaller than the left's (stable), or if the left run is used up."""
+        em = self.em
+        last = self.index(self.n - 1)
+        i_read = em.op(f"arith.minsi {i}, {last} : index")  # a used-up run's head may be n: stay inside
+        j_read = em.op(f"arith.minsi {j}, {last} : index")
+        left_done = em.op(f"arith.cmpi sge, {i}, {mid} : index")
+        right_open = em.op(f"arith.cmpi slt, {j}, {hi} : index")
+        smaller = self._key_less(source, row_types[0], j_read, i_read)
+        take_right = em.op(f"arith.andi {right_open}, {em.op(f'arith.ori {left_done}, {smaller} : i1')} : i1")
+        written = self._pick(source, dest, row_types, at, take_right, i_read, j_read)
+        step = self._step(take_right)
+        next_i = em.op(f"arith.addi {i}, {em.op(f'arith.subi {self.index(1)}, {step} : index')} : index")
+        return next_i, em.op(f"arith.addi {j}, {step} : index"), written
+
+    def _back_step(self, source, dest, row_types, at, i, j, lo, mid):
+        """The largest remaining element to dest[at]: the left run's tail only if strictly larger
+        than the right's (equal keys: the right one is later), or if the right run is used up."""
+        em = self.em
+        zero = self.index(0)
+        i_read = em.op(f"arith.maxsi {i}, {zero} : index")  # a used-up run's tail may be -1: stay inside
+        j_read = em.op(f"arith.maxsi {j}, {zero} : index")
+        right_done = em.op(f"arith.cmpi slt, {j}, {mid} : index")
+        left_open = em.op(f"arith.cmpi sge, {i}, {lo} : index")
+        larger = self._key_less(source, row_types[0], j_read, i_read)
+        take_left = em.op(f"arith.andi {left_open}, {em.op(f'arith.ori {right_done}, {larger} : i1')} : i1")
+        written = self._pick(source, dest, row_types, at, take_left, j_read, i_read)
+        step = self._step(take_left)
+        next_j = em.op(f"arith.subi {j}, {em.op(f'arith.subi {self.index(1)}, {step} : index')} : index")
+        return em.op(f"arith.subi {i}, {step} : index"), next_j, written
 
 
 def _less(b: ScalarBuilder, x: str, y: str, elem: str, dtype: dt.DType) -> str:
