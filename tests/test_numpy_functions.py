@@ -777,3 +777,17 @@ def test_more_shape_functions():
     )
     np.testing.assert_allclose(fnp.logspace(0, 2, 3), np.logspace(0, 2, 3), rtol=1e-6)
     np.testing.assert_allclose(fnp.geomspace(1, 8, 4), np.geomspace(1, 8, 4), rtol=1e-6)
+
+
+def test_long_cumsum_is_a_scan():
+    x = f32(2, 300)
+    check(
+        lambda a: fnp.cumsum(a, axis=1),
+        x,
+        ref=lambda a: np.cumsum(a.astype(np.float64), axis=1).astype(np.float32),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    check(lambda a: fnp.cumsum(a > 0), x, ref=lambda a: np.cumsum(a > 0).astype(np.int64))
+    lowered = fj.jit(lambda a: fnp.cumsum(a, axis=1)).lower(x)
+    assert "dot_general" not in lowered.as_text("traced")  # no 300x300 triangular constant

@@ -167,8 +167,14 @@ def _logical_reduction(op, x, axis, keepdims):
     return _keep(x, greater(bind(op, [x], {"axes": axes}), 0), axes, keepdims)
 
 
+# Up to this length cumsum is a matmul with a triangular constant (n^2 elements: fast and small);
+# longer axes take the log-step scan, whose work is n log n and which needs no constant.
+CUMSUM_MATMUL_MAX = 128
+
+
 def cumsum(x, axis=None):
-    """Inclusive prefix sum, computed as a matmul with a triangular constant (O(n^2) per axis)."""
+    """Inclusive prefix sum: a matmul with a triangular constant for short axes, else the
+    log-step scan of `cumprod`."""
     x = asarray(x)
     if _dtype_of(x).is_bool:
         x = astype(x, dt.int64)  # as numpy's sum of bools
@@ -176,6 +182,8 @@ def cumsum(x, axis=None):
         x, axis = ravel(x), 0
     axis = _norm_axis(axis, ndim(x), "cumsum")
     n = shape(x)[axis]
+    if n > CUMSUM_MATMUL_MAX:
+        return _scan(x, axis, add, 0)
     tri = np.triu(np.ones((n, n), _dtype_of(x).np_dtype))
     moved = moveaxis(x, axis, -1)
     from flowjit.numpy.linalg import matmul  # linalg builds on this module
@@ -184,20 +192,23 @@ def cumsum(x, axis=None):
 
 
 def cumprod(x, axis=None):
-    """Inclusive prefix product: log2(n) steps of multiplying by a shifted copy (Hillis-Steele),
-    exact for integers and zeros (no logarithms)."""
+    """Inclusive prefix product by the log-step scan: exact for integers and zeros (no logarithms)."""
     x = asarray(x)
     if _dtype_of(x).is_bool:
         x = astype(x, dt.int64)
     if axis is None:
         x, axis = ravel(x), 0
-    axis = _norm_axis(axis, ndim(x), "cumprod")
+    return _scan(x, _norm_axis(axis, ndim(x), "cumprod"), multiply, 1)
+
+
+def _scan(x, axis: int, combine, identity):
+    """Inclusive scan along `axis` in ceil(log2 n) steps (Hillis-Steele): combine x with a copy
+    shifted by 1, 2, 4, ... elements, the vacated front filled with `identity`."""
     n, step = shape(x)[axis], 1
     while step < n:
         widths = [(0, 0)] * ndim(x)
         widths[axis] = (step, 0)
-        shifted = pad(_slice_axis(x, axis, 0, n - step), widths, constant_values=1)
-        x = multiply(x, shifted)
+        x = combine(x, pad(_slice_axis(x, axis, 0, n - step), widths, constant_values=identity))
         step *= 2
     return x
 
