@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from flowjit.errors import CompileError
 from flowjit.passes import dump
 
-# The transform schedule ends with a function-wide canonicalization and hoists the vector
-# accumulators out of the reduction loops it marked (`emitter.HOIST_MARK`): the
+# Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
+# The transform schedule before them ends with a function-wide canonicalization and hoists the
+# vector accumulators out of the reduction loops it marked (`emitter.HOIST_MARK`): the
 # `loop-invariant-subset-hoisting` pass over every loop cost a third of the MLIR pipelines' time
 # in a training step (its packed matmul loops hold many subsets). No `cse` before bufferization:
 # it merges the `tensor.empty`s of different kernels (e.g. two reductions' partial accumulators),
 # and the shared buffer then costs copies on every iteration.
-# Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
 # `linalg-fuse-elementwise-ops` first folds the i8 <-> i1 conversions of bool tensors into their
 # neighbours: an i1 tensor that stays materialized between two kernels would be a memref<..xi1>,
 # whose loads and stores MLIR 22's MemRefToLLVM rejects (assertion on sub-byte element types).
