@@ -344,6 +344,7 @@ _GAMMA, _BETA = RNG.uniform(0.5, 2, 2600).astype(np.float32), RNG.standard_norma
         (_softmax, (_ROWS_3D,)),
         (_log_softmax, (_ROWS,)),
         (_logsumexp, (_ROWS_3D,)),
+        (lambda x: nn.logsumexp(x, axis=-1, keepdims=True), (RNG.standard_normal((5, 6, 7, 76)).astype(np.float32),)),
         (_layer_norm, (_ROWS_3D,)),
         (_layer_norm_affine, (_ROWS, _GAMMA, _BETA)),
         (_softmax_and_logsumexp, (_ROWS,)),
@@ -358,6 +359,7 @@ _GAMMA, _BETA = RNG.uniform(0.5, 2, 2600).astype(np.float32), RNG.standard_norma
         "softmax_3d",
         "log_softmax",
         "logsumexp_3d",
+        "logsumexp_keepdims_4d",  # one reduction, but whole-tensor kernels would run it unvectorized
         "layer_norm_3d",
         "layer_norm_affine",
         "two_outputs",

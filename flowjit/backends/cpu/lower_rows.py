@@ -24,7 +24,9 @@ Algorithm:
    outside (parameters, other members, non-splat constants) becomes a nest input of the kind it is
    read as (splat constants are copied in). Members outside the nest are lowered before it (what
    the nest reads) or after it (what reads the nest) by the whole-tensor lowering.
-3. The nest is worth it when it saves sweeps: two reductions or more, or a full-sized output.
+3. The nest is worth it when it saves sweeps (two reductions or more, or a full-sized output),
+   or above two dimensions, where a whole-tensor reduction that reads a broadcast is a plain,
+   unvectorized loop.
 4. The body is rebuilt on tile shapes (`tile_graph`) and lowered by the caller's whole-tensor
    lowering (same scalar code, same schedules per kernel, hence the same summation order as the
    unfused reductions) inside `scf.forall` (or `scf.for` below the parallel threshold) over the
@@ -200,7 +202,7 @@ def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
     if length * widest > MAX_ROW_BYTES:
         return f"rows of {length * widest} bytes (above {MAX_ROW_BYTES})"
     sweeps = sum(op.name in _REDUCE_KINDS for op in members) + any(kind_of[v] == FULL for v in outputs)
-    if sweeps < 2:
+    if sweeps < 2 and len(lead) + len(row) <= 2:  # above 2-d, whole-tensor kernels may not vectorize
         return "one sweep already"
     parallel = rows * length >= schedule.PARALLEL_MIN_ELEMENTS and schedule.threads() > 1
     tile = _tile_rows(rows, length * widest, schedule.threads() if parallel else 1)
