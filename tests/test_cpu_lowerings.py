@@ -284,6 +284,29 @@ def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype):
 
 
 @pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "rhs_rows"),
+    [
+        (64, 256, 128, dt.float32, False),
+        (70, 300, 100, dt.float32, False),  # ragged M and a partial last panel (on the calling thread)
+        (37, 520, 120, dt.float32, True),  # B as (N, K), packed from its rows panel by panel
+        (40, 200, 300, dt.float64, False),
+        (48, 170, 260, dt.int32, True),
+        (33, 280, 230, dt.float16, False),
+    ],
+)
+def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows):
+    """Products with two or more panels per core split C's columns: each thread packs each of its
+    panels into its own buffer just before using it (no serial packing of all of B)."""
+    dims = MATMUL | (dict(rhs_contract=(1,)) if rhs_rows else {})
+    mlir = check("dot_general", [data((m, k), dtype, 1), data((n, k) if rhs_rows else (k, n), dtype, 2)], dims)
+    lanes = matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)
+    threads = matmul_kernel.cores()
+    splits = threads > 1 and n // (2 * lanes) >= 2 * threads and m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS
+    assert (f"tensor<1x{k}x{2 * lanes}x" in mlir) == splits
+    assert ("scf.forall" in mlir) == splits
+
+
+@pytest.mark.parametrize(
     ("lead", "m", "n", "k", "dtype"),
     [
         ((), 70, 150, 45, dt.float32),  # 5 panels: A packed by blocks of 8 columns, 6 single rows
