@@ -48,6 +48,8 @@ LOWERINGS: dict[str, Callable[[KernelEmitter, Op, list[str]], list[str]]] = {}
 BUFFER_LOWERINGS: dict[str, Callable] = {}
 
 # op name -> bytes of temporaries its kernel keeps in the scratch area (`KernelEmitter.scratch`).
+# The area is shared because kernels run one after another: code that lowers ops inside a parallel
+# loop (several kernels of one op at once) must not let them use it.
 SCRATCH: dict[str, Callable[[Op], int]] = {}
 
 ALIGNMENT = 64
