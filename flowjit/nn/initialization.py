@@ -49,22 +49,27 @@ class initializers:  # noqa: N801  (a namespace, as `jax.nn.initializers`)
 
     @staticmethod
     def zeros(key, shape, dtype="float32"):
+        """All zeros (the key is unused)."""
         return fnp.zeros(shape, dtype)
 
     @staticmethod
     def ones(key, shape, dtype="float32"):
+        """All ones (the key is unused)."""
         return fnp.ones(shape, dtype)
 
     @staticmethod
     def constant(value: float):
+        """All `value`."""
         return lambda key, shape, dtype="float32": fnp.full(shape, value, dtype)
 
     @staticmethod
     def normal(stddev: float = 0.01):
+        """Normal draws with standard deviation `stddev`."""
         return lambda key, shape, dtype="float32": random.normal(key, shape, dtype, stddev=stddev)
 
     @staticmethod
     def uniform(scale: float = 0.01):
+        """Uniform draws in [-scale, scale)."""
         return lambda key, shape, dtype="float32": random.uniform(key, shape, dtype, -scale, scale)
 
     @staticmethod
@@ -104,6 +109,7 @@ class initializers:  # noqa: N801  (a namespace, as `jax.nn.initializers`)
 
     @staticmethod
     def glorot_uniform(key, shape, dtype="float32"):
+        """Uniform in +-sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio; alias xavier_uniform)."""
         fan_in, fan_out = _fans(tuple(shape))
         limit = math.sqrt(6.0 / (fan_in + fan_out))
         return random.uniform(key, shape, dtype, -limit, limit)
@@ -112,6 +118,7 @@ class initializers:  # noqa: N801  (a namespace, as `jax.nn.initializers`)
 
     @staticmethod
     def glorot_normal(key, shape, dtype="float32"):
+        """Normal with variance 2 / (fan_in + fan_out) (alias xavier_normal)."""
         fan_in, fan_out = _fans(tuple(shape))
         return random.normal(key, shape, dtype, stddev=math.sqrt(2.0 / (fan_in + fan_out)))
 
@@ -119,6 +126,7 @@ class initializers:  # noqa: N801  (a namespace, as `jax.nn.initializers`)
 
     @staticmethod
     def he_normal(key, shape, dtype="float32"):
+        """Normal with variance 2 / fan_in (He et al.; alias kaiming_normal, as PyTorch's default gain)."""
         fan_in, _ = _fans(tuple(shape))
         return random.normal(key, shape, dtype, stddev=math.sqrt(2.0 / fan_in))
 
@@ -126,6 +134,7 @@ class initializers:  # noqa: N801  (a namespace, as `jax.nn.initializers`)
 
     @staticmethod
     def he_uniform(key, shape, dtype="float32"):
+        """Uniform in +-sqrt(6 / fan_in), variance 2 / fan_in (alias kaiming_uniform)."""
         fan_in, _ = _fans(tuple(shape))
         limit = math.sqrt(6.0 / fan_in)
         return random.uniform(key, shape, dtype, -limit, limit)
@@ -134,11 +143,13 @@ class initializers:  # noqa: N801  (a namespace, as `jax.nn.initializers`)
 
     @staticmethod
     def lecun_normal(key, shape, dtype="float32"):
+        """Normal with variance 1 / fan_in."""
         fan_in, _ = _fans(tuple(shape))
         return random.normal(key, shape, dtype, stddev=math.sqrt(1.0 / fan_in))
 
     @staticmethod
     def lecun_uniform(key, shape, dtype="float32"):
+        """Uniform in +-sqrt(3 / fan_in), variance 1 / fan_in."""
         fan_in, _ = _fans(tuple(shape))
         limit = math.sqrt(3.0 / fan_in)
         return random.uniform(key, shape, dtype, -limit, limit)
