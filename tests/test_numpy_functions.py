@@ -791,3 +791,21 @@ def test_long_cumsum_is_a_scan():
     check(lambda a: fnp.cumsum(a > 0), x, ref=lambda a: np.cumsum(a > 0).astype(np.int64))
     lowered = fj.jit(lambda a: fnp.cumsum(a, axis=1)).lower(x)
     assert "dot_general" not in lowered.as_text("traced")  # no 300x300 triangular constant
+
+
+def test_gcd_lcm():
+    a = np.array([[12, -18, 0, 7, 0, 1 << 40]], np.int64)
+    b = np.array([[8], [27]], np.int64)
+    check(fnp.gcd, a, b, ref=np.gcd)
+    check(fnp.lcm, a, b, ref=np.lcm)
+    check(lambda x: fnp.gcd(x, 6), i32(5), ref=lambda x: np.gcd(x, 6).astype(np.int32))
+    np.testing.assert_array_equal(fj.jit(fnp.gcd)(a, b), np.gcd(a, b))  # compiled: one while loop
+    with pytest.raises(FlowjitError, match="integer"):
+        fnp.gcd(X, 2)
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_nancumsum_nancumprod(axis):
+    x = with_nans(3, 4)
+    check(lambda a: fnp.nancumsum(a, axis), x, ref=lambda a: np.nancumsum(a, axis), rtol=1e-5, atol=1e-5)
+    check(lambda a: fnp.nancumprod(a, axis), x, ref=lambda a: np.nancumprod(a, axis), rtol=1e-5, atol=1e-5)

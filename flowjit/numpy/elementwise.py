@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, op_error
+from flowjit.frontend.control_flow import while_loop
 from flowjit.frontend.trace import Tracer, bind
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
@@ -539,3 +540,32 @@ def select(condlist, choicelist, default=0):
     for cond, choice in reversed(list(zip(condlist, choicelist))):
         out = where(cond, choice, out)
     return asarray(out)
+
+
+def gcd(x1, x2):
+    """numpy.gcd of integers: Euclid's algorithm, one `while` loop over the whole array (until every
+    remainder is 0; reductions build on this module, hence the local import)."""
+    from flowjit.numpy.reductions import any  # noqa: A004 (numpy's name)
+
+    target = result_type(x1, x2)
+    if not target.is_int:
+        raise op_error(FlowjitTypeError, user_location(), "gcd", f"needs integer operands; found {target}")
+    a, b = _cast_all([x1, x2], target)
+    shape = broadcast_shapes(
+        np.shape(a) if not isinstance(a, Tracer) else a.shape, np.shape(b) if not isinstance(b, Tracer) else b.shape
+    )
+    a, b = broadcast_to(abs(a), shape), broadcast_to(abs(b), shape)
+
+    def step(pair):
+        a, b = pair
+        done = equal(b, 0)
+        return where(done, a, b), where(done, b, remainder(a, where(done, 1, b)))
+
+    return while_loop(lambda pair: any(not_equal(pair[1], 0)), step, (a, b))[0]
+
+
+def lcm(x1, x2):
+    """numpy.lcm of integers: |x1 / gcd * x2| (0 when either is 0)."""
+    g = gcd(x1, x2)
+    a, b = _cast_all([x1, x2], _dtype_of(g))
+    return where(equal(g, 0), g, abs(multiply(floor_divide(a, where(equal(g, 0), 1, g)), b)))

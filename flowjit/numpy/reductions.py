@@ -258,6 +258,18 @@ nansum = _nan_reduction("nansum", sum, 0)
 nanprod = _nan_reduction("nanprod", prod, 1)
 
 
+def nancumsum(x, axis=None):
+    """numpy.nancumsum: cumsum with nans counted as 0."""
+    x = asarray(x)
+    return cumsum(_where(isnan(x), np.zeros((), _dtype_of(x).np_dtype), x) if _dtype_of(x).is_float else x, axis)
+
+
+def nancumprod(x, axis=None):
+    """numpy.nancumprod: cumprod with nans counted as 1."""
+    x = asarray(x)
+    return cumprod(_where(isnan(x), np.ones((), _dtype_of(x).np_dtype), x) if _dtype_of(x).is_float else x, axis)
+
+
 def _nan_extreme(name, reduce, fill):
     def fn(x, axis=None, keepdims=False):
         x = asarray(x)
