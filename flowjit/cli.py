@@ -193,6 +193,7 @@ def _jit_with_statics(fn, static_names: tuple[str, ...]) -> flowjit.Jitted:
         device=fn.device,
         donate_argnums=fn.donate_argnums,
         target=fn.target,
+        donate_argnames=fn.donate_argnames,
     )
 
 

@@ -17,10 +17,19 @@ class Executable:
     backend: str = ""
     stages: dict[str, str]
     fresh_outputs: bool = False  # True: results are always new arrays, never an argument passed through
+    # Donation: output index -> input index. The call may write that output into the input's buffer
+    # (`run(..., outputs={j: buffer})`); the backend then reads the input completely first.
+    aliases: dict[int, int] = {}
 
-    def run(self, args: Sequence[np.ndarray], variables: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        args: Sequence[np.ndarray],
+        variables: dict[str, np.ndarray] | None = None,
+        outputs: dict[int, np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
         """Run on host arrays; `variables` maps each variable name the graph uses to its live buffer,
-        which the call reads and updates in place."""
+        which the call reads and updates in place. `outputs` maps output indices in `aliases` to
+        donated buffers to write them into (backends without donation return fresh arrays)."""
         raise NotImplementedError
 
     def run_trusted(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -43,30 +52,39 @@ class Executable:
         return call
 
 
-def _compile_interpreter(graph: Graph, options) -> Executable:
+def _compile_interpreter(graph: Graph, options, aliases: dict[int, int]) -> Executable:
     from flowjit.backends.interpreter import InterpreterExecutable
 
-    return InterpreterExecutable(graph)
+    return InterpreterExecutable(graph)  # results are fresh arrays: donation has nothing to save
 
 
-def _compile_cpu(graph: Graph, options) -> Executable:
-    from flowjit.backends.cpu.compiler import compile_cpu
+def _compile_cpu(graph: Graph, options, aliases: dict[int, int]) -> Executable:
+    from dataclasses import replace
 
-    return compile_cpu(graph, options)
+    from flowjit.backends.cpu.compiler import CompileOptions, compile_cpu
+
+    if aliases:  # donated outputs are written last, after every read of the inputs they alias
+        options = options or CompileOptions()
+        options = replace(options, late_outputs=tuple(sorted({*options.late_outputs, *aliases})))
+    executable = compile_cpu(graph, options)
+    executable.aliases = dict(aliases)
+    return executable
 
 
-BACKENDS: dict[str, Callable[[Graph, object], Executable]] = {
+BACKENDS: dict[str, Callable[[Graph, object, dict[int, int]], Executable]] = {
     "interpreter": _compile_interpreter,
     "cpu": _compile_cpu,
 }
 
 
-def compile_graph(graph: Graph, target: str = "cpu", options=None) -> Executable:
-    """Compile `graph` for `target` ('cpu', 'interpreter')."""
+def compile_graph(graph: Graph, target: str = "cpu", options=None, aliases: dict[int, int] | None = None) -> Executable:
+    """Compile `graph` for `target` ('cpu', 'interpreter'). `aliases` (output index -> input index of
+    the same type) are the outputs callers may have written into donated inputs' buffers; the
+    executable's `aliases` says which ones the backend honors."""
     compile_fn = BACKENDS.get(target)
     if compile_fn is None:
         raise FlowjitValueError(f"unknown target '{target}'; available: {', '.join(sorted(BACKENDS))}")
-    return compile_fn(graph, options)
+    return compile_fn(graph, options, dict(aliases or {}))
 
 
 def default_target() -> str:

@@ -15,5 +15,5 @@ class InterpreterExecutable(Executable):
         self.graph = graph
         self.stages = {}
 
-    def run(self, args, variables=None):
+    def run(self, args, variables=None, outputs=None):
         return interpret(self.graph, args, RunContext(variables or {}))

@@ -294,7 +294,16 @@ class Jitted:
     of the compiled code: after replacing them on the same object, call `clear_cache()`.
     """
 
-    def __init__(self, fun, static_argnums=(), static_argnames=(), device=None, donate_argnums=(), target=None):
+    def __init__(
+        self,
+        fun,
+        static_argnums=(),
+        static_argnames=(),
+        device=None,
+        donate_argnums=(),
+        target=None,
+        donate_argnames=(),
+    ):
         if not callable(fun):
             raise FlowjitTypeError(f"{user_location()}: jit expects a function; found {type(fun).__name__}")
         functools.update_wrapper(self, fun)
@@ -308,6 +317,7 @@ class Jitted:
         self.static_argnames = _as_tuple(static_argnames)
         self.device = device
         self.donate_argnums = _as_tuple(donate_argnums)
+        self.donate_argnames = _as_tuple(donate_argnames)
         self.target = target
         self._cache: dict[Signature, Compiled] = {}
         self._fast_calls: dict[tuple, Callable] = {}  # _array_key -> that signature's Compiled.call_arrays
@@ -327,7 +337,36 @@ class Jitted:
                     f"{user_location()}: static_argnames '{name}' is not a parameter of {self.name}{self.signature}"
                 )
         self._static_names = {params[i].name for i in self.static_argnums} | set(self.static_argnames)
+        self._donated_names = self._check_donation(params)
         self._self_name = params[0].name if params else None
+
+    def _check_donation(self, params) -> frozenset[str]:
+        """The names of the donated parameters (donate_argnums and donate_argnames)."""
+        names = set()
+        for i in self.donate_argnums:
+            if not isinstance(i, int) or not -len(params) <= i < len(params):
+                raise FlowjitValueError(
+                    f"{user_location()}: donate_argnums {i!r} is out of range for {self.name}{self.signature}"
+                )
+            names.add(params[i].name)
+        for name in self.donate_argnames:
+            if name not in self.signature.parameters:
+                raise FlowjitValueError(
+                    f"{user_location()}: donate_argnames '{name}' is not a parameter of {self.name}{self.signature}"
+                )
+            names.add(name)
+        if names & self._static_names:
+            raise FlowjitValueError(
+                f"{user_location()}: argument(s) {', '.join(sorted(names & self._static_names))} of {self.name} are "
+                "both static and donated; only array arguments can be donated"
+            )
+        return frozenset(names)
+
+    def _donated_leaves(self, paths) -> tuple[int, ...]:
+        """Indices of the dynamic leaves that belong to donated arguments (a path starts with its name)."""
+        if not self._donated_names:
+            return ()
+        return tuple(i for i, path in enumerate(paths) if re.match(r"\w+", path).group(0) in self._donated_names)
 
     def __repr__(self) -> str:
         return f"<flowjit.jit {getattr(self.fun, '__qualname__', self.name)}>"
@@ -436,7 +475,8 @@ class Jitted:
             self._log_compile(sig, paths, for_lower=True)
             graph, out_tree, variables = self._trace(sig, bound, paths)
         binder = functools.partial(self._signature_of, bound_self=bound_self)
-        return Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder, variables)
+        target = self.target or default_target()
+        return Lowered(graph, sig, out_tree, paths, target, binder, variables, self._donated_leaves(paths))
 
     def _call(self, args, kwargs, bound_self: bool):
         if current_trace() is not None:
@@ -451,7 +491,9 @@ class Jitted:
                     self._log_compile(sig, paths)
                     graph, out_tree, variables = self._trace(sig, bound, paths)
                     binder = functools.partial(self._signature_of, bound_self=bound_self)
-                    lowered = Lowered(graph, sig, out_tree, paths, self.target or default_target(), binder, variables)
+                    target = self.target or default_target()
+                    donated = self._donated_leaves(paths)
+                    lowered = Lowered(graph, sig, out_tree, paths, target, binder, variables, donated)
                     compiled = lowered.compile()
                     self._cache[sig] = compiled
                     self._last = sig
@@ -542,9 +584,18 @@ class Lowered:
     """A traced function for one signature: its stages, and `compile()`."""
 
     def __init__(
-        self, graph: Graph, sig: Signature, out_tree: TreeDef, paths, target: str, binder: Binder, variables=None
+        self,
+        graph: Graph,
+        sig: Signature,
+        out_tree: TreeDef,
+        paths,
+        target: str,
+        binder: Binder,
+        variables=None,
+        donated: tuple[int, ...] = (),
     ):
         self.signature = sig
+        self.donated = donated  # indices of the dynamic leaves whose buffers the caller donated
         self.variables = dict(variables or {})  # name -> Variable the function reads or updates
         self.out_tree = out_tree
         self.paths = list(paths)
@@ -584,8 +635,26 @@ class Lowered:
             if len(graph_devices(placed)) > 1:
                 self._executable = PartitionedExecutable(split_partitions(placed), self.target)
             else:  # one device: the optimized graph as is
-                self._executable = compile_graph(self.graph("optimized"), self.target)
+                graph = self.graph("optimized")
+                self._executable = compile_graph(graph, self.target, aliases=self._aliases(graph))
         return self._executable
+
+    def _aliases(self, graph: Graph) -> dict[int, int]:
+        """Donation: each donated input leaf pairs with the first unpaired result of its type that an
+        op computes. Output index -> input index. An input also returned as is is not donated: that
+        result is copied from it at the end of the call, after the donated results are written."""
+        inputs = [i for i, aval in enumerate(self.signature.avals) if not isinstance(aval, VariableArg)]
+        returned = {graph.params.index(v) for v in graph.results if v in graph.params}
+        aliases: dict[int, int] = {}
+        for leaf in self.donated:
+            if leaf not in inputs or inputs.index(leaf) in returned:
+                continue  # a Variable argument is updated in place anyway
+            for j, value in enumerate(graph.results):
+                computed = value.producer is not None and value.producer.name != "constant"
+                if j not in aliases and computed and value.type == self.signature.avals[leaf]:
+                    aliases[j] = inputs.index(leaf)
+                    break
+        return aliases
 
     @user_errors
     def as_text(self, stage: str = "optimized") -> str:
@@ -669,11 +738,12 @@ class Compiled:
         self.name = name
         self._binder = binder
         self._fresh_outputs = executable.fresh_outputs
+        self._aliases = executable.aliases
         self._build_output = _output_builder(out_tree)
         # The call fast path: `call_arrays(args)` for numpy arrays of exactly the signature's shapes
         # and dtypes (the jitted function's array-key cache vouches for that): no conversion or
         # re-check, and for one result no Python frame between the jitted function and the backend.
-        if self.variables:
+        if self.variables or self._aliases:
             self.call_arrays = self.call_leaves
         elif out_tree.kind == "leaf":
             self.call_arrays = executable.caller(single_output=True)
@@ -688,22 +758,33 @@ class Compiled:
             for leaf, aval in zip(leaves, self.signature.avals)
             if not isinstance(aval, VariableArg)
         ]
+        donated = self._donated_buffers(arrays) if self._aliases else None
         if self.variables:
-            outs = self._run_with_variables(arrays)
+            outs = self._run_with_variables(arrays, donated)
         else:
-            outs = self.executable.run(arrays)
+            outs = self.executable.run(arrays, outputs=donated)
         if not self._fresh_outputs:  # an input passed through must not alias the caller's array
             outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
         return self._build_output(outs)
 
-    def _run_with_variables(self, arrays):
+    def _donated_buffers(self, arrays) -> dict[int, np.ndarray]:
+        """Output index -> the donated argument's buffer to write it into; an array donated twice (or
+        overlapping another donated one) is used once, so no two results share memory."""
+        chosen: dict[int, np.ndarray] = {}
+        for out, index in self._aliases.items():
+            buffer = arrays[index]
+            if not any(np.may_share_memory(buffer, other) for other in chosen.values()):
+                chosen[out] = buffer
+        return chosen
+
+    def _run_with_variables(self, arrays, donated=None):
         # Locks in a fixed order (see __init__); by hand, as an ExitStack costs more than the native call.
         taken = 0
         try:
             for lock in self._locks:
                 lock.acquire()
                 taken += 1
-            return self.executable.run(arrays, self._buffers)
+            return self.executable.run(arrays, self._buffers, donated)
         finally:
             for lock in reversed(self._locks[:taken]):
                 lock.release()
@@ -721,11 +802,24 @@ class Compiled:
 
 
 @user_errors
-def jit(fun=None, *, static_argnums=(), static_argnames=(), device=None, donate_argnums=(), target=None):
+def jit(
+    fun=None,
+    *,
+    static_argnums=(),
+    static_argnames=(),
+    device=None,
+    donate_argnums=(),
+    target=None,
+    donate_argnames=(),
+):
     """Compile `fun` on first call per signature. Usable as `@jit` or `@jit(static_argnums=1)`.
 
     static_argnums / static_argnames: arguments that configure the computation (sizes, flags,
     callables); they must be hashable, and each new (type, value) traces again.
+    donate_argnums / donate_argnames: array arguments the caller gives up: a result of the same
+    shape and dtype may be written into a donated array's memory and returned as that very array
+    (`params = step(params, batch)` then allocates nothing per call). Afterwards the donated array
+    holds that result, not its old value. Honored by the CPU backend on one device.
     device: placement constraint for every op (e.g. "cpu:0"). target: backend ('cpu', 'interpreter').
     """
     if fun is None:
@@ -736,5 +830,6 @@ def jit(fun=None, *, static_argnums=(), static_argnames=(), device=None, donate_
             device=device,
             donate_argnums=donate_argnums,
             target=target,
+            donate_argnames=donate_argnames,
         )
-    return Jitted(fun, static_argnums, static_argnames, device, donate_argnums, target)
+    return Jitted(fun, static_argnums, static_argnames, device, donate_argnums, target, donate_argnames)

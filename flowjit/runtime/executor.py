@@ -98,8 +98,11 @@ class PartitionedExecutable(Executable):
         self.backend = f"{len(self.parts)} partitions on {names}, each {inner}"
         self.stages = {} if target == "interpreter" else _PartitionStages(self.parts)
 
-    def run(self, args: Sequence[np.ndarray], variables: dict | None = None) -> list[np.ndarray]:
-        """One step: every partition on its own thread, results gathered in the original order."""
+    def run(
+        self, args: Sequence[np.ndarray], variables: dict | None = None, outputs: dict | None = None
+    ) -> list[np.ndarray]:
+        """One step: every partition on its own thread, results gathered in the original order.
+        Partitioned functions do not take donated buffers (`aliases` is empty): results are fresh."""
         variables = variables or {}
         rendezvous = Rendezvous(parties=len(self.parts))
         outs: list[list | None] = [None] * len(self.parts)

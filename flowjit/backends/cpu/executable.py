@@ -142,12 +142,29 @@ class CpuExecutable(Executable):
                     f"argument {i}: expected an array of shape {shape} and dtype {dtype}; found {found}"
                 )
 
-    def run(self, args: Sequence[np.ndarray], variables: dict | None = None) -> list[np.ndarray]:
-        """Call the native function on `args` (numpy arrays of the compiled shapes and dtypes)."""
+    def run(
+        self, args: Sequence[np.ndarray], variables: dict | None = None, outputs: dict | None = None
+    ) -> list[np.ndarray]:
+        """Call the native function on `args` (numpy arrays of the compiled shapes and dtypes);
+        `outputs`: donated buffers for outputs in `aliases` (see `Executable.run`)."""
         if variables:
             raise FlowjitTypeError("compiled CPU functions do not take variables yet")
         self.check_args(args)
-        return self.run_trusted([a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args])
+        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        return self.run_trusted(arrays, self.donated_buffers(outputs))
+
+    def donated_buffers(self, outputs: dict | None) -> dict[int, np.ndarray] | None:
+        """The donated buffers this executable may write: outputs it aliases, of their exact layout."""
+        if not outputs:
+            return None
+        kept = {}
+        for index, buffer in outputs.items():
+            shape, dtype = self._out_shapes[index], self._out_dtypes[index]
+            if index not in self.aliases or not isinstance(buffer, np.ndarray):
+                raise FlowjitTypeError(f"internal error: output {index} cannot be written into a donated buffer")
+            if buffer.shape == shape and buffer.dtype == dtype and buffer.flags.c_contiguous and buffer.flags.writeable:
+                kept[index] = buffer
+        return kept
 
     def run_trusted(
         self, args: Sequence[np.ndarray], provided: dict[int, np.ndarray] | None = None
@@ -155,10 +172,13 @@ class CpuExecutable(Executable):
         """`run` for arguments already known to be C-contiguous numpy arrays of the right types (the
         trampoline reads their data pointers unchecked). `provided` maps output indices to
         caller-owned buffers (C-contiguous, of the output's type) to write instead of fresh arrays."""
-        outs = list(map(np.empty, self._out_shapes, self._out_dtypes))
-        if provided:
-            for index, buffer in provided.items():
-                outs[index] = buffer
+        if provided:  # only the outputs nobody provided are allocated (variables, donated arguments)
+            outs = [
+                provided[i] if i in provided else np.empty(shape, dtype)
+                for i, (shape, dtype) in enumerate(zip(self._out_shapes, self._out_dtypes))
+            ]
+        else:
+            outs = list(map(np.empty, self._out_shapes, self._out_dtypes))
         if not self.workspace_bytes:
             self._trampoline(self._entry_address, *args, *outs, _NO_WORKSPACE_ADDRESS)
             return outs

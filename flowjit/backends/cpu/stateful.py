@@ -37,7 +37,15 @@ class StatefulExecutable(Executable):
         self._input_names = [name for name, _ in layout.inputs]
         self._output_slots = [(num_results + j, name) for j, name in enumerate(layout.outputs)]
 
-    def run(self, args, variables=None):
+    @property
+    def aliases(self) -> dict[int, int]:  # donation: the results come first among the inner outputs
+        return self.inner.aliases
+
+    @aliases.setter
+    def aliases(self, value: dict[int, int]) -> None:
+        self.inner.aliases = value
+
+    def run(self, args, variables=None, outputs=None):
         variables = variables or {}
         try:
             buffers = [variables[name] for name in self._input_names]
@@ -48,6 +56,7 @@ class StatefulExecutable(Executable):
         # Variable buffers are C-contiguous by construction; check_args checks their shapes and dtypes.
         arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args] + buffers
         self.inner.check_args(arrays)
+        provided.update(self.inner.donated_buffers(outputs) or {})
         return self.inner.run_trusted(arrays, provided)[: self.num_results]
 
 
@@ -58,6 +67,6 @@ def compile_stateful(graph: Graph, options):
 
     num_results = len(graph.results)
     functional, layout = functionalize_state(parse_graph(print_graph(graph)))
-    late = tuple(range(num_results, num_results + len(layout.outputs)))
+    late = tuple(sorted({*options.late_outputs, *range(num_results, num_results + len(layout.outputs))}))
     inner = compile_cpu(functional, replace(options, late_outputs=late))
     return StatefulExecutable(inner, layout, num_results)
