@@ -13,7 +13,7 @@ from flowjit import (  # noqa: E402,F401  (libraries written on the API above)
     optim,
     random,
 )
-from flowjit.errors import CompileError, FlowjitError, FlowjitTypeError, FlowjitValueError  # noqa: F401
+from flowjit.errors import CompileError, FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError  # noqa: F401
 from flowjit.frontend.control_flow import cond, fori_loop, while_loop  # noqa: F401
 from flowjit.frontend.grad import custom_vjp, grad, stop_gradient, value_and_grad, vjp  # noqa: F401
 from flowjit.frontend.jit import Compiled, Jitted, Lowered, ShapeDtype, jit  # noqa: F401

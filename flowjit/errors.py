@@ -20,6 +20,10 @@ class FlowjitAttributeError(FlowjitError, AttributeError):
     """An attribute traced values do not have (`hasattr` still answers False)."""
 
 
+class FlowjitMemoryError(FlowjitError, MemoryError):
+    """A call's results or workspace do not fit in memory (e.g. `fnp.zeros((2**20, 2**20))`)."""
+
+
 class TracerControlFlowError(FlowjitTypeError):
     """Python control flow (`if`, `while`, `bool()`, `int()`) on a traced value."""
 

@@ -334,3 +334,9 @@ def test_unknown_attribute_of_a_traced_value():
         f(np.ones(3, np.float32))
     assert seen["hasattr"] is False
     check(e, fj.FlowjitError, "err-attr", "no attribute 'no_such_method'", "flowjit.numpy")
+
+
+def test_results_too_big_for_memory_are_a_flowjit_error_naming_the_call():
+    f = fj.jit(lambda: fnp.zeros((1 << 20, 1 << 20)))  # 4 TiB of float32
+    with pytest.raises(fj.FlowjitMemoryError, match=r"test_errors.py:\d+: lambda: out of memory .* 4.00 TiB"):
+        f()

@@ -35,7 +35,7 @@ import numpy as np
 
 import flowjit.numpy  # noqa: F401  (installs the Tracer operators `+ - * @ ...` that traced code uses)
 from flowjit.backends import Executable, compile_graph, default_target
-from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError
+from flowjit.errors import FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, current_trace, escaped_tracer_error
 from flowjit.frontend.variables import Variable
@@ -520,6 +520,8 @@ class Jitted:
             if os.environ.get("FLOWJIT_FULL_TRACEBACK"):
                 raise
             raise e.with_traceback(_user_traceback(e.__traceback__)) from e.__cause__
+        except MemoryError as e:  # numpy could not allocate the results or the workspace
+            raise FlowjitMemoryError(f"{user_location()}: {self.name}: out of memory for this call: {e}") from None
 
     def clear_cache(self) -> None:
         """Forget every compiled signature; the next call traces again."""
