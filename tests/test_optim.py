@@ -469,3 +469,44 @@ def test_clip_by_global_norm_rejects_a_bad_max_norm():
     with pytest.raises(FlowjitValueError, match="max_norm") as info:
         optim.clip_by_global_norm({"g": np.ones(2)}, 0.0)
     assert "test_optim.py:" in str(info.value)
+
+
+# --- a ported PyTorch-style train step: every new piece in one jit ----------------------------------------------
+
+_IMAGES = np.random.default_rng(6).standard_normal((8, 2, 6, 6)).astype(np.float32)
+_CLASSES = (_IMAGES[:, 0].mean(axis=(1, 2)) > _IMAGES[:, 1].mean(axis=(1, 2))).astype(np.int64)
+_SCHEDULED = optim.AdamW(optim.warmup_cosine_decay_schedule(0.0, 0.05, 3, 40), weight_decay=0.01)
+
+
+def _cnn_loss(params, stats, x, y):
+    h = nn.conv2d(x, params["depthwise"], padding=1, groups=2)
+    h, mean, var = nn.batch_norm_train(nn.conv2d(h, params["pointwise"]), stats["mean"], stats["var"])
+    logits = nn.linear(nn.global_avg_pool2d(nn.hard_swish(h)), params["head"])
+    return nn.cross_entropy(logits, y, label_smoothing=0.1), {"mean": mean, "var": var}
+
+
+def _cnn_step(params, stats, state, x, y):
+    (loss, stats), grads = fj.value_and_grad(_cnn_loss, has_aux=True)(params, stats, x, y)
+    params, state = _SCHEDULED.update(optim.clip_by_global_norm(grads, 1.0), state, params)
+    return params, stats, state, loss
+
+
+def test_cnn_train_step_with_batch_norm_schedule_and_clipping_matches_eager_and_learns():
+    rng = np.random.default_rng(7)
+    params = {
+        "depthwise": (rng.standard_normal((4, 1, 3, 3)) * 0.5).astype(np.float32),
+        "pointwise": (rng.standard_normal((6, 4, 1, 1)) * 0.5).astype(np.float32),
+        "head": (rng.standard_normal((6, 2)) * 0.5).astype(np.float32),
+    }
+    stats = {"mean": np.zeros(6, np.float32), "var": np.ones(6, np.float32)}
+    step = fj.jit(_cnn_step)
+    jitted = eager = (params, stats, _SCHEDULED.init(params))
+    losses = []
+    for _ in range(25):
+        *jitted, loss = step(*jitted, _IMAGES, _CLASSES)
+        *eager, _ = _cnn_step(*eager, _IMAGES, _CLASSES)
+        losses.append(float(loss))
+    leaves_close(jitted[0], eager[0], rtol=1e-3, atol=1e-4)
+    leaves_close(jitted[1], eager[1], rtol=1e-3, atol=1e-4)  # the running statistics moved the same way
+    assert int(jitted[2]["step"]) == 25 and jitted[1]["var"].dtype == np.float32
+    assert losses[-1] < 0.7 * losses[0]
