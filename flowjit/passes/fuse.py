@@ -23,9 +23,11 @@ before the group's last op), or that would make the grouped graph cyclic.
 No work is duplicated: a value used outside its group becomes a result of the group (it is written
 to memory once), so expensive ops (exp, reductions, contractions) are never recomputed. Only
 constants are copied into each group that reads them: splats of any size (a backend reads them as
-one scalar) and others of at most `CLONE_CONSTANT_ELEMENTS` elements.
+one scalar) and others of at most `CLONE_CONSTANT_ELEMENTS` elements, and broadcasts of those
+(each reader gets its own copy first, so no group stores a broadcast constant for another).
 
 Algorithm:
+0. Give each reader of a broadcast constant its own copy of the broadcast, placed before it.
 1. Walk the ops in order. Each fusible op starts a group; then each operand's group merges into it
    when the kinds allow it (`_merged_kind`), the devices agree and `_can_merge` finds no effect
    and no cycle in the way (a walk over the users of the members, limited to ops before this one).
@@ -280,11 +282,36 @@ def _stable_topological_order(ops: list[Op], position: dict[Op, int]) -> list[Op
     return order
 
 
+def _copy_broadcast_constants(graph: Graph) -> None:
+    """A broadcast of a clonable constant read by several ops: every reader after the first gets its
+    own copy, placed right before it. Shared, the broadcast joined the first reader's group and
+    became one of its results: in the MLP training step, relu's zeros were a 1 MiB tensor written
+    by the forward group and read back by the backward one."""
+    users = graph.uses()
+    ops: list[Op] = []
+    copy_for: dict[Op, list[tuple[Value, Op]]] = {}
+    for op in graph.ops:
+        if op.name != "broadcast" or not _clonable_constant(op.operands[0]):
+            continue
+        for user in list(dict.fromkeys(users.get(op.result, ())))[1:]:
+            if user.regions:
+                continue  # region ops do not fuse: keep reading the shared value
+            copy = Op(op.name, list(op.operands), [op.result.type], op.attrs, op.loc, op.device)
+            copy_for.setdefault(user, []).append((op.result, copy))
+    for op in graph.ops:
+        for shared, copy in copy_for.get(op, ()):
+            ops.append(copy)
+            op.operands = [copy.result if v is shared else v for v in op.operands]
+        ops.append(op)
+    graph.ops = ops
+
+
 def fuse_graph(graph: Graph) -> Graph:
     """Fuse `graph` in place (and the regions of its control-flow ops); returns it."""
     for op in graph.ops:
         if op.regions and op.name != "fusion":
             op.regions = [fuse_graph(region) for region in op.regions]
+    _copy_broadcast_constants(graph)
     groups = [m for m in _Grouping(graph).run() if len(m) >= 2]
     if not groups:
         return graph
