@@ -283,8 +283,8 @@ def _stable_topological_order(ops: list[Op], position: dict[Op, int]) -> list[Op
 
 
 def _copy_broadcast_constants(graph: Graph) -> None:
-    """A broadcast of a clonable constant read by several ops: every reader after the first gets its
-    own copy, placed right before it. Shared, the broadcast joined the first reader's group and
+    """A broadcast of a clonable constant read by several ops: every fusible reader after the first
+    gets its own copy, placed right before it. Shared, the broadcast joined the first reader's group and
     became one of its results: in the MLP training step, relu's zeros were a 1 MiB tensor written
     by the forward group and read back by the backward one."""
     users = graph.uses()
@@ -294,8 +294,8 @@ def _copy_broadcast_constants(graph: Graph) -> None:
         if op.name != "broadcast" or not _clonable_constant(op.operands[0]):
             continue
         for user in list(dict.fromkeys(users.get(op.result, ())))[1:]:
-            if user.regions:
-                continue  # region ops do not fuse: keep reading the shared value
+            if op_kind(user) is None:
+                continue  # a reader that never fuses keeps the shared value (one copy in memory)
             copy = Op(op.name, list(op.operands), [op.result.type], op.attrs, op.loc, op.device)
             copy_for.setdefault(user, []).append((op.result, copy))
     for op in graph.ops:
