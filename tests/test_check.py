@@ -74,7 +74,7 @@ def test_names_the_backend(model, capsys, monkeypatch):
         def run(self, args, variables=None):
             return [o + 1 for o in super().run(args, variables)]
 
-    monkeypatch.setitem(backends.BACKENDS, "cpu", lambda graph, options: WrongExecutable(graph))
+    monkeypatch.setitem(backends.BACKENDS, "cpu", lambda graph, options, aliases: WrongExecutable(graph))
     assert cli.main(["check", f"{model}:predict", "--arg", "f32[4,8]", "--arg", "f32[8,3]"]) == 1
     out = capsys.readouterr().out
     assert re.search(r"compiled \(cpu\) +MISMATCH: result 0", out)
@@ -91,7 +91,7 @@ def test_variables_are_checked_and_left_unchanged(model, capsys):
 def test_a_missing_lowering_is_skipped_not_blamed(model, capsys, monkeypatch):
     from flowjit.backends.cpu.lowering import no_lowering_error
 
-    def compile_without_for(graph, options):
+    def compile_without_for(graph, options, aliases):
         op = next(op for op in graph.ops if op.name != "constant")
         raise no_lowering_error(op)
 
