@@ -291,6 +291,7 @@ def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype):
         (37, 520, 120, dt.float32, True),  # B as (N, K), packed from its rows panel by panel
         (40, 200, 300, dt.float64, False),
         (48, 170, 260, dt.int32, True),
+        (300, 700, 20, dt.float32, False),  # a short contraction: rows split, B packed first
         (33, 280, 230, dt.float16, False),
     ],
 )
@@ -302,8 +303,9 @@ def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows):
     lanes = matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)
     threads = matmul_kernel.cores()
     splits = threads > 1 and n // (2 * lanes) >= 2 * threads and m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS
+    splits = splits and k >= matmul_kernel.COLUMN_SPLIT_MIN_K
     assert (f"tensor<1x{k}x{2 * lanes}x" in mlir) == splits
-    assert ("scf.forall" in mlir) == splits
+    assert ("scf.forall" in mlir) == (threads > 1 and m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS)
 
 
 @pytest.mark.parametrize(

@@ -96,6 +96,10 @@ MR = 8  # rows of the register tile
 # A given as (K, M) is packed (see `_pack_a_columns`) when this many panels re-read it; a product
 # with fewer (a narrow N) reads its columns in place (packing a.T @ dz with N = 10 cost 3x).
 PACK_A_MIN_PANELS = 4
+# Cores split C's columns (each packing its panels just in time) only for contractions at least this
+# long: the CNN's 3x3 conv on one channel (K = 9, 1568 panels) ran 7% slower that way (CPU time
+# 2.24-2.35 -> 2.44-2.53 ms), a deep one (K = 288) 13% faster (2.78-3.10 -> 2.67-2.68 ms).
+COLUMN_SPLIT_MIN_K = 64
 
 
 class LoopWriter:
@@ -386,8 +390,10 @@ def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
 
 def _splits_columns(s: MatmulShape, threads: int) -> bool:
     """Whether the cores split C's columns (whole panels) rather than its rows: when each gets two
-    or more panels, and neither a batch nor a packed A (which every thread would need) is involved."""
-    return threads > 1 and not s.batch and not _packs_a(s) and s.n // s.nr >= 2 * threads
+    or more panels of at least `COLUMN_SPLIT_MIN_K` rows, and neither a batch nor a packed A (which
+    every thread would need) is involved."""
+    splits = threads > 1 and not s.batch and not _packs_a(s) and s.k >= COLUMN_SPLIT_MIN_K
+    return splits and s.n // s.nr >= 2 * threads
 
 
 def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str, threads: int) -> str:
