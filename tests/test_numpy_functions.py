@@ -65,8 +65,9 @@ def test_unary(name):
 def test_unary_float64_and_ints(name):
     check(getattr(fnp, name), f32(4, lo=-1, hi=1).astype(np.float64), ref=getattr(np, name), rtol=1e-12)
     ints = np.array([-2, 0, 1, 3], np.int32)
-    expected = getattr(np, name)(ints)
-    check(getattr(fnp, name), ints, ref=getattr(np, name), dtype=np.float32 if expected.dtype.kind == "f" else None)
+    with np.errstate(invalid="ignore"):  # arcsin(-2), arcsin(3): nan on purpose
+        expected = getattr(np, name)(ints)
+        check(getattr(fnp, name), ints, ref=getattr(np, name), dtype=np.float32 if expected.dtype.kind == "f" else None)
 
 
 def test_arcsin_outside_domain_is_nan():
@@ -152,7 +153,9 @@ def test_reduction_initial_and_where(name, axis):
 def test_reduction_keywords_edge_cases():
     empty = np.zeros((0, 3), np.float32)
     check(lambda x: fnp.max(x, axis=0, initial=-5.0), empty, ref=lambda x: np.max(x, axis=0, initial=-5.0))
-    check(lambda x: fnp.mean(x, axis=1, where=x > 0), X, ref=lambda x: np.mean(x, axis=1, where=x > 0))
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():  # rows with no x > 0: nan, as numpy
+        warnings.simplefilter("ignore", RuntimeWarning)
+        check(lambda x: fnp.mean(x, axis=1, where=x > 0), X, ref=lambda x: np.mean(x, axis=1, where=x > 0))
     check(
         lambda x: fnp.sum(x, where=np.array([True, False, True, True])),
         X,
