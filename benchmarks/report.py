@@ -9,6 +9,9 @@ from harness import PeerResult
 from machine import Limits
 
 FIRST_CALL_TARGET_S = 1.0
+# Issue #6 judges steady-state time and first calls against these peers (numpy is the baseline of the
+# speedup column, not one of them).
+TARGET_PEERS = ("jax", "torch", "torch.compile")
 # f32 results of these sizes agree with the float64 reference to ~1e-6 relative in every peer; an error
 # of 1e-4 means a wrong formula or a sloppy approximation, not rounding.
 REL_ERR_LIMIT = 1e-4
@@ -26,8 +29,8 @@ class WorkloadRun:
     def get(self, name: str) -> PeerResult | None:
         return next((r for r in self.results if r.name == name and r.ok), None)
 
-    def fastest_other(self, name: str) -> PeerResult | None:
-        others = [r for r in self.results if r.ok and r.name != name]
+    def fastest_other(self, name: str, among: tuple[str, ...] = TARGET_PEERS) -> PeerResult | None:
+        others = [r for r in self.results if r.ok and r.name != name and r.name in among]
         return min(others, key=lambda r: r.median_s, default=None)
 
 
@@ -91,32 +94,78 @@ def workload_table(run: WorkloadRun, limits: Limits) -> list[str]:
 
 def summary_table(runs: list[WorkloadRun]) -> list[str]:
     lines = [
-        "| workload | flowjit median | numpy median | speedup vs numpy (of minima) | target | met | fastest other peer "
-        "| flowjit ÷ fastest (≤ 1.0) | met | flowjit first call (< 1 s) | met | flowjit rel err "
-        f"(≤ {REL_ERR_LIMIT:g}) | met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | flowjit median | numpy median | speedup vs numpy (of minima) | target | met "
+        "| fastest of JAX/PyTorch | flowjit ÷ fastest (of minima) (≤ 1.0) | met | flowjit first call (< 1 s) "
+        f"| ÷ JAX's first call (≤ 1.0) | met | flowjit rel err (≤ {REL_ERR_LIMIT:g}) | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         w = run.workload
         fj_r = run.get("flowjit")
         if fj_r is None:
             status = next((r.status for r in run.results if r.name == "flowjit"), "not run")
-            lines.append(f"| {w.name} | {_cell(status)} | | | {w.target.text if w.target else '—'} | | | | | | | | |")
+            lines.append(f"| {w.name} | {_cell(status)} | | | {w.target.text if w.target else '—'} | | | | | | | | | |")
             continue
         np_r, other = run.get("numpy"), run.fastest_other("flowjit")
         speedup = np_r.median_s / fj_r.median_s if np_r else math.nan
         target_met = speedup >= w.target.min_speedup if w.target and np_r else None
         ratio = fj_r.median_s / other.median_s if other else math.nan
+        min_ratio = fj_r.min_s / min(r.min_s for r in run.results if r.ok and r.name in TARGET_PEERS) if other else 0
+        jax_r = run.get("jax")
+        first_ratio = fj_r.first_call_s / jax_r.first_call_s if jax_r else math.nan
         lines.append(
             f"| {w.name} | {fmt_time(fj_r.median_s)} | {fmt_time(np_r.median_s if np_r else math.nan)} "
             f"| {_num(speedup)}× ({_num(np_r.min_s / fj_r.min_s if np_r else math.nan)}×) "
             f"| {w.target.text if w.target else '—'} | {_met(target_met)} "
-            f"| {f'{other.name} {fmt_time(other.median_s)}' if other else '—'} | {_num(ratio)} "
+            f"| {f'{other.name} {fmt_time(other.median_s)}' if other else '—'} | {_num(ratio)} ({_num(min_ratio)}) "
             f"| {_met(ratio <= 1.0 if other else None)} | {fmt_time(fj_r.first_call_s)} "
-            f"| {_met(fj_r.first_call_s < FIRST_CALL_TARGET_S)} | {_num(fj_r.rel_err)} "
+            f"| {_num(first_ratio)} | {_met(first_ratio <= 1.0 if jax_r else None)} | {_num(fj_r.rel_err)} "
             f"| {_met(fj_r.rel_err <= REL_ERR_LIMIT)} |"
         )
     return lines
+
+
+# Why a target can be missed, as measured during development (docs/cpu-backend.md has the figures).
+WHY_SLOWER_AT_MEDIAN = (
+    "flowjit's fastest calls are at or below the peer's (ratio of minima {min_ratio}), so the gap is in the "
+    "slower calls: the harness sleeps before each sample, and a threaded kernel that must wake the second "
+    "core's OpenMP worker runs at about one core's speed until it is up (docs/cpu-backend.md, 'Threads after "
+    "an idle pause'); on a machine shared with other jobs the same happens whenever the worker was descheduled."
+)
+WHY_SLOWER: dict[str, str] = {
+    "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
+    "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
+}
+WHY_FIRST_CALL = (
+    "Compile time: the MLIR pipelines, LLVM's O3 pipeline and machine-code generation of the vectorized, "
+    "unrolled kernels scale with the generated code; `python benchmarks/compile_time.py` prints the CPU time "
+    "of each phase per workload and docs/cpu-backend.md ('Compile time (first call)') what was cut and what is "
+    "left (on a cache hit in a new process a first call costs tens of milliseconds)."
+)
+
+
+def shortfalls(runs: list[WorkloadRun]) -> list[str]:
+    """One line per unmet issue-#6 target of this run: by how much, and the known reason."""
+    lines = []
+    for run in runs:
+        fj_r, other, jax_r = run.get("flowjit"), run.fastest_other("flowjit"), run.get("jax")
+        if fj_r is None:
+            continue
+        name = run.workload.name
+        if other and fj_r.median_s > other.median_s:
+            best = min(r.min_s for r in run.results if r.ok and r.name in TARGET_PEERS)
+            min_ratio = fj_r.min_s / best
+            why = WHY_SLOWER_AT_MEDIAN.format(min_ratio=_num(min_ratio)) if min_ratio <= 1.0 else WHY_SLOWER.get(name)
+            lines.append(
+                f"- **{name}, steady state**: {_num(fj_r.median_s / other.median_s)}× {other.name}'s median "
+                f"({fmt_time(fj_r.median_s)} vs {fmt_time(other.median_s)}). " + (why or "No measured explanation yet.")
+            )
+        if jax_r and fj_r.first_call_s > jax_r.first_call_s:
+            lines.append(
+                f"- **{name}, first call**: {_num(fj_r.first_call_s / jax_r.first_call_s)}× JAX's "
+                f"({fmt_time(fj_r.first_call_s)} vs {fmt_time(jax_r.first_call_s)}). " + WHY_FIRST_CALL
+            )
+    return lines or ["Every target of this run is met."]
 
 
 def memory_section(mem: dict | None) -> list[str]:
@@ -190,6 +239,10 @@ def render(
         "the accuracy limit is this suite's.",
         "",
         *summary_table(runs),
+        "",
+        "### Targets not met in this run: by how much, and why",
+        "",
+        *shortfalls(runs),
         "",
         "## Workloads",
         "",
