@@ -96,16 +96,17 @@ def _merged_kind(producer: str, consumer: str, consumer_op: Op) -> str | None:
 def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     """Whether a kernel can pass `value` from `producer` to `consumer` without storing it: an
     elementwise value read by elementwise ops or reductions (computed in their loop), a broadcast
-    or reshape read by elementwise ops (an indexing map, a view). Anything else (a contraction's
-    result, an elementwise value read by a reshape) is a temporary inside the kernel, allowed up to
-    `MAX_INTERNAL_BYTES`: above that the value is better a group boundary, stored in the planned
-    workspace, than a per-call allocation."""
+    or reshape read by elementwise ops (an indexing map, a view), an iota read by elementwise ops
+    (an index: cross-entropy's one-hot compare stores no [batch, classes] int64 tensor). Anything
+    else (a contraction's result, an elementwise value read by a reshape) is a temporary inside the
+    kernel, allowed up to `MAX_INTERNAL_BYTES`: above that the value is better a group boundary,
+    stored in the planned workspace, than a per-call allocation."""
     if value.type.size * value.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return True
     pointwise = _pointwise_ops()
     if producer.name in pointwise:
         return consumer.name in pointwise or consumer.name in REDUCTIONS
-    return producer.name in ("broadcast", "reshape") and consumer.name in pointwise
+    return producer.name in ("broadcast", "reshape", "iota") and consumer.name in pointwise
 
 
 def _pointwise_ops() -> frozenset[str]:

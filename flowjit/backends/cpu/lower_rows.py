@@ -124,6 +124,9 @@ class _Kinds:
             return kind, [source]
         if op.name == "reshape":
             return (ROW, [ROW]) if kind == ROW and self.of_shape(op.operands[0].shape) == ROW else None
+        if op.name == "iota":  # positions along a single row axis: the same in every tile
+            along_row = len(self.row) == 1 and op.attrs["dimension"] == len(self.lead)
+            return (FULL, []) if kind == FULL and along_row else None
         if self.pointwise(op) and all(v.shape == op.result.shape for v in op.operands):
             return kind, [kind] * len(op.operands)
         return None
@@ -193,10 +196,15 @@ def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
     outputs = [
         v for op in members for v in op.results if v in body.results or any(u not in members for u in users.get(v, ()))
     ]
+    for v in [v for v in outputs if v.dtype.is_bool]:
+        # The nest cannot store a bool tile. One computed without a reduction (cross-entropy's one-hot
+        # compare `labels == iota`, read again by its gradient after the batch mean) is cheap to
+        # compute a second time: the ops outside the nest that read it recompute it from its sources.
+        if not _without_reductions(v, computed):
+            return "a bool output"
+        outputs.remove(v)
     if not outputs:
         return "no outputs"
-    if any(v.dtype.is_bool for v in outputs):
-        return "a bool output"
     full_values = [v for v in (*inputs, *computed) if kind_of[v] == FULL]
     widest = max(memory_itemsize(v) for v in full_values)
     if length * widest > MAX_ROW_BYTES:
@@ -207,6 +215,20 @@ def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
     parallel = rows * length >= schedule.PARALLEL_MIN_ELEMENTS and schedule.threads() > 1
     tile = _tile_rows(rows, length * widest, schedule.threads() if parallel else 1)
     return RowNest(lead, row, tile, parallel, members, kind_of, inputs, outputs)
+
+
+def _without_reductions(v: Value, computed: set[Value]) -> bool:
+    """Whether the nest computes `v` from its inputs with no reduction on the way."""
+    stack, seen = [v], set()
+    while stack:
+        value = stack.pop()
+        if value in seen or value not in computed:
+            continue
+        seen.add(value)
+        if value.producer.name in _REDUCE_KINDS:
+            return False
+        stack.extend(value.producer.operands)
+    return True
 
 
 def _admit(op: Op, rule: tuple[str, list[str]], kind_of: dict, inputs: list) -> bool:
@@ -283,6 +305,8 @@ def tile_graph(nest: RowNest, tile: int) -> Graph:
             )
         elif op.name == "reshape":
             attrs["shape"] = result.shape
+        elif op.name == "iota":
+            attrs["shape"], attrs["dimension"] = result.shape, 1
         operands = [operand(v, k) for v, k in zip(op.operands, operand_kinds)]
         new = graph.append(Op(op.name, operands, [result], attrs, op.loc, op.device))
         mapped[op.result, kind] = new.result
