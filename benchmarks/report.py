@@ -33,6 +33,12 @@ class WorkloadRun:
         others = [r for r in self.results if r.ok and r.name != name and r.name in among]
         return min(others, key=lambda r: r.median_s, default=None)
 
+    def min_ratio(self, name: str, among: tuple[str, ...] = TARGET_PEERS) -> float:
+        """`name`'s minimum over the smallest minimum of the peers `among` (nan without them)."""
+        mine = self.get(name)
+        minima = [r.min_s for r in self.results if r.ok and r.name != name and r.name in among]
+        return mine.min_s / min(minima) if mine and minima else math.nan
+
 
 def fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
@@ -110,7 +116,7 @@ def summary_table(runs: list[WorkloadRun]) -> list[str]:
         speedup = np_r.median_s / fj_r.median_s if np_r else math.nan
         target_met = speedup >= w.target.min_speedup if w.target and np_r else None
         ratio = fj_r.median_s / other.median_s if other else math.nan
-        min_ratio = fj_r.min_s / min(r.min_s for r in run.results if r.ok and r.name in TARGET_PEERS) if other else 0
+        min_ratio = run.min_ratio("flowjit")
         jax_r = run.get("jax")
         first_ratio = fj_r.first_call_s / jax_r.first_call_s if jax_r else math.nan
         lines.append(
@@ -156,8 +162,7 @@ def shortfalls(runs: list[WorkloadRun]) -> list[str]:
             continue
         name = run.workload.name
         if other and fj_r.median_s > other.median_s:
-            best = min(r.min_s for r in run.results if r.ok and r.name in TARGET_PEERS)
-            min_ratio = fj_r.min_s / best
+            min_ratio = run.min_ratio("flowjit")
             why = WHY_SLOWER.get(name)
             if min_ratio <= EQUAL_MINIMA:
                 why = WHY_SLOWER_AT_MEDIAN.format(min_ratio=_num(min_ratio))
