@@ -197,6 +197,10 @@ def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         t = value.type
         if t.shape[axis] == 0:
             continue
+        if value.producer is not None and value.producer.name == "constant":
+            # MLIR folds a copy of a constant into a strided view to a `memref.copy` from the global,
+            # which needs the C runner's `memrefCopy`: copy the constant into a buffer of its own first.
+            x = em.op(f"bufferization.alloc_tensor() copy({x}) : {_tensor(t)}")
         offsets = [0] * result.rank
         offsets[axis] = offset
         out = insert_into(em, x, t, out, result, offsets, [1] * t.rank)
