@@ -22,10 +22,6 @@ def _is_python_scalar(x) -> bool:
 # --- conversion, promotion and broadcasting ---------------------------------------------------------
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, Tracer | np.ndarray | np.generic)
-
-
 def _dtype_of(x) -> dt.DType:
     if isinstance(x, Tracer):
         return x.value.type.dtype
