@@ -442,7 +442,7 @@ def _im2col(em: KernelEmitter, padded: str, padded_type: TensorType, cols_type: 
     elem = elem_type(padded_type.dtype)
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
     step = stride[1]
-    vec, wide = f"vector<{lanes}x{acc}>", f"vector<{step * lanes}x{elem}>"
+    vec = f"vector<{lanes}x{acc}>"
     flat_in = TensorType((padded_type.size,), padded_type.dtype)
     source = reshape(em, padded, padded_type, flat_in.shape)
     in_strides = _row_major_strides(padded_type.shape)
@@ -468,6 +468,16 @@ def _im2col(em: KernelEmitter, padded: str, padded_type: TensorType, cols_type: 
     chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-ow // lanes)), w.index(1), [(carried, flat_type)])
     column = w.mul(j, w.index(lanes))
     where = w.add(in_offset, w.mul(column, w.index(step)))
+    value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc)
+    return _store_chunk_and_close(
+        em, w, value, row_out, (out_offset, column, ow), (lanes, vec), flat_type, [*loops, chunks]
+    )
+
+
+def _read_every_step(em, source: str, flat_in: TensorType, where: str, pad: str, step: int, lanes: int, elem, acc):
+    """`lanes` elements of the 1-D `source` from `where` on, every `step`-th one, widened to `acc`:
+    one contiguous read of `step * lanes` (out-of-bounds lanes read `pad`) and a shuffle."""
+    wide = f"vector<{step * lanes}x{elem}>"
     value = em.op(
         f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [false]}} : {tensor_type(flat_in)}, {wide}"
     )
@@ -475,10 +485,8 @@ def _im2col(em: KernelEmitter, padded: str, padded_type: TensorType, cols_type: 
         picks = ", ".join(str(i * step) for i in range(lanes))
         value = em.op(f"vector.shuffle {value}, {value} [{picks}] : {wide}, {wide}")
     if elem != acc:
-        value = em.op(f"arith.extf {value} : vector<{lanes}x{elem}> to {vec}")
-    return _store_chunk_and_close(
-        em, w, value, row_out, (out_offset, column, ow), (lanes, vec), flat_type, [*loops, chunks]
-    )
+        value = em.op(f"arith.extf {value} : vector<{lanes}x{elem}> to vector<{lanes}x{acc}>")
+    return value
 
 
 def _store_chunk_and_close(em, w, value, row_out, position, vector, flat_type, loops):
@@ -572,7 +580,7 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
     flat_out = TensorType((result.size,), result.dtype)
     source = reshape(em, padded, padded_type, flat_in.shape)
     in_strides, out_strides = _row_major_strides(padded_type.shape), _row_major_strides(result.shape)
-    vec, wide = f"vector<{lanes}x{acc}>", f"vector<{step * lanes}x{elem}>"
+    vec = f"vector<{lanes}x{acc}>"
     acc_dtype = dt.float32 if acc == "f32" else result.dtype
     pad = em.op(f"arith.constant {0 if is_int else 0.0} : {elem}")
     count = None
@@ -592,14 +600,7 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
     total = None
     for tap in itertools.product(*(range(n) for n in window)):
         where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
-        value = em.op(
-            f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [false]}} : {tensor_type(flat_in)}, {wide}"
-        )
-        if step > 1:
-            picks = ", ".join(str(i * step) for i in range(lanes))
-            value = em.op(f"vector.shuffle {value}, {value} [{picks}] : {wide}, {wide}")
-        if elem != acc:
-            value = em.op(f"arith.extf {value} : vector<{lanes}x{elem}> to {vec}")
+        value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc)
         total = value if total is None else _combine(em, kind, total, value, vec, is_int)
     if count is not None:
         total = em.op(f"arith.divf {total}, {count} : {vec}")
