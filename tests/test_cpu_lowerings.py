@@ -13,6 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import flowjit as fj
+import flowjit.nn as nn
+import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
 from flowjit.backends.cpu import lower_contraction, matmul_kernel
 from flowjit.ir import dtypes as dt
@@ -541,3 +544,18 @@ def test_matmul_temporaries_live_in_the_workspace_scratch_area():
     scratch = max(matmul_kernel.scratch_bytes(s) for s in shapes)
     header = int(re.search(r"// workspace: (\d+) bytes", lowered.as_text("mlir")).group(1))
     assert header >= scratch and f"memref<{scratch}xi8>" in lowered.as_text("mlir")
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda w: fnp.concatenate([w, np.full((2, 1, 3, 3), 7.0, np.float32)], axis=1),  # blocks of 9 < a vector
+        lambda w: nn.conv2d(np.arange(25, dtype=np.float32).reshape(1, 1, 5, 5), w[:, :1], padding=1),
+    ],
+    ids=["concatenate", "conv2d_padding"],
+)
+def test_literals_written_into_strided_views_compile(fn):
+    # MLIR folds the copy of a literal into a strided view to a memref.copy from its global, which
+    # calls the unlinked memrefCopy; insert_into copies literals into a buffer of their own first.
+    w = np.arange(18, dtype=np.float32).reshape(2, 1, 3, 3)
+    np.testing.assert_allclose(fj.jit(fn)(w), fj.jit(fn, target="interpreter")(w), rtol=1e-6)

@@ -123,6 +123,8 @@ class KernelEmitter:
         self.flat_views: dict[str, str] = {}
         # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (lowering.SCRATCH)
         self.scratch: tuple[str, int] | None = None
+        # Tensors that are `arith.constant` literals (`literal`): strided inserts copy them first.
+        self.literals: set[str] = set()
 
     def fresh(self, prefix: str = "v") -> str:
         self._counter += 1
@@ -134,6 +136,12 @@ class KernelEmitter:
     def op(self, rhs: str) -> str:
         name = self.fresh()
         self.line(f"{name} = {rhs}")
+        return name
+
+    def literal(self, text: str, ttype: str) -> str:
+        """An `arith.constant {text} : {ttype}` tensor, remembered as a literal."""
+        name = self.op(f"arith.constant {text} : {ttype}")
+        self.literals.add(name)
         return name
 
     def affine_map(self, text: str) -> str:

@@ -69,9 +69,7 @@ def lower_region(em: KernelEmitter, region: Graph, args: list[str]) -> list[str]
     for op in region.ops:
         if op.name == "constant":
             value = op.attrs["value"]
-            env[op.result] = em.op(
-                f"arith.constant {dense_literal(value, op.result.type.dtype)} : {tensor_type(op.result.type)}"
-            )
+            env[op.result] = em.literal(dense_literal(value, op.result.type.dtype), tensor_type(op.result.type))
             continue
         if op.name in CONTROL_OPS:
             outs = _EMITTERS[op.name](em, op, [env[v] for v in op.operands])

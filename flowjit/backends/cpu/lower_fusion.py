@@ -154,7 +154,7 @@ class _FusionLowering:
     def _constant(self, value: Value) -> str:
         t = value.type
         literal = dense_literal(value.producer.attrs["value"], t.dtype)
-        tensor = self.em.op(f"arith.constant {literal} : {tensor_type(t, memory_elem_type(t.dtype))}")
+        tensor = self.em.literal(literal, tensor_type(t, memory_elem_type(t.dtype)))
         return bool_from_bytes(self.em, tensor, t) if t.dtype.is_bool else tensor
 
     def _lower_member(self, op: Op) -> None:

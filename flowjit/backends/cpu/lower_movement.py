@@ -144,11 +144,15 @@ def insert_into(em: KernelEmitter, x: str, source, dest: str, dest_type, offsets
 
     Written as extract_slice -> linalg.copy -> insert_slice of the same slice, which bufferizes to
     an in-place copy loop; a bare insert_slice into a strided view would become a `memref.copy`
-    that needs the C runner's `memrefCopy`."""
+    that needs the C runner's `memrefCopy`. MLIR folds the copy of a literal (`em.literal`) into
+    just such a `memref.copy` from its global, so a literal is first copied into a buffer of its own
+    (concatenate([x, x - x]), conv2d of a constant input with padding)."""
     where = f"[{_index_list(offsets)}] [{_index_list(source.shape)}] [{_index_list(strides)}]"
     view_types = f"{_tensor(dest_type)} to {_tensor(source)}"
     view = em.op(f"tensor.extract_slice {dest}{where} : {view_types}")
     ttype = _tensor(source)
+    if x in em.literals:
+        x = em.op(f"bufferization.alloc_tensor() copy({x}) : {ttype}")
     copied = em.op(f"linalg.copy ins({x} : {ttype}) outs({view} : {ttype}) -> {ttype}")
     return em.op(f"tensor.insert_slice {copied} into {dest}{where} : {ttype} into {_tensor(dest_type)}")
 
@@ -197,10 +201,6 @@ def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         t = value.type
         if t.shape[axis] == 0:
             continue
-        if value.producer is not None and value.producer.name == "constant":
-            # MLIR folds a copy of a constant into a strided view to a `memref.copy` from the global,
-            # which needs the C runner's `memrefCopy`: copy the constant into a buffer of its own first.
-            x = em.op(f"bufferization.alloc_tensor() copy({x}) : {_tensor(t)}")
         offsets = [0] * result.rank
         offsets[axis] = offset
         out = insert_into(em, x, t, out, result, offsets, [1] * t.rank)

@@ -208,7 +208,7 @@ class _FunctionLowering:
             return tensor
         if array.size <= INLINE_CONSTANT_ELEMENTS:
             literal = dense_literal(array, t.dtype)
-            tensor = self.em.op(f"arith.constant {literal} : {tensor_type(t, memory_elem_type(t.dtype))}")
+            tensor = self.em.literal(literal, tensor_type(t, memory_elem_type(t.dtype)))
             if t.dtype.is_bool:  # as bytes, so no i1 constant buffer can arise
                 tensor = bool_from_bytes(self.em, tensor, t)
             self.inline[value] = tensor
