@@ -290,10 +290,17 @@ def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default"):
         module.data_layout = str(tm.target_data)
         module.verify()
         if opt > 0:
-            tuning = binding.create_pipeline_tuning_options(speed_level=opt)
-            builder = binding.create_pass_builder(tm, tuning)
-            builder.getModulePassManager().run(module, builder)
+            manager, builder = optimization_pipeline(tm, opt)
+            manager.run(module, builder)
         return module, tm
+
+
+def optimization_pipeline(tm, opt: int = 3):
+    """LLVM's O`opt` module pipeline for target machine `tm`: (module pass manager, pass builder)."""
+    binding = llvm()
+    tuning = binding.create_pipeline_tuning_options(speed_level=opt)
+    builder = binding.create_pass_builder(tm, tuning)
+    return builder.getModulePassManager(), builder
 
 
 def undefined_symbols(module) -> list[str]:
