@@ -4,9 +4,13 @@ For each workload (all by default), N fresh function objects (`FLOWJIT_CACHE=0`)
 one warm-up compile in this process (as the suite's first calls are timed after flowjit's start-up).
 Printed per workload, each the minimum over the N first calls:
 - `first`: the first call's wall time (trace + compile + run);
-- the CPU time of this thread in each compile phase: `lower` (flowjit IR -> MLIR text), `mlir`
+- the CPU time of the process in each compile phase: `lower` (flowjit IR -> MLIR text), `mlir`
   (transform schedule, MLIR pipelines, translation to LLVM IR), `llvm-opt` (llvmlite O3) and
-  `codegen` (MCJIT). CPU time, unlike wall time, hardly moves when other jobs share the cores;
+  `codegen` (machine code), the last two summed over the threads that compile a large module in
+  parts (`parallel_codegen`). CPU time, unlike wall time, hardly moves when other jobs share the
+  cores;
+- `llvm-wall`: the wall time of the two LLVM phases (less than their CPU time when split);
+- `parts`: how many parts LLVM compiled in parallel;
 - `lines`: the size of the optimized LLVM IR, which the two LLVM phases scale with.
 docs/cpu-backend.md ("Compile time") has a run and what it shows.
 """
@@ -25,23 +29,28 @@ from harness import Skip
 from workloads import WORKLOADS
 
 import flowjit as fj
-from flowjit.backends.cpu import compiler, toolchain
+from flowjit.backends.cpu import compiler, parallel_codegen, toolchain
 
-PHASES = {"lower": (compiler, "generate_mlir"), "mlir": (toolchain, "lower_to_llvm_ir")}
-PHASES.update({"llvm-opt": (toolchain, "optimize"), "codegen": (toolchain, "jit_compile")})
+PHASES = [("lower", compiler, "generate_mlir"), ("mlir", toolchain, "lower_to_llvm_ir")]
+PHASES += [("llvm-opt", toolchain, "optimize"), ("llvm-opt", parallel_codegen, "optimize_parts")]
+PHASES += [("codegen", toolchain, "jit_compile"), ("codegen", parallel_codegen, "emit_objects")]
+PHASES += [("codegen", toolchain, "load_objects")]
 
 
 def instrument(spent: dict[str, float]) -> None:
-    """Wrap each phase's function so that it adds its thread CPU time to `spent[phase]`."""
-    for phase, (module, name) in PHASES.items():
+    """Wrap each phase's functions so that they add their process CPU time to `spent[phase]` (and the
+    LLVM phases their wall time to `spent["llvm-wall"]`)."""
+    for phase, module, name in PHASES:
         original = getattr(module, name)
 
         def timed(*args, _original=original, _phase=phase, **kwargs):
-            start = time.thread_time()
+            start, wall = time.process_time(), time.perf_counter()
             try:
                 return _original(*args, **kwargs)
             finally:
-                spent[_phase] = spent.get(_phase, 0.0) + time.thread_time() - start
+                spent[_phase] = spent.get(_phase, 0.0) + time.process_time() - start
+                if _phase in ("llvm-opt", "codegen"):
+                    spent["llvm-wall"] = spent.get("llvm-wall", 0.0) + time.perf_counter() - wall
 
         setattr(module, name, timed)
 
@@ -54,7 +63,8 @@ def main(argv=None) -> int:
     spent: dict[str, float] = {}
     instrument(spent)
     fj.jit(lambda x: x * 2)(np.ones(4, np.float32))
-    print(f"{'workload':15s} {'first':>8s} {'lower':>7s} {'mlir':>7s} {'llvm-opt':>8s} {'codegen':>8s} {'lines':>6s}")
+    header = f"{'workload':15s} {'first':>8s} {'lower':>7s} {'mlir':>7s} {'llvm-opt':>8s} {'codegen':>8s}"
+    print(f"{header} {'llvm-wall':>9s} {'parts':>5s} {'lines':>6s}")
     for workload in WORKLOADS:
         if args.names and workload.name not in args.names:
             continue
@@ -72,9 +82,11 @@ def main(argv=None) -> int:
         except Skip as e:
             print(f"{workload.name:15s} skipped: {e}")
             continue
-        lines = fn.lower(*inputs).as_text("llvm").count("\n")
-        ms = [best.get(p, 0.0) * 1e3 for p in ("first", "lower", "mlir", "llvm-opt", "codegen")]
-        row = f"{ms[0]:8.0f} {ms[1]:7.1f} {ms[2]:7.1f} {ms[3]:8.1f} {ms[4]:8.1f} {lines:6d}"
+        llvm = fn.lower(*inputs).as_text("llvm")
+        parts = max(1, llvm.count("; ---- part "))
+        ms = [best.get(p, 0.0) * 1e3 for p in ("first", "lower", "mlir", "llvm-opt", "codegen", "llvm-wall")]
+        row = f"{ms[0]:8.0f} {ms[1]:7.1f} {ms[2]:7.1f} {ms[3]:8.1f} {ms[4]:8.1f} {ms[5]:9.1f} {parts:5d}"
+        row += f" {llvm.count(chr(10)):6d}"
         print(f"{workload.name:15s} {row}", flush=True)
     return 0
 

@@ -5,7 +5,8 @@ code instead of running MLIR and LLVM (it never imports `mlir`).
 - Key: sha256 of the optimized IR text, the compile options, the flowjit, MLIR and LLVM versions,
   the CPU backend's own source, the host CPU (name, features) and its core count.
 - Entry file `<key>.fjo`: magic, header length + JSON header (entry symbol, workspace size, I/O
-  layout), payload length + object code, then the sha256 of everything before it. A file that is
+  layout, the length of each object), payload length + the objects (one per part the function was
+  compiled in, `parallel_codegen`), then the sha256 of everything before it. A file that is
   truncated, corrupt or of another format is deleted and rebuilt, never loaded.
 - Writes go to a unique temporary file in the same folder, then `os.replace`: readers see the old
   entry or the new one, and concurrent writers of one key never interleave.
@@ -24,16 +25,16 @@ from dataclasses import dataclass
 from flowjit.backends.cpu import toolchain
 from flowjit.backends.cpu.executable import Buffer, Layout
 
-MAGIC = b"FLOWJIT-CPU-OBJECT-1\n"
+MAGIC = b"FLOWJIT-CPU-OBJECT-2\n"
 _LENGTH = struct.Struct("<Q")
 _DIGEST = 32
 
 
 @dataclass(frozen=True)
 class Entry:
-    """What a cached function needs to run: object code and its calling layout."""
+    """What a cached function needs to run: object code (one object per part) and its calling layout."""
 
-    object_code: bytes
+    objects: tuple[bytes, ...]
     symbol: str
     workspace_bytes: int
     inputs: Layout
@@ -94,9 +95,11 @@ def encode(entry: Entry) -> bytes:
             "workspace_bytes": entry.workspace_bytes,
             "inputs": [[list(b.shape), b.dtype] for b in entry.inputs],
             "outputs": [[list(b.shape), b.dtype] for b in entry.outputs],
+            "objects": [len(o) for o in entry.objects],
         }
     ).encode()
-    body = MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(entry.object_code)) + entry.object_code
+    payload = b"".join(entry.objects)
+    body = MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(payload)) + payload
     return body + hashlib.sha256(body).digest()
 
 
@@ -120,8 +123,15 @@ def decode(data: bytes) -> Entry | None:
     def layout(items) -> Layout:
         return Layout(Buffer(tuple(shape), dtype) for shape, dtype in items)
 
+    sizes = header.get("objects")
+    if not isinstance(sizes, list) or sum(sizes) != payload_len:
+        return None
+    objects, start = [], pos
+    for size in sizes:
+        objects.append(body[start : start + size])
+        start += size
     return Entry(
-        body[pos:], header["symbol"], header["workspace_bytes"], layout(header["inputs"]), layout(header["outputs"])
+        tuple(objects), header["symbol"], header["workspace_bytes"], layout(header["inputs"]), layout(header["outputs"])
     )
 
 
@@ -147,7 +157,7 @@ def load(key: str) -> Entry | None:
 def store(key: str, entry: Entry) -> None:
     """Write the entry atomically; a cache that cannot be written is skipped silently (the code
     is already compiled in this process)."""
-    if not enabled() or not entry.object_code:
+    if not enabled() or not entry.objects:
         return
     folder = cache_dir()
     try:

@@ -6,6 +6,9 @@
     translate + llvmlite   LLVM IR, O3 for the host CPU                                  stage "llvm"
     MCJIT                  machine code in this process                                  stage "asm"
 
+A large module is optimized and compiled in parts, one per thread (`parallel_codegen`): the
+"llvm" and "asm" stages then show each part under a `; ---- part k of n` line.
+
 The MLIR half works on one in-memory module (`toolchain.lower_to_llvm_ir`); stage texts other than
 'mlir' are printed only when asked for. A compile-cache hit (see `cache.py`) skips everything but
 loading the object code: `mlir` is not even imported. Stages of a cached function are recomputed
@@ -18,7 +21,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import cache, toolchain
+from flowjit.backends.cpu import cache, parallel_codegen, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph
@@ -92,8 +95,9 @@ class Stages:
         self.options = options
         self.texts: dict[str, str] = {}
         self.mlir = None  # the MlirModule, when compiled in this process
-        self.module = None  # the optimized llvmlite module, when compiled in this process
-        self.tm = None
+        # The optimized module, when compiled in this process: [(llvmlite module, target machine)],
+        # one per part (`parallel_codegen`), the first defining the entry.
+        self.parts: list = []
         self.timings: dict[str, float] = {}  # seconds per phase of the last build
 
     def build(self, graph: Graph | None = None, keep_texts: bool = False) -> None:
@@ -107,10 +111,16 @@ class Stages:
         t1 = time.perf_counter()
         llvm_ir, llvm_dialect = toolchain.lower_to_llvm_ir(mlir.text, keep_text=keep_texts)
         t2 = time.perf_counter()
-        self.module, self.tm = toolchain.optimize(llvm_ir, mlir.entry, opt=self.options.opt_level)
-        toolchain.check_symbols(self.module)
+        opt = self.options.opt_level
+        pieces = parallel_codegen.split_llvm_ir(llvm_ir, parallel_codegen.threads())
+        if len(pieces) == 1:
+            self.parts = [toolchain.optimize(llvm_ir, mlir.entry, opt=opt)]
+        else:
+            self.parts = parallel_codegen.optimize_parts(pieces, mlir.entry, opt)
+        modules = [module for module, _ in self.parts]
+        toolchain.check_symbols(modules)
         expected = len(mlir.inputs) + len(mlir.outputs) + 1
-        found = len(list(self.module.get_function(mlir.entry).arguments))
+        found = len(list(modules[0].get_function(mlir.entry).arguments))
         if found != expected:  # a memref that missed the bare-pointer convention would crash the call
             raise CompileError(f"internal error: @{mlir.entry} takes {found} arguments; expected {expected} pointers")
         self.timings = {"lower": t1 - t0, "mlir": t2 - t1, "llvm-opt": time.perf_counter() - t2}
@@ -118,7 +128,23 @@ class Stages:
         self.texts["mlir"] = mlir.text
         if keep_texts:
             # Printed before code generation, which rewrites the module in place (CodeGenPrepare).
-            self.texts.update({"mlir-llvm": llvm_dialect, "llvm": str(self.module)})
+            self.texts.update({"mlir-llvm": llvm_dialect, "llvm": self._joined(lambda module, tm: str(module))})
+
+    def _joined(self, text_of) -> str:
+        """`text_of(module, tm)` of each part, under a header line when there are several."""
+        if len(self.parts) == 1:
+            return text_of(*self.parts[0])
+        n = len(self.parts)
+        return "".join(
+            f"; ---- part {k + 1} of {n} (optimized and compiled on a thread of its own) ----\n{text_of(*part)}"
+            for k, part in enumerate(self.parts)
+        )
+
+    def native(self) -> toolchain.NativeModule:
+        """Machine code for the built parts: MCJIT for one, objects made in parallel and linked for several."""
+        if len(self.parts) == 1:
+            return toolchain.jit_compile(*self.parts[0])
+        return toolchain.load_objects(tuple(parallel_codegen.emit_objects(self.parts)), self.mlir.entry)
 
     def __getitem__(self, stage: str) -> str:
         if stage not in self.NAMES:
@@ -127,7 +153,7 @@ class Stages:
             if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
                 self.build(keep_texts=True)
             if stage == "asm":
-                self.texts["asm"] = toolchain.emit_assembly(self.module, self.tm)
+                self.texts["asm"] = self._joined(toolchain.emit_assembly)
         return self.texts[stage]
 
     def __iter__(self):
@@ -160,15 +186,15 @@ def compile_cpu(graph: Graph, options: CompileOptions | None = None):
     if entry is None:
         stages.build(graph, keep_texts=dump.dump_dir() is not None)
         t0 = time.perf_counter()
-        native = toolchain.jit_compile(stages.module, stages.tm)
+        native = stages.native()
         stages.timings["codegen"] = time.perf_counter() - t0
         mlir = stages.mlir
         entry = cache.Entry(
-            native.object_code, mlir.entry, mlir.workspace_bytes, Layout.of(mlir.inputs), Layout.of(mlir.outputs)
+            native.objects, mlir.entry, mlir.workspace_bytes, Layout.of(mlir.inputs), Layout.of(mlir.outputs)
         )
         cache.store(key, entry)
     else:
-        native = toolchain.load_object(entry.object_code, entry.symbol)
+        native = toolchain.load_objects(entry.objects, entry.symbol)
     executable = CpuExecutable(native, entry, stages)
     if dump.dump_dir() is not None:
         for stage in Stages.NAMES:

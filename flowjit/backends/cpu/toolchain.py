@@ -1,8 +1,8 @@
 """The CPU toolchain: MLIR text -> MLIR pass pipeline -> LLVM IR -> llvmlite (host CPU, O3) ->
 native code, in process (MCJIT) or as an object file for ahead-of-time builds.
 
-Everything that touches `mlir` or `llvmlite` directly lives here, so the lowering code only deals
-in MLIR text. Recipes and their pitfalls are in shared/TOOLCHAIN.md; the ones that matter here:
+Everything that touches `mlir` or `llvmlite` directly lives here (and in `parallel_codegen`, which
+compiles a large module's parts on several threads), so the lowering code only deals in MLIR text. Recipes and their pitfalls are in shared/TOOLCHAIN.md; the ones that matter here:
 attribute aliases sit outside `module {}`; `eliminate-empty-tensors` precedes bufferization;
 `convert-ub-to-llvm` is required; the OpenMP runtime (`libiomp5` from the intel-openmp wheel) must
 be loaded before any module that calls `__kmpc_*` is finalized, or MCJIT segfaults silently.
@@ -308,21 +308,25 @@ def undefined_symbols(module) -> list[str]:
     return sorted(f.name for f in module.functions if f.is_declaration and not f.name.startswith("llvm."))
 
 
-def check_symbols(module) -> None:
-    """Raise unless every external the module calls resolves in this process (MCJIT would
-    segfault on the first call of an unresolved one instead of reporting it)."""
+def check_symbols(modules: list) -> None:
+    """Raise unless every external that `modules` (the parts of one function, linked together) call
+    resolves in this process (MCJIT would segfault on the first call of an unresolved one instead
+    of reporting it)."""
     binding = llvm()
-    missing = [name for name in undefined_symbols(module) if not binding.address_of_symbol(name)]
+    defined = {f.name for m in modules for f in m.functions if not f.is_declaration}
+    called = {name for m in modules for name in undefined_symbols(m)} - defined
+    missing = [name for name in sorted(called) if not binding.address_of_symbol(name)]
     if missing:
         raise CompileError(f"internal error: the generated code calls unresolved functions: {', '.join(missing)}")
 
 
 class NativeModule:
-    """Machine code loaded in this process; keeps the engine alive as long as functions are used."""
+    """Machine code loaded in this process; keeps the engine alive as long as functions are used.
+    `objects`: the object code it was loaded from (one object per part, `parallel_codegen`)."""
 
-    def __init__(self, engine, object_code: bytes):
+    def __init__(self, engine, objects: tuple[bytes, ...]):
         self.engine = engine
-        self.object_code = object_code
+        self.objects = objects
 
     def address(self, symbol: str) -> int:
         address = self.engine.get_function_address(symbol)
@@ -340,20 +344,22 @@ def jit_compile(module, tm) -> NativeModule:
         engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
         engine.finalize_object()
         engine.run_static_constructors()
-    return NativeModule(engine, captured.get("obj", b""))
+    return NativeModule(engine, (captured["obj"],) if "obj" in captured else ())
 
 
-def load_object(object_code: bytes, name: str) -> NativeModule:
-    """Load previously compiled object code (from the disk cache) without MLIR or LLVM optimization."""
+def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
+    """Load object code (from the disk cache, or the parts `parallel_codegen` compiled) into one
+    engine, which links the objects' references to each other, without MLIR or LLVM optimization."""
     binding = llvm()
     with _lock:
         empty = binding.parse_assembly("")
         empty.name = name
         empty.triple = host_cpu().triple
         engine = binding.create_mcjit_compiler(empty, target_machine())
-        engine.add_object_file(binding.ObjectFileRef.from_data(object_code))
+        for object_code in objects:
+            engine.add_object_file(binding.ObjectFileRef.from_data(object_code))
         engine.finalize_object()
-    return NativeModule(engine, object_code)
+    return NativeModule(engine, tuple(objects))
 
 
 def emit_assembly(module, tm) -> str:

@@ -1,0 +1,129 @@
+"""LLVM's half of a compile split into parts compiled on separate threads (`parallel_codegen`)."""
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.numpy as fnp
+from flowjit.backends.cpu import parallel_codegen
+from flowjit.errors import CompileError
+
+# A module as mlir-translate prints it: an entry, two outlined OpenMP bodies, a shared constant.
+_MODULE = """; ModuleID = 'LLVMDialectModule'
+source_filename = "LLVMDialectModule"
+
+@__constant_4xf32 = private constant [4 x float] [float 1.0, float 2.0, float 3.0, float 4.0]
+
+declare void @__kmpc_fork_call(ptr, i32, ptr, ...)
+
+define void @fj_f(ptr %0, ptr %1) {
+  call void (ptr, i32, ptr, ...) @__kmpc_fork_call(ptr null, i32 1, ptr @fj_f..omp_par, ptr %0)
+  call void (ptr, i32, ptr, ...) @__kmpc_fork_call(ptr null, i32 1, ptr @fj_f..omp_par.1, ptr %1)
+{filler}  ret void
+}
+
+define internal void @fj_f..omp_par(ptr noalias %tid.addr, ptr noalias %zero.addr, ptr %0) #0 {
+  %v = load float, ptr @__constant_4xf32, align 4
+{filler}  store float %v, ptr %0, align 4
+  ret void
+}
+
+define internal void @fj_f..omp_par.1(ptr noalias %tid.addr, ptr noalias %zero.addr, ptr %0) #0 {
+{filler}  ret void
+}
+
+attributes #0 = { nounwind }
+"""
+
+
+def _module(filler_lines: int, extra: str = "") -> str:
+    filler = "".join(f"  %f{i} = add i64 {i}, 1\n" for i in range(filler_lines))
+    return extra + _MODULE.replace("{filler}", filler)
+
+
+def test_outlined_bodies_go_to_other_parts_with_declarations():
+    parts = parallel_codegen.split_llvm_ir(_module(400), 2)
+    assert len(parts) == 2
+    entry, other = parts
+    assert "define void @fj_f(" in entry and "define void @fj_f(" not in other
+    # The body moved out is defined with external linkage where it lives and declared where it is used.
+    moved = "fj_f..omp_par" if "define void @fj_f..omp_par(" in other else "fj_f..omp_par.1"
+    assert f"define void @{moved}(" in other and f"declare void @{moved}(" in entry
+    # Module-level lines (the constant, declarations, attributes) are in every part.
+    for part in parts:
+        assert "@__constant_4xf32 = private constant" in part and "attributes #0" in part
+
+
+def test_parts_parse_and_link(monkeypatch):
+    parts = parallel_codegen.split_llvm_ir(_module(400), 2)
+    optimized = parallel_codegen.optimize_parts(parts, "fj_f", 3)
+    assert parallel_codegen.undefined_symbols([m for m, _ in optimized]) == ["__kmpc_fork_call"]
+    objects = parallel_codegen.emit_objects(optimized)
+    assert len(objects) == 2 and all(o.startswith(b"\x7fELF") for o in objects)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        _module(10),  # too small to pay
+        _module(400, extra="@counter = internal global i64 0\n"),  # a mutable global would be duplicated
+    ],
+    ids=["small", "mutable-global"],
+)
+def test_not_split(text):
+    assert parallel_codegen.split_llvm_ir(text, 2) == [text]
+
+
+def test_one_thread_means_no_split():
+    text = _module(400)
+    assert parallel_codegen.split_llvm_ir(text, 1) == [text]
+
+
+def test_threads_setting(monkeypatch):
+    monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "3")
+    assert parallel_codegen.threads() == 3
+    monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "many")
+    with pytest.raises(CompileError, match="FLOWJIT_COMPILE_THREADS must be a whole number; found 'many'"):
+        parallel_codegen.threads()
+
+
+def _loss(w1, w2, x):
+    h = fnp.tanh(x @ w1)
+    z = h @ w2
+    return fnp.mean(fnp.exp(z - fnp.max(z, axis=1, keepdims=True)))
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((256, 512)).astype(np.float32) * 0.05
+    w2 = rng.standard_normal((512, 256)).astype(np.float32) * 0.05
+    x = rng.standard_normal((512, 256)).astype(np.float32)
+    return w1, w2, x
+
+
+def test_split_compile_matches_one_thread(monkeypatch, tmp_path):
+    """A gradient with several parallel kernels compiles in two parts; same results as in one part,
+    and the two-object cache entry loads in a fresh compile."""
+    inputs = _inputs()
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "1")
+    single = fj.jit(fj.grad(_loss, argnums=(0, 1)))
+    expected = single(*inputs)
+    assert "; ---- part" not in single.lower(*inputs).as_text("llvm")
+
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWJIT_CACHE", "1")
+    monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "2")
+    split = fj.jit(fj.grad(_loss, argnums=(0, 1)))
+    compiled = split.lower(*inputs).compile()
+    assert len(compiled.executable.native.objects) == 2
+    llvm = split.lower(*inputs).as_text("llvm")
+    assert "; ---- part 1 of 2" in llvm and "; ---- part 2 of 2" in llvm
+    assert "; ---- part 2 of 2" in split.lower(*inputs).as_text("asm")
+    for got, want in zip(split(*inputs), expected):
+        np.testing.assert_array_equal(got, want)
+
+    again = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()  # a cache hit: two objects, linked
+    assert len(again.executable.native.objects) == 2 and not again.executable.stages.parts
+    for got, want in zip(again(*inputs), expected):
+        np.testing.assert_array_equal(got, want)
