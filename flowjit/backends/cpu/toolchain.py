@@ -2,7 +2,8 @@
 native code, in process (MCJIT) or as an object file for ahead-of-time builds.
 
 Everything that touches `mlir` or `llvmlite` directly lives here (and in `parallel_codegen`, which
-compiles a large module's parts on several threads), so the lowering code only deals in MLIR text. Recipes and their pitfalls are in shared/TOOLCHAIN.md; the ones that matter here:
+compiles a large module's parts on several threads), so the lowering code only deals in MLIR text.
+Recipes and their pitfalls are in shared/TOOLCHAIN.md; the ones that matter here:
 attribute aliases sit outside `module {}`; `eliminate-empty-tensors` precedes bufferization;
 `convert-ub-to-llvm` is required; the OpenMP runtime (`libiomp5` from the intel-openmp wheel) must
 be loaded before any module that calls `__kmpc_*` is finalized, or MCJIT segfaults silently.
