@@ -125,10 +125,12 @@ def split_llvm_ir(text: str, parts: int) -> list[str]:
 
 
 def _unlocked(name: str):
-    """The ctypes function under llvmlite's locking wrapper (releases the GIL, takes no lock)."""
+    """The ctypes function under llvmlite's locking wrapper (releases the GIL, takes no lock); the
+    wrapper itself (correct, but one part at a time) if a llvmlite release lays them out otherwise."""
     from llvmlite.binding import ffi
 
-    return getattr(ffi.lib, name)._cfn
+    wrapper = getattr(ffi.lib, name)
+    return getattr(wrapper, "_cfn", wrapper)
 
 
 @functools.cache
