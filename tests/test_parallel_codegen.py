@@ -127,3 +127,20 @@ def test_split_compile_matches_one_thread(monkeypatch, tmp_path):
     assert len(again.executable.native.objects) == 2 and not again.executable.stages.parts
     for got, want in zip(again(*inputs), expected):
         np.testing.assert_array_equal(got, want)
+
+
+def test_compiles_in_a_child_forked_after_a_split_compile(monkeypatch):
+    """The compile threads do not survive fork: a child must start its own instead of queueing work
+    on the parent's pool (which would hang)."""
+    import multiprocessing
+
+    parts = parallel_codegen.split_llvm_ir(_module(400), 2)
+    parallel_codegen.emit_objects(parallel_codegen.optimize_parts(parts, "fj_f", 1))  # the parent's pool
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        result = pool.apply_async(_objects_in_child, (parts,))
+        assert result.get(timeout=120) == 2
+
+
+def _objects_in_child(parts):
+    return len(parallel_codegen.emit_objects(parallel_codegen.optimize_parts(parts, "fj_f", 1)))

@@ -27,7 +27,6 @@ How:
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -133,9 +132,17 @@ def _unlocked(name: str):
     return getattr(wrapper, "_cfn", wrapper)
 
 
-@functools.cache
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="flowjit-llvm")
+    """This process's compile threads. Keyed by pid: a child forked after the pool started has
+    none of its threads, and work queued on the inherited pool would wait forever."""
+    pid = os.getpid()
+    pool = _pools.get(pid)
+    if pool is None:
+        pool = _pools[pid] = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="flowjit-llvm")
+    return pool
 
 
 def _parallel(fn, items: list) -> list:
