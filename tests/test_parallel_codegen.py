@@ -144,3 +144,30 @@ def test_compiles_in_a_child_forked_after_a_split_compile(monkeypatch):
 
 def _objects_in_child(parts):
     return len(parallel_codegen.emit_objects(parallel_codegen.optimize_parts(parts, "fj_f", 1)))
+
+
+_GC_SCRIPT = """
+import gc
+from flowjit.backends.cpu import parallel_codegen
+import test_parallel_codegen as t
+for _ in range(20):
+    parts = parallel_codegen.optimize_parts(parallel_codegen.split_llvm_ir(t._module(400), 2), "fj_f", 1)
+    module, _ = parts[1]
+    cycle = [module._context, module, parts]  # collected together, the context finalized first
+    cycle.append(cycle)
+    del parts, module, cycle
+    gc.collect()
+print("ok")
+"""
+
+
+def test_part_modules_and_their_contexts_die_together_in_any_order():
+    """A part's module and its LLVM context collected in one garbage cycle: the module must be
+    disposed of before the context (it crashed the interpreter when the context went first)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    out = subprocess.run([sys.executable, "-c", _GC_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -27,6 +27,7 @@ How:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -154,18 +155,39 @@ def _parallel(fn, items: list) -> list:
     return [first, *(f.result() for f in futures)]
 
 
+@functools.cache
+def _part_module_class():
+    from llvmlite.binding.module import ModuleRef
+
+    class PartModule(ModuleRef):
+        """A module that owns its LLVM context and disposes of the module first, then the context.
+        Left to the garbage collector separately, the two could be finalized in either order (both
+        are reachable only from the same cycle of compiled-function objects), and disposing of a
+        module whose context is gone crashes."""
+
+        def _dispose(self):
+            context = self._context
+            super()._dispose()
+            context._owned = False
+            context.close()
+
+    return PartModule
+
+
 def _optimize_part(job: tuple[str, str, int]):
     """Parse one part in a context of its own and run the O-level pipeline; (module, target machine)."""
     from llvmlite.binding import ffi
-    from llvmlite.binding.module import ModuleRef
 
     text, name, opt = job
     binding = toolchain.llvm()
     context = binding.create_context()
+    context._owned = True  # disposed by its module (`PartModule`), never on its own
     with ffi.OutputString() as error:
-        module = ModuleRef(_unlocked("LLVMPY_ParseAssembly")(context, c_char_p(text.encode()), error), context)
-        if error:
+        pointer = _unlocked("LLVMPY_ParseAssembly")(context, c_char_p(text.encode()), error)
+        if error or not pointer:
+            context._owned = False
             raise CompileError(f"internal error: LLVM IR of part '{name}' does not parse: {error}")
+    module = _part_module_class()(pointer, context)
     module.name = name
     module.triple = toolchain.host_cpu().triple
     tm = toolchain.target_machine()
