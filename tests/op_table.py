@@ -1221,6 +1221,36 @@ add_row(
 )
 
 
+def _fusion_rows_shared_exp_regions(dtype):
+    # Softmax: exp(x - max) is read by the row sum and by the division, so a row tile computes it
+    # once into the output's tile and divides it in place (37 rows: a loop and a last, larger tile).
+    t = TensorType((37, 1000), dtype)
+
+    def body(g, x):
+        peak = _op1(g, "broadcast", _op1(g, "reduce_max", x, axes=(1,)), shape=(37, 1000), dims=(0,))
+        e = _op1(g, "exp", _op1(g, "sub", x, peak))
+        total = _op1(g, "broadcast", _op1(g, "reduce_sum", e, axes=(1,)), shape=(37, 1000), dims=(0,))
+        return [_op1(g, "div", e, total)]
+
+    return [region("fused", [t], body)]
+
+
+def _fusion_rows_shared_exp_reference(x, dtype):
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+add_row(
+    "fusion-rows-shared-exp",
+    "fusion",
+    FLOATS,
+    lambda rng, d: [rand(rng, (37, 1000), d, -3, 3)],
+    _fusion_rows_shared_exp_reference,
+    attrs={"kind": "reduction"},
+    regions=_fusion_rows_shared_exp_regions,
+)
+
+
 # --- ops for differentiation: identities on values ---------------------------------------------------------
 
 for _shape in ELEMENTWISE_SHAPES:

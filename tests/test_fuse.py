@@ -226,22 +226,66 @@ def test_fused_reductions_over_3d_use_the_one_op_schedule(fn):
     _check_fused_equals_unfused(fn, (RNG.standard_normal((6, 50, 40)).astype(np.float32),), 1e-5)
 
 
-def _normalized_by_row_sum(v):
-    return v / fnp.sum(v, axis=1, keepdims=True)
+def _normalized_by_column_sum(v):  # whole-tensor kernels: the row loop nest takes trailing axes only
+    return v / fnp.sum(v, axis=0, keepdims=True)
 
 
 @pytest.mark.parametrize(
     "fn, generics",
     [
-        (lambda x: _normalized_by_row_sum(fnp.exp(x - 1.0)), 2),  # exp recomputed in the sum and the division
-        (lambda x: _normalized_by_row_sum(fnp.tanh(fnp.exp(fnp.log1p(fnp.abs(x)))) * fnp.sin(x)), 3),  # stored once
+        (lambda x: _normalized_by_column_sum(fnp.exp(x - 1.0)), 2),  # exp recomputed in the sum and the division
+        (lambda x: _normalized_by_column_sum(fnp.tanh(fnp.exp(fnp.log1p(fnp.abs(x)))) * fnp.sin(x)), 3),  # stored
     ],
     ids=["cheap_recomputed", "costly_stored"],
 )
 def test_cost_check_recomputes_cheap_values_and_stores_costly_ones(fn, generics):
     mlir = fj.jit(fn).lower(X).as_text("mlir")
+    assert "whole-tensor kernels" in mlir
     assert mlir.count("= linalg.generic") == generics
     _check_fused_equals_unfused(fn, (X,), 1e-5)
+
+
+# 103 rows: tiles of 8 and a last tile of more rows (its own copy of the tile body)
+@pytest.mark.parametrize("args", [(X,), (np.random.default_rng(1).standard_normal((103, 600)).astype(np.float32),)])
+def test_row_tile_stores_a_shared_math_value_in_its_output_tile(args):
+    """In a row tile, exp(x - 1), read by the row sum and by the division, is computed once into
+    the output's tile (3 generics: exp, sum, division); the division reads it from there and
+    overwrites it in place: its only input is the row sums, its `outs` the exp's result."""
+
+    def fn(x):
+        e = fnp.exp(x - 1.0)
+        return e / fnp.sum(e, axis=1, keepdims=True)
+
+    mlir = fj.jit(fn).lower(*args).as_text("mlir")
+    assert "row loop nest" in mlir
+    generics = [line.split(" = ")[0].strip() for line in mlir.splitlines() if "= linalg.generic" in line]
+    tiles = 2 if args[0].shape[0] % 8 else 1  # tiles of 8 rows and a last tile of more rows
+    assert len(generics) == 3 * tiles
+    lines = mlir.splitlines()
+    for exp, division in zip(generics[0::3], generics[2::3]):
+        line = next(line for line in lines if line.strip().startswith(f"{division} = linalg.generic"))
+        ins = line.split("ins(")[1].split(")")[0]
+        assert "," not in ins.split(":")[0], line  # the row sums only
+        view = next((ln.split(" = ")[0].strip() for ln in lines if f"tensor.expand_shape {exp} " in ln), exp)
+        assert f"outs({exp} :" in line or f"outs({view} :" in line, line
+    _check_fused_equals_unfused(fn, args, 1e-5)
+
+
+def test_row_tile_reads_a_stored_output_back_instead_of_recomputing_it():
+    """Cross-entropy with its gradient keeps exp(x - max) as an output of the row nest (the gradient
+    reads it after the batch mean): the tile computes it into its output tile once and the row sum
+    reads it from there. exp's polynomial is the module's only `math.roundeven`."""
+
+    def loss_and_grad(logits, labels):
+        return fj.value_and_grad(lambda z: nn.cross_entropy(z, labels))(logits)
+
+    mlir = fj.jit(loss_and_grad).lower(X, LABELS).as_text("mlir")
+    assert "row loop nest" in mlir
+    assert mlir.count("math.roundeven") == 1
+    got = fj.jit(loss_and_grad)(X, LABELS)
+    want = fj.jit(loss_and_grad, target="interpreter")(X, LABELS)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-9)
 
 
 def test_half_precision_and_bool_values_in_a_fused_loop():
