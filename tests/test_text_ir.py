@@ -482,3 +482,15 @@ def test_any_function_or_region_name_prints_parseably():
     assert text.startswith("func @my_fn_3_(") and "^loop_body_(" in text
     g.name = ""
     assert print_graph(assert_round_trip(g)).startswith("func @fn(")
+
+
+@pytest.mark.parametrize("name", ["add", "cond", "while", "constant", "dot_general"])
+def test_graph_copy_prints_the_same_and_shares_nothing(name):
+    graph = _example(name)
+    copy = graph.copy()
+    assert print_graph(copy) == print_graph(graph)
+    originals = {id(v) for op in graph.walk() for v in op.results} | {id(p) for p in graph.params}
+    copies = {id(v) for op in copy.walk() for v in op.results} | {id(p) for p in copy.params}
+    assert not originals & copies and {id(op) for op in graph.walk()}.isdisjoint(id(op) for op in copy.walk())
+    copy.ops.clear()  # passes rewrite copies in place; the original is untouched
+    assert graph.ops and print_graph(graph) == print_graph(_example(name))

@@ -611,15 +611,11 @@ class Lowered:
     def graph(self, stage: str = "optimized") -> Graph:
         """The IR at `stage` ('traced', 'optimized', or 'placement': placed and partitioned)."""
         if stage == "optimized" and stage not in self._graphs:
-            from flowjit.ir.parser import parse_graph
-
             # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
-            copy = parse_graph(print_graph(self._graphs["traced"]))
+            copy = self._graphs["traced"].copy()
             self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
         if stage == "placement" and stage not in self._graphs:
-            from flowjit.ir.parser import parse_graph
-
-            copy = parse_graph(print_graph(self.graph("optimized")))
+            copy = self.graph("optimized").copy()
             self._graphs["placement"] = run_pipeline(copy, PLACEMENT_PIPELINE, dump_name=self.name)
         if stage not in self._graphs:
             raise FlowjitValueError(f"no IR stage '{stage}'; IR stages are 'traced', 'optimized' and 'placement'")

@@ -100,6 +100,25 @@ class Graph:
     def result_types(self) -> list[TensorType]:
         return [r.type for r in self.results]
 
+    def copy(self, mapping: dict[Value, Value] | None = None) -> Graph:
+        """A structural copy: new values and ops (passes rewrite graphs in place), the same
+        attributes, locations and devices. `mapping` (old value -> new) is extended with this
+        graph's values; regions are copied with it, so a region may read values of its parents."""
+        mapping = {} if mapping is None else mapping
+        graph = Graph(self.name)
+        for p in self.params:
+            mapping[p] = graph.add_param(p.type, p.name_hint)
+        for op in self.ops:
+            regions = [region.copy(mapping) for region in op.regions]
+            operands = [mapping.get(v, v) for v in op.operands]
+            new = Op(op.name, operands, [r.type for r in op.results], op.attrs, op.loc, op.device, regions)
+            for old, value in zip(op.results, new.results):
+                value.name_hint = old.name_hint
+                mapping[old] = value
+            graph.ops.append(new)
+        graph.results = [mapping.get(v, v) for v in self.results]
+        return graph
+
     def walk(self) -> Iterator[Op]:
         """Every op, including those nested in regions, in program order."""
         for op in self.ops:

@@ -37,8 +37,6 @@ from flowjit.frontend.jit import PIPELINE, PLACEMENT_PIPELINE, VariableArg
 from flowjit.frontend.pytree import leaf_paths, tree_unflatten
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Value
-from flowjit.ir.parser import parse_graph
-from flowjit.ir.printer import print_graph
 from flowjit.passes.partition import PartitionPlan, graph_devices, short_device_name, split_partitions
 from flowjit.passes.registry import run_pipeline
 from flowjit.passes.state import functionalize_state
@@ -144,7 +142,7 @@ def functional_graph(lowered, frozen: dict | None):
     (`functionalize-state`), frozen variables replaced by constants, then optimized."""
     if not lowered.variables:
         return lowered.graph("optimized"), (), ()
-    graph = parse_graph(print_graph(lowered.graph("traced")))  # passes rewrite in place
+    graph = lowered.graph("traced").copy()  # passes rewrite in place
     n_params = len(graph.params)
     graph, layout = functionalize_state(graph)
     state_inputs = tuple(name for name, _ in layout.inputs)
@@ -256,7 +254,7 @@ def link(
 def partition_plan(graph: Graph) -> PartitionPlan | None:
     """`graph` placed and partitioned as `fj.jit` does it (stage "placement"), split per device;
     None when it runs on one device."""
-    placed = run_pipeline(parse_graph(print_graph(graph)), PLACEMENT_PIPELINE)
+    placed = run_pipeline(graph.copy(), PLACEMENT_PIPELINE)
     return split_partitions(placed) if len(graph_devices(placed)) > 1 else None
 
 

@@ -14,8 +14,6 @@ from flowjit.backends import Executable
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph
 from flowjit.ir.ops import STATEFUL, get_opdef
-from flowjit.ir.parser import parse_graph
-from flowjit.ir.printer import print_graph
 from flowjit.passes.state import StateLayout, functionalize_state
 
 
@@ -66,7 +64,7 @@ def compile_stateful(graph: Graph, options):
     from flowjit.backends.cpu.compiler import compile_cpu
 
     num_results = len(graph.results)
-    functional, layout = functionalize_state(parse_graph(print_graph(graph)))
+    functional, layout = functionalize_state(graph.copy())
     late = tuple(sorted({*options.late_outputs, *range(num_results, num_results + len(layout.outputs))}))
     inner = compile_cpu(functional, replace(options, late_outputs=late))
     return StatefulExecutable(inner, layout, num_results)
