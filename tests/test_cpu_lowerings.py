@@ -260,6 +260,18 @@ def test_matmul_kernel_batched_and_transposed():
     assert "linalg.transpose" not in mlir and "vector.shuffle" in mlir and "vector.fma" in mlir
 
 
+def test_matmul_kernel_k_loop_is_not_unrolled_by_llvm():
+    """The micro-kernel's k loop reaches LLVM with `llvm.loop.unroll.disable`: O3 fully unrolled a
+    short contraction (the CNN conv's K = 9) into 9x the FMAs. A block of 8 rows has a loop of 16
+    FMAs (2 vectors x 8 rows) at any vector width, 144 unrolled; LLVM may still unroll the loop
+    over the 4 blocks (64 FMAs, against 576 before)."""
+    a, b = data((32, 9), dt.float32, 1), data((9, 256), dt.float32, 2)
+    fn = fj.jit(lambda a, b: a @ b)
+    fmas = len(re.findall(r"call .*@llvm\.fmuladd", fn.lower(a, b).as_text("llvm")))
+    assert 0 < fmas < 9 * 16
+    np.testing.assert_allclose(fn(a, b), a @ b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("lead", "m", "n", "k", "dtype"),
     [

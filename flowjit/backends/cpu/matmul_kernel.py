@@ -100,6 +100,13 @@ PACK_A_MIN_PANELS = 4
 # long: the CNN's 3x3 conv on one channel (K = 9, 1568 panels) ran 7% slower that way (CPU time
 # 2.24-2.35 -> 2.44-2.53 ms), a deep one (K = 288) 13% faster (2.78-3.10 -> 2.67-2.68 ms).
 COLUMN_SPLIT_MIN_K = 64
+# On the micro-kernel's k loop: LLVM must not unroll it. It fully unrolled short contractions (the
+# CNN's K = 9: 144 FMAs where the loop has 16) for no speed (one core: 3-9% faster without), and
+# left long ones rolled anyway. Without it the CNN's optimized IR was 18% larger (see
+# docs/cpu-backend.md, "Compile time"). scf-to-cf copies the attribute to the loop's branch, which
+# becomes `!llvm.loop` metadata; it must be named `loop_annotation` (`llvm.br`'s own attribute):
+# named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
+NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
 
 
 class LoopWriter:
@@ -141,10 +148,11 @@ class LoopWriter:
         self.em.indent += "  "
         return result, iv, names
 
-    def close_for(self, yielded: list[str], types: list[str]) -> None:
+    def close_for(self, yielded: list[str], types: list[str], attributes: str = "") -> None:
+        """Close the innermost `open_for`, yielding `yielded`; `attributes` (e.g. `NO_UNROLL`) go on the loop."""
         self.em.line(f"scf.yield {', '.join(yielded)} : {', '.join(types)}")
         self.em.indent = self.em.indent[:-2]
-        self.em.line("}")
+        self.em.line(f"}} {{{attributes}}}" if attributes else "}")
 
 
 def _panel_ranges(s: MatmulShape) -> list[tuple[int, int, list[str]]]:
@@ -380,7 +388,7 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
         broadcast = em.op(f"vector.broadcast {scalar} : {s.elem} to {vec}")
         for c in range(nv):
             new.append(multiply_add_vectors(em, broadcast, b_vecs[c], acc_names[r * nv + c], vec, s.elem))
-    w.close_for(new, [vec] * len(new))
+    w.close_for(new, [vec] * len(new), NO_UNROLL)
     cur = t2
     for r in range(mr):
         row = w.add(i, w.index(r))
