@@ -342,8 +342,9 @@ class _FusionLowering:
         overwritten: dict[Value, int] = {}
         for k, v in enumerate(targets if reduction is None else ()):
             stored = self.in_place.get(v)
-            if stored in leaves and not space.flat and loop.shape == stored.type.shape:
-                outputs[k] = (self.tensors[stored], *outputs[k][1:])
+            if stored in leaves and loop.shape in (stored.type.shape, (stored.type.size,)):
+                tile = reshape_tensor(em, self.tensors[stored], stored.type, loop, elem=_storage(stored.dtype))
+                outputs[k] = (tile, *outputs[k][1:])
                 overwritten[stored] = k
         inputs = [i for i, v in zip(space.inputs, leaves) if v not in overwritten]
         read = [v for v in leaves if v not in overwritten]
