@@ -64,8 +64,8 @@ from flowjit.ir.ops.reduction import reduction_identity
 from flowjit.ir.types import TensorType
 
 RECOMPUTE_BUDGET = 24
-# In a row tile, a value read by several ops that costs this much (a math function) is stored in an
-# output's tile when one reads it (`_store_in_output`).
+# In a row tile, a value read by several ops that costs this much (a math function, or eight simple
+# ops) is stored in an output's tile when one reads it (`_store_in_output`).
 TILE_MATERIALIZE_COST = 8
 _REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
