@@ -151,10 +151,19 @@ def _pass_manager(pipeline: str):
     """A pass manager for `pipeline`. The MLIR verifier runs after every pass only with
     `FLOWJIT_VERIFY=1` (the test suite): it costs about a sixth of the pipelines' time. Without it
     the input is still verified when parsed and the result once at the end (`_verified`)."""
+    return _reused_pass_manager(pipeline, dump.verify_enabled())
+
+
+@functools.lru_cache(maxsize=16)
+def _reused_pass_manager(pipeline: str, verify: bool):
+    """One pass manager per pipeline and process (used under `_lock`): a pass manager initializes
+    its passes on its first run only (each canonicalize collects the patterns of every loaded op,
+    conversions build theirs), which took 1.0-1.5 ms of every compile, most of a tiny function's
+    MLIR half."""
     from mlir.passmanager import PassManager
 
-    pm = PassManager.parse(pipeline)
-    pm.enable_verifier(dump.verify_enabled())
+    pm = PassManager.parse(pipeline, context=mlir_context())
+    pm.enable_verifier(verify)
     return pm
 
 
