@@ -145,10 +145,11 @@ WHY_SLOWER: dict[str, str] = {
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
 WHY_FIRST_CALL = (
-    "The reason is compile time: the MLIR pipelines, LLVM's O3 pipeline and machine-code generation of the vectorized, "
-    "unrolled kernels scale with the generated code; `python benchmarks/compile_time.py` prints the CPU time "
-    "of each phase per workload and docs/cpu-backend.md ('Compile time (first call)') what was cut and what is "
-    "left (on a cache hit in a new process a first call costs tens of milliseconds)."
+    "The reason is compile time, which scales with the generated code: the MLIR pipelines (one thread: the "
+    "bindings hold the GIL and the module is one function), LLVM's O3 pipeline and machine-code generation "
+    "(split over the cores for large modules, `parallel_codegen`); `python benchmarks/compile_time.py` prints "
+    "each phase's CPU time per workload and docs/cpu-backend.md ('Compile time (first call)') what was cut and "
+    "what is left (on a cache hit in a new process a first call costs tens of milliseconds)."
 )
 
 
