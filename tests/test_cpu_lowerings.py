@@ -17,7 +17,7 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import lower_contraction, matmul_kernel
+from flowjit.backends.cpu import lower_contraction, matmul_kernel, toolchain
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
@@ -270,6 +270,31 @@ def test_matmul_kernel_k_loop_is_not_unrolled_by_llvm():
     fmas = len(re.findall(r"call .*@llvm\.fmuladd", fn.lower(a, b).as_text("llvm")))
     assert 0 < fmas < 9 * 16
     np.testing.assert_allclose(fn(a, b), a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_short_loops_are_unrolled_where_marked(monkeypatch):
+    """LLVM's pipeline unrolls only loops marked for it: the lowering marks short ones
+    (`schedule.FULL_UNROLL`: the im2col row's and the bias kernel's 2 vector steps, the pack's 9
+    steps, the kernel's 4 row blocks), which reach the LLVM IR as `llvm.loop.unroll.full` and are
+    all unrolled there. The conv output's transpose to NCHW copies whole 28 x 28 blocks (no
+    `linalg.transpose`, whose 28-element rows LLVM vectorized behind an alias check). One thread:
+    split over cores, the kernel's row blocks per thread are a runtime count, partly unrolled."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    x, w, b = data((12, 1, 28, 28), dt.float32, 1), data((32, 1, 3, 3), dt.float32, 2), data((32,), dt.float32, 3)
+    lowered = fj.jit(lambda x, w, b: nn.relu(nn.conv2d(x, w, b, padding=1))).lower(x, w, b)
+    mlir = lowered.as_text("mlir")
+    assert "linalg.transpose" not in mlir
+    unoptimized, _ = toolchain.lower_to_llvm_ir(mlir)
+    full = re.search(r'^(![0-9]+) = !\{!"llvm.loop.unroll.full"\}', unoptimized, re.M)
+    assert full is not None
+    loop_id = re.search(rf"^(![0-9]+) = distinct !\{{![0-9]+, {full[1]}\}}", unoptimized, re.M)[1]
+    assert len(re.findall(rf"!llvm.loop {loop_id}\b", unoptimized)) >= 4
+    assert "llvm.loop.unroll.full" not in lowered.as_text("llvm")
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    cols = np.stack([padded[:, 0, i : i + 28, j : j + 28] for i in range(3) for j in range(3)])
+    want = np.maximum(np.einsum("ok,knhw->nohw", w.reshape(32, 9), cols) + b.reshape(1, 32, 1, 1), 0)
+    np.testing.assert_allclose(lowered.compile()(x, w, b), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

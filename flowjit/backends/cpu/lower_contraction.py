@@ -17,7 +17,7 @@ import itertools
 
 import numpy as np
 
-from flowjit.backends.cpu import matmul_kernel
+from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
 from flowjit.backends.cpu.lowering import SCRATCH, lowering
@@ -135,16 +135,59 @@ def contraction_generic(
 
 
 def transpose(em: KernelEmitter, x: str, t: TensorType, perm: list[int], elem: str) -> tuple[str, TensorType]:
-    """`x` with its dims permuted (a copy), unless `perm` is the identity."""
+    """`x` with its dims permuted (a copy), unless `perm` is the identity. When trailing dims stay
+    in place (the conv output's (O, N, OH, OW) -> (N, O, OH, OW)), a copy of contiguous blocks
+    (`_copy_blocks`)."""
     if perm == sorted(perm):
         return x, t
     out = TensorType(tuple(t.shape[p] for p in perm), t.dtype)
+    kept = 0  # trailing dims in place
+    while perm[t.rank - 1 - kept] == t.rank - 1 - kept:
+        kept += 1
+    block = _prod(range(t.rank - kept, t.rank), t.shape)
+    if kept and elem in ("f32", "f64", "i32", "i64") and block >= matmul_kernel.vector_bits() // int(elem[1:]):
+        return _copy_blocks(em, x, t, perm[: t.rank - kept], block, elem), out
     empty = em.empty(out, elem)
     moved = em.op(
         f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({empty} : {tensor_type(out, elem)}) "
         f"permutation = [{', '.join(map(str, perm))}]"
     )
     return moved, out
+
+
+def _copy_blocks(em: KernelEmitter, x: str, t: TensorType, outer: list[int], block: int, elem: str) -> str:
+    """`x` with its leading dims permuted by `outer`, the trailing ones (`block` elements, contiguous
+    on both sides) kept: loops over the leading output dims, vector copies along the block. (As a
+    `linalg.transpose`, reshaped to (leading dims, block) or not, the fusion pass expands it back
+    and the inner loop ran over OW only: 28-element rows, which LLVM vectorized behind a runtime
+    alias check with a scalar remainder loop.)"""
+    lanes = matmul_kernel.vector_bits() // int(elem[1:])
+    vec = f"vector<{lanes}x{elem}>"
+    flat = TensorType((t.size,), t.dtype)
+    flat_type = tensor_type(flat, elem)
+    source = reshape(em, x, t, flat.shape, elem)
+    in_strides = _row_major_strides(t.shape)
+    out_shape = [t.shape[p] for p in outer] + list(t.shape[len(outer) :])
+    out_strides = _row_major_strides(out_shape)
+    w = matmul_kernel.LoopWriter(em)
+    pad = em.op(f"arith.constant {'0.0' if elem.startswith('f') else '0'} : {elem}")
+    carried, loops, src, dst = em.empty(flat, elem), [], w.index(0), w.index(0)
+    for d, p in enumerate(outer):
+        loop, iv, (carried,) = w.open_for(w.index(0), w.index(out_shape[d]), w.index(1), [(carried, flat_type)])
+        loops.append(loop)
+        src = w.add(src, w.mul(iv, w.index(in_strides[p])))
+        dst = w.add(dst, w.mul(iv, w.index(out_strides[d])))
+    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-block // lanes)), w.index(1), [(carried, flat_type)])
+    column = w.mul(j, w.index(lanes))
+    value = em.op(
+        f"vector.transfer_read {source}[{w.add(src, column)}], {pad} {{in_bounds = [false]}} : {flat_type}, {vec}"
+    )
+    moved = _store_chunk_and_close(
+        em, w, value, row_out, (dst, column, block), (lanes, vec), flat_type, [*loops, chunks]
+    )
+    result = reshape(em, moved, flat, tuple(out_shape), elem)
+    em.flat_views[result] = moved  # stored through a 1-D view of its buffer: no temporary + copy
+    return result
 
 
 def widen_tensor(em: KernelEmitter, x: str, t: TensorType, acc: str) -> str:
@@ -492,7 +535,8 @@ def _read_every_step(em, source: str, flat_in: TensorType, where: str, pad: str,
 def _store_chunk_and_close(em, w, value, row_out, position, vector, flat_type, loops):
     """Write one vector of a row at `position` = (row offset, column, row width), masked past the
     width, then close the chunk loop and its enclosing row loops (innermost last in `loops`);
-    returns the result of the outermost loop. `vector` = (lanes, its MLIR vector type)."""
+    returns the result of the outermost loop. `vector` = (lanes, its MLIR vector type). A chunk
+    loop of a few steps is unrolled (each step's mask is then a constant)."""
     out_offset, column, width = position
     lanes, vec = vector
     mask = em.op(f"vector.create_mask {em.op(f'arith.subi {w.index(width)}, {column} : index')} : vector<{lanes}xi1>")
@@ -500,9 +544,10 @@ def _store_chunk_and_close(em, w, value, row_out, position, vector, flat_type, l
         f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
         f": {vec}, {flat_type}"
     )
+    short = -(-width // lanes) <= schedule.MAX_UNROLLED_STEPS
     done = stored
-    for loop in reversed(loops):
-        w.close_for([done], [flat_type])
+    for k, loop in enumerate(reversed(loops)):
+        w.close_for([done], [flat_type], matmul_kernel.FULL_UNROLL if k == 0 and short else "")
         done = loop
     return done
 

@@ -22,7 +22,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu import schedule, toolchain
 from flowjit.backends.cpu.emitter import KernelEmitter
 
 # Below this many multiply-adds the product runs on one thread (an OpenMP fork costs microseconds).
@@ -107,6 +107,13 @@ COLUMN_SPLIT_MIN_K = 64
 # becomes `!llvm.loop` metadata; it must be named `loop_annotation` (`llvm.br`'s own attribute):
 # named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
+# On short loops of constant trip count that gain from unrolling: LLVM's pipeline unrolls only loops
+# marked so (`toolchain.optimization_pipeline`).
+FULL_UNROLL = f"loop_annotation = {schedule.FULL_UNROLL}"
+# Packing loops over k up to this long are unrolled (the CNN conv's K = 9).
+MAX_UNROLLED_PACK = 16
+# The loop over a panel's blocks of MR rows is unrolled up to this many blocks (the CNN conv's 32 rows).
+MAX_UNROLLED_ROW_BLOCKS = 4
 
 
 class LoopWriter:
@@ -201,7 +208,7 @@ def _pack_panel(w: LoopWriter, s: MatmulShape, b: str, batch_index, states, p: s
             v = em.op(f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{state}]}} : {s.b_tensor}, {vec}")
         where = f"{at}, {k}, {w.index(c * vl)}"
         cur = em.op(f"vector.transfer_write {v}, {cur}[{where}] {{in_bounds = [true]}} : {vec}, {dest_type}")
-    w.close_for([cur], [dest_type])
+    w.close_for([cur], [dest_type], FULL_UNROLL if s.k <= MAX_UNROLLED_PACK else "")
     return loop
 
 
@@ -400,7 +407,7 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
                 f"vector.transfer_write {acc}, {cur}[{row}, {w.add(col, w.index(c * vl))}] "
                 f"{{in_bounds = [{state}]}} : {vec}, {c_type}"
             )
-    w.close_for([cur], [c_type])
+    w.close_for([cur], [c_type], FULL_UNROLL if -(-s.m // mr) <= MAX_UNROLLED_ROW_BLOCKS else "")
     return rows
 
 

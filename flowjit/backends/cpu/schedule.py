@@ -22,6 +22,12 @@ from flowjit.backends.cpu.emitter import HOIST_MARK
 # kernels cannot win (docs/cpu-backend.md has the measurements).
 PARALLEL_MIN_ELEMENTS = 1 << 18
 ANY = "!transform.any_op"
+# LLVM's pipeline does not unroll loops on its own (`toolchain.optimization_pipeline`): a loop
+# with a short constant trip count is marked for full unrolling instead. The attribute name must
+# be `loop_annotation` (see `matmul_kernel.NO_UNROLL`).
+FULL_UNROLL = "#llvm.loop_annotation<unroll = <full = true>>"
+# Vector steps up to which a row's loop is unrolled.
+MAX_UNROLLED_STEPS = 4
 
 
 @functools.cache
@@ -47,6 +53,15 @@ def lanes(elem_bits: int) -> int:
 
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def unroll(loop: str) -> list[str]:
+    """Transform ops marking the `scf.for` handle `loop` for LLVM's full unrolling."""
+    param = f"%unroll{loop[1:]}"
+    return [
+        f"{param} = transform.param.constant {FULL_UNROLL} -> !transform.any_param",
+        f'transform.annotate {loop} "loop_annotation" = {param} : {ANY}, !transform.any_param',
+    ]
 
 
 def elementwise(n: int, elem_bits: int):
@@ -94,6 +109,8 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int):
             f"transform.structured.tile_using_for {h} tile_sizes [{tiles}] : ({ANY}) -> ({ANY}, {loops})",
             f"transform.structured.vectorize %vec{h[1:]} vector_sizes [{tiles}] : {ANY}",
         ]
+        if -(-shape[-1] // vl) <= MAX_UNROLLED_STEPS:
+            lines += unroll(f"%loop{rank - 1}{h[1:]}")
         return lines
 
     return steps

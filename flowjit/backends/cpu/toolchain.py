@@ -320,9 +320,13 @@ def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default"):
 
 
 def optimization_pipeline(tm, opt: int = 3):
-    """LLVM's O`opt` module pipeline for target machine `tm`: (module pass manager, pass builder)."""
+    """LLVM's O`opt` module pipeline for target machine `tm`: (module pass manager, pass builder).
+    Loop unrolling is off (it doubled LLVM's time on the large workloads): only loops carrying
+    forced unroll metadata are unrolled, the short ones the lowering marks (`schedule.FULL_UNROLL`;
+    docs/cpu-backend.md, "Compile time")."""
     binding = llvm()
     tuning = binding.create_pipeline_tuning_options(speed_level=opt)
+    tuning.loop_unrolling = False
     builder = binding.create_pass_builder(tm, tuning)
     return builder.getModulePassManager(), builder
 
