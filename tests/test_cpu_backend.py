@@ -430,3 +430,22 @@ def test_executable_rejects_wrong_arguments():
         executable.run([])
     strided = np.arange(6, dtype=np.float32)[::2]  # not contiguous: copied, still correct
     np.testing.assert_allclose(executable.run([strided])[0], np.exp(strided), rtol=1e-6)
+
+
+def _compile_in_child(seed: int) -> float:
+    x = np.random.default_rng(seed).standard_normal((256, 128)).astype(np.float32)
+    w = np.random.default_rng(seed + 1).standard_normal((128, 256)).astype(np.float32)
+    grad = fj.jit(fj.grad(lambda w, x: fnp.tanh(x @ w).sum()))
+    return float(np.abs(grad(w, x)).sum())
+
+
+def test_a_forked_child_compiles(monkeypatch):
+    """A child forked after the parent compiled (multiprocessing's default on Linux) compiles new
+    functions: no thread pool of the parent's (MLIR's, the LLVM part threads) is waited on. (The
+    child's first parse hung on MLIR's pool before the context was made without one.)"""
+    import multiprocessing
+
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")  # the children must compile, not load the parent's entry
+    expected = _compile_in_child(0)  # the parent has compiled: its MLIR context and pools exist
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        assert pool.map_async(_compile_in_child, [0, 0]).get(timeout=240) == [expected, expected]

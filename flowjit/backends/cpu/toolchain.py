@@ -146,10 +146,15 @@ def target_machine(reloc: str = "default", opt: int = 3):
 
 @functools.cache
 def mlir_context():
-    """One MLIR context per process (creating one costs milliseconds; parsing is guarded by a lock)."""
+    """One MLIR context per process (creating one costs milliseconds; parsing is guarded by a lock).
+    Without MLIR's thread pool: our module is one function, so the pool never had work to share, and
+    a process forked after the pool started has none of its threads, so the child's first parse
+    (parallel verification) waited on them forever."""
     from mlir import ir
 
-    return ir.Context()
+    context = ir.Context()
+    context.enable_multithreading(False)
+    return context
 
 
 def _pass_manager(pipeline: str):
