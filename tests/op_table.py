@@ -1251,6 +1251,56 @@ add_row(
 )
 
 
+def _tap(x, start, stride, shape):
+    """x[start::stride] cut to `shape`: the numpy reference of a slice."""
+    return x[tuple(slice(a, a + st * (n - 1) + 1, st) for a, st, n in zip(start, stride, shape))]
+
+
+def _slice_op(g, x, start, stride, shape):
+    limit = tuple(a + st * (n - 1) + 1 for a, st, n in zip(start, stride, shape))
+    return _op1(g, "slice", x, start=start, limit=limit, stride=stride)
+
+
+# Fused slices (strided views of a group input): taps (start, stride) of x and of a bool mask. `a`
+# is read by two members and returned as well (a copy of it is the group's result); the second
+# shape is large enough for the parallel, vectorized n-d schedule (unaligned and strided rows).
+_SLICE_FUSIONS = (
+    ((5, 6, 9), (3, 5, 3), ((0, 1, 0), (2, 1, 3)), ((1, 0, 2), (1, 1, 3)), ((2, 1, 0), (1, 1, 4))),
+    (
+        (4, 40, 66, 70),
+        (4, 40, 64, 33),
+        ((0, 0, 1, 1), (1, 1, 1, 2)),
+        ((0, 0, 2, 2), (1, 1, 1, 2)),
+        ((0, 0, 0, 3), (1, 1, 1, 1)),
+    ),
+)
+
+
+def _fusion_slices_regions(dtype, shape, out, ta, tb, tm):
+    def body(g, x, mask):
+        a, b = _slice_op(g, x, *ta, out), _slice_op(g, x, *tb, out)
+        return [_op1(g, "select", _slice_op(g, mask, *tm, out), a, b), _op1(g, "eq", a, b), a]
+
+    return [region("fused", [TensorType(shape, dtype), TensorType(shape, BOOL)], body)]
+
+
+def _fusion_slices_reference(x, mask, dtype, out, ta, tb, tm):
+    a, b = _tap(x, *ta, out), _tap(x, *tb, out)
+    return [np.where(_tap(mask, *tm, out), a, b), a == b, a]
+
+
+for _shape, _out, _ta, _tb, _tm in _SLICE_FUSIONS:
+    add_row(
+        f"fusion-slices-{_shape_id(_shape)}",
+        "fusion",
+        ALL,
+        lambda rng, d, s=_shape: [small_ints(rng, s, d, 0, 3), rand(rng, s, BOOL)],
+        lambda x, mask, dtype, o=_out, a=_ta, b=_tb, m=_tm: _fusion_slices_reference(x, mask, dtype, o, a, b, m),
+        attrs={"kind": "loop"},
+        regions=lambda dtype, s=_shape, o=_out, a=_ta, b=_tb, m=_tm: _fusion_slices_regions(dtype, s, o, a, b, m),
+    )
+
+
 # --- ops for differentiation: identities on values ---------------------------------------------------------
 
 for _shape in ELEMENTWISE_SHAPES:

@@ -491,3 +491,122 @@ def test_row_nest_falls_back_for_rows_too_long_to_stay_in_cache():
     x = RNG.standard_normal((4, 20000)).astype(np.float32)
     assert _row_nest_lines(_softmax, x) == ["// fusion: whole-tensor kernels (rows of 80000 bytes (above 65536))"]
     _check_fused_equals_unfused(_softmax, (x,), 1e-5)
+
+
+# --- slices: strided views of group inputs ---------------------------------------------------------
+
+
+def _depthwise(x, w):
+    return nn.conv2d(x, w, padding=1, groups=x.shape[1])
+
+
+_DW_X = RNG.standard_normal((2, 8, 11, 10)).astype(np.float32)
+_DW_W = RNG.standard_normal((8, 1, 3, 3)).astype(np.float32)
+_DIFF_X = RNG.standard_normal((6, 33)).astype(np.float32)
+
+
+def _slices_in_fusions(graph):
+    """Every slice inside a fusion body, after checking it reads a group input (a body param)."""
+    slices = [inner for op in _fusions(graph) for inner in op.regions[0].ops if inner.name == "slice"]
+    assert all(s.operands[0].producer is None for s in slices)
+    return slices
+
+
+def test_depthwise_conv_taps_fuse_as_views_of_the_padded_input():
+    graph = _optimized(_depthwise, _DW_X, _DW_W)
+    assert [op.name for op in graph.ops if op.name != "constant"] == ["pad", "fusion"]
+    assert len(_slices_in_fusions(graph)) == 18  # 9 taps of the padded x, 9 of the weights
+    lowered = fj.jit(_depthwise).lower(_DW_X, _DW_W)
+    assert lowered.as_text("optimized").count("= slice %") == 18
+    mlir = lowered.as_text("mlir")
+    # The taps are views read by the kernel's generic: none is copied; the one copy of that shape
+    # is the pad's (x into the interior). The 8-element weight taps, read by reshapes, still are.
+    views = [
+        line for line in mlir.splitlines() if "tensor.extract_slice" in line and "to tensor<2x8x11x10xf32>" in line
+    ]
+    copies = [line for line in mlir.splitlines() if "linalg.copy" in line and "2x8x11x10" in line]
+    assert (len(views), len(copies)) == (10, 1)
+    _check_fused_equals_unfused(_depthwise, (_DW_X, _DW_W), 1e-5)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x[:, 1:] - x[:, :-1],
+        lambda x: x[::2, 1::3] * x[1::2, ::3] + 1.0,
+        lambda x: fnp.where(x[:, 2:] > 0.0, x[:, 2:], fnp.exp(x[:, :-2])),
+        lambda x: fnp.tanh(x[1:4, 5:30:4] - 2.0 * x[2:5, 3:28:4]),
+    ],
+    ids=["difference", "strided", "read_twice", "window"],
+)
+def test_slices_of_a_param_fuse_into_one_kernel_without_copies(fn):
+    graph = _optimized(fn, _DIFF_X)
+    assert [op.name for op in graph.ops] == ["fusion"]
+    assert _slices_in_fusions(graph)
+    assert "linalg.copy" not in fj.jit(fn).lower(_DIFF_X).as_text("mlir")
+    _check_fused_equals_unfused(fn, (_DIFF_X,), 1e-5)
+
+
+def test_large_strided_slices_run_threaded_and_vectorized():
+    """Above the parallel threshold the n-d kernel over strided views takes `copy_nd`'s schedule."""
+    x = RNG.standard_normal((8, 130, 301)).astype(np.float32)
+
+    def fn(v):
+        return v[:, 1:, 2::3] * 0.5 + v[:, :-1, 1:-1:3]
+
+    mlir = fj.jit(fn).lower(x).as_text("mlir")
+    assert "linalg.copy" not in mlir
+    _check_fused_equals_unfused(fn, (x,), 1e-6)
+
+
+def test_a_slice_the_group_returns_is_stored_once_and_still_read_as_a_view():
+    def fn(x):
+        head = x[:, 1:]
+        return head, head - x[:, :-1], fnp.exp(head)
+
+    graph = _optimized(fn, _DIFF_X)
+    assert [op.name for op in graph.ops] == ["fusion"]
+    mlir = fj.jit(fn).lower(_DIFF_X).as_text("mlir")
+    assert mlir.count("linalg.copy") == 1
+    _check_fused_equals_unfused(fn, (_DIFF_X,), 1e-5)
+
+
+def test_a_slice_of_a_value_computed_in_the_group_does_not_fuse_with_it():
+    def fn(x):
+        e = fnp.exp(x)
+        return (e[:, 1:] + e[:, :-1]) * fnp.sum(e)
+
+    graph = _optimized(fn, _DIFF_X)
+    fusions = _fusions(graph)
+    assert len(fusions) == 2 and len(_slices_in_fusions(graph)) == 2
+    _check_fused_equals_unfused(fn, (_DIFF_X,), 1e-5)
+
+
+def test_a_reduction_of_sliced_values_keeps_the_one_op_summation():
+    """A sum over a difference of views: the difference is computed (n-d) and reduced on its own,
+    bit-identical to the unfused program."""
+
+    def fn(x):
+        return fnp.sum(fnp.abs(x[:, 1:] - x[:, :-1]), axis=1)
+
+    assert len(_fusions(_optimized(fn, _DIFF_X))) == 1
+    _check_fused_equals_unfused(fn, (_DIFF_X,), 1e-5)
+    _check_fused_equals_unfused(fn, (_ROWS,), 1e-4)
+
+
+def test_depthwise_conv_gradient_with_fused_slices():
+    def loss(x, w):
+        return fnp.sum(_depthwise(x, w) ** 2)
+
+    _check_fused_equals_unfused(fj.grad(loss, argnums=(0, 1)), (_DW_X, _DW_W), 1e-4)
+
+
+def test_slices_read_by_a_row_loop_nest_are_its_inputs():
+    """The nest reads whole tiles of its inputs: slices read in it are copied once, before it."""
+
+    def fn(x):
+        return nn.softmax(x[:, 1:] - x[:, :-1], axis=-1)
+
+    assert [op.name for op in _optimized(fn, _ROWS).ops] == ["fusion"]
+    assert "row loop nest" in _row_nest_lines(fn, _ROWS)[0]
+    _check_fused_equals_unfused(fn, (_ROWS,), 1e-5)

@@ -10,12 +10,19 @@ What fuses (legality comes from op families):
 - a contraction (`dot_general`, `conv2d`) with its elementwise consumers (bias, activation): the
   epilogue. A contraction never takes fused producers (its operands stay materialized) and a group
   holds at most one.
+- a static `slice` (any start, limit, stride) of a value read from outside the group (a
+  parameter, the pad of a depthwise convolution, another group's result), with the elementwise
+  ops that read it: the kernel reads it as a strided view of that input, so no slice is copied
+  (a depthwise conv's 9 taps, `x[:, 1:] - x[:, :-1]`). A slice never takes fused producers, and
+  no merge may bring the producer of a member slice's operand into its group (`_slices_of_inputs`):
+  that value would have to be stored first, or recomputed at shifted indices. A slice the group
+  also returns is copied once, as its result.
 - a value a kernel would have to store between two members (a contraction's result, an
   elementwise value read by a reshape) stays inside a group only up to `MAX_INTERNAL_BYTES`;
   larger ones are group boundaries (see `_streamable`).
 
 What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
-other movement ops (transpose, slice, gather, ...), pooling, argmax/argmin; ops with different
+other movement ops (transpose, dynamic_slice, pad, gather, ...), pooling, argmax/argmin; ops with different
 device constraints (so a group never crosses a device boundary); and a merge that would force an
 effectful op or a region op to move past the group (an effect that reads a value of the group
 before the group's last op), or that would make the grouped graph cyclic.
@@ -71,7 +78,7 @@ def op_kind(op: Op) -> str | None:
     """'loop', 'reduction' or 'output' for an op the pass may fuse; None for one it never fuses."""
     if op.regions or get_opdef(op.name).effectful:
         return None
-    if op.name in _pointwise_ops() | {"broadcast", "reshape", "iota"}:
+    if op.name in _pointwise_ops() | {"broadcast", "reshape", "iota", "slice"}:
         return "loop"
     if op.name in REDUCTIONS:
         return "reduction"
@@ -85,6 +92,8 @@ def _merged_kind(producer: str, consumer: str, consumer_op: Op) -> str | None:
     (which reads the producer's value); None when they must stay apart."""
     if consumer_op.name in ops_in(CONTRACTION):
         return None  # contractions read materialized operands (packing, tiling)
+    if consumer_op.name == "slice":
+        return None  # a slice is a view of a group input, never of a value the group computes
     kinds = {producer, consumer}
     if kinds <= {"loop", "reduction"}:
         return "reduction" if "reduction" in kinds else "loop"
@@ -97,7 +106,8 @@ def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     """Whether a kernel can pass `value` from `producer` to `consumer` without storing it: an
     elementwise value read by elementwise ops or reductions (computed in their loop), a broadcast
     or reshape read by elementwise ops (an indexing map, a view), an iota read by elementwise ops
-    (an index: cross-entropy's one-hot compare stores no [batch, classes] int64 tensor). Anything
+    (an index: cross-entropy's one-hot compare stores no [batch, classes] int64 tensor), a slice
+    read by elementwise ops (a strided view of a group input). Anything
     else (a contraction's result, an elementwise value read by a reshape) is a temporary inside the
     kernel, allowed up to `MAX_INTERNAL_BYTES`: above that the value is better a group boundary,
     stored in the planned workspace, than a per-call allocation."""
@@ -106,7 +116,15 @@ def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     pointwise = _pointwise_ops()
     if producer.name in pointwise:
         return consumer.name in pointwise or consumer.name in REDUCTIONS
-    return producer.name in ("broadcast", "reshape", "iota") and consumer.name in pointwise
+    return producer.name in ("broadcast", "reshape", "iota", "slice") and consumer.name in pointwise
+
+
+def _slices_of_inputs(members: list[Op]) -> bool:
+    """Whether every slice among `members` reads a value from outside them (a group input). A
+    kernel reads such a slice as a strided view of its input buffer; a slice of a value the group
+    computes would have to be stored first, or recomputed per element at shifted indices."""
+    computed = {r for op in members for r in op.results}
+    return all(op.operands[0] not in computed for op in members if op.name == "slice")
 
 
 def _pointwise_ops() -> frozenset[str]:
@@ -150,6 +168,8 @@ class _Grouping:
             return
         kind = _merged_kind(self.kind[source], self.kind[target], consumer)
         if kind is None or not self._streams(self.members[source], self.members[target]):
+            return
+        if not _slices_of_inputs(self.members[source] + self.members[target]):
             return
         if not self._can_merge(self.members[source] + self.members[target], consumer):
             return

@@ -218,7 +218,7 @@ class _FusionLowering:
                     self._emit_generic([op.result])
             elif self._fusable_reduction(op):
                 self._emit_generic([op.operands[0]], reduction=op)
-            elif op.name not in ("constant", "broadcast"):  # those are lowered when a tensor is needed
+            elif op.name not in ("constant", "broadcast", "slice"):  # those are lowered when a tensor is needed
                 self._lower_member(op)
         pending: dict[tuple, list[Value]] = {}
         for v in self.body.results:
@@ -254,7 +254,11 @@ class _FusionLowering:
         if op.name not in _REDUCE_KINDS or not op.attrs["axes"]:
             return False
         (x,) = op.operands
-        return self._inline(x) and x.dtype in (dt.float32, dt.float64)
+        if not (self._inline(x) and x.dtype in (dt.float32, dt.float64)):
+            return False
+        # Over a strided view the loop cannot take the one-op lowering's collapsed (A, R, B) form,
+        # nor its schedule and summation order: x is computed first, then reduced on its own.
+        return not any(map(self._view, self._collect([x])[1]))
 
     def _collect(self, targets: list[Value]) -> tuple[list[Op], list[Value], list[Value]]:
         """The pointwise ops computing `targets` (in order) and what they read: tensors, splats."""
@@ -287,6 +291,8 @@ class _FusionLowering:
         em = self.em
         dims = [f"d{i}" for i in range(len(shape))]
         op = v.producer
+        if self._view(v):
+            return self._slice_view(v), tensor_type(v.type, _storage(v.dtype)), em.identity_map(len(shape))
         if op is None or op.name != "broadcast" or v in self.tensors:
             tensor = self.tensor(v)
             if v.dtype.is_bool:
@@ -302,6 +308,26 @@ class _FusionLowering:
         tensor = reshape_tensor(em, tensor, source.type, squeezed, elem=elem)
         input_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(f'd{d}' for _, d in kept)})")
         return tensor, tensor_type(squeezed, elem), input_map
+
+    def _view(self, v: Value) -> bool:
+        """Whether leaf `v` is a slice not stored yet: the generic reads it as a strided view."""
+        op = v.producer
+        return op is not None and op.name == "slice" and v not in self.tensors and op.operands[0].type.rank > 0
+
+    def _slice_view(self, v: Value) -> str:
+        """Slice `v` as a `tensor.extract_slice` of its source (a group input): it bufferizes to a
+        `memref.subview`, so the generic reading it reads the input in place, nothing copied."""
+        op = v.producer
+        source = op.operands[0]
+        tensor = self.tensor(source)
+        if source.dtype.is_bool:
+            tensor = bool_to_bytes(self.em, tensor, source.type)
+        start, stride = op.attrs["start"], op.attrs["stride"]
+        return self.em.op(
+            f"tensor.extract_slice {tensor}[{', '.join(map(str, start))}] [{', '.join(map(str, v.type.shape))}] "
+            f"[{', '.join(map(str, stride))}] : {tensor_type(source.type, _storage(source.dtype))} "
+            f"to {tensor_type(v.type, _storage(v.dtype))}"
+        )
 
     def _uncovered_dims(self, leaves: list[Value], shape: tuple[int, ...]) -> set[int]:
         """Loop dimensions that no leaf's indexing map reads (see `_input`)."""
@@ -398,7 +424,9 @@ class _FusionLowering:
             # maps are not invertible): read the first leaf stored, through the identity map.
             self.tensor(leaves[0])
             inputs[0] = self._input(leaves[0], shape)
-        broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs)
+        # A strided view cannot be collapsed without a copy: such a generic iterates n-d, like one
+        # that broadcasts (rows split over cores, the last dimension vectorized: `copy_nd`).
+        broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs) or any(map(self._view, leaves))
         if reduction is not None:
             normal = None if broadcasting else self._normal_form(reduction, shape)
             if normal is None:
