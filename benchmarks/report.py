@@ -141,6 +141,11 @@ WHY_SLOWER_AT_MEDIAN = (
     "an idle pause'); on a machine shared with other jobs the same happens whenever the worker was descheduled."
 )
 WHY_SLOWER: dict[str, str] = {
+    "matmul1024": "back to back flowjit is the faster (medians 4.92-5.44 vs JAX 5.31-5.79 ms, `python "
+    "benchmarks/idle_pause.py --pause 0`, two runs); after the harness's 0.25 s pauses the OpenMP worker, "
+    "asleep after 1 ms (KMP_BLOCKTIME), joins late and the static split waits for its half, which varies from "
+    "run to run (`python benchmarks/idle_pause.py`: flowjit 9.24 and 6.83 ms against JAX 7.68 and 9.07 ms in "
+    "two runs; docs/cpu-backend.md, 'Threads after an idle pause').",
     "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
