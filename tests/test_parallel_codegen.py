@@ -171,3 +171,16 @@ def test_part_modules_and_their_contexts_die_together_in_any_order():
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
     out = subprocess.run([sys.executable, "-c", _GC_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def _names(part: str, prefix: str) -> set[str]:
+    return {line.split("@")[1].split("(")[0] for line in part.splitlines() if line.startswith(prefix)}
+
+
+def test_more_threads_than_outlined_bodies():
+    parts = parallel_codegen.split_llvm_ir(_module(400), 8)
+    assert len(parts) == 3  # the entry's part and one per outlined body
+    for part in parts:
+        defined, declared = _names(part, "define "), _names(part, "declare void @fj")
+        assert len(defined) == 1 and not defined & declared
+    assert "declare void @fj_f..omp_par(" in parts[0] and "declare void @fj_f..omp_par.1(" in parts[0]

@@ -114,9 +114,10 @@ def split_llvm_ir(text: str, parts: int) -> list[str]:
         load[k] += len(f.lines)
     if max(load) > MAX_PART_SHARE * sum(load):
         return [text]
+    groups = [group for group in groups if group]  # fewer outlined bodies than threads
     home = {f.name: k for k, group in enumerate(groups) for f in group}
     modules = []
-    for k, group in enumerate(g for g in groups if g):
+    for k, group in enumerate(groups):
         body = [line for f in group for line in f.definition()]
         used = set(_SYMBOL.findall("\n".join(body)))
         declarations = [f.declaration() for f in functions if f.name in used and home[f.name] != k]
