@@ -7,7 +7,7 @@
     MCJIT                  machine code in this process                                  stage "asm"
 
 A large module is optimized and compiled in parts, one per thread (`parallel_codegen`): the
-"llvm" and "asm" stages then show each part under a `; ---- part k of n` line.
+"llvm" and "asm" stages then show each part under a `---- part k of n` comment line.
 
 The MLIR half works on one in-memory module (`toolchain.lower_to_llvm_ir`); stage texts other than
 'mlir' are printed only when asked for. A compile-cache hit (see `cache.py`) skips everything but
@@ -128,15 +128,15 @@ class Stages:
         self.texts["mlir"] = mlir.text
         if keep_texts:
             # Printed before code generation, which rewrites the module in place (CodeGenPrepare).
-            self.texts.update({"mlir-llvm": llvm_dialect, "llvm": self._joined(lambda module, tm: str(module))})
+            self.texts.update({"mlir-llvm": llvm_dialect, "llvm": self._joined(lambda module, tm: str(module), ";")})
 
-    def _joined(self, text_of) -> str:
-        """`text_of(module, tm)` of each part, under a header line when there are several."""
+    def _joined(self, text_of, comment: str) -> str:
+        """`text_of(module, tm)` of each part, under a `comment` header line when there are several."""
         if len(self.parts) == 1:
             return text_of(*self.parts[0])
         n = len(self.parts)
         return "".join(
-            f"; ---- part {k + 1} of {n} (optimized and compiled on a thread of its own) ----\n{text_of(*part)}"
+            f"{comment} ---- part {k + 1} of {n} (optimized and compiled on a thread of its own) ----\n{text_of(*part)}"
             for k, part in enumerate(self.parts)
         )
 
@@ -153,7 +153,7 @@ class Stages:
             if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
                 self.build(keep_texts=True)
             if stage == "asm":
-                self.texts["asm"] = self._joined(toolchain.emit_assembly)
+                self.texts["asm"] = self._joined(toolchain.emit_assembly, "#")
         return self.texts[stage]
 
     def __iter__(self):
