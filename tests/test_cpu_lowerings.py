@@ -297,6 +297,26 @@ def test_short_loops_are_unrolled_where_marked(monkeypatch):
     np.testing.assert_allclose(lowered.compile()(x, w, b), want, rtol=1e-4, atol=1e-4)
 
 
+def test_small_nd_kernels_with_short_rows_are_unrolled(monkeypatch):
+    """A fused n-d kernel below `schedule.PARALLEL_MIN_ELEMENTS` with rows of a few vectors (the
+    CNN's bias + relu at batch 4) gets the one-thread `copy_nd` schedule, whose row loop reaches the
+    LLVM IR marked `llvm.loop.unroll.full` and is unrolled there (without a schedule LLVM made each
+    28-element row a vector loop plus a scalar remainder loop). Strided views keep no schedule."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    x, b = data((4, 32, 28, 28), dt.float32, 1), data((32,), dt.float32, 2)
+    lowered = fj.jit(lambda x, b: nn.relu(x + b.reshape(1, 32, 1, 1))).lower(x, b)
+    mlir = lowered.as_text("mlir")
+    assert "fj.kernel" in mlir and "scf.forall" not in mlir  # small: one thread
+    unoptimized, _ = toolchain.lower_to_llvm_ir(mlir)
+    assert re.search(r'^![0-9]+ = !\{!"llvm.loop.unroll.full"\}', unoptimized, re.M)
+    assert "llvm.loop.unroll.full" not in lowered.as_text("llvm")
+    np.testing.assert_array_equal(lowered.compile()(x, b), np.maximum(x + b.reshape(1, 32, 1, 1), 0))
+    strided = fj.jit(lambda x: x[:, :, :, ::2] * 2.0 + x[:, :, :, 1::2]).lower(x)
+    assert "fj.kernel" not in strided.as_text("mlir")
+    np.testing.assert_array_equal(strided.compile()(x), x[:, :, :, ::2] * 2.0 + x[:, :, :, 1::2])
+
+
 @pytest.mark.parametrize(
     ("lead", "m", "n", "k", "dtype"),
     [

@@ -87,14 +87,22 @@ def elementwise(n: int, elem_bits: int):
     return steps
 
 
-def copy_nd(shape: tuple[int, ...], elem_bits: int):
-    """An n-d kernel (e.g. a broadcast): rows split over cores, the last dimension vectorized."""
+def short_rows(shape: tuple[int, ...], elem_bits: int) -> bool:
+    """Whether an n-d kernel's rows are at most `MAX_UNROLLED_STEPS` vectors: `copy_nd` then unrolls
+    the row loop, and the lowerings give such kernels that schedule even when small (LLVM, not
+    unrolling, would run a vector loop plus a scalar remainder loop per row)."""
+    return len(shape) > 1 and -(-shape[-1] // lanes(elem_bits)) <= MAX_UNROLLED_STEPS
+
+
+def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
+    """An n-d kernel (e.g. a broadcast): rows split over cores (unless not `parallel`), the last
+    dimension vectorized, its loop unrolled when short."""
     vl = lanes(elem_bits)
     rank = len(shape)
 
     def steps(h: str) -> list[str]:
         lines = []
-        if threads() > 1 and shape[0] > 1:
+        if parallel and threads() > 1 and shape[0] > 1:
             chunk = -(-shape[0] // threads())
             sizes = ", ".join([str(chunk)] + ["0"] * (rank - 1))
             lines.append(
