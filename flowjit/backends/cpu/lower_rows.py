@@ -337,8 +337,8 @@ def _grouped(em: KernelEmitter, tensor: str, v: Value, nest: RowNest) -> str:
     kind, t = nest.kinds[v], v.type
     lead = len(nest.lead)
     groups = [list(range(lead)), list(range(lead, t.rank))] if kind == FULL else [list(range(t.rank))]
-    if t.rank == 0 or all(len(g) == 1 for g in groups):
-        return tensor
+    if t.rank == 0 or kind == SCALAR or all(len(g) == 1 for g in groups):
+        return tensor  # a scalar (one element of any rank) is read as it is
     elem = memory_elem_type(v.dtype)
     reassociation = ", ".join(f"[{', '.join(str(i) for i in g)}]" for g in groups)
     view = tensor_type(_whole_type(v, kind, nest), elem)
