@@ -616,3 +616,15 @@ def test_literals_written_into_strided_views_compile(fn):
     # calls the unlinked memrefCopy; insert_into copies literals into a buffer of their own first.
     w = np.arange(18, dtype=np.float32).reshape(2, 1, 3, 3)
     np.testing.assert_allclose(fj.jit(fn)(w), fj.jit(fn, target="interpreter")(w), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (3, 28), (600, 1000)], ids=["tiny", "small-rows", "parallel"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_integer_abs_in_nd_kernels(shape, dtype):
+    """Integer abs in n-d kernels (2-d vectors): it compiled to `math.absi`, which the LLVM conversion
+    left unconverted on 2-d vectors; the minimum value stays itself, as in numpy."""
+    info = np.iinfo(dtype)
+    x = np.linspace(-1000, 1000, shape[-1]).astype(dtype)
+    x[0], x[-1] = info.min, info.max
+    f = fj.jit(lambda x: fnp.abs(fnp.broadcast_to(x, shape)))
+    np.testing.assert_array_equal(f(x), np.abs(np.broadcast_to(x, shape)))

@@ -190,7 +190,12 @@ def _neg(b: ScalarBuilder, x: str, e: str) -> str:
 
 
 def _abs(b: ScalarBuilder, x: str, e: str) -> str:
-    return b.op(f"math.absi {x} : {e}") if e.startswith("i") else b.op(f"math.absf {x} : {e}")
+    # Integers: max(x, -x) (the minimum value stays itself, as numpy's). Not `math.absi`: on the
+    # 2-d vectors of n-d kernels (vector<1x16xi32>) MathToLLVM leaves it unconverted ("failed to
+    # legalize 'math.absi'"), which failed every int abs kernel with a `copy_nd` schedule.
+    if e.startswith("i"):
+        return b.op(f"arith.maxsi {x}, {_neg(b, x, e)} : {e}")
+    return b.op(f"math.absf {x} : {e}")
 
 
 _UNARY = {
