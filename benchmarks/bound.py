@@ -1,6 +1,6 @@
 """Is a memory-bound workload held back by memory or by compute? `python benchmarks/bound.py [NAME...]`.
 
-For each named workload whose machine limit is memory bandwidth (default: elementwise, softmax), runs
+For each named workload whose machine limit is memory bandwidth (default: all of `SCALES`), runs
 flowjit back to back (no pause) on the full size and on sizes scaled down until the data stays in
 cache, and prints the time per element next to the traffic limit's (compulsory bytes per element
 over the measured bandwidth, `machine.measure`). A time per element well above the limit even on
@@ -21,7 +21,11 @@ from machine import measure
 from workloads import WORKLOADS
 
 # How each workload's full size is scaled down: the size key and the factors applied to it.
-SCALES = {"elementwise": ("n", (1 / 256, 1 / 64, 1 / 16, 1)), "softmax": ("rows", (1 / 64, 1 / 16, 1 / 4, 1))}
+SCALES = {
+    "elementwise": ("n", (1 / 256, 1 / 64, 1 / 16, 1)),
+    "softmax": ("rows", (1 / 64, 1 / 16, 1 / 4, 1)),
+    "layernorm": ("rows", (1 / 64, 1 / 16, 1 / 4, 1)),
+}
 
 
 def _best_per_call(fn, inputs, budget_s: float = 0.3) -> float:
