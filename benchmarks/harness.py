@@ -9,10 +9,18 @@ Peers disturb each other too: after a call, a library's worker threads keep spin
 this machine numpy's BLAS spinning doubled the time of a flowjit call right after it. So each round
 runs the peers in a fresh random order (no peer always follows the same one), and a sample starts
 only after a pause of `settle_s`, long enough for the previous peer's threads to go to sleep.
+
+Peers also leave garbage: torch.compile's graphs and tensors sit in reference cycles that only
+Python's cyclic collector frees, and it ran inside whichever call next allocated enough, freeing
+another peer's tensors on that peer's clock (flowjit's layer-norm first call measured ~400 ms in
+the full suite, 65-90 ms alone: its compile triggered the collection of softmax's torch.compile
+garbage). So garbage is collected before every timed call or sample, outside the timing (as pyperf
+does between runs).
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import statistics
@@ -128,6 +136,7 @@ def run_peers(
         try:
             fn = peer.make()
             args = [peer.to_native(a) for a in inputs]
+            gc.collect()
             time.sleep(policy.settle_s)
             start = time.perf_counter()
             out = peer.block(fn(*args))
@@ -178,6 +187,7 @@ def _interleave(calls: dict, results: dict[str, PeerResult], policy: TimingPolic
             break
         for name in order.sample(names, len(names)):
             call, inner = calls[name], results[name].inner
+            gc.collect()
             time.sleep(policy.settle_s)
             t0 = time.perf_counter()
             for _ in range(inner):

@@ -183,14 +183,6 @@ WHY_LIMIT: dict[str, str] = {
     "multiply-adds per output (1 input channel, 3x3), then bias, relu, pooling and a 6272x10 dense layer, "
     "all memory- or latency-bound at this size.",
 }
-# First calls measured differently in the full suite than alone, not explained yet.
-FIRST_CALL_NOTES: dict[str, str] = {
-    "layernorm": "alone 65-90 ms (`python benchmarks/run.py --only layernorm`); ~400 ms only after the "
-    "workloads before it with every peer (reproduced with `--only elementwise,matmul1024,matmul2048,softmax,"
-    "layernorm --quick`, not with JAX or torch.compile left out); not garbage collection and no other busy "
-    "Python thread (only an idle tqdm monitor was sampled during it), and wrapping the call to profile it "
-    "makes it fast again",
-}
 WHY_FIRST_CALL = (
     "The reason is compile time, which scales with the generated code: the MLIR pipelines (one thread: the "
     "bindings hold the GIL and the module is one function), LLVM's O3 pipeline and machine-code generation "
@@ -228,10 +220,9 @@ def shortfalls(runs: list[WorkloadRun], limits: Limits) -> list[str]:
                 f"({fmt_time(fj_r.median_s)} vs {fmt_time(other.median_s)}). " + (why or "No measured explanation yet.")
             )
         if jax_r and fj_r.first_call_s > jax_r.first_call_s:
-            note = f" [{FIRST_CALL_NOTES[name]}]" if name in FIRST_CALL_NOTES else ""
             first_calls.append(
                 f"{name} {_num(fj_r.first_call_s / jax_r.first_call_s)}× ({fmt_time(fj_r.first_call_s)} vs "
-                f"{fmt_time(jax_r.first_call_s)}){note}"
+                f"{fmt_time(jax_r.first_call_s)})"
             )
     if first_calls:
         lines.append(f"- **First calls** slower than JAX's: {'; '.join(first_calls)}. " + WHY_FIRST_CALL)
