@@ -14,8 +14,9 @@ Peers also leave garbage: torch.compile's graphs and tensors sit in reference cy
 Python's cyclic collector frees, and it ran inside whichever call next allocated enough, freeing
 another peer's tensors on that peer's clock (flowjit's layer-norm first call measured ~400 ms in
 the full suite, 65-90 ms alone: its compile triggered the collection of softmax's torch.compile
-garbage). So garbage is collected before every timed call or sample, outside the timing (as pyperf
-does between runs).
+garbage). So garbage is collected before every first call and once before the steady state,
+outside the timing. Not before every sample: freeing memory there made the next big output land on
+fresh pages, which this VM faults in slowly (the elementwise chain's median went from ~10 to 58 ms).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def run_peers(
         calls[peer.name] = _bind_call(fn, args, peer.block)
         log(f"  {peer.name:14s} first call {result.first_call_s:9.4f} s  max abs err {result.max_abs_err:.3g}")
     by_name = {r.name: r for r in results}
+    gc.collect()  # the first calls' garbage, before the steady state
     for name, call in calls.items():
         by_name[name].inner = _calibrate(call, policy.min_sample_s)
     _interleave(calls, by_name, policy)
@@ -187,7 +189,6 @@ def _interleave(calls: dict, results: dict[str, PeerResult], policy: TimingPolic
             break
         for name in order.sample(names, len(names)):
             call, inner = calls[name], results[name].inner
-            gc.collect()
             time.sleep(policy.settle_s)
             t0 = time.perf_counter()
             for _ in range(inner):
