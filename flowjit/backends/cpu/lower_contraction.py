@@ -544,7 +544,7 @@ def _store_chunk_and_close(em, w, value, row_out, position, vector, flat_type, l
         f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
         f": {vec}, {flat_type}"
     )
-    short = -(-width // lanes) <= schedule.MAX_UNROLLED_STEPS
+    short = schedule.short_row(width, lanes)
     done = stored
     for k, loop in enumerate(reversed(loops)):
         w.close_for([done], [flat_type], matmul_kernel.FULL_UNROLL if k == 0 and short else "")

@@ -87,11 +87,17 @@ def elementwise(n: int, elem_bits: int):
     return steps
 
 
+def short_row(width: int, vector_lanes: int) -> bool:
+    """Whether a row of `width` elements takes at most `MAX_UNROLLED_STEPS` vectors: its loop is then
+    marked for full unrolling."""
+    return -(-width // vector_lanes) <= MAX_UNROLLED_STEPS
+
+
 def short_rows(shape: tuple[int, ...], elem_bits: int) -> bool:
-    """Whether an n-d kernel's rows are at most `MAX_UNROLLED_STEPS` vectors: `copy_nd` then unrolls
-    the row loop, and the lowerings give such kernels that schedule even when small (LLVM, not
-    unrolling, would run a vector loop plus a scalar remainder loop per row)."""
-    return len(shape) > 1 and -(-shape[-1] // lanes(elem_bits)) <= MAX_UNROLLED_STEPS
+    """Whether an n-d kernel's rows are short (`short_row`): `copy_nd` then unrolls the row loop, and
+    the lowerings give such kernels that schedule even when small (LLVM, not unrolling, would run a
+    vector loop plus a scalar remainder loop per row)."""
+    return len(shape) > 1 and short_row(shape[-1], lanes(elem_bits))
 
 
 def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
@@ -117,7 +123,7 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
             f"transform.structured.tile_using_for {h} tile_sizes [{tiles}] : ({ANY}) -> ({ANY}, {loops})",
             f"transform.structured.vectorize %vec{h[1:]} vector_sizes [{tiles}] : {ANY}",
         ]
-        if -(-shape[-1] // vl) <= MAX_UNROLLED_STEPS:
+        if short_row(shape[-1], vl):
             lines += unroll(f"%loop{rank - 1}{h[1:]}")
         return lines
 
