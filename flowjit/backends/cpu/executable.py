@@ -1,8 +1,10 @@
 """A compiled CPU function: one native entry point `void f(in..., out..., workspace)` taking bare
 pointers, called once per call through ctypes (which releases the GIL for the duration).
 
-Outputs are fresh numpy arrays; the workspace for intermediates comes from a per-executable pool,
-so concurrent calls never share one and sequential calls reuse the same memory.
+Outputs are new numpy arrays, except that a large output's memory is recycled once the caller has
+dropped every reference to an earlier result (`OutputRecycler`); the workspace for intermediates
+comes from a per-executable pool, so concurrent calls never share one and sequential calls reuse
+the same memory.
 
 The call goes through a trampoline (one per argument count, compiled once per process): ctypes hands
 it the array *objects* and native code reads each one's data pointer, so Python never computes an
@@ -12,6 +14,8 @@ address (`array.ctypes.data` costs ~1 us per array, the buffer protocol ~0.3 us;
 from __future__ import annotations
 
 import ctypes
+import sys
+import sysconfig
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +29,14 @@ from flowjit.ir import dtypes as dt
 from flowjit.ir.types import TensorType
 
 WORKSPACE_ALIGNMENT = 64
+# Outputs of at least this many bytes are recycled (`OutputRecycler`). glibc's malloc maps blocks
+# from its mmap threshold up (32 MiB, set by `toolchain.keep_kernel_temporaries`) fresh on every
+# allocation and unmaps them on free, so each call page-faults such an output in (the kernel zeroes
+# every page first): 2-3 ms of a 64 MiB output, a third of the elementwise benchmark's call.
+# Smaller blocks come back from malloc's heap already faulted in, and recycling them gains nothing.
+RECYCLE_MIN_BYTES = 32 << 20
+# Recycling decides from reference counts, which free-threaded Python builds defer.
+_CAN_RECYCLE = not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,63 @@ class Layout(tuple):
 
 def _address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
+
+
+class OutputRecycler:
+    """New-looking result arrays of one shape and dtype that reuse the memory of earlier results
+    the caller no longer references.
+
+    Holds a reference to the last `KEEP` arrays it handed out. One whose only reference is that
+    one (the caller and every view, memoryview or ctypes pointer object made from it are gone) is
+    garbage to the caller: `take` hands it out again instead of allocating, after checking that
+    nobody changed its shape, dtype or flags in place. Two arrays serve the usual loop `y = f(x)`,
+    where the previous result is still referenced during the next call. The cost: up to `KEEP`
+    dropped results stay allocated while the executable lives, and a result cannot be resized in
+    place (`ndarray.resize` sees the extra reference), nor is a weak reference to it ever cleared.
+    """
+
+    KEEP = 2
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        self.shape, self.dtype = shape, dtype
+        self._handed: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        """An array the caller holds no reference to: a dropped earlier result, or a new one. The
+        caller must `keep` it once written (until then no other `take` can return it)."""
+        with self._lock:
+            for i in range(len(self._handed)):
+                # 2: the list's reference and getrefcount's argument. A count only this low cannot
+                # rise again (nobody else can reach the array), so another thread cannot race us.
+                if sys.getrefcount(self._handed[i]) == 2:
+                    array = self._handed.pop(i)
+                    if array.shape == self.shape and array.dtype == self.dtype and _pristine(array):
+                        return array
+                    break
+        return np.empty(self.shape, self.dtype)
+
+    def keep(self, array: np.ndarray) -> None:
+        """Remember `array`, about to be returned to the caller, for a later `take`."""
+        with self._lock:
+            self._handed.append(array)
+            if len(self._handed) > self.KEEP:
+                del self._handed[0]
+
+
+def _pristine(array: np.ndarray) -> bool:
+    flags = array.flags
+    return flags.owndata and flags.writeable and flags.c_contiguous and flags.aligned
+
+
+def _recyclers(shapes, dtypes) -> list[OutputRecycler | None]:
+    """A recycler for each output of at least `RECYCLE_MIN_BYTES`, None for the others."""
+    return [
+        OutputRecycler(shape, dtype)
+        if _CAN_RECYCLE and int(np.prod(shape, dtype=np.int64)) * dtype.itemsize >= RECYCLE_MIN_BYTES
+        else None
+        for shape, dtype in zip(shapes, dtypes)
+    ]
 
 
 # --- the trampolines -------------------------------------------------------------------------------
@@ -120,6 +189,8 @@ class CpuExecutable(Executable):
         self._out_shapes = [b.shape for b in self.outputs]
         self._out_dtypes = [b.np_dtype for b in self.outputs]
         self._in_specs = [(b.shape, b.np_dtype) for b in self.inputs]
+        self._recyclers = _recyclers(self._out_shapes, self._out_dtypes)
+        self._recycling = any(r is not None for r in self._recyclers)
         self._pool: list[tuple[np.ndarray, int]] = []
 
     def _take_workspace(self) -> tuple[np.ndarray, int]:
@@ -172,21 +243,27 @@ class CpuExecutable(Executable):
         """`run` for arguments already known to be C-contiguous numpy arrays of the right types (the
         trampoline reads their data pointers unchecked). `provided` maps output indices to
         caller-owned buffers (C-contiguous, of the output's type) to write instead of fresh arrays."""
-        if provided:  # only the outputs nobody provided are allocated (variables, donated arguments)
+        recycling = self._recycling
+        if provided or recycling:  # only the outputs nobody provided are allocated (variables, donated arguments)
+            provided = provided or {}
             outs = [
-                provided[i] if i in provided else np.empty(shape, dtype)
-                for i, (shape, dtype) in enumerate(zip(self._out_shapes, self._out_dtypes))
+                provided[i] if i in provided else np.empty(shape, dtype) if recycler is None else recycler.take()
+                for i, (shape, dtype, recycler) in enumerate(zip(self._out_shapes, self._out_dtypes, self._recyclers))
             ]
         else:
             outs = list(map(np.empty, self._out_shapes, self._out_dtypes))
         if not self.workspace_bytes:
             self._trampoline(self._entry_address, *args, *outs, _NO_WORKSPACE_ADDRESS)
-            return outs
-        workspace = self._take_workspace()
-        try:
-            self._trampoline(self._entry_address, *args, *outs, workspace[1])
-        finally:
-            self._pool.append(workspace)
+        else:
+            workspace = self._take_workspace()
+            try:
+                self._trampoline(self._entry_address, *args, *outs, workspace[1])
+            finally:
+                self._pool.append(workspace)
+        if recycling:
+            for i, (out, recycler) in enumerate(zip(outs, self._recyclers)):
+                if recycler is not None and i not in provided:
+                    recycler.keep(out)
         return outs
 
     def caller(self, single_output: bool) -> Callable[[Sequence[np.ndarray]], object]:
@@ -197,6 +274,21 @@ class CpuExecutable(Executable):
         trampoline, entry = self._trampoline, self._entry_address
         ((shape, dtype),) = zip(self._out_shapes, self._out_dtypes)
         empty, contiguous = np.empty, np.ascontiguousarray
+        (recycler,) = self._recyclers
+        if recycler is not None:
+            take, keep = recycler.take, recycler.keep
+
+            def call_recycling(args):
+                for a in args:
+                    if not a.flags.c_contiguous:
+                        args = [contiguous(a) for a in args]
+                        break
+                out = take()
+                trampoline(entry, *args, out, _NO_WORKSPACE_ADDRESS)
+                keep(out)
+                return out
+
+            return call_recycling
 
         def call(args):
             for a in args:

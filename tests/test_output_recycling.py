@@ -1,0 +1,161 @@
+"""The CPU backend recycles large outputs (`executable.OutputRecycler`): a result's memory is reused
+only after the caller dropped every reference to it, and a recycled result is exact."""
+
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.numpy as fnp
+from flowjit.backends.cpu import executable
+
+N = 4096
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _chain(x):
+    return fnp.tanh(x * 0.7 + 0.1) * fnp.logistic(x) + 0.5 * x
+
+
+@pytest.fixture
+def small_threshold(monkeypatch):
+    """Recycle outputs from 1 KiB up, so the tests run on small arrays (recyclers are made per executable)."""
+    monkeypatch.setattr(executable, "RECYCLE_MIN_BYTES", 1024)
+
+
+def _inputs(k: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(k)
+    return [rng.standard_normal(N, dtype=np.float32) for _ in range(4)]
+
+
+def test_a_dropped_result_is_reused_and_exact(small_threshold):
+    xs = _inputs(0)
+    f = fj.jit(_chain)
+    fresh = [f(x) for x in xs]  # all alive: each in new memory
+    assert len({_address(a) for a in fresh}) == len(xs)
+    kept = [weakref.ref(fresh[2]), weakref.ref(fresh[3])]  # the two arrays the recycler keeps
+    want = [a.copy() for a in fresh]
+    del fresh
+    for x, w in zip(xs, want):
+        y = f(x)
+        assert any(r() is y for r in kept)  # a dropped result came back
+        np.testing.assert_array_equal(y, w)  # bit-identical to a result in new memory
+        np.testing.assert_allclose(y, np.tanh(x * 0.7 + 0.1) / (1 + np.exp(-x)) + 0.5 * x, rtol=1e-5, atol=1e-6)
+
+
+def test_results_still_referenced_are_never_overwritten(small_threshold):
+    xs = _inputs(1)
+    f = fj.jit(lambda x: x * 3.0 + 1.0)
+    held = f(xs[0])
+    view = f(xs[1])[5:]  # only a view of the second result survives
+    buffer = memoryview(f(xs[2]))  # only a memoryview of the third
+    results = [f(x) for x in xs]  # the usual loop keeps the previous result while the next runs
+    for x, r in zip(xs, results):
+        np.testing.assert_array_equal(r, x * 3.0 + 1.0)
+    np.testing.assert_array_equal(held, xs[0] * 3.0 + 1.0)
+    np.testing.assert_array_equal(view, (xs[1] * 3.0 + 1.0)[5:])
+    np.testing.assert_array_equal(np.asarray(buffer), xs[2] * 3.0 + 1.0)
+    pointers = {_address(a) for a in (held, view.base, np.asarray(buffer), *results)}
+    assert len(pointers) == 3 + len(results)
+
+
+def test_a_loop_rebinding_its_result_alternates_two_buffers(small_threshold):
+    xs = _inputs(2)
+    f = fj.jit(lambda x: x - 2.0)
+    addresses = set()
+    y = previous = None
+    for i in range(12):
+        y = f(xs[i % 4])  # the previous result is alive during the call
+        if previous is not None:
+            np.testing.assert_array_equal(previous, xs[(i - 1) % 4] - 2.0)
+        np.testing.assert_array_equal(y, xs[i % 4] - 2.0)
+        addresses.add(_address(y))
+        previous = y
+    assert len(addresses) == 2  # two buffers serve
+
+
+def test_results_changed_in_place_are_not_reused(small_threshold):
+    x = _inputs(3)[0]
+    f = fj.jit(lambda x: x + 1.0)
+    reshaped = f(x)
+    reshaped.shape = (64, N // 64)
+    del reshaped
+    again = f(x)
+    assert again.shape == (N,) and again.flags.writeable
+    frozen = f(x)  # `again` is alive: a new buffer, or the one `reshaped` left (dropped as not pristine)
+    frozen.flags.writeable = False
+    del frozen
+    for y in (again, f(x), f(x)):
+        assert y.shape == (N,) and y.flags.writeable and y.flags.owndata
+        np.testing.assert_array_equal(y, x + 1.0)
+
+
+def test_several_outputs_and_a_workspace_go_through_run_trusted(small_threshold):
+    xs = _inputs(4)
+
+    def two(x):
+        e = fnp.exp(x)
+        return e / e.sum(), x * 2.0
+
+    f = fj.jit(two)
+    first = f(xs[0])
+    refs = [weakref.ref(a) for a in first]
+    del first
+    for _ in range(3):
+        for x in xs:
+            a, b = f(x)
+            assert refs[0]() is a and refs[1]() is b  # each dropped before the next call, then reused
+            e = np.exp(x.astype(np.float64))
+            np.testing.assert_allclose(a, e / e.sum(), rtol=1e-5)
+            np.testing.assert_array_equal(b, x * 2.0)
+            del a, b
+
+
+def test_donated_outputs_are_the_callers_and_never_recycled(small_threshold):
+    step = fj.jit(lambda p, g: p - 0.5 * g, donate_argnums=0)
+    g = np.ones(N, np.float32)
+    p = np.ones(N, np.float32)
+    q = step(p, g)
+    assert q is p
+    q2 = step(np.ones(N, np.float32), g)
+    del q2
+    np.testing.assert_array_equal(p, np.full(N, 0.5, np.float32))  # the caller's array, not a recycled one
+    assert step(p, g) is p
+
+
+def test_concurrent_calls_never_share_an_output(small_threshold):
+    f = fj.jit(lambda x: x * 0.5 + 0.25)
+    xs = _inputs(5)
+    failures = []
+
+    def worker(k):
+        x = xs[k % 4]
+        for _ in range(200):
+            y = f(x)
+            if not np.array_equal(y, x * 0.5 + 0.25):
+                failures.append(k)
+            del y
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def test_only_outputs_from_the_threshold_up_are_recycled():
+    f32 = np.dtype(np.float32)
+    limit = executable.RECYCLE_MIN_BYTES // 4
+    small, large = executable._recyclers([(limit - 1,), (limit,)], [f32, f32])
+    assert small is None and isinstance(large, executable.OutputRecycler)
+    x = np.ones(limit, np.float32)
+    f = fj.jit(lambda x: x + 1.0)
+    first = weakref.ref(f(x))
+    assert first() is not None  # kept for reuse, on by default for an output of RECYCLE_MIN_BYTES
+    assert f(x) is first()
