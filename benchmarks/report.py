@@ -168,11 +168,12 @@ WHY_SLOWER: dict[str, str] = {
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
 WHY_LIMIT: dict[str, str] = {
-    "elementwise": "Computing and streaming do not overlap fully: on cache-resident data (256K-1M elements) "
-    "the chain (two exp polynomials and two divisions per element for tanh and sigmoid) runs at 0.30 ns per "
-    "element, near the traffic limit's 0.24 ns, but from memory at 0.52 ns (back to back, `python "
-    "benchmarks/bound.py elementwise`, 33.8 GB/s measured then); the output's write-allocate reads (64 MiB "
-    "the limit does not count) are a candidate: streaming stores are not generated yet.",
+    "elementwise": "Compute-bound: since large outputs are recycled (page-faulting a fresh 64 MiB output in took "
+    "0.53-0.55 ns per element) the full size runs back to back at the cache-resident rate, 0.30 ns per "
+    "element (two exp polynomials and two divisions per element for tanh and sigmoid; 63-67% of the traffic "
+    "limit at 38-41 GB/s, `python benchmarks/bound.py elementwise`), and the limit moves with the bandwidth "
+    "probe (36-49 GB/s between runs: 44-55% for the same 6.2 ms median). Streaming stores gain nothing on this "
+    "chain (docs/cpu-backend.md, 'Large outputs').",
     "softmax": "Back to back the full size runs at 78-97% of the traffic limit (1.03-1.18 ms, two runs of "
     "`python benchmarks/bound.py softmax`); the harness takes its samples after a pause, when the OpenMP "
     "worker joins late (docs/cpu-backend.md, 'Threads after an idle pause').",
