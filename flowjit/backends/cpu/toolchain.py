@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes.util
 import functools
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -290,29 +291,56 @@ def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: b
     schedule, bufferization and `llvm_pipeline`, translate to LLVM IR. Returns (LLVM IR
     text, the LLVM-dialect MLIR text when `keep_text` else None): printing and re-parsing the module
     between steps cost a fifth of this function's time, so the text is made only when asked for."""
-    from mlir.dialects import llvm as llvm_dialect
-
     with _lock, mlir_context():
         module = _parse(text)
         pipeline = f"builtin.module({BUFFERIZE_PIPELINE},{llvm_pipeline})"
         scheduled = _apply_schedule(module)
-        # A failure's reproducer starts after the schedule, as `run_mlir` would be given it.
-        _run_pipeline(module, pipeline, lambda: apply_transform_schedule(text) if scheduled else text)
-        _verified(module)
-        _check_lowered(module)
-        dialect_text = str(module) if keep_text else None
-        return str(llvm_dialect.translate_module_to_llvmir(module.operation)), dialect_text
+
+        def repro() -> str:  # a failure's reproducer starts after the schedule, as `run_mlir` takes it
+            return apply_transform_schedule(text) if scheduled else text
+
+        _run_pipeline(module, pipeline, repro)
+        llvm_ir = _translated(module)
+        if _COPY_CALL in llvm_ir:
+            module = _parse(text)
+            _apply_schedule(module)
+            _run_pipeline(module, f"builtin.module({BUFFERIZE_PIPELINE})", repro)
+            bufferized = copies_as_loops(str(module))
+            module = _parse(bufferized)
+            _run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
+            llvm_ir = _translated(module)
+        return llvm_ir, str(module) if keep_text else None
+
+
+def _translated(module) -> str:
+    """LLVM IR of a module the pipelines lowered, once it is verified and holds only LLVM-dialect
+    and OpenMP ops (the translation would crash on any other)."""
+    from mlir.dialects import llvm as llvm_dialect
+
+    _verified(module)
+    _check_lowered(module)
+    return str(llvm_dialect.translate_module_to_llvmir(module.operation))
+
+
+# MLIR lowers a `memref.copy` between memrefs that are not both contiguous to a call of its C runner
+# library's `memrefCopy`, which native code here cannot call. The lowerings avoid such copies, but
+# MLIR's folding can still make one (a fused kernel whose body folds to the identity, `x[::2] << 0`,
+# is erased and its strided input copied to the output). Such a module is lowered again with every
+# `memref.copy` after bufferization rewritten as `linalg.copy`, which becomes loops.
+_COPY_CALL = "@memrefCopy("
+_MEMREF_COPY = re.compile(r"^(\s*)memref\.copy (\S+), (\S+) : (.+) to (.+)$", re.MULTILINE)
+
+
+def copies_as_loops(bufferized: str) -> str:
+    """Bufferized MLIR text with each `memref.copy` replaced by the equivalent `linalg.copy`."""
+    return _MEMREF_COPY.sub(r"\1linalg.copy ins(\2 : \4) outs(\3 : \5)", bufferized)
 
 
 def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
     """LLVM-dialect MLIR (with OpenMP ops) -> LLVM IR text. Ops of other dialects left behind by the
     pipeline are an internal error (the translation itself would crash on them)."""
-    from mlir.dialects import llvm as llvm_dialect
-
     with _lock, mlir_context():
-        module = _parse(llvm_dialect_text)
-        _check_lowered(module)
-        return str(llvm_dialect.translate_module_to_llvmir(module.operation))
+        return _translated(_parse(llvm_dialect_text))
 
 
 def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default"):
