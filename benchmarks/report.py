@@ -239,7 +239,8 @@ def memory_section(mem: dict | None) -> list[str]:
     lines = [
         f"Elementwise chain on {mem['n']:,} f32 elements, fresh process (`benchmarks/memory.py`). Input + "
         f"output = {ideal:.0f} MiB; the input is live before the call, so the ideal extra peak is the "
-        f"output alone ({ideal / 2:.0f} MiB).",
+        f"output alone ({ideal / 2:.0f} MiB), and none in flowjit's steady state, whose result reuses the "
+        "memory of the dropped earlier one (docs/cpu-backend.md, 'Large outputs').",
         "",
         "| call | extra peak, tracemalloc | extra peak, RSS high-water delta | time |",
         "|---|---|---|---|",

@@ -1,7 +1,7 @@
 """A compiled CPU function: one native entry point `void f(in..., out..., workspace)` taking bare
 pointers, called once per call through ctypes (which releases the GIL for the duration).
 
-Outputs are new numpy arrays, except that a large output's memory is recycled once the caller has
+Outputs are new numpy arrays; a large output's memory is recycled once the caller has
 dropped every reference to an earlier result (`OutputRecycler`); the workspace for intermediates
 comes from a per-executable pool, so concurrent calls never share one and sequential calls reuse
 the same memory.
@@ -64,50 +64,42 @@ def _address(array: np.ndarray) -> int:
 
 
 class OutputRecycler:
-    """New-looking result arrays of one shape and dtype that reuse the memory of earlier results
-    the caller no longer references.
+    """Result arrays of one shape and dtype, each a new ndarray object, whose memory is reused once
+    nothing made from an earlier result is left (a caching allocator for large outputs).
 
-    Holds a reference to the last `KEEP` arrays it handed out. One whose only reference is that
-    one (the caller and every view, memoryview or ctypes pointer object made from it are gone) is
-    garbage to the caller: `take` hands it out again instead of allocating, after checking that
-    nobody changed its shape, dtype or flags in place. Two arrays serve the usual loop `y = f(x)`,
-    where the previous result is still referenced during the next call. The cost: up to `KEEP`
-    dropped results stay allocated while the executable lives, and a result cannot be resized in
-    place (`ndarray.resize` sees the extra reference), and a weak reference to it is not cleared.
+    A result is a view of a block, a uint8 array that owns the memory; the recycler keeps the last
+    `KEEP` blocks. numpy points every view of a view at the array that owns the memory, so a result
+    and everything made from it (views, memoryviews, ctypes objects) hold a reference to its block:
+    a block whose only reference is the recycler's is free, and `take` hands it out again under a
+    new result. Weak references to a dropped result are cleared as for any array. Two blocks serve
+    the usual loop `y = f(x)`, where the previous result is alive during the next call. The cost:
+    up to `KEEP` blocks stay allocated while the executable lives, and a result does not own its
+    memory (`ndarray.resize` refuses it; `.base` is the block).
     """
 
     KEEP = 2
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
         self.shape, self.dtype = shape, dtype
-        self._handed: list[np.ndarray] = []
+        self._nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self._blocks: list[np.ndarray] = []
         self._lock = threading.Lock()
 
     def take(self) -> np.ndarray:
-        """An array the caller holds no reference to: a dropped earlier result, or a new one. The
-        caller must `keep` it once written (until then no other `take` can return it)."""
+        """A new result array in a free block, or in a new block if none is free."""
+        blocks = self._blocks
         with self._lock:
-            for i in range(len(self._handed)):
-                # 2: the list's reference and getrefcount's argument. A count only this low cannot
-                # rise again (nobody else can reach the array), so another thread cannot race us.
-                if sys.getrefcount(self._handed[i]) == 2:
-                    array = self._handed.pop(i)
-                    if array.shape == self.shape and array.dtype == self.dtype and _pristine(array):
-                        return array
-                    break
-        return np.empty(self.shape, self.dtype)
-
-    def keep(self, array: np.ndarray) -> None:
-        """Remember `array`, about to be returned to the caller, for a later `take`."""
-        with self._lock:
-            self._handed.append(array)
-            if len(self._handed) > self.KEEP:
-                del self._handed[0]
-
-
-def _pristine(array: np.ndarray) -> bool:
-    flags = array.flags
-    return flags.owndata and flags.writeable and flags.c_contiguous and flags.aligned
+            for i in range(len(blocks)):
+                # 2: the list's reference and getrefcount's argument. Nothing else can reach a block
+                # that low, so its count cannot rise behind our back; the view made here raises it
+                # before the lock is released, so no other call takes the same block.
+                if sys.getrefcount(blocks[i]) == 2:
+                    return blocks[i].view(self.dtype).reshape(self.shape)
+            block = np.empty(self._nbytes, np.uint8)
+            blocks.append(block)
+            if len(blocks) > self.KEEP:
+                del blocks[0]  # all in use: the oldest becomes ordinary memory, freed with its results
+            return block.view(self.dtype).reshape(self.shape)
 
 
 def _recyclers(shapes, dtypes) -> list[OutputRecycler | None]:
@@ -260,10 +252,6 @@ class CpuExecutable(Executable):
                 self._trampoline(self._entry_address, *args, *outs, workspace[1])
             finally:
                 self._pool.append(workspace)
-        if recycling:
-            for i, (out, recycler) in enumerate(zip(outs, self._recyclers)):
-                if recycler is not None and i not in provided:
-                    recycler.keep(out)
         return outs
 
     def caller(self, single_output: bool) -> Callable[[Sequence[np.ndarray]], object]:
@@ -276,7 +264,7 @@ class CpuExecutable(Executable):
         empty, contiguous = np.empty, np.ascontiguousarray
         (recycler,) = self._recyclers
         if recycler is not None:
-            take, keep = recycler.take, recycler.keep
+            take = recycler.take
 
             def call_recycling(args):
                 for a in args:
@@ -285,7 +273,6 @@ class CpuExecutable(Executable):
                         break
                 out = take()
                 trampoline(entry, *args, out, _NO_WORKSPACE_ADDRESS)
-                keep(out)
                 return out
 
             return call_recycling
