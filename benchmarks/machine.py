@@ -48,6 +48,28 @@ def load_average() -> str:
         return "unknown"
 
 
+def cpu_times() -> tuple[float, float] | None:
+    """(seconds the CPUs ran anything, seconds the hypervisor gave them to other guests: "steal"),
+    summed over the CPUs, from /proc/stat; None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    steal = fields[7] if len(fields) > 7 else 0
+    return sum(fields[:8]) / ticks, steal / ticks
+
+
+def steal_share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> str:
+    """The share of CPU time between two `cpu_times` readings that a VM's host gave to other guests
+    (0% on bare metal; on this suite's shared VMs a run with a few percent has slower, noisier
+    timings than its load average shows)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return "unknown"
+    return f"{100 * (after[1] - before[1]) / (after[0] - before[0]):.1f}%"
+
+
 def describe() -> dict[str, str]:
     """A flat description of the machine and the software on it."""
     model, flags = _cpuinfo()

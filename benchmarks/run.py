@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     description = machine.describe()
-    load_before = machine.load_average()
+    load_before, cpu_before = machine.load_average(), machine.cpu_times()
     print("measuring machine limits ...", flush=True)
     if args.sizes == "tiny":
         limits = machine.measure(reps=1, n=2**20, m=256)
@@ -158,6 +158,7 @@ def main(argv=None) -> int:
         f"total run time {time.perf_counter() - started:.0f} s"
     )
     description["load average (1/5/15 min) before / after"] = f"{load_before} / {machine.load_average()}"
+    description["CPU time stolen by the VM host during the run"] = machine.steal_share(cpu_before, machine.cpu_times())
     missing = [n for n in peers.PEER_NAMES if n not in peers.available()]
     text = render(command, date, mode, description, startup, limits, runs, memory, missing)
     args.out.write_text(text)
