@@ -20,7 +20,7 @@ from op_table import assert_close, cases, fresh_variables
 import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import cache, toolchain
+from flowjit.backends.cpu import cache, compiler, toolchain
 from flowjit.backends.cpu.compiler import load_lowerings
 from flowjit.backends.cpu.lowering import BUFFER_LOWERINGS, LOWERINGS, plan_workspace
 from flowjit.errors import CompileError, FlowjitTypeError
@@ -214,6 +214,57 @@ def test_stages_show_mlir_llvm_and_vector_assembly():
     asm = lo.as_text("asm")
     assert "zmm" in asm or "ymm" in asm, "expected vector registers in the assembly"
     assert lo.compile()(np.zeros(4096, np.float32))[0] == 2.0
+
+
+_X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "fn, pipeline",
+    [
+        (lambda x: fnp.sum(fnp.exp(x - fnp.max(x, axis=-1, keepdims=True)), axis=-1), "light ("),
+        (lambda x: x[0] @ x[1].T + 1.0, "light ("),
+        (lambda x: fnp.mean(x, axis=1), "light ("),
+        (lambda x: fnp.sort(x, axis=-1), "O3 (for the scalar loops of: sort)"),
+        (lambda x: fnp.transpose(x, (2, 0, 1)) * 2.0, "O3 (for the scalar loops of: transpose)"),
+        # a reduction of a broadcast in three dimensions runs as plain loops (no schedule)
+        (
+            lambda x: fnp.sum(x * fnp.broadcast_to(x[:, :1, :], x.shape), axis=(0, 2)),
+            "O3 (a kernel of 61440 elements left unvectorized by its schedule)",
+        ),
+    ],
+    ids=["row_reduction", "matmul", "middle_axis_mean", "sort", "transpose", "plain_loops"],
+)
+def test_llvm_pipeline_is_light_only_when_every_kernel_is_vectorized_and_the_dump_says_which(fn, pipeline):
+    """LLVM runs `toolchain.LIGHT_PASSES` instead of O3 on functions whose kernels the lowering
+    vectorized; the first line of the "llvm" stage names the pipeline and why; results are the same
+    bits as under O3."""
+    lo = fj.jit(fn).lower(_X3)
+    assert lo.as_text("llvm").splitlines()[0].startswith(f"; LLVM pipeline: {pipeline}")
+    got = lo.compile()(_X3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "LIGHT_PIPELINE_OPS", frozenset())
+        patch.setattr(compiler, "LIGHT_PIPELINE_LOWERINGS", ())
+        patch.setenv("FLOWJIT_CACHE", "0")
+        o3 = fj.jit(fn).lower(_X3)
+        assert o3.as_text("llvm").startswith("; LLVM pipeline: O3 (for the scalar loops of: ")
+        np.testing.assert_array_equal(o3.compile()(_X3), got)
+
+
+def test_llvm_pipeline_below_o2_is_the_o_level_and_marked_loops_keep_o3():
+    graph = parse_graph(_TANH_SUM)
+    assert compiler.light_pipeline(graph, toolchain.LLVMLowering("", None, 0), opt=1) == (False, "O1")
+    assert compiler.light_pipeline(graph, toolchain.LLVMLowering("", None, 0), opt=3)[0]
+    plain = toolchain.LLVMLowering("", None, compiler.PLAIN_LOOP_MAX_ELEMENTS + 1)
+    assert compiler.light_pipeline(graph, plain, opt=3)[0] is False
+    marked = toolchain.LLVMLowering('!7 = !{!"llvm.loop.unroll.full"}', None, 0)
+    assert compiler.light_pipeline(graph, marked, opt=3) == (False, "O3 (loops marked for full unrolling)")
+
+
+_TANH_SUM = (
+    "func @h(%x: tensor<4096xf32>) -> (tensor<f32>) {\n  %0 = tanh %x : tensor<4096xf32>\n"
+    "  %1 = reduce_sum %0 {axes = [0]} : tensor<f32>\n  return %1 : tensor<f32>\n}\n"
+)
 
 
 def test_dump_dir_gets_backend_stages(tmp_path, monkeypatch):

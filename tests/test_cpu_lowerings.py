@@ -285,7 +285,7 @@ def test_short_loops_are_unrolled_where_marked(monkeypatch):
     lowered = fj.jit(lambda x, w, b: nn.relu(nn.conv2d(x, w, b, padding=1))).lower(x, w, b)
     mlir = lowered.as_text("mlir")
     assert "linalg.transpose" not in mlir
-    unoptimized, _ = toolchain.lower_to_llvm_ir(mlir)
+    unoptimized = toolchain.lower_to_llvm_ir(mlir).llvm_ir
     full = re.search(r'^(![0-9]+) = !\{!"llvm.loop.unroll.full"\}', unoptimized, re.M)
     assert full is not None
     loop_id = re.search(rf"^(![0-9]+) = distinct !\{{![0-9]+, {full[1]}\}}", unoptimized, re.M)[1]
@@ -308,7 +308,7 @@ def test_small_nd_kernels_with_short_rows_are_unrolled(monkeypatch):
     lowered = fj.jit(lambda x, b: nn.relu(x + b.reshape(1, 32, 1, 1))).lower(x, b)
     mlir = lowered.as_text("mlir")
     assert "fj.kernel" in mlir and "scf.forall" not in mlir  # small: one thread
-    unoptimized, _ = toolchain.lower_to_llvm_ir(mlir)
+    unoptimized = toolchain.lower_to_llvm_ir(mlir).llvm_ir
     assert re.search(r'^![0-9]+ = !\{!"llvm.loop.unroll.full"\}', unoptimized, re.M)
     assert "llvm.loop.unroll.full" not in lowered.as_text("llvm")
     np.testing.assert_array_equal(lowered.compile()(x, b), np.maximum(x + b.reshape(1, 32, 1, 1), 0))

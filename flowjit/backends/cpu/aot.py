@@ -98,7 +98,7 @@ def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str =
     returns (object bytes, the MlirModule, the external functions it calls). Its calls of the
     rendezvous (`flowjit_send`...) go to `runtime_prefix` + that name, defined by the library."""
     mlir = generate_mlir(graph)
-    llvm_ir, _ = toolchain.lower_to_llvm_ir(mlir.text, llvm_pipeline(threads))
+    llvm_ir = toolchain.lower_to_llvm_ir(mlir.text, llvm_pipeline(threads)).llvm_ir
     module = toolchain.llvm().parse_assembly(llvm_ir)
     # Two libraries from functions of the same name may be linked into one program: the kernel
     # gets the library's name and stays out of the dynamic symbol table.

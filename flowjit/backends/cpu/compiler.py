@@ -3,7 +3,7 @@
     lower_graph            flowjit IR -> MLIR (func on tensors + transform schedule)     stage "mlir"
     transform-interpreter  tile, parallelize (scf.forall), vectorize each kernel
     MLIR pipelines         hoisting, bufferization, lowering to the LLVM dialect         stage "mlir-llvm"
-    translate + llvmlite   LLVM IR, O3 for the host CPU                                  stage "llvm"
+    translate + llvmlite   LLVM IR, O3 (or `LIGHT_PASSES`) for the host CPU               stage "llvm"
     MCJIT                  machine code in this process                                  stage "asm"
 
 A large module is optimized and compiled in parts, one per thread (`parallel_codegen`): the
@@ -43,6 +43,19 @@ LOWERING_MODULES = (
 )
 
 OPT_LEVEL = 3
+
+# Ops whose lowerings vectorize every kernel they make with a schedule (or make only views and
+# constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
+# elementwise and reduction ops (`lower_elementwise`, `lower_reduction`). The others write scalar
+# loops that LLVM's O3 vectorizes or speeds up (sort, gather, scatter, control flow, conv and
+# pooling windows, argmax, transpose, pad and concatenate copies, communication).
+LIGHT_PIPELINE_OPS = frozenset({"constant", "broadcast", "reshape", "slice", "dot_general", "fusion"})
+LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")
+# A kernel the transform schedules left as a linalg op (plain loops) up to this many elements does
+# not need LLVM's vectorizers (the MLP step's iota of 256 x 10 label columns, a 0-d division).
+PLAIN_LOOP_MAX_ELEMENTS = 4096
+# The LLVM metadata of `schedule.FULL_UNROLL`.
+FULL_UNROLL_METADATA = '!"llvm.loop.unroll.full"'
 
 
 @dataclass(frozen=True)
@@ -109,14 +122,16 @@ class Stages:
         t0 = time.perf_counter()
         mlir = generate_mlir(graph, self.options)
         t1 = time.perf_counter()
-        llvm_ir, llvm_dialect = toolchain.lower_to_llvm_ir(mlir.text, keep_text=keep_texts)
+        lowered = toolchain.lower_to_llvm_ir(mlir.text, keep_text=keep_texts)
+        llvm_ir = lowered.llvm_ir
         t2 = time.perf_counter()
         opt = self.options.opt_level
+        light, why = light_pipeline(graph, lowered, opt)
         pieces = parallel_codegen.split_llvm_ir(llvm_ir, parallel_codegen.threads())
         if len(pieces) == 1:
-            self.parts = [toolchain.optimize(llvm_ir, mlir.entry, opt=opt)]
+            self.parts = [toolchain.optimize(llvm_ir, mlir.entry, opt=opt, light=light)]
         else:
-            self.parts = parallel_codegen.optimize_parts(pieces, mlir.entry, opt)
+            self.parts = parallel_codegen.optimize_parts(pieces, mlir.entry, opt, light)
         modules = [module for module, _ in self.parts]
         toolchain.check_symbols(modules)
         expected = len(mlir.inputs) + len(mlir.outputs) + 1
@@ -128,7 +143,8 @@ class Stages:
         self.texts["mlir"] = mlir.text
         if keep_texts:
             # Printed before code generation, which rewrites the module in place (CodeGenPrepare).
-            self.texts.update({"mlir-llvm": llvm_dialect, "llvm": self._joined(lambda module, tm: str(module), ";")})
+            llvm = f"; LLVM pipeline: {why}\n" + self._joined(lambda module, tm: str(module), ";")
+            self.texts.update({"mlir-llvm": lowered.dialect_text, "llvm": llvm})
 
     def _joined(self, text_of, comment: str) -> str:
         """`text_of(module, tm)` of each part, under a `comment` header line when there are several."""
@@ -167,6 +183,27 @@ class Stages:
 
     def keys(self):
         return list(self.NAMES)
+
+
+def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> tuple[bool, str]:
+    """Whether LLVM runs `toolchain.LIGHT_PASSES` instead of O`opt` on this function, and why (the
+    "llvm" stage's first line says it): at O2 and O3, when every op (fusion bodies included) is of
+    `LIGHT_PIPELINE_OPS` or the elementwise and reduction lowerings, no kernel above
+    `PLAIN_LOOP_MAX_ELEMENTS` was left unvectorized, and no loop is marked for full unrolling (which
+    only O3's unroll pass does without unrolling other loops too)."""
+    from flowjit.backends.cpu.lowering import LOWERINGS
+
+    if opt < 2:
+        return False, f"O{opt}"
+    names = {op.name for op in graph.walk()} - LIGHT_PIPELINE_OPS
+    others = sorted(n for n in names if n not in LOWERINGS or LOWERINGS[n].__module__ not in LIGHT_PIPELINE_LOWERINGS)
+    if others:
+        return False, f"O{opt} (for the scalar loops of: {', '.join(others)})"
+    if lowered.plain_loop_elements > PLAIN_LOOP_MAX_ELEMENTS:
+        return False, f"O{opt} (a kernel of {lowered.plain_loop_elements} elements left unvectorized by its schedule)"
+    if FULL_UNROLL_METADATA in lowered.llvm_ir:
+        return False, f"O{opt} (loops marked for full unrolling)"
+    return True, f"light ({', '.join(toolchain.LIGHT_PASSES)}): every kernel vectorized by its schedule"
 
 
 def compile_cpu(graph: Graph, options: CompileOptions | None = None):

@@ -175,11 +175,12 @@ def _part_module_class():
     return PartModule
 
 
-def _optimize_part(job: tuple[str, str, int]):
-    """Parse one part in a context of its own and run the O-level pipeline; (module, target machine)."""
+def _optimize_part(job: tuple[str, str, int, bool]):
+    """Parse one part in a context of its own and run the O-level (or light) pipeline; (module,
+    target machine)."""
     from llvmlite.binding import ffi
 
-    text, name, opt = job
+    text, name, opt, light = job
     binding = toolchain.llvm()
     context = binding.create_context()
     context._owned = True  # disposed by its module (`PartModule`), never on its own
@@ -195,14 +196,14 @@ def _optimize_part(job: tuple[str, str, int]):
     module.data_layout = str(tm.target_data)
     module.verify()
     if opt > 0:
-        manager, builder = toolchain.optimization_pipeline(tm, opt)
+        manager, builder = toolchain.optimization_pipeline(tm, opt, light)
         _unlocked("LLVMPY_RunNewModulePassManager")(manager, module, builder)
     return module, tm
 
 
-def optimize_parts(texts: list[str], name: str, opt: int) -> list:
+def optimize_parts(texts: list[str], name: str, opt: int, light: bool = False) -> list:
     """Each part of `split_llvm_ir` optimized on its own thread: [(llvmlite module, target machine)]."""
-    jobs = [(text, f"{name}.part{k}", opt) for k, text in enumerate(texts)]
+    jobs = [(text, f"{name}.part{k}", opt, light) for k, text in enumerate(texts)]
     return _parallel(_optimize_part, jobs)
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import ctypes.util
 import functools
+import math
 import os
 import re
 import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from flowjit.errors import CompileError
 from flowjit.passes import dump
@@ -60,6 +62,11 @@ BUFFERIZE_PIPELINE = (
 # vector-to-llvm leaves. Separate convert-cf-to-llvm, a second finalize-memref-to-llvm and
 # convert-index-to-llvm (the lowering makes no index-dialect ops) changed nothing in the LLVM IR.
 # convert-arith-to-llvm stays: it lowers ops the openmp conversion does not (`arith.floordivsi`).
+# `arith-unsigned-when-equivalent` after the affine lowering: the index arithmetic of coalesced and
+# tiled loops (`floordivsi`/`remsi` by a power of two) becomes unsigned where integer range analysis
+# proves the operands non-negative, i.e. shifts and masks; left signed, only LLVM's O3 (IndVars,
+# CorrelatedValuePropagation) found that, and without it softmax's exp loop did 15 more integer
+# instructions per vector (+14% run time under `LIGHT_PASSES`).
 # `reassociate-fp-reductions`: a float `vector.reduction` becomes a tree of adds (pairwise) instead
 # of LLVM's default ordered chain of one add per lane (softmax's sum: 16 dependent adds per row and
 # a third more machine code). `_check_lowered` reports any op left over. The closing
@@ -69,7 +76,8 @@ BUFFERIZE_PIPELINE = (
 # its O3 16 -> 13.5 ms, the whole compile 3-7% less CPU on the benchmark workloads).
 LLVM_PIPELINE = (
     "func.func(scf-forall-to-parallel),convert-scf-to-openmp,convert-linalg-to-loops,lower-affine,"
-    "convert-vector-to-scf{full-unroll=true},expand-strided-metadata,lower-affine,finalize-memref-to-llvm,"
+    "convert-vector-to-scf{full-unroll=true},expand-strided-metadata,lower-affine,arith-unsigned-when-equivalent,"
+    "finalize-memref-to-llvm,"
     "convert-scf-to-cf,convert-math-to-llvm,convert-math-to-libm,"
     "convert-vector-to-llvm{enable-x86vector=false reassociate-fp-reductions=true},"
     "convert-arith-to-llvm,convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,"
@@ -286,15 +294,27 @@ def _check_lowered(module) -> None:
         )
 
 
-def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False):
+class LLVMLowering(NamedTuple):
+    """What the MLIR half produced: LLVM IR text, the LLVM-dialect MLIR text (when asked for), and
+    the number of elements of the largest kernel the transform schedule left as a linalg op other
+    than a fill (0 when every kernel was vectorized by a schedule): such a kernel becomes plain
+    scalar loops, which only LLVM's O3 pipeline vectorizes."""
+
+    llvm_ir: str
+    dialect_text: str | None
+    plain_loop_elements: int
+
+
+def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False) -> LLVMLowering:
     """The backend's MLIR half on one in-memory module: parse the lowering's text, run its transform
-    schedule, bufferization and `llvm_pipeline`, translate to LLVM IR. Returns (LLVM IR
-    text, the LLVM-dialect MLIR text when `keep_text` else None): printing and re-parsing the module
-    between steps cost a fifth of this function's time, so the text is made only when asked for."""
+    schedule, bufferization and `llvm_pipeline`, translate to LLVM IR. The LLVM-dialect text is
+    made only when `keep_text` asks for it: printing and re-parsing the module between steps cost a
+    fifth of this function's time."""
     with _lock, mlir_context():
         module = _parse(text)
         pipeline = f"builtin.module({BUFFERIZE_PIPELINE},{llvm_pipeline})"
         scheduled = _apply_schedule(module)
+        plain = _largest_plain_kernel(module)
 
         def repro() -> str:  # a failure's reproducer starts after the schedule, as `run_mlir` takes it
             return apply_transform_schedule(text) if scheduled else text
@@ -309,7 +329,34 @@ def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: b
             module = _parse(bufferized)
             _run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
             llvm_ir = _translated(module)
-        return llvm_ir, str(module) if keep_text else None
+        return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain)
+
+
+def _largest_plain_kernel(module) -> int:
+    """Elements of the largest linalg op (fills aside) left in `module` after its transform schedule:
+    the largest operand or result, a lower bound of its iteration space."""
+    from mlir import ir
+
+    largest = 0
+
+    def visit(op):
+        nonlocal largest
+        name = op.name
+        if name.startswith("linalg.") and name not in _NOT_KERNELS:
+            for value in (*op.operands, *op.results):
+                shaped = value.type
+                if isinstance(shaped, ir.ShapedType) and shaped.has_static_shape:
+                    largest = max(largest, math.prod(shaped.shape))
+            return ir.WalkResult.SKIP
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return largest
+
+
+# linalg ops that are not kernels of their own: fills (accumulator initializations a schedule did not
+# fold, memsets) and the body ops of a generic.
+_NOT_KERNELS = frozenset({"linalg.fill", "linalg.yield", "linalg.index"})
 
 
 def _translated(module) -> str:
@@ -343,8 +390,9 @@ def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
         return _translated(_parse(llvm_dialect_text))
 
 
-def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default"):
-    """Parse LLVM IR and run the O`opt` pipeline for the host CPU; returns (module, target machine)."""
+def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default", light: bool = False):
+    """Parse LLVM IR and run the O`opt` pipeline (`LIGHT_PASSES` when `light`) for the host CPU;
+    returns (module, target machine)."""
     binding = llvm()
     with _lock:
         module = binding.parse_assembly(llvm_ir)
@@ -354,21 +402,38 @@ def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default"):
         module.data_layout = str(tm.target_data)
         module.verify()
         if opt > 0:
-            manager, builder = optimization_pipeline(tm, opt)
+            manager, builder = optimization_pipeline(tm, opt, light)
             manager.run(module, builder)
         return module, tm
 
 
-def optimization_pipeline(tm, opt: int = 3):
-    """LLVM's O`opt` module pipeline for target machine `tm`: (module pass manager, pass builder).
-    Loop unrolling is off (it doubled LLVM's time on the large workloads): only loops carrying
-    forced unroll metadata are unrolled, the short ones the lowering marks (`schedule.FULL_UNROLL`;
-    docs/cpu-backend.md, "Compile time")."""
+# The LLVM passes for a module whose every loop the lowering vectorized (`compiler.light_pipeline`):
+# scalar replacement of the conversions' allocas, instruction combining and CFG cleanup, loop
+# rotation and GVN. O3 adds ~100 passes (a third of its time InstCombine, run 8 times) that found
+# little in such modules: run time within noise on the benchmark workloads but the CNN (whose pad
+# is a plain copy loop), while O3 took 2.5-3.5x as long (softmax 14 -> 5 ms, matmul 13 -> 5 ms of
+# CPU time; docs/cpu-backend.md, "Compile time"). O1 and O2 cost as much as O3.
+# llvmlite's loop-unroll pass cannot be limited to the loops marked for full unrolling (it unrolls
+# by its own cost model too: the MLP step's IR 4165 -> 6637 lines), so marked modules keep O3
+# (`compiler.light_pipeline`).
+LIGHT_PASSES = ("sroa", "instruction_combine", "simplify_cfg", "loop_rotate", "new_gvn", "instruction_combine")
+
+
+def optimization_pipeline(tm, opt: int = 3, light: bool = False):
+    """LLVM's O`opt` module pipeline for target machine `tm`, or `LIGHT_PASSES` when `light`:
+    (module pass manager, pass builder). Loop unrolling is off (it doubled LLVM's time on the large
+    workloads): only loops carrying forced unroll metadata are unrolled, the short ones the lowering
+    marks (`schedule.FULL_UNROLL`; docs/cpu-backend.md, "Compile time")."""
     binding = llvm()
     tuning = binding.create_pipeline_tuning_options(speed_level=opt)
     tuning.loop_unrolling = False
     builder = binding.create_pass_builder(tm, tuning)
-    return builder.getModulePassManager(), builder
+    if not light:
+        return builder.getModulePassManager(), builder
+    manager = binding.create_new_module_pass_manager()
+    for name in LIGHT_PASSES:
+        getattr(manager, f"add_{name}_pass")()
+    return manager, builder
 
 
 def undefined_symbols(module) -> list[str]:
