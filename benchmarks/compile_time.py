@@ -5,10 +5,10 @@ one warm-up compile in this process (as the suite's first calls are timed after 
 Printed per workload, each the minimum over the N first calls:
 - `first`: the first call's wall time (trace + compile + run);
 - the CPU time of the process in each compile phase: `lower` (flowjit IR -> MLIR text), `mlir`
-  (transform schedule, MLIR pipelines, translation to LLVM IR), `llvm-opt` (llvmlite O3) and
-  `codegen` (machine code), the last two summed over the threads that compile a large module in
-  parts (`parallel_codegen`). CPU time, unlike wall time, hardly moves when other jobs share the
-  cores;
+  (transform schedule, MLIR pipelines, translation to LLVM IR), `llvm-opt` (llvmlite O3, or the
+  light pass list: `compiler.light_pipeline`) and `codegen` (machine code), the last two summed
+  over the threads that compile a large module in parts (`parallel_codegen`). CPU time, unlike
+  wall time, hardly moves when other jobs share the cores;
 - `llvm-wall`: the wall time of the two LLVM phases (less than their CPU time when split);
 - `parts`: how many parts LLVM compiled in parallel;
 - `lines`: the size of the optimized LLVM IR, which the two LLVM phases scale with.

@@ -164,6 +164,11 @@ WHY_SLOWER: dict[str, str] = {
     "asleep after 1 ms (KMP_BLOCKTIME), joins late and the static split waits for its half, which varies from "
     "run to run (`python benchmarks/idle_pause.py`: flowjit 9.24 and 6.83 ms against JAX 7.68 and 9.07 ms in "
     "two runs; docs/cpu-backend.md, 'Threads after an idle pause').",
+    "sum": "the sum streams 256 MiB at the memory's rate, as its peers do (each at 65-75% of the measured "
+    "bandwidth), so the medians differ by the machine's noise; its loop is four 64-byte vector adds from memory "
+    "per iteration on each core. numpy's large arrays start 16 bytes past a 64-byte line, so every such load "
+    "spans two lines: a 64-byte aligned copy of the input sums 3-7% faster (flowjit alone, alternated in one "
+    "process); peeling the loop to an aligned start is the next step (README, 'Performance').",
     "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
