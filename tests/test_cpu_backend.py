@@ -230,7 +230,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         # a reduction of a broadcast in three dimensions runs as plain loops (no schedule)
         (
             lambda x: fnp.sum(x * fnp.broadcast_to(x[:, :1, :], x.shape), axis=(0, 2)),
-            "O3 (a kernel of 61440 elements left unvectorized by its schedule)",
+            "O3 (a kernel of 61440 elements runs as plain loops, vectorized by no schedule)",
         ),
     ],
     ids=["row_reduction", "matmul", "middle_axis_mean", "sort", "transpose", "plain_loops"],

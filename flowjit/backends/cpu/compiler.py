@@ -200,7 +200,8 @@ def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> t
     if others:
         return False, f"O{opt} (for the scalar loops of: {', '.join(others)})"
     if lowered.plain_loop_elements > PLAIN_LOOP_MAX_ELEMENTS:
-        return False, f"O{opt} (a kernel of {lowered.plain_loop_elements} elements left unvectorized by its schedule)"
+        elements = lowered.plain_loop_elements
+        return False, f"O{opt} (a kernel of {elements} elements runs as plain loops, vectorized by no schedule)"
     if FULL_UNROLL_METADATA in lowered.llvm_ir:
         return False, f"O{opt} (loops marked for full unrolling)"
     return True, f"light ({', '.join(toolchain.LIGHT_PASSES)}): every kernel vectorized by its schedule"

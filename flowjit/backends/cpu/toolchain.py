@@ -297,8 +297,8 @@ def _check_lowered(module) -> None:
 class LLVMLowering(NamedTuple):
     """What the MLIR half produced: LLVM IR text, the LLVM-dialect MLIR text (when asked for), and
     the number of elements of the largest kernel the transform schedule left as a linalg op other
-    than a fill (0 when every kernel was vectorized by a schedule): such a kernel becomes plain
-    scalar loops, which only LLVM's O3 pipeline vectorizes."""
+    than a fill, or `copies_as_loops` made (0 when every kernel was vectorized by a schedule): such
+    a kernel becomes plain scalar loops, which only LLVM's O3 pipeline vectorizes."""
 
     llvm_ir: str
     dialect_text: str | None
@@ -327,6 +327,7 @@ def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: b
             _run_pipeline(module, f"builtin.module({BUFFERIZE_PIPELINE})", repro)
             bufferized = copies_as_loops(str(module))
             module = _parse(bufferized)
+            plain = max(plain, _largest_plain_kernel(module))  # the copies, now plain loops
             _run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
             llvm_ir = _translated(module)
         return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain)
