@@ -17,7 +17,7 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import lower_contraction, matmul_kernel, toolchain
+from flowjit.backends.cpu import lower_contraction, matmul_kernel, schedule, toolchain
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
@@ -274,11 +274,12 @@ def test_matmul_kernel_k_loop_is_not_unrolled_by_llvm():
 
 def test_short_loops_are_unrolled_where_marked(monkeypatch):
     """LLVM's pipeline unrolls only loops marked for it: the lowering marks short ones
-    (`schedule.FULL_UNROLL`: the im2col row's and the bias kernel's 2 vector steps, the pack's 9
-    steps, the kernel's 4 row blocks), which reach the LLVM IR as `llvm.loop.unroll.full` and are
-    all unrolled there. The conv output's transpose to NCHW copies whole 28 x 28 blocks (no
-    `linalg.transpose`, whose 28-element rows LLVM vectorized behind an alias check). One thread:
-    split over cores, the kernel's row blocks per thread are a runtime count, partly unrolled."""
+    (`schedule.FULL_UNROLL`: the im2col row's 2 vector steps, the pack's 9 steps, the kernel's 4 row
+    blocks), which reach the LLVM IR as `llvm.loop.unroll.full` and are all unrolled there (the bias
+    kernel's 2 steps, a `copy_nd` row, are unrolled by the transform schedule itself). The conv
+    output's transpose to NCHW copies whole 28 x 28 blocks (no `linalg.transpose`, whose 28-element
+    rows LLVM vectorized behind an alias check). One thread: split over cores, the kernel's row
+    blocks per thread are a runtime count, partly unrolled."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     x, w, b = data((12, 1, 28, 28), dt.float32, 1), data((32, 1, 3, 3), dt.float32, 2), data((32,), dt.float32, 3)
@@ -289,7 +290,7 @@ def test_short_loops_are_unrolled_where_marked(monkeypatch):
     full = re.search(r'^(![0-9]+) = !\{!"llvm.loop.unroll.full"\}', unoptimized, re.M)
     assert full is not None
     loop_id = re.search(rf"^(![0-9]+) = distinct !\{{![0-9]+, {full[1]}\}}", unoptimized, re.M)[1]
-    assert len(re.findall(rf"!llvm.loop {loop_id}\b", unoptimized)) >= 4
+    assert len(re.findall(rf"!llvm.loop {loop_id}\b", unoptimized)) >= 3
     assert "llvm.loop.unroll.full" not in lowered.as_text("llvm")
     padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
     cols = np.stack([padded[:, 0, i : i + 28, j : j + 28] for i in range(3) for j in range(3)])
@@ -299,18 +300,22 @@ def test_short_loops_are_unrolled_where_marked(monkeypatch):
 
 def test_small_nd_kernels_with_short_rows_are_unrolled(monkeypatch):
     """A fused n-d kernel below `schedule.PARALLEL_MIN_ELEMENTS` with rows of a few vectors (the
-    CNN's bias + relu at batch 4) gets the one-thread `copy_nd` schedule, whose row loop reaches the
-    LLVM IR marked `llvm.loop.unroll.full` and is unrolled there (without a schedule LLVM made each
-    28-element row a vector loop plus a scalar remainder loop). Strided views keep no schedule."""
+    CNN's bias + relu at batch 4) gets the one-thread `copy_nd` schedule, whose row loop the
+    transform schedule unrolls (without a schedule LLVM made each 28-element row a vector loop plus
+    a scalar remainder loop; marked for LLVM's unrolling instead, the function would need O3).
+    Strided views keep no schedule."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     x, b = data((4, 32, 28, 28), dt.float32, 1), data((32,), dt.float32, 2)
     lowered = fj.jit(lambda x, b: nn.relu(x + b.reshape(1, 32, 1, 1))).lower(x, b)
     mlir = lowered.as_text("mlir")
     assert "fj.kernel" in mlir and "scf.forall" not in mlir  # small: one thread
-    unoptimized = toolchain.lower_to_llvm_ir(mlir).llvm_ir
-    assert re.search(r'^![0-9]+ = !\{!"llvm.loop.unroll.full"\}', unoptimized, re.M)
-    assert "llvm.loop.unroll.full" not in lowered.as_text("llvm")
+    steps = -(-28 // schedule.lanes(32))
+    assert "transform.loop.unroll %loop3" in mlir and f"{{factor = {steps}}}" in mlir
+    scheduled = toolchain.apply_transform_schedule(mlir)
+    assert scheduled.count("vector.transfer_write") == steps  # one per vector of a row, no row loop
+    assert "llvm.loop.unroll.full" not in toolchain.lower_to_llvm_ir(mlir).llvm_ir
+    assert lowered.as_text("llvm").startswith("; LLVM pipeline: light (")
     np.testing.assert_array_equal(lowered.compile()(x, b), np.maximum(x + b.reshape(1, 32, 1, 1), 0))
     strided = fj.jit(lambda x: x[:, :, :, ::2] * 2.0 + x[:, :, :, 1::2]).lower(x)
     assert "fj.kernel" not in strided.as_text("mlir")

@@ -55,15 +55,6 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def unroll(loop: str) -> list[str]:
-    """Transform ops marking the `scf.for` handle `loop` for LLVM's full unrolling."""
-    param = f"%unroll{loop[1:]}"
-    return [
-        f"{param} = transform.param.constant {FULL_UNROLL} -> !transform.any_param",
-        f'transform.annotate {loop} "loop_annotation" = {param} : {ANY}, !transform.any_param',
-    ]
-
-
 def elementwise(n: int, elem_bits: int):
     """A 1-D elementwise kernel over `n` elements."""
     vl = lanes(elem_bits)
@@ -89,7 +80,7 @@ def elementwise(n: int, elem_bits: int):
 
 def short_row(width: int, vector_lanes: int) -> bool:
     """Whether a row of `width` elements takes at most `MAX_UNROLLED_STEPS` vectors: its loop is then
-    marked for full unrolling."""
+    unrolled (by the schedule in `copy_nd`, marked for LLVM's full unrolling in im2col and pooling)."""
     return -(-width // vector_lanes) <= MAX_UNROLLED_STEPS
 
 
@@ -123,8 +114,11 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
             f"transform.structured.tile_using_for {h} tile_sizes [{tiles}] : ({ANY}) -> ({ANY}, {loops})",
             f"transform.structured.vectorize %vec{h[1:]} vector_sizes [{tiles}] : {ANY}",
         ]
-        if short_row(shape[-1], vl):
-            lines += unroll(f"%loop{rank - 1}{h[1:]}")
+        row_steps = -(-shape[-1] // vl)
+        if short_row(shape[-1], vl) and row_steps > 1:
+            # Unrolled here rather than marked for LLVM (`FULL_UNROLL`): a marked loop keeps the
+            # function on LLVM's O3 pipeline (`compiler.light_pipeline`).
+            lines.append(f"transform.loop.unroll %loop{rank - 1}{h[1:]} {{factor = {row_steps}}} : {ANY}")
         return lines
 
     return steps
