@@ -62,9 +62,10 @@ def cpu_times() -> tuple[float, float] | None:
 
 
 def steal_share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> str:
-    """The share of CPU time between two `cpu_times` readings that a VM's host gave to other guests
-    (0% on bare metal; on this suite's shared VMs a run with a few percent has slower, noisier
-    timings than its load average shows)."""
+    """The share of CPU time between two `cpu_times` readings that a VM's host reports giving to other
+    guests (0% on bare metal). It does not catch every slow phase: runs on this suite's VM whose
+    sgemm probe found half the usual rate reported 0%, so the machine-limit probes in the same
+    report are the better sign of a disturbed run."""
     if before is None or after is None or after[0] <= before[0]:
         return "unknown"
     return f"{100 * (after[1] - before[1]) / (after[0] - before[0]):.1f}%"
