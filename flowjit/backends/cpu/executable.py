@@ -81,7 +81,7 @@ class OutputRecycler:
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
         self.shape, self.dtype = shape, dtype
-        self._nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self._nbytes = _nbytes(shape, dtype)
         self._blocks: list[np.ndarray] = []
         self._lock = threading.Lock()
 
@@ -102,12 +102,14 @@ class OutputRecycler:
             return block.view(self.dtype).reshape(self.shape)
 
 
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def _recyclers(shapes, dtypes) -> list[OutputRecycler | None]:
     """A recycler for each output of at least `RECYCLE_MIN_BYTES`, None for the others."""
     return [
-        OutputRecycler(shape, dtype)
-        if _CAN_RECYCLE and int(np.prod(shape, dtype=np.int64)) * dtype.itemsize >= RECYCLE_MIN_BYTES
-        else None
+        OutputRecycler(shape, dtype) if _CAN_RECYCLE and _nbytes(shape, dtype) >= RECYCLE_MIN_BYTES else None
         for shape, dtype in zip(shapes, dtypes)
     ]
 
