@@ -10,6 +10,16 @@ this machine numpy's BLAS spinning doubled the time of a flowjit call right afte
 runs the peers in a fresh random order (no peer always follows the same one), and a sample starts
 only after a pause of `settle_s`, long enough for the previous peer's threads to go to sleep.
 
+The pause also puts the timed peer's own threads to sleep, and on this VM a sleeping core takes
+milliseconds to wake: the call right after it ran a threaded kernel at about one core's speed
+(flowjit's softmax 2.6 ms instead of 1.1; JAX's and PyTorch's threaded calls alike), and for a few
+calls more: with one untimed call after the pause, medians stayed up to 1.6x their minima. Timed
+that way every sample measured waking from idle, not the steady state of a program that calls its
+function in a loop. So after each pause one call runs first, timed on its own (`after_pause_s`,
+reported next to the steady state), then calls for `warm_s` more, untimed, and only then the
+sample (`samples_s`). With the warm-up, flowjit's matmul 1024 median went from 1.6x its minimum
+to 1.06x (7.82 -> 5.56 ms, two full runs of 2026-11-23).
+
 Peers also leave garbage: torch.compile's graphs and tensors sit in reference cycles that only
 Python's cyclic collector frees, and it ran inside whichever call next allocated enough, freeing
 another peer's tensors on that peer's clock (flowjit's layer-norm first call measured ~400 ms in
@@ -59,6 +69,7 @@ class PeerResult:
     status: str = "ok"  # "ok", "skipped: ...", or "failed: ..."
     first_call_s: float = math.nan
     samples_s: list[float] = field(default_factory=list)
+    after_pause_s: list[float] = field(default_factory=list)  # the call after each settling pause
     inner: int = 1  # calls per timed sample (tiny workloads repeat to get above timer noise)
     max_abs_err: float = math.nan
     rel_err: float = math.nan
@@ -76,6 +87,10 @@ class PeerResult:
     def min_s(self) -> float:
         return min(self.samples_s) if self.samples_s else math.nan
 
+    @property
+    def after_pause_median_s(self) -> float:
+        return statistics.median(self.after_pause_s) if self.after_pause_s else math.nan
+
 
 @dataclass(frozen=True)
 class TimingPolicy:
@@ -87,10 +102,12 @@ class TimingPolicy:
     budget_s: float
     min_sample_s: float  # a sample repeats the call until it lasts at least this long
     settle_s: float  # pause before each sample, for the previous peer's spinning threads to sleep
+    # (then one call, timed apart from the sample: see the module docstring)
+    warm_s: float = 0.0  # untimed calls for this long after that one, before the sample
 
 
-FULL = TimingPolicy("full", min_reps=5, max_reps=25, budget_s=10.0, min_sample_s=0.005, settle_s=0.25)
-QUICK = TimingPolicy("quick", min_reps=3, max_reps=8, budget_s=4.0, min_sample_s=0.002, settle_s=0.25)
+FULL = TimingPolicy("full", min_reps=5, max_reps=25, budget_s=14.0, min_sample_s=0.005, settle_s=0.25, warm_s=0.05)
+QUICK = TimingPolicy("quick", min_reps=3, max_reps=8, budget_s=4.0, min_sample_s=0.002, settle_s=0.25, warm_s=0.02)
 SMOKE = TimingPolicy("smoke", min_reps=2, max_reps=3, budget_s=0.5, min_sample_s=0.001, settle_s=0.0)  # tiny sizes
 
 
@@ -178,7 +195,8 @@ def _calibrate(call, min_sample_s: float) -> int:
 
 
 def _interleave(calls: dict, results: dict[str, PeerResult], policy: TimingPolicy) -> None:
-    """Rounds of one sample per peer, in a fresh random order each round, each after a settling pause."""
+    """Rounds of one sample per peer, in a fresh random order each round, each after a settling pause
+    and one call timed apart (`PeerResult.after_pause_s`)."""
     names = list(calls)
     if not names:
         return
@@ -190,6 +208,12 @@ def _interleave(calls: dict, results: dict[str, PeerResult], policy: TimingPolic
         for name in order.sample(names, len(names)):
             call, inner = calls[name], results[name].inner
             time.sleep(policy.settle_s)
+            t0 = time.perf_counter()
+            call()
+            results[name].after_pause_s.append(time.perf_counter() - t0)
+            warm_until = time.perf_counter() + policy.warm_s
+            while time.perf_counter() < warm_until:
+                call()
             t0 = time.perf_counter()
             for _ in range(inner):
                 call()

@@ -152,7 +152,8 @@ def main(argv=None) -> int:
         memory = measure_memory(WORKLOADS[0].sizes[args.sizes]["n"])
     mode = (
         f"{policy.name} (rounds {policy.min_reps}..{policy.max_reps}, "
-        f"budget {policy.budget_s} s per workload, {policy.settle_s} s settling pause before each sample), "
+        f"budget {policy.budget_s} s per workload, {policy.settle_s} s settling pause, one call timed apart "
+        f"and {policy.warm_s} s of untimed calls before each sample), "
         f"sizes {args.sizes}, peers {', '.join(args.peer_names)}, "
         "flowjit's on-disk compile cache off (FLOWJIT_CACHE=0); "
         f"total run time {time.perf_counter() - started:.0f} s"

@@ -23,12 +23,14 @@ def test_runner_on_tiny_sizes(tmp_path):
     rows = {peer: [] for peer in ("numpy", "flowjit")}
     for line in report.splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)]  # pipes in messages are escaped
-        if len(cells) == 11 and cells[1] in rows:  # a peer row of a workload table
+        if len(cells) == 12 and cells[1] in rows:  # a peer row of a workload table
             rows[cells[1]].append(cells)
     assert len(rows["numpy"]) == len(rows["flowjit"]) == len(WORKLOADS)
     # numpy always runs and matches its own float64 run; flowjit rows are either reported failures or
-    # skips (flowjit's own tests own those) or agree with the reference (column 6: relative error).
-    assert all(float(cells[6]) < 1e-6 for cells in rows["numpy"]), rows["numpy"]
+    # skips (flowjit's own tests own those) or agree with the reference (column 7: relative error).
+    assert all(float(cells[7]) < 1e-6 for cells in rows["numpy"]), rows["numpy"]
     ran = [cells for cells in rows["flowjit"] if not cells[2].startswith(("failed: ", "skipped: "))]
-    assert all(float(cells[6]) < 1e-5 for cells in ran), ran
+    assert all(float(cells[7]) < 1e-5 for cells in ran), ran
+    # column 4: the call after each settling pause, timed apart from the steady-state samples
+    assert all(re.fullmatch(r"[\d.]+ [µm]?s", cells[4]) for cells in rows["numpy"] + ran), ran
     assert "## Memory" in report and "flowjit first call" in report
