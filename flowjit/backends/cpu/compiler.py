@@ -7,7 +7,11 @@
     MCJIT                  machine code in this process                                  stage "asm"
 
 A large module is optimized and compiled in parts, one per thread (`parallel_codegen`): the
-"llvm" and "asm" stages then show each part under a `---- part k of n` comment line.
+"llvm" and "asm" stages then show each part under a `---- part k of n` comment line. A function
+with a large body is lowered in parts as well (`lower_graph(split=n)`), whose MLIR pipelines run
+at once in forked processes (`parallel_mlir`), one LLVM part each. Its stage texts are those of
+the whole module (lowered again when asked for), so that "mlir" to "asm" are one module's stages
+and "mlir" parses as one module; `python benchmarks/compile_time.py` shows the parts' count.
 
 The MLIR half works on one in-memory module (`toolchain.lower_to_llvm_ir`); stage texts other than
 'mlir' are printed only when asked for. A compile-cache hit (see `cache.py`) skips everything but
@@ -21,7 +25,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import cache, parallel_codegen, toolchain
+from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph
@@ -87,12 +91,12 @@ def load_lowerings() -> dict:
     return LOWERINGS
 
 
-def generate_mlir(graph: Graph, options: CompileOptions | None = None):
-    """Stage 'mlir': the generated module and its calling layout."""
+def generate_mlir(graph: Graph, options: CompileOptions | None = None, split: int = 1):
+    """Stage 'mlir': the generated module and its calling layout (in up to `split` parts)."""
     load_lowerings()
     from flowjit.backends.cpu.lowering import lower_graph
 
-    return lower_graph(graph, late_outputs=frozenset(options.late_outputs if options else ()))
+    return lower_graph(graph, late_outputs=frozenset(options.late_outputs if options else ()), split=split)
 
 
 class Stages:
@@ -120,14 +124,20 @@ class Stages:
 
             graph = parse_graph(self.graph_text)
         t0 = time.perf_counter()
-        mlir = generate_mlir(graph, self.options)
+        # Stage texts come from one module: a split function's parts would each show a piece.
+        mlir = generate_mlir(graph, self.options, split=1 if keep_texts else parallel_mlir.processes())
         t1 = time.perf_counter()
-        lowered = toolchain.lower_to_llvm_ir(mlir.text, keep_text=keep_texts)
+        lowerings = parallel_mlir.lower_parts(list(mlir.parts or [mlir.text]), keep_text=keep_texts)
+        lowered = lowerings[0]
+        if len(lowerings) > 1:  # one LLVM part per MLIR part, the first defining the entry
+            pieces = [part.llvm_ir for part in lowerings]
+            lowered = toolchain.LLVMLowering("\n".join(pieces), None, max(p.plain_loop_elements for p in lowerings))
+        else:
+            pieces = parallel_codegen.split_llvm_ir(lowered.llvm_ir, parallel_codegen.threads())
         llvm_ir = lowered.llvm_ir
         t2 = time.perf_counter()
         opt = self.options.opt_level
         light, why = light_pipeline(graph, lowered, opt)
-        pieces = parallel_codegen.split_llvm_ir(llvm_ir, parallel_codegen.threads())
         if len(pieces) == 1:
             self.parts = [toolchain.optimize(llvm_ir, mlir.entry, opt=opt, light=light)]
         else:
@@ -140,7 +150,8 @@ class Stages:
             raise CompileError(f"internal error: @{mlir.entry} takes {found} arguments; expected {expected} pointers")
         self.timings = {"lower": t1 - t0, "mlir": t2 - t1, "llvm-opt": time.perf_counter() - t2}
         self.mlir = mlir
-        self.texts["mlir"] = mlir.text
+        if not mlir.parts:  # a split function's "mlir" stage is its whole module, made when asked for
+            self.texts["mlir"] = mlir.text
         if keep_texts:
             # Printed before code generation, which rewrites the module in place (CodeGenPrepare).
             llvm = f"; LLVM pipeline: {why}\n" + self._joined(lambda module, tm: str(module), ";")
@@ -165,6 +176,10 @@ class Stages:
     def __getitem__(self, stage: str) -> str:
         if stage not in self.NAMES:
             raise KeyError(stage)
+        if stage == "mlir" and stage not in self.texts:
+            from flowjit.ir.parser import parse_graph
+
+            self.texts["mlir"] = generate_mlir(parse_graph(self.graph_text), self.options).text
         if stage not in self.texts:
             if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
                 self.build(keep_texts=True)

@@ -218,13 +218,15 @@ class KernelEmitter:
         ]
         self.schedules.append("\n".join(f"    {line}" for line in lines))
 
-    def schedule_lines(self) -> list[str]:
-        """The `@__transform_main` sequence applying every kernel's schedule (empty if none)."""
-        if not self.schedules:
+    def schedule_lines(self, schedules: Sequence[str] | None = None) -> list[str]:
+        """The `@__transform_main` sequence applying every kernel's schedule, or those of `schedules`
+        (a part of a split function), then the function-wide cleanups (empty if there are none)."""
+        schedules = self.schedules if schedules is None else schedules
+        if not schedules:
             return []
         return [
             "  transform.named_sequence @__transform_main(%root: !transform.any_op {transform.readonly}) {",
-            *self.schedules,
+            *schedules,
             '    %func = transform.structured.match ops{["func.func"]} in %root '
             ": (!transform.any_op) -> !transform.any_op",
             "    transform.apply_patterns to %func {",

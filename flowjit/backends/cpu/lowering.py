@@ -24,6 +24,7 @@ fill the table are imported by `flowjit.backends.cpu.compiler`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,13 +72,16 @@ def lowering(*names: str):
 
 @dataclass(frozen=True)
 class MlirModule:
-    """The generated MLIR and what the runtime needs to call it."""
+    """The generated MLIR and what the runtime needs to call it. `parts`: when the function was split
+    (`lower_graph(split=...)`), the modules that together define it, the first holding the entry
+    (`text` then shows them one after the other); empty otherwise."""
 
     text: str
     entry: str
     workspace_bytes: int
     inputs: tuple[TensorType, ...]
     outputs: tuple[TensorType, ...]
+    parts: tuple[str, ...] = ()
 
 
 # --- workspace planning ------------------------------------------------------------------------
@@ -173,6 +177,16 @@ class _FunctionLowering:
         self.inline: dict[Value, str] = {}  # constant value -> tensor SSA name (emitted on first read)
         self.result_outputs: dict[Value, str] = {}  # op result that is a graph result -> its output arg
         self.virtual = _virtual_splats(graph)  # splats only read as scalars: never computed or stored
+        self.global_symbols: dict[Value, str] = {}  # large constant -> its module global
+        self.op_local: set[Value] = set()  # values whose `buffers` entry is an SSA name of the current op
+
+    def start_op(self) -> None:
+        """Forget what earlier ops emitted (constants, global reads), so that each op's lines use only
+        the function's arguments and prologue: any run of ops is then a function body of its own."""
+        self.inline.clear()
+        for value in self.op_local:
+            del self.buffers[value]
+        self.op_local.clear()
 
     # Reading a value as a tensor.
     def read(self, value: Value) -> str:
@@ -213,12 +227,15 @@ class _FunctionLowering:
                 tensor = bool_from_bytes(self.em, tensor, t)
             self.inline[value] = tensor
             return tensor
-        symbol = f"cst{len(self.globals)}"
-        self.globals.append(
-            f'  memref.global "private" constant @{symbol} : {memref_type(t)} = '
-            f"{dense_literal(array, t.dtype)} {{alignment = {ALIGNMENT} : i64}}"
-        )
+        symbol = self.global_symbols.get(value)
+        if symbol is None:
+            symbol = self.global_symbols[value] = f"cst{len(self.globals)}"
+            self.globals.append(
+                f'  memref.global "private" constant @{symbol} : {memref_type(t)} = '
+                f"{dense_literal(array, t.dtype)} {{alignment = {ALIGNMENT} : i64}}"
+            )
         self.buffers[value] = self.em.op(f"memref.get_global @{symbol} : {memref_type(t)}")
+        self.op_local.add(value)
         return self.read(value)
 
     # Writing a kernel's result tensor to its buffer.
@@ -335,12 +352,29 @@ def check_lowerings(graph: Graph) -> None:
             raise no_lowering_error(op)
 
 
-def lower_graph(graph: Graph, name: str | None = None, late_outputs: frozenset[int] = frozenset()) -> MlirModule:
+# A function is split (`lower_graph(split=n)`) only when its body has at least this many lines: a
+# part's MLIR pipelines then run in a forked process (`parallel_mlir`), whose start costs 6-10 ms and
+# slows this process's own part by its copy-on-write faults. The MLP training step (2,750 lines)
+# gains a fifth of its first call; the CNN forward (650 lines: 20 + 28 ms of MLIR in two parts
+# against 48 whole) gained nothing.
+SPLIT_MIN_LINES = 1200
+
+
+def lower_graph(
+    graph: Graph, name: str | None = None, late_outputs: frozenset[int] = frozenset(), split: int = 1
+) -> MlirModule:
     """The MLIR module (text) computing `graph` in one function, plus its calling layout.
 
     Outputs in `late_outputs` are written only at the very end of the function (from a workspace
     slot), never as a kernel's destination: the caller may pass the same buffer as one of the
     inputs (a variable updated in place), which must stay intact until its last read.
+
+    `split` > 1 asks for the function in up to that many modules (`MlirModule.parts`), so that their
+    MLIR pipelines can run at once: each part is a function of the same arguments running a run of
+    consecutive top-level ops, and ends by calling the next part. Ops talk only through buffers
+    (outputs and workspace slots), so no value crosses a part's boundary; each op's lines are made
+    to use only the arguments and the prologue's workspace views (`start_op`). Graphs that send or
+    receive (module-level runtime declarations) and small bodies (`SPLIT_MIN_LINES`) stay whole.
     """
     check_lowerings(graph)
     name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
@@ -378,35 +412,95 @@ def lower_graph(graph: Graph, name: str | None = None, late_outputs: frozenset[i
         c = em.op(f"arith.constant {planned} : index")
         em.scratch = (em.op(f"memref.view %ws[{c}][] : {ws_type} to memref<{scratch}xi8>"), scratch)
 
+    splitting = split > 1 and not any(op.name in _UNSPLITTABLE for op in graph.walk())
+    prologue = len(em.body)
+    starts: list[tuple[int, int]] = []  # (body line, schedule) where each lowered op begins
     for op in graph.ops:
         if op.name != "constant" and not (op.results and all(v in fl.virtual for v in op.results)):
+            if splitting:
+                fl.start_op()
+                starts.append((len(em.body), len(em.schedules)))
             fl.lower_op(op)
+    if splitting:
+        fl.start_op()  # the copies to late and repeated outputs go with the last op
     for out, value in zip(outputs, graph.results):
         if fl.result_outputs.get(value) != out:
             fl.write(fl.read(value), value, out)
 
-    lines = [
-        fl.em.module_prelude(),
-        "module attributes {transform.with_named_sequence} {" if em.schedules else "module {",
-        *fl.globals,
-        f"  func.func @{name}({', '.join(args)}) {{",
-        *em.body,
-        "    return",
-        "  }",
-        *em.schedule_lines(),
-        "}",
-        "",
-    ]
     header = (
         f"// flowjit function '{graph.name}' -> @{name}(inputs, outputs, workspace)\n// workspace: {workspace} bytes\n"
     )
-    return MlirModule(
-        header + "\n".join(lines),
-        name,
-        workspace,
-        tuple(p.type for p in graph.params),
-        tuple(r.type for r in graph.results),
-    )
+    layout = (name, workspace, tuple(p.type for p in graph.params), tuple(r.type for r in graph.results))
+    cuts = _cuts(starts, len(em.body), split) if splitting and len(em.body) >= SPLIT_MIN_LINES else []
+    if not cuts:
+        text = _module_text(fl, name, args, em.body, em.schedules, fl.globals, None)
+        return MlirModule(header + text, *layout)
+    bounds = [(prologue, 0), *cuts, (len(em.body), len(em.schedules))]
+    parts = []
+    for k in range(len(bounds) - 1):
+        (line0, sched0), (line1, sched1) = bounds[k], bounds[k + 1]
+        body = em.body[:prologue] + em.body[line0:line1]
+        used = set(_SYMBOL.findall("\n".join(body)))
+        globals_ = [g for g in fl.globals if _SYMBOL.search(g).group(1) in used]
+        callee = f"{name}_part{k + 1}" if k + 2 < len(bounds) else None
+        part_name = name if k == 0 else f"{name}_part{k}"
+        text = _module_text(fl, part_name, args, body, em.schedules[sched0:sched1], globals_, callee)
+        parts.append(f"// part {k + 1} of {len(bounds) - 1} of {header[3:]}{text}")
+    return MlirModule("\n".join(parts), *layout, parts=tuple(parts))
+
+
+# Ops whose lowerings add module-level declarations and globals of their own (runtime calls).
+_UNSPLITTABLE = frozenset({"send", "recv", "send_done"})
+_SYMBOL = re.compile(r"@([\w$.-]+)")
+
+
+def _cuts(starts: list[tuple[int, int]], end: int, parts: int) -> list[tuple[int, int]]:
+    """Where to cut the ops (at most `parts - 1` of `starts`) so that the parts' lines are even."""
+    if len(starts) < 2:
+        return []
+    parts = min(parts, len(starts))
+    first, total = starts[0][0], end - starts[0][0]
+    cuts: list[tuple[int, int]] = []
+    for k in range(1, parts):
+        target = first + total * k / parts
+        best = min(starts[1:], key=lambda s: abs(s[0] - target))
+        if best not in cuts and (not cuts or best[0] > cuts[-1][0]):
+            cuts.append(best)
+    return cuts
+
+
+def _module_text(
+    fl: _FunctionLowering,
+    name: str,
+    args: list[str],
+    body: list[str],
+    schedules: list[str],
+    globals_: list[str],
+    callee: str | None,
+) -> str:
+    """One module: `@name(args)` running `body` (then calling `callee` with the same arguments)."""
+    tail = []
+    declarations = []
+    if callee is not None:
+        names = ", ".join(a.split(":", 1)[0] for a in args)
+        types = ", ".join(a.split(": ", 1)[1] for a in args)
+        tail.append(f"    func.call @{callee}({names}) : ({types}) -> ()")
+        declarations.append(f"  func.func private @{callee}({types})")
+    lines = [
+        fl.em.module_prelude(),
+        "module attributes {transform.with_named_sequence} {" if schedules else "module {",
+        *globals_,
+        *declarations,
+        f"  func.func @{name}({', '.join(args)}) {{",
+        *body,
+        *tail,
+        "    return",
+        "  }",
+        *fl.em.schedule_lines(schedules),
+        "}",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 __all__ = ["LOWERINGS", "MlirModule", "elem_type", "lower_graph", "lowering", "plan_workspace"]

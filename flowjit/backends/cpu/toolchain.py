@@ -87,6 +87,11 @@ LLVM_PIPELINE = (
 _lock = threading.RLock()
 
 
+def lock() -> threading.RLock:
+    """The lock held around this module's MLIR and LLVM calls (and while `parallel_mlir` forks)."""
+    return _lock
+
+
 def openmp_library() -> str:
     """Path of `libiomp5.so` shipped by the intel-openmp wheel in this environment."""
     for root in (sys.prefix, os.path.dirname(os.path.dirname(sys.executable))):

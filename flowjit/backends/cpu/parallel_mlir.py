@@ -1,0 +1,140 @@
+"""The MLIR half of a compile on several cores: the parts of a split function (`lower_graph(split=n)`)
+go through the MLIR pipelines at once, the first in this process and each other one in a forked
+child process, which sends back its LLVM IR.
+
+Why: the MLIR pipelines are most of a large function's first call (the MLP training step: ~190 of
+~330 ms) and run on one thread: the bindings hold the GIL for a whole pass pipeline, so threads run
+them one after the other (two threads on two modules: wall 370 ms = CPU 370 ms). Processes do not
+share a GIL. A fork costs 6-10 ms in a 0.5 GB process and copies nothing up front; the child
+already has MLIR loaded, its context and its pass managers. Measured on the training step, two
+halves of the function: 104 + 78 ms of MLIR, against 193 ms for the whole.
+
+How: `lower_parts` forks one child per extra part while holding the toolchain's lock, so no other
+thread of this process is inside MLIR or LLVM when the child's copy of the process is taken; the
+child only runs `toolchain.lower_to_llvm_ir` on its text, writes the pickled result (or the error's
+text) to a pipe and leaves with `os._exit`, running none of the parent's exit handlers. The parent
+lowers the first part meanwhile, then reads each pipe with a deadline (`PART_TIMEOUT_S`); a child
+that fails, dies or overruns fails the compile with its reason (a crash in MLIR, e.g. an assertion,
+now costs one compile instead of the whole process). `processes()` is 1 (no split) where there is
+no `os.fork`, with `FLOWJIT_COMPILE_THREADS=1`, or on one core.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+import warnings
+
+from flowjit.backends.cpu import parallel_codegen, toolchain
+from flowjit.errors import CompileError
+
+# The most parts a function is split into: each costs a fork and repeats the function's prologue.
+MAX_PARTS = 4
+# How long the parent waits for a part's child (the largest modules compile in seconds).
+PART_TIMEOUT_S = 600.0
+
+
+def processes() -> int:
+    """How many processes the MLIR half of one function may use (1: it is not split)."""
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return 1
+    return min(parallel_codegen.threads(), MAX_PARTS)
+
+
+class _Child:
+    """A forked process lowering one part; `result()` collects its `LLVMLowering`."""
+
+    def __init__(self, text: str, index: int):
+        self.index = index
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            # Libraries warn at every fork when they run threads (JAX: "will likely lead to a deadlock";
+            # Python 3.12+: a DeprecationWarning): the child runs none of their code, only MLIR.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: lower, report, leave without returning into the caller
+            status = 1
+            try:
+                os.close(read)
+                try:
+                    payload = ("ok", tuple(toolchain.lower_to_llvm_ir(text)))
+                except BaseException as e:  # reported to the parent, which raises it
+                    payload = ("error", f"{type(e).__name__}: {e}")
+                with os.fdopen(write, "wb") as pipe:
+                    pipe.write(pickle.dumps(payload))
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        self.pid, self.pipe, self.reaped = pid, read, False
+
+    def result(self, deadline: float) -> toolchain.LLVMLowering:
+        chunks = []
+        poll = select.poll()  # not select.select: it fails on descriptors past 1023
+        poll.register(self.pipe, select.POLLIN | select.POLLHUP)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not poll.poll(left * 1000):
+                    self.kill()
+                    raise CompileError(
+                        f"internal error: the MLIR pipelines of part {self.index + 1} did not finish within "
+                        f"{PART_TIMEOUT_S:.0f} s (compile process {self.pid} stopped)"
+                    )
+                chunk = os.read(self.pipe, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(self.pipe)
+        _, status = os.waitpid(self.pid, 0)
+        self.reaped = True
+        if not chunks:
+            raise CompileError(
+                f"internal error: the process lowering part {self.index + 1} of the function through MLIR "
+                f"died ({_exit_reason(status)}); FLOWJIT_COMPILE_THREADS=1 lowers it in this process"
+            )
+        kind, value = pickle.loads(b"".join(chunks))
+        if kind != "ok":
+            raise CompileError(f"{value} (part {self.index + 1} of a split function)")
+        return toolchain.LLVMLowering(*value)
+
+    def kill(self) -> None:
+        """Stop the child unless it was already waited for (its pid may belong to another process)."""
+        if self.reaped:
+            return
+        self.reaped = True
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def _exit_reason(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit status {os.WEXITSTATUS(status)}"
+
+
+def lower_parts(texts: list[str], keep_text: bool = False) -> list[toolchain.LLVMLowering]:
+    """`toolchain.lower_to_llvm_ir` of each module text, the first here and the others in forked
+    processes at the same time (one text: just here)."""
+    if len(texts) == 1:
+        return [toolchain.lower_to_llvm_ir(texts[0], keep_text=keep_text)]
+    children: list[_Child] = []
+    try:
+        with toolchain.lock():
+            for k, text in enumerate(texts[1:], start=1):
+                children.append(_Child(text, k))
+        first = toolchain.lower_to_llvm_ir(texts[0], keep_text=keep_text)
+        deadline = time.monotonic() + PART_TIMEOUT_S
+        return [first, *(child.result(deadline) for child in children)]
+    finally:
+        for child in children:  # an error left them running
+            child.kill()

@@ -1,0 +1,169 @@
+"""A large function's MLIR half in parts (`lowering.lower_graph(split=n)`, `parallel_mlir`): the parts
+are valid modules that call each other, the split compile gives the same results as the whole one
+(variables updated in place included), and a failing, crashing or hanging part process becomes a
+clear CompileError instead of a hang."""
+
+import faulthandler
+import os
+import time
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+from flowjit.backends.cpu import compiler, lowering, parallel_mlir, toolchain
+from flowjit.errors import CompileError
+
+pytestmark = pytest.mark.skipif(parallel_mlir.processes() < 2, reason="needs os.fork and two cores")
+
+
+def _loss(w1, w2, x):
+    h = fj.numpy.tanh(w1 @ x)
+    return fj.numpy.sum((w2 @ h) ** 2)
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    return (
+        rng.standard_normal((64, 96)).astype(np.float32) * 0.1,
+        rng.standard_normal((96, 64)).astype(np.float32) * 0.1,
+        rng.standard_normal((96, 32)).astype(np.float32),
+    )
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    """Split every function with two or more ops, whatever its size."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", 0)
+
+
+def _graph(fn, *args):
+    captured = {}
+    original = compiler.generate_mlir
+
+    def capture(graph, options=None, split=1):
+        captured["graph"] = graph
+        return original(graph, options, split)
+
+    compiler.generate_mlir = capture
+    try:
+        fj.jit(fn).lower(*args).compile()
+    finally:
+        compiler.generate_mlir = original
+    return captured["graph"]
+
+
+def test_parts_are_modules_that_chain(split_everything):
+    graph = _graph(fj.grad(_loss, argnums=(0, 1)), *_inputs())
+    module = lowering.lower_graph(graph, split=2)
+    assert len(module.parts) == 2
+    first, second = module.parts
+    assert first.startswith("// part 1 of 2 of flowjit function") and second.startswith("// part 2 of 2")
+    assert f"func.func @{module.entry}(" in first and f"func.call @{module.entry}_part1(" in first
+    assert f"func.func private @{module.entry}_part1(" in first and f"func.func @{module.entry}_part1(" in second
+    assert "func.call" not in second  # the last part returns to the entry
+    for part in module.parts:  # each parses, and lowers to LLVM IR on its own
+        assert toolchain.lower_to_llvm_ir(part).llvm_ir
+    whole = lowering.lower_graph(graph)
+    assert not whole.parts and whole.workspace_bytes == module.workspace_bytes
+
+
+def test_small_or_one_op_functions_stay_whole(monkeypatch):
+    graph = _graph(fj.grad(_loss, argnums=(0, 1)), *_inputs())
+    lines = lowering.lower_graph(graph).text.count("\n")
+    monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", lines)  # more than the body's lines
+    assert not lowering.lower_graph(graph, split=2).parts
+    monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", lines // 2)
+    assert len(lowering.lower_graph(graph, split=2).parts) == 2
+    monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", 0)
+    one_op = _graph(lambda a: a * 2.0 + 1.0, np.ones(8, np.float32))
+    assert not lowering.lower_graph(one_op, split=2).parts
+
+
+def test_split_compile_matches_whole(split_everything, monkeypatch):
+    inputs = _inputs()
+    compiled = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()
+    assert len(compiled.executable.stages.mlir.parts) == 2
+    assert len(compiled.executable.native.objects) == 2  # one LLVM part per MLIR part, linked
+    got = compiled(*inputs)
+    # The stages are the whole module's: "mlir" parses as one module.
+    mlir = compiled.executable.stages["mlir"]
+    assert "// part" not in mlir and toolchain.lower_to_llvm_ir(mlir).llvm_ir
+    monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", 10**9)
+    want = fj.jit(fj.grad(_loss, argnums=(0, 1)))(*inputs)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_split_training_step_updates_variables_in_place(split_everything, monkeypatch):
+    """Late outputs (variables written last, aliasing their inputs) go with the last part."""
+
+    def run():
+        w = fj.Variable(np.linspace(-1, 1, 96 * 64, dtype=np.float32).reshape(96, 64), name="w")
+        x = np.ones((64, 8), np.float32)
+
+        @fj.jit
+        def step(x):
+            loss, g = fj.value_and_grad(lambda w: fj.numpy.sum(fj.numpy.tanh(w @ x) ** 2))(w.value)
+            w.assign(w.value - 0.01 * g)
+            return loss
+
+        losses = [float(step(x)) for _ in range(3)]
+        return losses, np.array(w.value)
+
+    split = run()
+    monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", 10**9)
+    whole = run()
+    assert split[0] == whole[0]
+    np.testing.assert_array_equal(split[1], whole[1])
+
+
+def _failing_in_part_two(action):
+    """`toolchain.lower_to_llvm_ir` that runs `action` on the module defining a second part."""
+    original = toolchain.lower_to_llvm_ir
+
+    def lower(text, *args, **kwargs):
+        if "func.func @fj_" in text and "_part1(" in text.split("func.func @fj_", 1)[1].split("\n", 1)[0]:
+            action()
+        return original(text, *args, **kwargs)
+
+    return lower
+
+
+def _raise():
+    raise RuntimeError("boom in part two")
+
+
+def test_an_error_in_a_part_process_is_raised(split_everything, monkeypatch):
+    monkeypatch.setattr(toolchain, "lower_to_llvm_ir", _failing_in_part_two(_raise))
+    with pytest.raises(CompileError, match="boom in part two.*part 2 of a split function"):
+        fj.jit(fj.grad(_loss, argnums=(0, 1)))(*_inputs())
+
+
+def _abort():
+    faulthandler.disable()  # pytest's handler would print the child's stack on the abort
+    os.abort()
+
+
+def test_a_crashed_part_process_is_reported(split_everything, monkeypatch):
+    monkeypatch.setattr(toolchain, "lower_to_llvm_ir", _failing_in_part_two(_abort))
+    with pytest.raises(CompileError, match=r"part 2 of the function through MLIR died \(signal 6\)"):
+        fj.jit(fj.grad(_loss, argnums=(0, 1)))(*_inputs())
+
+
+def test_a_hanging_part_process_times_out_and_is_stopped(split_everything, monkeypatch):
+    monkeypatch.setattr(toolchain, "lower_to_llvm_ir", _failing_in_part_two(lambda: time.sleep(60)))
+    monkeypatch.setattr(parallel_mlir, "PART_TIMEOUT_S", 2.0)
+    start = time.monotonic()
+    with pytest.raises(CompileError, match="did not finish within 2 s"):
+        fj.jit(fj.grad(_loss, argnums=(0, 1)))(*_inputs())
+    assert time.monotonic() - start < 30
+
+
+def test_one_process_means_no_split(split_everything, monkeypatch):
+    monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "1")
+    assert parallel_mlir.processes() == 1
+    inputs = _inputs()
+    compiled = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()
+    assert not compiled.executable.stages.mlir.parts
