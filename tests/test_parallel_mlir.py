@@ -161,6 +161,19 @@ def test_a_hanging_part_process_times_out_and_is_stopped(split_everything, monke
     assert time.monotonic() - start < 30
 
 
+def test_parts_are_lowered_here_when_no_process_can_be_forked(split_everything, monkeypatch):
+    def no_fork():
+        raise OSError(11, "Resource temporarily unavailable")
+
+    inputs = _inputs()
+    want = fj.jit(fj.grad(_loss, argnums=(0, 1)))(*inputs)
+    monkeypatch.setattr(os, "fork", no_fork)
+    compiled = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()
+    assert len(compiled.executable.stages.mlir.parts) == 2
+    for g, w in zip(compiled(*inputs), want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_one_process_means_no_split(split_everything, monkeypatch):
     monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "1")
     assert parallel_mlir.processes() == 1

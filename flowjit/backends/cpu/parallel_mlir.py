@@ -5,8 +5,9 @@ child process, which sends back its LLVM IR.
 Why: the MLIR pipelines are most of a large function's first call (the MLP training step: ~190 of
 ~330 ms) and run on one thread: the bindings hold the GIL for a whole pass pipeline, so threads run
 them one after the other (two threads on two modules: wall 370 ms = CPU 370 ms). Processes do not
-share a GIL. A fork costs 6-10 ms in a 0.5 GB process and copies nothing up front; the child
-already has MLIR loaded, its context and its pass managers. Measured on the training step, two
+share a GIL. A fork costs 6-10 ms in the benchmark suite's process (0.5 GB, with JAX's and
+PyTorch's fork handlers; 1-2 ms for a bare process holding 1-4 GB of arrays) and copies no memory
+up front; the child already has MLIR loaded, its context and its pass managers. Measured on the training step, two
 halves of the function: 104 + 78 ms of MLIR, against 193 ms for the whole.
 
 How: `lower_parts` forks one child per extra part while holding the toolchain's lock, so no other
@@ -15,7 +16,8 @@ child only runs `toolchain.lower_to_llvm_ir` on its text, writes the pickled res
 text) to a pipe and leaves with `os._exit`, running none of the parent's exit handlers. The parent
 lowers the first part meanwhile, then reads each pipe with a deadline (`PART_TIMEOUT_S`); a child
 that fails, dies or overruns fails the compile with its reason (a crash in MLIR, e.g. an assertion,
-now costs one compile instead of the whole process). `processes()` is 1 (no split) where there is
+now costs one compile instead of the whole process). Where no process can be forked (memory or
+process limits), the parts left are lowered here, one after the other. `processes()` is 1 (no split) where there is
 no `os.fork`, with `FLOWJIT_COMPILE_THREADS=1`, or on one core.
 """
 
@@ -131,10 +133,14 @@ def lower_parts(texts: list[str], keep_text: bool = False) -> list[toolchain.LLV
     try:
         with toolchain.lock():
             for k, text in enumerate(texts[1:], start=1):
-                children.append(_Child(text, k))
+                try:
+                    children.append(_Child(text, k))
+                except OSError:  # no process to be had (memory, process limits): the rest here
+                    break
         first = toolchain.lower_to_llvm_ir(texts[0], keep_text=keep_text)
         deadline = time.monotonic() + PART_TIMEOUT_S
-        return [first, *(child.result(deadline) for child in children)]
+        rest = [child.result(deadline) for child in children]
+        return [first, *rest, *(toolchain.lower_to_llvm_ir(text) for text in texts[1 + len(children) :])]
     finally:
         for child in children:  # an error left them running
             child.kill()
