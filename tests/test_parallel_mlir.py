@@ -174,6 +174,20 @@ def test_parts_are_lowered_here_when_no_process_can_be_forked(split_everything, 
         np.testing.assert_array_equal(g, w)
 
 
+def test_children_reaped_elsewhere_are_fine(split_everything):
+    """A program that ignores SIGCHLD has its children reaped by the kernel: waitpid finds none."""
+    import signal
+
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        inputs = _inputs()
+        compiled = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()
+        assert len(compiled.executable.stages.mlir.parts) == 2
+        assert all(np.all(np.isfinite(g)) for g in compiled(*inputs))
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 def test_one_process_means_no_split(split_everything, monkeypatch):
     monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "1")
     assert parallel_mlir.processes() == 1

@@ -94,7 +94,10 @@ class _Child:
                 chunks.append(chunk)
         finally:
             os.close(self.pipe)
-        _, status = os.waitpid(self.pid, 0)
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:  # already reaped: the program ignores SIGCHLD
+            status = None
         self.reaped = True
         if not chunks:
             raise CompileError(
@@ -118,7 +121,9 @@ class _Child:
             pass
 
 
-def _exit_reason(status: int) -> str:
+def _exit_reason(status: int | None) -> str:
+    if status is None:
+        return "its exit status was collected elsewhere"
     if os.WIFSIGNALED(status):
         return f"signal {os.WTERMSIG(status)}"
     return f"exit status {os.WEXITSTATUS(status)}"
