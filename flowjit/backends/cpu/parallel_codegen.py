@@ -22,7 +22,7 @@ How:
   lock, so the long calls (parse, the pass pipeline, code generation) go to the ctypes functions
   under its wrappers, which release the GIL; all other llvmlite calls keep the lock.
 - `FLOWJIT_COMPILE_THREADS` caps the threads (default: the cores this process may run on, at most
-  8; 1 turns the split off).
+  8; 1 turns the split off), and the processes of the MLIR half (`parallel_mlir`).
 """
 
 from __future__ import annotations
