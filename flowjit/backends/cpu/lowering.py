@@ -360,24 +360,10 @@ def check_lowerings(graph: Graph) -> None:
 SPLIT_MIN_LINES = 1200
 
 
-def lower_graph(
-    graph: Graph, name: str | None = None, late_outputs: frozenset[int] = frozenset(), split: int = 1
-) -> MlirModule:
-    """The MLIR module (text) computing `graph` in one function, plus its calling layout.
-
-    Outputs in `late_outputs` are written only at the very end of the function (from a workspace
-    slot), never as a kernel's destination: the caller may pass the same buffer as one of the
-    inputs (a variable updated in place), which must stay intact until its last read.
-
-    `split` > 1 asks for the function in up to that many modules (`MlirModule.parts`), so that their
-    MLIR pipelines can run at once: each part is a function of the same arguments running a run of
-    consecutive top-level ops, and ends by calling the next part. Ops talk only through buffers
-    (outputs and workspace slots), so no value crosses a part's boundary; each op's lines are made
-    to use only the arguments and the prologue's workspace views (`start_op`). Graphs that send or
-    receive (module-level runtime declarations) and small bodies (`SPLIT_MIN_LINES`) stay whole.
-    """
-    check_lowerings(graph)
-    name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
+def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op: bool):
+    """The function's lines: (lowering state, arguments, prologue length, where each op's lines and
+    schedules begin, workspace bytes). `by_op`: each op's lines use only the arguments and the
+    prologue (`start_op`), so that any run of ops can be a function of its own."""
     fl = _FunctionLowering(graph, name)
     em = fl.em
     args = []
@@ -412,26 +398,55 @@ def lower_graph(
         c = em.op(f"arith.constant {planned} : index")
         em.scratch = (em.op(f"memref.view %ws[{c}][] : {ws_type} to memref<{scratch}xi8>"), scratch)
 
-    splitting = split > 1 and not any(op.name in _UNSPLITTABLE for op in graph.walk())
     prologue = len(em.body)
     starts: list[tuple[int, int]] = []  # (body line, schedule) where each lowered op begins
     for op in graph.ops:
         if op.name != "constant" and not (op.results and all(v in fl.virtual for v in op.results)):
-            if splitting:
+            if by_op:
                 fl.start_op()
-                starts.append((len(em.body), len(em.schedules)))
+            starts.append((len(em.body), len(em.schedules)))
             fl.lower_op(op)
-    if splitting:
+    if by_op:
         fl.start_op()  # the copies to late and repeated outputs go with the last op
     for out, value in zip(outputs, graph.results):
         if fl.result_outputs.get(value) != out:
             fl.write(fl.read(value), value, out)
+    return fl, args, prologue, starts, workspace
 
+
+def lower_graph(
+    graph: Graph, name: str | None = None, late_outputs: frozenset[int] = frozenset(), split: int = 1
+) -> MlirModule:
+    """The MLIR module (text) computing `graph` in one function, plus its calling layout.
+
+    Outputs in `late_outputs` are written only at the very end of the function (from a workspace
+    slot), never as a kernel's destination: the caller may pass the same buffer as one of the
+    inputs (a variable updated in place), which must stay intact until its last read.
+
+    `split` > 1 asks for the function in up to that many modules (`MlirModule.parts`), so that their
+    MLIR pipelines can run at once: each part is a function of the same arguments running a run of
+    consecutive top-level ops, and ends by calling the next part. Ops talk only through buffers
+    (outputs and workspace slots), so no value crosses a part's boundary; each op's lines are made
+    to use only the arguments and the prologue's workspace views (`start_op`), in a second lowering
+    once the first has shown the body is large enough (`SPLIT_MIN_LINES`): a function that stays
+    whole is the same text as with `split=1`. Graphs that send or receive (module-level runtime
+    declarations) stay whole.
+    """
+    check_lowerings(graph)
+    name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
+    fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, by_op=False)
+    splittable = split > 1 and len(fl.em.body) >= SPLIT_MIN_LINES and len(starts) >= 2
+    if splittable and not any(op.name in _UNSPLITTABLE for op in graph.walk()):
+        # Again, each op on its own (a function that stays whole keeps the shared constants).
+        fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, by_op=True)
+    else:
+        splittable = False
+    em = fl.em
     header = (
         f"// flowjit function '{graph.name}' -> @{name}(inputs, outputs, workspace)\n// workspace: {workspace} bytes\n"
     )
     layout = (name, workspace, tuple(p.type for p in graph.params), tuple(r.type for r in graph.results))
-    cuts = _cuts(starts, len(em.body), split) if splitting and len(em.body) >= SPLIT_MIN_LINES else []
+    cuts = _cuts(starts, len(em.body), split) if splittable else []
     if not cuts:
         text = _module_text(fl, name, args, em.body, em.schedules, fl.globals, None)
         return MlirModule(header + text, *layout)
