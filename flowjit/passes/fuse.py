@@ -197,6 +197,7 @@ class _Grouping:
         end = self.index[last]
         stack = list(members)
         seen: set[Op] = set()
+        reached_groups: set[int] = set()  # every member reached once: reaching it again adds nothing
 
         def reach(op: Op) -> bool:
             if op in inside or op in seen or self.index[op] >= end:
@@ -211,8 +212,14 @@ class _Grouping:
             op = stack.pop()
             for result in op.results:
                 for user in self.users.get(result, ()):
-                    group = self.members.get(self.group_of[user], [user]) if user in self.group_of else [user]
-                    if not all(reach(o) for o in ([user] if user in inside else group)):
+                    targets = [user]
+                    if user not in inside and user in self.group_of:
+                        gid = self.group_of[user]
+                        if gid in reached_groups:
+                            continue
+                        reached_groups.add(gid)
+                        targets = self.members.get(gid, targets)
+                    if not all(reach(o) for o in targets):
                         return False
         return True
 
