@@ -188,6 +188,24 @@ def test_children_reaped_elsewhere_are_fine(split_everything):
         signal.signal(signal.SIGCHLD, previous)
 
 
+def test_split_compiles_on_several_threads_at_once(split_everything):
+    """Forks happen while other threads compile (LLVM on the pool threads, MLIR waiting for the
+    toolchain's lock): every compile finishes, with the right results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = _inputs()
+    want = fj.jit(fj.grad(_loss, argnums=(0, 1)))(*inputs)
+
+    def compile_and_run(_):
+        return fj.jit(fj.grad(_loss, argnums=(0, 1)))(*inputs)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(compile_and_run, range(6), timeout=600))
+    for got in results:
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
 def test_one_process_means_no_split(split_everything, monkeypatch):
     monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "1")
     assert parallel_mlir.processes() == 1
