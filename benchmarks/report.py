@@ -192,11 +192,14 @@ WHY_LIMIT: dict[str, str] = {
     "all memory- or latency-bound at this size.",
 }
 WHY_FIRST_CALL = (
-    "The reason is compile time, which scales with the generated code: the MLIR pipelines (one thread: the "
-    "bindings hold the GIL and the module is one function), LLVM's O3 pipeline and machine-code generation "
-    "(split over the cores for large modules, `parallel_codegen`); `python benchmarks/compile_time.py` prints "
-    "each phase's CPU time per workload and docs/cpu-backend.md ('Compile time (first call)') what was cut and "
-    "what is left (on a cache hit in a new process a first call costs tens of milliseconds)."
+    "The reason is compile time, which scales with the generated code: the MLIR pipelines (15-17 ms for a "
+    "one-kernel function, with an MLIR library built with assertions; a large function's parts run in forked "
+    "processes, `parallel_mlir`), LLVM's passes and machine-code generation (fixed costs of a few ms per "
+    "function; a large module's parts on threads, `parallel_codegen`), and the harness takes each first call "
+    "after a pause, which on this VM slows CPU-bound work for tens of milliseconds; `python "
+    "benchmarks/compile_time.py` prints each phase's CPU time per workload back to back and docs/cpu-backend.md "
+    "('Compile time (first call)') what was cut and what is left (on a cache hit in a new process a first call "
+    "costs tens of milliseconds)."
 )
 
 
