@@ -427,20 +427,20 @@ def lower_graph(
     MLIR pipelines can run at once: each part is a function of the same arguments running a run of
     consecutive top-level ops, and ends by calling the next part. Ops talk only through buffers
     (outputs and workspace slots), so no value crosses a part's boundary; each op's lines are made
-    to use only the arguments and the prologue's workspace views (`start_op`), in a second lowering
-    once the first has shown the body is large enough (`SPLIT_MIN_LINES`): a function that stays
-    whole is the same text as with `split=1`. Graphs that send or receive (module-level runtime
-    declarations) stay whole.
+    to use only the arguments and the prologue's workspace views (`start_op`) when the body is
+    large enough (`SPLIT_MIN_LINES`; estimated first, `_estimated_lines`, and lowered again when the
+    estimate was wrong): a function that stays whole is the same text as with `split=1`. Graphs
+    that send or receive (module-level runtime declarations) stay whole.
     """
     check_lowerings(graph)
     name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
-    fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, by_op=False)
-    splittable = split > 1 and len(fl.em.body) >= SPLIT_MIN_LINES and len(starts) >= 2
-    if splittable and not any(op.name in _UNSPLITTABLE for op in graph.walk()):
-        # Again, each op on its own (a function that stays whole keeps the shared constants).
-        fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, by_op=True)
-    else:
-        splittable = False
+    allowed = split > 1 and not any(op.name in _UNSPLITTABLE for op in graph.walk())
+    by_op = allowed and _estimated_lines(graph) >= SPLIT_MIN_LINES
+    fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, by_op)
+    splittable = allowed and len(fl.em.body) >= SPLIT_MIN_LINES and len(starts) >= 2
+    if splittable != by_op:  # the estimate was wrong: lowered again, so that only split functions
+        # have each op on its own (a function that stays whole keeps its shared constants)
+        fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, splittable)
     em = fl.em
     header = (
         f"// flowjit function '{graph.name}' -> @{name}(inputs, outputs, workspace)\n// workspace: {workspace} bytes\n"
@@ -466,6 +466,17 @@ def lower_graph(
 
 # Ops whose lowerings add module-level declarations and globals of their own (runtime calls).
 _UNSPLITTABLE = frozenset({"send", "recv", "send_done"})
+# Rough lines of MLIR per op (nested ones included), to lower a function op by op at once when it
+# will likely be split: contractions expand into packed kernels (the MLP step: 113 ops, 8 of them
+# matmuls, 2,750 lines; the CNN: 14 ops, 650 lines).
+_LINES_PER_OP = {"dot_general": 150, "conv2d": 150}
+_LINES_PER_OTHER_OP = 12
+
+
+def _estimated_lines(graph: Graph) -> int:
+    return sum(_LINES_PER_OP.get(op.name, _LINES_PER_OTHER_OP) for op in graph.walk())
+
+
 _SYMBOL = re.compile(r"@([\w$.-]+)")
 
 
