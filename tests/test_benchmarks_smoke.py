@@ -32,5 +32,5 @@ def test_runner_on_tiny_sizes(tmp_path):
     ran = [cells for cells in rows["flowjit"] if not cells[2].startswith(("failed: ", "skipped: "))]
     assert all(float(cells[7]) < 1e-5 for cells in ran), ran
     # column 4: the call after each settling pause, timed apart from the steady-state samples
-    assert all(re.fullmatch(r"[\d.]+ [µm]?s", cells[4]) for cells in rows["numpy"] + ran), ran
+    assert all(re.fullmatch(r"[\d.]+ [nµm]?s", cells[4]) for cells in rows["numpy"] + ran), ran
     assert "## Memory" in report and "flowjit first call" in report

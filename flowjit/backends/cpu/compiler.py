@@ -119,10 +119,7 @@ class Stages:
 
     def build(self, graph: Graph | None = None, keep_texts: bool = False) -> None:
         """Lower, run the MLIR pipelines and optimize: `module` is ready for code generation."""
-        if graph is None:
-            from flowjit.ir.parser import parse_graph
-
-            graph = parse_graph(self.graph_text)
+        graph = graph if graph is not None else self._graph()
         t0 = time.perf_counter()
         # Stage texts come from one module: a split function's parts would each show a piece.
         mlir = generate_mlir(graph, self.options, split=1 if keep_texts else parallel_mlir.processes())
@@ -157,6 +154,12 @@ class Stages:
             llvm = f"; LLVM pipeline: {why}\n" + self._joined(lambda module, tm: str(module), ";")
             self.texts.update({"mlir-llvm": lowered.dialect_text, "llvm": llvm})
 
+    def _graph(self) -> Graph:
+        """The function's graph again, from its text (a cached function has no other)."""
+        from flowjit.ir.parser import parse_graph
+
+        return parse_graph(self.graph_text)
+
     def _joined(self, text_of, comment: str) -> str:
         """`text_of(module, tm)` of each part, under a `comment` header line when there are several."""
         if len(self.parts) == 1:
@@ -177,9 +180,7 @@ class Stages:
         if stage not in self.NAMES:
             raise KeyError(stage)
         if stage == "mlir" and stage not in self.texts:
-            from flowjit.ir.parser import parse_graph
-
-            self.texts["mlir"] = generate_mlir(parse_graph(self.graph_text), self.options).text
+            self.texts["mlir"] = generate_mlir(self._graph(), self.options).text
         if stage not in self.texts:
             if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
                 self.build(keep_texts=True)
