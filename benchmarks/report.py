@@ -167,8 +167,9 @@ WHY_SLOWER: dict[str, str] = {
     "sum": "the sum streams 256 MiB at the memory's rate, as its peers do (each at 65-75% of the measured "
     "bandwidth), so the medians differ by the machine's noise; its loop is four 64-byte vector adds from memory "
     "per iteration on each core. numpy's large arrays start 16 bytes past a 64-byte line, so every such load "
-    "spans two lines: a 64-byte aligned copy of the input sums 3-7% faster (flowjit alone, alternated in one "
-    "process); peeling the loop to an aligned start is the next step (README, 'Performance').",
+    "spans two lines: an aligned view of the same buffer sums 2-3.5% faster; a loop peeled to an aligned start "
+    "won 1-2.4% at 3 ms more compile time and was dropped (docs/cpu-backend.md, 'Calls, cache, measurements'). "
+    "Paired with torch call by call in one process the medians differ by 1-4%.",
     "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
