@@ -223,7 +223,8 @@ def _emit_object(part) -> bytes:
 
 def emit_objects(parts: list) -> list[bytes]:
     """Object code of each optimized part, generated on its own thread."""
-    return _parallel(_emit_object, parts)
+    with toolchain.codegen_options():
+        return _parallel(_emit_object, parts)
 
 
 def undefined_symbols(modules: list) -> list[str]:

@@ -11,6 +11,7 @@ be loaded before any module that calls `__kmpc_*` is finalized, or MCJIT segfaul
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import functools
 import math
@@ -474,11 +475,46 @@ class NativeModule:
         return address
 
 
+# LLVM code-generation options flowjit's machine code is made with (`codegen_options`).
+# `-disable-lsr`: no loop strength reduction. After our pipelines the loops that matter are vector
+# loops over unit-stride views whose addresses x86 addressing modes take as they are; LSR's rewrite
+# of them cost a fifth to a half of code generation (the CNN's 45-51 -> 25-29 ms of CPU, the MLP
+# step's 150 -> 107-114, softmax's 14 -> 11.5) and bought no measurable speed: steady state of
+# every benchmark workload within the noise, alternating processes; the matmul micro-kernel's k
+# loop has one more instruction per 16 FMAs (docs/cpu-backend.md, "Compile time (first call)").
+CODEGEN_OPTIONS = (("-disable-lsr=true", "-disable-lsr=false"),)
+_codegen_lock = threading.Lock()
+_codegen_users = 0
+
+
+@contextlib.contextmanager
+def codegen_options():
+    """Apply `CODEGEN_OPTIONS` while flowjit generates machine code. They are LLVM command-line
+    options, global to the process: set while at least one of our code generations runs and
+    restored after, so that another llvmlite user in the process (numba) keeps LLVM's defaults.
+    Setting one costs ~0.2 ms."""
+    global _codegen_users
+    binding = llvm()
+    with _codegen_lock:
+        if _codegen_users == 0:
+            for on, _ in CODEGEN_OPTIONS:
+                binding.set_option("flowjit", on)
+        _codegen_users += 1
+    try:
+        yield
+    finally:
+        with _codegen_lock:
+            _codegen_users -= 1
+            if _codegen_users == 0:
+                for _, off in CODEGEN_OPTIONS:
+                    binding.set_option("flowjit", off)
+
+
 def jit_compile(module, tm) -> NativeModule:
     """MCJIT-compile an optimized llvmlite module; also captures its object code for the disk cache."""
     binding = llvm()
     captured: dict[str, bytes] = {}
-    with _lock:
+    with _lock, codegen_options():
         engine = binding.create_mcjit_compiler(module, tm)
         engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
         engine.finalize_object()
@@ -503,14 +539,14 @@ def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
 
 def emit_assembly(module, tm) -> str:
     """Host assembly of an optimized module (the "asm" stage)."""
-    with _lock:
+    with _lock, codegen_options():
         return tm.emit_assembly(module)
 
 
 def emit_object(llvm_ir: str, name: str) -> bytes:
     """Position-independent object code for ahead-of-time shared libraries."""
     module, tm = optimize(llvm_ir, name, reloc="pic")
-    with _lock:
+    with _lock, codegen_options():
         return tm.emit_object(module)
 
 
