@@ -282,9 +282,10 @@ exit:
 
 
 def test_codegen_options_apply_only_while_flowjit_generates_code():
-    """`-disable-lsr` (loop strength reduction off: a fifth to a half of code generation, no
-    measurable speed) is set during our code generation and LLVM's default is back after it, for
-    other llvmlite users in the process; nested and overlapping uses keep it until the last ends."""
+    """Loop strength reduction is off while our code generation runs (a fifth to a half of it, no
+    measurable speed) unless the function asks for it (row-tile nests), and LLVM's default is back
+    after it, for other llvmlite users in the process; overlapping uses share one setting, and a
+    use wanting the other waits for them. The "asm" stage says which."""
     binding = toolchain.llvm()
 
     def assembly() -> str:
@@ -299,8 +300,28 @@ def test_codegen_options_apply_only_while_flowjit_generates_code():
         with toolchain.codegen_options():
             pass
         assert assembly() == ours  # still set: an inner use ended, the outer has not
-    fj.jit(lambda x: x * 2 + 1)(np.ones(8, np.float32))  # a new function: compiled or loaded
-    assert ours != default and assembly() == default
+    with toolchain.codegen_options(strength_reduction=True):
+        assert assembly() == default
+    events = []
+
+    def other():
+        with toolchain.codegen_options(strength_reduction=True):
+            events.append(("other", assembly() == default))
+
+    with toolchain.codegen_options():
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(0.2)
+        events.append(("ours", assembly() == ours))
+    thread.join(30)
+    assert ours != default and events == [("ours", True), ("other", True)]
+    x = np.ones((64, 100), np.float32)
+    rows = fj.jit(lambda x: x - fnp.max(x, axis=-1, keepdims=True)).lower(x)
+    assert rows.as_text("asm").startswith("# code generation: with loop strength reduction")
+    flat = fj.jit(lambda x: x * 2 + 1).lower(x)
+    assert flat.as_text("asm").startswith("# code generation: without loop strength reduction")
+    np.testing.assert_array_equal(flat.compile()(x), x * 2 + 1)
+    assert assembly() == default
 
 
 _TANH_SUM = (

@@ -353,6 +353,7 @@ def emit(em: KernelEmitter, nest: RowNest, tensors: list[str], lower_tile: Lower
     `lower_tile(graph, operands, destinations)` lowers a tile graph on the tile operands, writing
     the results in `destinations` (tile result -> its slice of the output, 1-D and tile-shaped)
     into them."""
+    em.row_nests = True  # their tile loops run faster with loop strength reduction (`strength_reduction`)
     views = []
     for v, t in zip(nest.inputs, tensors):
         views.append(_grouped(em, bool_to_bytes(em, t, v.type) if v.dtype.is_bool else t, v, nest))

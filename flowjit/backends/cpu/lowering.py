@@ -74,7 +74,8 @@ def lowering(*names: str):
 class MlirModule:
     """The generated MLIR and what the runtime needs to call it. `parts`: when the function was split
     (`lower_graph(split=...)`), the modules that together define it, the first holding the entry
-    (`text` then shows them one after the other); empty otherwise."""
+    (`text` then shows them one after the other); empty otherwise. `strength_reduction`: code
+    generation keeps LLVM's loop strength reduction (`toolchain.codegen_options`)."""
 
     text: str
     entry: str
@@ -82,6 +83,7 @@ class MlirModule:
     inputs: tuple[TensorType, ...]
     outputs: tuple[TensorType, ...]
     parts: tuple[str, ...] = ()
+    strength_reduction: bool = False
 
 
 # --- workspace planning ------------------------------------------------------------------------
@@ -449,7 +451,7 @@ def lower_graph(
     cuts = _cuts(starts, len(em.body), split) if splittable else []
     if not cuts:
         text = _module_text(fl, name, args, em.body, em.schedules, fl.globals, None)
-        return MlirModule(header + text, *layout)
+        return MlirModule(header + text, *layout, strength_reduction=em.strength_reduction)
     bounds = [(prologue, 0), *cuts, (len(em.body), len(em.schedules))]
     parts = []
     for k in range(len(bounds) - 1):
@@ -461,7 +463,7 @@ def lower_graph(
         part_name = name if k == 0 else f"{name}_part{k}"
         text = _module_text(fl, part_name, args, body, em.schedules[sched0:sched1], globals_, callee)
         parts.append(f"// part {k + 1} of {len(bounds) - 1} of {header[3:]}{text}")
-    return MlirModule("\n".join(parts), *layout, parts=tuple(parts))
+    return MlirModule("\n".join(parts), *layout, parts=tuple(parts), strength_reduction=em.strength_reduction)
 
 
 # Ops whose lowerings add module-level declarations and globals of their own (runtime calls).

@@ -414,6 +414,7 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
     """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N),
     or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K) with `s.b_rows`."""
+    em.matmul_kernels = True
     w = LoopWriter(em, em.scratch if em.scratch and em.scratch[1] >= scratch_bytes(s) else None)
     c_type = s.tensor(s.m, s.n)
     result = em.op(f"tensor.empty() : {c_type}")

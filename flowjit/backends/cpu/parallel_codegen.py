@@ -221,9 +221,10 @@ def _emit_object(part) -> bytes:
         ffi.lib.LLVMPY_DisposeMemoryBuffer(buffer)
 
 
-def emit_objects(parts: list) -> list[bytes]:
-    """Object code of each optimized part, generated on its own thread."""
-    with toolchain.codegen_options():
+def emit_objects(parts: list, strength_reduction: bool = False) -> list[bytes]:
+    """Object code of each optimized part, generated on its own thread (`strength_reduction`: see
+    `toolchain.codegen_options`)."""
+    with toolchain.codegen_options(strength_reduction):
         return _parallel(_emit_object, parts)
 
 

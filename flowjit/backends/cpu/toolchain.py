@@ -475,46 +475,56 @@ class NativeModule:
         return address
 
 
-# LLVM code-generation options flowjit's machine code is made with (`codegen_options`).
-# `-disable-lsr`: no loop strength reduction. After our pipelines the loops that matter are vector
-# loops over unit-stride views whose addresses x86 addressing modes take as they are; LSR's rewrite
-# of them cost a fifth to a half of code generation (the CNN's 45-51 -> 25-29 ms of CPU, the MLP
-# step's 150 -> 107-114, softmax's 14 -> 11.5) and bought no measurable speed: steady state of
-# every benchmark workload within the noise, alternating processes; the matmul micro-kernel's k
-# loop has one more instruction per 16 FMAs (docs/cpu-backend.md, "Compile time (first call)").
-CODEGEN_OPTIONS = (("-disable-lsr=true", "-disable-lsr=false"),)
-_codegen_lock = threading.Lock()
+# Loop strength reduction (LSR) in LLVM's code generation, per function (`codegen_options`). LSR
+# rewrites loop address arithmetic into pointer increments; most of our loops are vector loops over
+# unit-stride views whose `base + index * scale` addresses x86 takes as they are, and there it cost
+# a fifth to a half of code generation (the CNN's 45-51 -> 25-29 ms of CPU, the MLP step's
+# 150 -> 107-114, matmul's 10.5 -> 7.5) for no speed (paired in one process: the MLP step, the
+# matmuls and the CNN within 1%, the elementwise chain 5% faster without it). Row-tile nests
+# (`lower_rows`: softmax, layer norm) run 2-2.5% faster with it, so functions whose main work they
+# are keep it (`KernelEmitter.strength_reduction`; docs/cpu-backend.md, "Compile time (first call)").
+_NO_LSR, _LSR = "-disable-lsr=true", "-disable-lsr=false"
+_codegen = threading.Condition()
 _codegen_users = 0
+_codegen_lsr = True  # LLVM's default, and what the process has while none of our code generations runs
+CODEGEN_WAIT_S = 600
 
 
 @contextlib.contextmanager
-def codegen_options():
-    """Apply `CODEGEN_OPTIONS` while flowjit generates machine code. They are LLVM command-line
-    options, global to the process: set while at least one of our code generations runs and
-    restored after, so that another llvmlite user in the process (numba) keeps LLVM's defaults.
-    Setting one costs ~0.2 ms."""
-    global _codegen_users
+def codegen_options(strength_reduction: bool = False):
+    """LLVM's code generation with loop strength reduction on or off. It is an LLVM command-line
+    option, global to the process: code generations wanting the other setting wait for the running
+    ones, and LLVM's default comes back when the last one ends, so that another llvmlite user in
+    the process (numba) keeps it. Setting it costs ~0.2 ms."""
+    global _codegen_users, _codegen_lsr
     binding = llvm()
-    with _codegen_lock:
-        if _codegen_users == 0:
-            for on, _ in CODEGEN_OPTIONS:
-                binding.set_option("flowjit", on)
+    with _codegen:
+        if not _codegen.wait_for(
+            lambda: _codegen_users == 0 or _codegen_lsr == strength_reduction, timeout=CODEGEN_WAIT_S
+        ):
+            raise CompileError(f"internal error: code generation waited {CODEGEN_WAIT_S} s for another one")
+        if _codegen_lsr != strength_reduction:
+            binding.set_option("flowjit", _LSR if strength_reduction else _NO_LSR)
+            _codegen_lsr = strength_reduction
         _codegen_users += 1
     try:
         yield
     finally:
-        with _codegen_lock:
+        with _codegen:
             _codegen_users -= 1
             if _codegen_users == 0:
-                for _, off in CODEGEN_OPTIONS:
-                    binding.set_option("flowjit", off)
+                if not _codegen_lsr:
+                    binding.set_option("flowjit", _LSR)
+                    _codegen_lsr = True
+                _codegen.notify_all()
 
 
-def jit_compile(module, tm) -> NativeModule:
-    """MCJIT-compile an optimized llvmlite module; also captures its object code for the disk cache."""
+def jit_compile(module, tm, strength_reduction: bool = False) -> NativeModule:
+    """MCJIT-compile an optimized llvmlite module; also captures its object code for the disk cache.
+    `strength_reduction`: see `codegen_options`."""
     binding = llvm()
     captured: dict[str, bytes] = {}
-    with _lock, codegen_options():
+    with _lock, codegen_options(strength_reduction):
         engine = binding.create_mcjit_compiler(module, tm)
         engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
         engine.finalize_object()
@@ -537,16 +547,16 @@ def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
     return NativeModule(engine, tuple(objects))
 
 
-def emit_assembly(module, tm) -> str:
+def emit_assembly(module, tm, strength_reduction: bool = False) -> str:
     """Host assembly of an optimized module (the "asm" stage)."""
-    with _lock, codegen_options():
+    with _lock, codegen_options(strength_reduction):
         return tm.emit_assembly(module)
 
 
-def emit_object(llvm_ir: str, name: str) -> bytes:
+def emit_object(llvm_ir: str, name: str, strength_reduction: bool = False) -> bytes:
     """Position-independent object code for ahead-of-time shared libraries."""
     module, tm = optimize(llvm_ir, name, reloc="pic")
-    with _lock, codegen_options():
+    with _lock, codegen_options(strength_reduction):
         return tm.emit_object(module)
 
 
