@@ -129,6 +129,48 @@ def test_split_compile_matches_one_thread(monkeypatch, tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def test_threads_compiling_with_and_without_loop_strength_reduction(monkeypatch):
+    """Code generations that want loop strength reduction (a row-tile nest: softmax, one part, MCJIT
+    under the toolchain lock) and ones that do not (a gradient with matmul kernels in parallel
+    parts) run from several threads at once: each waits for the other setting to finish, none
+    hangs, every result is the one compiled alone."""
+    import threading
+
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "2")
+    inputs = _inputs()
+    rows = inputs[2]
+
+    def softmax(x):
+        e = fnp.exp(x - fnp.max(x, axis=1, keepdims=True))
+        return e / fnp.sum(e, axis=1, keepdims=True)
+
+    want_grad = fj.jit(fj.grad(_loss, argnums=(0, 1)))(*inputs)
+    want_rows = fj.jit(softmax)(rows)
+    assert fj.jit(softmax).lower(rows).as_text("asm").startswith("# code generation: with loop")
+    failures, done = [], []
+
+    def compile_many(k: int):
+        try:
+            for _ in range(3):
+                if k % 2:
+                    got = fj.jit(fj.grad(_loss, argnums=(0, 1)))(*inputs)
+                    for g, w in zip(got, want_grad):
+                        np.testing.assert_array_equal(g, w)
+                else:
+                    np.testing.assert_array_equal(fj.jit(softmax)(rows), want_rows)
+            done.append(k)
+        except Exception as e:  # reported below, on the test's thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=compile_many, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures and sorted(done) == [0, 1, 2, 3]
+
+
 def test_compiles_in_a_child_forked_after_a_split_compile(monkeypatch):
     """The compile threads do not survive fork: a child must start its own instead of queueing work
     on the parent's pool (which would hang)."""
