@@ -1,5 +1,7 @@
 """LLVM's half of a compile split into parts compiled on separate threads (`parallel_codegen`)."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -134,8 +136,6 @@ def test_threads_compiling_with_and_without_loop_strength_reduction(monkeypatch)
     under the toolchain lock) and ones that do not (a gradient with matmul kernels in parallel
     parts) run from several threads at once: each waits for the other setting to finish, none
     hangs, every result is the one compiled alone."""
-    import threading
-
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "2")
     inputs = _inputs()

@@ -495,7 +495,8 @@ def codegen_options(strength_reduction: bool = False):
     """LLVM's code generation with loop strength reduction on or off. It is an LLVM command-line
     option, global to the process: code generations wanting the other setting wait for the running
     ones, and LLVM's default comes back when the last one ends, so that another llvmlite user in
-    the process (numba) keeps it. Setting it costs ~0.2 ms."""
+    the process (numba) keeps it. Setting it costs ~0.2 ms. Not to be nested with the other setting
+    on one thread (it would wait for itself until `CODEGEN_WAIT_S`)."""
     global _codegen_users, _codegen_lsr
     binding = llvm()
     with _codegen:
