@@ -7,6 +7,7 @@ as in test_numpy_api.py); a few programs also compile for the CPU. Results match
 dtype (numpy's float64 for integer inputs is float32 here, as everywhere in flowjit.numpy) and value.
 """
 
+import math
 import warnings
 
 import numpy as np
@@ -73,6 +74,79 @@ def test_unary_float64_and_ints(name):
 def test_arcsin_outside_domain_is_nan():
     got = fnp.arcsin(np.array([1.5, -2.0], np.float32))
     assert np.isnan(got).all()
+
+
+# Composite float functions, compiled for the CPU, in float32 ulps against numpy in float64, over
+# magnitudes from 1e-8 to the edge of overflow: the cancellations and overflows a formula can hide
+# from an rtol test (sinh as (e^x - e^-x) / 2 lost every digit below 1e-3, 1 - x^2 in arccos 380
+# ulps near 1, exp(x ln 2) 32 ulps near 128, e^x / 2 overflowed for sinh(89)).
+COMPOSITE_ULP = {
+    "sinh": ((-89.4, 89.4), 2.5),
+    "cosh": ((-89.4, 89.4), 2.5),
+    "exp2": ((-149.0, 127.9), 0.5),
+    "arcsin": ((-1.0, 1.0), 2.0),
+    "arccos": ((-1.0, 1.0), 1.6),
+    "arctanh": ((-1.0, 1.0), 2.2),
+    "log2": ((0.0, 3.4e38), 1.6),
+    "log10": ((0.0, 3.4e38), 2.0),
+}
+
+
+def _magnitudes(lo: float, hi: float) -> np.ndarray:
+    """float32 values from the range's ends down to 1e-8 in magnitude, log-spaced, both signs, and the ends."""
+    rng = np.random.default_rng(11)
+    top = max(abs(lo), abs(hi))
+    x = np.exp(rng.uniform(math.log(1e-8), math.log(top), 20000))
+    x = np.concatenate([x, -x, [lo, hi, 0.0, -0.0]]).astype(np.float32)
+    return x[(x >= np.float32(lo)) & (x <= np.float32(hi))]
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITE_ULP))
+def test_composite_accuracy_in_ulps(name):
+    (lo, hi), bound = COMPOSITE_ULP[name]
+    x = _magnitudes(lo, hi)
+    got = fj.jit(getattr(fnp, name))(x).astype(np.float64)
+    with np.errstate(all="ignore"):
+        want = getattr(np, name)(x.astype(np.float64))
+    rounded = want.astype(np.float32)
+    finite = np.isfinite(rounded)
+    assert (got[~finite] == rounded[~finite]).all(), f"{name}: infinities where numpy's are"
+    spacing = np.spacing(np.abs(rounded[finite])).astype(np.float64)
+    ulps = np.abs(got[finite] - want[finite]) / spacing
+    worst = int(np.argmax(ulps))
+    assert ulps[worst] <= bound, f"{name}({x[finite][worst]!r}) = {got[finite][worst]!r}: {ulps[worst]:.1f} ulps"
+    assert (np.signbit(got) == np.signbit(rounded)).all(), f"{name}: sign of zero"
+
+
+def test_log2_log10_exact_at_powers():
+    """numpy's log2(2^k) is k for every float32 power of two, denormals included, and log10 of the
+    float32 nearest 10^k is k in the normal range: `floor(log2(x))` must not come out one short."""
+    twos = np.ldexp(np.float32(1), np.arange(-149, 128)).astype(np.float32)
+    np.testing.assert_array_equal(fj.jit(fnp.log2)(twos), np.arange(-149, 128, dtype=np.float32))
+    np.testing.assert_array_equal(fnp.log2(twos), np.arange(-149, 128, dtype=np.float32))
+    tens = (10.0 ** np.arange(-37, 39)).astype(np.float32)
+    np.testing.assert_array_equal(fj.jit(fnp.log10)(tens), np.arange(-37, 39, dtype=np.float32))
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, 1e-45], np.float32)
+    for name in ("log2", "log10"):
+        with np.errstate(all="ignore"):
+            np.testing.assert_array_equal(fj.jit(getattr(fnp, name))(special), getattr(np, name)(special))
+
+
+@pytest.mark.parametrize("name", ["sinh", "cosh", "arctanh", "exp2", "log2", "log10"])
+def test_composite_gradients(name):
+    """At 0 (where |x| would give the derivative 0) and far out (where a branch not taken must not
+    turn the gradient into nan), float64 against central differences."""
+    if name.startswith("log"):  # at powers of the base too, where the result is snapped
+        x = np.array([0.01, 0.1, 0.5, 1.0, 3.0, 8.0, 100.0])
+    else:
+        x = np.array([0.0, -0.0, 1e-5, -0.4, 0.75] + ([30.0, -30.0] if name != "arctanh" else []))
+    g = fj.jit(fj.grad(lambda a: fnp.sum(getattr(fnp, name)(a))))(x)
+    step = 1e-6
+    fd = (getattr(np, name)(x + step) - getattr(np, name)(x - step)) / (2 * step)
+    np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-9)
+    if name in ("sinh", "cosh"):  # float32: e^95 overflows, e^80 does not
+        far = fj.jit(fj.grad(lambda a: fnp.sum(getattr(fnp, name)(a))))(np.array([95.0, -95.0, 80.0], np.float32))
+        assert np.isinf(far[:2]).all() and np.isfinite(far[2]), far
 
 
 BINARY = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, op_error
@@ -81,15 +82,37 @@ def sign(x):
 
 
 def exp2(x):
-    return exp(_float_operand(x) * math.log(2.0))
+    """numpy.exp2, as power(2, x): exact at integers and within an ulp elsewhere (exp(x ln 2) lost
+    up to 32 ulps near the overflow: the rounding of x ln 2 grows with x)."""
+    x = _float_operand(x)
+    return power(np.asarray(2, _dtype_of(x).np_dtype), x)
+
+
+def _exact_at_powers(x, base: int):
+    """log_base(x) as log(x) / ln(base) (within 2 ulps), made exact where x is a power of the base
+    that the float type holds exactly (numpy's log2(8) is 3; the quotient alone missed it for one
+    power of two in six, and `floor(log2(x))` came out one short). The snap is invisible to
+    differentiation: the gradient is 1 / (x ln base) everywhere."""
+    from flowjit.frontend.grad import stop_gradient
+
+    x = _float_operand(x)
+    kind = _dtype_of(x).np_dtype
+    r = multiply(log(x), 1.0 / math.log(base))
+    k = round(r)
+    exact = logical_and(isfinite(r), equal(power(np.asarray(base, kind), k), x))
+    if base != 2:  # below the normal range 10^k rounds to a denormal far from it (1e-45 -> 1.4e-45)
+        exact = logical_and(exact, greater_equal(x, np.asarray(ml_dtypes.finfo(kind).tiny, kind)))
+    return add(r, stop_gradient(where(exact, subtract(k, r), np.zeros((), kind))))
 
 
 def log2(x):
-    return log(x) * (1.0 / math.log(2.0))
+    """numpy.log2 (exact at powers of two)."""
+    return _exact_at_powers(x, 2)
 
 
 def log10(x):
-    return log(x) * (1.0 / math.log(10.0))
+    """numpy.log10 (exact at the powers of ten the type holds)."""
+    return _exact_at_powers(x, 10)
 
 
 def square(x):
@@ -105,14 +128,38 @@ def tan(x):
     return sin(x) / cos(x)
 
 
+def _hyperbolic_split(x):
+    """(s, near, a, far) for sinh and cosh: s = sign(x) as a constant (-1 where the sign bit is set),
+    a = s x = |x| where |x| is below the point past which e^-|x| no longer changes e^|x| (10 for
+    float32 and narrower, 20 for float64), else 0; far = e^|x| / 2 past that point, as
+    (e^(|x|/2) / 2) e^(|x|/2), which stays finite up to the largest finite result (e^|x| alone
+    overflows first). Each branch gets an operand it is finite on, so the other branch's gradient
+    is never 0 * inf; and |x| as s x, not abs, keeps the derivative at 0 (abs has 0 there)."""
+    kind = _dtype_of(x)
+    zero = np.zeros((), kind.np_dtype)
+    s = where(signbit(x), np.asarray(-1, kind.np_dtype), np.asarray(1, kind.np_dtype))
+    a = multiply(s, x)
+    split = np.asarray(20 if kind == dt.float64 else 10, kind.np_dtype)
+    near = less(a, split)
+    half = exp(multiply(0.5, where(near, split, a)))
+    return s, near, where(near, a, zero), multiply(multiply(0.5, half), half)
+
+
 def sinh(x):
+    """numpy.sinh: sign(x) (t + t / (t + 1)) / 2 with t = expm1(|x|) below the split point (no
+    cancellation for small x, where e^x - e^-x lost every digit), e^|x| / 2 past it."""
     x = _float_operand(x)
-    return (exp(x) - exp(-x)) * 0.5
+    s, near, a, far = _hyperbolic_split(x)
+    t = expm1(a)
+    return multiply(s, where(near, multiply(0.5, add(t, divide(t, add(t, 1)))), far))
 
 
 def cosh(x):
+    """numpy.cosh: (e + 1 / e) / 2 with e = e^|x| below the split point, e^|x| / 2 past it."""
     x = _float_operand(x)
-    return (exp(x) + exp(-x)) * 0.5
+    _, near, a, far = _hyperbolic_split(x)
+    e = exp(a)
+    return where(near, multiply(0.5, add(e, divide(1, e))), far)
 
 
 def add(x, y):
@@ -339,15 +386,17 @@ def arctan(x):
 
 
 def arcsin(x):
-    """numpy.arcsin, as atan2(x, sqrt(1 - x^2)) (nan outside [-1, 1])."""
+    """numpy.arcsin, as atan2(x, sqrt((1 - x)(1 + x))) (nan outside [-1, 1]; 1 - x^2 would cancel
+    near |x| = 1)."""
     x = _float_operand(x)
-    return arctan2(x, sqrt(subtract(1, multiply(x, x))))
+    return arctan2(x, sqrt(multiply(subtract(1, x), add(1, x))))
 
 
 def arccos(x):
-    """numpy.arccos, as atan2(sqrt(1 - x^2), x) (nan outside [-1, 1])."""
+    """numpy.arccos, as atan2(sqrt((1 - x)(1 + x)), x) (nan outside [-1, 1]; 1 - x^2 lost up to
+    380 ulps near x = 1, where the result is small)."""
     x = _float_operand(x)
-    return arctan2(sqrt(subtract(1, multiply(x, x))), x)
+    return arctan2(sqrt(multiply(subtract(1, x), add(1, x))), x)
 
 
 _LN2 = math.log(2.0)
@@ -372,9 +421,13 @@ def arccosh(x):
 
 
 def arctanh(x):
-    """numpy.arctanh: 0.5 * log1p(2x / (1 - x)) (+-inf at +-1, nan outside)."""
+    """numpy.arctanh: sign(x) * 0.5 * log1p(2|x| / (1 - |x|)) (+-inf at +-1, nan outside). On |x|:
+    for x near -1 the argument of log1p is near -1 and 2x / (1 - x) loses its digits."""
     x = _float_operand(x)
-    return multiply(0.5, log1p(divide(multiply(2, x), subtract(1, x))))
+    kind = _dtype_of(x)
+    s = where(signbit(x), np.asarray(-1, kind.np_dtype), np.asarray(1, kind.np_dtype))
+    a = multiply(s, x)  # |x|, with the derivative 1 at 0 that abs would make 0
+    return multiply(s, multiply(0.5, log1p(divide(multiply(2, a), subtract(1, a)))))
 
 
 def cbrt(x):
