@@ -424,13 +424,59 @@ def test_conv2d_deep_goes_through_im2col_and_the_matmul_kernel():
     assert "vector.fma" not in shallow  # 4 taps: the direct generic
 
 
-def test_conv2d_im2col_in_chunks_of_images(monkeypatch):
-    """A column-matrix cap below the batch's size: whole chunks in a loop plus a tail chunk."""
-    monkeypatch.setenv("FLOWJIT_CACHE", "0")  # the cap is not part of the cache key
+@pytest.mark.parametrize("cores", [1, 2])
+def test_conv2d_im2col_in_chunks_of_images(monkeypatch, cores):
+    """A column-matrix cap below the batch's size: chunks of whole images, then a tail chunk; on two
+    cores the whole chunks are split over them (a forall), on one they run in a loop."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")  # neither setting is part of the cache key
     monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 18 * 7 * 4)
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
     x, w = data((5, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
-    assert "tensor<2x2x9x10xf32>" in mlir and "tensor<1x2x9x10xf32>" in mlir  # chunks of 2, tail of 1
+    assert "tensor<2x3x7x4xf32>" in mlir and "tensor<1x3x7x4xf32>" in mlir  # chunks of 2, tail of 1
+    assert ("scf.forall" in mlir) == (cores == 2)
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize(
+    "stride, dilation, padding", [((1, 1), (1, 1), ((1, 1), (1, 1))), ((2, 1), (2, 1), ((2, 0), (1, 2)))]
+)
+def test_conv2d_im2col_in_blocks_of_rows(monkeypatch, stride, dilation, padding, cores):
+    """One image's column matrix above the cap: each image in blocks of output rows (whole blocks,
+    split over the cores or in a loop, then each image's tail block), reading the rows under them."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    x, w = data((2, 3, 13, 8), dt.float32, 1), data((4, 3, 3, 2), dt.float32, 2)
+    depth, out_cols = 3 * 3 * 2, (8 + sum(padding[1]) - dilation[1] * 1 - 1) // stride[1] + 1
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 3 * depth * out_cols)  # blocks of 3 rows
+    mlir = check("conv2d", [x, w], dict(stride=stride, padding=padding, dilation=dilation))
+    assert f"tensor<1x4x3x{out_cols}xf32>" in mlir  # a block of 3 output rows of one image
+
+
+@pytest.mark.parametrize("dtype", [dt.float16, dt.float64], ids=["f16", "f64"])
+def test_conv2d_im2col_chunks_in_other_types(monkeypatch, dtype):
+    """The chunked paths widen half types to float32 and keep float64 (blocks of rows, two cores)."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 27 * 9)
+    x, w = data((3, 3, 11, 9), dtype, 1), data((5, 3, 3, 3), dtype, 2)
+    check("conv2d", [x, w], dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1)))
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("cap", [1 << 19, 3 * 10 * 7], ids=["whole-images", "blocks-of-rows"])
+def test_conv2d_pointwise_reads_the_input_as_its_columns(monkeypatch, cap, cores):
+    """1x1, stride 1: each image's (C, H*W) view (or a block of its rows) is the column matrix;
+    with padding the view is of the padded input."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", cap)
+    x, w = data((3, 10, 9, 7), dt.float32, 1), data((6, 10, 1, 1), dt.float32, 2)
+    mlir = check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
+    columns = 63 if cap == 1 << 19 else 21  # a whole image, or blocks of 3 of its 9 rows
+    assert f"[1, 10, {columns}] [1, 1, 1] : tensor<3x10x63xf32> to tensor<10x{columns}xf32>" in mlir
+    assert f"tensor<{10 * columns}xf32>" not in mlir  # no im2col column matrix
+    check("conv2d", [x, w], dict(stride=(1, 1), padding=((1, 0), (0, 2)), dilation=(1, 1)))
 
 
 def test_conv2d_cnn_shape_and_1x1():

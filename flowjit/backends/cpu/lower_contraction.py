@@ -400,7 +400,7 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         zero = const(em, 0, tx.dtype)
         padded = pad_tensor(em, x, tx, padded_type, zero, (0, 0, padding[0][0], padding[1][0]), (0, 0, 0, 0))
     depth = tw.size // tw.shape[0]
-    if depth >= IM2COL_MIN_DEPTH and depth * result.shape[2] * result.shape[3] <= IM2COL_MAX_ELEMENTS:
+    if depth >= IM2COL_MIN_DEPTH:
         return [_conv_as_matmul(em, padded, padded_type, w, tw, result, stride, dilation)]
     # Loops (n, o, oh, ow, c, kh, kw), reductions innermost: LLVM unrolls the small window into
     # one register accumulator per output and vectorizes across outputs. (Putting `ow` innermost
@@ -414,73 +414,193 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 # Convolutions summing over at least this many (c, kh, kw) taps go through im2col + the matmul
 # kernel: the generic's reduction is one scalar add chain per output (no reassociation), slower
 # even for a 3x3 window (CNN layer 1x28x28 -> 32: generic 0.81 ms, im2col + kernel 0.50 ms, one
-# core) and latency-bound for deep ones (32 -> 64 channels: 111 ms vs 3 ms). The column matrix
-# is a temporary of depth x N*OH*OW elements: images are processed in chunks that keep it under
-# IM2COL_MAX_ELEMENTS (a single image above the cap falls back to the generic).
+# core) and latency-bound for deep ones (32 -> 64 channels: 111 ms vs 3 ms).
 IM2COL_MIN_DEPTH = 8
-IM2COL_MAX_ELEMENTS = 1 << 24
+# The column matrix is a temporary of depth x (columns of the chunk) elements, made and consumed
+# per chunk: runs of whole images while they fit, else blocks of output rows of one image. At 16M
+# elements (64 MiB, the cap before session 7) a chunk was mapped fresh and page-faulted every call
+# and went through memory three times (im2col, packing, product): 8x64x56x56 * 64x64x3x3 took 33 ms
+# against 7.4 ms at this cap and PyTorch's 5-9; one image above the cap fell back to the generic
+# (1x64x224x224: 956 ms against PyTorch's 10). See docs/cpu-backend.md ("conv2d").
+IM2COL_MAX_ELEMENTS = 1 << 19
+
+
+def _conv_chunk(n: int, oh: int, depth: int, ow: int) -> tuple[int, int]:
+    """(images, output rows) per chunk: all rows of as many images as fit the cap, else one image's
+    rows in blocks that fit, preferring a block height that divides OH when one is at least half
+    the largest that fits (no tail block)."""
+    per_image = depth * oh * ow
+    if per_image <= IM2COL_MAX_ELEMENTS:
+        return max(1, min(n, IM2COL_MAX_ELEMENTS // per_image)), oh
+    rows = max(1, IM2COL_MAX_ELEMENTS // (depth * ow))
+    divisor = max(d for d in range(1, rows + 1) if oh % d == 0)
+    return 1, divisor if 2 * divisor >= rows else rows
 
 
 def _conv_as_matmul(
     em: KernelEmitter, padded: str, padded_type: TensorType, w: str, tw: TensorType, result, stride, dilation
 ) -> str:
-    """conv2d as W (O, C*KH*KW) @ cols (C*KH*KW, N*OH*OW) (see `_conv_images`), over chunks of
-    images whose column matrix fits IM2COL_MAX_ELEMENTS."""
+    """conv2d as W (O, C*KH*KW) @ cols (C*KH*KW, N*OH*OW) (see `_conv_images`), over chunks whose
+    column matrix fits IM2COL_MAX_ELEMENTS (`_conv_chunk`). With several cores and at least as many
+    whole chunks as cores, the chunks are split over the cores (each thread makes its chunk's
+    columns and multiplies them on its own, so the im2col and the copies run in parallel too, with
+    one fork for the whole convolution); otherwise chunk after chunk, each product on all cores."""
     n, o, oh, ow = result.shape
     depth = tw.size // o
     acc = accumulator_elem(result.dtype)
     weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
-    chunk = max(1, min(n, IM2COL_MAX_ELEMENTS // (depth * oh * ow)))
     conv = (weights, tw, stride, dilation, acc)
-    if chunk == n:
-        return narrow(em, _conv_images(em, padded, padded_type, conv, result), result, acc)
+    images, rows = _conv_chunk(n, oh, depth, ow)
+    if _pointwise(tw, stride, padded_type) and n > 1:
+        images = 1  # each image's own view is its column matrix (`_pointwise_columns`)
     w_ = matmul_kernel.LoopWriter(em)
+    whole = n // images if rows == oh else n * (oh // rows)  # whole chunks
+    threads = matmul_kernel.cores()
+    if threads < 2 or whole < threads or (whole < 2 * threads and whole % threads):
+        if images == n and rows == oh:
+            return narrow(em, _conv_images(em, (padded, padded_type), conv, result), result, acc)
+        return narrow(
+            em, _conv_chunks_in_turn(em, w_, (padded, padded_type), conv, result, (images, rows)), result, acc
+        )
     out_type = tensor_type(result, acc)
-
-    def images(first: str, count: int, into: str) -> str:
-        part_in = padded_type.with_shape((count,) + padded_type.shape[1:])
-        part_out = result.with_shape((count,) + result.shape[1:])
-        sizes_in = ", ".join(map(str, part_in.shape))
-        x = em.op(
-            f"tensor.extract_slice {padded}[{first}, 0, 0, 0] [{sizes_in}] [1, 1, 1, 1] "
-            f": {tensor_type(padded_type)} to {tensor_type(part_in)}"
+    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
+    em.line(
+        f"{done} = scf.forall ({t}) in ({whole}) shared_outs({shared} = {em.empty(result, acc)}) -> ({out_type}) {{"
+    )
+    em.indent += "  "
+    if rows == oh:
+        image, row = w_.mul(t, w_.index(images)), w_.index(0)
+    else:
+        per_image = w_.index(oh // rows)
+        image = em.op(f"arith.divui {t}, {per_image} : index")
+        row = w_.mul(em.op(f"arith.remui {t}, {per_image} : index"), w_.index(rows))
+    part = result.with_shape((images, o, rows, ow))
+    scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
+    y = _conv_images(em, (padded, padded_type), conv, part, (image, row), serial=True)
+    em.scratch = scratch
+    em.line("scf.forall.in_parallel {")
+    em.line(
+        f"  tensor.parallel_insert_slice {y} into {shared}[{image}, 0, {row}, 0] [{images}, {o}, {rows}, {ow}] "
+        f"[1, 1, 1, 1] : {tensor_type(part, acc)} into {out_type}"
+    )
+    em.line("}")
+    em.indent = em.indent[:-2]
+    em.line("}")
+    if rows == oh and n % images:  # the tail chunk of images
+        done = _conv_chunk_into(
+            em, (padded, padded_type), conv, result, done, (w_.index(whole * images), n % images, w_.index(0), oh)
         )
-        y = _conv_images(em, x, part_in, conv, part_out)
-        sizes_out = ", ".join(map(str, part_out.shape))
-        return em.op(
-            f"tensor.insert_slice {y} into {into}[{first}, 0, 0, 0] [{sizes_out}] [1, 1, 1, 1] "
-            f": {tensor_type(part_out, acc)} into {out_type}"
+    elif rows < oh and oh % rows:  # each image's tail block of rows
+        first = w_.index(oh // rows * rows)
+        tail = lambda image, _, into: _conv_chunk_into(
+            em, (padded, padded_type), conv, result, into, (image, 1, first, oh % rows)
         )
-
-    full = n // chunk
-    loop, i, (carried,) = w_.open_for(w_.index(0), w_.index(full), w_.index(1), [(em.empty(result, acc), out_type)])
-    w_.close_for([images(w_.mul(i, w_.index(chunk)), chunk, carried)], [out_type])
-    done = loop if n % chunk == 0 else images(w_.index(full * chunk), n % chunk, loop)
+        done = _blocks(w_, 1, n, tail, done, out_type)
     return narrow(em, done, result, acc)
 
 
-def _conv_images(em: KernelEmitter, padded: str, padded_type: TensorType, conv, result: TensorType) -> str:
-    """The convolution of the images in `padded` in the accumulator type: cols[c, kh, kw, n, oh, ow]
-    = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] (`_im2col`), the matmul kernel's W @ cols as
-    (O, N, OH, OW), transposed to NCHW."""
+def _conv_chunks_in_turn(em: KernelEmitter, w_, source, conv, result: TensorType, chunk: tuple[int, int]) -> str:
+    """The chunks one after another (each product on all cores): loops over whole chunks, then tails."""
+    n, o, oh, ow = result.shape
+    images, rows = chunk
+    out_type = tensor_type(result, conv[4])
+    empty = em.empty(result, conv[4])
+
+    def run(image, count, row, height):
+        return lambda into: _conv_chunk_into(em, source, conv, result, into, (image, count, row, height))
+
+    if rows == oh:  # runs of whole images
+        return _blocks(
+            w_, images, n, lambda first, count, into: run(first, count, w_.index(0), oh)(into), empty, out_type
+        )
+
+    def image_rows(first, _, into):
+        return _blocks(w_, rows, oh, lambda row, height, inner: run(first, 1, row, height)(inner), into, out_type)
+
+    return _blocks(w_, 1, n, image_rows, empty, out_type)
+
+
+def _blocks(w_, size: int, total: int, emit, into: str, out_type: str) -> str:
+    """`into` after `emit(first, count, into)` over the whole blocks of `size` (a loop), then the tail."""
+    full = total // size
+    if full == 1 and total == size:
+        return emit(w_.index(0), size, into)
+    loop, i, (carried,) = w_.open_for(w_.index(0), w_.index(full), w_.index(1), [(into, out_type)])
+    w_.close_for([emit(w_.mul(i, w_.index(size)), size, carried)], [out_type])
+    return loop if total % size == 0 else emit(w_.index(full * size), total % size, loop)
+
+
+def _conv_chunk_into(em: KernelEmitter, source, conv, result: TensorType, into: str, chunk) -> str:
+    """`into` with the output rows [row, row + height) of images [image, image + count) computed."""
+    image, count, row, height = chunk
+    acc = conv[4]
+    part = result.with_shape((count, result.shape[1], height, result.shape[3]))
+    y = _conv_images(em, source, conv, part, (image, row))
+    sizes = ", ".join(map(str, part.shape))
+    return em.op(
+        f"tensor.insert_slice {y} into {into}[{image}, 0, {row}, 0] [{sizes}] [1, 1, 1, 1] "
+        f": {tensor_type(part, acc)} into {tensor_type(result, acc)}"
+    )
+
+
+def _conv_images(em: KernelEmitter, source, conv, result: TensorType, origin=None, serial: bool = False) -> str:
+    """The convolution in the accumulator type of the images and output rows `result` covers, from
+    image and output row `origin` (index values; the first ones when None) of the padded input
+    `source` = (tensor, type): cols[c, kh, kw, n, oh, ow] = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1]
+    (`_im2col`), the matmul kernel's W @ cols as (O, N, OH, OW), transposed to NCHW (a reshape for
+    one image). `serial`: the product stays on the calling thread."""
     weights, tw, stride, dilation, acc = conv
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
-    cols_type = TensorType((c, kh, kw, n, oh, ow), result.dtype)
-    cols = _im2col(em, padded, padded_type, cols_type, stride, dilation, acc)
     depth, columns = c * kh * kw, n * oh * ow
-    cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
-    product = matmul_kernel.emit_matmul(em, weights, cols, matmul_kernel.MatmulShape(0, o, columns, depth, acc))
+    if _pointwise(tw, stride, source[1]) and n == 1:  # the image's rows are the columns already
+        cols = _pointwise_columns(em, source, origin, columns, acc)
+    else:
+        cols_type = TensorType((c, kh, kw, n, oh, ow), result.dtype)
+        cols = _im2col(em, source, cols_type, stride, dilation, acc, origin)
+        cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
+    shape = matmul_kernel.MatmulShape(0, o, columns, depth, acc, serial=serial)
+    product = matmul_kernel.emit_matmul(em, weights, cols, shape)
+    if n == 1:
+        return reshape(em, product, TensorType((o, columns), result.dtype), result.shape, acc)
     onhw = TensorType((o, n, oh, ow), result.dtype)
     product = reshape(em, product, TensorType((o, columns), result.dtype), onhw.shape, acc)
     return transpose(em, product, onhw, [1, 0, 2, 3], acc)[0]
 
 
-def _im2col(em: KernelEmitter, padded: str, padded_type: TensorType, cols_type: TensorType, stride, dilation, acc):
-    """cols[c, kh, kw, n, oh, ow] = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] as a flat tensor, written
-    one output row (fixed c, kh, kw, n, oh) at a time with vectors: a contiguous read of s1 * lanes
-    inputs on a 1-D view, a shuffle keeping every s1-th, a store masked to the row. (A 6-D generic
-    computed the same but LLVM spent 150-300 ms compiling its unrolled small loops.)"""
+def _pointwise(tw: TensorType, stride, padded_type: TensorType) -> bool:
+    """A 1x1 convolution with stride 1 over an input in the accumulator type: one image's
+    (C, H*W) view is its column matrix (a chunk of it, a block of its rows), so no im2col."""
+    return (
+        tw.shape[2:] == (1, 1)
+        and tuple(stride) == (1, 1)
+        and elem_type(padded_type.dtype) == accumulator_elem(padded_type.dtype)
+    )
+
+
+def _pointwise_columns(em: KernelEmitter, source, origin, columns: int, acc: str) -> str:
+    """The columns of a pointwise convolution's chunk: the (C, columns) view of image n0 from output
+    row oh0 on (`origin`; the first image and row when None), a strided slice of the input."""
+    x, t = source
+    n, c, h, w = t.shape
+    flat = reshape(em, x, t, (n, c, h * w), acc)
+    image, row = origin if origin is not None else (em.op("arith.constant 0 : index"),) * 2
+    first = em.op(f"arith.muli {row}, {em.op(f'arith.constant {w} : index')} : index")
+    view = f"tensor<{c}x{columns}x{acc}>"
+    return em.op(
+        f"tensor.extract_slice {flat}[{image}, 0, {first}] [1, {c}, {columns}] [1, 1, 1] "
+        f": tensor<{n}x{c}x{h * w}x{acc}> to {view}"
+    )
+
+
+def _im2col(em: KernelEmitter, source, cols_type: TensorType, stride, dilation, acc, origin=None):
+    """cols[c, kh, kw, n, oh, ow] = x[n0 + n, c, (oh0 + oh)*s0 + kh*d0, ow*s1 + kw*d1] as a flat
+    tensor, (n0, oh0) = `origin` (index values, or the first image and row), x = `source` (the
+    padded input, (tensor, type)), written one output row (fixed c, kh, kw, n, oh) at a time with
+    vectors: a contiguous read of s1 * lanes inputs on a 1-D view of the whole input, a shuffle
+    keeping every s1-th, a store masked to the row. (A 6-D generic computed the same but LLVM spent
+    150-300 ms compiling its unrolled small loops.)"""
+    padded, padded_type = source
     c, kh, kw, n, oh, ow = cols_type.shape
     elem = elem_type(padded_type.dtype)
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
@@ -494,6 +614,9 @@ def _im2col(em: KernelEmitter, padded: str, padded_type: TensorType, cols_type: 
     pad = em.op(f"arith.constant 0.0 : {elem}")
     carried, loops = em.empty(TensorType((cols_type.size,), cols_type.dtype), acc), []
     in_offset, out_row = w.index(0), w.index(0)
+    if origin is not None:
+        image, row = origin
+        in_offset = w.add(w.mul(image, w.index(in_strides[0])), w.mul(row, w.index(stride[0] * in_strides[2])))
     # (bound, input elements per step, output rows per step) of the c, kh, kw, n, oh loops
     dims = [
         (c, in_strides[1], kh * kw * n * oh),

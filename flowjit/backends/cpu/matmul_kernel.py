@@ -58,6 +58,7 @@ class MatmulShape:
     elem: str  # "f32", "f64", "i32" or "i64"
     b_rows: bool = False  # B arrives as (.., N, K) (e.g. `a @ b.T`): packed straight from its rows
     a_cols: bool = False  # A arrives as (.., K, M) (e.g. `a.T @ b`): read by columns (see `_pack_a_columns`)
+    serial: bool = False  # on the calling thread only (inside another kernel's parallel loop)
 
     @property
     def a_tensor(self) -> str:
@@ -553,7 +554,7 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
 
 def _threads(s: MatmulShape) -> int:
     """Threads the product is split over (by columns or rows): all cores when large enough, else 1."""
-    threads = cores()
+    threads = 1 if s.serial else cores()
     parallel = threads > 1 and s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS and s.m >= 2 * MR * threads
     return threads if parallel else 1
 
