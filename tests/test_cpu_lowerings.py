@@ -479,6 +479,38 @@ def test_conv2d_pointwise_reads_the_input_as_its_columns(monkeypatch, cap, cores
     check("conv2d", [x, w], dict(stride=(1, 1), padding=((1, 0), (0, 2)), dilation=(1, 1)))
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize(
+    "stride, dilation, padding", [((1, 1), (1, 1), ((0, 0), (0, 0))), ((1, 2), (2, 1), ((1, 0), (2, 1)))]
+)
+def test_conv2d_summed_over_chunks_of_taps(monkeypatch, cores, dtype, stride, dilation, padding):
+    """Output rows shorter than the kernel's (a weight gradient's shape): the sum over chunks of
+    (c, kh) pairs, split over the cores with a partial sum each, or in one loop."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    x, w = data((3, 4, 24, 15), dtype, 1), data((5, 4, 9, 10), dtype, 2)
+    attrs = dict(stride=stride, padding=padding, dilation=dilation)
+    oh = (24 + sum(padding[0]) - dilation[0] * 8 - 1) // stride[0] + 1
+    ow = (15 + sum(padding[1]) - dilation[1] * 9 - 1) // stride[1] + 1
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 3 * oh * ow * 10 * 6)  # 6 of the 36 pairs per chunk
+    mlir = check("conv2d", [x, w], attrs)
+    assert f"tensor<{3 * oh * ow}x60x" in mlir  # a chunk of rows: 6 (c, kh) pairs of 10 taps
+    assert ("scf.forall" in mlir) == (cores == 2)
+
+
+def test_conv2d_weight_gradient_through_the_taps_form():
+    """fj.grad of a conv layer: its weight gradient is such a convolution; compiled equals the
+    reference interpreter."""
+    x = np.random.default_rng(3).standard_normal((4, 6, 30, 30)).astype(np.float32)
+    w = np.random.default_rng(4).standard_normal((8, 6, 3, 3)).astype(np.float32)
+    loss = lambda w, x: fnp.sum(nn.relu(nn.conv2d(x, w, stride=2, padding=1)) ** 2)
+    got = fj.jit(fj.grad(loss, argnums=(0, 1)))(w, x)
+    want = fj.jit(fj.grad(loss, argnums=(0, 1)), target="interpreter")(w, x)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-3)
+
+
 def test_conv2d_cnn_shape_and_1x1():
     check(
         "conv2d",

@@ -451,6 +451,8 @@ def _conv_as_matmul(
     weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
     conv = (weights, tw, stride, dilation, acc)
     images, rows = _conv_chunk(n, oh, depth, ow)
+    if _over_taps(tw, result, images * rows * ow):
+        return narrow(em, _conv_over_taps(em, (padded, padded_type), conv, result), result, acc)
     if _pointwise(tw, stride, padded_type) and n > 1:
         images = 1  # each image's own view is its column matrix (`_pointwise_columns`)
     w_ = matmul_kernel.LoopWriter(em)
@@ -566,6 +568,153 @@ def _conv_images(em: KernelEmitter, source, conv, result: TensorType, origin=Non
     onhw = TensorType((o, n, oh, ow), result.dtype)
     product = reshape(em, product, TensorType((o, columns), result.dtype), onhw.shape, acc)
     return transpose(em, product, onhw, [1, 0, 2, 3], acc)[0]
+
+
+# A chunk of whole images with fewer columns than this leaves the matmul kernel's panels (32
+# columns for float32) mostly empty; convolutions with short output rows and long kernel rows are
+# then summed over chunks of their taps instead (`_conv_over_taps`).
+TAPS_FORM_MAX_COLUMNS = 128
+# ... while each thread's partial sum (O x N*OH*OW) stays under this many elements.
+TAPS_FORM_MAX_OUTPUT = 1 << 21
+
+
+def _over_taps(tw: TensorType, result: TensorType, chunk_columns: int) -> bool:
+    """Whether `_conv_over_taps` computes this convolution: output rows shorter than the kernel's
+    (a weight gradient: the forward's kernel is its output, the forward's output its kernel) and
+    chunks of whole images too narrow for the matmul kernel."""
+    ow, kw = result.shape[3], tw.shape[3]
+    return ow < kw and chunk_columns < TAPS_FORM_MAX_COLUMNS and result.size <= TAPS_FORM_MAX_OUTPUT
+
+
+def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
+    """The convolution as a sum over chunks of its taps: out (O, N*OH*OW) = sum over chunks of
+    W[:, chunk] @ rows[:, chunk]^T, where rows[(n, oh, ow), (c, kh, kw)] = x[n, c, oh*s0 + kh*d0,
+    ow*s1 + kw*d1] (`_im2row`: along kernel rows, which are long here, unlike the output rows) and
+    a chunk is a run of (c, kh) pairs. The matmul kernel adds each chunk's product to the running
+    sum (`MatmulShape.accumulate`). On several cores each thread sums its share of the chunks into
+    its own partial sum (one fork), and the partial sums are added at the end. A weight gradient
+    of a 3x3 conv over 8x64x56x56 (O, N*OH*OW = 64 x 576, 25,088 taps): 14.5 ms as chunks of
+    images (two images, 18 columns each) against 6 (docs/cpu-backend.md, "conv2d")."""
+    weights, tw, stride, dilation, acc = conv
+    n, o, oh, ow = result.shape
+    c, kh, kw = tw.shape[1:]
+    columns = n * oh * ow
+    fit = max(1, IM2COL_MAX_ELEMENTS // (columns * kw))
+    pairs = max(d for d in range(1, min(c * kh, fit) + 1) if (c * kh) % d == 0)  # (c, kh) pairs per chunk
+    chunks, taps = c * kh // pairs, pairs * kw
+    threads = max(1, min(matmul_kernel.cores(), chunks))
+    per = -(-chunks // threads)
+    threads = -(-chunks // per)
+    w_ = matmul_kernel.LoopWriter(em)
+    sum_t = TensorType((o, columns), result.dtype)
+    sum_type = tensor_type(sum_t, acc)
+
+    def add_chunk(chunk: str, into: str, serial: bool) -> str:
+        first = w_.mul(chunk, w_.index(pairs))
+        rows = _im2row(em, source, (n, oh, ow), (kh, kw), (first, pairs), stride, dilation, acc)
+        a = em.op(
+            f"tensor.extract_slice {weights}[0, {w_.mul(first, w_.index(kw))}] [{o}, {taps}] [1, 1] "
+            f": tensor<{o}x{c * kh * kw}x{acc}> to tensor<{o}x{taps}x{acc}>"
+        )
+        shape = matmul_kernel.MatmulShape(0, o, columns, taps, acc, b_rows=True, serial=serial, accumulate=True)
+        return matmul_kernel.emit_matmul(em, a, rows, shape, into)
+
+    def chunk_loop(lo: str, hi: str, serial: bool) -> str:
+        zero = fill(em, const(em, 0, acc), sum_t, acc)
+        loop, i, (partial,) = w_.open_for(lo, hi, w_.index(1), [(zero, sum_type)])
+        w_.close_for([add_chunk(i, partial, serial)], [sum_type])
+        return loop
+
+    if threads == 1:
+        total = chunk_loop(w_.index(0), w_.index(chunks), False)
+    else:
+        parts_type = f"tensor<{threads}x{o}x{columns}x{acc}>"
+        parts, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
+        empty = em.empty(TensorType((threads, o, columns), result.dtype), acc)
+        em.line(f"{parts} = scf.forall ({t}) in ({threads}) shared_outs({shared} = {empty}) -> ({parts_type}) {{")
+        em.indent += "  "
+        lo = w_.mul(t, w_.index(per))
+        hi = em.op(f"arith.minsi {w_.add(lo, w_.index(per))}, {w_.index(chunks)} : index")
+        scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
+        partial = chunk_loop(lo, hi, True)
+        em.scratch = scratch
+        em.line("scf.forall.in_parallel {")
+        em.line(
+            f"  tensor.parallel_insert_slice {partial} into {shared}[{t}, 0, 0] [1, {o}, {columns}] [1, 1, 1] "
+            f": {sum_type} into {parts_type}"
+        )
+        em.line("}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        ident = em.identity_map(2)
+        where = f"[1, {o}, {columns}] [1, 1, 1] : {parts_type} to {sum_type}"
+        slices = [em.op(f"tensor.extract_slice {parts}[{k}, 0, 0] {where}") for k in range(threads)]
+        total = em.generic(
+            [(part, sum_type) for part in slices],
+            (em.empty(sum_t, acc), sum_type),
+            [ident] * (threads + 1),
+            ["parallel", "parallel"],
+            lambda b, args: _sum_of(b, args[:threads], acc),
+            [acc] * threads,
+            acc,
+        )
+    onhw = TensorType((o, n, oh, ow), result.dtype)
+    total = reshape(em, total, sum_t, onhw.shape, acc)
+    return transpose(em, total, onhw, [1, 0, 2, 3], acc)[0]
+
+
+def _sum_of(b: ScalarBuilder, values: list[str], elem: str) -> str:
+    add = "arith.addi" if elem.startswith("i") else "arith.addf"
+    total = values[0]
+    for v in values[1:]:
+        total = b.op(f"{add} {total}, {v} : {elem}")
+    return total
+
+
+def _im2row(em: KernelEmitter, source, out_dims, kernel, pairs, stride, dilation, acc) -> str:
+    """rows[(n, oh, ow), (p, kw)] = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] for the `pairs` = (first,
+    count) run of (c, kh) pairs (c = p // KH, kh = p % KH), as a (N*OH*OW, count*KW) tensor: per
+    output position and pair, the KW taps along one input row with vectors (contiguous reads of
+    d1 * lanes on a 1-D view of the input, a shuffle keeping every d1-th, stores masked to KW)."""
+    padded, padded_type = source
+    n, oh, ow = out_dims
+    kh, kw = kernel
+    first, count = pairs
+    elem = elem_type(padded_type.dtype)
+    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    step = dilation[1]
+    flat_in = TensorType((padded_type.size,), padded_type.dtype)
+    flat_source = reshape(em, padded, padded_type, flat_in.shape)
+    strides = _row_major_strides(padded_type.shape)
+    width, positions = count * kw, n * oh * ow
+    flat_t = TensorType((positions * width,), padded_type.dtype)
+    flat_type = tensor_type(flat_t, acc)
+    w = matmul_kernel.LoopWriter(em)
+    pad = em.op(f"arith.constant 0.0 : {elem}")
+    carried, loops = em.empty(flat_t, acc), []
+    in_offset, out_row = w.index(0), w.index(0)
+    for bound, in_step, out_step in [(n, strides[0], oh * ow), (oh, stride[0] * strides[2], ow), (ow, stride[1], 1)]:
+        loop, iv, (carried,) = w.open_for(w.index(0), w.index(bound), w.index(1), [(carried, flat_type)])
+        loops.append(loop)
+        in_offset = w.add(in_offset, w.mul(iv, w.index(in_step)))
+        out_row = w.add(out_row, w.mul(iv, w.index(out_step)))
+    loop, q, (carried,) = w.open_for(w.index(0), w.index(count), w.index(1), [(carried, flat_type)])
+    loops.append(loop)
+    pair = w.add(first, q)
+    channel = em.op(f"arith.divui {pair}, {w.index(kh)} : index")
+    kernel_row = em.op(f"arith.remui {pair}, {w.index(kh)} : index")
+    in_offset = w.add(in_offset, w.mul(channel, w.index(strides[1])))
+    in_offset = w.add(in_offset, w.mul(kernel_row, w.index(dilation[0] * strides[2])))
+    out_offset = w.add(w.mul(out_row, w.index(width)), w.mul(q, w.index(kw)))
+    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-kw // lanes)), w.index(1), [(carried, flat_type)])
+    column = w.mul(j, w.index(lanes))
+    value = _read_every_step(
+        em, flat_source, flat_in, w.add(in_offset, w.mul(column, w.index(step))), pad, step, lanes, elem, acc
+    )
+    flat = _store_chunk_and_close(
+        em, w, value, row_out, (out_offset, column, kw), (lanes, f"vector<{lanes}x{acc}>"), flat_type, [*loops, chunks]
+    )
+    return reshape(em, flat, flat_t, (positions, width), acc)
 
 
 def _pointwise(tw: TensorType, stride, padded_type: TensorType) -> bool:

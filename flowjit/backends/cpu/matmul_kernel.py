@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from flowjit.backends.cpu import schedule, toolchain
 from flowjit.backends.cpu.emitter import KernelEmitter
+from flowjit.errors import CompileError
 
 # Below this many multiply-adds the product runs on one thread (an OpenMP fork costs microseconds).
 PARALLEL_MIN_FLOPS = 1 << 21
@@ -59,6 +60,7 @@ class MatmulShape:
     b_rows: bool = False  # B arrives as (.., N, K) (e.g. `a @ b.T`): packed straight from its rows
     a_cols: bool = False  # A arrives as (.., K, M) (e.g. `a.T @ b`): read by columns (see `_pack_a_columns`)
     serial: bool = False  # on the calling thread only (inside another kernel's parallel loop)
+    accumulate: bool = False  # C = C0 + A @ B, C0 given to `emit_matmul` (a sum over K in parts)
 
     @property
     def a_tensor(self) -> str:
@@ -380,9 +382,21 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
     packed, packed_type, at = panel
     vec = f"vector<{vl}x{s.elem}>"
     zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
-    rows, i, (t2,) = w.open_for(*row_range, w.index(mr), [(c_tile, c_type)])
-    accs, k, acc_names = w.open_for(w.index(0), w.index(s.k), w.index(1), [(zero_vec, vec)] * (mr * nv))
     pad = em.op(f"arith.constant {s.zero} : {s.elem}")
+    rows, i, (t2,) = w.open_for(*row_range, w.index(mr), [(c_tile, c_type)])
+    inits = [zero_vec] * (mr * nv)
+    if s.accumulate:  # start from C's tile
+        inits = [
+            zero_vec
+            if state == "none"
+            else em.op(
+                f"vector.transfer_read {t2}[{w.add(i, w.index(r))}, {w.add(col, w.index(c * vl))}], {pad} "
+                f"{{in_bounds = [{state}]}} : {c_type}, {vec}"
+            )
+            for r in range(mr)
+            for c, state in enumerate(states)
+        ]
+    accs, k, acc_names = w.open_for(w.index(0), w.index(s.k), w.index(1), [(init, vec) for init in inits])
     b_vecs = [
         em.op(
             f"vector.transfer_read {packed}[{at}, {k}, {w.index(c * vl)}], {pad} {{in_bounds = [true]}} "
@@ -412,13 +426,16 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
     return rows
 
 
-def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape) -> str:
-    """C = A @ B (batched when s.batch) as a new tensor; `a`, `b` are row-major (.., M, K), (.., K, N),
-    or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K) with `s.b_rows`."""
+def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | None = None) -> str:
+    """C = A @ B (batched when s.batch) as a new tensor, or `into` + A @ B with `s.accumulate`; `a`,
+    `b` are row-major (.., M, K), (.., K, N), or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K)
+    with `s.b_rows`."""
     em.matmul_kernels = True
     w = LoopWriter(em, em.scratch if em.scratch and em.scratch[1] >= scratch_bytes(s) else None)
     c_type = s.tensor(s.m, s.n)
-    result = em.op(f"tensor.empty() : {c_type}")
+    if s.accumulate != (into is not None):
+        raise CompileError("internal error: emit_matmul accumulates exactly when given the tensor to add to")
+    result = into if s.accumulate else em.op(f"tensor.empty() : {c_type}")
     threads = _threads(s)
     if s.batch:
         outer, batch_index, (c_all,) = w.open_for(w.index(0), w.index(s.batch), w.index(1), [(result, c_type)])
