@@ -861,6 +861,9 @@ TRANSPOSED_CASES = [
     ((4, 2, 3, 2), 2, 1, 1, 1, 1, False),
     ((4, 3, 2, 3), (2, 3), (0, 2), (1, 0), (1, 2), 2, True),
     ((4, 1, 3, 3), 2, 3, 0, 1, 4, False),  # padding beyond the kernel's reach crops
+    # groups 1, dilation 1, a stride: one stride-1 conv per phase (autodiff.conv2d_input_grad_by_phases)
+    ((4, 3, 3, 3), 2, 3, 1, 1, 1, True),
+    ((4, 2, 4, 1), (3, 2), (0, 1), (2, 1), 1, 1, True),
 ]
 CONV1D_CASES = [((6, 4, 3), 1, 0, 1, 1), ((4, 2, 3), 2, "SAME", 1, 2), ((4, 1, 2), 1, (2, 1), 3, 4)]
 
