@@ -292,6 +292,59 @@ class CNN(Workload):
         return 2 * batch * 32 * hw * hw * 9 + 2 * batch * 32 * (hw // 2) ** 2 * 10
 
 
+# --- a ResNet conv layer ----------------------------------------------------------------------------------
+
+
+class ConvLayer(Workload):
+    """A deep convolution as in a ResNet's first stage: the CNN above has one input channel (9
+    multiply-adds per output), this one 576 per output, where a conv is a large matrix product."""
+
+    name = "conv_layer"
+    title = "conv layer: conv3x3 64->64 (pad 1) + bias + relu, 8x64x56x56, NCHW, f32"
+    bound = "compute"
+    sizes = {"full": {"batch": 8, "channels": 64, "hw": 56}, "tiny": {"batch": 2, "channels": 4, "hw": 6}}
+
+    def inputs(self, rng, batch, channels, hw):
+        x = rng.standard_normal((batch, channels, hw, hw), dtype=np.float32)
+        w = (rng.standard_normal((channels, channels, 3, 3), dtype=np.float32) / (3 * channels**0.5)).astype(np.float32)
+        b = rng.uniform(-0.1, 0.1, channels).astype(np.float32)
+        return x, w, b
+
+    def numpy(self, x, w, b):
+        """im2col: the 9 shifted views of the padded input, one batched matmul with the weights."""
+        n, cin, h, wid = x.shape
+        cout = w.shape[0]
+        padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+        patches = np.stack([padded[:, :, i : i + h, j : j + wid] for i in range(3) for j in range(3)], axis=2)
+        conv = w.reshape(cout, cin * 9) @ patches.reshape(n, cin * 9, h * wid)
+        return np.maximum(conv.reshape(n, cout, h, wid) + b.reshape(1, cout, 1, 1), 0.0)
+
+    def flowjit(self):
+        return fj.jit(lambda x, w, b: nn.relu(nn.conv2d(x, w, b, padding=1)))
+
+    def jax(self):
+        import jax
+
+        def layer(x, w, b):
+            dims = ("NCHW", "OIHW", "NCHW")
+            conv = jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=dims)
+            return jax.nn.relu(conv + b.reshape(1, -1, 1, 1))
+
+        return jax.jit(layer)
+
+    def torch(self):
+        import torch
+        import torch.nn.functional as F
+
+        return lambda x, w, b: torch.relu(F.conv2d(x, w, b, padding=1))
+
+    def traffic_bytes(self, batch, channels, hw):
+        return 4 * (2 * batch * channels * hw * hw + channels * channels * 9 + channels)
+
+    def flops(self, batch, channels, hw):
+        return 2 * batch * channels * channels * 9 * hw * hw
+
+
 # --- sum ------------------------------------------------------------------------------------------------
 
 
@@ -458,6 +511,7 @@ WORKLOADS: list[Workload] = [
     Softmax(),
     LayerNorm(),
     CNN(),
+    ConvLayer(),
     Sum(),
     CallOverhead(),
     MLPTrainStep(),
