@@ -104,9 +104,23 @@ min = _reduction("min")  # noqa: A001
 amax, amin = max, min
 
 
+def _half(x) -> bool:
+    return _dtype_of(x) in (dt.float16, dt.bfloat16)
+
+
+def _in_float32(statistic, x, *args, **kwargs):
+    """`statistic` of a float16/bfloat16 `x` computed in float32 and rounded once, as numpy computes
+    float16 means and variances: in float16 the element count alone is inf past 65504 (the mean of
+    100,000 ones was nan) and a sum of ones stops growing at 2048."""
+    return astype(statistic(astype(x, dt.float32), *args, **kwargs), _dtype_of(x))
+
+
 def mean(x, axis=None, keepdims=False, dtype=None, where=None):
-    """numpy.mean (ints and bools average in float32); `where` averages the masked elements only."""
+    """numpy.mean (ints and bools average in float32, float16/bfloat16 with float32 intermediates);
+    `where` averages the masked elements only."""
     x = asarray(x)
+    if dtype is None and _half(x):
+        return _in_float32(mean, x, axis, keepdims, where=where)
     if dtype is not None or not _dtype_of(x).is_float:
         x = astype(x, dtype or dt.float32)
     axes = _reduce_axes(x, axis)
@@ -119,6 +133,8 @@ def mean(x, axis=None, keepdims=False, dtype=None, where=None):
 
 def var(x, axis=None, keepdims=False, ddof=0):
     x = _float_operand(x)
+    if _half(x):
+        return _in_float32(var, x, axis, keepdims, ddof)
     axes = _reduce_axes(x, axis)
     count = math.prod(shape(x)[a] for a in axes)
     centered = subtract(x, mean(x, axis, keepdims=True))
@@ -126,6 +142,9 @@ def var(x, axis=None, keepdims=False, ddof=0):
 
 
 def std(x, axis=None, keepdims=False, ddof=0):
+    x = _float_operand(x)
+    if _half(x):
+        return _in_float32(std, x, axis, keepdims, ddof)
     return sqrt(var(x, axis, keepdims, ddof))
 
 
@@ -291,6 +310,8 @@ nanmin = _nan_extreme("nanmin", min, np.inf)
 def nanmean(x, axis=None, keepdims=False):
     """numpy.nanmean: the mean of the non-nan elements (nan where there are none)."""
     x = _float_operand(x)
+    if _half(x):
+        return _in_float32(nanmean, x, axis, keepdims)
     valid = logical_not(isnan(x))
     return divide(nansum(x, axis, keepdims), sum(astype(valid, _dtype_of(x)), axis, keepdims))
 
@@ -298,6 +319,8 @@ def nanmean(x, axis=None, keepdims=False):
 def nanvar(x, axis=None, keepdims=False, ddof=0):
     """numpy.nanvar: the variance of the non-nan elements."""
     x = _float_operand(x)
+    if _half(x):
+        return _in_float32(nanvar, x, axis, keepdims, ddof)
     valid = logical_not(isnan(x))
     count = sum(astype(valid, _dtype_of(x)), axis, keepdims)
     centered = _where(valid, subtract(x, nanmean(x, axis, keepdims=True)), np.zeros((), _dtype_of(x).np_dtype))
@@ -306,6 +329,9 @@ def nanvar(x, axis=None, keepdims=False, ddof=0):
 
 def nanstd(x, axis=None, keepdims=False, ddof=0):
     """numpy.nanstd: the standard deviation of the non-nan elements."""
+    x = _float_operand(x)
+    if _half(x):
+        return _in_float32(nanstd, x, axis, keepdims, ddof)
     return sqrt(nanvar(x, axis, keepdims, ddof))
 
 
