@@ -1118,3 +1118,23 @@ def test_orthogonal_initializer_under_jit_matches_eager():
     np.testing.assert_allclose(jitted, eager, atol=1e-5)
     flat = eager.reshape(6, 6).astype(np.float64)
     np.testing.assert_allclose(flat.T @ flat, 4.0 * np.eye(6), atol=1e-5)
+
+
+def test_activation_gradients_at_their_kinks_match_pytorch_and_jax():
+    """relu'(0) = 0 (not the 0.5 of maximum's tie rule), relu6 and hard_tanh 0 at their bounds,
+    elu'(0) = alpha (not alpha / 2 from a tie inside min(x, 0)); nan passes through."""
+    x = np.array([-1.0, 0.0, -0.0, 1.0, 6.0, 7.0])
+    expected = {
+        "relu": [0, 0, 0, 1, 1, 1],
+        "relu6": [0, 0, 0, 1, 0, 0],
+        "hard_tanh": [0, 1, 1, 0, 0, 0],
+        "elu": [np.exp(-1.0), 1, 1, 1, 1, 1],
+        "celu": [np.exp(-1.0), 1, 1, 1, 1, 1],
+        "selu": [1.0507009873554805 * 1.6732632423543772 * e for e in (np.exp(-1.0), 1, 1)] + [1.0507009873554805] * 3,
+        "leaky_relu": [0.01, 0.01, 0.01, 1, 1, 1],
+    }
+    for name, want in expected.items():
+        fn = getattr(nn, name)
+        got = fj.jit(fj.grad(lambda a, fn=fn: fnp.sum(fn(a))))(x)
+        np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=name)
+        assert np.isnan(fj.jit(fn)(np.array([np.nan, 1.0], np.float32))[0]), name

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from flowjit import numpy as fnp
 from flowjit.errors import FlowjitValueError
 from flowjit.frontend.grad import stop_gradient
@@ -19,13 +21,15 @@ _SELU_SCALE = 1.0507009873554804934193349852946
 
 
 def relu(x):
-    """max(x, 0)."""
-    return fnp.maximum(x, 0)
+    """max(x, 0), nan kept, with the derivative 0 at 0 (as PyTorch's and JAX's relu). As
+    `maximum(x, 0)` the tie at 0 split the gradient (0.5 there), the rule for `maximum` itself."""
+    x = fnp.asarray(x)
+    return fnp.where(fnp.less_equal(x, 0), np.zeros((), fnp.result_type(x).np_dtype), x)
 
 
 def relu6(x):
-    """min(max(x, 0), 6)."""
-    return fnp.clip(x, 0, 6)
+    """min(max(x, 0), 6), nan kept, derivative 0 at 0 and 6 (as PyTorch's)."""
+    return hard_tanh(x, 0.0, 6.0)
 
 
 def leaky_relu(x, negative_slope: float = 0.01):
@@ -36,7 +40,10 @@ def leaky_relu(x, negative_slope: float = 0.01):
 def elu(x, alpha: float = 1.0):
     """x for x > 0, alpha * (exp(x) - 1) otherwise."""
     x = fnp.asarray(x)
-    return fnp.where(fnp.greater(x, 0), x, fnp.multiply(alpha, fnp.expm1(fnp.minimum(x, 0))))
+    positive = fnp.greater(x, 0)
+    # expm1 of x where x <= 0 (0 elsewhere, so it never overflows): not of minimum(x, 0), whose tie
+    # at 0 would split the gradient there (elu'(0) was alpha / 2; it is alpha, as in PyTorch and JAX).
+    return fnp.where(positive, x, fnp.multiply(alpha, fnp.expm1(fnp.where(positive, 0, x))))
 
 
 def selu(x):
@@ -47,8 +54,9 @@ def selu(x):
 def celu(x, alpha: float = 1.0):
     """max(x, 0) + min(alpha * (exp(x / alpha) - 1), 0)."""
     x = fnp.asarray(x)
-    negative = fnp.multiply(alpha, fnp.expm1(fnp.divide(fnp.minimum(x, 0), alpha)))
-    return fnp.where(fnp.greater(x, 0), x, negative)
+    positive = fnp.greater(x, 0)
+    negative = fnp.multiply(alpha, fnp.expm1(fnp.divide(fnp.where(positive, 0, x), alpha)))  # as in `elu`
+    return fnp.where(positive, x, negative)
 
 
 def sigmoid(x):
@@ -67,8 +75,12 @@ def hard_sigmoid(x):
 
 
 def hard_tanh(x, min_val: float = -1.0, max_val: float = 1.0):
-    """x clipped to [min_val, max_val]."""
-    return fnp.clip(fnp.asarray(x), min_val, max_val)
+    """x clipped to [min_val, max_val] (nan kept), derivative 0 at the bounds (as PyTorch's; a clip's
+    ties split it there)."""
+    x = fnp.asarray(x)
+    kind = fnp.result_type(x).np_dtype
+    low, high = np.asarray(min_val).astype(kind), np.asarray(max_val).astype(kind)
+    return fnp.where(fnp.less_equal(x, low), low, fnp.where(fnp.greater_equal(x, high), high, x))
 
 
 def hard_swish(x):
