@@ -466,9 +466,8 @@ def _conv_as_matmul(
         )
     out_type = tensor_type(result, acc)
     done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
-    em.line(
-        f"{done} = scf.forall ({t}) in ({whole}) shared_outs({shared} = {em.empty(result, acc)}) -> ({out_type}) {{"
-    )
+    empty = em.empty(result, acc)
+    em.line(f"{done} = scf.forall ({t}) in ({whole}) shared_outs({shared} = {empty}) -> ({out_type}) {{")
     em.indent += "  "
     if rows == oh:
         image, row = w_.mul(t, w_.index(images)), w_.index(0)
@@ -592,9 +591,10 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
     ow*s1 + kw*d1] (`_im2row`: along kernel rows, which are long here, unlike the output rows) and
     a chunk is a run of (c, kh) pairs. The matmul kernel adds each chunk's product to the running
     sum (`MatmulShape.accumulate`). On several cores each thread sums its share of the chunks into
-    its own partial sum (one fork), and the partial sums are added at the end. A weight gradient
-    of a 3x3 conv over 8x64x56x56 (O, N*OH*OW = 64 x 576, 25,088 taps): 14.5 ms as chunks of
-    images (two images, 18 columns each) against 6 (docs/cpu-backend.md, "conv2d")."""
+    its own partial sum (one fork), and the partial sums are added at the end. The weight gradient
+    of a 3x3 conv over 8x64x56x56 (O x N*OH*OW = 64 x 576, 25,088 taps) took 14.5 ms as chunks of
+    images (two images, 18 columns each), about 8 this way (fj.grad w.r.t. w with its forward:
+    21.4 -> 14.9 ms; docs/cpu-backend.md, "conv2d")."""
     weights, tw, stride, dilation, acc = conv
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
