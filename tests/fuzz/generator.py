@@ -339,6 +339,8 @@ def _max_min(g: Gen) -> None:
 def _atan2(g: Gen) -> None:
     a = g.need(lambda v: v.is_float)
     fb, nb, _ = _second_operand(g, a, lambda v: v.is_float)
+    if g.smooth:  # x > 0: away from the singular point (0, 0) (`x - x` makes exact zeros) and the cut at x < 0, y = 0
+        fb, nb = f"(M.abs({fb}) + 0.5)", f"(np.abs({nb}) + 0.5)"
     g.emit(f"M.arctan2({a.name}, {fb})", f"C(np.arctan2({_w(a)}, {nb}), {{T}})", exact=False)
 
 
