@@ -445,6 +445,8 @@ def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | N
         c_new = _columns_in_parallel(w, s, a, b, c_all, threads)
     elif threads > 1:
         c_new = _rows_in_parallel(w, s, (a, _pack_b(w, s, b, batch_index), batch_index), c_all, threads)
+    elif s.serial and not s.batch and not _packs_a(s) and s.n >= s.nr:
+        c_new = _panels_just_in_time(w, s, a, b, c_all)
     else:
         c_new = _rows_serially(w, s, (a, _pack_b(w, s, b, batch_index), batch_index), c_all)
     if s.batch:
@@ -490,6 +492,19 @@ def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
     states = _panel_ranges(s)[-1][2]
     partial = (w.index(whole), w.index(whole + 1), states)
     return _panels_packed_one_by_one(w, s, a, b, (done, c_type), w.index(0), partial, w.index(0))
+
+
+def _panels_just_in_time(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
+    """A serial product (inside another kernel's parallel loop: a conv chunk) packing each panel just
+    before its row blocks use it, so the panel stays in L1/L2, instead of packing all of B first:
+    relu(conv2d + bias) 2-7% faster over six layer shapes (one process, alternated; docs/cpu-backend.md)."""
+    c_type, whole = s.tensor(s.m, s.n), s.n // s.nr
+    panels = (w.index(0), w.index(whole), ["true"] * s.vectors_per_row)
+    c_new = _panels_packed_one_by_one(w, s, a, b, (c_all, c_type), w.index(0), panels, w.index(0))
+    if s.n % s.nr:
+        partial = (w.index(whole), w.index(whole + 1), _panel_ranges(s)[-1][2])
+        c_new = _panels_packed_one_by_one(w, s, a, b, (c_new, c_type), w.index(0), partial, w.index(0))
+    return c_new
 
 
 def _panels_packed_one_by_one(w: LoopWriter, s: MatmulShape, a, b, c_tile, tile_p0, panels, buffer_offset) -> str:
