@@ -404,6 +404,29 @@ def test_matmul_kernel_lhs_columns(lead, m, n, k, dtype):
     )
 
 
+# --- transpose -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+@pytest.mark.parametrize(
+    "shape, perm, blocks",
+    [
+        ((131, 170), (1, 0), True),  # edge blocks on both dims
+        ((256, 64), (1, 0), True),
+        ((4, 8, 56, 56), (0, 2, 3, 1), True),  # NCHW -> NHWC: (N, C, H*W) -> (N, H*W, C), whole blocks
+        ((3, 20, 24, 16), (3, 1, 0, 2), True),
+        ((5, 7, 60), (0, 2, 1), False),  # rank 3 with edge blocks stays plain (see `_in_blocks`)
+        ((2, 3, 4, 5), (0, 2, 3, 1), False),  # too small for blocks
+        ((40, 30, 20), (1, 0, 2), False),  # the input's last dim stays last: a copy of rows
+    ],
+)
+def test_transpose_in_blocks(shape, perm, blocks, dtype):
+    """Permuted copies, dims merged where the output keeps them together, large ones moved in
+    square blocks (`schedule.transpose_blocks`), against the reference interpreter."""
+    mlir = check("transpose", [data(shape, dtype, 3)], dict(perm=perm))
+    assert ("transform.structured.vectorize" in mlir) == blocks  # only the blocked copy has a schedule
+
+
 # --- conv2d, pooling ---------------------------------------------------------------------------------
 
 
