@@ -856,7 +856,9 @@ def test_more_shape_functions():
     np.testing.assert_allclose(fnp.geomspace(1, 8, 4), np.geomspace(1, 8, 4), rtol=1e-6)
 
 
-def test_long_cumsum_is_a_scan():
+def test_long_cumsum_in_blocks():
+    """A long axis: blocks of CUMSUM_BLOCK summed by one matmul with a 64x64 triangular constant
+    (no 300x300 one), their running totals added; the scan when a value is not finite."""
     x = f32(2, 300)
     check(
         lambda a: fnp.cumsum(a, axis=1),
@@ -866,8 +868,21 @@ def test_long_cumsum_is_a_scan():
         atol=1e-5,
     )
     check(lambda a: fnp.cumsum(a > 0), x, ref=lambda a: np.cumsum(a > 0).astype(np.int64))
-    lowered = fj.jit(lambda a: fnp.cumsum(a, axis=1)).lower(x)
-    assert "dot_general" not in lowered.as_text("traced")  # no 300x300 triangular constant
+    check(lambda a: fnp.cumsum(a, axis=0), f32(300, 3), ref=lambda a: np.cumsum(a, axis=0), rtol=1e-5, atol=1e-5)
+    traced = fj.jit(lambda a: fnp.cumsum(a, axis=1)).lower(x).as_text("traced")
+    assert "tensor<64x64xf32>" in traced and "tensor<300x300xf32>" not in traced
+
+
+@pytest.mark.parametrize("n", [5, 300])
+@pytest.mark.parametrize("target", ["interpreter", "cpu"])
+def test_cumsum_with_inf_and_nan_is_sequential(n, target):
+    """numpy's running sum: an inf or nan changes the positions from it on, never those before (the
+    triangular matmul's zeros times inf made nan of every earlier position)."""
+    x = np.ones((2, n), np.float32)
+    x[0, n // 2], x[1, 1], x[1, n - 1] = np.inf, -np.inf, np.nan
+    got = fj.jit(lambda a: fnp.cumsum(a, axis=1), target=target)(x)
+    np.testing.assert_array_equal(got, np.cumsum(x, axis=1))
+    np.testing.assert_array_equal(fnp.cumsum(x, axis=1), np.cumsum(x, axis=1))
 
 
 def test_gcd_lcm():
