@@ -156,6 +156,18 @@ def test_gather_rows_kernel(dtype):
     check("gather", [data((3, 9, 140), dtype), np.array([8, 0, 99, -1], np.int32)], dict(axis=1))
 
 
+@pytest.mark.parametrize("dtype", [dt.float32, dt.bfloat16, dt.bool_], ids=["f32", "bf16", "bool"])
+def test_gather_rows_split_over_cores(monkeypatch, dtype):
+    """A large row gather: one forall chunk of the indices per core (an uneven last chunk, clamped
+    and negative indices, rows with a masked tail vector)."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(schedule, "PARALLEL_MIN_ELEMENTS", 1000)
+    idx = np.random.default_rng(4).integers(-50, 350, (7, 9))
+    mlir = check("gather", [data((300, 70), dtype, 2), idx], dict(axis=0))
+    assert "scf.forall" in mlir
+
+
 def test_gather_scalar_result():
     check("gather", [data((6,), dt.float32), np.array(4, np.int32)], dict(axis=0))
 
