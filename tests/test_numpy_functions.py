@@ -868,7 +868,13 @@ def test_long_cumsum_in_blocks():
         atol=1e-5,
     )
     check(lambda a: fnp.cumsum(a > 0), x, ref=lambda a: np.cumsum(a > 0).astype(np.int64))
-    check(lambda a: fnp.cumsum(a, axis=0), f32(300, 3), ref=lambda a: np.cumsum(a, axis=0), rtol=1e-5, atol=1e-5)
+    check(
+        lambda a: fnp.cumsum(a, axis=0),
+        f32(300, 3),
+        ref=lambda a: np.cumsum(a.astype(np.float64), axis=0).astype(np.float32),
+        rtol=1e-5,
+        atol=1e-4,  # running sums of ~10 in magnitude that cancel: float32 rounding of the sums
+    )
     traced = fj.jit(lambda a: fnp.cumsum(a, axis=1)).lower(x).as_text("traced")
     assert "tensor<64x64xf32>" in traced and "tensor<300x300xf32>" not in traced
 

@@ -465,10 +465,7 @@ def _conv_as_matmul(
             em, _conv_chunks_in_turn(em, w_, (padded, padded_type), conv, result, (images, rows)), result, acc
         )
     out_type = tensor_type(result, acc)
-    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
-    empty = em.empty(result, acc)
-    em.line(f"{done} = scf.forall ({t}) in ({whole}) shared_outs({shared} = {empty}) -> ({out_type}) {{")
-    em.indent += "  "
+    done, t, shared = w_.open_forall(whole, em.empty(result, acc), out_type)
     if rows == oh:
         image, row = w_.mul(t, w_.index(images)), w_.index(0)
     else:
@@ -479,14 +476,8 @@ def _conv_as_matmul(
     scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
     y = _conv_images(em, (padded, padded_type), conv, part, (image, row), serial=True)
     em.scratch = scratch
-    em.line("scf.forall.in_parallel {")
-    em.line(
-        f"  tensor.parallel_insert_slice {y} into {shared}[{image}, 0, {row}, 0] [{images}, {o}, {rows}, {ow}] "
-        f"[1, 1, 1, 1] : {tensor_type(part, acc)} into {out_type}"
-    )
-    em.line("}")
-    em.indent = em.indent[:-2]
-    em.line("}")
+    where = f"[{image}, 0, {row}, 0] [{images}, {o}, {rows}, {ow}] [1, 1, 1, 1]"
+    w_.close_forall(y, shared, where, tensor_type(part, acc), out_type)
     if rows == oh and n % images:  # the tail chunk of images
         done = _conv_chunk_into(
             em, (padded, padded_type), conv, result, done, (w_.index(whole * images), n % images, w_.index(0), oh)
@@ -629,23 +620,14 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
         total = chunk_loop(w_.index(0), w_.index(chunks), False)
     else:
         parts_type = f"tensor<{threads}x{o}x{columns}x{acc}>"
-        parts, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
         empty = em.empty(TensorType((threads, o, columns), result.dtype), acc)
-        em.line(f"{parts} = scf.forall ({t}) in ({threads}) shared_outs({shared} = {empty}) -> ({parts_type}) {{")
-        em.indent += "  "
+        parts, t, shared = w_.open_forall(threads, empty, parts_type)
         lo = w_.mul(t, w_.index(per))
         hi = em.op(f"arith.minsi {w_.add(lo, w_.index(per))}, {w_.index(chunks)} : index")
         scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
         partial = chunk_loop(lo, hi, True)
         em.scratch = scratch
-        em.line("scf.forall.in_parallel {")
-        em.line(
-            f"  tensor.parallel_insert_slice {partial} into {shared}[{t}, 0, 0] [1, {o}, {columns}] [1, 1, 1] "
-            f": {sum_type} into {parts_type}"
-        )
-        em.line("}")
-        em.indent = em.indent[:-2]
-        em.line("}")
+        w_.close_forall(partial, shared, f"[{t}, 0, 0] [1, {o}, {columns}] [1, 1, 1]", sum_type, parts_type)
         ident = em.identity_map(2)
         where = f"[1, {o}, {columns}] [1, 1, 1] : {parts_type} to {sum_type}"
         slices = [em.op(f"tensor.extract_slice {parts}[{k}, 0, 0] {where}") for k in range(threads)]
@@ -1072,9 +1054,7 @@ def per_row(em: KernelEmitter, rows: int, elem: str, answer, parallel: bool) -> 
         w.close_for([em.op(f"tensor.insert {answer(row)} into {acc}[{row}] : {flat_type}")], [flat_type])
         return loop
     chunk = -(-rows // matmul_kernel.cores())
-    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
-    em.line(f"{done} = scf.forall ({t}) in ({-(-rows // chunk)}) shared_outs({shared} = {out}) -> ({flat_type}) {{")
-    em.indent += "  "
+    done, t, shared = w.open_forall(-(-rows // chunk), out, flat_type)
     first_row = w.mul(t, w.index(chunk))
     count = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(rows)}, {first_row} : index')}, {w.index(chunk)} : index")
     part_type = f"tensor<?x{elem}>"
@@ -1082,13 +1062,7 @@ def per_row(em: KernelEmitter, rows: int, elem: str, answer, parallel: bool) -> 
     loop, local, (acc,) = w.open_for(w.index(0), count, w.index(1), [(part, part_type)])
     value = answer(w.add(first_row, local))
     w.close_for([em.op(f"tensor.insert {value} into {acc}[{local}] : {part_type}")], [part_type])
-    em.line("scf.forall.in_parallel {")
-    em.line(
-        f"  tensor.parallel_insert_slice {loop} into {shared}[{first_row}] [{count}] [1] : {part_type} into {flat_type}"
-    )
-    em.line("}")
-    em.indent = em.indent[:-2]
-    em.line("}")
+    w.close_forall(loop, shared, f"[{first_row}] [{count}] [1]", part_type, flat_type)
     return done
 
 

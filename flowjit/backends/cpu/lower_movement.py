@@ -320,10 +320,7 @@ def _gather_rows_in_parallel(em: KernelEmitter, w, source, carried: str, out_typ
     elem = memory_elem_type(blocks.dtype)
     per = -(-count // threads)
     tile_type = f"tensor<1x?x{inner}x{elem}>"
-    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
-    chunks, result_type = -(-count // per), _tensor(out_type)
-    em.line(f"{done} = scf.forall ({t}) in ({chunks}) shared_outs({shared} = {carried}) -> ({result_type}) {{")
-    em.indent += "  "
+    done, t, shared = w.open_forall(-(-count // per), carried, _tensor(out_type))
     first = w.mul(t, w.index(per))
     rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(count)}, {first} : index')}, {w.index(per)} : index")
     where = f"[0, {first}, 0] [1, {rows}, {inner}] [1, 1, 1]"
@@ -333,11 +330,7 @@ def _gather_rows_in_parallel(em: KernelEmitter, w, source, carried: str, out_typ
     row = clamp_index(em, raw, int_elem, 0, blocks.shape[1] - 1)
     zero = w.index(0)
     w.close_for([_copy_block(em, w, (x, blocks, zero, row), (cur, tile_type, zero, i), pad)], [tile_type])
-    em.line("scf.forall.in_parallel {")
-    em.line(f"  tensor.parallel_insert_slice {loop} into {shared}{where} : {tile_type} into {_tensor(out_type)}")
-    em.line("}")
-    em.indent = em.indent[:-2]
-    em.line("}")
+    w.close_forall(loop, shared, where, tile_type, _tensor(out_type))
     return done
 
 

@@ -158,6 +158,22 @@ class LoopWriter:
         self.em.indent += "  "
         return result, iv, names
 
+    def open_forall(self, count: int | str, init: str, tensor_type: str) -> tuple[str, str, str]:
+        """`scf.forall` header over `count` chunks sharing one output (initially `init`); returns
+        (result name, chunk index, shared output name)."""
+        done, t, shared = self.em.fresh(), self.em.fresh("t"), self.em.fresh("c")
+        self.em.line(f"{done} = scf.forall ({t}) in ({count}) shared_outs({shared} = {init}) -> ({tensor_type}) {{")
+        self.em.indent += "  "
+        return done, t, shared
+
+    def close_forall(self, tile: str, shared: str, where: str, tile_type: str, tensor_type: str) -> None:
+        """Close `open_forall`: the chunk's `tile` goes into `shared` at `where` ("[offsets] [sizes] [strides]")."""
+        self.em.line("scf.forall.in_parallel {")
+        self.em.line(f"  tensor.parallel_insert_slice {tile} into {shared}{where} : {tile_type} into {tensor_type}")
+        self.em.line("}")
+        self.em.indent = self.em.indent[:-2]
+        self.em.line("}")
+
     def close_for(self, yielded: list[str], types: list[str], attributes: str = "") -> None:
         """Close the innermost `open_for`, yielding `yielded`; `attributes` (e.g. `NO_UNROLL`) go on the loop."""
         self.em.line(f"scf.yield {', '.join(yielded)} : {', '.join(types)}")
@@ -473,20 +489,14 @@ def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
     whole = s.n // s.nr
     per = _ceil_div(whole, threads)
     c_type, tile_type = s.tensor(s.m, s.n), f"tensor<{s.m}x?x{s.elem}>"
-    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
-    em.line(f"{done} = scf.forall ({t}) in ({_ceil_div(whole, per)}) shared_outs({shared} = {c_all}) -> ({c_type}) {{")
-    em.indent += "  "
+    done, t, shared = w.open_forall(_ceil_div(whole, per), c_all, c_type)
     p0 = w.mul(t, w.index(per))
     count = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(whole)}, {p0} : index')}, {w.index(per)} : index")
     where = f"[0, {w.mul(p0, w.index(s.nr))}] [{s.m}, {w.mul(count, w.index(s.nr))}] [1, 1]"
     tile = em.op(f"tensor.extract_slice {shared}{where} : {c_type} to {tile_type}")
     panels = (p0, w.add(p0, count), ["true"] * s.vectors_per_row)
     tile = _panels_packed_one_by_one(w, s, a, b, (tile, tile_type), p0, panels, w.mul(t, w.index(_panel_bytes(s))))
-    em.line("scf.forall.in_parallel {")
-    em.line(f"  tensor.parallel_insert_slice {tile} into {shared}{where} : {tile_type} into {c_type}")
-    em.line("}")
-    em.indent = em.indent[:-2]
-    em.line("}")
+    w.close_forall(tile, shared, where, tile_type, c_type)
     if s.n % s.nr == 0:
         return done
     states = _panel_ranges(s)[-1][2]
@@ -535,9 +545,7 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
     a, packed, bi = operands
     c_type, tile_type = s.tensor(s.m, s.n), f"tensor<?x{s.n}x{s.elem}>"
     chunk = _chunk_rows(s, threads)
-    done, t, shared = em.fresh(), em.fresh("t"), em.fresh("c")
-    em.line(f"{done} = scf.forall ({t}) in ({_ceil_div(s.m, chunk)}) shared_outs({shared} = {c_all}) -> ({c_type}) {{")
-    em.indent += "  "
+    done, t, shared = w.open_forall(_ceil_div(s.m, chunk), c_all, c_type)
     row0 = w.mul(t, w.index(chunk))
     rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(s.m)}, {row0} : index')}, {w.index(chunk)} : index")
     full = w.mul(em.op(f"arith.divsi {rows}, {w.index(MR)} : index"), w.index(MR))
@@ -548,12 +556,7 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
     tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (w.index(0), full, chunk), MR, bi, t)
     if s.m % MR:  # chunks are multiples of MR rows, so only a ragged M leaves single rows
         tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (full, rows, chunk), 1, bi, t)
-    em.line("scf.forall.in_parallel {")
-    em.line(f"  tensor.parallel_insert_slice {tile} into {shared}[{where}] [{sizes}] [{strides}]")
-    em.line(f"    : {tile_type} into {c_type}")
-    em.line("}")
-    em.indent = em.indent[:-2]
-    em.line("}")
+    w.close_forall(tile, shared, f"[{where}] [{sizes}] [{strides}]", tile_type, c_type)
     return done
 
 

@@ -91,6 +91,20 @@ def short_rows(shape: tuple[int, ...], elem_bits: int) -> bool:
     return len(shape) > 1 and short_row(shape[-1], lanes(elem_bits))
 
 
+def _rows_over_cores(h: str, shape: tuple[int, ...], parallel: bool, multiple: int = 1) -> tuple[list[str], str]:
+    """The kernel `h`'s first dim in one `tile_using_forall` chunk (a multiple of `multiple`) per
+    core, when `parallel` and there is more than one core and row: (lines, handle of the chunk)."""
+    if not (parallel and threads() > 1 and shape[0] > 1):
+        return [], h
+    chunk = _round_up(-(-shape[0] // threads()), multiple)
+    sizes = ", ".join([str(chunk)] + ["0"] * (len(shape) - 1))
+    line = (
+        f"%par{h[1:]}, %forall{h[1:]} = transform.structured.tile_using_forall {h} tile_sizes [{sizes}] "
+        f": ({ANY}) -> ({ANY}, {ANY})"
+    )
+    return [line], f"%par{h[1:]}"
+
+
 def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
     """An n-d kernel (e.g. a broadcast): rows split over cores (unless not `parallel`), the last
     dimension vectorized, its loop unrolled when short."""
@@ -98,15 +112,7 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
     rank = len(shape)
 
     def steps(h: str) -> list[str]:
-        lines = []
-        if parallel and threads() > 1 and shape[0] > 1:
-            chunk = -(-shape[0] // threads())
-            sizes = ", ".join([str(chunk)] + ["0"] * (rank - 1))
-            lines.append(
-                f"%par{h[1:]}, %forall{h[1:]} = transform.structured.tile_using_forall {h} tile_sizes [{sizes}] "
-                f": ({ANY}) -> ({ANY}, {ANY})"
-            )
-            h = f"%par{h[1:]}"
+        lines, h = _rows_over_cores(h, shape, parallel)
         tiles = ", ".join(["1"] * (rank - 1) + [str(vl)])
         loops = ", ".join([ANY] * rank)
         lines += [
@@ -146,17 +152,7 @@ def transpose_blocks(shape: tuple[int, ...], source_last: int, elem_bits: int, p
     rank = len(shape)
 
     def steps(h: str) -> list[str]:
-        lines = []
-        if parallel and threads() > 1 and shape[0] > 1:
-            chunk = -(-shape[0] // threads())
-            if source_last == 0 or rank == 1:
-                chunk = _round_up(chunk, vl)
-            sizes = ", ".join([str(chunk)] + ["0"] * (rank - 1))
-            lines.append(
-                f"%par{h[1:]}, %forall{h[1:]} = transform.structured.tile_using_forall {h} tile_sizes [{sizes}] "
-                f": ({ANY}) -> ({ANY}, {ANY})"
-            )
-            h = f"%par{h[1:]}"
+        lines, h = _rows_over_cores(h, shape, parallel, vl if source_last == 0 else 1)
         tiles = ", ".join(str(vl) if d in (source_last, rank - 1) else "1" for d in range(rank))
         loops = ", ".join([ANY] * rank)
         lines += [
