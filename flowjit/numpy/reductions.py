@@ -206,7 +206,7 @@ def cumsum(x, axis=None):
     if axis is None:
         x, axis = ravel(x), 0
     axis = _norm_axis(axis, ndim(x), "cumsum")
-    if shape(x)[axis] <= 1:
+    if shape(x)[axis] == 0:
         return x
     if not _dtype_of(x).is_float:
         return _cumsum_by_blocks(x, axis)

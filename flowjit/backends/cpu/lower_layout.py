@@ -134,7 +134,7 @@ TRANSPOSE_BLOCKS_MIN_ELEMENTS = 1 << 14
 def _in_blocks(result: TensorType, source_last: int) -> bool:
     """Whether a permuted copy moves in blocks: when the input's last dim is not the output's, and
     the copy is large enough. Above rank 2 only when both blocked dims are whole multiples of the
-    vector length: masked edge blocks of rank 4 (an NCHW -> NHWC copy of 56x56 images) came out
+    block side: masked edge blocks of rank 4 (an NCHW -> NHWC copy of 56x56 images) came out
     wrong from MLIR's masked, permuted transfers, while rank 2 is right with any edges (tested)."""
     if source_last == result.rank - 1 or result.size < TRANSPOSE_BLOCKS_MIN_ELEMENTS:
         return False
