@@ -924,3 +924,16 @@ def test_half_precision_statistics_use_float32_intermediates(target, dtype):
         assert got.dtype == dtype, name
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-2, err_msg=name)
     assert fj.jit(fnp.mean, target=target)(np.ones(100000, dtype)) == 1
+
+
+def test_trapezoid():
+    """numpy.trapezoid (and the old name trapz): spacing, 1-D sample points, sample points of y's
+    shape, another axis; ints integrate in float32 (numpy: float64)."""
+    y, x = f32(3, 7), np.sort(f32(7))
+    x2 = np.sort(f32(3, 7), axis=1)
+    check(lambda a: fnp.trapezoid(a), y, ref=np.trapezoid)
+    check(lambda a: fnp.trapezoid(a, dx=0.5), y, ref=lambda a: np.trapezoid(a, dx=0.5))
+    check(lambda a, b: fnp.trapezoid(a, b), y, x, ref=np.trapezoid)
+    check(lambda a, b: fnp.trapz(a, b), y, x2, ref=np.trapezoid)
+    check(lambda a, b: fnp.trapezoid(a, b, axis=0), y, np.sort(f32(3)), ref=lambda a, b: np.trapezoid(a, b, axis=0))
+    check(lambda a: fnp.trapezoid(a), np.arange(5), ref=np.trapezoid, dtype=np.float32)

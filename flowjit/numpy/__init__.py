@@ -159,6 +159,8 @@ from flowjit.numpy.reductions import (  # noqa: F401 (the public namespace)
     ptp,
     std,
     sum,
+    trapezoid,
+    trapz,
     var,
 )
 from flowjit.numpy.shapes import (  # noqa: F401 (the public namespace)

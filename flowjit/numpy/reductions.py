@@ -288,6 +288,25 @@ def diff(x, n=1, axis=-1, prepend=None, append=None):
     return x
 
 
+def trapezoid(y, x=None, dx=1.0, axis=-1):
+    """numpy.trapezoid (numpy.trapz before numpy 2): the integral of `y` along `axis` by the
+    trapezoidal rule, over sample points `x` (1-D along the axis, or y's shape) or a spacing `dx`."""
+    y = _float_operand(y)
+    axis = _norm_axis(axis, ndim(y), "trapezoid")
+    n = shape(y)[axis]
+    halves = multiply(add(_slice_axis(y, axis, 1, n), _slice_axis(y, axis, 0, builtins.max(n - 1, 0))), 0.5)
+    if x is None:
+        return multiply(sum(halves, axis), dx)
+    x = _float_operand(x)
+    widths = diff(x, axis=-1 if ndim(x) == 1 else axis)
+    if ndim(x) == 1 and ndim(y) > 1:  # the sample points of the integrated axis
+        widths = reshape(widths, tuple(-1 if d == axis else 1 for d in range(ndim(y))))
+    return sum(multiply(halves, widths), axis)
+
+
+trapz = trapezoid
+
+
 def ptp(x, axis=None, keepdims=False):
     """numpy.ptp: max - min along `axis`."""
     return subtract(max(x, axis, keepdims), min(x, axis, keepdims))
