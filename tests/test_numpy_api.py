@@ -12,6 +12,7 @@ or remainder by zero gives 0.
 
 import functools
 import math
+import re
 import types
 
 import ml_dtypes
@@ -409,11 +410,41 @@ def test_matmul_ints_and_mixed_dtypes():
         ("ij->", [(3, 4)]),
         ("ijk->kj", [(2, 3, 4)]),
         ("ij,ij->i", [(3, 4), (3, 4)]),
+        # diagonals (repeated indices), '...', size-1 broadcasting, three operands
+        ("ii", [(4, 4)]),
+        ("ii->i", [(4, 4)]),
+        ("bii->bi", [(2, 3, 3)]),
+        ("iij->j", [(3, 3, 5)]),
+        ("...ij,...jk->...ik", [(2, 3, 4, 5), (3, 5, 6)]),
+        ("...d,...d->...", [(2, 7, 8), (7, 8)]),
+        ("...ij->...ji", [(2, 3, 4)]),
+        ("i...->...", [(3, 4, 5)]),
+        ("a...,b...->ab...", [(2, 3), (4, 3)]),
+        ("...,...", [(2, 3), (3,)]),
+        ("ab,b", [(3, 1), (4,)]),
+        ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 5)]),
+        ("i,i,i->", [(5,), (5,), (5,)]),
+        ("bhqd,bhkd->bhqk", [(2, 3, 4, 8), (2, 3, 5, 8)]),
     ],
 )
 def test_einsum(spec, shapes):
     arrays = [f32(*s) for s in shapes]
     check(lambda *xs: fnp.einsum(spec, *xs), *arrays, ref=lambda *xs: np.einsum(spec, *xs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec, shapes, message",
+    [
+        ("ij,jk->ik", [(3, 4), (5, 5)], "index 'j' has sizes 4 and 5"),
+        ("ij->ii", [(3, 3)], "repeats an index"),
+        ("ij,jk->iq", [(3, 4), (4, 5)], "names one no input has"),
+        ("i", [(3, 4)], "does not fit an operand of shape (3, 4)"),
+        ("ij,j", [(3, 4)], "names 2 operands; found 1"),
+    ],
+)
+def test_einsum_errors(spec, shapes, message):
+    with pytest.raises(FlowjitError, match=re.escape(message)):
+        fnp.einsum(spec, *[np.ones(s, np.float32) for s in shapes])
 
 
 # --- reductions ------------------------------------------------------------------------------------------------------

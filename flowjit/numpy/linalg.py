@@ -113,39 +113,100 @@ def vdot(a, b):
 
 
 def einsum(subscripts: str, *operands):
-    """einsum for one or two operands without repeated indices inside one operand, e.g.
-    'ij,jk->ik', 'bij,bjk->bik', 'ij->ji', 'ij->', 'i,i->', 'ij,j->i'."""
-    spec = subscripts.replace(" ", "")
-    if "->" in spec:
-        inputs, output = spec.split("->")
-    else:
-        inputs = spec
-        letters = [c for c in inputs.replace(",", "")]
-        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    """numpy.einsum: any number of operands (contracted left to right, two at a time, each pair a
+    dot_general), '...' for broadcast leading dims, repeated indices inside one operand (its
+    diagonal: 'ii->i', 'ii' is the trace), size-1 dims broadcasting against the other operand's,
+    an implicit output (the indices that appear once, sorted, after the '...' dims)."""
+    terms, output = _einsum_terms(subscripts.replace(" ", ""), operands)
+    xs = [asarray(x) for x in operands]
+    for i, t in enumerate(terms):
+        xs[i], terms[i] = _einsum_diagonals(xs[i], t)
+    sizes: dict[str, int] = {}
+    for t, x in zip(terms, xs):
+        for c, d in zip(t, shape(x)):
+            if sizes.get(c, 1) not in (1, d) and d != 1:
+                raise FlowjitValueError(
+                    f"{user_location()}: einsum {subscripts!r}: index {c!r} has sizes {sizes[c]} and {d}"
+                )
+            sizes[c] = builtins.max(sizes.get(c, 1), d)
+    x, t = xs[0], terms[0]
+    for k in range(1, len(xs)):
+        later = "".join(terms[k + 1 :]) + output
+        x, t = _einsum_pair(x, t, xs[k], terms[k], later, sizes)
+    x, t = _einsum_pair(x, t, None, "", output, sizes)
+    return transpose(x, [t.index(c) for c in output])
+
+
+def _einsum_terms(spec: str, operands) -> tuple[list[str], str]:
+    """The operands' index strings with '...' spelled out as letters no term uses (right-aligned:
+    the broadcast dims), and the output's."""
+    inputs, arrow, output = spec.partition("->")
     terms = inputs.split(",")
-    if len(terms) != len(operands) or len(terms) not in (1, 2):
-        raise FlowjitValueError(f"{user_location()}: einsum supports one or two operands; got {subscripts!r}")
-    for t, x in zip(terms, operands):
-        if len(set(t)) != len(t) or len(t) != ndim(x) or not builtins.all(c in string.ascii_letters for c in t):
+    if len(terms) != len(operands) or not operands:
+        raise FlowjitValueError(
+            f"{user_location()}: einsum {spec!r} names {len(terms)} operands; found {len(operands)}"
+        )
+    free = [c for c in string.ascii_letters if c not in spec]
+    widest = 0
+    for i, (t, x) in enumerate(zip(terms, operands)):
+        named = len(t.replace("...", ""))
+        if not builtins.all(c in string.ascii_letters for c in t.replace("...", "")) or t.count("...") > 1:
+            raise FlowjitValueError(f"{user_location()}: einsum term {t!r}: letters and at most one '...'")
+        if "..." in t:
+            width = ndim(x) - named
+            if width < 0:
+                raise FlowjitValueError(
+                    f"{user_location()}: einsum term {t!r} names more dims than the operand's shape {shape(x)}"
+                )
+            widest = builtins.max(widest, width)
+            terms[i] = t.replace("...", "".join(free[len(free) - width :]) if width else "")
+        if len(terms[i]) != ndim(x):
             raise FlowjitValueError(
                 f"{user_location()}: einsum term {t!r} does not fit an operand of shape {shape(x)} "
-                "(repeated or '...' indices are not supported)"
+                f"({len(terms[i])} indices for {ndim(x)} dims)"
             )
-    xs = [asarray(x) for x in operands]
-    # Sum away indices that appear in one operand only and not in the output.
-    for i, t in enumerate(terms):
-        others = "".join(terms[:i] + terms[i + 1 :]) + output
-        drop = [j for j, c in enumerate(t) if c not in others]
-        if drop:
-            xs[i] = sum(xs[i], axis=tuple(drop))
-            terms[i] = "".join(c for c in t if c in others)
-    if len(terms) == 1:
-        return transpose(xs[0], [terms[0].index(c) for c in output])
-    ta, tb = terms
-    target = result_type(*xs)
-    a, b = _cast_all(xs, target)
-    batch = [c for c in ta if c in tb and c in output]
-    contract = [c for c in ta if c in tb and c not in output]
+    ellipsis = "".join(free[len(free) - widest :]) if widest else ""
+    if arrow:
+        output = output.replace("...", ellipsis)
+    else:
+        letters = "".join(terms)
+        output = ellipsis + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ellipsis))
+    if len(set(output)) != len(output) or builtins.any(c not in "".join(terms) for c in output):
+        raise FlowjitValueError(
+            f"{user_location()}: einsum output {output!r} repeats an index or names one no input has"
+        )
+    return terms, output
+
+
+def _einsum_diagonals(x, t: str):
+    """x and its term with every index repeated inside the term reduced to its diagonal."""
+    from flowjit.numpy.shapes import diagonal
+
+    while len(set(t)) != len(t):
+        c = next(c for c in t if t.count(c) > 1)
+        first, second = t.index(c), t.index(c, t.index(c) + 1)
+        x = diagonal(x, 0, first, second)  # the two axes go, their diagonal is last
+        t = "".join(ch for j, ch in enumerate(t) if j not in (first, second)) + c
+    return x, t
+
+
+def _einsum_pair(a, ta: str, b, tb: str, keep: str, sizes: dict[str, int]):
+    """a (and b) contracted over the indices not in `keep`: (result, its index string). Size-1
+    dims of one operand broadcast against the other's."""
+    needed = keep + tb
+    drop = [j for j, c in enumerate(ta) if c not in needed]
+    if drop:
+        a, ta = sum(a, axis=tuple(drop)), "".join(c for c in ta if c in needed)
+    if b is None:
+        return a, ta
+    drop = [j for j, c in enumerate(tb) if c not in keep + ta]
+    if drop:
+        b, tb = sum(b, axis=tuple(drop)), "".join(c for c in tb if c in keep + ta)
+    a = broadcast_to(a, tuple(sizes[c] if c in tb else d for c, d in zip(ta, shape(a))))
+    b = broadcast_to(b, tuple(sizes[c] if c in ta else d for c, d in zip(tb, shape(b))))
+    a, b = _cast_all([a, b], result_type(a, b))
+    batch = [c for c in ta if c in tb and c in keep]
+    contract = [c for c in ta if c in tb and c not in keep]
     out = bind(
         "dot_general",
         [a, b],
@@ -156,12 +217,10 @@ def einsum(subscripts: str, *operands):
             "rhs_batch": [tb.index(c) for c in batch],
         },
     )
-    produced = (
-        batch
-        + [c for c in ta if c not in batch and c not in contract]
-        + [c for c in tb if c not in batch and c not in contract]
-    )
-    return transpose(out, [produced.index(c) for c in output])
+    rest = [c for c in ta if c not in batch and c not in contract] + [
+        c for c in tb if c not in batch and c not in contract
+    ]
+    return out, "".join(batch + rest)
 
 
 def trace(x, offset=0, axis1=0, axis2=1, dtype=None):
