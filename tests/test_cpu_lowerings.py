@@ -534,13 +534,18 @@ def test_conv2d_summed_over_chunks_of_taps(monkeypatch, cores, dtype, stride, di
     assert ("scf.forall" in mlir) == (cores == 2)
 
 
-def test_conv2d_weight_gradient_through_the_taps_form():
+def test_conv2d_weight_gradient_through_the_taps_form(monkeypatch):
     """fj.grad of a conv layer: its weight gradient is such a convolution; compiled equals the
     reference interpreter."""
     x = np.random.default_rng(3).standard_normal((4, 6, 30, 30)).astype(np.float32)
     w = np.random.default_rng(4).standard_normal((8, 6, 3, 3)).astype(np.float32)
     loss = lambda w, x: fnp.sum(nn.relu(nn.conv2d(x, w, stride=2, padding=1)) ** 2)
+    calls = []
+    taps_form = lower_contraction._conv_over_taps
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")  # a cached compile would skip the lowering
+    monkeypatch.setattr(lower_contraction, "_conv_over_taps", lambda *a: calls.append(a) or taps_form(*a))
     got = fj.jit(fj.grad(loss, argnums=(0, 1)))(w, x)
+    assert len(calls) == 1  # the weight gradient's conv, and only it
     want = fj.jit(fj.grad(loss, argnums=(0, 1)), target="interpreter")(w, x)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-3)

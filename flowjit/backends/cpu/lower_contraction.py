@@ -493,21 +493,23 @@ def _conv_as_matmul(
 
 def _conv_chunks_in_turn(em: KernelEmitter, w_, source, conv, result: TensorType, chunk: tuple[int, int]) -> str:
     """The chunks one after another (each product on all cores): loops over whole chunks, then tails."""
-    n, o, oh, ow = result.shape
+    n, oh = result.shape[0], result.shape[2]
     images, rows = chunk
     out_type = tensor_type(result, conv[4])
     empty = em.empty(result, conv[4])
 
-    def run(image, count, row, height):
-        return lambda into: _conv_chunk_into(em, source, conv, result, into, (image, count, row, height))
+    def chunk_into(image, count, row, height, into):
+        return _conv_chunk_into(em, source, conv, result, into, (image, count, row, height))
 
     if rows == oh:  # runs of whole images
         return _blocks(
-            w_, images, n, lambda first, count, into: run(first, count, w_.index(0), oh)(into), empty, out_type
+            w_, images, n, lambda first, count, into: chunk_into(first, count, w_.index(0), oh, into), empty, out_type
         )
 
     def image_rows(first, _, into):
-        return _blocks(w_, rows, oh, lambda row, height, inner: run(first, 1, row, height)(inner), into, out_type)
+        return _blocks(
+            w_, rows, oh, lambda row, height, inner: chunk_into(first, 1, row, height, inner), into, out_type
+        )
 
     return _blocks(w_, 1, n, image_rows, empty, out_type)
 
@@ -656,47 +658,28 @@ def _sum_of(b: ScalarBuilder, values: list[str], elem: str) -> str:
 def _im2row(em: KernelEmitter, source, out_dims, kernel, pairs, stride, dilation, acc) -> str:
     """rows[(n, oh, ow), (p, kw)] = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] for the `pairs` = (first,
     count) run of (c, kh) pairs (c = p // KH, kh = p % KH), as a (N*OH*OW, count*KW) tensor: per
-    output position and pair, the KW taps along one input row with vectors (contiguous reads of
-    d1 * lanes on a 1-D view of the input, a shuffle keeping every d1-th, stores masked to KW)."""
-    padded, padded_type = source
+    output position and pair, the KW taps along one input row (`_window_rows`)."""
     n, oh, ow = out_dims
     kh, kw = kernel
     first, count = pairs
-    elem = elem_type(padded_type.dtype)
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
-    step = dilation[1]
-    flat_in = TensorType((padded_type.size,), padded_type.dtype)
-    flat_source = reshape(em, padded, padded_type, flat_in.shape)
-    strides = _row_major_strides(padded_type.shape)
-    width, positions = count * kw, n * oh * ow
-    flat_t = TensorType((positions * width,), padded_type.dtype)
-    flat_type = tensor_type(flat_t, acc)
-    w = matmul_kernel.LoopWriter(em)
-    pad = em.op(f"arith.constant 0.0 : {elem}")
-    carried, loops = em.empty(flat_t, acc), []
-    in_offset, out_row = w.index(0), w.index(0)
-    for bound, in_step, out_step in [(n, strides[0], oh * ow), (oh, stride[0] * strides[2], ow), (ow, stride[1], 1)]:
-        loop, iv, (carried,) = w.open_for(w.index(0), w.index(bound), w.index(1), [(carried, flat_type)])
-        loops.append(loop)
-        in_offset = w.add(in_offset, w.mul(iv, w.index(in_step)))
-        out_row = w.add(out_row, w.mul(iv, w.index(out_step)))
-    loop, q, (carried,) = w.open_for(w.index(0), w.index(count), w.index(1), [(carried, flat_type)])
-    loops.append(loop)
-    pair = w.add(first, q)
-    channel = em.op(f"arith.divui {pair}, {w.index(kh)} : index")
-    kernel_row = em.op(f"arith.remui {pair}, {w.index(kh)} : index")
-    in_offset = w.add(in_offset, w.mul(channel, w.index(strides[1])))
-    in_offset = w.add(in_offset, w.mul(kernel_row, w.index(dilation[0] * strides[2])))
-    out_offset = w.add(w.mul(out_row, w.index(width)), w.mul(q, w.index(kw)))
-    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-kw // lanes)), w.index(1), [(carried, flat_type)])
-    column = w.mul(j, w.index(lanes))
-    value = _read_every_step(
-        em, flat_source, flat_in, w.add(in_offset, w.mul(column, w.index(step))), pad, step, lanes, elem, acc
-    )
-    flat = _store_chunk_and_close(
-        em, w, value, row_out, (out_offset, column, kw), (lanes, f"vector<{lanes}x{acc}>"), flat_type, [*loops, chunks]
-    )
-    return reshape(em, flat, flat_t, (positions, width), acc)
+    strides = _row_major_strides(source[1].shape)
+    width = count * kw
+
+    def pair_offsets(w, q: str) -> tuple[str, str]:
+        pair = w.add(first, q)
+        channel = w.em.op(f"arith.divui {pair}, {w.index(kh)} : index")
+        kernel_row = w.em.op(f"arith.remui {pair}, {w.index(kh)} : index")
+        read = w.add(w.mul(channel, w.index(strides[1])), w.mul(kernel_row, w.index(dilation[0] * strides[2])))
+        return read, w.mul(q, w.index(kw))
+
+    levels = [
+        (n, (strides[0], oh * ow * width)),
+        (oh, (stride[0] * strides[2], ow * width)),
+        (ow, (stride[1], width)),
+        (count, pair_offsets),
+    ]
+    rows = _window_rows(em, source, n * oh * ow * width, levels, (kw, dilation[1]), acc)
+    return reshape(em, rows, TensorType((n * oh * ow * width,), source[1].dtype), (n * oh * ow, width), acc)
 
 
 def _pointwise(tw: TensorType, stride, padded_type: TensorType) -> bool:
@@ -727,47 +710,61 @@ def _pointwise_columns(em: KernelEmitter, source, origin, columns: int, acc: str
 def _im2col(em: KernelEmitter, source, cols_type: TensorType, stride, dilation, acc, origin=None):
     """cols[c, kh, kw, n, oh, ow] = x[n0 + n, c, (oh0 + oh)*s0 + kh*d0, ow*s1 + kw*d1] as a flat
     tensor, (n0, oh0) = `origin` (index values, or the first image and row), x = `source` (the
-    padded input, (tensor, type)), written one output row (fixed c, kh, kw, n, oh) at a time with
-    vectors: a contiguous read of s1 * lanes inputs on a 1-D view of the whole input, a shuffle
-    keeping every s1-th, a store masked to the row. (A 6-D generic computed the same but LLVM spent
-    150-300 ms compiling its unrolled small loops.)"""
-    padded, padded_type = source
+    padded input, (tensor, type)), one output row (fixed c, kh, kw, n, oh) at a time
+    (`_window_rows`). (A 6-D generic computed the same but LLVM spent 150-300 ms compiling its
+    unrolled small loops.)"""
     c, kh, kw, n, oh, ow = cols_type.shape
+    strides = _row_major_strides(source[1].shape)
+
+    def base(w) -> str:  # the chunk's first image and output row
+        return w.add(w.mul(origin[0], w.index(strides[0])), w.mul(origin[1], w.index(stride[0] * strides[2])))
+
+    # (bound, (input elements, output elements) per step) of the c, kh, kw, n, oh loops
+    levels = [
+        (c, (strides[1], kh * kw * n * oh * ow)),
+        (kh, (dilation[0] * strides[2], kw * n * oh * ow)),
+        (kw, (dilation[1], n * oh * ow)),
+        (n, (strides[0], oh * ow)),
+        (oh, (stride[0] * strides[2], ow)),
+    ]
+    return _window_rows(em, source, cols_type.size, levels, (ow, stride[1]), acc, base if origin else None)
+
+
+def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, base=None) -> str:
+    """A flat tensor of `size` elements (in `acc`) made of rows copied out of the padded input
+    `source` = (tensor, type), the copy behind im2col and im2row: nested loops, one per `levels`
+    entry (bound, offsets), where offsets is (input, output) elements per step or, for a step that
+    is not linear, a function (LoopWriter, induction variable) -> (input, output) offsets; at the
+    innermost, `row` = (width, step) elements read every `step`-th from the input offset (`base(w)`
+    plus the levels' offsets) with vectors (a contiguous read on a 1-D view of the whole input, a
+    shuffle for step > 1) and stored masked to the width at the output offset."""
+    padded, padded_type = source
+    width, step = row
     elem = elem_type(padded_type.dtype)
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
-    step = stride[1]
-    vec = f"vector<{lanes}x{acc}>"
     flat_in = TensorType((padded_type.size,), padded_type.dtype)
-    source = reshape(em, padded, padded_type, flat_in.shape)
-    in_strides = _row_major_strides(padded_type.shape)
-    flat_type = tensor_type(TensorType((cols_type.size,), cols_type.dtype), acc)
+    flat_source = reshape(em, padded, padded_type, flat_in.shape)
+    flat_t = TensorType((size,), padded_type.dtype)
+    flat_type = tensor_type(flat_t, acc)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant 0.0 : {elem}")
-    carried, loops = em.empty(TensorType((cols_type.size,), cols_type.dtype), acc), []
-    in_offset, out_row = w.index(0), w.index(0)
-    if origin is not None:
-        image, row = origin
-        in_offset = w.add(w.mul(image, w.index(in_strides[0])), w.mul(row, w.index(stride[0] * in_strides[2])))
-    # (bound, input elements per step, output rows per step) of the c, kh, kw, n, oh loops
-    dims = [
-        (c, in_strides[1], kh * kw * n * oh),
-        (kh, dilation[0] * in_strides[2], kw * n * oh),
-        (kw, dilation[1], n * oh),
-        (n, in_strides[0], oh),
-        (oh, stride[0] * in_strides[2], 1),
-    ]
-    for bound, in_step, out_step in dims:
+    carried, loops = em.empty(flat_t, acc), []
+    in_offset, out_offset = (base(w) if base else w.index(0)), w.index(0)
+    for bound, offsets in levels:
         loop, iv, (carried,) = w.open_for(w.index(0), w.index(bound), w.index(1), [(carried, flat_type)])
         loops.append(loop)
-        in_offset = w.add(in_offset, w.mul(iv, w.index(in_step)))
-        out_row = w.add(out_row, w.mul(iv, w.index(out_step)))
-    out_offset = w.mul(out_row, w.index(ow))
-    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-ow // lanes)), w.index(1), [(carried, flat_type)])
+        if callable(offsets):
+            read, write = offsets(w, iv)
+        else:
+            read, write = (w.mul(iv, w.index(k)) for k in offsets)
+        in_offset, out_offset = w.add(in_offset, read), w.add(out_offset, write)
+    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-width // lanes)), w.index(1), [(carried, flat_type)])
     column = w.mul(j, w.index(lanes))
     where = w.add(in_offset, w.mul(column, w.index(step)))
-    value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc)
+    value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc)
+    vector = (lanes, f"vector<{lanes}x{acc}>")
     return _store_chunk_and_close(
-        em, w, value, row_out, (out_offset, column, ow), (lanes, vec), flat_type, [*loops, chunks]
+        em, w, value, row_out, (out_offset, column, width), vector, flat_type, [*loops, chunks]
     )
 
 
