@@ -128,6 +128,14 @@ def tan(x):
     return sin(x) / cos(x)
 
 
+def _sign_and_magnitude(x):
+    """(s, s * x) with s = -1 where x's sign bit is set, else 1: |x| for functions computed on it and
+    given their sign back, whose derivative at 0 must stay f'(0) (abs's derivative is 0 there)."""
+    kind = _dtype_of(x).np_dtype
+    s = where(signbit(x), np.asarray(-1, kind), np.asarray(1, kind))
+    return s, multiply(s, x)
+
+
 def _hyperbolic_split(x):
     """(s, near, a, far) for sinh and cosh: s = sign(x) as a constant (-1 where the sign bit is set),
     a = s x = |x| where |x| is below the point past which e^-|x| no longer changes e^|x| (10 for
@@ -137,8 +145,7 @@ def _hyperbolic_split(x):
     is never 0 * inf; and |x| as s x, not abs, keeps the derivative at 0 (abs has 0 there)."""
     kind = _dtype_of(x)
     zero = np.zeros((), kind.np_dtype)
-    s = where(signbit(x), np.asarray(-1, kind.np_dtype), np.asarray(1, kind.np_dtype))
-    a = multiply(s, x)
+    s, a = _sign_and_magnitude(x)
     split = np.asarray(20 if kind == dt.float64 else 10, kind.np_dtype)
     near = less(a, split)
     half = exp(multiply(0.5, where(near, split, a)))
@@ -424,9 +431,7 @@ def arctanh(x):
     """numpy.arctanh: sign(x) * 0.5 * log1p(2|x| / (1 - |x|)) (+-inf at +-1, nan outside). On |x|:
     for x near -1 the argument of log1p is near -1 and 2x / (1 - x) loses its digits."""
     x = _float_operand(x)
-    kind = _dtype_of(x)
-    s = where(signbit(x), np.asarray(-1, kind.np_dtype), np.asarray(1, kind.np_dtype))
-    a = multiply(s, x)  # |x|, with the derivative 1 at 0 that abs would make 0
+    s, a = _sign_and_magnitude(x)
     return multiply(s, multiply(0.5, log1p(divide(multiply(2, a), subtract(1, a)))))
 
 

@@ -13,6 +13,7 @@ docs/cpu-backend.md, section Contractions.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -638,21 +639,15 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
             (em.empty(sum_t, acc), sum_type),
             [ident] * (threads + 1),
             ["parallel", "parallel"],
-            lambda b, args: _sum_of(b, args[:threads], acc),
+            lambda b, args: functools.reduce(
+                lambda total, part: _combine(b, "sum", total, part, acc, acc.startswith("i")), args[1:threads], args[0]
+            ),
             [acc] * threads,
             acc,
         )
     onhw = TensorType((o, n, oh, ow), result.dtype)
     total = reshape(em, total, sum_t, onhw.shape, acc)
     return transpose(em, total, onhw, [1, 0, 2, 3], acc)[0]
-
-
-def _sum_of(b: ScalarBuilder, values: list[str], elem: str) -> str:
-    add = "arith.addi" if elem.startswith("i") else "arith.addf"
-    total = values[0]
-    for v in values[1:]:
-        total = b.op(f"{add} {total}, {v} : {elem}")
-    return total
 
 
 def _im2row(em: KernelEmitter, source, out_dims, kernel, pairs, stride, dilation, acc) -> str:

@@ -109,7 +109,7 @@ def lower_transpose(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
     out = _copy_with_map(em, operand, source, moved, input_map)
     source_last = list(perm).index(moved.rank - 1)  # the output dim reading the input's last dim
     if _in_blocks(moved, source_last):
-        em.schedule(out, schedule.transpose_blocks(moved.shape, source_last, _bits(moved)))
+        em.schedule(out, schedule.transpose_blocks(moved.shape, source_last, moved.dtype.bits))
     return [reshape_tensor(em, out, moved, result, e)]
 
 
@@ -138,9 +138,5 @@ def _in_blocks(result: TensorType, source_last: int) -> bool:
     wrong from MLIR's masked, permuted transfers, while rank 2 is right with any edges (tested)."""
     if source_last == result.rank - 1 or result.size < TRANSPOSE_BLOCKS_MIN_ELEMENTS:
         return False
-    vl = schedule.transpose_block(_bits(result))
+    vl = schedule.transpose_block(result.dtype.bits)  # lanes() counts bools as bytes
     return result.rank == 2 or (result.shape[source_last] % vl == 0 and result.shape[-1] % vl == 0)
-
-
-def _bits(t: TensorType) -> int:
-    return 8 if t.dtype.is_bool else t.dtype.bits
