@@ -627,3 +627,83 @@ def test_slices_read_by_a_row_loop_nest_are_its_inputs():
     assert [op.name for op in _optimized(fn, _ROWS).ops] == ["fusion"]
     assert "row loop nest" in _row_nest_lines(fn, _ROWS)[0]
     _check_fused_equals_unfused(fn, (_ROWS,), 1e-5)
+
+
+# --- convolution epilogues: streamed through each chunk of the conv's output -------------------------
+
+
+def _mlir(graph) -> str:
+    from flowjit.backends.cpu.lowering import lower_graph
+
+    return lower_graph(graph).text
+
+
+def _conv_case(n, c, h, w, k, kernel, stride=1, padding=1, dilation=1, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = (rng.standard_normal((k, c, kernel, kernel)) / np.sqrt(c * kernel * kernel)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32)
+
+    def conv(x, wt):
+        return nn.conv2d(x, wt, stride=stride, padding=padding, dilation=dilation)
+
+    return conv, (x, wt, b)
+
+
+# Each shape takes one path of the CPU lowering's im2col form (lower_contraction._conv_as_matmul):
+_CONV_PATHS = {
+    "chunks of whole images over the cores": (16, 16, 24, 24, 32, 3),
+    "row blocks of one image over the cores": (2, 64, 40, 40, 16, 3),
+    "row blocks with a tail block": (2, 64, 43, 43, 8, 3),
+    "row blocks one after another": (1, 64, 45, 40, 8, 3),
+    "whole output in one chunk": (2, 8, 12, 12, 8, 3),
+    "1x1 columns read in place": (4, 16, 20, 20, 8, 1),
+    "sum over taps (output rows shorter than the kernel)": (2, 8, 12, 12, 4, 10),
+    "generic (fewer taps than IM2COL_MIN_DEPTH)": (2, 1, 20, 20, 4, 2),
+}
+
+
+@pytest.mark.parametrize("path", list(_CONV_PATHS))
+def test_conv_epilogue_streams_and_equals_unfused(path):
+    n, c, h, w, k, kernel = _CONV_PATHS[path]
+    conv, (x, wt, b) = _conv_case(n, c, h, w, k, kernel, padding=1 if kernel == 3 else 0)
+
+    def layer(x, wt, b):
+        return nn.relu(conv(x, wt) + b.reshape(1, -1, 1, 1))
+
+    graph = _optimized(layer, x, wt, b)
+    assert [op.name for op in graph.ops if op.name != "constant"] == ["fusion"]
+    _check_fused_equals_unfused(layer, (x, wt, b), 1e-4)
+
+
+def test_conv_epilogue_windows_every_kind_of_leaf():
+    """Full tensors (a residual, a bool mask) are read at each chunk's images and rows, a per-image
+    broadcast at its images, the bias along channels; stride and dilation; row blocks over the cores."""
+    conv, (x, wt, b) = _conv_case(2, 64, 47, 41, 8, 3, stride=1, padding=2, dilation=2, seed=3)
+    out_shape = (2, 8, 47, 41)
+    rng = np.random.default_rng(4)
+    residual = rng.standard_normal(out_shape).astype(np.float32)
+    mask = rng.random(out_shape) < 0.5
+    scale = rng.standard_normal((2, 1, 1, 1)).astype(np.float32)
+
+    def layer(x, wt, b, residual, mask, scale):
+        y = fnp.tanh(conv(x, wt) * 0.5 + residual) * b.reshape(1, -1, 1, 1) * scale
+        return fnp.where(mask, y, -y)
+
+    args = (x, wt, b, residual, mask, scale)
+    graph = _optimized(layer, *args)
+    assert [op.name for op in graph.ops if op.name != "constant"] == ["fusion"]
+    _check_fused_equals_unfused(layer, args, 1e-4)
+    # One whole-output tensor: the product is never stored whole (unfused: the product, each op's result).
+    whole = "tensor.empty() : tensor<2x8x47x41xf32>"
+    assert fj.jit(layer).lower(*args).as_text("mlir").count(whole) == 1
+    assert _mlir(_optimized(layer, *args, fuse=False)).count(whole) > 2
+
+
+def test_conv_epilogue_strided_and_image_chunks():
+    conv, (x, wt, b) = _conv_case(32, 16, 17, 17, 16, 3, stride=2, padding=1, seed=5)
+
+    def layer(x, wt, b):
+        return nn.gelu(conv(x, wt) + b.reshape(1, -1, 1, 1))
+
+    _check_fused_equals_unfused(layer, (x, wt, b), 1e-4)

@@ -19,7 +19,11 @@ What fuses (legality comes from op families):
   also returns is copied once, as its result.
 - a value a kernel would have to store between two members (a contraction's result, an
   elementwise value read by a reshape) stays inside a group only up to `MAX_INTERNAL_BYTES`;
-  larger ones are group boundaries (see `_streamable`).
+  larger ones are group boundaries (see `_streamable`). Except a float convolution's product read
+  by its epilogue (`_streams_epilogue`): backends apply the epilogue to each chunk of the output
+  as the conv computes it, so a group of a conv and pointwise ops returning one value of the
+  product's shape keeps any size; a group of another form is split before the conv
+  (`_epilogue_groups`).
 
 What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
 other movement ops (transpose, dynamic_slice, pad, gather, ...), pooling, argmax/argmin; ops with different
@@ -52,6 +56,7 @@ import heapq
 import numpy as np
 
 from flowjit.errors import CompileError
+from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops import (
@@ -72,6 +77,9 @@ CLONE_CONSTANT_ELEMENTS = 64
 # only up to this size: below glibc's mmap threshold (128 KiB) a temporary is a cheap heap block;
 # above it every call maps fresh pages, which cost more than the fusion saves.
 MAX_INTERNAL_BYTES = 64 * 1024
+# ... except a convolution's product summed over at least this many taps, read by pointwise ops
+# (bias, activation): backends compute those in the conv's own loops (`_streams_epilogue`).
+CONV_EPILOGUE_MIN_DEPTH = 8
 
 
 def op_kind(op: Op) -> str | None:
@@ -114,9 +122,49 @@ def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     if value.type.size * value.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return True
     pointwise = _pointwise_ops()
+    if producer.name == "conv2d":
+        return consumer.name in pointwise and _streams_epilogue(producer)
     if producer.name in pointwise:
         return consumer.name in pointwise or consumer.name in REDUCTIONS
     return producer.name in ("broadcast", "reshape", "iota", "slice") and consumer.name in pointwise
+
+
+def _streams_epilogue(conv: Op) -> bool:
+    """Whether a backend computes `conv`'s epilogue (the pointwise ops on its result) chunk by chunk
+    as it computes the product, so that the product is never stored whole: a float32/float64
+    convolution summing over at least `CONV_EPILOGUE_MIN_DEPTH` taps (the CPU backend's im2col +
+    matmul form, `lower_contraction._conv_as_matmul`, applies the epilogue to each chunk's product
+    in cache, in its copy to the output). The group must then also keep the shape
+    `_epilogue_groups` checks."""
+    weights = conv.operands[1].type
+    depth = weights.size // max(weights.shape[0], 1)
+    return conv.result.dtype in (dt.float32, dt.float64) and depth >= CONV_EPILOGUE_MIN_DEPTH
+
+
+def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
+    """`members` as one group, or split in two ([the conv], the rest) when the group holds a conv
+    product too large for a temporary (`MAX_INTERNAL_BYTES`) but is not of the form whose product
+    a backend streams (`_streams_epilogue`): the group returns exactly one value, of the product's
+    shape, made by a pointwise op, and holds no slice view. The split is always legal: the conv
+    reads no member's value (else it stays whole; the backend then stores the product)."""
+    convs = [op for op in members if op.name == "conv2d"]
+    if not convs:
+        return [members]
+    conv = convs[0]
+    product = conv.result
+    if product.type.size * product.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
+        return [members]
+    outside = [v for op in members for v in op.results if v in _used_outside(graph, members)]
+    streams = (
+        len(outside) == 1
+        and outside[0].type.shape == product.type.shape
+        and outside[0].producer.name in _pointwise_ops()
+        and all(op.name != "slice" for op in members)
+    )
+    computed = {v for op in members for v in op.results}
+    if streams or any(v in computed for v in conv.operands):
+        return [members]
+    return [[conv], [op for op in members if op is not conv]]
 
 
 def _slices_of_inputs(members: list[Op]) -> bool:
@@ -340,7 +388,7 @@ def fuse_graph(graph: Graph) -> Graph:
         if op.regions and op.name != "fusion":
             op.regions = [fuse_graph(region) for region in op.regions]
     _copy_broadcast_constants(graph)
-    groups = [m for m in _Grouping(graph).run() if len(m) >= 2]
+    groups = [g for m in _Grouping(graph).run() for g in _epilogue_groups(graph, m) if len(g) >= 2]
     if not groups:
         return graph
     replace: dict[Value, Value] = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -388,10 +389,35 @@ def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     return [contraction_generic(em, [(a, ta, lhs_exprs), (b, tb, rhs_exprs)], result, iterators, reduction_size)]
 
 
+class ConvEpilogue:
+    """The pointwise ops a fusion applies to a convolution's result (bias, activation), computed
+    window by window as the convolution makes its output (`lower_fusion` implements it): `elem`
+    is the storage element of what it returns; `apply(em, product, onhw, window, origin, into,
+    serial)` returns the epilogue of one window of the output, a tensor of `window`'s (N, O, OH,
+    OW) shape, from the product of that window in the accumulator type, laid out (O, N, OH, OW)
+    when `onhw` (the matmul form's columns) else (N, O, OH, OW); `origin` = (first image, first
+    output row) of the window (index values; None: the whole output), `into` the tensor to
+    compute it into (a slice of the output, so that nothing is copied; None: a new one), `serial`
+    whether it runs on the calling thread (inside a parallel loop)."""
+
+    elem: str
+
+    def apply(self, em: KernelEmitter, product: str, onhw: bool, window: TensorType, origin, into, serial) -> str:
+        raise NotImplementedError
+
+
+def streams_epilogue(op: Op) -> bool:
+    """Whether `lower_conv2d` takes an epilogue for conv2d `op`: its product is in the storage type
+    (float32 or float64 accumulate in their own type; half types round the f32 sum first)."""
+    return accumulator_elem(op.result.dtype) == elem_type(op.result.dtype)
+
+
 @lowering("conv2d")
-def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str], epilogue: ConvEpilogue | None = None) -> list[str]:
     """Zero-pad the input, then one generic whose input map applies stride and dilation:
-    out[n, o, oh, ow] += x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] * w[o, c, kh, kw]."""
+    out[n, o, oh, ow] += x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] * w[o, c, kh, kw]. With `epilogue`
+    (`streams_epilogue`), the result is the epilogue's, applied to each chunk of the im2col form's
+    output as it is copied out (to the whole product after the generic)."""
     x, w = operands
     tx, tw, result = op.operands[0].type, op.operands[1].type, op.result.type
     stride, padding, dilation = conv_params(op.attrs)
@@ -402,14 +428,15 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         padded = pad_tensor(em, x, tx, padded_type, zero, (0, 0, padding[0][0], padding[1][0]), (0, 0, 0, 0))
     depth = tw.size // tw.shape[0]
     if depth >= IM2COL_MIN_DEPTH:
-        return [_conv_as_matmul(em, padded, padded_type, w, tw, result, stride, dilation)]
+        return [_conv_as_matmul(em, padded, padded_type, w, tw, result, stride, dilation, epilogue)]
     # Loops (n, o, oh, ow, c, kh, kw), reductions innermost: LLVM unrolls the small window into
     # one register accumulator per output and vectorizes across outputs. (Putting `ow` innermost
     # instead measured 10x slower: the output row goes through memory once per tap.)
     x_exprs = f"d0, d4, d2 * {stride[0]} + d5 * {dilation[0]}, d3 * {stride[1]} + d6 * {dilation[1]}"
     iterators = ["parallel"] * 4 + ["reduction"] * 3
     inputs = [(padded, padded_type, x_exprs), (w, tw, "d1, d4, d5, d6")]
-    return [contraction_generic(em, inputs, result, iterators, depth)]
+    product = contraction_generic(em, inputs, result, iterators, depth)
+    return [epilogue.apply(em, product, False, result, None, None, False) if epilogue else product]
 
 
 # Convolutions summing over at least this many (c, kh, kw) taps go through im2col + the matmul
@@ -426,6 +453,28 @@ IM2COL_MIN_DEPTH = 8
 IM2COL_MAX_ELEMENTS = 1 << 19
 
 
+@dataclass(frozen=True)
+class _Conv:
+    """One convolution's im2col form: its (O, C*KH*KW) weights in the accumulator type `acc`, their
+    4-D type `tw`, stride, dilation, and the epilogue its output goes through (None: the product
+    in `acc`, narrowed to the result's type at the end)."""
+
+    weights: str
+    tw: TensorType
+    stride: tuple
+    dilation: tuple
+    acc: str
+    epilogue: ConvEpilogue | None
+
+    @property
+    def out_elem(self) -> str:
+        """The element of the output tensor being filled: the epilogue's, else the accumulator."""
+        return self.epilogue.elem if self.epilogue is not None else self.acc
+
+    def finish(self, em: KernelEmitter, out: str, result: TensorType) -> str:
+        return out if self.epilogue is not None else narrow(em, out, result, self.acc)
+
+
 def _conv_chunk(n: int, oh: int, depth: int, ow: int) -> tuple[int, int]:
     """(images, output rows) per chunk: all rows of as many images as fit the cap, else one image's
     rows in blocks that fit, preferring a block height that divides OH when one is at least half
@@ -439,21 +488,22 @@ def _conv_chunk(n: int, oh: int, depth: int, ow: int) -> tuple[int, int]:
 
 
 def _conv_as_matmul(
-    em: KernelEmitter, padded: str, padded_type: TensorType, w: str, tw: TensorType, result, stride, dilation
+    em: KernelEmitter, padded: str, padded_type: TensorType, w: str, tw: TensorType, result, stride, dilation, epilogue
 ) -> str:
     """conv2d as W (O, C*KH*KW) @ cols (C*KH*KW, N*OH*OW) (see `_conv_images`), over chunks whose
     column matrix fits IM2COL_MAX_ELEMENTS (`_conv_chunk`). With several cores and at least as many
     whole chunks as cores, the chunks are split over the cores (each thread makes its chunk's
     columns and multiplies them on its own, so the im2col and the copies run in parallel too, with
-    one fork for the whole convolution); otherwise chunk after chunk, each product on all cores."""
+    one fork for the whole convolution); otherwise chunk after chunk, each product on all cores.
+    With an `epilogue`, each chunk's product goes through it into its window of the output."""
     n, o, oh, ow = result.shape
     depth = tw.size // o
     acc = accumulator_elem(result.dtype)
     weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
-    conv = (weights, tw, stride, dilation, acc)
+    conv = _Conv(weights, tw, stride, dilation, acc, epilogue)
     images, rows = _conv_chunk(n, oh, depth, ow)
     if _over_taps(tw, result, images * rows * ow):
-        return narrow(em, _conv_over_taps(em, (padded, padded_type), conv, result), result, acc)
+        return conv.finish(em, _conv_over_taps(em, (padded, padded_type), conv, result), result)
     if _pointwise(tw, stride, padded_type) and n > 1:
         images = 1  # each image's own view is its column matrix (`_pointwise_columns`)
     w_ = matmul_kernel.LoopWriter(em)
@@ -461,12 +511,12 @@ def _conv_as_matmul(
     threads = matmul_kernel.cores()
     if threads < 2 or whole < threads or (whole < 2 * threads and whole % threads):
         if images == n and rows == oh:
-            return narrow(em, _conv_images(em, (padded, padded_type), conv, result), result, acc)
-        return narrow(
-            em, _conv_chunks_in_turn(em, w_, (padded, padded_type), conv, result, (images, rows)), result, acc
+            return conv.finish(em, _conv_images(em, (padded, padded_type), conv, result), result)
+        return conv.finish(
+            em, _conv_chunks_in_turn(em, w_, (padded, padded_type), conv, result, (images, rows)), result
         )
-    out_type = tensor_type(result, acc)
-    done, t, shared = w_.open_forall(whole, em.empty(result, acc), out_type)
+    out_type = tensor_type(result, conv.out_elem)
+    done, t, shared = w_.open_forall(whole, em.empty(result, conv.out_elem), out_type)
     if rows == oh:
         image, row = w_.mul(t, w_.index(images)), w_.index(0)
     else:
@@ -474,11 +524,13 @@ def _conv_as_matmul(
         image = em.op(f"arith.divui {t}, {per_image} : index")
         row = w_.mul(em.op(f"arith.remui {t}, {per_image} : index"), w_.index(rows))
     part = result.with_shape((images, o, rows, ow))
-    scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
-    y = _conv_images(em, (padded, padded_type), conv, part, (image, row), serial=True)
-    em.scratch = scratch
     where = f"[{image}, 0, {row}, 0] [{images}, {o}, {rows}, {ow}] [1, 1, 1, 1]"
-    w_.close_forall(y, shared, where, tensor_type(part, acc), out_type)
+    part_type = tensor_type(part, conv.out_elem)
+    into = em.op(f"tensor.extract_slice {shared}{where} : {out_type} to {part_type}") if epilogue else None
+    scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
+    y = _conv_images(em, (padded, padded_type), conv, part, (image, row), serial=True, into=into)
+    em.scratch = scratch
+    w_.close_forall(y, shared, where, part_type, out_type)
     if rows == oh and n % images:  # the tail chunk of images
         done = _conv_chunk_into(
             em, (padded, padded_type), conv, result, done, (w_.index(whole * images), n % images, w_.index(0), oh)
@@ -489,15 +541,15 @@ def _conv_as_matmul(
             em, (padded, padded_type), conv, result, into, (image, 1, first, oh % rows)
         )
         done = _blocks(w_, 1, n, tail, done, out_type)
-    return narrow(em, done, result, acc)
+    return conv.finish(em, done, result)
 
 
 def _conv_chunks_in_turn(em: KernelEmitter, w_, source, conv, result: TensorType, chunk: tuple[int, int]) -> str:
     """The chunks one after another (each product on all cores): loops over whole chunks, then tails."""
     n, oh = result.shape[0], result.shape[2]
     images, rows = chunk
-    out_type = tensor_type(result, conv[4])
-    empty = em.empty(result, conv[4])
+    out_type = tensor_type(result, conv.out_elem)
+    empty = em.empty(result, conv.out_elem)
 
     def chunk_into(image, count, row, height, into):
         return _conv_chunk_into(em, source, conv, result, into, (image, count, row, height))
@@ -528,23 +580,24 @@ def _blocks(w_, size: int, total: int, emit, into: str, out_type: str) -> str:
 def _conv_chunk_into(em: KernelEmitter, source, conv, result: TensorType, into: str, chunk) -> str:
     """`into` with the output rows [row, row + height) of images [image, image + count) computed."""
     image, count, row, height = chunk
-    acc = conv[4]
     part = result.with_shape((count, result.shape[1], height, result.shape[3]))
-    y = _conv_images(em, source, conv, part, (image, row))
-    sizes = ", ".join(map(str, part.shape))
-    return em.op(
-        f"tensor.insert_slice {y} into {into}[{image}, 0, {row}, 0] [{sizes}] [1, 1, 1, 1] "
-        f": {tensor_type(part, acc)} into {tensor_type(result, acc)}"
-    )
+    where = f"[{image}, 0, {row}, 0] [{', '.join(map(str, part.shape))}] [1, 1, 1, 1]"
+    part_type, out_type = tensor_type(part, conv.out_elem), tensor_type(result, conv.out_elem)
+    window = em.op(f"tensor.extract_slice {into}{where} : {out_type} to {part_type}") if conv.epilogue else None
+    y = _conv_images(em, source, conv, part, (image, row), into=window)
+    return em.op(f"tensor.insert_slice {y} into {into}{where} : {part_type} into {out_type}")
 
 
-def _conv_images(em: KernelEmitter, source, conv, result: TensorType, origin=None, serial: bool = False) -> str:
+def _conv_images(
+    em: KernelEmitter, source, conv, result: TensorType, origin=None, serial: bool = False, into=None
+) -> str:
     """The convolution in the accumulator type of the images and output rows `result` covers, from
     image and output row `origin` (index values; the first ones when None) of the padded input
     `source` = (tensor, type): cols[c, kh, kw, n, oh, ow] = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1]
     (`_im2col`), the matmul kernel's W @ cols as (O, N, OH, OW), transposed to NCHW (a reshape for
-    one image). `serial`: the product stays on the calling thread."""
-    weights, tw, stride, dilation, acc = conv
+    one image), or, with the convolution's epilogue, its result (computed `into` that tensor when
+    given). `serial`: the product stays on the calling thread."""
+    weights, tw, stride, dilation, acc = conv.weights, conv.tw, conv.stride, conv.dilation, conv.acc
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
     depth, columns = c * kh * kw, n * oh * ow
@@ -556,10 +609,12 @@ def _conv_images(em: KernelEmitter, source, conv, result: TensorType, origin=Non
         cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
     shape = matmul_kernel.MatmulShape(0, o, columns, depth, acc, serial=serial)
     product = matmul_kernel.emit_matmul(em, weights, cols, shape)
-    if n == 1:
+    if n == 1 and conv.epilogue is None:
         return reshape(em, product, TensorType((o, columns), result.dtype), result.shape, acc)
     onhw = TensorType((o, n, oh, ow), result.dtype)
     product = reshape(em, product, TensorType((o, columns), result.dtype), onhw.shape, acc)
+    if conv.epilogue is not None:
+        return conv.epilogue.apply(em, product, True, result, origin, into, serial)
     return transpose(em, product, onhw, [1, 0, 2, 3], acc)[0]
 
 
@@ -589,7 +644,7 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
     of a 3x3 conv over 8x64x56x56 (O x N*OH*OW = 64 x 576, 25,088 taps) took 14.5 ms as chunks of
     images (two images, 18 columns each), about 8 this way (fj.grad w.r.t. w with its forward:
     21.4 -> 14.9 ms; docs/cpu-backend.md, "conv2d")."""
-    weights, tw, stride, dilation, acc = conv
+    weights, tw, stride, dilation, acc = conv.weights, conv.tw, conv.stride, conv.dilation, conv.acc
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
     columns = n * oh * ow
@@ -647,6 +702,8 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
         )
     onhw = TensorType((o, n, oh, ow), result.dtype)
     total = reshape(em, total, sum_t, onhw.shape, acc)
+    if conv.epilogue is not None:
+        return conv.epilogue.apply(em, total, True, result, None, None, False)
     return transpose(em, total, onhw, [1, 0, 2, 3], acc)[0]
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import lower_rows, schedule
+from flowjit.backends.cpu import lower_contraction, lower_rows, schedule
 from flowjit.backends.cpu.emitter import (
     KernelEmitter,
     ScalarBuilder,
@@ -209,6 +209,9 @@ class _FusionLowering:
         self.tensors.update(zip(op.results, results))
 
     def run(self) -> list[str]:
+        streamed = self._conv_with_epilogue()
+        if streamed is not None:
+            return streamed
         nested = self._row_nest()
         for op in self.body.ops:
             if op in nested:
@@ -227,6 +230,30 @@ class _FusionLowering:
         for values in pending.values():  # results of one shape: one generic
             self._emit_generic(values)
         return [self.tensor(v) for v in self.body.results]
+
+    def _conv_with_epilogue(self) -> list[str] | None:
+        """A conv2d and the pointwise ops on its result (bias, activation: the `fuse` pass's
+        epilogue group) lowered as one convolution whose chunks go through the epilogue on their
+        way to the output (`lower_contraction.ConvEpilogue`), so that the product is never stored
+        whole; None when the group is not of that form (one result, of the product's shape, that
+        only pointwise ops compute from it, no value stored in between, no slice view)."""
+        convs = [op for op in self.body.ops if op.name == "conv2d"]
+        if len(convs) != 1 or len(self.body.results) != 1 or self.tile or self.materialized:
+            return None
+        conv, (target,) = convs[0], self.body.results
+        users = self.body.uses()
+        if (
+            target.type.shape != conv.result.type.shape
+            or not self._inline(target)
+            or not all(self._pointwise(u) for u in users.get(conv.result, ()))
+            or not lower_contraction.streams_epilogue(conv)
+        ):
+            return None
+        ops, leaves, splats = self._collect([target])
+        if conv.result not in leaves or any(map(self._view, leaves)) or conv.result.type.rank != 4:
+            return None
+        epilogue = _ConvEpilogue(self, conv.result, target, (ops, leaves, splats))
+        return lower_contraction.lower_conv2d(self.em, conv, [self.tensor(v) for v in conv.operands], epilogue)
 
     def _row_nest(self) -> set[Op]:
         """Lower the row part of the body as one loop nest over row tiles when it has one (see
@@ -287,7 +314,7 @@ class _FusionLowering:
     def _input(self, v: Value, shape: tuple[int, ...]) -> tuple[str, str, str]:
         """(tensor, tensor type, indexing map) reading leaf `v` in an iteration space of `shape`:
         a broadcast not stored yet is read from its source through a projected-permutation map
-        (its size-1 source dimensions dropped by a reshape)."""
+        (its size-1 source dimensions dropped by a reshape: `_read_dims`)."""
         em = self.em
         dims = [f"d{i}" for i in range(len(shape))]
         op = v.producer
@@ -299,15 +326,25 @@ class _FusionLowering:
                 tensor = bool_to_bytes(em, tensor, v.type)
             return tensor, tensor_type(v.type, _storage(v.dtype)), em.identity_map(len(shape))
         source = op.operands[0]
-        kept = [(i, d) for i, d in enumerate(op.attrs["dims"]) if source.type.shape[i] != 1 or shape[d] == 1]
-        squeezed = TensorType(tuple(source.type.shape[i] for i, _ in kept), source.dtype)
+        kept = self._read_dims(v, shape)
+        squeezed = TensorType(tuple(extent for _, extent in kept), source.dtype)
         tensor = self.tensor(source)
         elem = _storage(source.dtype)
         if source.dtype.is_bool:
             tensor = bool_to_bytes(em, tensor, source.type)
         tensor = reshape_tensor(em, tensor, source.type, squeezed, elem=elem)
-        input_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(f'd{d}' for _, d in kept)})")
+        input_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(f'd{d}' for d, _ in kept)})")
         return tensor, tensor_type(squeezed, elem), input_map
+
+    def _read_dims(self, v: Value, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(loop dimension, extent) of each dimension of the tensor through which `_input` reads
+        leaf `v`: for a broadcast not stored yet, its source's dimensions but size-1 ones that
+        broadcast; else `v`'s own, each read at the same loop dimension."""
+        op = v.producer
+        if op is None or op.name != "broadcast" or v in self.tensors or self._view(v):
+            return list(enumerate(v.type.shape))
+        source = op.operands[0].type.shape
+        return [(d, source[i]) for i, d in enumerate(op.attrs["dims"]) if source[i] != 1 or shape[d] == 1]
 
     def _view(self, v: Value) -> bool:
         """Whether leaf `v` is a slice not stored yet: the generic reads it as a strided view."""
@@ -336,8 +373,7 @@ class _FusionLowering:
             op = v.producer
             if op is None or op.name != "broadcast" or v in self.tensors:
                 return set()
-            source = op.operands[0]
-            uncovered -= {d for i, d in enumerate(op.attrs["dims"]) if source.type.shape[i] != 1 or shape[d] == 1}
+            uncovered -= {d for d, _ in self._read_dims(v, shape)}
         return uncovered
 
     def _emit_generic(self, targets: list[Value], reduction: Op | None = None) -> None:
@@ -578,6 +614,72 @@ def _vectorize_rows(shape: tuple[int, ...], elem_bits: int, coalesce: bool):
 
 def _bits(elem: str) -> int:
     return 1 if elem == "i1" else int(elem.lstrip("bfi"))
+
+
+class _ConvEpilogue(lower_contraction.ConvEpilogue):
+    """A fusion's pointwise ops on its conv2d's result (`_FusionLowering._conv_with_epilogue`), as
+    `lower_contraction.ConvEpilogue`: one n-d generic per window of the output, reading the window's
+    product (in cache: a chunk of the im2col form's columns) and the window of each other leaf
+    (bias and other broadcasts through their maps, full tensors sliced), writing the window of
+    the result in place in the output. Its leaves are made before the convolution's loops."""
+
+    def __init__(self, fusion: _FusionLowering, product: Value, target: Value, collected):
+        self.fusion, self.product, self.target = fusion, product, target
+        self.ops, leaves, self.splats = collected
+        self.leaves = [v for v in leaves if v is not product]
+        shape = product.type.shape
+        self.inputs = [(fusion._input(v, shape), fusion._read_dims(v, shape)) for v in self.leaves]
+        self.elem = _storage(target.dtype)
+
+    def apply(self, em, product, onhw, window, origin, into, serial) -> str:
+        rank = window.rank
+        loop = ", ".join(f"d{i}" for i in range(rank))
+        acc = elem_type(self.product.dtype)
+        product_t = window.with_shape((window.shape[1], window.shape[0], *window.shape[2:])) if onhw else window
+        product_map = em.affine_map(f"({loop}) -> ({'d1, d0' if onhw else 'd0, d1'}, {loop.split(', ', 2)[2]})")
+        inputs = [(product, tensor_type(product_t, acc), product_map)]
+        offsets = {0: origin[0], 2: origin[1]} if origin is not None else {}
+        for v, ((tensor, ttype, in_map), dims) in zip(self.leaves, self.inputs):
+            inputs.append((*self._window(em, tensor, ttype, v, dims, window, offsets), in_map))
+        out_t = window.with_dtype(self.target.dtype)
+        out_type = tensor_type(out_t, self.elem)
+        into = into if into is not None else em.empty(out_t, self.elem)
+        maps = ", ".join([m for _, _, m in inputs] + [em.identity_map(rank)])
+        name, iterators = em.fresh(), ", ".join(['"parallel"'] * rank)
+        em.line(
+            f"{name} = linalg.generic {{indexing_maps = [{maps}], iterator_types = [{iterators}]}} "
+            f"ins({', '.join(t for t, _, _ in inputs)} : {', '.join(tt for _, tt, _ in inputs)}) "
+            f"outs({into} : {out_type}) {{"
+        )
+        in_elems = [acc] + [_storage(v.dtype) for v in self.leaves]
+        args = [em.fresh("a") for _ in range(len(inputs) + 1)]
+        em.line(f"^bb0({', '.join(f'{a}: {e}' for a, e in zip(args, in_elems + [self.elem]))}):")
+        b = ScalarBuilder(em, em.indent + "  ")
+        leaf_args = dict(zip([self.product, *self.leaves], args))
+        (yielded,) = self.fusion._body(b, self.ops, leaf_args, self.splats, [self.target], None, args[-1])
+        em.body.extend(b.lines)
+        em.line(f"  linalg.yield {yielded} : {self.elem}")
+        em.line(f"}} -> {out_type}")
+        widest = max(_bits(e) for e in in_elems + [self.elem])
+        em.schedule(name, schedule.copy_nd(window.shape, widest, parallel=not serial))
+        return name
+
+    @staticmethod
+    def _window(em, tensor: str, ttype: str, v: Value, dims, window: TensorType, offsets) -> tuple[str, str]:
+        """(tensor, type) of the part of leaf `v` (read as `tensor` of type `ttype` through `dims`,
+        `_FusionLowering._read_dims`) that `window` reads: along each loop dimension that the
+        window cuts (images, output rows) and the leaf does not broadcast, the window's offset and
+        extent; the rest whole."""
+        starts, sizes = [], []
+        for d, extent in dims:
+            cut = extent != 1 and window.shape[d] != extent
+            starts.append(offsets[d] if cut else "0")
+            sizes.append(window.shape[d] if cut else extent)
+        if [e for _, e in dims] == sizes:
+            return tensor, ttype
+        part = tensor_type(TensorType(tuple(sizes), v.dtype), _storage(v.dtype))
+        where = f"[{', '.join(map(str, starts))}] [{', '.join(map(str, sizes))}] [{', '.join(['1'] * len(sizes))}]"
+        return em.op(f"tensor.extract_slice {tensor}{where} : {ttype} to {part}"), part
 
 
 @lowering("fusion")

@@ -159,11 +159,50 @@ def insert_into(em: KernelEmitter, x: str, source, dest: str, dest_type, offsets
 
 def pad_tensor(em: KernelEmitter, x: str, source, result, scalar: str, low, interior) -> str:
     """`x` (type `source`) placed at offsets `low` with steps `interior + 1` in a `result` tensor
-    filled with `scalar`: edge and interior padding in one strided insert."""
+    filled with `scalar`: edge and interior padding in one strided insert. A large pad without
+    interior padding (a convolution's input) fills and copies with vector loops split over the
+    cores (`_parallel_pad`)."""
+    if source.rank > 1 and not any(interior) and source.size >= schedule.PARALLEL_MIN_ELEMENTS:
+        return _parallel_pad(em, x, source, result, scalar, low)
     filled = fill(em, scalar, result)
     if source.size == 0:
         return filled
     return insert_into(em, x, source, filled, result, low, [i + 1 for i in interior])
+
+
+def _parallel_pad(em: KernelEmitter, x: str, source, result, scalar: str, low) -> str:
+    """`pad_tensor` of a large tensor as two n-d generics with `schedule.copy_nd`: the fill, then the
+    copy into the interior view (in place). As a fill and a strided insert they were a memset and a
+    copy loop on one thread: 8x64x56x56 float32 padded by 1, 0.4 ms of a 5.5 ms convolution."""
+    elem = memory_elem_type(result.dtype)
+    bits = max(8, result.dtype.bits)
+    ttype = tensor_type(result, elem)
+    out_map = em.identity_map(result.rank)
+    iterators = ", ".join(['"parallel"'] * result.rank)
+    filled = em.fresh()
+    em.line(
+        f"{filled} = linalg.generic {{indexing_maps = [{out_map}], iterator_types = [{iterators}]}} "
+        f"outs({em.empty(result, elem)} : {ttype}) {{"
+    )
+    em.line(f"^bb0({em.fresh('a')}: {elem}):")
+    em.line(f"  linalg.yield {scalar} : {elem}")
+    em.line(f"}} -> {ttype}")
+    em.schedule(filled, schedule.copy_nd(result.shape, bits))
+    where = f"[{_index_list(low)}] [{_index_list(source.shape)}] [{_index_list([1] * source.rank)}]"
+    view_type = _tensor(source)
+    view = em.op(f"tensor.extract_slice {filled}{where} : {ttype} to {view_type}")
+    copied = em.fresh()
+    in_map = em.identity_map(source.rank)
+    em.line(
+        f"{copied} = linalg.generic {{indexing_maps = [{in_map}, {in_map}], iterator_types = [{iterators}]}} "
+        f"ins({x} : {view_type}) outs({view} : {view_type}) {{"
+    )
+    a, b = em.fresh("a"), em.fresh("a")
+    em.line(f"^bb0({a}: {elem}, {b}: {elem}):")
+    em.line(f"  linalg.yield {a} : {elem}")
+    em.line(f"}} -> {view_type}")
+    em.schedule(copied, schedule.copy_nd(source.shape, bits))
+    return em.op(f"tensor.insert_slice {copied} into {filled}{where} : {view_type} into {ttype}")
 
 
 @lowering("pad")
