@@ -812,20 +812,35 @@ def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, ba
         in_offset, out_offset = w.add(in_offset, read), w.add(out_offset, write)
     chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-width // lanes)), w.index(1), [(carried, flat_type)])
     column = w.mul(j, w.index(lanes))
+    vector = (lanes, f"vector<{lanes}x{acc}>")
+    if width >= lanes:
+        # Whole vectors only, the last one ending at the row's end (overlapping the one before):
+        # no masks, and a unit-step read stays inside its input row.
+        column = em.op(f"arith.minsi {column}, {w.index(width - lanes)} : index")
+        where = w.add(in_offset, w.mul(column, w.index(step)))
+        value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc, step == 1)
+        row_out = em.op(
+            f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}] {{in_bounds = [true]}} "
+            f": {vector[1]}, {flat_type}"
+        )
+        return _close_loops(w, row_out, flat_type, [*loops, chunks], schedule.short_row(width, lanes))
     where = w.add(in_offset, w.mul(column, w.index(step)))
     value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc)
-    vector = (lanes, f"vector<{lanes}x{acc}>")
     return _store_chunk_and_close(
         em, w, value, row_out, (out_offset, column, width), vector, flat_type, [*loops, chunks]
     )
 
 
-def _read_every_step(em, source: str, flat_in: TensorType, where: str, pad: str, step: int, lanes: int, elem, acc):
+def _read_every_step(
+    em, source: str, flat_in: TensorType, where: str, pad: str, step: int, lanes: int, elem, acc, inside=False
+):
     """`lanes` elements of the 1-D `source` from `where` on, every `step`-th one, widened to `acc`:
-    one contiguous read of `step * lanes` (out-of-bounds lanes read `pad`) and a shuffle."""
+    one contiguous read of `step * lanes` (out-of-bounds lanes read `pad`, unless the caller knows
+    the read is `inside` the tensor) and a shuffle."""
     wide = f"vector<{step * lanes}x{elem}>"
     value = em.op(
-        f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [false]}} : {tensor_type(flat_in)}, {wide}"
+        f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [{'true' if inside else 'false'}]}} "
+        f": {tensor_type(flat_in)}, {wide}"
     )
     if step > 1:
         picks = ", ".join(str(i * step) for i in range(lanes))
@@ -847,10 +862,14 @@ def _store_chunk_and_close(em, w, value, row_out, position, vector, flat_type, l
         f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
         f": {vec}, {flat_type}"
     )
-    short = schedule.short_row(width, lanes)
-    done = stored
+    return _close_loops(w, stored, flat_type, loops, schedule.short_row(width, lanes))
+
+
+def _close_loops(w, done: str, flat_type: str, loops, unroll: bool) -> str:
+    """Close a row's chunk loop (unrolled when `unroll`) and its enclosing row loops (innermost
+    last in `loops`), each yielding the tensor; returns the outermost loop's result."""
     for k, loop in enumerate(reversed(loops)):
-        w.close_for([done], [flat_type], matmul_kernel.FULL_UNROLL if k == 0 and short else "")
+        w.close_for([done], [flat_type], matmul_kernel.FULL_UNROLL if k == 0 and unroll else "")
         done = loop
     return done
 
