@@ -18,6 +18,7 @@ import pytest
 from op_table import assert_close, cases, fresh_variables
 
 import flowjit as fj
+import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
 from flowjit.backends.cpu import cache, compiler, toolchain
@@ -249,6 +250,27 @@ def test_llvm_pipeline_is_light_only_when_every_kernel_is_vectorized_and_the_dum
         o3 = fj.jit(fn).lower(_X3)
         assert o3.as_text("llvm").startswith("; LLVM pipeline: O3 (for the scalar loops of: ")
         np.testing.assert_array_equal(o3.compile()(_X3), got)
+
+
+@pytest.mark.parametrize("stride, pipeline", [(1, "light ("), (2, "O3 (for the scalar loops of: conv2d)")])
+def test_conv_layers_take_the_light_pipeline_with_stride_1_only(stride, pipeline):
+    """A conv layer's im2col, matmul kernel and streamed epilogue are vector code: LLVM's light
+    pipeline at stride 1 (the same bits as O3); strided im2col reads keep O3 (4% faster there)."""
+    rng = np.random.default_rng(5)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 16, 20, 20), (8, 16, 3, 3), (8,)))
+
+    def layer(x, w, b):
+        return nn.relu(nn.conv2d(x, w, b, stride=stride))
+
+    lo = fj.jit(layer).lower(x, w, b)
+    assert lo.as_text("llvm").splitlines()[0].startswith(f"; LLVM pipeline: {pipeline}")
+    got = lo.compile()(x, w, b)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "LIGHT_PIPELINE_OPS", frozenset())
+        patch.setenv("FLOWJIT_CACHE", "0")
+        o3 = fj.jit(layer).lower(x, w, b)
+        assert o3.as_text("llvm").startswith("; LLVM pipeline: O3 (for the scalar loops of: ")
+        np.testing.assert_array_equal(o3.compile()(x, w, b), got)
 
 
 def test_llvm_pipeline_below_o2_is_the_o_level_and_marked_loops_keep_o3():

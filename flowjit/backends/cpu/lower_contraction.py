@@ -810,20 +810,31 @@ def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, ba
         else:
             read, write = (w.mul(iv, w.index(k)) for k in offsets)
         in_offset, out_offset = w.add(in_offset, read), w.add(out_offset, write)
-    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-width // lanes)), w.index(1), [(carried, flat_type)])
-    column = w.mul(j, w.index(lanes))
     vector = (lanes, f"vector<{lanes}x{acc}>")
     if width >= lanes:
         # Whole vectors only, the last one ending at the row's end (overlapping the one before):
-        # no masks, and a unit-step read stays inside its input row.
-        column = em.op(f"arith.minsi {column}, {w.index(width - lanes)} : index")
-        where = w.add(in_offset, w.mul(column, w.index(step)))
-        value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc, step == 1)
-        row_out = em.op(
-            f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}] {{in_bounds = [true]}} "
-            f": {vector[1]}, {flat_type}"
-        )
-        return _close_loops(w, row_out, flat_type, [*loops, chunks], schedule.short_row(width, lanes))
+        # no masks, and a unit-step read stays inside its input row. A short row's vectors are
+        # written out here (constant columns) rather than marked for LLVM's unrolling, which only
+        # its O3 pipeline does.
+        steps = -(-width // lanes)
+        short = schedule.short_row(width, lanes)
+        row_out = carried
+        if not short:
+            chunks, j, (row_out,) = w.open_for(w.index(0), w.index(steps), w.index(1), [(carried, flat_type)])
+        for step_j in range(steps) if short else [None]:
+            if short:
+                column = w.index(min(step_j * lanes, width - lanes))
+            else:
+                column = em.op(f"arith.minsi {w.mul(j, w.index(lanes))}, {w.index(width - lanes)} : index")
+            where = w.add(in_offset, w.mul(column, w.index(step)))
+            value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc, step == 1)
+            row_out = em.op(
+                f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}] {{in_bounds = [true]}} "
+                f": {vector[1]}, {flat_type}"
+            )
+        return _close_loops(w, row_out, flat_type, loops if short else [*loops, chunks], False)
+    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-width // lanes)), w.index(1), [(carried, flat_type)])
+    column = w.mul(j, w.index(lanes))
     where = w.add(in_offset, w.mul(column, w.index(step)))
     value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc)
     return _store_chunk_and_close(
