@@ -751,3 +751,56 @@ def test_integer_abs_in_nd_kernels(shape, dtype):
     x[0], x[-1] = info.min, info.max
     f = fj.jit(lambda x: fnp.abs(fnp.broadcast_to(x, shape)))
     np.testing.assert_array_equal(f(x), np.abs(np.broadcast_to(x, shape)))
+
+
+@pytest.mark.parametrize(
+    "shape, kernel, stride, padding, dilation, dtype",
+    [
+        ((2, 8, 16, 16), 3, 1, 1, 1, dt.float32),  # one vector per row: both edges in one shuffle
+        ((2, 8, 16, 20), 3, 1, 2, 2, dt.float32),  # dilated, rows of two vectors
+        ((1, 4, 30, 33), 5, 1, 4, 1, dt.float32),  # whole rows of zeros above and below
+        ((1, 4, 12, 33), 5, 1, 2, 1, dt.float32),  # the third vector of 33 columns runs past the row
+        ((1, 8, 9, 100), 3, 1, 1, 1, dt.float32),  # a loop of vectors inside the row
+        ((3, 4, 17, 40), 3, (2, 1), 1, 1, dt.float32),  # stride along columns only
+        ((2, 8, 20, 18), 3, 1, ((2, 0), (1, 3)), 1, dt.float32),  # uneven padding
+        ((2, 8, 20, 48), 3, 1, 1, 1, dt.float16),  # widened as read
+        ((2, 3, 24, 70), 7, 1, 3, 1, dt.float64),  # middle vectors in a loop
+    ],
+)
+def test_im2col_pads_as_it_reads(monkeypatch, shape, kernel, stride, padding, dilation, dtype):
+    """A padded stride-1 convolution makes no padded copy of its input: im2col reads the input
+    clamped into it, zeroes rows outside it and moves each row's edge lanes into place with one
+    constant shuffle (`lower_contraction._im2col_padding`). Same bits as the padded form."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    x = data(shape, dtype, 1)
+    w = data((8, shape[1], kernel, kernel), dtype, 2)
+
+    def conv(x, w):
+        return nn.conv2d(x, w, stride=stride, padding=padding, dilation=dilation)
+
+    lowered = fj.jit(conv).lower(x, w)
+    mlir = lowered.as_text("mlir")
+    assert "vector.shuffle" in mlir and "linalg.fill" not in mlir  # no padded input filled with zeros
+    got = lowered.compile()(x, w)
+    monkeypatch.setattr(lower_contraction, "_im2col_pads", lambda *args: False)
+    padded = fj.jit(conv).lower(x, w)
+    assert "linalg.fill" in padded.as_text("mlir")  # the padded copy of the input
+    np.testing.assert_array_equal(padded.compile()(x, w), got)
+    pads = ((padding, padding),) * 2 if isinstance(padding, int) else padding
+    strides = (stride, stride) if isinstance(stride, int) else stride
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), *pads))
+    oh, ow = got.shape[2:]
+    taps = [
+        xp[
+            :,
+            :,
+            i * dilation : i * dilation + (oh - 1) * strides[0] + 1 : strides[0],
+            j * dilation : j * dilation + (ow - 1) * strides[1] + 1 : strides[1],
+        ]
+        for i in range(kernel)
+        for j in range(kernel)
+    ]
+    cols = np.stack(taps, axis=2)  # (n, c, taps, oh, ow)
+    want = np.einsum("oct,ncthw->nohw", w.astype(np.float64).reshape(8, shape[1], -1), cols)
+    tol = 2e-2 if dtype == dt.float16 else 1e-5
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())

@@ -415,20 +415,25 @@ def streams_epilogue(op: Op) -> bool:
 @lowering("conv2d")
 def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str], epilogue: ConvEpilogue | None = None) -> list[str]:
     """Zero-pad the input, then one generic whose input map applies stride and dilation:
-    out[n, o, oh, ow] += x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] * w[o, c, kh, kw]. With `epilogue`
+    out[n, o, oh, ow] += x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] * w[o, c, kh, kw]; or, for sums of
+    at least IM2COL_MIN_DEPTH taps, im2col + the matmul kernel (`_conv_as_matmul`), whose im2col
+    pads as it reads where it can (`_im2col_pads`: no padded copy). With `epilogue`
     (`streams_epilogue`), the result is the epilogue's, applied to each chunk of the im2col form's
     output as it is copied out (to the whole product after the generic)."""
     x, w = operands
     tx, tw, result = op.operands[0].type, op.operands[1].type, op.result.type
     stride, padding, dilation = conv_params(op.attrs)
     padded_type, padded = tx, x
+    depth = tw.size // tw.shape[0]
+    if depth >= IM2COL_MIN_DEPTH and _im2col_pads(tx, tw, result, stride, padding):
+        conv = (w, tw, stride, dilation, padding)
+        return [_conv_as_matmul(em, x, tx, conv, result, epilogue)]
     if any(lo or hi for lo, hi in padding):
         padded_type = tx.with_shape(tx.shape[:2] + tuple(d + lo + hi for d, (lo, hi) in zip(tx.shape[2:], padding)))
         zero = const(em, 0, tx.dtype)
         padded = pad_tensor(em, x, tx, padded_type, zero, (0, 0, padding[0][0], padding[1][0]), (0, 0, 0, 0))
-    depth = tw.size // tw.shape[0]
     if depth >= IM2COL_MIN_DEPTH:
-        return [_conv_as_matmul(em, padded, padded_type, w, tw, result, stride, dilation, epilogue)]
+        return [_conv_as_matmul(em, padded, padded_type, (w, tw, stride, dilation, None), result, epilogue)]
     # Loops (n, o, oh, ow, c, kh, kw), reductions innermost: LLVM unrolls the small window into
     # one register accumulator per output and vectorizes across outputs. (Putting `ow` innermost
     # instead measured 10x slower: the output row goes through memory once per tap.)
@@ -465,6 +470,7 @@ class _Conv:
     dilation: tuple
     acc: str
     epilogue: ConvEpilogue | None
+    padding: tuple | None = None  # the input's, when im2col pads as it reads (`_im2col_pads`)
 
     @property
     def out_elem(self) -> str:
@@ -487,20 +493,21 @@ def _conv_chunk(n: int, oh: int, depth: int, ow: int) -> tuple[int, int]:
     return 1, divisor if 2 * divisor >= rows else rows
 
 
-def _conv_as_matmul(
-    em: KernelEmitter, padded: str, padded_type: TensorType, w: str, tw: TensorType, result, stride, dilation, epilogue
-) -> str:
+def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, conv, result, epilogue) -> str:
     """conv2d as W (O, C*KH*KW) @ cols (C*KH*KW, N*OH*OW) (see `_conv_images`), over chunks whose
     column matrix fits IM2COL_MAX_ELEMENTS (`_conv_chunk`). With several cores and at least as many
     whole chunks as cores, the chunks are split over the cores (each thread makes its chunk's
     columns and multiplies them on its own, so the im2col and the copies run in parallel too, with
     one fork for the whole convolution); otherwise chunk after chunk, each product on all cores.
-    With an `epilogue`, each chunk's product goes through it into its window of the output."""
+    With an `epilogue`, each chunk's product goes through it into its window of the output. `conv`
+    = (weights, their type, stride, dilation, padding): padding None when `padded` is the padded
+    input, else that of the unpadded input, which im2col pads as it reads (`_im2col_pads`)."""
+    w, tw, stride, dilation, padding = conv
     n, o, oh, ow = result.shape
     depth = tw.size // o
     acc = accumulator_elem(result.dtype)
     weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
-    conv = _Conv(weights, tw, stride, dilation, acc, epilogue)
+    conv = _Conv(weights, tw, stride, dilation, acc, epilogue, padding)
     images, rows = _conv_chunk(n, oh, depth, ow)
     if _over_taps(tw, result, images * rows * ow):
         return conv.finish(em, _conv_over_taps(em, (padded, padded_type), conv, result), result)
@@ -605,7 +612,10 @@ def _conv_images(
         cols = _pointwise_columns(em, source, origin, columns, acc)
     else:
         cols_type = TensorType((c, kh, kw, n, oh, ow), result.dtype)
-        cols = _im2col(em, source, cols_type, stride, dilation, acc, origin)
+        if conv.padding is not None:
+            cols = _im2col_padding(em, source, cols_type, conv, origin)
+        else:
+            cols = _im2col(em, source, cols_type, stride, dilation, acc, origin)
         cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
     shape = matmul_kernel.MatmulShape(0, o, columns, depth, acc, serial=serial)
     product = matmul_kernel.emit_matmul(em, weights, cols, shape)
@@ -780,6 +790,124 @@ def _im2col(em: KernelEmitter, source, cols_type: TensorType, stride, dilation, 
         (oh, (stride[0] * strides[2], ow)),
     ]
     return _window_rows(em, source, cols_type.size, levels, (ow, stride[1]), acc, base if origin else None)
+
+
+def _im2col_pads(tx: TensorType, tw: TensorType, result: TensorType, stride, padding) -> bool:
+    """Whether im2col reads the unpadded input and pads as it reads (`_im2col_padding`), so that no
+    padded copy of the input is made: a padded convolution with stride 1 along the rows, rows of
+    input and output at least a vector long, at most a vector of padding on either side of a row,
+    and the plain im2col form (not the sum over taps, not a 1x1 conv)."""
+    lanes = matmul_kernel.vector_bits() // int(accumulator_elem(result.dtype)[1:])
+    n, _, oh, ow = result.shape
+    images, rows = _conv_chunk(n, oh, tw.size // tw.shape[0], ow)
+    return (
+        any(lo or hi for lo, hi in padding)
+        and stride[1] == 1
+        and min(tx.shape[3], ow) >= lanes
+        and max(padding[1]) <= lanes
+        and tw.shape[2:] != (1, 1)
+        and not _over_taps(tw, result, images * rows * ow)
+    )
+
+
+def _im2col_padding(em: KernelEmitter, source, cols_type: TensorType, conv, origin=None) -> str:
+    """`_im2col` of the unpadded input `source`, zero outside it (conv.padding, `_im2col_pads`):
+    per row (c, kh, n, oh) the input row ih = (oh0 + oh)*s0 + kh*d0 - top, read clamped into the
+    input and zeroed when outside it; per kernel column kw (written out) the row's vectors at
+    columns 0, lanes, 2*lanes, ... and OW - lanes (the last overlapping the one before) read
+    input columns q + kw*d1 - left: a run of three or more vectors wholly inside the input row is
+    one loop of plain reads; each other vector (at most a vector of padding: the first ones and
+    the last ones) reads from a start clamped into the row, its lanes moved into place and the
+    ones outside the row zeroed by one constant shuffle (none when it lies inside)."""
+    x, t = source
+    c, kh, kw, n, oh, ow = cols_type.shape
+    _, _, height, width = t.shape
+    (top, _), (left, _) = conv.padding
+    stride, dilation, acc = conv.stride, conv.dilation, conv.acc
+    elem = elem_type(t.dtype)
+    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    strides = _row_major_strides(t.shape)
+    flat_in = TensorType((t.size,), t.dtype)
+    flat_source = reshape(em, x, t, flat_in.shape)
+    flat_t = TensorType((cols_type.size,), cols_type.dtype)
+    flat_type = tensor_type(flat_t, acc)
+    w = matmul_kernel.LoopWriter(em)
+    vec, wide = f"vector<{lanes}x{elem}>", f"vector<{lanes}x{acc}>"
+    zero_in = em.op(f"arith.constant dense<0.0> : {vec}")
+    zero_out = em.op(f"arith.constant dense<0.0> : {wide}")
+    pad = em.op(f"arith.constant 0.0 : {elem}")
+    plane = n * oh * ow  # elements of the column matrix per (c, kh, kw)
+    origin = origin or (w.index(0), w.index(0))
+    carried, loops = em.empty(flat_t, acc), []
+    ivs = []
+    for bound in (c, kh, n, oh):
+        loop, iv, (carried,) = w.open_for(w.index(0), w.index(bound), w.index(1), [(carried, flat_type)])
+        loops.append(loop)
+        ivs.append(iv)
+    ci, khi, ni, ohi = ivs
+    row = em.op(
+        f"arith.subi {w.add(w.mul(w.add(origin[1], ohi), w.index(stride[0])), w.mul(khi, w.index(dilation[0])))}, "
+        f"{w.index(top)} : index"
+    )
+    inside = em.op(
+        f"arith.andi {em.op(f'arith.cmpi sge, {row}, {w.index(0)} : index')}, "
+        f"{em.op(f'arith.cmpi slt, {row}, {w.index(height)} : index')} : i1"
+    )
+    clamped = em.op(f"arith.minsi {em.op(f'arith.maxsi {row}, {w.index(0)} : index')}, {w.index(height - 1)} : index")
+    image = w.add(origin[0], ni)
+    row_start = w.add(
+        w.add(w.mul(image, w.index(strides[0])), w.mul(ci, w.index(strides[1]))), w.mul(clamped, w.index(strides[2]))
+    )
+    out_row = w.add(
+        w.add(w.mul(w.add(w.mul(ci, w.index(kh)), khi), w.index(kw * plane)), w.mul(ni, w.index(oh * ow))),
+        w.mul(ohi, w.index(ow)),
+    )
+    steps = -(-ow // lanes)
+    columns = [min(j * lanes, ow - lanes) for j in range(steps)]
+
+    in_type = tensor_type(flat_in)
+
+    def vector_at(column: int | str, shift: int) -> str:
+        """The row's vector at output column `column` (an index value: a middle vector) for kernel
+        column offset `shift`."""
+        picks = list(range(lanes))
+        if isinstance(column, str):  # inside the row
+            where = w.add(row_start, w.add(column, w.index(shift)))
+        else:
+            first = column + shift
+            start = min(max(first, 0), width - lanes)
+            where = w.add(row_start, w.index(start))
+            picks = [first + lane - start if 0 <= first + lane < width else lanes for lane in range(lanes)]
+        v = em.op(f"vector.transfer_read {flat_source}[{where}], {pad} {{in_bounds = [true]}} : {in_type}, {vec}")
+        if picks != list(range(lanes)):
+            v = em.op(f"vector.shuffle {v}, {zero_in} [{', '.join(map(str, picks))}] : {vec}, {vec}")
+        if elem != acc:
+            v = em.op(f"arith.extf {v} : {vec} to {wide}")
+        return em.op(f"arith.select {inside}, {v}, {zero_out} : {wide}")
+
+    cur = carried
+    for k in range(kw):
+        shift = k * dilation[1] - left
+        out = w.add(out_row, w.index(k * plane))
+        # Vectors wholly inside the input row, at multiples of lanes: a run of them is one loop.
+        plain = [j for j in range(steps) if columns[j] == j * lanes and 0 <= columns[j] + shift <= width - lanes]
+        run = (plain[0], plain[-1] + 1) if len(plain) > 2 else (0, 0)
+        for j in range(steps):
+            if not run[0] <= j < run[1]:
+                cur = em.op(
+                    f"vector.transfer_write {vector_at(columns[j], shift)}, {cur}[{w.add(out, w.index(columns[j]))}] "
+                    f"{{in_bounds = [true]}} : {wide}, {flat_type}"
+                )
+        if run[1] > run[0]:
+            loop, j, (inner,) = w.open_for(w.index(run[0]), w.index(run[1]), w.index(1), [(cur, flat_type)])
+            column = w.mul(j, w.index(lanes))
+            inner = em.op(
+                f"vector.transfer_write {vector_at(column, shift)}, {inner}[{w.add(out, column)}] "
+                f"{{in_bounds = [true]}} : {wide}, {flat_type}"
+            )
+            w.close_for([inner], [flat_type])
+            cur = loop
+    return _close_loops(w, cur, flat_type, loops, False)
 
 
 def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, base=None) -> str:
