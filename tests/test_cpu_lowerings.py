@@ -465,6 +465,7 @@ def test_conv2d_im2col_in_chunks_of_images(monkeypatch, cores):
     cores the whole chunks are split over them (a forall), on one they run in a loop."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")  # neither setting is part of the cache key
     monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 18 * 7 * 4)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
     x, w = data((5, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
@@ -484,6 +485,7 @@ def test_conv2d_im2col_in_blocks_of_rows(monkeypatch, stride, dilation, padding,
     x, w = data((2, 3, 13, 8), dt.float32, 1), data((4, 3, 3, 2), dt.float32, 2)
     depth, out_cols = 3 * 3 * 2, (8 + sum(padding[1]) - dilation[1] * 1 - 1) // stride[1] + 1
     monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 3 * depth * out_cols)  # blocks of 3 rows
+    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
     mlir = check("conv2d", [x, w], dict(stride=stride, padding=padding, dilation=dilation))
     assert f"tensor<1x4x3x{out_cols}xf32>" in mlir  # a block of 3 output rows of one image
 
@@ -494,6 +496,7 @@ def test_conv2d_im2col_chunks_in_other_types(monkeypatch, dtype):
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
     monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 27 * 9)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
     x, w = data((3, 3, 11, 9), dtype, 1), data((5, 3, 3, 3), dtype, 2)
     check("conv2d", [x, w], dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1)))
 
@@ -505,7 +508,7 @@ def test_conv2d_pointwise_reads_the_input_as_its_columns(monkeypatch, cap, cores
     with padding the view is of the padded input."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", cap)
+    monkeypatch.setattr(lower_contraction, "WIDE_CHUNK_ELEMENTS", cap)  # a 1x1 conv's chunks
     x, w = data((3, 10, 9, 7), dt.float32, 1), data((6, 10, 1, 1), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
     columns = 63 if cap == 1 << 19 else 21  # a whole image, or blocks of 3 of its 9 rows
@@ -528,7 +531,7 @@ def test_conv2d_summed_over_chunks_of_taps(monkeypatch, cores, dtype, stride, di
     attrs = dict(stride=stride, padding=padding, dilation=dilation)
     oh = (24 + sum(padding[0]) - dilation[0] * 8 - 1) // stride[0] + 1
     ow = (15 + sum(padding[1]) - dilation[1] * 9 - 1) // stride[1] + 1
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 3 * oh * ow * 10 * 6)  # 6 of the 36 pairs per chunk
+    monkeypatch.setattr(lower_contraction, "WIDE_CHUNK_ELEMENTS", 3 * oh * ow * 10 * 6)  # 6 of the 36 pairs per chunk
     mlir = check("conv2d", [x, w], attrs)
     assert f"tensor<{3 * oh * ow}x60x" in mlir  # a chunk of rows: 6 (c, kh) pairs of 10 taps
     assert ("scf.forall" in mlir) == (cores == 2)

@@ -652,10 +652,10 @@ def _conv_case(n, c, h, w, k, kernel, stride=1, padding=1, dilation=1, seed=0):
 
 # Each shape takes one path of the CPU lowering's im2col form (lower_contraction._conv_as_matmul):
 _CONV_PATHS = {
-    "chunks of whole images over the cores": (16, 16, 24, 24, 32, 3),
+    "chunks of whole images over the cores, then a tail chunk": (16, 16, 12, 12, 32, 3),
     "row blocks of one image over the cores": (2, 64, 40, 40, 16, 3),
     "row blocks with a tail block": (2, 64, 43, 43, 8, 3),
-    "row blocks one after another": (1, 64, 45, 40, 8, 3),
+    "row blocks one after another": (1, 64, 15, 40, 8, 3),
     "whole output in one chunk": (2, 8, 12, 12, 8, 3),
     "1x1 columns read in place": (4, 16, 20, 20, 8, 1),
     "sum over taps (output rows shorter than the kernel)": (2, 8, 12, 12, 4, 10),

@@ -453,9 +453,19 @@ IM2COL_MIN_DEPTH = 8
 # per chunk: runs of whole images while they fit, else blocks of output rows of one image. At 16M
 # elements (64 MiB, the cap before session 7) a chunk was mapped fresh and page-faulted every call
 # and went through memory three times (im2col, packing, product): 8x64x56x56 * 64x64x3x3 took 33 ms
-# against 7.4 ms at this cap and PyTorch's 5-9; one image above the cap fell back to the generic
-# (1x64x224x224: 956 ms against PyTorch's 10). See docs/cpu-backend.md ("conv2d").
-IM2COL_MAX_ELEMENTS = 1 << 19
+# against 7.4 ms at 512K and PyTorch's 5-9; one image above the cap fell back to the generic
+# (1x64x224x224: 956 ms against PyTorch's 10). At 128K elements (512 KiB of float32) a chunk stays
+# in a core's L2 (1 MiB) while the kernel packs it (session 8, paired against 512K in one process:
+# 8x64x56x56 3x3 0.96-0.97x the time, 32x32x32x32 0.93x, 8x128x28x28 0.97x, the 7x7/2 stem 0.98x,
+# 1x64x224x224 0.97x), but only when that is at least IM2COL_MIN_COLUMNS columns: deeper convs
+# keep WIDE_CHUNK_ELEMENTS (8x256x14x14 1.08x at 98 columns a chunk, 8x512x7x7 1.22x when fewer,
+# larger chunks no longer split evenly over the cores). See docs/cpu-backend.md ("conv2d").
+IM2COL_MAX_ELEMENTS = 1 << 17
+IM2COL_MIN_COLUMNS = 112
+# The chunks of deeper convs, those that decide whether a conv is summed over taps (`_over_taps`),
+# and those of a 1x1 conv (its columns are views of the input, so a chunk is only a share of the
+# work per core: 1.05x the time at 128K) keep the cap of session 7.
+WIDE_CHUNK_ELEMENTS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -481,14 +491,19 @@ class _Conv:
         return out if self.epilogue is not None else narrow(em, out, result, self.acc)
 
 
-def _conv_chunk(n: int, oh: int, depth: int, ow: int) -> tuple[int, int]:
-    """(images, output rows) per chunk: all rows of as many images as fit the cap, else one image's
-    rows in blocks that fit, preferring a block height that divides OH when one is at least half
-    the largest that fits (no tail block)."""
+def _im2col_cap(depth: int) -> int:
+    """Elements of an im2col chunk's column matrix for a sum over `depth` taps (see IM2COL_MAX_ELEMENTS)."""
+    return IM2COL_MAX_ELEMENTS if depth * IM2COL_MIN_COLUMNS <= IM2COL_MAX_ELEMENTS else WIDE_CHUNK_ELEMENTS
+
+
+def _conv_chunk(n: int, oh: int, depth: int, ow: int, cap: int) -> tuple[int, int]:
+    """(images, output rows) per chunk of at most `cap` elements of the column matrix: all rows of
+    as many images as fit, else one image's rows in blocks that fit, preferring a block height that
+    divides OH when one is at least half the largest that fits (no tail block)."""
     per_image = depth * oh * ow
-    if per_image <= IM2COL_MAX_ELEMENTS:
-        return max(1, min(n, IM2COL_MAX_ELEMENTS // per_image)), oh
-    rows = max(1, IM2COL_MAX_ELEMENTS // (depth * ow))
+    if per_image <= cap:
+        return max(1, min(n, cap // per_image)), oh
+    rows = max(1, cap // (depth * ow))
     divisor = max(d for d in range(1, rows + 1) if oh % d == 0)
     return 1, divisor if 2 * divisor >= rows else rows
 
@@ -508,11 +523,13 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     acc = accumulator_elem(result.dtype)
     weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
     conv = _Conv(weights, tw, stride, dilation, acc, epilogue, padding)
-    images, rows = _conv_chunk(n, oh, depth, ow)
+    images, rows = _conv_chunk(n, oh, depth, ow, WIDE_CHUNK_ELEMENTS)
     if _over_taps(tw, result, images * rows * ow):
         return conv.finish(em, _conv_over_taps(em, (padded, padded_type), conv, result), result)
-    if _pointwise(tw, stride, padded_type) and n > 1:
-        images = 1  # each image's own view is its column matrix (`_pointwise_columns`)
+    if _pointwise(tw, stride, padded_type):
+        images = 1 if n > 1 else images  # each image's own view is its column matrix (`_pointwise_columns`)
+    else:
+        images, rows = _conv_chunk(n, oh, depth, ow, _im2col_cap(depth))
     w_ = matmul_kernel.LoopWriter(em)
     whole = n // images if rows == oh else n * (oh // rows)  # whole chunks
     threads = matmul_kernel.cores()
@@ -658,7 +675,7 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
     columns = n * oh * ow
-    fit = max(1, IM2COL_MAX_ELEMENTS // (columns * kw))
+    fit = max(1, WIDE_CHUNK_ELEMENTS // (columns * kw))
     pairs = max(d for d in range(1, min(c * kh, fit) + 1) if (c * kh) % d == 0)  # (c, kh) pairs per chunk
     chunks, taps = c * kh // pairs, pairs * kw
     threads = max(1, min(matmul_kernel.cores(), chunks))
@@ -799,7 +816,7 @@ def _im2col_pads(tx: TensorType, tw: TensorType, result: TensorType, stride, pad
     and the plain im2col form (not the sum over taps, not a 1x1 conv)."""
     lanes = matmul_kernel.vector_bits() // int(accumulator_elem(result.dtype)[1:])
     n, _, oh, ow = result.shape
-    images, rows = _conv_chunk(n, oh, tw.size // tw.shape[0], ow)
+    images, rows = _conv_chunk(n, oh, tw.size // tw.shape[0], ow, WIDE_CHUNK_ELEMENTS)
     return (
         any(lo or hi for lo, hi in padding)
         and stride[1] == 1
