@@ -162,10 +162,10 @@ WHY_SLOWER_AT_MEDIAN = (
 )
 WHY_SLOWER: dict[str, str] = {
     "conv_layer": "flowjit's conv is im2col in 512 KiB chunks (split over the cores, padding the input as it reads "
-    "it) and its packed matmul kernel, bias + relu applied to each chunk on its way to the output; PyTorch's "
-    "oneDNN convolution packs straight from the input. Ours writes each chunk's columns that the kernel then "
-    "packs again (perf on the AOT library: the micro-kernel ~68% of the samples, im2col ~13%, packing ~9%, the "
-    "epilogue ~3%; docs/cpu-backend.md, 'conv2d' and 'Conv epilogues', has the measurements and what is left).",
+    "it, each chunk read in place from L2 by the matmul kernel) with bias + relu applied to each chunk on its way "
+    "to the output; PyTorch's oneDNN convolution reads the input directly in its kernel. Ours writes the columns "
+    "first: im2col is ~13% of the samples before the kernel read them in place (docs/cpu-backend.md, 'conv2d' "
+    "and 'Conv epilogues', has the measurements and what is left).",
     "matmul1024": "back to back flowjit is the faster (medians 4.92-5.44 vs JAX 5.31-5.79 ms, `python "
     "benchmarks/idle_pause.py --pause 0`, two runs; 5.56 vs 9.68 ms in a suite run on 2026-11-23); "
     "its minimum is the peer's, and the medians move with this VM's noise.",

@@ -807,3 +807,30 @@ def test_im2col_pads_as_it_reads(monkeypatch, shape, kernel, stride, padding, di
     want = np.einsum("oct,ncthw->nohw", w.astype(np.float64).reshape(8, shape[1], -1), cols)
     tol = 2e-2 if dtype == dt.float16 else 1e-5
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_conv_chunks_are_read_in_place_by_the_kernel(monkeypatch):
+    """A conv chunk's column matrix (just written, in L2) is read where it is by the micro-kernel,
+    no panel packed (`MatmulShape.b_in_place`); the same bits as packing each panel first."""
+    import dataclasses
+
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    x, w = data((4, 16, 20, 21), dt.float32, 1), data((24, 16, 3, 3), dt.float32, 2)  # K = 144, 21 columns a row
+
+    def conv(x, w):
+        return nn.conv2d(x, w, padding=1)
+
+    lowered = fj.jit(conv).lower(x, w)
+    panel = "tensor<1x144x" + str(2 * schedule.lanes(32))
+    assert "scf.forall" in lowered.as_text("mlir") and panel not in lowered.as_text("mlir")
+    got = lowered.compile()(x, w)
+    just_in_time = matmul_kernel._panels_just_in_time
+    monkeypatch.setattr(
+        matmul_kernel,
+        "_panels_just_in_time",
+        lambda w_, s, a, b, c: just_in_time(w_, dataclasses.replace(s, b_in_place=False), a, b, c),
+    )
+    packed = fj.jit(conv).lower(x, w)
+    assert panel in packed.as_text("mlir")
+    np.testing.assert_array_equal(packed.compile()(x, w), got)

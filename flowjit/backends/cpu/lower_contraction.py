@@ -625,16 +625,18 @@ def _conv_images(
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
     depth, columns = c * kh * kw, n * oh * ow
+    in_place = False  # the kernel reads the columns where they are (`MatmulShape.b_in_place`)
     if _pointwise(tw, stride, source[1]) and n == 1:  # the image's rows are the columns already
         cols = _pointwise_columns(em, source, origin, columns, acc)
     else:
+        in_place = serial and depth * columns <= IM2COL_MAX_ELEMENTS  # just written, in L2
         cols_type = TensorType((c, kh, kw, n, oh, ow), result.dtype)
         if conv.padding is not None:
             cols = _im2col_padding(em, source, cols_type, conv, origin)
         else:
             cols = _im2col(em, source, cols_type, stride, dilation, acc, origin)
         cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
-    shape = matmul_kernel.MatmulShape(0, o, columns, depth, acc, serial=serial)
+    shape = matmul_kernel.MatmulShape(0, o, columns, depth, acc, serial=serial, b_in_place=in_place)
     product = matmul_kernel.emit_matmul(em, weights, cols, shape)
     if n == 1 and conv.epilogue is None:
         return reshape(em, product, TensorType((o, columns), result.dtype), result.shape, acc)

@@ -61,6 +61,10 @@ class MatmulShape:
     a_cols: bool = False  # A arrives as (.., K, M) (e.g. `a.T @ b`): read by columns (see `_pack_a_columns`)
     serial: bool = False  # on the calling thread only (inside another kernel's parallel loop)
     accumulate: bool = False  # C = C0 + A @ B, C0 given to `emit_matmul` (a sum over K in parts)
+    # B (K, N) read in place by the micro-kernel, no panel packed: for a B the caller has just
+    # written and that fits in L2 (a conv chunk's columns; `serial` products only, see
+    # `_panels_just_in_time`).
+    b_in_place: bool = False
 
     @property
     def a_tensor(self) -> str:
@@ -391,11 +395,12 @@ def _panel_loop(w: LoopWriter, s: MatmulShape, read_a, packed, c_tile, c_type, r
 
 def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col, row_range, mr, states) -> str:
     """For every block of `mr` rows in `row_range`: the register-tile product of those rows of A with
-    one packed panel (`panel` = (tensor, type, index of the panel in it)), stored into columns
+    one packed panel (`panel` = (tensor, type, index of the panel in it)), or with B's columns
+    [index, index + NR) read in place (`panel` = (B, its type, None, index)), stored into columns
     [col, col + NR) of `c_tile` (vectors per `states`)."""
     em = w.em
     vl, nv = s.lanes, s.vectors_per_row
-    packed, packed_type, at = panel
+    packed, packed_type, at = panel[:3]
     vec = f"vector<{vl}x{s.elem}>"
     zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
     pad = em.op(f"arith.constant {s.zero} : {s.elem}")
@@ -413,13 +418,24 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
             for c, state in enumerate(states)
         ]
     accs, k, acc_names = w.open_for(w.index(0), w.index(s.k), w.index(1), [(init, vec) for init in inits])
-    b_vecs = [
-        em.op(
-            f"vector.transfer_read {packed}[{at}, {k}, {w.index(c * vl)}], {pad} {{in_bounds = [true]}} "
-            f": {packed_type}, {vec}"
-        )
-        for c in range(nv)
-    ]
+    if at is None:
+        b_vecs = [
+            zero_vec
+            if state == "none"
+            else em.op(
+                f"vector.transfer_read {packed}[{k}, {w.add(panel[3], w.index(c * vl))}], {pad} "
+                f"{{in_bounds = [{state}]}} : {packed_type}, {vec}"
+            )
+            for c, state in enumerate(states)
+        ]
+    else:
+        b_vecs = [
+            em.op(
+                f"vector.transfer_read {packed}[{at}, {k}, {w.index(c * vl)}], {pad} {{in_bounds = [true]}} "
+                f": {packed_type}, {vec}"
+            )
+            for c in range(nv)
+        ]
     new = []
     for r in range(mr):
         scalar = read_a(i, r, k)
@@ -507,13 +523,36 @@ def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
 def _panels_just_in_time(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
     """A serial product (inside another kernel's parallel loop: a conv chunk) packing each panel just
     before its row blocks use it, so the panel stays in L1/L2, instead of packing all of B first:
-    relu(conv2d + bias) 2-7% faster over six layer shapes (one process, alternated; docs/cpu-backend.md)."""
+    relu(conv2d + bias) 2-7% faster over six layer shapes (one process, alternated; docs/cpu-backend.md).
+    With `s.b_in_place` no panel is packed: the row blocks read B's columns where they are (a conv
+    chunk's column matrix, just written and in L2: relu(conv2d + bias) 5-10% faster over five layer
+    shapes, paired in one process; a chunk larger than L2 ran 8% slower, so the caller decides)."""
+    if s.b_in_place:
+        return _panels_in_place(w, s, a, b, c_all)
     c_type, whole = s.tensor(s.m, s.n), s.n // s.nr
     panels = (w.index(0), w.index(whole), ["true"] * s.vectors_per_row)
     c_new = _panels_packed_one_by_one(w, s, a, b, (c_all, c_type), w.index(0), panels, w.index(0))
     if s.n % s.nr:
         partial = (w.index(whole), w.index(whole + 1), _panel_ranges(s)[-1][2])
         c_new = _panels_packed_one_by_one(w, s, a, b, (c_new, c_type), w.index(0), partial, w.index(0))
+    return c_new
+
+
+def _panels_in_place(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
+    """Every panel's row blocks, reading B's columns in place (`MatmulShape.b_in_place`)."""
+    c_type = s.tensor(s.m, s.n)
+    read_a = _a_reader(w, s, a, w.index(0), None)
+    full = s.m // MR * MR
+    rows = [((w.index(0), w.index(full)), MR)] if full else []
+    rows += [((w.index(full), w.index(s.m)), 1)] if s.m % MR else []
+    c_new = c_all
+    for first, end, states in _panel_ranges(s):
+        loop, p, (cur,) = w.open_for(w.index(first), w.index(end), w.index(1), [(c_new, c_type)])
+        col = w.mul(p, w.index(s.nr))
+        for row_range, mr in rows:
+            cur = _row_loop(w, s, read_a, (b, s.b_tensor, None, col), cur, c_type, col, row_range, mr, states)
+        w.close_for([cur], [c_type])
+        c_new = loop
     return c_new
 
 
@@ -622,6 +661,8 @@ def scratch_bytes(s: MatmulShape) -> int:
     thread's packed A. Per-call allocations this big fragmented glibc's heap (small blocks allocated
     between calls land in the freed panels), so every call page-faulted fresh memory."""
     threads = _threads(s)
+    if s.b_in_place and s.serial:
+        return 0
     if _splits_columns(s, threads):
         return threads * _panel_bytes(s)
     chunk = _chunk_rows(s, threads)
