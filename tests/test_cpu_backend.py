@@ -273,6 +273,22 @@ def test_conv_layers_take_the_light_pipeline_with_stride_1_only(stride, pipeline
         np.testing.assert_array_equal(o3.compile()(x, w, b), got)
 
 
+@pytest.mark.parametrize("pool", [lambda x: nn.max_pool2d(x, 2), lambda x: nn.avg_pool2d(x, 3, stride=1)])
+def test_pooling_takes_the_light_pipeline(pool):
+    """Pooling's rows are vector code written out (no loop marked for unrolling): LLVM's light
+    pipeline, the same bits as O3."""
+    x = np.random.default_rng(6).standard_normal((2, 8, 40, 24)).astype(np.float32)
+    lo = fj.jit(pool).lower(x)
+    assert lo.as_text("llvm").splitlines()[0].startswith("; LLVM pipeline: light (")
+    got = lo.compile()(x)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "LIGHT_PIPELINE_OPS", frozenset())
+        patch.setenv("FLOWJIT_CACHE", "0")
+        o3 = fj.jit(pool).lower(x)
+        assert o3.as_text("llvm").startswith("; LLVM pipeline: O3 (for the scalar loops of: ")
+        np.testing.assert_array_equal(o3.compile()(x), got)
+
+
 def test_llvm_pipeline_below_o2_is_the_o_level_and_marked_loops_keep_o3():
     graph = parse_graph(_TANH_SUM)
     assert compiler.light_pipeline(graph, toolchain.LLVMLowering("", None, 0), opt=1) == (False, "O1")

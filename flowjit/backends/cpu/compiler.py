@@ -52,13 +52,18 @@ OPT_LEVEL = 3
 # Ops whose lowerings vectorize every kernel they make with a schedule (or make only views and
 # constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
 # elementwise and reduction ops (`lower_elementwise`, `lower_reduction`). The others write scalar
-# loops that LLVM's O3 vectorizes or speeds up (sort, gather, scatter, control flow, pooling
-# windows, argmax, transpose, pad and concatenate copies, communication). conv2d with stride 1
+# loops that LLVM's O3 vectorizes or speeds up (sort, gather, scatter, control flow, argmax,
+# transpose, pad and concatenate copies, communication). conv2d with stride 1
 # only (`_light_op`): its im2col, pad and matmul kernel are vector code (a small pad's copy or the
 # generic conv of a few taps are plain loops, which `PLAIN_LOOP_MAX_ELEMENTS` catches); paired
 # with O3 in one process, relu(conv + b) ran 0.998-1.005x as long over four layer shapes, its first
-# call 25-35% shorter, while the 7x7/2 stem ran 4% slower (its im2col's strided reads).
-LIGHT_PIPELINE_OPS = frozenset({"constant", "broadcast", "reshape", "slice", "dot_general", "conv2d", "fusion"})
+# call 25-35% shorter, while the 7x7/2 stem ran 4% slower (its im2col's strided reads). Pooling
+# (`reduce_window`) once its rows were written out rather than marked for unrolling, paired the
+# same way over seven shapes (2x2, 3x3/2 padded, 3x3/1 average; 14 to 112 wide): 0.975-1.017x, first
+# calls 10-40% shorter. Large windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
+LIGHT_PIPELINE_OPS = frozenset(
+    {"constant", "broadcast", "reshape", "slice", "dot_general", "conv2d", "reduce_window", "fusion"}
+)
 LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")
 # A kernel the transform schedules left as a linalg op (plain loops) up to this many elements does
 # not need LLVM's vectorizers (the MLP step's iota of 256 x 10 label columns, a 0-d division).

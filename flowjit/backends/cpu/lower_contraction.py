@@ -957,36 +957,54 @@ def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, ba
         else:
             read, write = (w.mul(iv, w.index(k)) for k in offsets)
         in_offset, out_offset = w.add(in_offset, read), w.add(out_offset, write)
-    vector = (lanes, f"vector<{lanes}x{acc}>")
-    if width >= lanes:
-        # Whole vectors only, the last one ending at the row's end (overlapping the one before):
-        # no masks, and a unit-step read stays inside its input row. A short row's vectors are
-        # written out here (constant columns) rather than marked for LLVM's unrolling, which only
-        # its O3 pipeline does.
-        steps = -(-width // lanes)
-        short = schedule.short_row(width, lanes)
-        row_out = carried
-        if not short:
-            chunks, j, (row_out,) = w.open_for(w.index(0), w.index(steps), w.index(1), [(carried, flat_type)])
-        for step_j in range(steps) if short else [None]:
-            if short:
-                column = w.index(min(step_j * lanes, width - lanes))
-            else:
-                column = em.op(f"arith.minsi {w.mul(j, w.index(lanes))}, {w.index(width - lanes)} : index")
-            where = w.add(in_offset, w.mul(column, w.index(step)))
-            value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc, step == 1)
-            row_out = em.op(
-                f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}] {{in_bounds = [true]}} "
-                f": {vector[1]}, {flat_type}"
+
+    def value_at(column: str, inside: bool) -> str:
+        where = w.add(in_offset, w.mul(column, w.index(step)))
+        return _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc, inside and step == 1)
+
+    row_out = _row_of_vectors(w, carried, flat_type, out_offset, (width, lanes, acc), value_at)
+    return _close_loops(w, row_out, flat_type, loops, False)
+
+
+def _row_of_vectors(w, row_out: str, flat_type: str, out_offset: str, row, value_at) -> str:
+    """`row_out` with one output row of `width` elements written at `out_offset` as vectors of
+    `lanes` (`row` = (width, lanes, element)): `value_at(column, inside)` makes the vector of
+    columns [column, column + lanes), `inside` when all of them are in the row. A row of at least a
+    vector takes whole vectors only, the last one ending at the row's end (overlapping the one
+    before): no masks, and a unit-step read of them stays inside its input row. A shorter row is
+    stored masked. A short row's vectors (`schedule.short_row`) are written out here, constant
+    columns, rather than a loop marked for LLVM's unrolling, which only its O3 pipeline does (a
+    marked loop keeps the function off the light pipeline)."""
+    em = w.em
+    width, lanes, elem = row
+    vec = f"vector<{lanes}x{elem}>"
+    steps = -(-width // lanes)
+
+    def store(value: str, column: str, into: str) -> str:
+        if width >= lanes:
+            return em.op(
+                f"vector.transfer_write {value}, {into}[{w.add(out_offset, column)}] {{in_bounds = [true]}} "
+                f": {vec}, {flat_type}"
             )
-        return _close_loops(w, row_out, flat_type, loops if short else [*loops, chunks], False)
-    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-width // lanes)), w.index(1), [(carried, flat_type)])
+        mask = em.op(
+            f"vector.create_mask {em.op(f'arith.subi {w.index(width)}, {column} : index')} : vector<{lanes}xi1>"
+        )
+        return em.op(
+            f"vector.transfer_write {value}, {into}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
+            f": {vec}, {flat_type}"
+        )
+
+    if schedule.short_row(width, lanes):
+        for j in range(steps):
+            column = w.index(min(j * lanes, width - lanes) if width >= lanes else j * lanes)
+            row_out = store(value_at(column, width >= lanes), column, row_out)
+        return row_out
+    loop, j, (cur,) = w.open_for(w.index(0), w.index(steps), w.index(1), [(row_out, flat_type)])
     column = w.mul(j, w.index(lanes))
-    where = w.add(in_offset, w.mul(column, w.index(step)))
-    value = _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc)
-    return _store_chunk_and_close(
-        em, w, value, row_out, (out_offset, column, width), vector, flat_type, [*loops, chunks]
-    )
+    if width >= lanes:
+        column = em.op(f"arith.minsi {column}, {w.index(width - lanes)} : index")
+    w.close_for([store(value_at(column, width >= lanes), column, cur)], [flat_type])
+    return loop
 
 
 def _read_every_step(
@@ -1119,19 +1137,18 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
         loops.append(loop)
         in_offset = w.add(in_offset, w.mul(iv, w.index(strides[d] * in_strides[d])))
         out_offset = w.add(out_offset, w.mul(iv, w.index(out_strides[d])))
-    chunk_loop, j, (row_out,) = w.open_for(w.index(0), w.index(-(-width // lanes)), w.index(1), [(carried, out_type)])
-    column = w.mul(j, w.index(lanes))
-    base = w.add(in_offset, w.mul(column, w.index(step)))
-    total = None
-    for tap in itertools.product(*(range(n) for n in window)):
-        where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
-        value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc)
-        total = value if total is None else _combine(em, kind, total, value, vec, is_int)
-    if count is not None:
-        total = em.op(f"arith.divf {total}, {count} : {vec}")
-    result_flat = _store_chunk_and_close(
-        em, w, total, row_out, (out_offset, column, width), (lanes, vec), out_type, [*loops, chunk_loop]
-    )
+
+    def value_at(column: str, inside: bool) -> str:
+        base = w.add(in_offset, w.mul(column, w.index(step)))
+        total = None
+        for tap in itertools.product(*(range(n) for n in window)):
+            where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
+            value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc, inside and step == 1)
+            total = value if total is None else _combine(em, kind, total, value, vec, is_int)
+        return total if count is None else em.op(f"arith.divf {total}, {count} : {vec}")
+
+    row_out = _row_of_vectors(w, carried, out_type, out_offset, (width, lanes, acc), value_at)
+    result_flat = _close_loops(w, row_out, out_type, loops, False)
     return reshape(em, result_flat, flat_out, result.shape, acc)
 
 
