@@ -117,9 +117,11 @@ NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
 # On short loops of constant trip count that gain from unrolling: LLVM's pipeline unrolls only loops
 # marked so (`toolchain.optimization_pipeline`).
 FULL_UNROLL = f"loop_annotation = {schedule.FULL_UNROLL}"
-# Packing loops over k up to this long are unrolled (the CNN conv's K = 9).
+# Packing loops over k up to this long are written out (the CNN conv's K = 9), and so is the loop
+# over a panel's blocks of MR rows up to this many blocks of constant rows (the CNN conv's 32 rows):
+# unrolled as LLVM's marked loops were until session 8, without marks (which keep a function on
+# LLVM's O3 pipeline; docs/cpu-backend.md, "Compile time").
 MAX_UNROLLED_PACK = 16
-# The loop over a panel's blocks of MR rows is unrolled up to this many blocks (the CNN conv's 32 rows).
 MAX_UNROLLED_ROW_BLOCKS = 4
 
 
@@ -223,15 +225,23 @@ def _pack_panel(w: LoopWriter, s: MatmulShape, b: str, batch_index, states, p: s
     zero = em.op(f"arith.constant {s.zero} : {s.elem}")
     zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
     col = w.mul(p, w.index(s.nr))
+
+    def pack_row(k: str, cur: str) -> str:
+        for c, state in enumerate(states):
+            v = zero_vec
+            if state != "none":
+                where = ", ".join(([batch_index] if batch_index else []) + [k, w.add(col, w.index(c * vl))])
+                v = em.op(f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{state}]}} : {s.b_tensor}, {vec}")
+            where = f"{at}, {k}, {w.index(c * vl)}"
+            cur = em.op(f"vector.transfer_write {v}, {cur}[{where}] {{in_bounds = [true]}} : {vec}, {dest_type}")
+        return cur
+
+    if s.k <= MAX_UNROLLED_PACK:  # written out (a marked loop would keep the function on LLVM's O3)
+        for k in range(s.k):
+            dest = pack_row(w.index(k), dest)
+        return dest
     loop, k, (cur,) = w.open_for(w.index(0), w.index(s.k), w.index(1), [(dest, dest_type)])
-    for c, state in enumerate(states):
-        v = zero_vec
-        if state != "none":
-            where = ", ".join(([batch_index] if batch_index else []) + [k, w.add(col, w.index(c * vl))])
-            v = em.op(f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{state}]}} : {s.b_tensor}, {vec}")
-        where = f"{at}, {k}, {w.index(c * vl)}"
-        cur = em.op(f"vector.transfer_write {v}, {cur}[{where}] {{in_bounds = [true]}} : {vec}, {dest_type}")
-    w.close_for([cur], [dest_type], FULL_UNROLL if s.k <= MAX_UNROLLED_PACK else "")
+    w.close_for([pack_row(k, cur)], [dest_type])
     return loop
 
 
@@ -314,7 +324,7 @@ def _row_blocks(
     c_tile: str,
     c_type: str,
     row0: str,
-    rows: tuple[str, str, int],
+    rows: tuple[int | str, int | str, int],
     mr: int,
     batch_index: str | None,
     thread: str,
@@ -322,10 +332,11 @@ def _row_blocks(
     """For every panel and every block of `mr` rows in [lo, hi) of `c_tile` (whose row 0 is A's row
     `row0`; `rows` = (lo, hi, the most rows hi - lo can be)): the register-tile product, stored into
     `c_tile`. `thread` numbers the caller's share of the scratch area."""
-    lo, hi, _ = rows
+    lo, hi, most = rows
     read_a = _a_reader(w, s, a, row0, batch_index)
     if _packs_a(s) and mr == MR:
-        read_a = _packed_a_reader(w, s, _pack_a_columns(w, s, a, row0, rows, batch_index, thread), lo)
+        rows = (_index(w, lo), _index(w, hi), most)
+        read_a = _packed_a_reader(w, s, _pack_a_columns(w, s, a, row0, rows, batch_index, thread), rows[0])
     for first, end, states in _panel_ranges(s):
         c_tile = _panel_loop(w, s, read_a, packed, c_tile, c_type, (lo, hi), mr, (first, end, states))
     return c_tile
@@ -398,13 +409,32 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
     one packed panel (`panel` = (tensor, type, index of the panel in it)), or with B's columns
     [index, index + NR) read in place (`panel` = (B, its type, None, index)), stored into columns
     [col, col + NR) of `c_tile` (vectors per `states`)."""
+    lo, hi = row_range
+    if isinstance(lo, int) and isinstance(hi, int) and -(-(hi - lo) // mr) <= MAX_UNROLLED_ROW_BLOCKS:
+        # A few blocks of constant rows: written out (a loop marked for LLVM's unrolling would keep
+        # the function on its O3 pipeline).
+        for start in range(lo, hi, mr):
+            c_tile = _row_block(w, s, read_a, panel, (c_tile, c_type, col), w.index(start), mr, states)
+        return c_tile
+    rows, i, (t2,) = w.open_for(_index(w, lo), _index(w, hi), w.index(mr), [(c_tile, c_type)])
+    w.close_for([_row_block(w, s, read_a, panel, (t2, c_type, col), i, mr, states)], [c_type])
+    return rows
+
+
+def _index(w: LoopWriter, value: int | str) -> str:
+    return w.index(value) if isinstance(value, int) else value
+
+
+def _row_block(w: LoopWriter, s: MatmulShape, read_a, panel, c, i: str, mr: int, states) -> str:
+    """The register tile of rows [i, i + mr) of A with one panel (see `_row_loop`), stored into
+    `c` = (tile, its type, its column of the panel)."""
     em = w.em
     vl, nv = s.lanes, s.vectors_per_row
     packed, packed_type, at = panel[:3]
+    t2, c_type, col = c
     vec = f"vector<{vl}x{s.elem}>"
     zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
     pad = em.op(f"arith.constant {s.zero} : {s.elem}")
-    rows, i, (t2,) = w.open_for(*row_range, w.index(mr), [(c_tile, c_type)])
     inits = [zero_vec] * (mr * nv)
     if s.accumulate:  # start from C's tile
         inits = [
@@ -454,8 +484,7 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
                 f"vector.transfer_write {acc}, {cur}[{row}, {w.add(col, w.index(c * vl))}] "
                 f"{{in_bounds = [{state}]}} : {vec}, {c_type}"
             )
-    w.close_for([cur], [c_type], FULL_UNROLL if -(-s.m // mr) <= MAX_UNROLLED_ROW_BLOCKS else "")
-    return rows
+    return cur
 
 
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | None = None) -> str:
@@ -543,8 +572,8 @@ def _panels_in_place(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) 
     c_type = s.tensor(s.m, s.n)
     read_a = _a_reader(w, s, a, w.index(0), None)
     full = s.m // MR * MR
-    rows = [((w.index(0), w.index(full)), MR)] if full else []
-    rows += [((w.index(full), w.index(s.m)), 1)] if s.m % MR else []
+    rows = [((0, full), MR)] if full else []
+    rows += [((full, s.m), 1)] if s.m % MR else []
     c_new = c_all
     for first, end, states in _panel_ranges(s):
         loop, p, (cur,) = w.open_for(w.index(first), w.index(end), w.index(1), [(c_new, c_type)])
@@ -570,8 +599,8 @@ def _panels_packed_one_by_one(w: LoopWriter, s: MatmulShape, a, b, c_tile, tile_
     col = w.mul(em.op(f"arith.subi {p}, {tile_p0} : index"), w.index(s.nr))
     read_a = _a_reader(w, s, a, w.index(0), None)
     full = s.m // MR * MR
-    rows = [((w.index(0), w.index(full)), MR)] if full else []
-    rows += [((w.index(full), w.index(s.m)), 1)] if s.m % MR else []
+    rows = [((0, full), MR)] if full else []
+    rows += [((full, s.m), 1)] if s.m % MR else []
     for row_range, mr in rows:
         cur = _row_loop(w, s, read_a, (panel, buf_type, w.index(0)), cur, tile_type, col, row_range, mr, states)
     w.close_for([cur, panel], [tile_type, buf_type])
@@ -605,24 +634,16 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     a, packed, bi = operands
     c_type, full = s.tensor(s.m, s.n), s.m // MR * MR
     if not bi:
-        tile = _row_blocks(
-            w, s, a, packed, c_all, c_type, w.index(0), (w.index(0), w.index(full), full), MR, None, w.index(0)
-        )
+        tile = _row_blocks(w, s, a, packed, c_all, c_type, w.index(0), (0, full, full), MR, None, w.index(0))
         if s.m % MR == 0:
             return tile
-        return _row_blocks(
-            w, s, a, packed, tile, c_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, None, w.index(0)
-        )
+        return _row_blocks(w, s, a, packed, tile, c_type, w.index(0), (full, s.m, s.m), 1, None, w.index(0))
     tile_type = f"tensor<{s.m}x{s.n}x{s.elem}>"
     where = f"[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1]"
     tile = em.op(f"tensor.extract_slice {c_all}{where} : {c_type} to {tile_type}")
-    tile = _row_blocks(
-        w, s, a, packed, tile, tile_type, w.index(0), (w.index(0), w.index(full), full), MR, bi, w.index(0)
-    )
+    tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), (0, full, full), MR, bi, w.index(0))
     if s.m % MR:
-        tile = _row_blocks(
-            w, s, a, packed, tile, tile_type, w.index(0), (w.index(full), w.index(s.m), s.m), 1, bi, w.index(0)
-        )
+        tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), (full, s.m, s.m), 1, bi, w.index(0))
     return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}")
 
 
