@@ -154,7 +154,8 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     product = conv.result
     if product.type.size * product.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return [members]
-    outside = [v for op in members for v in op.results if v in _used_outside(graph, members)]
+    used = _used_outside(graph, members)
+    outside = [v for op in members for v in op.results if v in used]
     streams = (
         len(outside) == 1
         and outside[0].type.shape == product.type.shape

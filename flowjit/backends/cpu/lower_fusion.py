@@ -644,22 +644,15 @@ class _ConvEpilogue(lower_contraction.ConvEpilogue):
         out_t = window.with_dtype(self.target.dtype)
         out_type = tensor_type(out_t, self.elem)
         into = into if into is not None else em.empty(out_t, self.elem)
-        maps = ", ".join([m for _, _, m in inputs] + [em.identity_map(rank)])
-        name, iterators = em.fresh(), ", ".join(['"parallel"'] * rank)
-        em.line(
-            f"{name} = linalg.generic {{indexing_maps = [{maps}], iterator_types = [{iterators}]}} "
-            f"ins({', '.join(t for t, _, _ in inputs)} : {', '.join(tt for _, tt, _ in inputs)}) "
-            f"outs({into} : {out_type}) {{"
-        )
         in_elems = [acc] + [_storage(v.dtype) for v in self.leaves]
-        args = [em.fresh("a") for _ in range(len(inputs) + 1)]
-        em.line(f"^bb0({', '.join(f'{a}: {e}' for a, e in zip(args, in_elems + [self.elem]))}):")
-        b = ScalarBuilder(em, em.indent + "  ")
-        leaf_args = dict(zip([self.product, *self.leaves], args))
-        (yielded,) = self.fusion._body(b, self.ops, leaf_args, self.splats, [self.target], None, args[-1])
-        em.body.extend(b.lines)
-        em.line(f"  linalg.yield {yielded} : {self.elem}")
-        em.line(f"}} -> {out_type}")
+
+        def body(b: ScalarBuilder, args: list[str]) -> list[str]:
+            leaf_args = dict(zip([self.product, *self.leaves], args))
+            return self.fusion._body(b, self.ops, leaf_args, self.splats, [self.target], None, args[-1])
+
+        maps = [m for _, _, m in inputs] + [em.identity_map(rank)]
+        inputs = [(t, tt) for t, tt, _ in inputs]
+        name = em.generic(inputs, (into, out_type), maps, ["parallel"] * rank, body, in_elems, self.elem)
         widest = max(_bits(e) for e in in_elems + [self.elem])
         em.schedule(name, schedule.copy_nd(window.shape, widest, parallel=not serial))
         return name

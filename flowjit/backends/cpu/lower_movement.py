@@ -177,30 +177,16 @@ def _parallel_pad(em: KernelEmitter, x: str, source, result, scalar: str, low) -
     elem = memory_elem_type(result.dtype)
     bits = max(8, result.dtype.bits)
     ttype = tensor_type(result, elem)
-    out_map = em.identity_map(result.rank)
-    iterators = ", ".join(['"parallel"'] * result.rank)
-    filled = em.fresh()
-    em.line(
-        f"{filled} = linalg.generic {{indexing_maps = [{out_map}], iterator_types = [{iterators}]}} "
-        f"outs({em.empty(result, elem)} : {ttype}) {{"
-    )
-    em.line(f"^bb0({em.fresh('a')}: {elem}):")
-    em.line(f"  linalg.yield {scalar} : {elem}")
-    em.line(f"}} -> {ttype}")
+    ident = em.identity_map(result.rank)
+    parallel = ["parallel"] * result.rank
+    filled = em.generic([], (em.empty(result, elem), ttype), [ident], parallel, lambda b, args: scalar, [], elem)
     em.schedule(filled, schedule.copy_nd(result.shape, bits))
     where = f"[{_index_list(low)}] [{_index_list(source.shape)}] [{_index_list([1] * source.rank)}]"
     view_type = _tensor(source)
     view = em.op(f"tensor.extract_slice {filled}{where} : {ttype} to {view_type}")
-    copied = em.fresh()
-    in_map = em.identity_map(source.rank)
-    em.line(
-        f"{copied} = linalg.generic {{indexing_maps = [{in_map}, {in_map}], iterator_types = [{iterators}]}} "
-        f"ins({x} : {view_type}) outs({view} : {view_type}) {{"
+    copied = em.generic(
+        [(x, view_type)], (view, view_type), [ident, ident], parallel, lambda b, args: args[0], [elem], elem
     )
-    a, b = em.fresh("a"), em.fresh("a")
-    em.line(f"^bb0({a}: {elem}, {b}: {elem}):")
-    em.line(f"  linalg.yield {a} : {elem}")
-    em.line(f"}} -> {view_type}")
     em.schedule(copied, schedule.copy_nd(source.shape, bits))
     return em.op(f"tensor.insert_slice {copied} into {filled}{where} : {view_type} into {ttype}")
 
