@@ -567,18 +567,21 @@ def _panels_just_in_time(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
     return c_new
 
 
+def _row_ranges(s: MatmulShape) -> list[tuple[tuple[int, int], int]]:
+    """((first row, end row), rows per block) of all of C's rows: whole blocks of MR, then single rows."""
+    full = s.m // MR * MR
+    return ([((0, full), MR)] if full else []) + ([((full, s.m), 1)] if s.m % MR else [])
+
+
 def _panels_in_place(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
     """Every panel's row blocks, reading B's columns in place (`MatmulShape.b_in_place`)."""
     c_type = s.tensor(s.m, s.n)
     read_a = _a_reader(w, s, a, w.index(0), None)
-    full = s.m // MR * MR
-    rows = [((0, full), MR)] if full else []
-    rows += [((full, s.m), 1)] if s.m % MR else []
     c_new = c_all
     for first, end, states in _panel_ranges(s):
         loop, p, (cur,) = w.open_for(w.index(first), w.index(end), w.index(1), [(c_new, c_type)])
         col = w.mul(p, w.index(s.nr))
-        for row_range, mr in rows:
+        for row_range, mr in _row_ranges(s):
             cur = _row_loop(w, s, read_a, (b, s.b_tensor, None, col), cur, c_type, col, row_range, mr, states)
         w.close_for([cur], [c_type])
         c_new = loop
@@ -598,10 +601,7 @@ def _panels_packed_one_by_one(w: LoopWriter, s: MatmulShape, a, b, c_tile, tile_
     panel = pack(w, s, b, None, states, p, cur_buf, buf_type, w.index(0))
     col = w.mul(em.op(f"arith.subi {p}, {tile_p0} : index"), w.index(s.nr))
     read_a = _a_reader(w, s, a, w.index(0), None)
-    full = s.m // MR * MR
-    rows = [((0, full), MR)] if full else []
-    rows += [((full, s.m), 1)] if s.m % MR else []
-    for row_range, mr in rows:
+    for row_range, mr in _row_ranges(s):
         cur = _row_loop(w, s, read_a, (panel, buf_type, w.index(0)), cur, tile_type, col, row_range, mr, states)
     w.close_for([cur, panel], [tile_type, buf_type])
     return f"{loop}#0"
