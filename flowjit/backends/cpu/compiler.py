@@ -68,7 +68,8 @@ LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.b
 # A kernel the transform schedules left as a linalg op (plain loops) up to this many elements does
 # not need LLVM's vectorizers (the MLP step's iota of 256 x 10 label columns, a 0-d division).
 PLAIN_LOOP_MAX_ELEMENTS = 4096
-# The LLVM metadata of `schedule.FULL_UNROLL`.
+# The LLVM metadata of a loop marked for full unrolling, which only LLVM's O3 pipeline honours (no
+# lowering marks one since session 8: short loops are written out; the check guards any that would).
 FULL_UNROLL_METADATA = '!"llvm.loop.unroll.full"'
 
 

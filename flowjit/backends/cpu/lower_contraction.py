@@ -179,13 +179,15 @@ def _copy_blocks(em: KernelEmitter, x: str, t: TensorType, outer: list[int], blo
         loops.append(loop)
         src = w.add(src, w.mul(iv, w.index(in_strides[p])))
         dst = w.add(dst, w.mul(iv, w.index(out_strides[d])))
-    chunks, j, (row_out,) = w.open_for(w.index(0), w.index(-(-block // lanes)), w.index(1), [(carried, flat_type)])
-    column = w.mul(j, w.index(lanes))
-    value = em.op(
-        f"vector.transfer_read {source}[{w.add(src, column)}], {pad} {{in_bounds = [false]}} : {flat_type}, {vec}"
-    )
-    moved = _store_chunk_and_close(
-        em, w, value, row_out, (dst, column, block), (lanes, vec), flat_type, [*loops, chunks]
+
+    def value_at(column: str, inside: bool) -> str:
+        return em.op(
+            f"vector.transfer_read {source}[{w.add(src, column)}], {pad} {{in_bounds = [{str(inside).lower()}]}} "
+            f": {flat_type}, {vec}"
+        )
+
+    moved = _close_loops(
+        w, _row_of_vectors(w, carried, flat_type, dst, (block, lanes, elem), value_at), flat_type, loops
     )
     result = reshape(em, moved, flat, tuple(out_shape), elem)
     em.flat_views[result] = moved  # stored through a 1-D view of its buffer: no temporary + copy
@@ -523,9 +525,9 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     acc = accumulator_elem(result.dtype)
     weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
     conv = _Conv(weights, tw, stride, dilation, acc, epilogue, padding)
-    images, rows = _conv_chunk(n, oh, depth, ow, WIDE_CHUNK_ELEMENTS)
-    if _over_taps(tw, result, images * rows * ow):
+    if _over_taps(tw, result):
         return conv.finish(em, _conv_over_taps(em, (padded, padded_type), conv, result), result)
+    images, rows = _conv_chunk(n, oh, depth, ow, WIDE_CHUNK_ELEMENTS)
     if _pointwise(tw, stride, padded_type):
         images = 1 if n > 1 else images  # each image's own view is its column matrix (`_pointwise_columns`)
     else:
@@ -655,12 +657,13 @@ TAPS_FORM_MAX_COLUMNS = 128
 TAPS_FORM_MAX_OUTPUT = 1 << 21
 
 
-def _over_taps(tw: TensorType, result: TensorType, chunk_columns: int) -> bool:
+def _over_taps(tw: TensorType, result: TensorType) -> bool:
     """Whether `_conv_over_taps` computes this convolution: output rows shorter than the kernel's
     (a weight gradient: the forward's kernel is its output, the forward's output its kernel) and
-    chunks of whole images too narrow for the matmul kernel."""
-    ow, kw = result.shape[3], tw.shape[3]
-    return ow < kw and chunk_columns < TAPS_FORM_MAX_COLUMNS and result.size <= TAPS_FORM_MAX_OUTPUT
+    chunks of whole images (of `WIDE_CHUNK_ELEMENTS`) too narrow for the matmul kernel."""
+    n, _, oh, ow = result.shape
+    images, rows = _conv_chunk(n, oh, tw.size // tw.shape[0], ow, WIDE_CHUNK_ELEMENTS)
+    return ow < tw.shape[3] and images * rows * ow < TAPS_FORM_MAX_COLUMNS and result.size <= TAPS_FORM_MAX_OUTPUT
 
 
 def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
@@ -817,15 +820,14 @@ def _im2col_pads(tx: TensorType, tw: TensorType, result: TensorType, stride, pad
     input and output at least a vector long, at most a vector of padding on either side of a row,
     and the plain im2col form (not the sum over taps, not a 1x1 conv)."""
     lanes = matmul_kernel.vector_bits() // int(accumulator_elem(result.dtype)[1:])
-    n, _, oh, ow = result.shape
-    images, rows = _conv_chunk(n, oh, tw.size // tw.shape[0], ow, WIDE_CHUNK_ELEMENTS)
+    ow = result.shape[3]
     return (
         any(lo or hi for lo, hi in padding)
         and stride[1] == 1
         and min(tx.shape[3], ow) >= lanes
         and max(padding[1]) <= lanes
         and tw.shape[2:] != (1, 1)
-        and not _over_taps(tw, result, images * rows * ow)
+        and not _over_taps(tw, result)
     )
 
 
@@ -926,7 +928,7 @@ def _im2col_padding(em: KernelEmitter, source, cols_type: TensorType, conv, orig
             )
             w.close_for([inner], [flat_type])
             cur = loop
-    return _close_loops(w, cur, flat_type, loops, False)
+    return _close_loops(w, cur, flat_type, loops)
 
 
 def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, base=None) -> str:
@@ -963,7 +965,7 @@ def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, ba
         return _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc, inside and step == 1)
 
     row_out = _row_of_vectors(w, carried, flat_type, out_offset, (width, lanes, acc), value_at)
-    return _close_loops(w, row_out, flat_type, loops, False)
+    return _close_loops(w, row_out, flat_type, loops)
 
 
 def _row_of_vectors(w, row_out: str, flat_type: str, out_offset: str, row, value_at) -> str:
@@ -1026,26 +1028,11 @@ def _read_every_step(
     return value
 
 
-def _store_chunk_and_close(em, w, value, row_out, position, vector, flat_type, loops):
-    """Write one vector of a row at `position` = (row offset, column, row width), masked past the
-    width, then close the chunk loop and its enclosing row loops (innermost last in `loops`);
-    returns the result of the outermost loop. `vector` = (lanes, its MLIR vector type). A chunk
-    loop of a few steps is unrolled (each step's mask is then a constant)."""
-    out_offset, column, width = position
-    lanes, vec = vector
-    mask = em.op(f"vector.create_mask {em.op(f'arith.subi {w.index(width)}, {column} : index')} : vector<{lanes}xi1>")
-    stored = em.op(
-        f"vector.transfer_write {value}, {row_out}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
-        f": {vec}, {flat_type}"
-    )
-    return _close_loops(w, stored, flat_type, loops, schedule.short_row(width, lanes))
-
-
-def _close_loops(w, done: str, flat_type: str, loops, unroll: bool) -> str:
-    """Close a row's chunk loop (unrolled when `unroll`) and its enclosing row loops (innermost
-    last in `loops`), each yielding the tensor; returns the outermost loop's result."""
-    for k, loop in enumerate(reversed(loops)):
-        w.close_for([done], [flat_type], matmul_kernel.FULL_UNROLL if k == 0 and unroll else "")
+def _close_loops(w, done: str, flat_type: str, loops) -> str:
+    """Close the row loops `loops` (innermost last), each yielding the tensor `done` its body made;
+    returns the outermost loop's result."""
+    for loop in reversed(loops):
+        w.close_for([done], [flat_type])
         done = loop
     return done
 
@@ -1148,7 +1135,7 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
         return total if count is None else em.op(f"arith.divf {total}, {count} : {vec}")
 
     row_out = _row_of_vectors(w, carried, out_type, out_offset, (width, lanes, acc), value_at)
-    result_flat = _close_loops(w, row_out, out_type, loops, False)
+    result_flat = _close_loops(w, row_out, out_type, loops)
     return reshape(em, result_flat, flat_out, result.shape, acc)
 
 

@@ -589,7 +589,7 @@ def _vectorize_rows(shape: tuple[int, ...], elem_bits: int, coalesce: bool):
     """An n-d kernel inside a row tile: one thread, vectors along the last dimension; with
     `coalesce` (the kernels that store a value in an output tile or overwrite it there) the loops
     coalesced into one. Measured while LLVM still unrolled loops on its own (it now unrolls only
-    marked ones, `schedule.FULL_UNROLL`): it fully unrolled a short loop over the tile's rows around
+    loops marked for it): it fully unrolled a short loop over the tile's rows around
     a small body (softmax's in-place division: 8 copies of the column loop, each unrolled again),
     one loop it only unrolled (softmax's optimized LLVM IR 820 -> 518 lines, compile CPU time -25%,
     same speed).

@@ -22,7 +22,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import schedule, toolchain
+from flowjit.backends.cpu import toolchain
 from flowjit.backends.cpu.emitter import KernelEmitter
 from flowjit.errors import CompileError
 
@@ -114,9 +114,6 @@ COLUMN_SPLIT_MIN_K = 64
 # becomes `!llvm.loop` metadata; it must be named `loop_annotation` (`llvm.br`'s own attribute):
 # named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
-# On short loops of constant trip count that gain from unrolling: LLVM's pipeline unrolls only loops
-# marked so (`toolchain.optimization_pipeline`).
-FULL_UNROLL = f"loop_annotation = {schedule.FULL_UNROLL}"
 # Packing loops over k up to this long are written out (the CNN conv's K = 9), and so is the loop
 # over a panel's blocks of MR rows up to this many blocks of constant rows (the CNN conv's 32 rows):
 # unrolled as LLVM's marked loops were until session 8, without marks (which keep a function on

@@ -22,10 +22,10 @@ from flowjit.backends.cpu.emitter import HOIST_MARK
 # kernels cannot win (docs/cpu-backend.md has the measurements).
 PARALLEL_MIN_ELEMENTS = 1 << 18
 ANY = "!transform.any_op"
-# LLVM's pipeline does not unroll loops on its own (`toolchain.optimization_pipeline`): a loop
-# with a short constant trip count is marked for full unrolling instead. The attribute name must
-# be `loop_annotation` (see `matmul_kernel.NO_UNROLL`).
-FULL_UNROLL = "#llvm.loop_annotation<unroll = <full = true>>"
+# LLVM's pipeline does not unroll loops on its own (`toolchain.optimization_pipeline`): a loop with
+# a short constant trip count is unrolled by its schedule (`copy_nd`) or written out by the lowering
+# (`lower_contraction._row_of_vectors`, the matmul kernel's pack and row blocks). Until session 8
+# such loops were marked for LLVM's full unrolling instead, which kept their functions on O3.
 # Vector steps up to which a row's loop is unrolled.
 MAX_UNROLLED_STEPS = 4
 
@@ -122,7 +122,7 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
         ]
         row_steps = -(-shape[-1] // vl)
         if short_row(shape[-1], vl) and row_steps > 1:
-            # Unrolled here rather than marked for LLVM (`FULL_UNROLL`): a marked loop keeps the
+            # Unrolled here rather than marked for LLVM's unrolling: a marked loop keeps the
             # function on LLVM's O3 pipeline (`compiler.light_pipeline`).
             lines.append(f"transform.loop.unroll %loop{rank - 1}{h[1:]} {{factor = {row_steps}}} : {ANY}")
         return lines

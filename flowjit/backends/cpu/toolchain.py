@@ -429,8 +429,8 @@ LIGHT_PASSES = ("sroa", "instruction_combine", "simplify_cfg", "loop_rotate", "n
 def optimization_pipeline(tm, opt: int = 3, light: bool = False):
     """LLVM's O`opt` module pipeline for target machine `tm`, or `LIGHT_PASSES` when `light`:
     (module pass manager, pass builder). Loop unrolling is off (it doubled LLVM's time on the large
-    workloads): only loops carrying forced unroll metadata are unrolled, the short ones the lowering
-    marks (`schedule.FULL_UNROLL`; docs/cpu-backend.md, "Compile time")."""
+    workloads): only loops carrying forced unroll metadata would be unrolled; the lowering writes
+    out its short loops instead (docs/cpu-backend.md, "Compile time")."""
     binding = llvm()
     tuning = binding.create_pipeline_tuning_options(speed_level=opt)
     tuning.loop_unrolling = False
