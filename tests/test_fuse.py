@@ -707,3 +707,75 @@ def test_conv_epilogue_strided_and_image_chunks():
         return nn.gelu(conv(x, wt) + b.reshape(1, -1, 1, 1))
 
     _check_fused_equals_unfused(layer, (x, wt, b), 1e-4)
+
+
+# --- matrix-product epilogues: streamed through each register tile of the tiled kernel ------------
+
+# Each shape takes one path of the CPU backend's tiled kernel (matmul_kernel.emit_matmul) on two or
+# more cores (on one, every product takes the serial paths): (M, K, N, a @ b.T, a.T @ b, dtype).
+_DOT_PATHS = {
+    "whole panels over the cores, ragged rows": (203, 96, 256, False, False, np.float32),
+    "whole panels over the cores, then the partial last panel": (128, 80, 300, False, False, np.float32),
+    "row chunks over the cores, partial panel": (520, 72, 100, False, False, np.float32),
+    "row chunks over the cores, b packed from its rows": (512, 64, 96, True, False, np.float32),
+    "one thread, a read by columns": (96, 40, 112, False, True, np.float32),
+    "float64, whole panels": (128, 128, 128, False, False, np.float64),
+}
+
+
+@pytest.mark.parametrize("path", list(_DOT_PATHS))
+def test_dot_epilogue_streams_and_equals_unfused(path):
+    m, k, n, b_rows, a_cols, dtype = _DOT_PATHS[path]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((k, m) if a_cols else (m, k)).astype(dtype)
+    w = rng.standard_normal((n, k) if b_rows else (k, n)).astype(dtype)
+    b = rng.standard_normal(n).astype(dtype)
+
+    def layer(x, w, b):
+        product = (x.T if a_cols else x) @ (w.T if b_rows else w)
+        return fnp.tanh(product * 0.5 + b) - nn.relu(product)
+
+    graph = _optimized(layer, x, w, b)
+    assert [op.name for op in graph.ops if op.name != "constant"] == ["fusion"]
+    _check_fused_equals_unfused(layer, (x, w, b), 1e-4 if dtype == np.float32 else 1e-10)
+    mlir = fj.jit(layer).lower(x, w, b).as_text("mlir")
+    assert "epilogue over the whole product" not in mlir
+    # One whole-output tensor: the tiles are computed in place, the product never stored apart.
+    assert mlir.count(f"tensor.empty() : tensor<{m}x{n}x{'f32' if dtype == np.float32 else 'f64'}>") == 1
+
+
+def test_dot_epilogue_reading_rows_runs_after_the_product_in_place():
+    """An epilogue reading a tensor of the product's shape (a residual, a mask) runs over the whole
+    product after it (read tile by tile down the columns it made the kernel 2% slower), in place in
+    the output: still one group, no intermediate tensor."""
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal((260, 64)).astype(np.float32), rng.standard_normal((64, 200)).astype(np.float32)
+    residual = rng.standard_normal((260, 200)).astype(np.float32)
+    mask = rng.random((260, 1)) < 0.5
+
+    def layer(x, w, residual, mask):
+        return fnp.where(mask, x @ w + residual, 0.0)
+
+    args = (x, w, residual, mask)
+    assert [op.name for op in _optimized(layer, *args).ops if op.name != "constant"] == ["fusion"]
+    _check_fused_equals_unfused(layer, args, 1e-4)
+    mlir = fj.jit(layer).lower(*args).as_text("mlir")
+    assert "epilogue over the whole product after it (it reads tensors of the product's rows)" in mlir
+    assert mlir.count("tensor.empty() : tensor<260x200xf32>") == 1
+
+
+def test_dot_epilogue_of_another_form_is_split_off():
+    """A group returning the product too, or a bool, or a batched product: the product is split off
+    (stored in the workspace) and its epilogue fuses with itself."""
+    rng = np.random.default_rng(9)
+    x, w = rng.standard_normal((256, 64)).astype(np.float32), rng.standard_normal((64, 128)).astype(np.float32)
+    xs, ws = rng.standard_normal((2, 256, 64)).astype(np.float32), rng.standard_normal((2, 64, 128)).astype(np.float32)
+    cases = [
+        (lambda x, w: (x @ w, nn.relu(x @ w)), (x, w)),
+        (lambda x, w: x @ w > 0.0, (x, w)),
+        (lambda xs, ws: nn.relu(xs @ ws), (xs, ws)),
+    ]
+    for fn, args in cases:
+        graph = _optimized(fn, *args)
+        assert [op.name for op in graph.ops if op.name not in ("constant", "fusion")] == ["dot_general"]
+        _check_fused_equals_unfused(fn, args, 1e-4)

@@ -19,11 +19,11 @@ What fuses (legality comes from op families):
   also returns is copied once, as its result.
 - a value a kernel would have to store between two members (a contraction's result, an
   elementwise value read by a reshape) stays inside a group only up to `MAX_INTERNAL_BYTES`;
-  larger ones are group boundaries (see `_streamable`). Except a float convolution's product read
+  larger ones are group boundaries (see `_streamable`). Except a float contraction's product read
   by its epilogue (`_streams_epilogue`): backends apply the epilogue to each chunk of the output
-  as the conv computes it, so a group of a conv and pointwise ops returning one value of the
-  product's shape keeps any size; a group of another form is split before the conv
-  (`_epilogue_groups`).
+  as the conv computes it, or to each register tile of a matrix product, so a group of a
+  contraction and pointwise ops returning one value of the product's shape keeps any size; a
+  group of another form is split before the contraction (`_epilogue_groups`).
 
 What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
 other movement ops (transpose, dynamic_slice, pad, gather, ...), pooling, argmax/argmin; ops with different
@@ -68,6 +68,7 @@ from flowjit.ir.ops import (
     get_opdef,
     ops_in,
 )
+from flowjit.ir.ops.contraction import dot_dims
 from flowjit.passes.registry import register
 
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
@@ -78,8 +79,11 @@ CLONE_CONSTANT_ELEMENTS = 64
 # above it every call maps fresh pages, which cost more than the fusion saves.
 MAX_INTERNAL_BYTES = 64 * 1024
 # ... except a convolution's product summed over at least this many taps, read by pointwise ops
-# (bias, activation): backends compute those in the conv's own loops (`_streams_epilogue`).
+# (bias, activation): backends compute those in the conv's own loops (`_streams_epilogue`) ...
 CONV_EPILOGUE_MIN_DEPTH = 8
+# ... and a plain matrix product (M, K) x (K, N) with at least this many columns (the CPU backend's
+# tiled kernel takes N of half a vector and more: 8 float32 with AVX-512).
+DOT_EPILOGUE_MIN_COLUMNS = 16
 
 
 def op_kind(op: Op) -> str | None:
@@ -122,32 +126,45 @@ def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     if value.type.size * value.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return True
     pointwise = _pointwise_ops()
-    if producer.name == "conv2d":
+    if producer.name in _STREAMING:
         return consumer.name in pointwise and _streams_epilogue(producer)
     if producer.name in pointwise:
         return consumer.name in pointwise or consumer.name in REDUCTIONS
     return producer.name in ("broadcast", "reshape", "iota", "slice") and consumer.name in pointwise
 
 
-def _streams_epilogue(conv: Op) -> bool:
-    """Whether a backend computes `conv`'s epilogue (the pointwise ops on its result) chunk by chunk
-    as it computes the product, so that the product is never stored whole: a float32/float64
-    convolution summing over at least `CONV_EPILOGUE_MIN_DEPTH` taps (the CPU backend's im2col +
-    matmul form, `lower_contraction._conv_as_matmul`, applies the epilogue to each chunk's product
-    in cache, in its copy to the output). The group must then also keep the shape
-    `_epilogue_groups` checks."""
-    weights = conv.operands[1].type
+def _streams_epilogue(product: Op) -> bool:
+    """Whether a backend computes the epilogue (the pointwise ops on its result) of contraction
+    `product` piece by piece as it computes the product, so that the product is never stored
+    whole: a float32/float64 convolution summing over at least `CONV_EPILOGUE_MIN_DEPTH` taps (the
+    CPU backend's im2col + matmul form, `lower_contraction._conv_as_matmul`, applies the epilogue
+    to each chunk's product in cache, in its copy to the output), or a float32/float64 matrix
+    product (M, K) x (K, N), no batch, with at least `DOT_EPILOGUE_MIN_COLUMNS` columns (the tiled
+    kernel applies it to each register tile just stored, `lower_contraction._dot_with_epilogue`).
+    The group must then also keep the shape `_epilogue_groups` checks."""
+    if product.result.dtype not in (dt.float32, dt.float64):
+        return False
+    if product.name == "dot_general":
+        lhs, rhs = product.operands[0].type, product.operands[1].type
+        contract, rhs_contract, batch, _ = dot_dims(product.attrs)
+        plain = not batch and lhs.rank - len(contract) == 1 and rhs.rank - len(rhs_contract) == 1
+        return plain and product.result.type.shape[-1] >= DOT_EPILOGUE_MIN_COLUMNS
+    weights = product.operands[1].type
     depth = weights.size // max(weights.shape[0], 1)
-    return conv.result.dtype in (dt.float32, dt.float64) and depth >= CONV_EPILOGUE_MIN_DEPTH
+    return depth >= CONV_EPILOGUE_MIN_DEPTH
+
+
+_STREAMING = ("conv2d", "dot_general")
 
 
 def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
-    """`members` as one group, or split in two ([the conv], the rest) when the group holds a conv
-    product too large for a temporary (`MAX_INTERNAL_BYTES`) but is not of the form whose product
-    a backend streams (`_streams_epilogue`): the group returns exactly one value, of the product's
-    shape, made by a pointwise op, and holds no slice view. The split is always legal: the conv
+    """`members` as one group, or split in two ([the contraction], the rest) when the group holds a
+    conv or dot product too large for a temporary (`MAX_INTERNAL_BYTES`) but is not of the form
+    whose product a backend streams (`_streams_epilogue`): the group returns exactly one value, of
+    the product's shape, not a bool (and, for a matrix product, whose tiles are computed in place,
+    of its dtype), made by a pointwise op, and holds no slice view. The split is always legal: the contraction
     reads no member's value (else it stays whole; the backend then stores the product)."""
-    convs = [op for op in members if op.name == "conv2d"]
+    convs = [op for op in members if op.name in _STREAMING]
     if not convs:
         return [members]
     conv = convs[0]
@@ -159,8 +176,11 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     streams = (
         len(outside) == 1
         and outside[0].type.shape == product.type.shape
+        and not outside[0].type.dtype.is_bool
+        and (conv.name == "conv2d" or outside[0].type.dtype == product.type.dtype)
         and outside[0].producer.name in _pointwise_ops()
         and all(op.name != "slice" for op in members)
+        and _streams_epilogue(conv)
     )
     computed = {v for op in members for v in op.results}
     if streams or any(v in computed for v in conv.operands):

@@ -259,6 +259,34 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
     return narrow(em, product, result, shape.elem)
 
 
+def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue: Epilogue) -> str:
+    """A matrix product (M, N) and its epilogue in the tiled kernel: each MR x NR register tile,
+    once stored, goes through the epilogue in place while it is in L1 (`emit_matmul`'s
+    `tile_epilogue`), so the product is never read back from memory. That needs the epilogue's
+    other operands to be rows at most (a bias): a residual or a mask of C's shape, read 8 rows x
+    128 bytes per tile down the columns, made the product 2% slower than computing the epilogue
+    after it (1024 x 1024 x 1024 and 256 x 1024 x 1024, paired in one process), and so do other
+    products (batched, several free dimensions, too small for the kernel): the product, then the
+    epilogue over it in place (the dump says so)."""
+    shape = _kernel_shape(op)
+    lhs_free, rhs_free, _ = _dims_of_dot(op)
+    result = op.result.type
+    in_place = epilogue.elem == accumulator_elem(result.dtype)
+    plain = shape is not None and not shape.batch and len(lhs_free) == len(rhs_free) == 1
+    if plain and in_place and not epilogue.reads_along(0):
+        a, b, _ = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
+
+        def tile(window: str, size: tuple[int, int], row: str, column: str) -> str:
+            window_type = TensorType(size, result.dtype)
+            return epilogue.window(em, window, window_type, {0: row, 1: column}, window, True)
+
+        return matmul_kernel.emit_matmul(em, a, b, shape, tile_epilogue=tile)
+    why = "it reads tensors of the product's rows" if plain and in_place else "not a 2-D product of the tiled kernel"
+    em.line(f"// fusion: epilogue over the whole product after it ({why})")
+    (product,) = lower_dot_general(em, op, operands)
+    return epilogue.window(em, product, result, {}, product if in_place else None, False)
+
+
 def _rhs_in_row_order(op: Op) -> bool:
     """Whether the rhs's dims are already (batch, free, contracting) in memory order."""
     tb = op.operands[1].type
@@ -362,10 +390,13 @@ DOT_UNROLL = 4
 
 
 @lowering("dot_general")
-def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str], epilogue: Epilogue | None = None) -> list[str]:
     """dot_general through the tiled matmul kernel, or the row-dot kernel for narrow products, when
     big enough to need them; otherwise one generic over (batch, lhs free, rhs free, contracting)
-    loop dims."""
+    loop dims. With `epilogue` (`streams_epilogue`), the result is the epilogue's: applied to each
+    register tile of the kernel as it is stored (`_dot_with_epilogue`)."""
+    if epilogue is not None:
+        return [_dot_with_epilogue(em, op, operands, epilogue)]
     fast = _lower_with_kernel(em, op, operands) or _lower_with_row_dots(em, op, operands)
     if fast is not None:
         return [fast]
@@ -391,31 +422,47 @@ def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     return [contraction_generic(em, [(a, ta, lhs_exprs), (b, tb, rhs_exprs)], result, iterators, reduction_size)]
 
 
-class ConvEpilogue:
-    """The pointwise ops a fusion applies to a convolution's result (bias, activation), computed
-    window by window as the convolution makes its output (`lower_fusion` implements it): `elem`
-    is the storage element of what it returns; `apply(em, product, onhw, window, origin, into,
-    serial)` returns the epilogue of one window of the output, a tensor of `window`'s (N, O, OH,
-    OW) shape, from the product of that window in the accumulator type, laid out (O, N, OH, OW)
-    when `onhw` (the matmul form's columns) else (N, O, OH, OW); `origin` = (first image, first
-    output row) of the window (index values; None: the whole output), `into` the tensor to
-    compute it into (a slice of the output, so that nothing is copied; None: a new one), `serial`
-    whether it runs on the calling thread (inside a parallel loop)."""
+class Epilogue:
+    """The pointwise ops a fusion applies to a contraction's result (bias, activation), computed
+    window by window as the contraction makes its output (`lower_fusion` implements it): `elem`
+    is the storage element of what it returns.
+
+    `apply(em, product, onhw, window, origin, into, serial)` (conv2d) returns the epilogue of one
+    window of the output, a tensor of `window`'s (N, O, OH, OW) shape, from the product of that
+    window in the accumulator type, laid out (O, N, OH, OW) when `onhw` (the matmul form's
+    columns) else (N, O, OH, OW); `origin` = (first image, first output row) of the window (index
+    values; None: the whole output), `into` the tensor to compute it into (a slice of the output,
+    so that nothing is copied; None: a new one), `serial` whether it runs on the calling thread
+    (inside a parallel loop).
+
+    `window(em, product, window, offsets, into, serial)` (dot_general) is the same for a product
+    laid out as the window itself: `offsets` maps each dimension the window cuts to its first
+    index (an index value); `into` may be `product` itself (computed in place).
+
+    `reads_along(d)`: whether a tensor the epilogue reads besides the product varies along the
+    output's dimension `d` (a residual does along every one; a bias along columns only)."""
 
     elem: str
+
+    def reads_along(self, d: int) -> bool:
+        raise NotImplementedError
 
     def apply(self, em: KernelEmitter, product: str, onhw: bool, window: TensorType, origin, into, serial) -> str:
         raise NotImplementedError
 
+    def window(self, em: KernelEmitter, product: str, window: TensorType, offsets: dict, into, serial: bool) -> str:
+        raise NotImplementedError
+
 
 def streams_epilogue(op: Op) -> bool:
-    """Whether `lower_conv2d` takes an epilogue for conv2d `op`: its product is in the storage type
-    (float32 or float64 accumulate in their own type; half types round the f32 sum first)."""
+    """Whether `lower_conv2d` / `lower_dot_general` take an epilogue for `op`: its product is in the
+    storage type (float32 or float64 accumulate in their own type; half types round the f32 sum
+    first)."""
     return accumulator_elem(op.result.dtype) == elem_type(op.result.dtype)
 
 
 @lowering("conv2d")
-def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str], epilogue: ConvEpilogue | None = None) -> list[str]:
+def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str], epilogue: Epilogue | None = None) -> list[str]:
     """Zero-pad the input, then one generic whose input map applies stride and dilation:
     out[n, o, oh, ow] += x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] * w[o, c, kh, kw]; or, for sums of
     at least IM2COL_MIN_DEPTH taps, im2col + the matmul kernel (`_conv_as_matmul`), whose im2col
@@ -481,7 +528,7 @@ class _Conv:
     stride: tuple
     dilation: tuple
     acc: str
-    epilogue: ConvEpilogue | None
+    epilogue: Epilogue | None
     padding: tuple | None = None  # the input's, when im2col pads as it reads (`_im2col_pads`)
 
     @property

@@ -209,7 +209,7 @@ class _FusionLowering:
         self.tensors.update(zip(op.results, results))
 
     def run(self) -> list[str]:
-        streamed = self._conv_with_epilogue()
+        streamed = self._contraction_with_epilogue()
         if streamed is not None:
             return streamed
         nested = self._row_nest()
@@ -231,29 +231,34 @@ class _FusionLowering:
             self._emit_generic(values)
         return [self.tensor(v) for v in self.body.results]
 
-    def _conv_with_epilogue(self) -> list[str] | None:
-        """A conv2d and the pointwise ops on its result (bias, activation: the `fuse` pass's
-        epilogue group) lowered as one convolution whose chunks go through the epilogue on their
-        way to the output (`lower_contraction.ConvEpilogue`), so that the product is never stored
-        whole; None when the group is not of that form (one result, of the product's shape, that
-        only pointwise ops compute from it, no value stored in between, no slice view)."""
-        convs = [op for op in self.body.ops if op.name == "conv2d"]
-        if len(convs) != 1 or len(self.body.results) != 1 or self.tile or self.materialized:
+    def _contraction_with_epilogue(self) -> list[str] | None:
+        """A conv2d or dot_general and the pointwise ops on its result (bias, activation: the
+        `fuse` pass's epilogue group) lowered as one contraction whose chunks (conv) or register
+        tiles (dot) go through the epilogue on their way to the output
+        (`lower_contraction.Epilogue`), so that the product is never stored whole; None when the
+        group is not of that form (one result, not a bool, of the product's shape, that only
+        pointwise ops compute from it, no value stored in between, no slice view)."""
+        products = [op for op in self.body.ops if op.name in _STREAMED_CONTRACTIONS]
+        if len(products) != 1 or len(self.body.results) != 1 or self.tile or self.materialized:
             return None
-        conv, (target,) = convs[0], self.body.results
+        product, (target,) = products[0], self.body.results
         users = self.body.uses()
         if (
-            target.type.shape != conv.result.type.shape
+            target.type.shape != product.result.type.shape
+            or target.dtype.is_bool  # a fusion's bool results are i1 tensors; an epilogue writes bytes
             or not self._inline(target)
-            or not all(self._pointwise(u) for u in users.get(conv.result, ()))
-            or not lower_contraction.streams_epilogue(conv)
+            or not all(self._pointwise(u) for u in users.get(product.result, ()))
+            or not lower_contraction.streams_epilogue(product)
         ):
             return None
         ops, leaves, splats = self._collect([target])
-        if conv.result not in leaves or any(map(self._view, leaves)) or conv.result.type.rank != 4:
+        if product.result not in leaves or any(map(self._view, leaves)):
             return None
-        epilogue = _ConvEpilogue(self, conv.result, target, (ops, leaves, splats))
-        return lower_contraction.lower_conv2d(self.em, conv, [self.tensor(v) for v in conv.operands], epilogue)
+        if product.name == "conv2d" and product.result.type.rank != 4:
+            return None
+        epilogue = _Epilogue(self, product.result, target, (ops, leaves, splats))
+        lower = _STREAMED_CONTRACTIONS[product.name]
+        return lower(self.em, product, [self.tensor(v) for v in product.operands], epilogue)
 
     def _row_nest(self) -> set[Op]:
         """Lower the row part of the body as one loop nest over row tiles when it has one (see
@@ -616,12 +621,13 @@ def _bits(elem: str) -> int:
     return 1 if elem == "i1" else int(elem.lstrip("bfi"))
 
 
-class _ConvEpilogue(lower_contraction.ConvEpilogue):
-    """A fusion's pointwise ops on its conv2d's result (`_FusionLowering._conv_with_epilogue`), as
-    `lower_contraction.ConvEpilogue`: one n-d generic per window of the output, reading the window's
-    product (in cache: a chunk of the im2col form's columns) and the window of each other leaf
-    (bias and other broadcasts through their maps, full tensors sliced), writing the window of
-    the result in place in the output. Its leaves are made before the convolution's loops."""
+class _Epilogue(lower_contraction.Epilogue):
+    """A fusion's pointwise ops on its contraction's result (`_FusionLowering.
+    _contraction_with_epilogue`), as `lower_contraction.Epilogue`: one n-d generic per window of the
+    output, reading the window's product (in cache: a chunk of the im2col form's columns, a
+    matmul's register tile just stored) and the window of each other leaf (bias and other
+    broadcasts through their maps, full tensors sliced), writing the window of the result in
+    place in the output. Its leaves are made before the contraction's loops."""
 
     def __init__(self, fusion: _FusionLowering, product: Value, target: Value, collected):
         self.fusion, self.product, self.target = fusion, product, target
@@ -632,28 +638,44 @@ class _ConvEpilogue(lower_contraction.ConvEpilogue):
         self.elem = _storage(target.dtype)
 
     def apply(self, em, product, onhw, window, origin, into, serial) -> str:
-        rank = window.rank
-        loop = ", ".join(f"d{i}" for i in range(rank))
-        acc = elem_type(self.product.dtype)
+        loop = ", ".join(f"d{i}" for i in range(window.rank))
         product_t = window.with_shape((window.shape[1], window.shape[0], *window.shape[2:])) if onhw else window
         product_map = em.affine_map(f"({loop}) -> ({'d1, d0' if onhw else 'd0, d1'}, {loop.split(', ', 2)[2]})")
-        inputs = [(product, tensor_type(product_t, acc), product_map)]
         offsets = {0: origin[0], 2: origin[1]} if origin is not None else {}
-        for v, ((tensor, ttype, in_map), dims) in zip(self.leaves, self.inputs):
-            inputs.append((*self._window(em, tensor, ttype, v, dims, window, offsets), in_map))
+        return self._generic(em, (product, product_t, product_map), window, offsets, into, serial)
+
+    def reads_along(self, d: int) -> bool:
+        return any(dim == d and extent != 1 for _, dims in self.inputs for dim, extent in dims)
+
+    def window(self, em, product, window, offsets, into, serial) -> str:
+        return self._generic(em, (product, window, em.identity_map(window.rank)), window, offsets, into, serial)
+
+    def _generic(self, em, product, window: TensorType, offsets: dict, into, serial: bool) -> str:
+        """The generic computing `window` of the result from `product` = (tensor, its shape as a
+        TensorType, its indexing map) and the leaves' windows (`offsets`: `Epilogue.window`). When
+        `into` is the product itself, the generic reads it as its output operand only (an input
+        too would make the tiled loops read the tile's old value while they write it: a copy)."""
+        rank = window.rank
+        acc = elem_type(self.product.dtype)
+        tensor, product_t, product_map = product
+        in_place = into is tensor
+        inputs = [] if in_place else [(tensor, tensor_type(product_t, acc), product_map)]
+        for v, ((leaf, ttype, in_map), dims) in zip(self.leaves, self.inputs):
+            inputs.append((*self._window(em, leaf, ttype, v, dims, window, offsets), in_map))
         out_t = window.with_dtype(self.target.dtype)
         out_type = tensor_type(out_t, self.elem)
         into = into if into is not None else em.empty(out_t, self.elem)
-        in_elems = [acc] + [_storage(v.dtype) for v in self.leaves]
+        in_elems = ([] if in_place else [acc]) + [_storage(v.dtype) for v in self.leaves]
 
         def body(b: ScalarBuilder, args: list[str]) -> list[str]:
-            leaf_args = dict(zip([self.product, *self.leaves], args))
+            product_arg = [args[-1]] if in_place else []
+            leaf_args = dict(zip([self.product, *self.leaves], product_arg + args[: len(in_elems)]))
             return self.fusion._body(b, self.ops, leaf_args, self.splats, [self.target], None, args[-1])
 
         maps = [m for _, _, m in inputs] + [em.identity_map(rank)]
         inputs = [(t, tt) for t, tt, _ in inputs]
         name = em.generic(inputs, (into, out_type), maps, ["parallel"] * rank, body, in_elems, self.elem)
-        widest = max(_bits(e) for e in in_elems + [self.elem])
+        widest = max(_bits(e) for e in in_elems + [acc, self.elem])
         em.schedule(name, schedule.copy_nd(window.shape, widest, parallel=not serial))
         return name
 
@@ -673,6 +695,9 @@ class _ConvEpilogue(lower_contraction.ConvEpilogue):
         part = tensor_type(TensorType(tuple(sizes), v.dtype), _storage(v.dtype))
         where = f"[{', '.join(map(str, starts))}] [{', '.join(map(str, sizes))}] [{', '.join(['1'] * len(sizes))}]"
         return em.op(f"tensor.extract_slice {tensor}{where} : {ttype} to {part}"), part
+
+
+_STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general": lower_contraction.lower_dot_general}
 
 
 @lowering("fusion")

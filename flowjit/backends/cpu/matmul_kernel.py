@@ -125,9 +125,14 @@ MAX_UNROLLED_ROW_BLOCKS = 4
 class LoopWriter:
     """Small helpers over KernelEmitter for loop nests with tensor iter_args."""
 
-    def __init__(self, em: KernelEmitter, scratch: tuple[str, int] | None = None):
+    def __init__(self, em: KernelEmitter, scratch: tuple[str, int] | None = None, tile_epilogue=None):
         self.em = em
         self.scratch = scratch  # (memref<Nxi8>, N) holding this kernel's temporaries, or None: allocate them
+        # tile_epilogue(window, (rows, columns), row, column) -> the window through the epilogue,
+        # for each register tile once stored (see `emit_matmul`); `origin`: C's (row, column) of the
+        # (0, 0) of the tile the row blocks being written store into.
+        self.tile_epilogue = tile_epilogue
+        self.origin: tuple[str, str] | None = None
 
     def temporary(self, shape: tuple[int, ...], elem: str, offset: str) -> str:
         """A tensor for a kernel temporary, at byte `offset` of the scratch area (or newly allocated)."""
@@ -481,18 +486,40 @@ def _row_block(w: LoopWriter, s: MatmulShape, read_a, panel, c, i: str, mr: int,
                 f"vector.transfer_write {acc}, {cur}[{row}, {w.add(col, w.index(c * vl))}] "
                 f"{{in_bounds = [{state}]}} : {vec}, {c_type}"
             )
+    if w.tile_epilogue is not None:
+        cur = _tile_through_epilogue(w, s, (cur, c_type), i, col, mr, states)
     return cur
 
 
-def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | None = None) -> str:
+def _tile_through_epilogue(w: LoopWriter, s: MatmulShape, c, i: str, col: str, mr: int, states) -> str:
+    """The register tile just stored at rows [i, i + mr), columns [col, col + NR) of `c` = (tile,
+    its type), or the part of them inside C, through `w.tile_epilogue` in place: still in L1, so
+    the epilogue costs a reload of the tile, never a pass over C in memory."""
+    em = w.em
+    tile, c_type = c
+    width = s.nr if all(state == "true" for state in states) else s.n % s.nr
+    window = f"tensor<{mr}x{width}x{s.elem}>"
+    where = f"[{i}, {col}] [{mr}, {width}] [1, 1]"
+    part = em.op(f"tensor.extract_slice {tile}{where} : {c_type} to {window}")
+    row0, col0 = w.origin
+    part = w.tile_epilogue(part, (mr, width), w.add(row0, i), w.add(col0, col))
+    return em.op(f"tensor.insert_slice {part} into {tile}{where} : {window} into {c_type}")
+
+
+def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | None = None, tile_epilogue=None) -> str:
     """C = A @ B (batched when s.batch) as a new tensor, or `into` + A @ B with `s.accumulate`; `a`,
     `b` are row-major (.., M, K), (.., K, N), or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K)
-    with `s.b_rows`."""
+    with `s.b_rows`. With `tile_epilogue(window, (rows, columns), row, column)` (a plain product
+    made whole, not serial, not accumulated), each register tile goes through it once stored: it
+    returns the tile's window of C (`rows` x `columns` at C's `row`, `column`) computed in place."""
     em.matmul_kernels = True
-    w = LoopWriter(em, em.scratch if em.scratch and em.scratch[1] >= scratch_bytes(s) else None)
+    scratch = em.scratch if em.scratch and em.scratch[1] >= scratch_bytes(s) else None
+    w = LoopWriter(em, scratch, tile_epilogue)
     c_type = s.tensor(s.m, s.n)
     if s.accumulate != (into is not None):
         raise CompileError("internal error: emit_matmul accumulates exactly when given the tensor to add to")
+    if tile_epilogue is not None and (s.batch or s.serial or s.accumulate):
+        raise CompileError("internal error: a tile epilogue needs a plain product made whole")
     result = into if s.accumulate else em.op(f"tensor.empty() : {c_type}")
     threads = _threads(s)
     if s.batch:
@@ -537,12 +564,14 @@ def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
     where = f"[0, {w.mul(p0, w.index(s.nr))}] [{s.m}, {w.mul(count, w.index(s.nr))}] [1, 1]"
     tile = em.op(f"tensor.extract_slice {shared}{where} : {c_type} to {tile_type}")
     panels = (p0, w.add(p0, count), ["true"] * s.vectors_per_row)
+    w.origin = (w.index(0), w.mul(p0, w.index(s.nr)))
     tile = _panels_packed_one_by_one(w, s, a, b, (tile, tile_type), p0, panels, w.mul(t, w.index(_panel_bytes(s))))
     w.close_forall(tile, shared, where, tile_type, c_type)
     if s.n % s.nr == 0:
         return done
     states = _panel_ranges(s)[-1][2]
     partial = (w.index(whole), w.index(whole + 1), states)
+    w.origin = (w.index(0), w.index(0))
     return _panels_packed_one_by_one(w, s, a, b, (done, c_type), w.index(0), partial, w.index(0))
 
 
@@ -618,6 +647,7 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
     sizes = ", ".join((["1"] if bi else []) + [rows, str(s.n)])
     strides = ", ".join(["1"] * (3 if bi else 2))
     tile = em.op(f"tensor.extract_slice {shared}[{where}] [{sizes}] [{strides}] : {c_type} to {tile_type}")
+    w.origin = (row0, w.index(0))
     tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (w.index(0), full, chunk), MR, bi, t)
     if s.m % MR:  # chunks are multiples of MR rows, so only a ragged M leaves single rows
         tile = _row_blocks(w, s, a, packed, tile, tile_type, row0, (full, rows, chunk), 1, bi, t)
@@ -630,6 +660,7 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     em = w.em
     a, packed, bi = operands
     c_type, full = s.tensor(s.m, s.n), s.m // MR * MR
+    w.origin = (w.index(0), w.index(0))
     if not bi:
         tile = _row_blocks(w, s, a, packed, c_all, c_type, w.index(0), (0, full, full), MR, None, w.index(0))
         if s.m % MR == 0:
