@@ -585,6 +585,36 @@ def test_reduce_window_ranks_strides_and_long_rows(dtype):
         check("reduce_window", [x], dict(kind=kind, window=(1, 1), strides=(1, 1), padding=((0, 0), (2, 2))))
 
 
+@pytest.mark.parametrize(
+    "shape, dtype, kind, window, pad",
+    [
+        ((2, 8, 130, 130), dt.float32, "max", 3, 1),  # chunks of images over the cores
+        ((1, 30, 100, 100), dt.float32, "avg", 2, 0),  # one image: chunks of channels
+        ((3, 16, 90, 90), dt.float32, "max", 2, 0),  # 3 images on 2 cores: a shorter last chunk
+        ((1, 4, 64, 64), dt.float16, "max", 2, 0),  # f16 rows read as whole vectors, widened
+        ((2, 3, 40, 41), dt.int64, "sum", 3, 1),
+    ],
+)
+def test_pooling_over_the_cores_with_stride_two_rows(shape, dtype, kind, window, pad):
+    """Large poolings split their output planes over the cores; rows of at least a vector read
+    every other input by two in-bounds vector reads (no masked read past the row)."""
+    from flowjit.backends.cpu import matmul_kernel, schedule
+
+    x = data(shape, dtype)
+    if dtype.is_float:
+        x.flat[::997] = np.nan
+    attrs = dict(
+        kind=kind, window=(1, 1, window, window), strides=(1, 1, 2, 2), padding=((0, 0), (0, 0), (pad, pad), (pad, pad))
+    )
+    mlir = check("reduce_window", [x], attrs)
+    out = [(n + 2 * pad - window) // 2 + 1 for n in shape[2:]]
+    work = shape[0] * shape[1] * out[0] * out[1] * window * window
+    assert ("scf.forall" in mlir) == (schedule.threads() > 1 and work >= schedule.PARALLEL_MIN_ELEMENTS)
+    lanes = matmul_kernel.vector_bits() // (64 if dtype == dt.int64 else 32)
+    if out[1] >= lanes:  # every row whole vectors: no wide (masked) read
+        assert f"vector<{2 * lanes}x" not in mlir
+
+
 def test_max_pool_propagates_nan_and_window_over_channels():
     x = data((1, 4, 5, 5), dt.float32)
     x[0, 1, 2, 3] = np.nan
