@@ -385,6 +385,18 @@ def test_matmul(sa, sb):
     check_jit(lambda x, y: x @ y, a, b, ref=np.matmul, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sa, sb", [((2, 3, 4), (4, 5)), ((2, 1, 3, 4), (4, 5)), ((2, 3, 4), (4,))])
+def test_matmul_of_a_stack_by_one_matrix_is_one_product(sa, sb):
+    """(B, T, D) @ (D, F): one dot_general with B * T rows, the matrix neither broadcast nor
+    copied per stacked matrix (numpy's batch broadcasting would make it (B, D, F))."""
+    a, b = f32(*sa), f32(*sb)
+    check_jit(lambda x, y: x @ y, a, b, ref=np.matmul, rtol=1e-5, atol=1e-5)
+    graph = fj.jit(lambda x, y: x @ y).lower(a, b).graph("traced")
+    (dot,) = [op for op in graph.ops if op.name == "dot_general"]
+    assert dot.attrs["lhs_batch"] == () and dot.operands[0].type.shape == sa
+    assert not [op for op in graph.ops if op.name == "broadcast"]
+
+
 @pytest.mark.parametrize("sa, sb", [((3, 4), (4, 5)), ((4,), (4,)), ((3, 4), (4,)), ((2, 3, 4), (5, 4, 2)), ((), (3,))])
 def test_dot(sa, sb):
     check(fnp.dot, f32(*sa), f32(*sb), ref=np.dot, rtol=1e-5, atol=1e-5)

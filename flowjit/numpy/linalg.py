@@ -53,6 +53,16 @@ def matmul(a, b):
             f"contracting dimension mismatch: {sa} @ {sb}: {sa2[-1]} != {sb2[-2]}",
         )
     batch = broadcast_shapes(sa2[:-2], sb2[:-2], op="matmul")
+    if len(sb2) == 2 and batch:
+        # A stack of matrices times one matrix ((B, T, D) @ (D, F)): a's leading dims are free dims of
+        # one product, M = B * T rows; b is not broadcast into a batch (a copy of it per matrix).
+        out = bind(
+            "dot_general",
+            [a2, b2],
+            {"lhs_contract": (len(sa2) - 1,), "rhs_contract": (0,), "lhs_batch": (), "rhs_batch": ()},
+        )
+        final = batch + ((sa2[-2],) if len(sa) > 1 else ()) + ((sb2[-1],) if len(sb) > 1 else ())
+        return reshape(out, final) if final != shape(out) else out
     a3 = broadcast_to(a2, batch + sa2[-2:])
     b3 = broadcast_to(b2, batch + sb2[-2:])
     nb = len(batch)
