@@ -744,6 +744,20 @@ def test_dot_epilogue_streams_and_equals_unfused(path):
     assert mlir.count(f"tensor.empty() : tensor<{m}x{n}x{'f32' if dtype == np.float32 else 'f64'}>") == 1
 
 
+def test_dot_epilogue_of_a_stack_of_rows_streams():
+    """A dense layer on (B, T, D) inputs: one product of B * T rows whose tiles go through the
+    epilogue (a bias along the columns); a residual of the output's shape runs after it."""
+    rng = np.random.default_rng(10)
+    x, w = rng.standard_normal((3, 70, 48)).astype(np.float32), rng.standard_normal((48, 120)).astype(np.float32)
+    b, r = rng.standard_normal(120).astype(np.float32), rng.standard_normal((3, 70, 120)).astype(np.float32)
+    for layer, streamed in ((lambda x, w, b, r: nn.gelu(x @ w + b) * 2.0, True), (lambda x, w, b, r: x @ w + r, False)):
+        args = (x, w, b, r)
+        assert [op.name for op in _optimized(layer, *args).ops if op.name != "constant"] == ["fusion"]
+        _check_fused_equals_unfused(layer, args, 1e-4)
+        mlir = fj.jit(layer).lower(*args).as_text("mlir")
+        assert ("epilogue over the whole product" not in mlir) == streamed
+
+
 def test_dot_epilogue_reading_rows_runs_after_the_product_in_place():
     """An epilogue reading a tensor of the product's shape (a residual, a mask) runs over the whole
     product after it (read tile by tile down the columns it made the kernel 2% slower), in place in

@@ -262,25 +262,28 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
 def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue: Epilogue) -> str:
     """A matrix product (M, N) and its epilogue in the tiled kernel: each MR x NR register tile,
     once stored, goes through the epilogue in place while it is in L1 (`emit_matmul`'s
-    `tile_epilogue`), so the product is never read back from memory. That needs the epilogue's
-    other operands to be rows at most (a bias): a residual or a mask of C's shape, read 8 rows x
-    128 bytes per tile down the columns, made the product 2% slower than computing the epilogue
-    after it (1024 x 1024 x 1024 and 256 x 1024 x 1024, paired in one process), and so do other
-    products (batched, several free dimensions, too small for the kernel): the product, then the
-    epilogue over it in place (the dump says so)."""
+    `tile_epilogue`), so the product is never read back from memory. Several free dimensions on
+    the left (x (B, T, D) @ w (D, F)) are M = B * T rows, when the epilogue reads at most a bias
+    along the columns (`Epilogue.columns_only`). The epilogue's other operands must not vary
+    along the rows: a residual or a mask of C's shape, read 8 rows x 128 bytes per tile down the
+    columns, made the product 2% slower than computing the epilogue after it (1024 x 1024 x 1024
+    and 256 x 1024 x 1024, paired in one process), and so do other products (batched, too small
+    for the kernel): the product, then the epilogue over it in place (the dump says so)."""
     shape = _kernel_shape(op)
     lhs_free, rhs_free, _ = _dims_of_dot(op)
     result = op.result.type
     in_place = epilogue.elem == accumulator_elem(result.dtype)
-    plain = shape is not None and not shape.batch and len(lhs_free) == len(rhs_free) == 1
-    if plain and in_place and not epilogue.reads_along(0):
-        a, b, _ = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
+    plain = shape is not None and not shape.batch and len(rhs_free) == 1
+    flat = len(lhs_free) > 1
+    if plain and in_place and (epilogue.columns_only() if flat else not epilogue.reads_along(0)):
+        a, b, lead = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
 
         def tile(window: str, size: tuple[int, int], row: str, column: str) -> str:
             window_type = TensorType(size, result.dtype)
-            return epilogue.window(em, window, window_type, {0: row, 1: column}, window, True)
+            return epilogue.window(em, window, window_type, {0: row, 1: column}, window, True, flat)
 
-        return matmul_kernel.emit_matmul(em, a, b, shape, tile_epilogue=tile)
+        product = matmul_kernel.emit_matmul(em, a, b, shape, tile_epilogue=tile)
+        return reshape(em, product, TensorType(lead + (shape.m, shape.n), result.dtype), result.shape, shape.elem)
     why = "it reads tensors of the product's rows" if plain and in_place else "not a 2-D product of the tiled kernel"
     em.line(f"// fusion: epilogue over the whole product after it ({why})")
     (product,) = lower_dot_general(em, op, operands)
@@ -440,17 +443,23 @@ class Epilogue:
     index (an index value); `into` may be `product` itself (computed in place).
 
     `reads_along(d)`: whether a tensor the epilogue reads besides the product varies along the
-    output's dimension `d` (a residual does along every one; a bias along columns only)."""
+    output's dimension `d` (a residual does along every one; a bias along columns only);
+    `columns_only()`: whether each such tensor is at most a vector along the last dimension (a
+    bias) or a scalar: then `window(.., flat_rows=True)` takes windows of the output viewed as a
+    matrix, its leading dimensions flattened."""
 
     elem: str
 
     def reads_along(self, d: int) -> bool:
         raise NotImplementedError
 
+    def columns_only(self) -> bool:
+        raise NotImplementedError
+
     def apply(self, em: KernelEmitter, product: str, onhw: bool, window: TensorType, origin, into, serial) -> str:
         raise NotImplementedError
 
-    def window(self, em: KernelEmitter, product: str, window: TensorType, offsets: dict, into, serial: bool) -> str:
+    def window(self, em: KernelEmitter, product: str, window: TensorType, offsets: dict, into, serial, flat_rows=False):
         raise NotImplementedError
 
 

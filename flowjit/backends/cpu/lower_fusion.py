@@ -647,20 +647,30 @@ class _Epilogue(lower_contraction.Epilogue):
     def reads_along(self, d: int) -> bool:
         return any(dim == d and extent != 1 for _, dims in self.inputs for dim, extent in dims)
 
-    def window(self, em, product, window, offsets, into, serial) -> str:
-        return self._generic(em, (product, window, em.identity_map(window.rank)), window, offsets, into, serial)
+    def columns_only(self) -> bool:
+        last = self.product.type.rank - 1
+        return all(len(dims) <= 1 and all(d == last for d, _ in dims) for _, dims in self.inputs)
 
-    def _generic(self, em, product, window: TensorType, offsets: dict, into, serial: bool) -> str:
+    def window(self, em, product, window, offsets, into, serial, flat_rows=False) -> str:
+        whole = (product, window, em.identity_map(window.rank))
+        return self._generic(em, whole, window, offsets, into, serial, flat_rows)
+
+    def _generic(self, em, product, window: TensorType, offsets: dict, into, serial: bool, flat_rows=False) -> str:
         """The generic computing `window` of the result from `product` = (tensor, its shape as a
         TensorType, its indexing map) and the leaves' windows (`offsets`: `Epilogue.window`). When
         `into` is the product itself, the generic reads it as its output operand only (an input
-        too would make the tiled loops read the tile's old value while they write it: a copy)."""
+        too would make the tiled loops read the tile's old value while they write it: a copy).
+        `flat_rows`: `window` is (rows, columns) of the result viewed as a matrix (its leading
+        dimensions flattened), which only leaves reading columns at most allow (`columns_only`)."""
         rank = window.rank
         acc = elem_type(self.product.dtype)
         tensor, product_t, product_map = product
         in_place = into is tensor
         inputs = [] if in_place else [(tensor, tensor_type(product_t, acc), product_map)]
         for v, ((leaf, ttype, in_map), dims) in zip(self.leaves, self.inputs):
+            if flat_rows:  # a bias along the columns, or a scalar
+                dims = [(1, extent) for _, extent in dims]
+                in_map = em.affine_map(f"(d0, d1) -> ({'d1' if dims else ''})")
             inputs.append((*self._window(em, leaf, ttype, v, dims, window, offsets), in_map))
         out_t = window.with_dtype(self.target.dtype)
         out_type = tensor_type(out_t, self.elem)
