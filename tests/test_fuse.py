@@ -758,6 +758,21 @@ def test_dot_epilogue_of_a_stack_of_rows_streams():
         assert ("epilogue over the whole product" not in mlir) == streamed
 
 
+def test_dot_epilogue_of_batched_products_streams():
+    """Batched products (attention scores times a scale, batched dense layers): each batch's
+    tiles go through an epilogue that reads at most columns; a residual runs after the product."""
+    rng = np.random.default_rng(11)
+    q, k = rng.standard_normal((6, 72, 32)).astype(np.float32), rng.standard_normal((6, 32, 72)).astype(np.float32)
+    b, r = rng.standard_normal(72).astype(np.float32), rng.standard_normal((6, 72, 72)).astype(np.float32)
+    scaled, residual = (lambda q, k, b, r: fnp.tanh(q @ k * 0.125 + b)), (lambda q, k, b, r: q @ k - r)
+    for layer, streamed in ((scaled, True), (residual, False)):
+        args = (q, k, b, r)
+        assert [op.name for op in _optimized(layer, *args).ops if op.name != "constant"] == ["fusion"]
+        _check_fused_equals_unfused(layer, args, 1e-4)
+        mlir = fj.jit(layer).lower(*args).as_text("mlir")
+        assert ("epilogue over the whole product" not in mlir) == streamed
+
+
 def test_dot_epilogue_reading_rows_runs_after_the_product_in_place():
     """An epilogue reading a tensor of the product's shape (a residual, a mask) runs over the whole
     product after it (read tile by tile down the columns it made the kernel 2% slower), in place in
@@ -779,15 +794,15 @@ def test_dot_epilogue_reading_rows_runs_after_the_product_in_place():
 
 
 def test_dot_epilogue_of_another_form_is_split_off():
-    """A group returning the product too, or a bool, or a batched product: the product is split off
-    (stored in the workspace) and its epilogue fuses with itself."""
+    """A group returning the product too, or a bool, or a product with two free dimensions on the
+    right: the product is split off (stored in the workspace) and its epilogue fuses with itself."""
     rng = np.random.default_rng(9)
     x, w = rng.standard_normal((256, 64)).astype(np.float32), rng.standard_normal((64, 128)).astype(np.float32)
-    xs, ws = rng.standard_normal((2, 256, 64)).astype(np.float32), rng.standard_normal((2, 64, 128)).astype(np.float32)
+    w3 = rng.standard_normal((64, 8, 16)).astype(np.float32)
     cases = [
         (lambda x, w: (x @ w, nn.relu(x @ w)), (x, w)),
         (lambda x, w: x @ w > 0.0, (x, w)),
-        (lambda xs, ws: nn.relu(xs @ ws), (xs, ws)),
+        (lambda x, w3: nn.relu(fnp.tensordot(x, w3, axes=1)), (x, w3)),
     ]
     for fn, args in cases:
         graph = _optimized(fn, *args)

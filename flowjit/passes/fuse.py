@@ -81,8 +81,8 @@ MAX_INTERNAL_BYTES = 64 * 1024
 # ... except a convolution's product summed over at least this many taps, read by pointwise ops
 # (bias, activation): backends compute those in the conv's own loops (`_streams_epilogue`) ...
 CONV_EPILOGUE_MIN_DEPTH = 8
-# ... and a matrix product (.., M, K) x (K, N) with at least this many columns (the CPU backend's
-# tiled kernel takes N of half a vector and more: 8 float32 with AVX-512).
+# ... and a matrix product (batch, .., M, K) x (batch, K, N) with at least this many columns (the CPU
+# backend's tiled kernel takes N of half a vector and more: 8 float32 with AVX-512).
 DOT_EPILOGUE_MIN_COLUMNS = 16
 
 
@@ -139,16 +139,16 @@ def _streams_epilogue(product: Op) -> bool:
     whole: a float32/float64 convolution summing over at least `CONV_EPILOGUE_MIN_DEPTH` taps (the
     CPU backend's im2col + matmul form, `lower_contraction._conv_as_matmul`, applies the epilogue
     to each chunk's product in cache, in its copy to the output), or a float32/float64 matrix
-    product (M, K) x (K, N), no batch, with at least `DOT_EPILOGUE_MIN_COLUMNS` columns, M the
-    product of one or more free dimensions (the tiled kernel applies it to each register tile just
-    stored, `lower_contraction._dot_with_epilogue`).
+    product (batch, M, K) x (batch, K, N) with at least `DOT_EPILOGUE_MIN_COLUMNS` columns, M
+    the product of one or more free dimensions (the tiled kernel applies it to each register tile
+    just stored, `lower_contraction._dot_with_epilogue`).
     The group must then also keep the shape `_epilogue_groups` checks."""
     if product.result.dtype not in (dt.float32, dt.float64):
         return False
     if product.name == "dot_general":
         lhs, rhs = product.operands[0].type, product.operands[1].type
-        contract, rhs_contract, batch, _ = dot_dims(product.attrs)
-        plain = not batch and lhs.rank > len(contract) and rhs.rank - len(rhs_contract) == 1
+        contract, rhs_contract, batch, rhs_batch = dot_dims(product.attrs)
+        plain = lhs.rank > len(contract) + len(batch) and rhs.rank - len(rhs_contract) - len(rhs_batch) == 1
         return plain and product.result.type.shape[-1] >= DOT_EPILOGUE_MIN_COLUMNS
     weights = product.operands[1].type
     depth = weights.size // max(weights.shape[0], 1)

@@ -263,18 +263,19 @@ def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue:
     """A matrix product (M, N) and its epilogue in the tiled kernel: each MR x NR register tile,
     once stored, goes through the epilogue in place while it is in L1 (`emit_matmul`'s
     `tile_epilogue`), so the product is never read back from memory. Several free dimensions on
-    the left (x (B, T, D) @ w (D, F)) are M = B * T rows, when the epilogue reads at most a bias
-    along the columns (`Epilogue.columns_only`). The epilogue's other operands must not vary
-    along the rows: a residual or a mask of C's shape, read 8 rows x 128 bytes per tile down the
-    columns, made the product 2% slower than computing the epilogue after it (1024 x 1024 x 1024
-    and 256 x 1024 x 1024, paired in one process), and so do other products (batched, too small
-    for the kernel): the product, then the epilogue over it in place (the dump says so)."""
+    the left (x (B, T, D) @ w (D, F)) are M = B * T rows, and batched products are matrices one
+    after the other, when the epilogue reads at most a bias along the columns
+    (`Epilogue.columns_only`). The epilogue's other operands must not vary along the rows: a
+    residual or a mask of C's shape, read 8 rows x 128 bytes per tile down the columns, made the
+    product 2% slower than computing the epilogue after it (1024 x 1024 x 1024 and 256 x 1024 x
+    1024, paired in one process), and so do products too small for the kernel: the product, then
+    the epilogue over it in place (the dump says so)."""
     shape = _kernel_shape(op)
     lhs_free, rhs_free, _ = _dims_of_dot(op)
     result = op.result.type
     in_place = epilogue.elem == accumulator_elem(result.dtype)
-    plain = shape is not None and not shape.batch and len(rhs_free) == 1
-    flat = len(lhs_free) > 1
+    plain = shape is not None and len(rhs_free) == 1
+    flat = len(lhs_free) > 1 or bool(shape and shape.batch)
     if plain and in_place and (epilogue.columns_only() if flat else not epilogue.reads_along(0)):
         a, b, lead = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
 

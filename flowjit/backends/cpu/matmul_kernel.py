@@ -509,17 +509,18 @@ def _tile_through_epilogue(w: LoopWriter, s: MatmulShape, c, i: str, col: str, m
 def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | None = None, tile_epilogue=None) -> str:
     """C = A @ B (batched when s.batch) as a new tensor, or `into` + A @ B with `s.accumulate`; `a`,
     `b` are row-major (.., M, K), (.., K, N), or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K)
-    with `s.b_rows`. With `tile_epilogue(window, (rows, columns), row, column)` (a plain product
-    made whole, not serial, not accumulated), each register tile goes through it once stored: it
-    returns the tile's window of C (`rows` x `columns` at C's `row`, `column`) computed in place."""
+    with `s.b_rows`. With `tile_epilogue(window, (rows, columns), row, column)` (a product made
+    whole, not serial, not accumulated), each register tile goes through it once stored: it
+    returns the tile's window of C (`rows` x `columns` at C's `row`, `column`; of the batch's
+    matrix when batched) computed in place."""
     em.matmul_kernels = True
     scratch = em.scratch if em.scratch and em.scratch[1] >= scratch_bytes(s) else None
     w = LoopWriter(em, scratch, tile_epilogue)
     c_type = s.tensor(s.m, s.n)
     if s.accumulate != (into is not None):
         raise CompileError("internal error: emit_matmul accumulates exactly when given the tensor to add to")
-    if tile_epilogue is not None and (s.batch or s.serial or s.accumulate):
-        raise CompileError("internal error: a tile epilogue needs a plain product made whole")
+    if tile_epilogue is not None and (s.serial or s.accumulate):
+        raise CompileError("internal error: a tile epilogue needs a product made whole")
     result = into if s.accumulate else em.op(f"tensor.empty() : {c_type}")
     threads = _threads(s)
     if s.batch:
