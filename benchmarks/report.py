@@ -184,7 +184,8 @@ WHY_LIMIT: dict[str, str] = {
     "element (two exp polynomials and two divisions per element for tanh and sigmoid; 63-67% of the traffic "
     "limit at 38-41 GB/s, `python benchmarks/bound.py elementwise`), and the limit moves with the bandwidth "
     "probe (36-49 GB/s between runs: 44-55% for the same 6.2 ms median). Streaming stores gain nothing on this "
-    "chain (docs/cpu-backend.md, 'Large outputs').",
+    "chain (docs/cpu-backend.md, 'Large outputs'), nor does a reciprocal estimate for the divisions (vrcp14ps "
+    "and a Newton step, LLVM's form of `fdiv ninf arcp`: 6.3 vs 5.0 ms, the FMA ports are the bound).",
     "softmax": "In the suite its median was 1.5-1.6 ms with the other peers run between its samples; alone, "
     "back to back, 0.94-1.18 ms, 78-100% of the traffic limit that `python benchmarks/bound.py softmax` "
     "measures against numpy's copy/triad rate (the suite's limit is the best probe of the run, often torch's "
