@@ -750,12 +750,36 @@ def test_dot_epilogue_of_a_stack_of_rows_streams():
     rng = np.random.default_rng(10)
     x, w = rng.standard_normal((3, 70, 48)).astype(np.float32), rng.standard_normal((48, 120)).astype(np.float32)
     b, r = rng.standard_normal(120).astype(np.float32), rng.standard_normal((3, 70, 120)).astype(np.float32)
-    for layer, streamed in ((lambda x, w, b, r: nn.gelu(x @ w + b) * 2.0, True), (lambda x, w, b, r: x @ w + r, False)):
-        args = (x, w, b, r)
+    biased, residual = (lambda x, w, b, r: nn.gelu(x @ w + b) * 2.0), (lambda x, w, b, r: x @ w + r)
+    _check_epilogues([(biased, True), (residual, False)], (x, w, b, r))
+
+
+def _check_epilogues(layers, args):
+    """Each (layer, streamed): one group, equal to unfused, its epilogue streamed through the tiles
+    or (not `streamed`) run over the whole product after it."""
+    for layer, streamed in layers:
         assert [op.name for op in _optimized(layer, *args).ops if op.name != "constant"] == ["fusion"]
         _check_fused_equals_unfused(layer, args, 1e-4)
         mlir = fj.jit(layer).lower(*args).as_text("mlir")
         assert ("epilogue over the whole product" not in mlir) == streamed
+
+
+def test_dense_layer_on_a_stack_writes_the_output_in_place():
+    """(B, T, D) @ (D, F) is C (B * T, F) viewed as (B, T, F): the output buffer is collapsed to C's
+    shape so that the kernel (and an epilogue over the whole product, a residual) writes it, with
+    no temporary C copied out."""
+    rng = np.random.default_rng(12)
+    x, w = rng.standard_normal((4, 33, 40)).astype(np.float32), rng.standard_normal((40, 96)).astype(np.float32)
+    r = rng.standard_normal((4, 33, 96)).astype(np.float32)
+    for layer in (lambda x, w, r: x @ w, lambda x, w, r: nn.relu(x @ w + r * 2.0)):
+        args = (x, w, r)
+        if _fusions(_optimized(layer, *args)):
+            _check_fused_equals_unfused(layer, args, 1e-4)
+        want = fj.jit(layer, target="interpreter")(*args)
+        np.testing.assert_allclose(fj.jit(layer)(*args), want, rtol=1e-5, atol=1e-4)
+        lowered = fj.jit(layer).lower(*args)
+        assert "memref.collapse_shape %out0 [[0, 1], [2]]" in lowered.as_text("mlir")
+        assert "memcpy" not in lowered.as_text("asm") and "malloc" not in lowered.as_text("asm")
 
 
 def test_dot_epilogue_of_batched_products_streams():
@@ -765,12 +789,7 @@ def test_dot_epilogue_of_batched_products_streams():
     q, k = rng.standard_normal((6, 72, 32)).astype(np.float32), rng.standard_normal((6, 32, 72)).astype(np.float32)
     b, r = rng.standard_normal(72).astype(np.float32), rng.standard_normal((6, 72, 72)).astype(np.float32)
     scaled, residual = (lambda q, k, b, r: fnp.tanh(q @ k * 0.125 + b)), (lambda q, k, b, r: q @ k - r)
-    for layer, streamed in ((scaled, True), (residual, False)):
-        args = (q, k, b, r)
-        assert [op.name for op in _optimized(layer, *args).ops if op.name != "constant"] == ["fusion"]
-        _check_fused_equals_unfused(layer, args, 1e-4)
-        mlir = fj.jit(layer).lower(*args).as_text("mlir")
-        assert ("epilogue over the whole product" not in mlir) == streamed
+    _check_epilogues([(scaled, True), (residual, False)], (q, k, b, r))
 
 
 def test_dot_epilogue_reading_rows_runs_after_the_product_in_place():

@@ -16,7 +16,8 @@ Note for lowering authors (stable API: `LOWERINGS`, `em.generic`, `em.op`, `Scal
 - bool operands arrive as i1 tensors made by `lowering.bool_from_bytes`; `bool_to_bytes` on such a
   tensor returns the original bytes instead of emitting a conversion (`em.bool_bytes`), so a lowering
   that moves bool data as bytes never creates an i1 buffer (MLIR 22 cannot store those).
-- `em.flat_views`: results that are `expand_shape`s of a 1-D kernel are stored through a 1-D view.
+- `em.flat_views`: results that are `expand_shape`s of a kernel's tensor of fewer dims (1-D, or the
+  shape `em.view_shapes` gives) are stored through a collapsed view of their buffer.
 - `ScalarBuilder.const(v, "i1")` emits `arith.constant true|false` (the typed form does not parse).
 """
 
@@ -121,6 +122,9 @@ class KernelEmitter:
         # n-d tensor -> the 1-D tensor it expands: results are stored through a collapsed view of
         # their buffer, so bufferization writes the 1-D kernel straight into it (no temporary).
         self.flat_views: dict[str, str] = {}
+        # ... or the tensor of more than one dim it expands, by that tensor's shape (a matrix product
+        # (B * T, N) viewed as (B, T, N)).
+        self.view_shapes: dict[str, tuple[int, ...]] = {}
         # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (lowering.SCRATCH)
         self.scratch: tuple[str, int] | None = None
         # Tensors that are `arith.constant` literals (`literal`): strided inserts copy them first.

@@ -651,6 +651,10 @@ class _Epilogue(lower_contraction.Epilogue):
         last = self.product.type.rank - 1
         return all(len(dims) <= 1 and all(d == last for d, _ in dims) for _, dims in self.inputs)
 
+    def as_matrix(self) -> bool:
+        full = list(range(self.product.type.rank))
+        return self.columns_only() or all(len(dims) <= 1 or [d for d, _ in dims] == full for _, dims in self.inputs)
+
     def window(self, em, product, window, offsets, into, serial, flat_rows=False) -> str:
         whole = (product, window, em.identity_map(window.rank))
         return self._generic(em, whole, window, offsets, into, serial, flat_rows)
@@ -661,14 +665,18 @@ class _Epilogue(lower_contraction.Epilogue):
         `into` is the product itself, the generic reads it as its output operand only (an input
         too would make the tiled loops read the tile's old value while they write it: a copy).
         `flat_rows`: `window` is (rows, columns) of the result viewed as a matrix (its leading
-        dimensions flattened), which only leaves reading columns at most allow (`columns_only`)."""
+        dimensions flattened), which leaves reading columns at most allow (`columns_only`), and
+        tensors of the result's whole shape when the window is all of it (`as_matrix`)."""
         rank = window.rank
         acc = elem_type(self.product.dtype)
         tensor, product_t, product_map = product
         in_place = into is tensor
         inputs = [] if in_place else [(tensor, tensor_type(product_t, acc), product_map)]
         for v, ((leaf, ttype, in_map), dims) in zip(self.leaves, self.inputs):
-            if flat_rows:  # a bias along the columns, or a scalar
+            if flat_rows and len(dims) > 1:  # a tensor of the result's shape, viewed as a matrix too
+                leaf, ttype = self._as_matrix(em, leaf, v, window)
+                dims, in_map = [(0, window.shape[0]), (1, window.shape[1])], em.identity_map(2)
+            elif flat_rows:  # a bias along the columns, or a scalar
                 dims = [(1, extent) for _, extent in dims]
                 in_map = em.affine_map(f"(d0, d1) -> ({'d1' if dims else ''})")
             inputs.append((*self._window(em, leaf, ttype, v, dims, window, offsets), in_map))
@@ -688,6 +696,15 @@ class _Epilogue(lower_contraction.Epilogue):
         widest = max(_bits(e) for e in in_elems + [acc, self.elem])
         em.schedule(name, schedule.copy_nd(window.shape, widest, parallel=not serial))
         return name
+
+    @staticmethod
+    def _as_matrix(em, leaf: str, v: Value, matrix: TensorType) -> tuple[str, str]:
+        """Leaf `v` (as `leaf`), of the result's shape, collapsed to the (rows, columns) `matrix`."""
+        rank, elem = v.type.rank, _storage(v.dtype)
+        rows = ", ".join(str(d) for d in range(rank - 1))
+        matrix_type = tensor_type(matrix.with_dtype(v.dtype), elem)
+        into = f"{tensor_type(v.type, elem)} into {matrix_type}"
+        return em.op(f"tensor.collapse_shape {leaf} [[{rows}], [{rank - 1}]] : {into}"), matrix_type
 
     @staticmethod
     def _window(em, tensor: str, ttype: str, v: Value, dims, window: TensorType, offsets) -> tuple[str, str]:

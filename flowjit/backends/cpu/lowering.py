@@ -70,6 +70,24 @@ def lowering(*names: str):
     return deco
 
 
+def collapse_groups(shape: tuple[int, ...], collapsed: tuple[int, ...]) -> list[list[int]]:
+    """The dims of `shape` that each dim of `collapsed` (the same row-major data, fewer dims) spans,
+    in order, as `collapse_shape` takes them; a trailing run of size-1 dims joins the last group."""
+    groups: list[list[int]] = []
+    i = 0
+    for j, extent in enumerate(collapsed):
+        group, product = [i], shape[i]
+        i += 1
+        while i < len(shape) and (product != extent or (j == len(collapsed) - 1)):
+            group.append(i)
+            product *= shape[i]
+            i += 1
+        if product != extent:
+            raise CompileError(f"internal error: {collapsed} is not a collapse of {shape}")
+        groups.append(group)
+    return groups
+
+
 @dataclass(frozen=True)
 class MlirModule:
     """The generated MLIR and what the runtime needs to call it. `parts`: when the function was split
@@ -248,13 +266,13 @@ class _FunctionLowering:
         if t.dtype.is_bool:
             tensor = bool_to_bytes(self.em, tensor, t)
         flat = self.em.flat_views.get(tensor)
-        if flat is not None:  # store the 1-D kernel result through a 1-D view of the buffer
-            e = memory_elem_type(t.dtype)
-            group = ", ".join(str(i) for i in range(t.rank))
-            buffer = self.em.op(
-                f"memref.collapse_shape {buffer} [[{group}]] : {memref_type(t)} into memref<{t.size}x{e}>"
-            )
-            tensor, t = flat, TensorType((t.size,), t.dtype)
+        if flat is not None:  # store the kernel's result through a collapsed view of the buffer
+            shape = self.em.view_shapes.get(flat, (t.size,))
+            groups = ", ".join(f"[{', '.join(map(str, g))}]" for g in collapse_groups(t.shape, shape))
+            kernel_t = TensorType(shape, t.dtype)
+            into = f"{memref_type(t)} into {memref_type(kernel_t)}"
+            buffer = self.em.op(f"memref.collapse_shape {buffer} [{groups}] : {into}")
+            tensor, t = flat, kernel_t
         self.em.line(
             f"bufferization.materialize_in_destination {tensor} in restrict writable {buffer} : "
             f"({tensor_type(t, memory_elem_type(t.dtype))}, {memref_type(t)}) -> ()"
