@@ -84,6 +84,7 @@ CONV_EPILOGUE_MIN_DEPTH = 8
 # ... and a matrix product (batch, .., M, K) x (batch, K, N) with at least this many columns (the CPU
 # backend's tiled kernel takes N of half a vector and more: 8 float32 with AVX-512).
 DOT_EPILOGUE_MIN_COLUMNS = 16
+_STREAMING = ("conv2d", "dot_general")  # the contractions whose epilogues can stream
 
 
 def op_kind(op: Op) -> str | None:
@@ -155,21 +156,19 @@ def _streams_epilogue(product: Op) -> bool:
     return depth >= CONV_EPILOGUE_MIN_DEPTH
 
 
-_STREAMING = ("conv2d", "dot_general")
-
-
 def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     """`members` as one group, or split in two ([the contraction], the rest) when the group holds a
     conv or dot product too large for a temporary (`MAX_INTERNAL_BYTES`) but is not of the form
     whose product a backend streams (`_streams_epilogue`): the group returns exactly one value, of
     the product's shape, not a bool (and, for a matrix product, whose tiles are computed in place,
-    of its dtype), made by a pointwise op, and holds no slice view. The split is always legal: the contraction
-    reads no member's value (else it stays whole; the backend then stores the product)."""
-    convs = [op for op in members if op.name in _STREAMING]
-    if not convs:
+    of its dtype), made by a pointwise op, and holds no slice view. The split is always legal: the
+    contraction reads no member's value (else it stays whole; the backend then stores the
+    product)."""
+    contractions = [op for op in members if op.name in _STREAMING]
+    if not contractions:
         return [members]
-    conv = convs[0]
-    product = conv.result
+    contraction = contractions[0]
+    product = contraction.result
     if product.type.size * product.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return [members]
     used = _used_outside(graph, members)
@@ -178,15 +177,15 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
         len(outside) == 1
         and outside[0].type.shape == product.type.shape
         and not outside[0].type.dtype.is_bool
-        and (conv.name == "conv2d" or outside[0].type.dtype == product.type.dtype)
+        and (contraction.name == "conv2d" or outside[0].type.dtype == product.type.dtype)
         and outside[0].producer.name in _pointwise_ops()
         and all(op.name != "slice" for op in members)
-        and _streams_epilogue(conv)
+        and _streams_epilogue(contraction)
     )
     computed = {v for op in members for v in op.results}
-    if streams or any(v in computed for v in conv.operands):
+    if streams or any(v in computed for v in contraction.operands):
         return [members]
-    return [[conv], [op for op in members if op is not conv]]
+    return [[contraction], [op for op in members if op is not contraction]]
 
 
 def _slices_of_inputs(members: list[Op]) -> bool:

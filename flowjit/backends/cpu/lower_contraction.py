@@ -286,26 +286,25 @@ def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue:
     lhs_free, rhs_free, _ = _dims_of_dot(op)
     result = op.result.type
     in_place = epilogue.elem == accumulator_elem(result.dtype)
-    plain = shape is not None and len(rhs_free) == 1
-    flat = len(lhs_free) > 1 or bool(shape and shape.batch)
-    if plain and in_place and (epilogue.columns_only() if flat else not epilogue.reads_along(0)):
+    kernel = shape is not None and len(rhs_free) == 1 and in_place
+    flat = len(lhs_free) > 1 or bool(shape and shape.batch)  # C's rows span more than one dim
+    tiles = kernel and (epilogue.columns_only() if flat else not epilogue.reads_along(0))
+    if tiles or (kernel and flat and not shape.batch and epilogue.as_matrix()):
         a, b, lead = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
+        if tiles:
 
-        def tile(window: str, size: tuple[int, int], row: str, column: str) -> str:
-            window_type = TensorType(size, result.dtype)
-            return epilogue.window(em, window, window_type, {0: row, 1: column}, window, True, flat)
+            def tile(window: str, size: tuple[int, int], row: str, column: str) -> str:
+                window_type = TensorType(size, result.dtype)
+                return epilogue.window(em, window, window_type, {0: row, 1: column}, window, True, flat)
 
-        product = matmul_kernel.emit_matmul(em, a, b, shape, tile_epilogue=tile)
-        return _as_result(em, product, lead, shape, result)
-    if plain and in_place and flat and not shape.batch and epilogue.as_matrix():
-        # After the product, on C itself viewed as (rows, N): the output is then written in place
-        # (through the result's n-d view the product was a temporary copied out).
+            return _as_result(em, matmul_kernel.emit_matmul(em, a, b, shape, tile_epilogue=tile), lead, shape, result)
+        # After the product, on C itself viewed as (rows, N) with the residual collapsed alike, so
+        # that the output is written in place (through the result's n-d view C was a temporary).
         em.line("// fusion: epilogue over the whole product after it (it reads tensors of the product's rows)")
-        a, b, _ = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
         product = matmul_kernel.emit_matmul(em, a, b, shape)
         product = epilogue.window(em, product, TensorType((shape.m, shape.n), result.dtype), {}, product, False, True)
-        return _as_result(em, product, (), shape, result)
-    why = "it reads tensors of the product's rows" if plain and in_place else "not a 2-D product of the tiled kernel"
+        return _as_result(em, product, lead, shape, result)
+    why = "it reads tensors of the product's rows" if kernel else "not a 2-D product of the tiled kernel"
     em.line(f"// fusion: epilogue over the whole product after it ({why})")
     (product,) = lower_dot_general(em, op, operands)
     return epilogue.window(em, product, result, {}, product if in_place else None, False)
