@@ -771,15 +771,17 @@ def test_dense_layer_on_a_stack_writes_the_output_in_place():
     rng = np.random.default_rng(12)
     x, w = rng.standard_normal((4, 33, 40)).astype(np.float32), rng.standard_normal((40, 96)).astype(np.float32)
     r = rng.standard_normal((4, 33, 96)).astype(np.float32)
-    for layer in (lambda x, w, r: x @ w, lambda x, w, r: nn.relu(x @ w + r * 2.0)):
+    per_image = lambda x, w, r: x @ w * r[:, :1, :1] + r  # noqa: E731 (a (4, 1, 1) leaf: not a matrix)
+    for layer in (lambda x, w, r: x @ w, lambda x, w, r: nn.relu(x @ w + r * 2.0), per_image):
         args = (x, w, r)
         if _fusions(_optimized(layer, *args)):
             _check_fused_equals_unfused(layer, args, 1e-4)
         want = fj.jit(layer, target="interpreter")(*args)
         np.testing.assert_allclose(fj.jit(layer)(*args), want, rtol=1e-5, atol=1e-4)
-        lowered = fj.jit(layer).lower(*args)
-        assert "memref.collapse_shape %out0 [[0, 1], [2]]" in lowered.as_text("mlir")
-        assert "memcpy" not in lowered.as_text("asm") and "malloc" not in lowered.as_text("asm")
+        if layer is not per_image:
+            lowered = fj.jit(layer).lower(*args)
+            assert "memref.collapse_shape %out0 [[0, 1], [2]]" in lowered.as_text("mlir")
+            assert "memcpy" not in lowered.as_text("asm") and "malloc" not in lowered.as_text("asm")
 
 
 def test_dot_epilogue_of_batched_products_streams():

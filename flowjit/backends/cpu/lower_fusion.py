@@ -648,12 +648,15 @@ class _Epilogue(lower_contraction.Epilogue):
         return any(dim == d and extent != 1 for _, dims in self.inputs for dim, extent in dims)
 
     def columns_only(self) -> bool:
-        last = self.product.type.rank - 1
-        return all(len(dims) <= 1 and all(d == last for d, _ in dims) for _, dims in self.inputs)
+        return all(self._columns(dims) for _, dims in self.inputs)
 
     def as_matrix(self) -> bool:
         full = list(range(self.product.type.rank))
-        return self.columns_only() or all(len(dims) <= 1 or [d for d, _ in dims] == full for _, dims in self.inputs)
+        return all(self._columns(dims) or [d for d, _ in dims] == full for _, dims in self.inputs)
+
+    def _columns(self, dims) -> bool:
+        """Whether a leaf read through `dims` is at most a vector along the last dimension."""
+        return len(dims) <= 1 and all(d == self.product.type.rank - 1 for d, _ in dims)
 
     def window(self, em, product, window, offsets, into, serial, flat_rows=False) -> str:
         whole = (product, window, em.identity_map(window.rank))
