@@ -16,8 +16,8 @@ Note for lowering authors (stable API: `LOWERINGS`, `em.generic`, `em.op`, `Scal
 - bool operands arrive as i1 tensors made by `lowering.bool_from_bytes`; `bool_to_bytes` on such a
   tensor returns the original bytes instead of emitting a conversion (`em.bool_bytes`), so a lowering
   that moves bool data as bytes never creates an i1 buffer (MLIR 22 cannot store those).
-- `em.flat_views`: results that are `expand_shape`s of a kernel's tensor of fewer dims (1-D, or the
-  shape `em.view_shapes` gives) are stored through a collapsed view of their buffer.
+- `em.flat_views` (`em.store_through`): results that are `expand_shape`s of a kernel's tensor of
+  fewer dims (1-D, or a matrix) are stored through a view of their buffer collapsed to its shape.
 - `ScalarBuilder.const(v, "i1")` emits `arith.constant true|false` (the typed form does not parse).
 """
 
@@ -119,12 +119,8 @@ class KernelEmitter:
         # i1 tensor -> the i8 tensor (numpy's bool bytes) holding the same data: conversions between
         # the two are looked up here instead of emitted again, so no i1 tensor needs a buffer.
         self.bool_bytes: dict[str, str] = {}
-        # n-d tensor -> the 1-D tensor it expands: results are stored through a collapsed view of
-        # their buffer, so bufferization writes the 1-D kernel straight into it (no temporary).
-        self.flat_views: dict[str, str] = {}
-        # ... or the tensor of more than one dim it expands, by that tensor's shape (a matrix product
-        # (B * T, N) viewed as (B, T, N)).
-        self.view_shapes: dict[str, tuple[int, ...]] = {}
+        # n-d tensor -> (the tensor of fewer dims it expands, that tensor's shape): see `store_through`.
+        self.flat_views: dict[str, tuple[str, tuple[int, ...]]] = {}
         # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (lowering.SCRATCH)
         self.scratch: tuple[str, int] | None = None
         # Tensors that are `arith.constant` literals (`literal`): strided inserts copy them first.
@@ -132,6 +128,14 @@ class KernelEmitter:
         # Kinds of kernels made, for code generation's loop strength reduction (`strength_reduction`).
         self.row_nests = False
         self.matmul_kernels = False
+
+    def store_through(self, result: str, kernel: str, shape: tuple[int, ...]) -> None:
+        """`result`, an `expand_shape` of the kernel's tensor `kernel` of `shape` (1-D, or a matrix
+        product (B * T, N) viewed as (B, T, N)), is stored through a view of the output buffer
+        collapsed to `shape`, so that bufferization writes the kernel straight into it: through
+        the `expand_shape`, empty-tensor elimination gives up and the kernel's tensor is a
+        temporary copied out."""
+        self.flat_views[result] = (kernel, shape)
 
     @property
     def strength_reduction(self) -> bool:

@@ -190,7 +190,7 @@ def _copy_blocks(em: KernelEmitter, x: str, t: TensorType, outer: list[int], blo
         w, _row_of_vectors(w, carried, flat_type, dst, (block, lanes, elem), value_at), flat_type, loops
     )
     result = reshape(em, moved, flat, tuple(out_shape), elem)
-    em.flat_views[result] = moved  # stored through a 1-D view of its buffer: no temporary + copy
+    em.store_through(result, moved, flat.shape)
     return result
 
 
@@ -260,14 +260,12 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
 
 def _as_result(em: KernelEmitter, product: str, lead: tuple, shape: matmul_kernel.MatmulShape, result: TensorType):
     """The kernel's C (lead + (M, N)) viewed with `result`'s shape; when that takes an expand_shape, the
-    result is stored through a view of the output of C's shape (`em.flat_views`): bufferization
-    then writes C into the output (an `expand_shape` stops empty-tensor elimination, and C was a
+    result is stored through a view of the output of C's shape (`em.store_through`; C was a
     temporary copied out: 6 MiB for (8, 128, 512) @ (512, 1536), 11% of the call)."""
     c_shape = lead + (shape.m, shape.n)
     viewed = reshape(em, product, TensorType(c_shape, result.dtype), result.shape, shape.elem)
     if viewed != product and result.rank > len(c_shape):
-        em.flat_views[viewed] = product
-        em.view_shapes[product] = c_shape
+        em.store_through(viewed, product, c_shape)
     return viewed
 
 
@@ -1248,7 +1246,7 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
         w.close_forall(result_flat, shared, where, out_type, tensor_type(flat_out, acc))
         result_flat = done
     pooled = reshape(em, result_flat, flat_out, result.shape, acc)
-    em.flat_views[pooled] = result_flat  # stored through a 1-D view of its buffer: no temporary + copy
+    em.store_through(pooled, result_flat, flat_out.shape)
     return pooled
 
 

@@ -52,7 +52,7 @@ def expand(em: KernelEmitter, tensor: str, t: TensorType, elem: str | None = Non
     shape = ", ".join(str(d) for d in t.shape)
     into = f"{tensor_type(flat, elem)} into {tensor_type(t, elem)}"
     result = em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
-    em.flat_views[result] = tensor
+    em.store_through(result, tensor, flat.shape)
     return result
 
 

@@ -586,7 +586,7 @@ def _expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     shape = ", ".join(str(d) for d in t.shape)
     into = f"{tensor_type(_flat(t), e)} into {tensor_type(t, e)}"
     result = em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
-    em.flat_views[result] = tensor  # stored through a 1-D view of its buffer: no temporary + copy
+    em.store_through(result, tensor, (t.size,))
     return result
 
 

@@ -327,7 +327,7 @@ def _whole_type(v: Value, kind: str, nest: RowNest) -> TensorType:
 
 def _output_type(v: Value, nest: RowNest) -> TensorType:
     """The nest's view of an output: 1-D, so that it is stored through a 1-D view of its
-    destination (`em.flat_views`); through any other reshape, empty-tensor elimination gives up
+    destination (`em.store_through`); through any other reshape, empty-tensor elimination gives up
     and each call pays a temporary and a copy."""
     return v.type.with_shape((nest.rows * nest.length if nest.kinds[v] == FULL else nest.rows,))
 

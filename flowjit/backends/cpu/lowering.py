@@ -265,9 +265,9 @@ class _FunctionLowering:
             return
         if t.dtype.is_bool:
             tensor = bool_to_bytes(self.em, tensor, t)
-        flat = self.em.flat_views.get(tensor)
-        if flat is not None:  # store the kernel's result through a collapsed view of the buffer
-            shape = self.em.view_shapes.get(flat, (t.size,))
+        view = self.em.flat_views.get(tensor)
+        if view is not None:  # store the kernel's result through a collapsed view of the buffer
+            flat, shape = view
             groups = ", ".join(f"[{', '.join(map(str, g))}]" for g in collapse_groups(t.shape, shape))
             kernel_t = TensorType(shape, t.dtype)
             into = f"{memref_type(t)} into {memref_type(kernel_t)}"
