@@ -385,7 +385,7 @@ def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows):
 @pytest.mark.parametrize(
     ("lead", "m", "n", "k", "dtype"),
     [
-        ((), 70, 150, 45, dt.float32),  # 5 panels: A packed by blocks of 8 columns, 6 single rows
+        ((), 70, 150, 45, dt.float32),  # 5 panels: A packed by blocks of MR columns, the 6 rows left one tile
         ((), 64, 300, 19, dt.float64),
         ((), 33, 10, 19, dt.float32),  # one partial panel: A read in place, by columns
         ((), 40, 135, 77, dt.int32),
@@ -403,7 +403,9 @@ def test_matmul_kernel_lhs_columns(lead, m, n, k, dtype):
     mlir = check("dot_general", [data(lead + (k, m), dtype, 1), data(lead + (k, n), dtype, 2)], dims)
     assert "linalg.transpose" not in mlir and ("vector.fma" in mlir or dtype.is_int)
     panels = -(-n // (2 * matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)))
-    packs = re.search(rf"tensor<{''.join(f'{d}x' for d in lead)}{k}x{m}x\w+>, vector<8x", mlir) is not None
+    elem = {dt.float64: "f64", dt.int32: "i32", dt.int64: "i64"}.get(dtype, "f32")
+    mr = matmul_kernel.MatmulShape(lead[0] if lead else 0, m, n, k, elem, a_cols=True).mr
+    packs = re.search(rf"tensor<{''.join(f'{d}x' for d in lead)}{k}x{m}x\w+>, vector<{mr}x", mlir) is not None
     assert packs == (panels >= matmul_kernel.PACK_A_MIN_PANELS)
     # both operands transposed: `a.T @ b.T`
     check(
