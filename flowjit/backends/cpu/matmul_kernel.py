@@ -128,13 +128,15 @@ class MatmulShape:
 
 # MR, the rows of the register tile (`MatmulShape.mr`): its 2 x MR accumulators, the two panel vectors
 # and the broadcast of A fill the vector registers (`tile_rows`: 14 rows with AVX-512's 32, 6 with
-# AVX2's 16) when the contraction is at least `TALL_TILE_MIN_K` long. Two cores (Xeon, AVX-512),
-# paired in one process, 8 -> 14 rows: 1024^3 7.3 -> 6.9 ms, the conv layer 7.1 -> 6.4 ms, the MLP
-# training step 9.5 -> 9.0 ms (each tile's 28 FMAs per k against 2 + 14 loads, 16 against 2 + 8).
+# AVX2's 16) when the contraction is at least `TALL_TILE_MIN_K` long: 28 FMAs per k against 2 + 14
+# loads instead of 16 against 2 + 8. Two cores (Xeon, AVX-512), 8 -> 14 rows: the conv layer 3-8%
+# faster, the MLP training step 2-3%, matmul 1024 and 2048 the same within noise
+# (docs/cpu-backend.md, "Matmul kernel").
 # Shorter contractions keep `SHORT_TILE_ROWS`: the CNN's K = 9 conv ran 10-15% slower with 14-row
 # tiles (its time goes to the tiles' stores and epilogue, not the k loop).
 TALL_TILE_MIN_K = 64
 SHORT_TILE_ROWS = 8
+SINGLE_ROWS_MAX_SHARE = 64  # see `_row_ranges`
 # A given as (K, M) is packed (see `_pack_a_columns`) when this many panels re-read it; a product
 # with fewer (a narrow N) reads its columns in place (packing a.T @ dz with N = 10 cost 3x).
 PACK_A_MIN_PANELS = 4
@@ -150,7 +152,8 @@ COLUMN_SPLIT_MIN_K = 64
 # named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
 # Packing loops over k up to this long are written out (the CNN conv's K = 9), and so is the loop
-# over a panel's blocks of MR rows up to this many blocks of constant rows (the CNN conv's 32 rows):
+# over a panel's blocks of MR rows up to this many blocks of constant rows when K is short (the CNN
+# conv's 32 rows, K = 9):
 # unrolled as LLVM's marked loops were until session 8, without marks (which keep a function on
 # LLVM's O3 pipeline; docs/cpu-backend.md, "Compile time").
 MAX_UNROLLED_PACK = 16
@@ -447,9 +450,12 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
     [index, index + NR) read in place (`panel` = (B, its type, None, index)), stored into columns
     [col, col + NR) of `c_tile` (vectors per `states`)."""
     lo, hi = row_range
-    if isinstance(lo, int) and isinstance(hi, int) and -(-(hi - lo) // mr) <= MAX_UNROLLED_ROW_BLOCKS:
-        # A few blocks of constant rows: written out (a loop marked for LLVM's unrolling would keep
-        # the function on its O3 pipeline).
+    few = isinstance(lo, int) and isinstance(hi, int) and -(-(hi - lo) // mr) <= MAX_UNROLLED_ROW_BLOCKS
+    if few and s.k < TALL_TILE_MIN_K:
+        # A few blocks of constant rows over a short k loop: written out (a loop marked for LLVM's
+        # unrolling would keep the function on its O3 pipeline). Over a long k loop the row
+        # loop's own cost is nothing, and copies of a tall tile cost compile time: the conv
+        # layer's 64 rows as four written-out 14-row tiles took one-shot bufferization 0.4 s.
         for start in range(lo, hi, mr):
             c_tile = _row_block(w, s, read_a, panel, (c_tile, c_type, col), w.index(start), mr, states)
         return c_tile
@@ -511,7 +517,25 @@ def _row_block(w: LoopWriter, s: MatmulShape, read_a, panel, c, i: str, mr: int,
             new.append(multiply_add_vectors(em, broadcast, b_vecs[c], acc_names[r * nv + c], vec, s.elem))
     w.close_for(new, [vec] * len(new), NO_UNROLL)
     cur = t2
-    for r in range(mr):
+    if mr > 1 and all(state == "true" for state in states):
+        # One 2-D write of the whole tile: one tensor value for bufferization to analyse instead
+        # of 2 x MR (its conflict analysis grows faster than linearly with them).
+        tile_vec = f"vector<{mr}x{s.nr}x{s.elem}>"
+        whole = em.op(f"ub.poison : {tile_vec}")
+        for r in range(mr):
+            for c in range(nv):
+                acc = f"{accs}#{r * nv + c}"
+                whole = em.op(
+                    f"vector.insert_strided_slice {acc}, {whole} {{offsets = [{r}, {c * vl}], strides = [1]}} "
+                    f": {vec} into {tile_vec}"
+                )
+        cur = em.op(
+            f"vector.transfer_write {whole}, {cur}[{i}, {col}] {{in_bounds = [true, true]}} : {tile_vec}, {c_type}"
+        )
+        mr_rows = []
+    else:
+        mr_rows = range(mr)
+    for r in mr_rows:
         row = w.add(i, w.index(r))
         for c, state in enumerate(states):
             if state == "none":
@@ -631,9 +655,12 @@ def _panels_just_in_time(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
 
 def _row_ranges(s: MatmulShape) -> list[tuple[tuple[int, int], int]]:
     """((first row, end row), rows per block) of all of C's rows: whole blocks of MR, then the rows
-    left over as one block (a tile of fewer rows, still several independent accumulators)."""
-    full = s.m // s.mr * s.mr
-    return ([((0, full), s.mr)] if full else []) + ([((full, s.m), s.m - full)] if s.m % s.mr else [])
+    left over, as one shorter tile (several independent accumulators) unless they are at most
+    1/`SINGLE_ROWS_MAX_SHARE` of the rows: then one at a time (a 1-row tile runs at a quarter of
+    the speed, its two accumulators latency-bound, but is a tenth of the code to compile)."""
+    full, left = s.m // s.mr * s.mr, s.m % s.mr
+    tail = [((full, s.m), 1 if left * SINGLE_ROWS_MAX_SHARE <= s.m else left)] if left else []
+    return ([((0, full), s.mr)] if full else []) + tail
 
 
 def _panels_in_place(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
