@@ -21,6 +21,15 @@ from flowjit.backends.cpu.emitter import HOIST_MARK
 # shared machine, waits for a descheduled worker; one core streams 256K f32 in ~60 us, so smaller
 # kernels cannot win (docs/cpu-backend.md has the measurements).
 PARALLEL_MIN_ELEMENTS = 1 << 18
+# A full reduction over the cores: this many partial results, each with this many vector
+# accumulators (`_full_reduction`). Inputs of at least `STREAMING_REDUCTION_MIN_BYTES` (streamed from
+# memory, not held in any cache) take one accumulator per partial and 4x the partials, so that each
+# lane adds as many elements in sequence: 2-core Xeon (session 10), sum of 256 MiB of float32 8.7 ->
+# 7.1 ms (PyTorch 8.5, torch.compile 7.5, whose loop adds one vector at a time too), while from
+# cache (64 MiB, still in this VM's L3) one accumulator was 7% slower and at 1-16 MiB the same.
+FULL_REDUCTION_CHUNKS = 64
+FULL_REDUCTION_VECTORS = 4
+STREAMING_REDUCTION_MIN_BYTES = 128 << 20
 ANY = "!transform.any_op"
 # LLVM's pipeline does not unroll loops on its own (`toolchain.optimization_pipeline`): a loop with
 # a short constant trip count is unrolled by its schedule (`copy_nd`) or written out by the lowering
@@ -196,29 +205,32 @@ def reduction(shape: tuple[int, ...], axis: int, acc_bits: int):
         size *= d
     parallel = size >= PARALLEL_MIN_ELEMENTS and threads() > 1
     if len(shape) == 1:
-        return _full_reduction(shape[0], vl, parallel)
+        streams = parallel and size * acc_bits // 8 >= STREAMING_REDUCTION_MIN_BYTES
+        return _full_reduction(shape[0], vl, parallel, streams)
     if axis == len(shape) - 1:
         return _row_reduction(shape, vl, parallel)
     return _column_reduction(shape, axis, vl, parallel)
 
 
-def _full_reduction(r: int, vl: int, parallel: bool):
+def _full_reduction(r: int, vl: int, parallel: bool, streams: bool = False):
+    vectors = 1 if streams else FULL_REDUCTION_VECTORS
+
     def steps(h: str) -> list[str]:
         n = h[1:]
         lines = []
         if parallel:
-            chunks = 64
+            chunks = FULL_REDUCTION_CHUNKS * (FULL_REDUCTION_VECTORS if streams else 1)
             lines += [
                 f"%pfill{n}, %psplit{n}, %pcomb{n}, %pforall{n} = transform.structured.tile_reduction_using_forall "
                 f"{h} by num_threads = [{chunks}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
             ]
             h = f"%psplit{n}"
         # Four vector accumulators: independent add chains (latency hidden) and 4x fewer sequential
-        # additions per lane (accuracy).
+        # additions per lane (accuracy); one when streaming (see `STREAMING_REDUCTION_MIN_BYTES`).
         lines += [
             f"%fill{n}, %split{n}, %comb{n}, %rloop{n} = transform.structured.tile_reduction_using_for {h} "
-            f"by tile_sizes = [{4 * vl}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
-            _vectorize(f"%split{n}", [4 * vl]),
+            f"by tile_sizes = [{vectors * vl}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
+            _vectorize(f"%split{n}", [vectors * vl]),
             _vectorize(f"%comb{n}"),
             _vectorize(f"%fill{n}"),
         ]
