@@ -272,6 +272,42 @@ def test_matmul_kernel_batched_and_transposed():
     assert "linalg.transpose" not in mlir and "vector.shuffle" in mlir and "vector.fma" in mlir
 
 
+@pytest.mark.parametrize("bits", [512, 256])
+def test_matmul_tile_rows(monkeypatch, bits):
+    """The register tile's height fills the vector registers (14 rows of 2 vectors with AVX-512's
+    32, 6 with AVX2's 16) for K >= TALL_TILE_MIN_K; short contractions keep 8 rows (at most the
+    tall height); a product split by rows over the cores takes the height that pads a core's rows
+    least; leftover rows run as one shorter tile unless they are a tiny share of M."""
+    monkeypatch.setattr(matmul_kernel, "vector_bits", lambda: bits)
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    matmul_kernel.tile_rows.cache_clear()
+    try:
+        tall = 14 if bits == 512 else 6
+        assert matmul_kernel.tile_rows(2) == tall
+        shape = matmul_kernel.MatmulShape
+        assert shape(0, 1024, 1024, 1024, "f32").mr == tall  # columns split: any height
+        assert shape(0, 32, 256, 9, "f32").mr == min(8, tall)  # short K
+        assert shape(0, 1024, 1024, 1024, "f32", serial=True).mr == tall
+        if bits == 512:
+            # one panel of columns (N = 10): split by rows, 32 rows per core: 8-row tiles, not 14
+            assert shape(0, 64, 10, 6272, "f32").mr == 8
+            ranges = matmul_kernel._row_ranges
+            assert ranges(shape(0, 100, 64, 128, "f32", serial=True)) == [((0, 98), 14), ((98, 100), 2)]
+            assert ranges(shape(0, 1024, 64, 128, "f32", serial=True)) == [((0, 1022), 14), ((1022, 1024), 1)]
+    finally:
+        matmul_kernel.tile_rows.cache_clear()
+
+
+def test_matmul_tile_is_stored_by_one_write():
+    """A whole panel's register tile is stored by one 2-D transfer_write (one tensor value for
+    bufferization per tile, not one per vector); the partial panel's masked vectors one by one."""
+    mlir = check("dot_general", [data((100, 128), dt.float32, 1), data((128, 70), dt.float32, 2)], MATMUL)
+    lanes = matmul_kernel.vector_bits() // 32
+    mr = matmul_kernel.MatmulShape(0, 100, 70, 128, "f32").mr
+    assert re.search(rf"vector.transfer_write [^\n]*in_bounds = \[true, true\][^\n]*vector<{mr}x{2 * lanes}xf32>", mlir)
+    assert re.search(r"vector.transfer_write [^\n]*in_bounds = \[false\]", mlir)
+
+
 def test_matmul_kernel_k_loop_is_not_unrolled_by_llvm():
     """The micro-kernel's k loop reaches LLVM with `llvm.loop.unroll.disable`: O3 fully unrolled a
     short contraction (the CNN conv's K = 9) into 9x the FMAs. A block of 8 rows has a loop of 16
@@ -863,3 +899,26 @@ def test_conv_chunks_are_read_in_place_by_the_kernel(monkeypatch):
     packed = fj.jit(conv).lower(x, w)
     assert panel in packed.as_text("mlir")
     np.testing.assert_array_equal(packed.compile()(x, w), got)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the streaming schedule splits over several cores")
+def test_full_reduction_streams_large_inputs(monkeypatch):
+    """A full reduction of at least STREAMING_REDUCTION_MIN_BYTES takes 4x the partial results with one
+    vector accumulator each (the same sequential adds per lane), smaller ones four accumulators;
+    both sum exactly what numpy sums (checked with the threshold lowered, on a small input)."""
+    lanes = matmul_kernel.vector_bits() // 32
+    chunks, vectors = schedule.FULL_REDUCTION_CHUNKS, schedule.FULL_REDUCTION_VECTORS
+    big = schedule.STREAMING_REDUCTION_MIN_BYTES // 4
+
+    def steps(n: int) -> list[str]:
+        text = fj.jit(lambda x: fnp.sum(x)).lower(fj.ShapeDtype((n,), "float32")).as_text("mlir")
+        return re.findall(r"num_threads = \[\d+\]|tile_sizes = \[\d+\]", text)
+
+    assert steps(big) == [f"num_threads = [{chunks * vectors}]", f"tile_sizes = [{lanes}]"]
+    assert steps(big - 1) == [f"num_threads = [{chunks}]", f"tile_sizes = [{vectors * lanes}]"]
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(schedule, "STREAMING_REDUCTION_MIN_BYTES", 1 << 20)
+    x = data((300_001,), dt.float32, 3)
+    assert len(steps(x.size)) == 2 and steps(x.size)[1] == f"tile_sizes = [{lanes}]"
+    np.testing.assert_allclose(fj.jit(lambda x: fnp.sum(x))(x), x.sum(dtype=np.float64), rtol=1e-6)
+    np.testing.assert_array_equal(fj.jit(lambda x: fnp.max(x))(x), x.max())
