@@ -160,18 +160,27 @@ WHY_SLOWER_AT_MEDIAN = (
     "jobs, the host's scheduling of the virtual cores; the same compile takes 48-52 or 70-74 ms from minute "
     "to minute). The calls that wake the threads after a pause are the 'after a pause' column."
 )
+MATMUL_GAP = (
+    "PyTorch's sgemm (MKL) blocks K and packs A (GotoBLAS); our kernel keeps each K x NR panel of B in L2 "
+    "and reads A's rows in place. On a 2-core Zen 5 VM (2026-11-23, sessions 8-9) flowjit's medians were "
+    "0.81-0.96 of the fastest peer's; on a 2-core Xeon (AVX-512, session 10), one thread, 1024^3: 14.4-14.9 ms "
+    "against MKL's 12.9-13.3, while with K = 256 (the panel piece in L1) the kernel matches MKL (160 vs 167 "
+    "GFLOP/s). Blocking K without packing A ran 2x slower (A's rows then stream 1 KiB at a time), and a "
+    "first packed-A attempt made LLVM keep 14 row pointers in registers (docs/cpu-backend.md, 'Matmul kernel')."
+)
 WHY_SLOWER: dict[str, str] = {
     "conv_layer": "flowjit's conv is im2col in 512 KiB chunks (split over the cores, padding the input as it reads "
     "it, each chunk read in place from L2 by the matmul kernel) with bias + relu applied to each chunk on its way "
     "to the output; PyTorch's oneDNN convolution reads the input directly in its kernel. Ours writes the columns "
     "first: im2col is ~13% of the samples before the kernel read them in place (docs/cpu-backend.md, 'conv2d' "
     "and 'Conv epilogues', has the measurements and what is left).",
-    "matmul1024": "back to back flowjit is the faster (medians 4.92-5.44 vs JAX 5.31-5.79 ms, `python "
-    "benchmarks/idle_pause.py --pause 0`, two runs; 5.56 vs 9.68 ms in a suite run on 2026-11-23); "
-    "its minimum is the peer's, and the medians move with this VM's noise.",
+    "matmul1024": MATMUL_GAP,
+    "matmul2048": MATMUL_GAP,
+    "mlp_train_step": MATMUL_GAP,
     "sum": "the sum streams 256 MiB at the memory's rate, as its peers do (each at 65-75% of the measured "
-    "bandwidth), so the medians differ by the machine's noise; its loop is four 64-byte vector adds from memory "
-    "per iteration on each core. numpy's large arrays start 16 bytes past a 64-byte line, so every such load "
+    "bandwidth), so the medians differ by the machine's noise; inputs of 128 MiB or more are summed with one "
+    "vector accumulator per partial result (on a Xeon 15-19% faster from memory than four; session 10). "
+    "numpy's large arrays start 16 bytes past a 64-byte line, so every such load "
     "spans two lines: an aligned view of the same buffer sums 2-3.5% faster; a loop peeled to an aligned start "
     "won 1-2.4% at 3 ms more compile time and was dropped (docs/cpu-backend.md, 'Calls, cache, measurements'). "
     "Paired with torch call by call in one process the medians differ by 1-4%.",
@@ -179,7 +188,10 @@ WHY_SLOWER: dict[str, str] = {
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
 WHY_LIMIT: dict[str, str] = {
-    "elementwise": "Compute-bound: since large outputs are recycled (page-faulting a fresh 64 MiB output in took "
+    "elementwise": "Compute-bound: on the 2-core Xeon of session 10 it takes 23-26 ms (JAX 31, torch.compile "
+    "41): the two exp polynomials and two divisions per element, not the memory, set its time there (a "
+    "reciprocal estimate for the divisions was slower there too). On the Zen 5 VM: since large outputs are "
+    "recycled (page-faulting a fresh 64 MiB output in took "
     "0.53-0.55 ns per element) the full size runs back to back at the cache-resident rate, 0.30 ns per "
     "element (two exp polynomials and two divisions per element for tanh and sigmoid; 63-67% of the traffic "
     "limit at 38-41 GB/s, `python benchmarks/bound.py elementwise`), and the limit moves with the bandwidth "
