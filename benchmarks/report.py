@@ -165,8 +165,8 @@ MATMUL_GAP = (
     "and reads A's rows in place. On a 2-core Zen 5 VM (2026-11-23, sessions 8-9) flowjit's medians were "
     "0.81-0.96 of the fastest peer's; on a 2-core Xeon (AVX-512, session 10), one thread, 1024^3: 14.4-14.9 ms "
     "against MKL's 12.9-13.3, while with K = 256 (the panel piece in L1) the kernel matches MKL (160 vs 167 "
-    "GFLOP/s). Blocking K without packing A ran 2x slower (A's rows then stream 1 KiB at a time), and a "
-    "first packed-A attempt made LLVM keep 14 row pointers in registers (docs/cpu-backend.md, 'Matmul kernel')."
+    "GFLOP/s). Blocking K without packing A ran 2x slower (A's rows then stream 1 KiB at a time), and with "
+    "A's block copied per core the copies cost more than they saved (docs/cpu-backend.md, 'Matmul kernel')."
 )
 WHY_SLOWER: dict[str, str] = {
     "conv_layer": "flowjit's conv is im2col in 512 KiB chunks (split over the cores, padding the input as it reads "
