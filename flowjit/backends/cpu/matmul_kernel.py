@@ -532,19 +532,17 @@ def _row_block(w: LoopWriter, s: MatmulShape, read_a, panel, c, i: str, mr: int,
         cur = em.op(
             f"vector.transfer_write {whole}, {cur}[{i}, {col}] {{in_bounds = [true, true]}} : {tile_vec}, {c_type}"
         )
-        mr_rows = []
-    else:
-        mr_rows = range(mr)
-    for r in mr_rows:
-        row = w.add(i, w.index(r))
-        for c, state in enumerate(states):
-            if state == "none":
-                continue
-            acc = f"{accs}#{r * nv + c}" if mr * nv > 1 else accs
-            cur = em.op(
-                f"vector.transfer_write {acc}, {cur}[{row}, {w.add(col, w.index(c * vl))}] "
-                f"{{in_bounds = [{state}]}} : {vec}, {c_type}"
-            )
+    else:  # one row, or the partial panel: vector by vector, masked where a vector crosses N
+        for r in range(mr):
+            row = w.add(i, w.index(r))
+            for c, state in enumerate(states):
+                if state == "none":
+                    continue
+                acc = f"{accs}#{r * nv + c}" if mr * nv > 1 else accs
+                cur = em.op(
+                    f"vector.transfer_write {acc}, {cur}[{row}, {w.add(col, w.index(c * vl))}] "
+                    f"{{in_bounds = [{state}]}} : {vec}, {c_type}"
+                )
     if w.tile_epilogue is not None:
         cur = _tile_through_epilogue(w, s, (cur, c_type), i, col, mr, states)
     return cur
@@ -723,19 +721,16 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     """All of C's rows on this thread (`_row_ranges`)."""
     em = w.em
     a, packed, bi = operands
-    c_type = s.tensor(s.m, s.n)
+    c_type = tile_type = s.tensor(s.m, s.n)
     w.origin = (w.index(0), w.index(0))
-    if not bi:
-        tile = c_all
-        for (lo, hi), mr in _row_ranges(s):
-            tile = _row_blocks(w, s, a, packed, tile, c_type, w.index(0), (lo, hi, hi), mr, None, w.index(0))
-        return tile
-    tile_type = f"tensor<{s.m}x{s.n}x{s.elem}>"
-    where = f"[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1]"
-    tile = em.op(f"tensor.extract_slice {c_all}{where} : {c_type} to {tile_type}")
+    tile = c_all
+    if bi:  # this batch's matrix of C
+        tile_type = f"tensor<{s.m}x{s.n}x{s.elem}>"
+        where = f"[{bi}, 0, 0] [1, {s.m}, {s.n}] [1, 1, 1]"
+        tile = em.op(f"tensor.extract_slice {c_all}{where} : {c_type} to {tile_type}")
     for (lo, hi), mr in _row_ranges(s):
         tile = _row_blocks(w, s, a, packed, tile, tile_type, w.index(0), (lo, hi, hi), mr, bi, w.index(0))
-    return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}")
+    return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}") if bi else tile
 
 
 def _threads(s: MatmulShape) -> int:
