@@ -49,6 +49,23 @@ def test_a_dropped_results_memory_is_reused_and_exact(small_threshold):
         np.testing.assert_allclose(y, np.tanh(x * 0.7 + 0.1) / (1 + np.exp(-x)) + 0.5 * x, rtol=1e-5, atol=1e-6)
 
 
+def test_recycled_results_start_on_a_64_byte_line(small_threshold):
+    """A recycled result starts on an `OUTPUT_ALIGNMENT` boundary of its block (numpy's own large
+    arrays start 16 bytes past one, so each 64-byte vector store would straddle two lines), new
+    block or reused, through the fast call path and through `run_trusted` (two results)."""
+    xs = _inputs(3)
+    one = fj.jit(_chain)
+    two = fj.jit(lambda x: (x * 2.0, x + 1.0))
+    for _ in range(3):  # new blocks, then reused ones
+        results = [one(xs[0]), *two(xs[1])]
+        for y in results:
+            assert _address(y) % executable.OUTPUT_ALIGNMENT == 0
+            assert y.base is not None and y.base.dtype == np.uint8 and y.flags.c_contiguous
+        np.testing.assert_array_equal(results[1], xs[1] * 2.0)
+        np.testing.assert_array_equal(results[2], xs[1] + 1.0)
+        del results, y
+
+
 def test_results_are_new_objects_and_weak_references_to_dropped_ones_are_cleared(small_threshold):
     xs = _inputs(6)
     f = fj.jit(lambda x: x * 2.0)
