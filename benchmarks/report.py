@@ -188,8 +188,9 @@ WHY_SLOWER: dict[str, str] = {
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
 WHY_LIMIT: dict[str, str] = {
-    "elementwise": "Compute-bound: on the 2-core Xeon of session 10 it takes 23-26 ms (JAX 31, torch.compile "
-    "41): the two exp polynomials and two divisions per element, not the memory, set its time there (a "
+    "elementwise": "Compute-bound: on the 2-core Xeon of session 10 it takes 20-21 ms (JAX 31, torch.compile "
+    "41; 23-26 ms before recycled outputs were 64-byte aligned): the two exp polynomials and two "
+    "divisions per element, not the memory, set its time there (a "
     "reciprocal estimate for the divisions was slower there too). On the Zen 5 VM: since large outputs are "
     "recycled (page-faulting a fresh 64 MiB output in took "
     "0.53-0.55 ns per element) the full size runs back to back at the cache-resident rate, 0.30 ns per "
