@@ -110,9 +110,8 @@ class MatmulShape:
         short = min(SHORT_TILE_ROWS, tall)
         if self.k < TALL_TILE_MIN_K:
             return short
-        threads = 1 if self.serial else cores()
-        flops = self.m * self.n * self.k * max(self.batch, 1)
-        if threads == 1 or flops < PARALLEL_MIN_FLOPS or _splits_columns(self, threads):
+        threads = _fork_cores(self)
+        if threads == 1 or _splits_columns(self, threads):
             return tall
         per = _ceil_div(self.m, threads)
         return min(range(tall, short - 1, -1), key=lambda mr: _ceil_div(per, mr) * mr)
@@ -733,10 +732,17 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}") if bi else tile
 
 
+def _fork_cores(s: MatmulShape) -> int:
+    """The cores a product this large may be split over (all of them when it pays for a fork, 1
+    when serial or small), before the row or column split is chosen."""
+    threads = 1 if s.serial else cores()
+    return threads if s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS else 1
+
+
 def _threads(s: MatmulShape) -> int:
     """Threads the product is split over (by columns or rows): all cores when large enough, else 1."""
-    threads = 1 if s.serial else cores()
-    if threads == 1 or s.m * s.n * s.k * max(s.batch, 1) < PARALLEL_MIN_FLOPS:
+    threads = _fork_cores(s)
+    if threads == 1:
         return 1
     # Split by rows, each core needs two blocks of MR rows; split by columns, any number of rows.
     return threads if s.m >= 2 * s.mr * threads or _splits_columns(s, threads) else 1

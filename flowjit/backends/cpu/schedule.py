@@ -206,20 +206,21 @@ def reduction(shape: tuple[int, ...], axis: int, acc_bits: int):
     parallel = size >= PARALLEL_MIN_ELEMENTS and threads() > 1
     if len(shape) == 1:
         streams = parallel and size * acc_bits // 8 >= STREAMING_REDUCTION_MIN_BYTES
-        return _full_reduction(shape[0], vl, parallel, streams)
+        return _full_reduction(vl, parallel, streams)
     if axis == len(shape) - 1:
         return _row_reduction(shape, vl, parallel)
     return _column_reduction(shape, axis, vl, parallel)
 
 
-def _full_reduction(r: int, vl: int, parallel: bool, streams: bool = False):
+def _full_reduction(vl: int, parallel: bool, streams: bool):
     vectors = 1 if streams else FULL_REDUCTION_VECTORS
+    # As many partials more as accumulators fewer: each lane adds as many elements in sequence.
+    chunks = FULL_REDUCTION_CHUNKS * FULL_REDUCTION_VECTORS // vectors
 
     def steps(h: str) -> list[str]:
         n = h[1:]
         lines = []
         if parallel:
-            chunks = FULL_REDUCTION_CHUNKS * (FULL_REDUCTION_VECTORS if streams else 1)
             lines += [
                 f"%pfill{n}, %psplit{n}, %pcomb{n}, %pforall{n} = transform.structured.tile_reduction_using_forall "
                 f"{h} by num_threads = [{chunks}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
