@@ -1,3 +1,11 @@
+MATMUL_GAP = (
+    "our kernel keeps each K x NR panel of B in L2 and a 14 x 32 tile of C in registers, reading A's rows in "
+    "place, or, when they are a multiple of 4 KiB apart (K = 1024, 2048 f32), from a copy with rows one cache "
+    "line longer: read in place, a tile's 14 rows all fell in one L1 set and the 1024^3 product ran at 111-114 "
+    "GFLOP/s on a 2-core Zen 4 (206-210 with the copy, numpy's OpenBLAS 187-197; session 11). Medians within a "
+    "few percent of the fastest peer's move with this shared VM's noise; MKL and OpenBLAS also block K with A "
+    "packed (GotoBLAS), which we do not (docs/cpu-backend.md, 'Matmul kernel')."
+)
 """RESULTS.md: machine block, summary of ratios against the issues' targets, one table per workload."""
 
 from __future__ import annotations
