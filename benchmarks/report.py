@@ -1,11 +1,3 @@
-MATMUL_GAP = (
-    "our kernel keeps each K x NR panel of B in L2 and a 14 x 32 tile of C in registers, reading A's rows in "
-    "place, or, when they are a multiple of 4 KiB apart (K = 1024, 2048 f32), from a copy with rows one cache "
-    "line longer: read in place, a tile's 14 rows all fell in one L1 set and the 1024^3 product ran at 111-114 "
-    "GFLOP/s on a 2-core Zen 4 (206-210 with the copy, numpy's OpenBLAS 187-197; session 11). Medians within a "
-    "few percent of the fastest peer's move with this shared VM's noise; MKL and OpenBLAS also block K with A "
-    "packed (GotoBLAS), which we do not (docs/cpu-backend.md, 'Matmul kernel')."
-)
 """RESULTS.md: machine block, summary of ratios against the issues' targets, one table per workload."""
 
 from __future__ import annotations
@@ -169,12 +161,12 @@ WHY_SLOWER_AT_MEDIAN = (
     "to minute). The calls that wake the threads after a pause are the 'after a pause' column."
 )
 MATMUL_GAP = (
-    "PyTorch's sgemm (MKL) blocks K and packs A (GotoBLAS); our kernel keeps each K x NR panel of B in L2 "
-    "and reads A's rows in place. On a 2-core Zen 5 VM (2026-11-23, sessions 8-9) flowjit's medians were "
-    "0.81-0.96 of the fastest peer's; on a 2-core Xeon (AVX-512, session 10), one thread, 1024^3: 14.4-14.9 ms "
-    "against MKL's 12.9-13.3, while with K = 256 (the panel piece in L1) the kernel matches MKL (160 vs 167 "
-    "GFLOP/s). Blocking K without packing A ran 2x slower (A's rows then stream 1 KiB at a time), and with "
-    "A's block copied per core the copies cost more than they saved (docs/cpu-backend.md, 'Matmul kernel')."
+    "our kernel keeps each K x NR panel of B in L2 and a 14 x 32 tile of C in registers, reading A's rows in "
+    "place, or, when they are a multiple of 4 KiB apart (K = 1024, 2048 f32), from a copy with rows one cache "
+    "line longer: read in place, a tile's 14 rows all fell in one L1 set and the 1024^3 product ran at 111-114 "
+    "GFLOP/s on a 2-core Zen 4 (206-210 with the copy, numpy's OpenBLAS 187-197; session 11). Medians within a "
+    "few percent of the fastest peer's move with this shared VM's noise; MKL and OpenBLAS also block K with A "
+    "packed (GotoBLAS), which we do not (docs/cpu-backend.md, 'Matmul kernel')."
 )
 WHY_SLOWER: dict[str, str] = {
     "conv_layer": "flowjit's conv is im2col in 512 KiB chunks (split over the cores, padding the input as it reads "
