@@ -329,6 +329,26 @@ def test_matmul_restrides_rows_that_alias_in_l1():
     check("dot_general", [data((2, 45, 1024), dt.float32, 3), data((2, 1024, 96), dt.float32, 4)], batched)
 
 
+def test_conv_restrides_weights_that_alias_in_l1(monkeypatch):
+    """A convolution whose weight rows are a multiple of 4 KiB long (a 1x1 conv over 1024 channels)
+    copies them one cache line apart before its chunks' fork (the chunks' products are serial and
+    would read them in place), from the function's scratch area; results match."""
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    x, w = data((4, 1024, 10, 10), dt.float32, 1), data((40, 1024, 1, 1), dt.float32, 2)
+    mlir = check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
+    assert "tensor<40x1040xf32>" in mlir and "tensor.empty() : tensor<40x1040xf32>" not in mlir
+    # chunks of whole images over the cores, the odd one after the fork (its product not serial)
+    x5 = data((5, 1024, 14, 14), dt.float32, 5)
+    check(
+        "conv2d",
+        [x5, data((64, 1024, 1, 1), dt.float32, 6)],
+        dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)),
+    )
+    w2 = data((24, 256, 2, 2), dt.float32, 3)  # 2x2 over 256 channels: rows of 1024 taps
+    x2 = data((4, 256, 16, 16), dt.float32, 4)
+    check("conv2d", [x2, w2], dict(stride=(2, 2), padding=((0, 0), (0, 0)), dilation=(1, 1)))
+
+
 def test_matmul_kernel_k_loop_is_not_unrolled_by_llvm():
     """The micro-kernel's k loop reaches LLVM with `llvm.loop.unroll.disable`: O3 fully unrolled a
     short contraction (the CNN conv's K = 9) into 9x the FMAs. A block of 8 rows has a loop of 16

@@ -13,6 +13,7 @@ docs/cpu-backend.md, section Contractions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -554,7 +555,7 @@ class _Conv:
     4-D type `tw`, stride, dilation, and the epilogue its output goes through (None: the product
     in `acc`, narrowed to the result's type at the end)."""
 
-    weights: str
+    weights: str | matmul_kernel.Restrided  # restrided for a fork's chunks (`_restrides_weights`)
     tw: TensorType
     stride: tuple
     dilation: tuple
@@ -569,6 +570,24 @@ class _Conv:
 
     def finish(self, em: KernelEmitter, out: str, result: TensorType) -> str:
         return out if self.epilogue is not None else narrow(em, out, result, self.acc)
+
+
+def _restrides_weights(o: int, depth: int, acc: str) -> bool:
+    """Whether the weights' rows are copied one cache line apart before the chunks' fork: rows a
+    multiple of 4 KiB long (`matmul_kernel.ALIASING_STRIDE`; 1x1 convs over 1024 or 2048 channels),
+    which the products of the chunks, serial, would read in place. 8 x 1024 x 14 x 14 -> 256
+    channels on two Zen 4 cores: 101 -> 171 GFLOP/s (docs/cpu-backend.md, "conv2d")."""
+    return o >= matmul_kernel.SHORT_TILE_ROWS and matmul_kernel.aliases(depth, acc)
+
+
+def _conv2d_scratch(op: Op) -> int:
+    """The weights' restrided copy (`_restrides_weights`), when the conv may take the im2col form."""
+    tw = op.operands[1].type
+    o, depth, acc = tw.shape[0], tw.size // tw.shape[0], accumulator_elem(op.result.type.dtype)
+    return matmul_kernel.restrided_bytes(o, depth, acc) if _restrides_weights(o, depth, acc) else 0
+
+
+SCRATCH["conv2d"] = _conv2d_scratch
 
 
 def _im2col_cap(depth: int) -> int:
@@ -619,6 +638,15 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
         return conv.finish(
             em, _conv_chunks_in_turn(em, w_, (padded, padded_type), conv, result, (images, rows)), result
         )
+    in_fork = conv
+    if _restrides_weights(o, depth, acc):
+        # Before the fork, for the chunks' products inside it: serial, they have no scratch area
+        # of their own (the tail chunks after it are not, and restride the weights themselves).
+        needed = matmul_kernel.restrided_bytes(o, depth, acc)
+        w_.scratch = em.scratch if em.scratch and em.scratch[1] >= needed else None
+        source = (conv.weights, f"tensor<{o}x{depth}x{acc}>", [])
+        weights = matmul_kernel.restride(w_, source, o, depth, acc, w_.index(0), threads)
+        in_fork = dataclasses.replace(conv, weights=weights)
     out_type = tensor_type(result, conv.out_elem)
     done, t, shared = w_.open_forall(whole, em.empty(result, conv.out_elem), out_type)
     if rows == oh:
@@ -632,7 +660,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     part_type = tensor_type(part, conv.out_elem)
     into = em.op(f"tensor.extract_slice {shared}{where} : {out_type} to {part_type}") if epilogue else None
     scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
-    y = _conv_images(em, (padded, padded_type), conv, part, (image, row), serial=True, into=into)
+    y = _conv_images(em, (padded, padded_type), in_fork, part, (image, row), serial=True, into=into)
     em.scratch = scratch
     w_.close_forall(y, shared, where, part_type, out_type)
     if rows == oh and n % images:  # the tail chunk of images

@@ -141,7 +141,7 @@ SINGLE_ROWS_MAX_SHARE = 64  # see `_row_ranges`
 # with fewer (a narrow N) reads its columns in place (packing a.T @ dz with N = 10 cost 3x).
 PACK_A_MIN_PANELS = 4
 # A whose rows are a multiple of this many bytes apart is first copied to rows padded by one cache
-# line (`_restride_a`). The micro-kernel reads MR rows of A at once, one line of each per 16 k: at
+# line (`restride`). The micro-kernel reads MR rows of A at once, one line of each per 16 k: at
 # such a stride all MR lines fall in the same L1 set (sets x line = 4 KiB on the Zen 4, Zen 5 and
 # Xeon cores measured), which holds 8 or 12 lines, so with 14 rows every broadcast missed L1.
 # 1024^3 f32 on two Zen 4 cores ran at 111-114 GFLOP/s against 193-197 for K = 1008 or 1040.
@@ -390,7 +390,7 @@ def _row_blocks(
 
 
 class Restrided(NamedTuple):
-    """A's copy with rows one cache line longer (`_restride_a`): (M, K + pad), the batch's matrix."""
+    """A's copy with rows one cache line longer (`restride`): (M, K + pad), the batch's matrix."""
 
     tensor: str
     type: str
@@ -411,45 +411,57 @@ def _a_reader(w: LoopWriter, s: MatmulShape, a: str | Restrided, row0: str, batc
     return read
 
 
+def aliases(k: int, elem: str) -> bool:
+    """Whether rows of `k` elements of `elem` are a multiple of `ALIASING_STRIDE` bytes long."""
+    return k * int(elem[1:]) // 8 % ALIASING_STRIDE == 0
+
+
+def restrided_bytes(m: int, k: int, elem: str) -> int:
+    """Bytes of an (m, k) matrix's restrided copy (`restride`)."""
+    return _round_up(m * (k * int(elem[1:]) // 8 + CACHE_LINE), 64)
+
+
 def _restrides_a(s: MatmulShape) -> bool:
     """Whether A's rows are copied one cache line apart first (see `ALIASING_STRIDE`): a row-major A
     read in place by tall tiles, its rows a multiple of `ALIASING_STRIDE` bytes long. Not for
-    serial products (inside another kernel's parallel loop, which has no scratch area of its own)."""
-    row_bytes = s.k * int(s.elem[1:]) // 8
-    in_place = not s.a_cols and not s.serial
-    return in_place and s.m >= s.mr and row_bytes % ALIASING_STRIDE == 0
+    serial products (inside another kernel's parallel loop, which has no scratch area of its own:
+    a convolution restrides its weights before its fork, `lower_contraction._conv_as_matmul`)."""
+    return not s.a_cols and not s.serial and s.m >= s.mr and aliases(s.k, s.elem)
 
 
-def _restride_a(w: LoopWriter, s: MatmulShape, a: str, batch_index: str | None, threads: int) -> Restrided:
-    """A (the batch's matrix) copied into the scratch area with rows `CACHE_LINE` bytes longer, so a
-    tile's rows fall in consecutive cache sets; split by rows over `threads` cores (its own fork:
-    every core's tiles read all of A when they split C's columns)."""
+def restride(
+    w: LoopWriter, a: tuple[str, str, list[str]], m: int, k: int, elem: str, offset: str, threads: int
+) -> Restrided:
+    """The (m, k) matrix `a` = (tensor, its type, leading indices (a batch's)) copied with rows
+    `CACHE_LINE` bytes longer, into the scratch area at byte `offset` (`restrided_bytes`), so the
+    rows of a tile fall in consecutive cache sets; split by rows over `threads` cores (its own
+    fork: every core's tiles read all of A when they split C's columns)."""
     em = w.em
-    vl = s.lanes
-    vec = f"vector<{vl}x{s.elem}>"
-    stride = s.k + CACHE_LINE * 8 // int(s.elem[1:])
-    copy_type = f"tensor<{s.m}x{stride}x{s.elem}>"
-    copy = w.temporary((s.m, stride), s.elem, w.index(_scratch_before_a_copy(s)))
-    pad = em.op(f"arith.constant {s.zero} : {s.elem}")
-    prefix = [batch_index] if batch_index else []
+    source, source_type, prefix = a
+    vl = vector_bits() // int(elem[1:])
+    vec = f"vector<{vl}x{elem}>"
+    stride = k + CACHE_LINE * 8 // int(elem[1:])
+    copy_type = f"tensor<{m}x{stride}x{elem}>"
+    copy = w.temporary((m, stride), elem, offset)
+    pad = em.op(f"arith.constant {'0' if elem.startswith('i') else '0.0'} : {elem}")
 
     def copy_rows(row0: str, rows: str, dest: str, dest_type: str) -> str:
         outer, r, (cur,) = w.open_for(w.index(0), rows, w.index(1), [(dest, dest_type)])
-        inner, k, (c,) = w.open_for(w.index(0), w.index(s.k), w.index(vl), [(cur, dest_type)])
-        where = ", ".join(prefix + [w.add(row0, r), k])
-        v = em.op(f"vector.transfer_read {a}[{where}], {pad} {{in_bounds = [true]}} : {s.a_tensor}, {vec}")
-        c = em.op(f"vector.transfer_write {v}, {c}[{r}, {k}] {{in_bounds = [true]}} : {vec}, {dest_type}")
+        inner, col, (c,) = w.open_for(w.index(0), w.index(k), w.index(vl), [(cur, dest_type)])
+        where = ", ".join(prefix + [w.add(row0, r), col])
+        v = em.op(f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [true]}} : {source_type}, {vec}")
+        c = em.op(f"vector.transfer_write {v}, {c}[{r}, {col}] {{in_bounds = [true]}} : {vec}, {dest_type}")
         w.close_for([c], [dest_type])
         w.close_for([inner], [dest_type])
         return outer
 
     if threads == 1:
-        return Restrided(copy_rows(w.index(0), w.index(s.m), copy, copy_type), copy_type)
-    chunk = _ceil_div(s.m, threads)
-    done, t, shared = w.open_forall(_ceil_div(s.m, chunk), copy, copy_type)
+        return Restrided(copy_rows(w.index(0), w.index(m), copy, copy_type), copy_type)
+    chunk = _ceil_div(m, threads)
+    done, t, shared = w.open_forall(_ceil_div(m, chunk), copy, copy_type)
     row0 = w.mul(t, w.index(chunk))
-    rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(s.m)}, {row0} : index')}, {w.index(chunk)} : index")
-    part_type = f"tensor<?x{stride}x{s.elem}>"
+    rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(m)}, {row0} : index')}, {w.index(chunk)} : index")
+    part_type = f"tensor<?x{stride}x{elem}>"
     where = f"[{row0}, 0] [{rows}, {stride}] [1, 1]"
     part = em.op(f"tensor.extract_slice {shared}{where} : {copy_type} to {part_type}")
     w.close_forall(copy_rows(row0, rows, part, part_type), shared, where, part_type, copy_type)
@@ -646,8 +658,10 @@ def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | N
         outer, batch_index, (c_all,) = w.open_for(w.index(0), w.index(s.batch), w.index(1), [(result, c_type)])
     else:
         batch_index, c_all = None, result
-    if _restrides_a(s):
-        a = _restride_a(w, s, a, batch_index, threads)
+    if _restrides_a(s) and not isinstance(a, Restrided):
+        prefix = [batch_index] if batch_index else []
+        offset = w.index(_scratch_before_a_copy(s))
+        a = restride(w, (a, s.a_tensor, prefix), s.m, s.k, s.elem, offset, threads)
     if _splits_columns(s, threads):
         c_new = _columns_in_parallel(w, s, a, b, c_all, threads)
     elif threads > 1:
@@ -841,12 +855,11 @@ def scratch_bytes(s: MatmulShape) -> int:
     thread's packed A, then A's restrided copy. Per-call allocations this big fragmented glibc's
     heap (small blocks allocated between calls land in the freed panels), so every call
     page-faulted fresh memory."""
-    restrided = _round_up(s.m * (s.k * int(s.elem[1:]) // 8 + CACHE_LINE), 64) if _restrides_a(s) else 0
-    return _scratch_before_a_copy(s) + restrided
+    return _scratch_before_a_copy(s) + (restrided_bytes(s.m, s.k, s.elem) if _restrides_a(s) else 0)
 
 
 def _scratch_before_a_copy(s: MatmulShape) -> int:
-    """Bytes of the scratch area before A's restrided copy (`_restride_a`), which comes last."""
+    """Bytes of the scratch area before A's restrided copy (`restride`), which comes last."""
     threads = _threads(s)
     if s.b_in_place and s.serial:
         return 0
