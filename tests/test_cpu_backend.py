@@ -601,3 +601,26 @@ def test_a_forked_child_compiles(monkeypatch):
     expected = _compile_in_child(0)  # the parent has compiled: its MLIR context and pools exist
     with multiprocessing.get_context("fork").Pool(2) as pool:
         assert pool.map_async(_compile_in_child, [0, 0]).get(timeout=240) == [expected, expected]
+
+
+def test_machine_code_calling_a_missing_function_is_an_error_not_a_crash():
+    """A symbol only code generation introduces (a helper for an operation the CPU lacks) shows in
+    no IR declaration; the object's symbol table is checked before anything runs: MCJIT links an
+    unresolved one to address 0. libgcc_s is loaded for the helpers LLVM calls (`__truncdfhf2`,
+    double -> half without AVX512-FP16: tanh of float64 converted to float16 crashed on a Zen 4)."""
+    ir = textwrap.dedent(
+        """
+        declare void @flowjit_no_such_function()
+        define void @calls_it() {
+          call void @flowjit_no_such_function()
+          ret void
+        }
+        """
+    )
+    code = toolchain.emit_object(ir, "calls_it")
+    assert "flowjit_no_such_function" in toolchain.object_externals(code)[0]
+    with pytest.raises(CompileError, match="flowjit_no_such_function"):
+        toolchain.load_objects((code,), "calls_it")
+    x = np.array([[-1.375], [0.3]])
+    y = fj.jit(lambda x: fnp.tanh(x).astype("float16"))(x)
+    np.testing.assert_array_equal(y, np.tanh(x).astype(np.float16))

@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import re
+import struct
 import sys
 import tempfile
 import threading
@@ -120,6 +121,15 @@ def llvm():
         binding.load_library_permanently("libm.so.6")
     except RuntimeError:
         binding.load_library_permanently(ctypes.util.find_library("m"))
+    # libgcc_s: the helpers LLVM's code generation calls for conversions the CPU has no instruction
+    # for (`__truncdfhf2`, double -> half, on a CPU without AVX512-FP16: a Zen 4). Without it such
+    # code stops with `check_objects`'s error (it used to crash on the call).
+    try:
+        binding.load_library_permanently("libgcc_s.so.1")
+    except RuntimeError:
+        found = ctypes.util.find_library("gcc_s")
+        if found:
+            binding.load_library_permanently(found)
     keep_kernel_temporaries()
     return binding
 
@@ -460,6 +470,42 @@ def check_symbols(modules: list) -> None:
         raise CompileError(f"internal error: the generated code calls unresolved functions: {', '.join(missing)}")
 
 
+def object_externals(object_code: bytes) -> tuple[set[str], set[str]]:
+    """(symbols the ELF object refers to without defining them, symbols it defines): its external
+    calls, the helpers its code generation called for operations the CPU lacks among them, which
+    no IR declaration shows (`check_symbols` cannot see them)."""
+    binding = llvm()
+    sections = {s.name(): s.data() for s in binding.ObjectFileRef.from_data(object_code).sections()}
+    table, names = sections.get(b".symtab", b""), sections.get(b".strtab", b"")
+    undefined, defined = set(), set()
+    for offset in range(0, len(table) - _ELF64_SYMBOL.size + 1, _ELF64_SYMBOL.size):
+        name, _, _, section, _, _ = _ELF64_SYMBOL.unpack_from(table, offset)
+        if name:
+            symbol = names[name : names.index(b"\0", name)].decode()
+            (undefined if section == 0 else defined).add(symbol)
+    return undefined, defined
+
+
+_ELF64_SYMBOL = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx (0: undefined), st_value, st_size
+
+
+def check_objects(objects: tuple[bytes, ...]) -> None:
+    """Raise unless every symbol the objects (one function's parts, linked together) use resolves
+    in this process: MCJIT links an unresolved one to address 0, and the call crashes."""
+    binding = llvm()
+    undefined, defined = set(), set()
+    for object_code in objects:
+        used, own = object_externals(object_code)
+        undefined |= used
+        defined |= own
+    missing = sorted(name for name in undefined - defined if not binding.address_of_symbol(name))
+    if missing:
+        raise CompileError(
+            f"internal error: the generated machine code calls functions this process does not have: "
+            f"{', '.join(missing)} (helpers of LLVM's code generation live in libgcc_s / compiler-rt)"
+        )
+
+
 class NativeModule:
     """Machine code loaded in this process; keeps the engine alive as long as functions are used.
     `objects`: the object code it was loaded from (one object per part, `parallel_codegen`)."""
@@ -529,8 +575,10 @@ def jit_compile(module, tm, strength_reduction: bool = False) -> NativeModule:
         engine = binding.create_mcjit_compiler(module, tm)
         engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
         engine.finalize_object()
+        objects = (captured["obj"],) if "obj" in captured else ()
+        check_objects(objects)  # before anything runs: static constructors, the function
         engine.run_static_constructors()
-    return NativeModule(engine, (captured["obj"],) if "obj" in captured else ())
+    return NativeModule(engine, objects)
 
 
 def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
@@ -542,6 +590,7 @@ def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
         empty.name = name
         empty.triple = host_cpu().triple
         engine = binding.create_mcjit_compiler(empty, target_machine())
+        check_objects(objects)
         for object_code in objects:
             engine.add_object_file(binding.ObjectFileRef.from_data(object_code))
         engine.finalize_object()
