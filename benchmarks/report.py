@@ -184,13 +184,22 @@ WHY_SLOWER: dict[str, str] = {
     "spans two lines: an aligned view of the same buffer sums 2-3.5% faster; a loop peeled to an aligned start "
     "won 1-2.4% at 3 ms more compile time and was dropped (docs/cpu-backend.md, 'Calls, cache, measurements'). "
     "Paired with torch call by call in one process the medians differ by 1-4%.",
+    "layernorm": "both read 16 MiB and write 16 MiB; flowjit's layer norm is one row-tile nest split over the cores "
+    "(each tile read from memory once, its reductions and the normalized output from cache) at 70-80% of the "
+    "measured bandwidth, "
+    "and the medians of both peers move with this shared VM: on a 2-core Zen 4 (session 11) flowjit's median "
+    "was 0.83-1.08 of the fastest peer's over four full runs and 0.92-0.94 in two runs of layer norm and "
+    "softmax alone, torch.compile's fastest calls 0.78-1.0 ms against our 1.0-1.2 in some of them "
+    "(docs/cpu-backend.md, 'Row loop nests').",
     "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
 WHY_LIMIT: dict[str, str] = {
-    "elementwise": "Compute-bound: on the 2-core Xeon of session 10 it takes 20-21 ms (JAX 31, torch.compile "
-    "41; 23-26 ms before recycled outputs were 64-byte aligned): the two exp polynomials and two "
-    "divisions per element, not the memory, set its time there (a "
+    "elementwise": "Compute-bound: on a 2-core Zen 4 (session 11; AVX-512 on 256-bit units) 8.8-10.4 ms, "
+    "29-46% of the limit (JAX 29-34 ms), 46% once tanh's exp scaled by one power of two instead of two "
+    "(5 vector instructions fewer per element, 7% faster). On the 2-core Xeon of session 10 it takes "
+    "20-21 ms (JAX 31, torch.compile 41; 23-26 ms before recycled outputs were 64-byte aligned): the two "
+    "exp polynomials and two divisions per element, not the memory, set its time there (a "
     "reciprocal estimate for the divisions was slower there too). On the Zen 5 VM: since large outputs are "
     "recycled (page-faulting a fresh 64 MiB output in took "
     "0.53-0.55 ns per element) the full size runs back to back at the cache-resident rate, 0.30 ns per "
