@@ -314,6 +314,22 @@ def test_f64_matches_numpy(name):
     assert error[worst] <= limit, f"{name}{tuple(float(v[worst]) for v in xs)} = {y[worst]!r}: {error[worst]:.3g} ulp"
 
 
+def test_f64_atan2_of_zeros_constant_or_not():
+    """atan2(+-0, +-0) as C and numpy define it, also when MLIR sees two constant zeros (its
+    `math.atan2` folder gives nan there): the fuzzer's `arctan2(v, v)` of a float64 zero."""
+    import flowjit as fj
+    import flowjit.numpy as fnp
+
+    y = np.array([0.0, -0.0, 0.0, -0.0, 1.0])
+    x = np.array([0.0, 0.0, -0.0, -0.0, -0.0])
+    got = fj.jit(fnp.arctan2)(y, x)
+    np.testing.assert_array_equal(got, np.arctan2(y, x))
+    assert np.array_equal(np.signbit(got), np.signbit(np.arctan2(y, x)))
+    zero = lambda b: (b ^ b).astype("float64")  # noqa: E731  (folds to a constant 0.0)
+    folded = fj.jit(lambda b: (fnp.arctan2(zero(b), zero(b)), fnp.arctan2(-zero(b), -zero(b))))(np.array(True))
+    assert [float(v) for v in folded] == [0.0, -math.pi]
+
+
 def _table(step: int = 61) -> None:
     print(f"float32, every {step}th bit pattern + special values; reference: numpy float64")
     print("| function | max ulp | at x | max rel. error | max abs. error (|ref| <= 1) |")
