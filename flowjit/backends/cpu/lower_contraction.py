@@ -576,7 +576,7 @@ def _restrides_weights(o: int, depth: int, acc: str) -> bool:
     """Whether the weights' rows are copied one cache line apart before the chunks' fork: rows a
     multiple of 4 KiB long (`matmul_kernel.ALIASING_STRIDE`; 1x1 convs over 1024 or 2048 channels),
     which the products of the chunks, serial, would read in place. 8 x 1024 x 14 x 14 -> 256
-    channels on two Zen 4 cores: 101 -> 171 GFLOP/s (docs/cpu-backend.md, "conv2d")."""
+    channels on two Zen 4 cores: 101 -> 182 GFLOP/s (docs/cpu-backend.md, "conv2d")."""
     return o >= matmul_kernel.SHORT_TILE_ROWS and matmul_kernel.aliases(depth, acc)
 
 
@@ -643,9 +643,9 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
         # Before the fork, for the chunks' products inside it: serial, they have no scratch area
         # of their own (the tail chunks after it are not, and restride the weights themselves).
         needed = matmul_kernel.restrided_bytes(o, depth, acc)
-        w_.scratch = em.scratch if em.scratch and em.scratch[1] >= needed else None
+        copier = matmul_kernel.LoopWriter(em, em.scratch if em.scratch and em.scratch[1] >= needed else None)
         source = (conv.weights, f"tensor<{o}x{depth}x{acc}>", [])
-        weights = matmul_kernel.restride(w_, source, o, depth, acc, w_.index(0), threads)
+        weights = matmul_kernel.restride(copier, source, o, depth, acc, copier.index(0), threads)
         in_fork = dataclasses.replace(conv, weights=weights)
     out_type = tensor_type(result, conv.out_elem)
     done, t, shared = w_.open_forall(whole, em.empty(result, conv.out_elem), out_type)

@@ -14,7 +14,9 @@ Algorithm (GotoBLAS-style, simplified):
    last of the cores' row chunks, one row at a time).
 4. Store the tile; the stores of the last panel are masked when N is not a multiple of NR, so
    nothing is written outside C and no scalar fallback is needed.
-Packed panels live in the function's scratch area (`scratch_bytes`), not in per-call allocations.
+A whose rows are a multiple of 4 KiB apart is first copied with rows one cache line longer
+(`restride`): read in place, a tile's rows would all share one L1 set. Packed panels and that copy
+live in the function's scratch area (`scratch_bytes`), not in per-call allocations.
 """
 
 from __future__ import annotations
