@@ -151,7 +151,6 @@ class Stages:
         else:
             self.parts = parallel_codegen.optimize_parts(pieces, mlir.entry, opt, light)
         modules = [module for module, _ in self.parts]
-        toolchain.check_symbols(modules)
         expected = len(mlir.inputs) + len(mlir.outputs) + 1
         found = len(list(modules[0].get_function(mlir.entry).arguments))
         if found != expected:  # a memref that missed the bare-pointer convention would crash the call

@@ -454,26 +454,14 @@ def optimization_pipeline(tm, opt: int = 3, light: bool = False):
 
 
 def undefined_symbols(module) -> list[str]:
-    """External functions the module calls (checked before MCJIT, which segfaults on unresolved ones)."""
+    """External functions the module's IR calls (an AOT library's externals)."""
     return sorted(f.name for f in module.functions if f.is_declaration and not f.name.startswith("llvm."))
 
 
-def check_symbols(modules: list) -> None:
-    """Raise unless every external that `modules` (the parts of one function, linked together) call
-    resolves in this process (MCJIT would segfault on the first call of an unresolved one instead
-    of reporting it)."""
-    binding = llvm()
-    defined = {f.name for m in modules for f in m.functions if not f.is_declaration}
-    called = {name for m in modules for name in undefined_symbols(m)} - defined
-    missing = [name for name in sorted(called) if not binding.address_of_symbol(name)]
-    if missing:
-        raise CompileError(f"internal error: the generated code calls unresolved functions: {', '.join(missing)}")
-
-
 def object_externals(object_code: bytes) -> tuple[set[str], set[str]]:
-    """(symbols the ELF object refers to without defining them, symbols it defines): its external
-    calls, the helpers its code generation called for operations the CPU lacks among them, which
-    no IR declaration shows (`check_symbols` cannot see them)."""
+    """(symbols the ELF object refers to without defining them, symbols it defines): its IR's
+    external calls and the helpers its code generation called for operations the CPU lacks, which
+    no IR declaration shows."""
     binding = llvm()
     sections = {s.name(): s.data() for s in binding.ObjectFileRef.from_data(object_code).sections()}
     table, names = sections.get(b".symtab", b""), sections.get(b".strtab", b"")
@@ -501,8 +489,8 @@ def check_objects(objects: tuple[bytes, ...]) -> None:
     missing = sorted(name for name in undefined - defined if not binding.address_of_symbol(name))
     if missing:
         raise CompileError(
-            f"internal error: the generated machine code calls functions this process does not have: "
-            f"{', '.join(missing)} (helpers of LLVM's code generation live in libgcc_s / compiler-rt)"
+            f"internal error: the generated code calls unresolved functions: {', '.join(missing)} (helpers "
+            f"of LLVM's code generation live in libgcc_s / compiler-rt)"
         )
 
 
