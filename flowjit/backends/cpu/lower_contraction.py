@@ -642,8 +642,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     if _restrides_weights(o, depth, acc):
         # Before the fork, for the chunks' products inside it: serial, they have no scratch area
         # of their own (the tail chunks after it are not, and restride the weights themselves).
-        needed = matmul_kernel.restrided_bytes(o, depth, acc)
-        copier = matmul_kernel.LoopWriter(em, em.scratch if em.scratch and em.scratch[1] >= needed else None)
+        copier = matmul_kernel.LoopWriter.with_scratch(em, matmul_kernel.restrided_bytes(o, depth, acc))
         source = (conv.weights, f"tensor<{o}x{depth}x{acc}>", [])
         weights = matmul_kernel.restride(copier, source, o, depth, acc, copier.index(0), threads)
         in_fork = dataclasses.replace(conv, weights=weights)

@@ -172,6 +172,13 @@ MAX_UNROLLED_ROW_BLOCKS = 4
 class LoopWriter:
     """Small helpers over KernelEmitter for loop nests with tensor iter_args."""
 
+    @classmethod
+    def with_scratch(cls, em: KernelEmitter, needed: int, tile_epilogue=None) -> LoopWriter:
+        """A writer whose temporaries (`needed` bytes) go in the function's scratch area when it is
+        that large, else are allocated."""
+        scratch = em.scratch if em.scratch and em.scratch[1] >= needed else None
+        return cls(em, scratch, tile_epilogue)
+
     def __init__(self, em: KernelEmitter, scratch: tuple[str, int] | None = None, tile_epilogue=None):
         self.em = em
         self.scratch = scratch  # (memref<Nxi8>, N) holding this kernel's temporaries, or None: allocate them
@@ -639,16 +646,18 @@ def _tile_through_epilogue(w: LoopWriter, s: MatmulShape, c, i: str, col: str, m
     return em.op(f"tensor.insert_slice {part} into {tile}{where} : {window} into {c_type}")
 
 
-def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | None = None, tile_epilogue=None) -> str:
+def emit_matmul(
+    em: KernelEmitter, a: str | Restrided, b: str, s: MatmulShape, into: str | None = None, tile_epilogue=None
+) -> str:
     """C = A @ B (batched when s.batch) as a new tensor, or `into` + A @ B with `s.accumulate`; `a`,
     `b` are row-major (.., M, K), (.., K, N), or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K)
-    with `s.b_rows`. With `tile_epilogue(window, (rows, columns), row, column)` (a product made
+    with `s.b_rows`; a serial product may be given A already restrided (`restride`: a convolution's
+    weights, copied before its fork). With `tile_epilogue(window, (rows, columns), row, column)` (a product made
     whole, not serial, not accumulated), each register tile goes through it once stored: it
     returns the tile's window of C (`rows` x `columns` at C's `row`, `column`; of the batch's
     matrix when batched) computed in place."""
     em.matmul_kernels = True
-    scratch = em.scratch if em.scratch and em.scratch[1] >= scratch_bytes(s) else None
-    w = LoopWriter(em, scratch, tile_epilogue)
+    w = LoopWriter.with_scratch(em, scratch_bytes(s), tile_epilogue)
     c_type = s.tensor(s.m, s.n)
     if s.accumulate != (into is not None):
         raise CompileError("internal error: emit_matmul accumulates exactly when given the tensor to add to")
@@ -660,7 +669,7 @@ def emit_matmul(em: KernelEmitter, a: str, b: str, s: MatmulShape, into: str | N
         outer, batch_index, (c_all,) = w.open_for(w.index(0), w.index(s.batch), w.index(1), [(result, c_type)])
     else:
         batch_index, c_all = None, result
-    if _restrides_a(s) and not isinstance(a, Restrided):
+    if _restrides_a(s):
         prefix = [batch_index] if batch_index else []
         offset = w.index(_scratch_before_a_copy(s))
         a = restride(w, (a, s.a_tensor, prefix), s.m, s.k, s.elem, offset, threads)
