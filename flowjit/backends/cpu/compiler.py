@@ -139,7 +139,9 @@ class Stages:
         lowered = lowerings[0]
         if len(lowerings) > 1:  # one LLVM part per MLIR part, the first defining the entry
             pieces = [part.llvm_ir for part in lowerings]
-            lowered = toolchain.LLVMLowering("\n".join(pieces), None, max(p.plain_loop_elements for p in lowerings))
+            plain = max(p.plain_loop_elements for p in lowerings)
+            streamed = tuple(s for p in lowerings for s in p.streamed)
+            lowered = toolchain.LLVMLowering("\n".join(pieces), None, plain, streamed)
         else:
             pieces = parallel_codegen.split_llvm_ir(lowered.llvm_ir, parallel_codegen.threads())
         llvm_ir = lowered.llvm_ir
@@ -161,7 +163,8 @@ class Stages:
             self.texts["mlir"] = mlir.text
         if keep_texts:
             # Printed before code generation, which rewrites the module in place (CodeGenPrepare).
-            llvm = f"; LLVM pipeline: {why}\n" + self._joined(lambda module, tm: str(module), ";")
+            streamed = "".join(f"; non-temporal stores (nontemporal.py): {s}\n" for s in lowered.streamed)
+            llvm = f"; LLVM pipeline: {why}\n{streamed}" + self._joined(lambda module, tm: str(module), ";")
             self.texts.update({"mlir-llvm": lowered.dialect_text, "llvm": llvm})
 
     def _graph(self) -> Graph:

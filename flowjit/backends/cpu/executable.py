@@ -14,6 +14,7 @@ address (`array.ctypes.data` costs ~1 us per array, the buffer protocol ~0.3 us;
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import sysconfig
 import threading
@@ -24,6 +25,7 @@ import numpy as np
 
 from flowjit.backends import Executable
 from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu.nontemporal import NONTEMPORAL_MIN_BYTES
 from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.types import TensorType
@@ -110,21 +112,39 @@ class OutputRecycler:
             return self._result_in(block)
 
     def _result_in(self, block: np.ndarray) -> np.ndarray:
-        """A result array in `block`, from its first `OUTPUT_ALIGNMENT`-byte boundary on."""
-        offset = -_address(block) % OUTPUT_ALIGNMENT
-        return block[offset : offset + self._nbytes].view(self.dtype).reshape(self.shape)
+        return _aligned_view(block, self.shape, self.dtype)
+
+
+def _aligned_view(block: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array of `shape` and `dtype` in `block` (at least `OUTPUT_ALIGNMENT` bytes longer), from its
+    first `OUTPUT_ALIGNMENT`-byte boundary on."""
+    offset = -_address(block) % OUTPUT_ALIGNMENT
+    return block[offset : offset + _nbytes(shape, dtype)].view(dtype).reshape(shape)
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """`np.empty(shape, dtype)` starting on a 64-byte line (`.base` is the block holding it)."""
+    return _aligned_view(np.empty(_nbytes(shape, dtype) + OUTPUT_ALIGNMENT, np.uint8), shape, dtype)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def _recyclers(shapes, dtypes) -> list[OutputRecycler | None]:
-    """A recycler for each output of at least `RECYCLE_MIN_BYTES`, None for the others."""
-    return [
-        OutputRecycler(shape, dtype) if _CAN_RECYCLE and _nbytes(shape, dtype) >= RECYCLE_MIN_BYTES else None
-        for shape, dtype in zip(shapes, dtypes)
-    ]
+def _allocators(shapes, dtypes) -> list[Callable[[], np.ndarray] | None]:
+    """How each output nobody provides is made: by a recycler from `RECYCLE_MIN_BYTES` on, starting on
+    a 64-byte line from `nontemporal.NONTEMPORAL_MIN_BYTES` on (the kernel's non-temporal stores need
+    whole aligned lines), `np.empty` (None) otherwise."""
+    allocators: list[Callable[[], np.ndarray] | None] = []
+    for shape, dtype in zip(shapes, dtypes):
+        nbytes = _nbytes(shape, dtype)
+        if _CAN_RECYCLE and nbytes >= RECYCLE_MIN_BYTES:
+            allocators.append(OutputRecycler(shape, dtype).take)
+        elif nbytes >= NONTEMPORAL_MIN_BYTES:
+            allocators.append(functools.partial(_aligned_empty, shape, dtype))
+        else:
+            allocators.append(None)
+    return allocators
 
 
 # --- the trampolines -------------------------------------------------------------------------------
@@ -196,8 +216,8 @@ class CpuExecutable(Executable):
         self._out_shapes = [b.shape for b in self.outputs]
         self._out_dtypes = [b.np_dtype for b in self.outputs]
         self._in_specs = [(b.shape, b.np_dtype) for b in self.inputs]
-        self._recyclers = _recyclers(self._out_shapes, self._out_dtypes)
-        self._recycling = any(r is not None for r in self._recyclers)
+        self._allocators = _allocators(self._out_shapes, self._out_dtypes)
+        self._allocating = any(a is not None for a in self._allocators)
         self._pool: list[tuple[np.ndarray, int]] = []
 
     def _take_workspace(self) -> tuple[np.ndarray, int]:
@@ -250,12 +270,11 @@ class CpuExecutable(Executable):
         """`run` for arguments already known to be C-contiguous numpy arrays of the right types (the
         trampoline reads their data pointers unchecked). `provided` maps output indices to
         caller-owned buffers (C-contiguous, of the output's type) to write instead of fresh arrays."""
-        recycling = self._recycling
-        if provided or recycling:  # only the outputs nobody provided are allocated (variables, donated arguments)
+        if provided or self._allocating:  # only the outputs nobody provided are allocated (variables, donations)
             provided = provided or {}
             outs = [
-                provided[i] if i in provided else np.empty(shape, dtype) if recycler is None else recycler.take()
-                for i, (shape, dtype, recycler) in enumerate(zip(self._out_shapes, self._out_dtypes, self._recyclers))
+                provided[i] if i in provided else np.empty(shape, dtype) if make is None else make()
+                for i, (shape, dtype, make) in enumerate(zip(self._out_shapes, self._out_dtypes, self._allocators))
             ]
         else:
             outs = list(map(np.empty, self._out_shapes, self._out_dtypes))
@@ -277,20 +296,19 @@ class CpuExecutable(Executable):
         trampoline, entry = self._trampoline, self._entry_address
         ((shape, dtype),) = zip(self._out_shapes, self._out_dtypes)
         empty, contiguous = np.empty, np.ascontiguousarray
-        (recycler,) = self._recyclers
-        if recycler is not None:
-            take = recycler.take
+        (make,) = self._allocators
+        if make is not None:
 
-            def call_recycling(args):
+            def call_allocating(args):
                 for a in args:
                     if not a.flags.c_contiguous:
                         args = [contiguous(a) for a in args]
                         break
-                out = take()
+                out = make()
                 trampoline(entry, *args, out, _NO_WORKSPACE_ADDRESS)
                 return out
 
-            return call_recycling
+            return call_allocating
 
         def call(args):
             for a in args:

@@ -38,6 +38,7 @@ from flowjit.backends.cpu.emitter import (
     scalar_literal,
     tensor_type,
 )
+from flowjit.backends.cpu.nontemporal import ARG_ATTR, NONTEMPORAL_MIN_BYTES
 from flowjit.errors import CompileError, op_error
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
@@ -391,7 +392,8 @@ def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op
         fl.buffers[p] = f"%in{i}"
         args.append(f"%in{i}: {_arg_type(p.type)}")
     outputs = [f"%out{i}" for i in range(len(graph.results))]
-    args += [f"{o}: {_arg_type(r.type)}" for o, r in zip(outputs, graph.results)]
+    for index, (out, result) in enumerate(zip(outputs, graph.results)):
+        args.append(f"{out}: {_arg_type(result.type)}{_stream_mark(index, result.type, late_outputs)}")
 
     # The first output holding a value produced by an op is that op's destination; other outputs
     # (params, constants, repeated results) get a copy at the end.
@@ -432,6 +434,14 @@ def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op
         if fl.result_outputs.get(value) != out:
             fl.write(fl.read(value), value, out)
     return fl, args, prologue, starts, workspace
+
+
+def _stream_mark(index: int, t: TensorType, late_outputs: frozenset[int]) -> str:
+    """The argument attribute asking for non-temporal stores into a large output (`nontemporal`); not
+    on late outputs, which may be an input's buffer too."""
+    if t.nbytes >= NONTEMPORAL_MIN_BYTES and index not in late_outputs:
+        return f" {{{ARG_ATTR}}}"
+    return ""
 
 
 def lower_graph(
@@ -529,7 +539,7 @@ def _module_text(
     declarations = []
     if callee is not None:
         names = ", ".join(a.split(":", 1)[0] for a in args)
-        types = ", ".join(a.split(": ", 1)[1] for a in args)
+        types = ", ".join(a.split(": ", 1)[1].split(" {", 1)[0] for a in args)  # without argument attributes
         tail.append(f"    func.call @{callee}({names}) : ({types}) -> ()")
         declarations.append(f"  func.func private @{callee}({types})")
     lines = [

@@ -319,6 +319,7 @@ class LLVMLowering(NamedTuple):
     llvm_ir: str
     dialect_text: str | None
     plain_loop_elements: int
+    streamed: tuple[str, ...] = ()  # the outputs given non-temporal stores (`nontemporal.stream_stores`)
 
 
 def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False) -> LLVMLowering:
@@ -336,6 +337,7 @@ def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: b
             return apply_transform_schedule(text) if scheduled else text
 
         _run_pipeline(module, pipeline, repro)
+        streamed = _streamed(module)
         llvm_ir = _translated(module)
         if _COPY_CALL in llvm_ir:
             module = _parse(text)
@@ -345,8 +347,18 @@ def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: b
             module = _parse(bufferized)
             plain = max(plain, _largest_plain_kernel(module))  # the copies, now plain loops
             _run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
+            streamed = _streamed(module)
             llvm_ir = _translated(module)
-        return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain)
+        return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain, streamed)
+
+
+def _streamed(module) -> tuple[str, ...]:
+    """`nontemporal.stream_stores` on an x86-64 host (its fence is an x86 instruction)."""
+    if not host_cpu().triple.startswith("x86_64"):
+        return ()
+    from flowjit.backends.cpu import nontemporal
+
+    return tuple(nontemporal.stream_stores(module))
 
 
 def _largest_plain_kernel(module) -> int:

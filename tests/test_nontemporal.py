@@ -1,0 +1,103 @@
+"""Non-temporal stores into large outputs a function only writes (`backends/cpu/nontemporal.py`):
+which stores get them, the fences that close them, and exact results whichever branch a store
+takes (a 64-byte aligned line or not)."""
+
+import platform
+import re
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.nn as nn
+import flowjit.numpy as fnp
+from flowjit.backends.cpu import lowering
+from flowjit.backends.cpu.nontemporal import NONTEMPORAL_MIN_BYTES
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 stores")
+
+COLS = 1024
+ROWS = NONTEMPORAL_MIN_BYTES // (4 * COLS)  # float32 rows: an output of exactly the threshold
+
+
+def _layer_norm(x, g, b):
+    return nn.layer_norm(x, g, b, eps=1e-5)
+
+
+def _inputs(rows=ROWS, cols=COLS):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    return x, rng.uniform(0.5, 1.5, cols).astype(np.float32), rng.uniform(-0.5, 0.5, cols).astype(np.float32)
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _without_streaming(monkeypatch, fn, *args):
+    """`fn(*args)` compiled with ordinary stores only."""
+    with monkeypatch.context() as m:
+        m.setattr(lowering, "NONTEMPORAL_MIN_BYTES", 1 << 62)
+        f = fj.jit(fn)
+        assert "!nontemporal" not in f.lower(*args).as_text("llvm")
+        return f(*args)
+
+
+def test_a_large_write_only_output_is_streamed_exactly(monkeypatch):
+    args = _inputs()
+    f = fj.jit(_layer_norm)
+    lowered = f.lower(*args)
+    assert re.search(r"\{fj\.stream\}", lowered.as_text("mlir"))
+    llvm = lowered.as_text("llvm")
+    assert re.search(r"; non-temporal stores \(nontemporal.py\): @\w+ argument 3: 1 store\n", llvm)
+    assert re.search(r"store <16 x float> .*, align 64, !nontemporal", llvm)
+    assert "call void @llvm.x86.sse.sfence()" in llvm
+    assert "vmovntps" in lowered.as_text("asm")
+    y = f(*args)
+    assert _address(y) % 64 == 0  # the executable allocates such outputs on a line
+    np.testing.assert_array_equal(y, _without_streaming(monkeypatch, _layer_norm, *args))
+
+
+def test_unaligned_outputs_and_rows_store_ordinarily_and_exactly(monkeypatch):
+    x, g, b = _inputs()
+    # A donated buffer 16 bytes past a line: every store takes the ordinary branch.
+    block = np.empty(x.nbytes + 64, np.uint8)
+    start = -_address(block) % 64 + 16
+    donated = block[start : start + x.nbytes].view(np.float32).reshape(x.shape)
+    donated[...] = x
+    expected = _without_streaming(monkeypatch, _layer_norm, x, g, b)
+    y = fj.jit(_layer_norm, donate_argnums=0)(donated, g, b)
+    assert _address(y) == _address(donated)
+    np.testing.assert_array_equal(y, expected)
+    # Rows of 1000 floats: a row starts on a line only every 16 rows; the rest and the row tails store
+    # ordinarily.
+    args = _inputs(rows=ROWS + 7, cols=1000)
+    np.testing.assert_array_equal(fj.jit(_layer_norm)(*args), _without_streaming(monkeypatch, _layer_norm, *args))
+
+
+def test_parallel_tiles_fence_their_stores_before_the_barrier():
+    text = fj.jit(_layer_norm).lower(*_inputs()).as_text("mlir-llvm")
+    assert "omp.parallel" in text
+    lines = text.splitlines()
+    yields = [i for i, line in enumerate(lines) if line.strip() == "omp.yield"]
+    assert yields and all("llvm.x86.sse.sfence" in lines[i - 1] for i in yields)
+
+
+@pytest.mark.parametrize(
+    "name, fn, elements",
+    [
+        ("read back (softmax divides its output in place)", lambda x: nn.softmax(x, axis=-1), ROWS * COLS),
+        ("too much arithmetic per line (exp)", fnp.exp, ROWS * COLS),
+        ("below the threshold", lambda x: x * 0.7 + 0.1, ROWS * COLS // 2),
+    ],
+)
+def test_other_outputs_keep_ordinary_stores(name, fn, elements):
+    x = np.linspace(-3, 3, elements, dtype=np.float32).reshape(-1, COLS)
+    assert "!nontemporal" not in fj.jit(fn).lower(x).as_text("llvm"), name
+
+
+def test_a_cheap_elementwise_kernel_streams():
+    x = np.linspace(-3, 3, ROWS * COLS, dtype=np.float32)
+    f = fj.jit(lambda x: x * 0.7 + 0.1)
+    assert "!nontemporal" in f.lower(x).as_text("llvm")
+    np.testing.assert_allclose(f(x), x * np.float32(0.7) + np.float32(0.1), rtol=1e-6)
