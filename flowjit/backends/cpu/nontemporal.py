@@ -5,9 +5,10 @@ leaves it there, evicting what the program reads next. A non-temporal store (`vm
 whole 64-byte line to memory without reading it and without caching it: an output written once
 and never read back by the function costs its size in memory traffic instead of twice its size,
 and the inputs stay cached. For a layer norm of 4096 x 1024 f32 (16 MiB in, 16 MiB out) called
-repeatedly on a 2-core Zen 4 (32 MiB of L3), paired in one process: 0.64x the time of ordinary
-stores; 8 MiB outputs 0.84x, 32 MiB 0.70x, but 1-4 MiB outputs 1.26-1.34x (the whole working set
-stays in the cache, and a non-temporal store evicts the line). Hence `NONTEMPORAL_MIN_BYTES`.
+repeatedly on a 2-core Zen 4 (32 MiB of L3), paired in one process: 0.64-0.84x the time of
+ordinary stores; 8 MiB outputs 0.79-0.84x, 32 MiB 0.70-0.76x, but 1-4 MiB outputs 1.26-1.34x (the
+whole working set stays in the cache, and a non-temporal store evicts the line). Hence
+`NONTEMPORAL_MIN_BYTES`.
 
 How: the lowering marks each output argument of at least `NONTEMPORAL_MIN_BYTES` with `ARG_ATTR`
 (`lowering._lower_function`); after the MLIR pipelines (`toolchain.lower_to_llvm_ir`),
@@ -19,13 +20,16 @@ vector store into such an argument (64 bytes: `vector<16xf32>`, `vector<8xf64>`,
     else                   the original store
 
 There is no unaligned non-temporal vector store; LLVM splits one into eight 8-byte `movnti`
-(Intel) or `movntsd` (AMD) stores, which measured slower than ordinary stores (1.2x on the layer
-norm). Outputs the executable allocates from `NONTEMPORAL_MIN_BYTES` on start on a 64-byte line
-(`executable`), so their rows of a multiple of 64 bytes take the first branch; a caller's buffer
-(donated, AOT) takes whichever its address gives. Functions that read an output back (softmax
+(Intel) or `movntsd` (AMD) stores, which measured slower than ordinary stores (the layer norm
+1.06-2.5x from 32 down to 4 MiB). Outputs the executable allocates from `NONTEMPORAL_MIN_BYTES`
+on start on a 64-byte line (`executable`), so their rows of a multiple of 64 bytes take the first
+branch; a caller's buffer (donated, AOT) takes whichever its address gives. Functions that read an output back (softmax
 stores exp(x - max) into its output and divides it in place: 1.5x slower with streaming stores)
 keep ordinary stores, as do partial-line stores (a line written in pieces would leave the
-write-combining buffer in pieces too).
+write-combining buffer in pieces too) and stores computed by more than `MAX_ARITHMETIC` vector ops
+in their block: on the Zen 4, streaming stores made `exp` 2-2.8x and a polynomial of degree 4 1.3x
+slower (not compute-bound kernels: their ordinary versions ran at the speed of `x * 0.7 + 0.1`),
+while the cheap kernels gained 0.75-0.82x (docs/cpu-backend.md).
 
 Non-temporal stores are weakly ordered: a store fence (`sfence`) closes every region that made them
 (each iteration of a parallel loop's body, before the OpenMP barrier, or the function before it
