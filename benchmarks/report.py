@@ -190,7 +190,9 @@ WHY_SLOWER: dict[str, str] = {
     "and the medians of both peers move with this shared VM: on a 2-core Zen 4 (session 11) flowjit's median "
     "was 0.83-1.08 of the fastest peer's over four full runs and 0.92-0.94 in two runs of layer norm and "
     "softmax alone, torch.compile's fastest calls 0.78-1.0 ms against our 1.0-1.2 in some of them "
-    "(docs/cpu-backend.md, 'Row loop nests').",
+    "(docs/cpu-backend.md, 'Row loop nests'). Since session 12 its output (written once, never read back) is "
+    "stored with non-temporal stores, which skip reading each output line first: 0.71-0.84 of the time, paired "
+    "(docs/cpu-backend.md, 'Non-temporal stores into large write-only outputs').",
     "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
@@ -206,7 +208,8 @@ WHY_LIMIT: dict[str, str] = {
     "element (two exp polynomials and two divisions per element for tanh and sigmoid; 63-67% of the traffic "
     "limit at 38-41 GB/s, `python benchmarks/bound.py elementwise`), and the limit moves with the bandwidth "
     "probe (36-49 GB/s between runs: 44-55% for the same 6.2 ms median). Streaming stores gain nothing on this "
-    "chain (docs/cpu-backend.md, 'Large outputs'), nor does a reciprocal estimate for the divisions (vrcp14ps "
+    "chain on the Zen 5 and made it 1.5-1.9x slower on the Zen 4, so it keeps ordinary ones "
+    "(`nontemporal.MAX_ARITHMETIC`; docs/cpu-backend.md), nor does a reciprocal estimate for the divisions (vrcp14ps "
     "and a Newton step, LLVM's form of `fdiv ninf arcp`: 6.3 vs 5.0 ms, the FMA ports are the bound).",
     "softmax": "In the suite its median was 1.5-1.6 ms with the other peers run between its samples; alone, "
     "back to back, 0.94-1.18 ms, 78-100% of the traffic limit that `python benchmarks/bound.py softmax` "
@@ -224,8 +227,9 @@ WHY_FIRST_CALL = (
     "The reason is compile time, which scales with the generated code: the MLIR pipelines (15-17 ms for a "
     "one-kernel function, with an MLIR library built with assertions; a large function's parts run in forked "
     "processes, `parallel_mlir`), LLVM's passes and machine-code generation (fixed costs of a few ms per "
-    "function; a large module's parts on threads, `parallel_codegen`), and the harness takes each first call "
-    "after a pause, which on this VM slows CPU-bound work for tens of milliseconds; `python "
+    "function; softmax's 525 lines of assembly take 14 ms; the LLVM in every llvmlite wheel from 0.47 to 0.50 "
+    "is built with assertions too; a large module's parts on threads, `parallel_codegen`), and the harness "
+    "takes each first call after a pause, which on this VM slows CPU-bound work for tens of milliseconds; `python "
     "benchmarks/compile_time.py` prints each phase's CPU time per workload back to back and docs/cpu-backend.md "
     "('Compile time (first call)') what was cut and what is left (on a cache hit in a new process a first call "
     "costs tens of milliseconds)."
