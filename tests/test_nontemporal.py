@@ -11,7 +11,7 @@ import pytest
 import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
-from flowjit.backends.cpu import lowering
+from flowjit.backends.cpu import nontemporal
 from flowjit.backends.cpu.nontemporal import NONTEMPORAL_MIN_BYTES
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 stores")
@@ -37,7 +37,7 @@ def _address(a: np.ndarray) -> int:
 def _without_streaming(monkeypatch, fn, *args):
     """`fn(*args)` compiled with ordinary stores only."""
     with monkeypatch.context() as m:
-        m.setattr(lowering, "NONTEMPORAL_MIN_BYTES", 1 << 62)
+        m.setattr(nontemporal, "NONTEMPORAL_MIN_BYTES", 1 << 62)
         f = fj.jit(fn)
         assert "!nontemporal" not in f.lower(*args).as_text("llvm")
         return f(*args)
@@ -101,3 +101,10 @@ def test_a_cheap_elementwise_kernel_streams():
     f = fj.jit(lambda x: x * 0.7 + 0.1)
     assert "!nontemporal" in f.lower(x).as_text("llvm")
     np.testing.assert_allclose(f(x), x * np.float32(0.7) + np.float32(0.1), rtol=1e-6)
+
+
+def test_functions_writing_more_than_they_read_keep_ordinary_stores():
+    row = np.linspace(-1, 1, COLS, dtype=np.float32)
+    assert "!nontemporal" not in fj.jit(lambda v: fnp.broadcast_to(v, (ROWS, COLS)) * 1.5).lower(row).as_text("llvm")
+    half = np.linspace(-3, 3, ROWS * COLS, dtype=np.float16)  # 4 MiB in, 8 MiB out
+    assert "!nontemporal" not in fj.jit(lambda h: h.astype(np.float32)).lower(half).as_text("llvm")

@@ -38,7 +38,7 @@ from flowjit.backends.cpu.emitter import (
     scalar_literal,
     tensor_type,
 )
-from flowjit.backends.cpu.nontemporal import ARG_ATTR, NONTEMPORAL_MIN_BYTES
+from flowjit.backends.cpu.nontemporal import ARG_ATTR, wants_streaming
 from flowjit.errors import CompileError, op_error
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
@@ -392,8 +392,12 @@ def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op
         fl.buffers[p] = f"%in{i}"
         args.append(f"%in{i}: {_arg_type(p.type)}")
     outputs = [f"%out{i}" for i in range(len(graph.results))]
+    # Large outputs may get non-temporal stores (`nontemporal`); not late ones, which may be an input's buffer.
+    read = sum(p.type.nbytes for p in graph.params)
+    written = sum(r.type.nbytes for r in graph.results)
     for index, (out, result) in enumerate(zip(outputs, graph.results)):
-        args.append(f"{out}: {_arg_type(result.type)}{_stream_mark(index, result.type, late_outputs)}")
+        streams = index not in late_outputs and wants_streaming(result.type.nbytes, read, written)
+        args.append(f"{out}: {_arg_type(result.type)}{f' {{{ARG_ATTR}}}' if streams else ''}")
 
     # The first output holding a value produced by an op is that op's destination; other outputs
     # (params, constants, repeated results) get a copy at the end.
@@ -434,14 +438,6 @@ def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op
         if fl.result_outputs.get(value) != out:
             fl.write(fl.read(value), value, out)
     return fl, args, prologue, starts, workspace
-
-
-def _stream_mark(index: int, t: TensorType, late_outputs: frozenset[int]) -> str:
-    """The argument attribute asking for non-temporal stores into a large output (`nontemporal`); not
-    on late outputs, which may be an input's buffer too."""
-    if t.nbytes >= NONTEMPORAL_MIN_BYTES and index not in late_outputs:
-        return f" {{{ARG_ATTR}}}"
-    return ""
 
 
 def lower_graph(
