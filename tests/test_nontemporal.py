@@ -108,3 +108,30 @@ def test_functions_writing_more_than_they_read_keep_ordinary_stores():
     assert "!nontemporal" not in fj.jit(lambda v: fnp.broadcast_to(v, (ROWS, COLS)) * 1.5).lower(row).as_text("llvm")
     half = np.linspace(-3, 3, ROWS * COLS, dtype=np.float16)  # 4 MiB in, 8 MiB out
     assert "!nontemporal" not in fj.jit(lambda h: h.astype(np.float32)).lower(half).as_text("llvm")
+
+
+def test_only_streamed_outputs_are_allocated_on_a_line():
+    # Placed on a line without streaming stores, softmax's and layer norm's outputs ran 2-6% slower.
+    from flowjit.backends.cpu import executable
+
+    shape, f32 = (ROWS, COLS), np.dtype(np.float32)
+    plain, streamed = executable._allocators([shape, shape], [f32, f32], streamed=(1,))
+    assert plain is None and _address(streamed()) % 64 == 0
+
+
+def test_a_cache_hit_keeps_the_streamed_outputs(tmp_path, monkeypatch):
+    from flowjit.backends import compile_graph
+    from flowjit.backends.cpu import cache
+
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWJIT_CACHE", "1")
+    args = _inputs()
+    graph = fj.jit(_layer_norm).lower(*args).graph()
+    first = compile_graph(graph, "cpu")
+    second = compile_graph(graph, "cpu")  # loaded from the entry the first one wrote
+    assert first.stages.parts and not second.stages.parts
+    (entry,) = [cache.decode(p.read_bytes()) for p in tmp_path.iterdir() if p.suffix == ".fjo"]
+    assert entry.streamed_outputs == (0,)
+    y = second.run(list(args))[0]
+    assert _address(y) % 64 == 0
+    np.testing.assert_array_equal(y, first.run(list(args))[0])

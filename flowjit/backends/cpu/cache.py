@@ -39,6 +39,7 @@ class Entry:
     workspace_bytes: int
     inputs: Layout
     outputs: Layout
+    streamed_outputs: tuple[int, ...] = ()  # written with non-temporal stores: allocated on a line
 
 
 def enabled() -> bool:
@@ -96,6 +97,7 @@ def encode(entry: Entry) -> bytes:
             "inputs": [[list(b.shape), b.dtype] for b in entry.inputs],
             "outputs": [[list(b.shape), b.dtype] for b in entry.outputs],
             "objects": [len(o) for o in entry.objects],
+            "streamed_outputs": list(entry.streamed_outputs),
         }
     ).encode()
     payload = b"".join(entry.objects)
@@ -130,9 +132,9 @@ def decode(data: bytes) -> Entry | None:
     for size in sizes:
         objects.append(body[start : start + size])
         start += size
-    return Entry(
-        tuple(objects), header["symbol"], header["workspace_bytes"], layout(header["inputs"]), layout(header["outputs"])
-    )
+    streamed = tuple(header.get("streamed_outputs", ()))
+    inputs, outputs = layout(header["inputs"]), layout(header["outputs"])
+    return Entry(tuple(objects), header["symbol"], header["workspace_bytes"], inputs, outputs, streamed)
 
 
 def load(key: str) -> Entry | None:

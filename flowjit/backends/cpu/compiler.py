@@ -127,6 +127,7 @@ class Stages:
         # one per part (`parallel_codegen`), the first defining the entry.
         self.parts: list = []
         self.timings: dict[str, float] = {}  # seconds per phase of the last build
+        self.streamed_outputs: tuple[int, ...] = ()  # outputs written with non-temporal stores (`nontemporal`)
 
     def build(self, graph: Graph | None = None, keep_texts: bool = False) -> None:
         """Lower, run the MLIR pipelines and optimize: `module` is ready for code generation."""
@@ -159,6 +160,10 @@ class Stages:
             raise CompileError(f"internal error: @{mlir.entry} takes {found} arguments; expected {expected} pointers")
         self.timings = {"lower": t1 - t0, "mlir": t2 - t1, "llvm-opt": time.perf_counter() - t2}
         self.mlir = mlir
+        first = len(mlir.inputs)  # the entry's (and its parts') arguments: inputs, outputs, workspace
+        self.streamed_outputs = tuple(
+            sorted({s.argument - first for s in lowered.streamed if first <= s.argument < first + len(mlir.outputs)})
+        )
         if not mlir.parts:  # a split function's "mlir" stage is its whole module, made when asked for
             self.texts["mlir"] = mlir.text
         if keep_texts:
@@ -267,9 +272,8 @@ def compile_cpu(graph: Graph, options: CompileOptions | None = None):
         native = stages.native()
         stages.timings["codegen"] = time.perf_counter() - t0
         mlir = stages.mlir
-        entry = cache.Entry(
-            native.objects, mlir.entry, mlir.workspace_bytes, Layout.of(mlir.inputs), Layout.of(mlir.outputs)
-        )
+        inputs, outputs = Layout.of(mlir.inputs), Layout.of(mlir.outputs)
+        entry = cache.Entry(native.objects, mlir.entry, mlir.workspace_bytes, inputs, outputs, stages.streamed_outputs)
         cache.store(key, entry)
     else:
         native = toolchain.load_objects(entry.objects, entry.symbol)

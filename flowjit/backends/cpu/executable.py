@@ -25,7 +25,6 @@ import numpy as np
 
 from flowjit.backends import Executable
 from flowjit.backends.cpu import toolchain
-from flowjit.backends.cpu.nontemporal import NONTEMPORAL_MIN_BYTES
 from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.types import TensorType
@@ -131,16 +130,17 @@ def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def _allocators(shapes, dtypes) -> list[Callable[[], np.ndarray] | None]:
+def _allocators(shapes, dtypes, streamed: Sequence[int] = ()) -> list[Callable[[], np.ndarray] | None]:
     """How each output nobody provides is made: by a recycler from `RECYCLE_MIN_BYTES` on, starting on
-    a 64-byte line from `nontemporal.NONTEMPORAL_MIN_BYTES` on (the kernel's non-temporal stores need
-    whole aligned lines), `np.empty` (None) otherwise."""
+    a 64-byte line if the code writes it with non-temporal stores (`streamed`: their fast branch
+    needs whole aligned lines; other outputs measured 2-6% slower so placed, softmax and layer norm's
+    without them), `np.empty` (None) otherwise."""
     allocators: list[Callable[[], np.ndarray] | None] = []
-    for shape, dtype in zip(shapes, dtypes):
+    for index, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _nbytes(shape, dtype)
         if _CAN_RECYCLE and nbytes >= RECYCLE_MIN_BYTES:
             allocators.append(OutputRecycler(shape, dtype).take)
-        elif nbytes >= NONTEMPORAL_MIN_BYTES:
+        elif index in streamed:
             allocators.append(functools.partial(_aligned_empty, shape, dtype))
         else:
             allocators.append(None)
@@ -216,7 +216,7 @@ class CpuExecutable(Executable):
         self._out_shapes = [b.shape for b in self.outputs]
         self._out_dtypes = [b.np_dtype for b in self.outputs]
         self._in_specs = [(b.shape, b.np_dtype) for b in self.inputs]
-        self._allocators = _allocators(self._out_shapes, self._out_dtypes)
+        self._allocators = _allocators(self._out_shapes, self._out_dtypes, getattr(entry, "streamed_outputs", ()))
         self._allocating = any(a is not None for a in self._allocators)
         self._pool: list[tuple[np.ndarray, int]] = []
 

@@ -26,15 +26,16 @@ vector store into such an argument (64 bytes: `vector<16xf32>`, `vector<8xf64>`,
 
 There is no unaligned non-temporal vector store; LLVM splits one into eight 8-byte `movnti`
 (Intel) or `movntsd` (AMD) stores, which measured slower than ordinary stores (the layer norm
-1.06-2.5x from 32 down to 4 MiB). Outputs the executable allocates from `NONTEMPORAL_MIN_BYTES`
-on start on a 64-byte line (`executable`), so their rows of a multiple of 64 bytes take the first
-branch; a caller's buffer (donated, AOT) takes whichever its address gives. Functions that read an output back (softmax
-stores exp(x - max) into its output and divides it in place: 1.5x slower with streaming stores)
-keep ordinary stores, as do partial-line stores (a line written in pieces would leave the
-write-combining buffer in pieces too) and stores computed by more than `MAX_ARITHMETIC` vector ops
-in their block: on the Zen 4, streaming stores made `exp` 2-2.8x and a polynomial of degree 4 1.3x
-slower (not compute-bound kernels: their ordinary versions ran at the speed of `x * 0.7 + 0.1`),
-while the cheap kernels gained 0.75-0.82x (docs/cpu-backend.md).
+1.06-2.5x from 32 down to 4 MiB). The executable allocates the outputs a function's code streams
+into (`Streamed`, kept in the compile cache's entry) on a 64-byte line, so their rows of a multiple
+of 64 bytes take the first branch; a caller's buffer (donated, AOT) takes whichever its address
+gives. Functions that read an output back (softmax stores exp(x - max) into its output and divides
+it in place: 1.5x slower with streaming stores) keep ordinary stores, as do partial-line stores (a
+line written in pieces would leave the write-combining buffer in pieces too) and stores computed by
+more than `MAX_ARITHMETIC` vector ops in their block: on the Zen 4, streaming stores made `exp`
+2-2.8x and a polynomial of degree 4 1.3x slower (not compute-bound kernels: their ordinary versions
+ran at the speed of `x * 0.7 + 0.1`), while the cheap kernels gained 0.75-0.82x
+(docs/cpu-backend.md).
 
 Non-temporal stores are weakly ordered: a store fence (`sfence`) closes every region that made them
 (each iteration of a parallel loop's body, before the OpenMP barrier, or the function before it
@@ -42,6 +43,8 @@ returns), so the thread that reads the output next sees all of it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 NONTEMPORAL_MIN_BYTES = 8 << 20
 # ... and only in a function reading at least this fraction of what it writes (module docstring).
@@ -62,10 +65,21 @@ def wants_streaming(output_bytes: int, read_bytes: int, written_bytes: int) -> b
     return output_bytes >= NONTEMPORAL_MIN_BYTES and read_bytes >= MIN_READ_FRACTION * written_bytes
 
 
-def stream_stores(module) -> list[str]:
+class Streamed(NamedTuple):
+    """An argument of a function whose stores `stream_stores` rewrote."""
+
+    function: str
+    argument: int
+    stores: int
+
+    def __str__(self) -> str:
+        return f"@{self.function} argument {self.argument}: {self.stores} store{'s' if self.stores > 1 else ''}"
+
+
+def stream_stores(module) -> list[Streamed]:
     """Rewrite the whole-line stores into marked, write-only output arguments of `module`'s LLVM-dialect
-    functions as aligned-or-not non-temporal stores (module docstring); returns one description per
-    argument rewritten, e.g. `@fj_f argument 3: 2 stores`."""
+    functions as aligned-or-not non-temporal stores (module docstring); returns the arguments
+    rewritten."""
     from mlir import ir
 
     done = []
@@ -82,7 +96,7 @@ def stream_stores(module) -> list[str]:
                 for store in stores:
                     _stream(store)
                 name = ir.StringAttr(func.operation.attributes["sym_name"]).value
-                done.append(f"@{name} argument {index}: {len(stores)} store{'s' if len(stores) > 1 else ''}")
+                done.append(Streamed(name, index, len(stores)))
     return done
 
 
@@ -234,4 +248,4 @@ def _is_fence(op) -> bool:
     return ir.StringAttr(op.attributes["intrin"]).value == _SFENCE
 
 
-__all__ = ["ARG_ATTR", "NONTEMPORAL_MIN_BYTES", "stream_stores", "wants_streaming"]
+__all__ = ["ARG_ATTR", "NONTEMPORAL_MIN_BYTES", "Streamed", "stream_stores", "wants_streaming"]

@@ -319,7 +319,7 @@ class LLVMLowering(NamedTuple):
     llvm_ir: str
     dialect_text: str | None
     plain_loop_elements: int
-    streamed: tuple[str, ...] = ()  # the outputs given non-temporal stores (`nontemporal.stream_stores`)
+    streamed: tuple = ()  # the arguments given non-temporal stores (`nontemporal.Streamed`)
 
 
 def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False) -> LLVMLowering:
@@ -352,7 +352,7 @@ def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: b
         return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain, streamed)
 
 
-def _streamed(module) -> tuple[str, ...]:
+def _streamed(module) -> tuple:
     """`nontemporal.stream_stores` on an x86-64 host (its fence is an x86 instruction)."""
     if not host_cpu().triple.startswith("x86_64"):
         return ()
