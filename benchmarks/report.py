@@ -191,7 +191,7 @@ WHY_SLOWER: dict[str, str] = {
     "was 0.83-1.08 of the fastest peer's over four full runs and 0.92-0.94 in two runs of layer norm and "
     "softmax alone, torch.compile's fastest calls 0.78-1.0 ms against our 1.0-1.2 in some of them "
     "(docs/cpu-backend.md, 'Row loop nests'). Since session 12 its output (written once, never read back) is "
-    "stored with non-temporal stores, which skip reading each output line first: 0.71-0.84 of the time, paired "
+    "stored with non-temporal stores, which skip reading each output line first: 0.70-0.90 of the time, paired "
     "(docs/cpu-backend.md, 'Non-temporal stores into large write-only outputs').",
     "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
