@@ -131,10 +131,10 @@ def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
 
 
 def _allocators(shapes, dtypes, streamed: Sequence[int] = ()) -> list[Callable[[], np.ndarray] | None]:
-    """How each output nobody provides is made: by a recycler from `RECYCLE_MIN_BYTES` on, starting on
-    a 64-byte line if the code writes it with non-temporal stores (`streamed`: their fast branch
-    needs whole aligned lines; other outputs measured 2-6% slower so placed, softmax and layer norm's
-    without them), `np.empty` (None) otherwise."""
+    """How each output nobody provides is made: by a recycler from `RECYCLE_MIN_BYTES` on; starting on
+    a 64-byte line if the code writes it with non-temporal stores (`streamed`, output indices: their
+    fast branch needs whole aligned lines; placed so without them, the outputs of softmax and layer
+    norm ran 2-6% slower); by `np.empty` (None) otherwise."""
     allocators: list[Callable[[], np.ndarray] | None] = []
     for index, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _nbytes(shape, dtype)
@@ -216,7 +216,7 @@ class CpuExecutable(Executable):
         self._out_shapes = [b.shape for b in self.outputs]
         self._out_dtypes = [b.np_dtype for b in self.outputs]
         self._in_specs = [(b.shape, b.np_dtype) for b in self.inputs]
-        self._allocators = _allocators(self._out_shapes, self._out_dtypes, getattr(entry, "streamed_outputs", ()))
+        self._allocators = _allocators(self._out_shapes, self._out_dtypes, entry.streamed_outputs)
         self._allocating = any(a is not None for a in self._allocators)
         self._pool: list[tuple[np.ndarray, int]] = []
 

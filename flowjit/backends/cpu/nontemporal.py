@@ -7,7 +7,8 @@ and never read back by the function costs its size in memory traffic instead of 
 and the inputs stay cached. For a layer norm of 4096 x 1024 f32 (16 MiB in, 16 MiB out) called
 repeatedly on a 2-core Zen 4 (32 MiB of L3), paired in one process: 0.64-0.84x the time of
 ordinary stores; 8 MiB outputs 0.79-0.84x, 32 MiB 0.70-0.76x, but 1-4 MiB outputs 1.26-1.34x (the
-whole working set stays in the cache, and a non-temporal store evicts the line). Hence `NONTEMPORAL_MIN_BYTES`.
+whole working set stays in the cache, and a non-temporal store evicts the line). Hence
+`NONTEMPORAL_MIN_BYTES`.
 A function that writes much more than it reads loses too: broadcasting a row into a 16 MiB output
 1.7x, float16 -> float32 1.3x, float32 -> float64 1.08x the time: with ordinary stores their output
 stays in the cache from call to call and is written there, while streaming stores send all of it to
@@ -15,11 +16,12 @@ memory; the gains come when the reads (from the cache, kept there by the streami
 writes (to memory) go on side by side. Hence `MIN_READ_FRACTION`: the function's inputs hold at
 least 3/4 of the bytes its outputs do (a pad: 0.98, 0.83x the time; the conversions: 0.5).
 
-How: the lowering marks each output argument of at least `NONTEMPORAL_MIN_BYTES` with `ARG_ATTR`
-(`lowering._lower_function`); after the MLIR pipelines (`toolchain.lower_to_llvm_ir`),
-`stream_stores` finds, per LLVM-dialect function, the marked arguments that every use of (through
-address arithmetic) is the address of a store: the function never reads them. Each whole-line
-vector store into such an argument (64 bytes: `vector<16xf32>`, `vector<8xf64>`, ...) becomes
+How: the lowering marks the output arguments `wants_streaming` picks with `ARG_ATTR`
+(`lowering._lower_function`; not late outputs, which may share an input's buffer); after the MLIR
+pipelines (`toolchain.lower_to_llvm_ir`), `stream_stores` finds, per LLVM-dialect function, the
+marked arguments that every use of (through address arithmetic) is the address of a store: the
+function never reads them. Each whole-line vector store into such an argument (64 bytes:
+`vector<16xf32>`, `vector<8xf64>`, ...) becomes
 
     if (address % 64 == 0) store, non-temporal, align 64   // vmovntps
     else                   the original store
@@ -176,7 +178,7 @@ def _stream(store) -> None:
     i64 = ir.IntegerType.get_signless(64)
     with location, ir.InsertionPoint(store):
         offset = llvm.AndOp(llvm.PtrToIntOp(i64, address).result, _i64(LINE_BYTES - 1)).result
-        aligned = llvm.ICmpOp(_EQ(), offset, _i64(0)).result
+        aligned = llvm.ICmpOp(llvm.ICmpPredicate.eq, offset, _i64(0)).result
     # Split the block after the store: the rest of it moves to `rest`.
     after = False
     moving = []
@@ -208,12 +210,6 @@ def _i64(value: int):
 
     i64 = ir.IntegerType.get_signless(64)
     return llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, value)).result
-
-
-def _EQ():
-    from mlir.dialects import llvm
-
-    return llvm.ICmpPredicate.eq
 
 
 def _closing_region_op(op):
