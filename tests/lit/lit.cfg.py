@@ -21,3 +21,12 @@ for tool in ("flowjit", "filecheck"):
         lit_config.fatal(f"'{tool}' is not installed next to {sys.executable}; run 'make test' to bootstrap .venv")
     # Only the command word: never part of a path (/x/flowjit/...) or a longer name (flowjit.cli).
     config.substitutions.append((rf"(?<![\w/.-]){tool}(?![\w/.-])", path))
+
+# `REQUIRES: avx512`: tests of code that only 64-byte vectors make (non-temporal whole-line stores).
+try:
+    from flowjit.backends.cpu.schedule import vector_bits
+
+    if vector_bits() == 512:
+        config.available_features.add("avx512")
+except Exception:  # no usable CPU backend here: such tests report UNSUPPORTED
+    pass
