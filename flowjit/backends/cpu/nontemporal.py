@@ -84,7 +84,7 @@ def stream_stores(module) -> list[Streamed]:
     rewritten."""
     from mlir import ir
 
-    done = []
+    done, regions = [], []  # regions: the ops whose exits fence the streaming stores, each once
     for func in module.body.operations:
         if func.operation.name != "llvm.func" or "arg_attrs" not in func.operation.attributes:
             continue
@@ -96,9 +96,13 @@ def stream_stores(module) -> list[Streamed]:
             stores: list = []
             if _write_only(arguments[index], stores) and stores:
                 for store in stores:
-                    _stream(store)
+                    region = _closing_region_op(_stream(store))
+                    if not any(region == r for r in regions):
+                        regions.append(region)
                 name = ir.StringAttr(func.operation.attributes["sym_name"]).value
                 done.append(Streamed(name, index, len(stores)))
+    for region in regions:
+        _fence_exits(region)
     return done
 
 
@@ -165,9 +169,9 @@ def _line_store(store) -> bool:
     return vector.rank == 1 and width % 8 == 0 and vector.shape[0] * width // 8 == LINE_BYTES
 
 
-def _stream(store) -> None:
-    """`if (address % 64 == 0) <store, non-temporal, align 64> else <store>`, and a fence at the
-    exits of the region that holds it."""
+def _stream(store):
+    """`if (address % 64 == 0) <store, non-temporal, align 64> else <store>`; returns the op holding
+    them (its region's exits get the fence)."""
     from mlir import ir
     from mlir.dialects import llvm
 
@@ -180,15 +184,9 @@ def _stream(store) -> None:
         offset = llvm.AndOp(llvm.PtrToIntOp(i64, address).result, _i64(LINE_BYTES - 1)).result
         aligned = llvm.ICmpOp(llvm.ICmpPredicate.eq, offset, _i64(0)).result
     # Split the block after the store: the rest of it moves to `rest`.
-    after = False
-    moving = []
-    for op in block.operations:
-        if after:
-            moving.append(op)
-        elif op.operation == store:
-            after = True
+    ops = [op.operation for op in block.operations]
     rest = block.create_after()
-    for op in moving:
+    for op in ops[ops.index(store) + 1 :]:
         rest.append(op)
     plain = block.create_after()
     streaming = block.create_after()
@@ -201,7 +199,7 @@ def _stream(store) -> None:
             llvm.BrOp([], rest)
         with ir.InsertionPoint(block):
             llvm.CondBrOp(aligned, [], [], streaming, plain)
-    _fence_exits(_closing_region_op(streaming.owner))
+    return block.owner
 
 
 def _i64(value: int):
@@ -216,32 +214,20 @@ def _closing_region_op(op):
     """The nearest op around `op` (itself included) whose region exits close the stores in it."""
     while op.name not in _REGION_EXITS:
         op = op.parent
-    return op
+    return op.operation
 
 
 def _fence_exits(owner) -> None:
-    """An `sfence` before each exit of `owner`'s region (once per region)."""
+    """An `sfence` before each exit of `owner`'s region."""
     from mlir import ir
     from mlir.dialects import llvm
 
     exit_name = _REGION_EXITS[owner.name]
     for block in owner.regions[0].blocks:
         ops = list(block.operations)
-        if not ops or ops[-1].name != exit_name:
-            continue
-        if len(ops) >= 2 and ops[-2].name == "llvm.call_intrinsic" and _is_fence(ops[-2]):
-            continue
-        with ops[-1].location, ir.InsertionPoint(ops[-1]):
-            llvm.CallIntrinsicOp(None, ir.StringAttr.get(_SFENCE), [], [], [])
-
-
-_SFENCE = "llvm.x86.sse.sfence"
-
-
-def _is_fence(op) -> bool:
-    from mlir import ir
-
-    return ir.StringAttr(op.attributes["intrin"]).value == _SFENCE
+        if ops and ops[-1].name == exit_name:
+            with ops[-1].location, ir.InsertionPoint(ops[-1]):
+                llvm.CallIntrinsicOp(None, ir.StringAttr.get("llvm.x86.sse.sfence"), [], [], [])
 
 
 __all__ = ["ARG_ATTR", "NONTEMPORAL_MIN_BYTES", "Streamed", "stream_stores", "wants_streaming"]
