@@ -1,7 +1,8 @@
 """The `fuse` pass and fused kernels: what it groups on traced programs (softmax, layer norm,
 cross-entropy, MLP gradients), that fused IR verifies and round-trips, that fused and unfused
-programs compute the same (interpreter: exactly; CPU: bit-identical to the unfused compile and
-close to the interpreter) on hand-written and random programs, that effects keep their order,
+programs compute the same (interpreter: exactly; CPU: bit-identical to the unfused compile, but
+float reductions of transposed inputs, which sum in the input's layout order, and close to the
+interpreter) on hand-written and random programs, that effects keep their order,
 and that the optimized stage and the dumps show kernels and member source lines."""
 
 from __future__ import annotations
@@ -627,6 +628,89 @@ def test_slices_read_by_a_row_loop_nest_are_its_inputs():
     assert [op.name for op in _optimized(fn, _ROWS).ops] == ["fusion"]
     assert "row loop nest" in _row_nest_lines(fn, _ROWS)[0]
     _check_fused_equals_unfused(fn, (_ROWS,), 1e-5)
+
+
+# --- transposes read by reductions: the input reduced along the permuted axes --------------------------
+
+_T2 = RNG.standard_normal((67, 300)).astype(np.float32)
+_T3 = RNG.standard_normal((6, 10, 40)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "fn, x",
+    [
+        (lambda x: x.T.sum(1), _T2),
+        (lambda x: x.T.sum(0), _T2),
+        (lambda x: x.T.max(0), _T2),
+        (lambda x: x.T.min(1), _T2),
+        (lambda x: fnp.sum(x.T), _T2),
+        (lambda x: fnp.sum(fnp.exp(x).T, axis=1), _T2),  # the transpose reads a value another group computes
+        (lambda x: fnp.prod(fnp.transpose(1.0 + 0.001 * x), axis=1), _T2),
+        (lambda x: fnp.sum(x.T, axis=1, keepdims=True) * (1.0 / 67), _T2),
+        (lambda x: fnp.sum(fnp.transpose(x, (2, 0, 1)), axis=1), _T3),  # kept dims come back transposed
+        (lambda x: fnp.max(fnp.transpose(x, (1, 0, 2)), axis=2), _T3),
+        (lambda x: fnp.sum(fnp.transpose(x, (2, 1, 0)), axis=(0, 2)), _T3),
+        (lambda x: fnp.sum(x.T.astype(np.float64), axis=1), _T2),  # a convert between: a copy, then the sum
+        (lambda x: fnp.sum(x.astype(np.int32).T, axis=1), _T2 * 100),
+        (lambda x: fnp.sum(x.astype(np.float16).T, axis=0), _T2),
+        (lambda x: (x.T, x.T.sum(1)), _T2),  # the group also returns the transpose: stored once
+        (lambda x: x.T.sum(1), np.zeros((0, 5), np.float32)),
+    ],
+    ids=[
+        "sum_rows",
+        "sum_cols",
+        "max_cols",
+        "min_rows",
+        "sum_all",
+        "of_computed",
+        "prod",
+        "keepdims_mean",
+        "3d_kept_transposed",
+        "3d_outer_swap",
+        "3d_two_axes",
+        "convert_between",
+        "int32",
+        "float16",
+        "also_returned",
+        "empty",
+    ],
+)
+def test_reductions_of_a_transpose_read_the_input_in_place(fn, x):
+    """A transpose read by a reduction fuses with it, and the CPU kernel reduces the input along
+    the permuted axes: no transposed copy unless the group returns it. Results agree with numpy and
+    with the unfused compile (max/min and integer sums exactly; float sums and products up to their
+    summation order, which follows the input's layout)."""
+    traced = _traced(fn, x)
+    text = print_graph(traced)
+    expected = interpret(traced, [x])
+    got = fj.jit(fn)(x)
+    got = got if isinstance(got, tuple) else (got,)
+    unfused = compile_graph(_optimized(fn, x, fuse=False), "cpu").run([x])
+    for g, u, want in zip(got, unfused, expected):
+        assert g.shape == want.shape and g.dtype == want.dtype
+        tol = 2e-3 if want.dtype == np.float16 else 1e-5
+        np.testing.assert_allclose(g, want, rtol=tol, atol=tol)
+        np.testing.assert_allclose(g, u, rtol=tol, atol=tol)
+        if want.dtype.kind in "iu" or "reduce_max" in text or "reduce_min" in text:
+            np.testing.assert_array_equal(g, u)
+
+
+def test_a_transposed_reduction_makes_no_transposed_copy():
+    graph = _optimized(lambda x: x.T.sum(1), _T2)
+    (fusion,) = _fusions(graph)
+    assert [op.name for op in fusion.regions[0].ops] == ["transpose", "reduce_sum"]
+    mlir = fj.jit(lambda x: x.T.sum(1)).lower(_T2).as_text("mlir")
+    assert "tensor<300x67xf32>" not in mlir  # the transposed shape appears nowhere
+    # The transposed shape of a 3-d input only as the reduced result's transpose back.
+    mlir = fj.jit(lambda x: fnp.sum(fnp.transpose(x, (2, 0, 1)), axis=1)).lower(_T3).as_text("mlir")
+    assert "tensor<40x6x10xf32>" not in mlir and "tensor<10x40xf32>" in mlir and "tensor<40x10xf32>" in mlir
+
+
+def test_a_transpose_read_by_elementwise_ops_stays_a_copy_of_its_own():
+    """Elementwise kernels reading a transposed input were slower fused (docs: fuse.py); the copy
+    and the kernel after it stay two kernels, the copy in blocks."""
+    graph = _optimized(lambda x, y: fnp.exp(x.T) + y, _T2, _T2.T.copy())
+    assert [op.name for op in graph.ops] == ["transpose", "fusion"]
 
 
 # --- convolution epilogues: streamed through each chunk of the conv's output -------------------------

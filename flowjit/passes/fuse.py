@@ -1,7 +1,9 @@
 """`fuse`: group ops into `fusion` ops, each of which a backend emits as one kernel.
 
 Assumes a verified graph. Guarantees the same results for every input (ops are moved into regions
-unchanged, nothing is recomputed but small constants) and keeps effectful ops in their order.
+unchanged, nothing is recomputed but small constants) and keeps effectful ops in their order. The
+one kernel choice this allows that can round differently: a float sum or product of a transposed
+input is summed in the input's layout order (see transposes below), as `x.sum(0)` is.
 
 What fuses (legality comes from op families):
 - loop ops: elementwise unary/binary/ternary ops, `convert`, `broadcast`, `reshape`, `iota`;
@@ -10,13 +12,17 @@ What fuses (legality comes from op families):
 - a contraction (`dot_general`, `conv2d`) with its elementwise consumers (bias, activation): the
   epilogue. A contraction never takes fused producers (its operands stay materialized) and a group
   holds at most one.
-- a static `slice` (any start, limit, stride) of a value read from outside the group (a
-  parameter, the pad of a depthwise convolution, another group's result), with the elementwise
-  ops that read it: the kernel reads it as a strided view of that input, so no slice is copied
-  (a depthwise conv's 9 taps, `x[:, 1:] - x[:, :-1]`). A slice never takes fused producers, and
-  no merge may bring the producer of a member slice's operand into its group (`_slices_of_inputs`):
-  that value would have to be stored first, or recomputed at shifted indices. A slice the group
-  also returns is copied once, as its result.
+- views (`VIEWS`) of a value read from outside the group (a parameter, the pad of a depthwise
+  convolution, another group's result): a static `slice` (any start, limit, stride) with the
+  elementwise ops that read it, which a kernel reads as a strided view of that input, so no slice
+  is copied (a depthwise conv's 9 taps, `x[:, 1:] - x[:, :-1]`); a `transpose` with the reductions
+  that read it, which reduce the input along the permuted axes (`x.T.sum(1)` sums x's columns, no
+  transposed copy). A view never takes fused producers, and no merge may bring the producer of a
+  member view's operand into its group (`_views_of_inputs`): that value would have to be stored
+  first, or recomputed at shifted indices. A view the group also returns is copied once, as its
+  result. (A transpose read by elementwise ops stays apart: read through a permuted map in
+  blocks transposed in registers, an elementwise kernel was measured 0.8-1.5x the time of the
+  transposed copy and the kernel after it, slower with math functions.)
 - a value a kernel would have to store between two members (a contraction's result, an
   elementwise value read by a reshape) stays inside a group only up to `MAX_INTERNAL_BYTES`;
   larger ones are group boundaries (see `_streamable`). Except a float contraction's product read
@@ -26,7 +32,7 @@ What fuses (legality comes from op families):
   group of another form is split before the contraction (`_epilogue_groups`).
 
 What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
-other movement ops (transpose, dynamic_slice, pad, gather, ...), pooling, argmax/argmin; ops with different
+other movement ops (dynamic_slice, pad, gather, ...), pooling, argmax/argmin; ops with different
 device constraints (so a group never crosses a device boundary); and a merge that would force an
 effectful op or a region op to move past the group (an effect that reads a value of the group
 before the group's last op), or that would make the grouped graph cyclic.
@@ -85,13 +91,15 @@ CONV_EPILOGUE_MIN_DEPTH = 8
 # backend's tiled kernel takes N of half a vector and more: 8 float32 with AVX-512).
 DOT_EPILOGUE_MIN_COLUMNS = 16
 _STREAMING = ("conv2d", "dot_general")  # the contractions whose epilogues can stream
+# Movement ops a kernel reads as views of a group input (a strided subview, a permuted indexing map).
+VIEWS = frozenset({"slice", "transpose"})
 
 
 def op_kind(op: Op) -> str | None:
     """'loop', 'reduction' or 'output' for an op the pass may fuse; None for one it never fuses."""
     if op.regions or get_opdef(op.name).effectful:
         return None
-    if op.name in _pointwise_ops() | {"broadcast", "reshape", "iota", "slice"}:
+    if op.name in _pointwise_ops() | {"broadcast", "reshape", "iota"} | VIEWS:
         return "loop"
     if op.name in REDUCTIONS:
         return "reduction"
@@ -105,8 +113,8 @@ def _merged_kind(producer: str, consumer: str, consumer_op: Op) -> str | None:
     (which reads the producer's value); None when they must stay apart."""
     if consumer_op.name in ops_in(CONTRACTION):
         return None  # contractions read materialized operands (packing, tiling)
-    if consumer_op.name == "slice":
-        return None  # a slice is a view of a group input, never of a value the group computes
+    if consumer_op.name in VIEWS:
+        return None  # a view of a group input, never of a value the group computes
     kinds = {producer, consumer}
     if kinds <= {"loop", "reduction"}:
         return "reduction" if "reduction" in kinds else "loop"
@@ -120,10 +128,13 @@ def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     elementwise value read by elementwise ops or reductions (computed in their loop), a broadcast
     or reshape read by elementwise ops (an indexing map, a view), an iota read by elementwise ops
     (an index: cross-entropy's one-hot compare stores no [batch, classes] int64 tensor), a slice
-    read by elementwise ops (a strided view of a group input). Anything
+    read by elementwise ops (a strided view of a group input), a transpose read by a reduction
+    (which reduces the input along the permuted axes) and by nothing else. Anything
     else (a contraction's result, an elementwise value read by a reshape) is a temporary inside the
     kernel, allowed up to `MAX_INTERNAL_BYTES`: above that the value is better a group boundary,
     stored in the planned workspace, than a per-call allocation."""
+    if producer.name == "transpose":
+        return consumer.name in REDUCTIONS
     if value.type.size * value.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return True
     pointwise = _pointwise_ops()
@@ -161,7 +172,7 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     conv or dot product too large for a temporary (`MAX_INTERNAL_BYTES`) but is not of the form
     whose product a backend streams (`_streams_epilogue`): the group returns exactly one value, of
     the product's shape, not a bool (and, for a matrix product, whose tiles are computed in place,
-    of its dtype), made by a pointwise op, and holds no slice view. The split is always legal: the
+    of its dtype), made by a pointwise op, and holds no view. The split is always legal: the
     contraction reads no member's value (else it stays whole; the backend then stores the
     product)."""
     contractions = [op for op in members if op.name in _STREAMING]
@@ -179,7 +190,7 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
         and not outside[0].type.dtype.is_bool
         and (contraction.name == "conv2d" or outside[0].type.dtype == product.type.dtype)
         and outside[0].producer.name in _pointwise_ops()
-        and all(op.name != "slice" for op in members)
+        and all(op.name not in VIEWS for op in members)
         and _streams_epilogue(contraction)
     )
     computed = {v for op in members for v in op.results}
@@ -188,12 +199,12 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     return [[contraction], [op for op in members if op is not contraction]]
 
 
-def _slices_of_inputs(members: list[Op]) -> bool:
-    """Whether every slice among `members` reads a value from outside them (a group input). A
-    kernel reads such a slice as a strided view of its input buffer; a slice of a value the group
-    computes would have to be stored first, or recomputed per element at shifted indices."""
+def _views_of_inputs(members: list[Op]) -> bool:
+    """Whether every view (slice, transpose) among `members` reads a value from outside them (a
+    group input). A kernel reads such a view in place in its input buffer; a view of a value the
+    group computes would have to be stored first, or recomputed per element at moved indices."""
     computed = {r for op in members for r in op.results}
-    return all(op.operands[0] not in computed for op in members if op.name == "slice")
+    return all(op.operands[0] not in computed for op in members if op.name in VIEWS)
 
 
 def _pointwise_ops() -> frozenset[str]:
@@ -238,7 +249,7 @@ class _Grouping:
         kind = _merged_kind(self.kind[source], self.kind[target], consumer)
         if kind is None or not self._streams(self.members[source], self.members[target]):
             return
-        if not _slices_of_inputs(self.members[source] + self.members[target]):
+        if not _views_of_inputs(self.members[source] + self.members[target]):
             return
         if not self._can_merge(self.members[source] + self.members[target], consumer):
             return

@@ -9,7 +9,10 @@ inlined into the `linalg.generic` of whatever needs their value:
   by one multi-result generic per shape;
 - broadcasts become indexing maps and splat constants scalars, so neither is ever stored.
 The scalar code is the one-op lowerings' own (`lower_elementwise`), rounding after every op as
-they do, so fused and unfused results are bit-identical.
+they do, so fused and unfused results are bit-identical; the exception is a reduction of a
+transposed group input, which reduces that input along the permuted axes (`_reduce_transposed`:
+`x.T.sum(1)` is x's column sum, no transposed copy), so float sums and products follow the input's
+layout order.
 
 Cost check: a pointwise value read by several consumers is recomputed in each (no intermediate
 buffer) while its expression costs at most `RECOMPUTE_BUDGET` (in simple instructions per element,
@@ -221,7 +224,9 @@ class _FusionLowering:
                     self._emit_generic([op.result])
             elif self._fusable_reduction(op):
                 self._emit_generic([op.operands[0]], reduction=op)
-            elif op.name not in ("constant", "broadcast", "slice"):  # those are lowered when a tensor is needed
+            elif op.name in _REDUCE_KINDS and op.attrs["axes"] and self._transposed(op.operands[0]):
+                self._reduce_transposed(op)
+            elif op.name not in ("constant", "broadcast", "slice", "transpose"):  # lowered when a tensor is needed
                 self._lower_member(op)
         pending: dict[tuple, list[Value]] = {}
         for v in self.body.results:
@@ -355,6 +360,33 @@ class _FusionLowering:
         """Whether leaf `v` is a slice not stored yet: the generic reads it as a strided view."""
         op = v.producer
         return op is not None and op.name == "slice" and v not in self.tensors and op.operands[0].type.rank > 0
+
+    def _transposed(self, v: Value) -> bool:
+        """Whether `v` is a transpose (of a group input) not stored yet, which a reduction of it
+        reads in place (`_reduce_transposed`)."""
+        op = v.producer
+        return op is not None and op.name == "transpose" and v not in self.tensors and v.type.rank > 0
+
+    def _reduce_transposed(self, op: Op) -> None:
+        """Reduction `op` of a transposed group input: the input reduced along the permuted axes by
+        the one-op lowering (`x.T.sum(1)` sums x's columns: no transposed copy), and the kept
+        dimensions put back in `op`'s order by a transpose of the (smaller) result if they moved.
+        It sums in the order of the input's layout, as a reduction of a transposed copy sums in the
+        copy's: the two may differ in the last bits."""
+        (v,) = op.operands
+        source, perm = v.producer.operands[0], v.producer.attrs["perm"]
+        rank = v.type.rank
+        axes = sorted(a % rank for a in op.attrs["axes"])
+        kept = [perm[d] for d in range(rank) if d not in axes]  # source dims, in op's result order
+        in_source_order = sorted(kept)
+        reduced_type = source.type.with_shape(tuple(source.type.shape[d] for d in in_source_order))
+        reduce = Op(op.name, [source], [reduced_type], {"axes": tuple(perm[a] for a in axes)}, op.loc, op.device)
+        (reduced,) = LOWERINGS[op.name](self.em, reduce, [self.tensor(source)])
+        if kept != in_source_order:
+            back = [in_source_order.index(d) for d in kept]
+            move = Op("transpose", [reduce.result], [op.result.type], {"perm": tuple(back)}, op.loc, op.device)
+            (reduced,) = LOWERINGS["transpose"](self.em, move, [reduced])
+        self.tensors[op.result] = reduced
 
     def _slice_view(self, v: Value) -> str:
         """Slice `v` as a `tensor.extract_slice` of its source (a group input): it bufferizes to a
