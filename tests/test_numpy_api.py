@@ -172,6 +172,48 @@ def test_isnan_isinf_isfinite():
         check(getattr(fnp, name), x, ref=getattr(np, name))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32, np.int64])
+@pytest.mark.parametrize("exponent", [2, 2.0])
+def test_power_of_a_scalar_two_is_a_product_as_in_numpy(dtype, exponent):
+    """`x ** 2` with a Python scalar 2 traces to `x * x`, bit-identical to numpy's (its fast scalar
+    power squares), where a general power costs a logarithm and an exponential per element; other
+    exponents, array exponents and exponents that change the dtype keep the power."""
+    x = (RNG.standard_normal(50) * 30).astype(dtype)
+    if np.dtype(dtype).kind == "i" and exponent == 2.0:
+        exponent = 2  # numpy makes an int ** 2.0 float64; flowjit's float is float32 (checked below)
+    fn = fj.jit(lambda a: a**exponent)
+    got = np.asarray(fn(x))
+    assert got.dtype == x.dtype
+    want = np.asarray(x**exponent).astype(dtype)  # ml_dtypes' bfloat16 ** 2.0 is float32: x * x rounded once
+    np.testing.assert_array_equal(got, want)
+    assert "= mul %a, %a" in fn.lower(x).as_text("traced")
+    np.testing.assert_array_equal(fj.jit(lambda a: fnp.power(a, exponent))(x), want)
+
+
+@pytest.mark.parametrize(
+    "fn, ref",
+    [
+        (lambda a: a**3, lambda a: a**3),
+        (lambda a: a ** np.float32(2), lambda a: a**2),
+        (lambda a: 2**a, lambda a: 2**a),
+        (lambda a: a ** fnp.full_like(a, 2), lambda a: a**2),
+        (lambda a: a**2.5, lambda a: a**2.5),
+    ],
+    ids=["cube", "numpy_scalar", "base_two", "array_exponent", "non_integer"],
+)
+def test_other_powers_stay_powers(fn, ref):
+    x = np.abs(RNG.standard_normal(20)).astype(np.float32) + 0.5
+    assert "pow" in fj.jit(fn).lower(x).as_text("traced")
+    np.testing.assert_allclose(fj.jit(fn)(x), ref(x.astype(np.float64)), rtol=2e-6)
+
+
+def test_int_to_the_float_two_keeps_the_float_power():
+    x = np.arange(-3, 4, dtype=np.int32)
+    fn = fj.jit(lambda a: a**2.0)
+    assert "pow" in fn.lower(x).as_text("traced")
+    np.testing.assert_array_equal(fn(x), (x**2.0).astype(np.float32))
+
+
 # --- // and %: numpy's sign rules ------------------------------------------------------------------------
 
 INT_NUM = np.array([7, -7, 7, -7, 0, 6, -6, 5, -5, 0], np.int32)

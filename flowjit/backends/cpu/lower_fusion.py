@@ -9,10 +9,11 @@ inlined into the `linalg.generic` of whatever needs their value:
   by one multi-result generic per shape;
 - broadcasts become indexing maps and splat constants scalars, so neither is ever stored.
 The scalar code is the one-op lowerings' own (`lower_elementwise`), rounding after every op as
-they do, so fused and unfused results are bit-identical; the exception is a reduction of a
-transposed group input, which reduces that input along the permuted axes (`_reduce_transposed`:
-`x.T.sum(1)` is x's column sum, no transposed copy), so float sums and products follow the input's
-layout order.
+they do, so fused and unfused results are bit-identical. Two exceptions sum floats in another
+order: a reduction of a transposed group input, which reduces that input along the permuted axes
+(`_reduce_transposed`: `x.T.sum(1)` is x's column sum, no transposed copy), and a reduction over
+the last axis of broadcast values (`sum((a[:, None] - b[None]) ** 2, -1)`), which iterates the n-d
+space (its maps cannot be collapsed) in blocks of its own rows (`schedule._row_reduction`).
 
 Cost check: a pointwise value read by several consumers is recomputed in each (no intermediate
 buffer) while its expression costs at most `RECOMPUTE_BUDGET` (in simple instructions per element,
@@ -583,7 +584,7 @@ class _FusionLowering:
         widest = max(_bits(e) for e in elems)
         loop, axes = space.loop, space.axes
         if reduction is not None:
-            if loop.size >= 2 and len(axes) == 1 and (loop.rank <= 2 or space.normalized):
+            if loop.size >= 2 and len(axes) == 1 and (loop.rank <= 2 or space.normalized or axes[0] == loop.rank - 1):
                 self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
         elif loop.rank == 1 and loop.size > 1:
             self.em.schedule(name, schedule.elementwise(loop.size, widest))

@@ -25,8 +25,10 @@ Algorithm:
    read as (splat constants are copied in). Members outside the nest are lowered before it (what
    the nest reads) or after it (what reads the nest) by the whole-tensor lowering.
 3. The nest is worth it when it saves sweeps (two reductions or more, or a full-sized output),
-   or above two dimensions, where a whole-tensor reduction that reads a broadcast is a plain,
-   unvectorized loop.
+   or above two dimensions, where a whole-tensor reduction over several trailing axes that reads a
+   broadcast is a plain, unvectorized loop. Not for one sweep over the last axis that reads a
+   broadcast the tiles cannot express (`a[:, None] - b[None]`, made before the nest and stored
+   whole): the whole-tensor reduction reads it through its map, vectorized.
 4. The body is rebuilt on tile shapes (`tile_graph`) and lowered by the caller's whole-tensor
    lowering (same scalar code, same schedules per kernel, hence the same summation order as the
    unfused reductions) inside `scf.forall` (or `scf.for` below the parallel threshold) over the
@@ -212,9 +214,19 @@ def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
     sweeps = sum(op.name in _REDUCE_KINDS for op in members) + any(kind_of[v] == FULL for v in outputs)
     if sweeps < 2 and len(lead) + len(row) <= 2:  # above 2-d, whole-tensor kernels may not vectorize
         return "one sweep already"
+    if sweeps < 2 and len(row) == 1 and any(_broadcast_in(v, body) for v in inputs if kind_of[v] == FULL):
+        # A broadcast the tiles cannot read would be stored whole before the nest; the whole-tensor
+        # reduction over the last axis reads it through its indexing map, vectorized
+        # (`schedule._row_reduction`): pairwise distances `sum((a[:, None] - b[None]) ** 2, -1)`.
+        return "one sweep over a broadcast input"
     parallel = rows * length >= schedule.PARALLEL_MIN_ELEMENTS and schedule.threads() > 1
     tile = _tile_rows(rows, length * widest, schedule.threads() if parallel else 1)
     return RowNest(lead, row, tile, parallel, members, kind_of, inputs, outputs)
+
+
+def _broadcast_in(v: Value, body: Graph) -> bool:
+    """Whether nest input `v` is a broadcast the fused body computes (not a parameter)."""
+    return v.producer is not None and v.producer.name == "broadcast" and v not in body.params
 
 
 def _without_reductions(v: Value, computed: set[Value]) -> bool:

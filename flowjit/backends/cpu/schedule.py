@@ -198,7 +198,10 @@ def _hoist(loop: str) -> str:
 
 
 def reduction(shape: tuple[int, ...], axis: int, acc_bits: int):
-    """A reduction in normal form: (R) -> (), (A, R) -> (A), (R, B) -> (B) or (A, R, B) -> (A, B)."""
+    """A reduction in normal form: (R) -> (), (A, R) -> (A), (R, B) -> (B) or (A, R, B) -> (A, B); or
+    one over the last axis of any rank, (A1, .., An, R) -> (A1, .., An) (a fused reduction of
+    broadcast values, whose iteration space cannot be collapsed: `sum((a[:, None] - b[None]) ** 2,
+    -1)`)."""
     vl = lanes(acc_bits)
     size = 1
     for d in shape:
@@ -243,7 +246,8 @@ def _full_reduction(vl: int, parallel: bool, streams: bool):
 
 
 def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
-    a, r = shape[0], shape[-1]
+    a, r = shape[-2], shape[-1]
+    lead = [1] * (len(shape) - 2)  # dims before the rows' (rank > 2): one at a time
     # Rows of at least four vectors: one row at a time, four vector accumulators (independent chains)
     # and one horizontal reduction per row. Shorter rows: eight rows at a time, one vector each. Eight
     # rows of one vector on long rows ran no faster (softmax, layer norm 4096 x 1024) and their eight
@@ -254,16 +258,19 @@ def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
     def steps(h: str) -> list[str]:
         n = h[1:]
         lines = []
-        if parallel and a > 1:
-            lines.append(_forall(h, [max(rows, -(-a // (threads() * 8)) // rows * rows), 0], f"%par{n}"))
+        if parallel and lead and shape[0] > 1:
+            lines.append(_forall(h, [-(-shape[0] // threads())] + [0] * (len(shape) - 1), f"%par{n}"))
+            h = f"%par{n}"
+        elif parallel and a > 1:
+            lines.append(_forall(h, lead + [max(rows, -(-a // (threads() * 8)) // rows * rows), 0], f"%par{n}"))
             h = f"%par{n}"
         lines += [
-            _tile_for(h, [rows, 0], f"%rows{n}"),
+            _tile_for(h, lead + [rows, 0], f"%rows{n}"),
             f"%fill{n}, %split{n}, %comb{n}, %rloop{n} = transform.structured.tile_reduction_using_for %rows{n} "
-            f"by tile_sizes = [0, {width}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
-            _vectorize(f"%split{n}", [rows, width]),
-            _vectorize(f"%comb{n}", [rows, width]),
-            _vectorize(f"%fill{n}", [rows, width]),
+            f"by tile_sizes = {[0] * (len(shape) - 1) + [width]} : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
+            _vectorize(f"%split{n}", lead + [rows, width]),
+            _vectorize(f"%comb{n}", lead + [rows, width]),
+            _vectorize(f"%fill{n}", lead + [rows, width]),
             _hoist(f"%rloop{n}"),
         ]
         return lines
