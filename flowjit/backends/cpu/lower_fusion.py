@@ -224,7 +224,7 @@ class _FusionLowering:
                 if op.result in self.materialized:
                     self._emit_generic([op.result])
             elif self._fusable_reduction(op):
-                self._emit_generic([op.operands[0]], reduction=op)
+                self._emit_reduction(op)
             elif op.name in _REDUCE_KINDS and op.attrs["axes"] and self._transposed(op.operands[0]):
                 self._reduce_transposed(op)
             elif op.name not in ("constant", "broadcast", "slice", "transpose"):  # lowered when a tensor is needed
@@ -486,6 +486,33 @@ class _FusionLowering:
             return None
         flat, shaped = self.destinations[v]
         return shaped if loop.shape == v.type.shape else flat if loop.shape == (v.type.size,) else None
+
+    def _emit_reduction(self, op: Op) -> None:
+        """Fused reduction `op` of a pointwise value: one generic computing it inside the reduction's
+        loop. A reduction over several axes, the last among them, whose space has no (A, R, B) form
+        (axes in several groups, or broadcast leaves: batch-norm statistics over (0, 2, 3) of
+        `(x - mean) ** 2`) reduces the last axis in that generic, vectorized along it
+        (`schedule._row_reduction`), and the other axes of the partial result with the one-op
+        lowering; as one generic over all its axes it was plain scalar loops."""
+        (x,) = op.operands
+        rank = x.type.rank
+        axes = sorted(a % rank for a in op.attrs["axes"])
+        leaves = self._collect([x])[1]
+        grouped = axes == list(range(axes[0], axes[-1] + 1)) and not any(map(self._read_through_map, leaves))
+        if len(axes) < 2 or axes[-1] != rank - 1 or grouped or x.type.size == 0:
+            self._emit_generic([x], reduction=op)
+            return
+        partial = TensorType(x.type.shape[:-1], op.result.dtype)
+        last = Op(op.name, [x], [partial], {"axes": (rank - 1,)}, op.loc, op.device)
+        self._emit_generic([x], reduction=last)
+        rest = Op(op.name, [last.result], [op.result.type], {"axes": tuple(axes[:-1])}, op.loc, op.device)
+        (self.tensors[op.result],) = LOWERINGS[op.name](self.em, rest, [self.tensors[last.result]])
+
+    def _read_through_map(self, v: Value) -> bool:
+        """Whether leaf `v` is read through an indexing map other than the identity (a broadcast not
+        stored yet) or as a view."""
+        op = v.producer
+        return self._view(v) or (op is not None and op.name == "broadcast" and v not in self.tensors)
 
     def _iteration_space(self, targets: list[Value], leaves: list[Value], reduction: Op | None) -> _Space:
         """How the generic iterates and reads its leaves: 1-D when nothing broadcasts (the
