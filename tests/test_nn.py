@@ -472,6 +472,25 @@ def test_small_layers(mode):
     np.testing.assert_allclose(out["mse"], np.mean((0.5 * x.astype(np.float64)) ** 2), rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_one_hot_of_labels_outside_the_classes_is_all_zeros(mode):
+    """one_hot compares in int32: labels outside [0, classes) (negative, ignore_index, too large,
+    beyond int32) match no class, as they would in int64; cross_entropy leaves them out of the mean."""
+    labels = np.array([-100, -1, 0, 4, 5, 2**32 + 2, 2**31, 3], np.int64)
+    out = run(mode, lambda y: nn.one_hot(y, 5), labels)
+    want = np.zeros((8, 5), np.float32)
+    for i, label in enumerate(labels):
+        if 0 <= label < 5:
+            want[i, label] = 1.0
+    np.testing.assert_array_equal(out, want)
+    logits = np.random.default_rng(3).standard_normal((8, 5)).astype(np.float32)
+    loss = run(mode, lambda lg, y: nn.cross_entropy(lg, y), logits, np.where(labels == 2**32 + 2, -100, labels))
+    log_probs = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    picked = [-log_probs[i, y] if 0 <= y < 5 else 0.0 for i, y in enumerate(labels)]
+    valid = (labels != -100) & (labels != 2**32 + 2)
+    np.testing.assert_allclose(loss, np.sum(picked) / valid.sum(), rtol=1e-5)
+
+
 # --- dropout -------------------------------------------------------------------------------------------------
 
 
