@@ -228,10 +228,10 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         (lambda x: fnp.mean(x, axis=1), "light ("),
         (lambda x: fnp.sort(x, axis=-1), "O3 (for the scalar loops of: sort)"),
         (lambda x: fnp.transpose(x, (2, 0, 1)) * 2.0, "O3 (for the scalar loops of: transpose)"),
-        # a reduction of a broadcast over a middle axis in three dimensions runs as plain loops (no
-        # schedule; one over the last axis, or over several axes with the last, has one)
+        # an n-d product with a broadcast, below the parallel threshold and with rows too long for
+        # the short-row schedule, runs as plain loops (no schedule)
         (
-            lambda x: fnp.sum(x * fnp.broadcast_to(x[:1, :, :], x.shape), axis=1),
+            lambda x: fnp.reshape(x, (32, 16, 120)) * fnp.reshape(x, (32, 16, 120))[:, :1, :],
             "O3 (a kernel of 61440 elements runs as plain loops, vectorized by no schedule)",
         ),
     ],

@@ -532,14 +532,28 @@ _NCHW = RNG.standard_normal((6, 5, 12, 20)).astype(np.float32)
         lambda x: fnp.max(fnp.abs(x), axis=(1, 3)),
         lambda x: fnp.sum(x * fnp.arange(20, dtype=np.float32), axis=(0, 3)),
         lambda x: fnp.min(x + fnp.ones((1, 5, 1, 1), np.float32), axis=(2, 3)),
+        lambda x: nn.batch_norm_train(x, np.zeros(20, np.float32), np.ones(20, np.float32), axis=-1)[0],
+        lambda x: nn.softmax(x, axis=1),
+        lambda x: fnp.max(fnp.exp(x - fnp.mean(x, axis=(0, 1), keepdims=True)), axis=2),
     ],
-    ids=["variance", "batch_norm_train", "groups", "max_groups", "broadcast_row", "broadcast_channels"],
+    ids=[
+        "variance",
+        "batch_norm_train",
+        "groups",
+        "max_groups",
+        "broadcast_row",
+        "broadcast_channels",
+        "batch_norm_channels_last",
+        "softmax_over_channels",
+        "middle_axis",
+    ],
 )
-def test_reductions_over_several_axes_reduce_the_last_one_vectorized_first(fn):
-    """A fused reduction over several axes including the last, with no (A, R, B) form, reduces the
-    last axis in its own vectorized generic and the rest of the partial result with the one-op
-    lowering (as one generic it was scalar loops). Float sums may differ from the unfused program's
-    in the last bits (max and min exact)."""
+def test_fused_reductions_without_a_collapsed_form_are_vectorized(fn):
+    """A fused reduction with no (A, R, B) form (broadcast leaves, or axes in several groups) is
+    vectorized: over one axis, as an n-d row or column reduction; over several, its last axis in
+    its own generic and the rest of the partial result by the one-op lowering (as one generic it
+    was scalar loops). Float sums may differ from the unfused program's in the last bits (max and
+    min exact)."""
     mlir = fj.jit(fn).lower(_NCHW).as_text("mlir")
     reductions = [line for line in mlir.splitlines() if "linalg.generic" in line and '"reduction"' in line]
     assert reductions and all("fj.kernel" in line for line in reductions)  # each has a schedule

@@ -489,21 +489,21 @@ class _FusionLowering:
 
     def _emit_reduction(self, op: Op) -> None:
         """Fused reduction `op` of a pointwise value: one generic computing it inside the reduction's
-        loop. A reduction over several axes, the last among them, whose space has no (A, R, B) form
-        (axes in several groups, or broadcast leaves: batch-norm statistics over (0, 2, 3) of
-        `(x - mean) ** 2`) reduces the last axis in that generic, vectorized along it
-        (`schedule._row_reduction`), and the other axes of the partial result with the one-op
-        lowering; as one generic over all its axes it was plain scalar loops."""
+        loop. A reduction over several axes whose space has no (A, R, B) form (axes in several
+        groups, or broadcast leaves: batch-norm statistics over (0, 2, 3) of NCHW `(x - mean) ** 2`,
+        or over (0, 1, 2) of NHWC) reduces its last axis in that generic, vectorized (a row or a
+        column reduction, `schedule.reduction`), and the other axes of the partial result with the
+        one-op lowering; as one generic over all its axes it was plain scalar loops."""
         (x,) = op.operands
         rank = x.type.rank
         axes = sorted(a % rank for a in op.attrs["axes"])
         leaves = self._collect([x])[1]
         grouped = axes == list(range(axes[0], axes[-1] + 1)) and not any(map(self._read_through_map, leaves))
-        if len(axes) < 2 or axes[-1] != rank - 1 or grouped or x.type.size == 0:
+        if len(axes) < 2 or grouped or x.type.size == 0:
             self._emit_generic([x], reduction=op)
             return
-        partial = TensorType(x.type.shape[:-1], op.result.dtype)
-        last = Op(op.name, [x], [partial], {"axes": (rank - 1,)}, op.loc, op.device)
+        partial = TensorType(tuple(d for i, d in enumerate(x.type.shape) if i != axes[-1]), op.result.dtype)
+        last = Op(op.name, [x], [partial], {"axes": (axes[-1],)}, op.loc, op.device)
         self._emit_generic([x], reduction=last)
         rest = Op(op.name, [last.result], [op.result.type], {"axes": tuple(axes[:-1])}, op.loc, op.device)
         (self.tensors[op.result],) = LOWERINGS[op.name](self.em, rest, [self.tensors[last.result]])
@@ -611,7 +611,7 @@ class _FusionLowering:
         widest = max(_bits(e) for e in elems)
         loop, axes = space.loop, space.axes
         if reduction is not None:
-            if loop.size >= 2 and len(axes) == 1 and (loop.rank <= 2 or space.normalized or axes[0] == loop.rank - 1):
+            if loop.size >= 2 and len(axes) == 1:
                 self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
         elif loop.rank == 1 and loop.size > 1:
             self.em.schedule(name, schedule.elementwise(loop.size, widest))

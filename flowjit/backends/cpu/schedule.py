@@ -279,21 +279,26 @@ def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
 
 
 def _column_reduction(shape: tuple[int, ...], axis: int, vl: int, parallel: bool):
+    """(A, R, B) -> (A, B), or any rank with one reduced axis before the last (a fused reduction over
+    the channels of NCHW values with a broadcast among them, whose space cannot collapse): each
+    output vector sums its column over R in sequence, as in the collapsed form."""
     rank = len(shape)
 
     def steps(h: str) -> list[str]:
         n = h[1:]
         lines = []
         if parallel:
-            first = 0 if rank == 3 and shape[0] >= threads() else rank - 1
+            first = 0 if rank >= 3 and axis > 0 and shape[0] >= threads() else rank - 1
             sizes = [0] * rank
             sizes[first] = -(-shape[first] // threads())
             if first == rank - 1:
                 sizes[first] = _round_up(sizes[first], 4 * vl)
             lines.append(_forall(h, sizes, f"%par{n}"))
             h = f"%par{n}"
-        outer = [1] * (rank - 2) + [0, 4 * vl]  # A by 1 (if present), R whole, B by 4 vectors
-        inner = [0] * (rank - 2) + [1, 0]  # then R by 1 inside: the accumulator stays in registers
+        # The dims before and after R by 1 (the last by 4 vectors), R whole; then R by 1 inside: the
+        # accumulator stays in registers.
+        outer = [0 if d == axis else 4 * vl if d == rank - 1 else 1 for d in range(rank)]
+        inner = [1 if d == axis else 0 for d in range(rank)]
         lines += [
             _tile_for(h, outer, f"%cols{n}"),
             _tile_for(f"%cols{n}", inner, f"%red{n}"),
