@@ -1,9 +1,10 @@
 """`fuse`: group ops into `fusion` ops, each of which a backend emits as one kernel.
 
 Assumes a verified graph. Guarantees the same results for every input (ops are moved into regions
-unchanged, nothing is recomputed but small constants) and keeps effectful ops in their order. The
-one kernel choice this allows that can round differently: a float sum or product of a transposed
-input is summed in the input's layout order (see transposes below), as `x.sum(0)` is.
+unchanged, nothing is recomputed but small constants) and keeps effectful ops in their order. A
+backend may still sum a fused float reduction in another order than the unfused program's kernels
+(a transposed input in its layout's order, see transposes below; the CPU backend's kernels over
+broadcast values: `lower_fusion`).
 
 What fuses (legality comes from op families):
 - loop ops: elementwise unary/binary/ternary ops, `convert`, `broadcast`, `reshape`, `iota`;

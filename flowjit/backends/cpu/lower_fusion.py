@@ -11,9 +11,10 @@ inlined into the `linalg.generic` of whatever needs their value:
 The scalar code is the one-op lowerings' own (`lower_elementwise`), rounding after every op as
 they do, so fused and unfused results are bit-identical. Two exceptions sum floats in another
 order: a reduction of a transposed group input, which reduces that input along the permuted axes
-(`_reduce_transposed`: `x.T.sum(1)` is x's column sum, no transposed copy), and a reduction over
-the last axis of broadcast values (`sum((a[:, None] - b[None]) ** 2, -1)`), which iterates the n-d
-space (its maps cannot be collapsed) in blocks of its own rows (`schedule._row_reduction`).
+(`_reduce_transposed`: `x.T.sum(1)` is x's column sum, no transposed copy), and a reduction with no
+(A, R, B) form (broadcast values, `sum((a[:, None] - b[None]) ** 2, -1)`, or axes in several
+groups), which iterates the n-d space in blocks of its own and reduces several axes last first
+(`_emit_reduction`, `schedule.reduction`).
 
 Cost check: a pointwise value read by several consumers is recomputed in each (no intermediate
 buffer) while its expression costs at most `RECOMPUTE_BUDGET` (in simple instructions per element,

@@ -468,22 +468,30 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     elem = memory_elem_type(result.dtype)
     lanes = matmul_kernel.vector_bits() // max(8, result.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
-    out_type = TensorType((outer, total), result.dtype)
+    # (outer, total), or (total,) when the blocks are whole operands (axis 0): the result's buffer
+    # viewed so (`em.store_through`) is what the loops write, with no temporary copied out after.
+    rows = (outer,) if axis > 0 else ()
+    out_type = TensorType((*rows, total), result.dtype)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
     carried = em.empty(out_type, elem)
     outer_loop, o, (out,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
+    row = [o] if rows else []
     offset = 0
     for x, value in zip(operands, op.operands):
         size = value.type.size // max(outer, 1)
-        block_type = TensorType((outer, size), result.dtype)
+        block_type = TensorType((*rows, size), result.dtype)
         x = reshape(em, x, value.type, block_type.shape, elem)
 
         def copy(column: str, in_bounds: str, into: str, x=x, block_type=block_type, offset=offset) -> str:
             flags = f"{{in_bounds = [{in_bounds}]}}"
-            got = em.op(f"vector.transfer_read {x}[{o}, {column}], {pad} {flags} : {_tensor(block_type)}, {vec}")
+            got = em.op(
+                f"vector.transfer_read {x}[{', '.join([*row, column])}], {pad} {flags} : {_tensor(block_type)}, {vec}"
+            )
             at = w.add(column, w.index(offset))
-            return em.op(f"vector.transfer_write {got}, {into}[{o}, {at}] {flags} : {vec}, {_tensor(out_type)}")
+            return em.op(
+                f"vector.transfer_write {got}, {into}[{', '.join([*row, at])}] {flags} : {vec}, {_tensor(out_type)}"
+            )
 
         full = size // lanes
         loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(out, _tensor(out_type))])
@@ -491,4 +499,7 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
         out = loop if size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
         offset += size
     w.close_for([out], [_tensor(out_type)])
-    return reshape(em, outer_loop, out_type, result.shape, elem)
+    shaped = reshape(em, outer_loop, out_type, result.shape, elem)
+    if shaped != outer_loop and result.rank > out_type.rank:
+        em.store_through(shaped, outer_loop, out_type.shape)
+    return shaped
