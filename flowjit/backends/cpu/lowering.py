@@ -71,6 +71,19 @@ def lowering(*names: str):
     return deco
 
 
+def can_collapse(shape: tuple[int, ...], collapsed: tuple[int, ...]) -> bool:
+    """Whether `collapse_groups(shape, collapsed)` exists (`collapsed` without its leading unit dims,
+    as `store_through` views take it)."""
+    lead = 0
+    while lead < len(collapsed) - 1 and collapsed[lead] == 1:
+        lead += 1
+    try:
+        collapse_groups(shape, collapsed[lead:])
+    except (CompileError, IndexError):
+        return False
+    return True
+
+
 def collapse_groups(shape: tuple[int, ...], collapsed: tuple[int, ...]) -> list[list[int]]:
     """The dims of `shape` that each dim of `collapsed` (the same row-major data, fewer dims) spans,
     in order, as `collapse_shape` takes them; a trailing run of size-1 dims joins the last group."""
@@ -269,15 +282,34 @@ class _FunctionLowering:
         view = self.em.flat_views.get(tensor)
         if view is not None:  # store the kernel's result through a collapsed view of the buffer
             flat, shape = view
-            groups = ", ".join(f"[{', '.join(map(str, g))}]" for g in collapse_groups(t.shape, shape))
             kernel_t = TensorType(shape, t.dtype)
-            into = f"{memref_type(t)} into {memref_type(kernel_t)}"
-            buffer = self.em.op(f"memref.collapse_shape {buffer} [{groups}] : {into}")
+            buffer = self._viewed_as(buffer, t, kernel_t)
             tensor, t = flat, kernel_t
         self.em.line(
             f"bufferization.materialize_in_destination {tensor} in restrict writable {buffer} : "
             f"({tensor_type(t, memory_elem_type(t.dtype))}, {memref_type(t)}) -> ()"
         )
+
+    def _viewed_as(self, buffer: str, t: TensorType, kernel: TensorType) -> str:
+        """`buffer` (of type `t`) viewed with the shape of `kernel` (`store_through`): collapsed to it,
+        leading unit dims of the kernel's shape added back by an expand (a gather's (1, count,
+        inner) rows, which no collapse of the result's shape gives)."""
+        lead = 0
+        while lead < kernel.rank - 1 and kernel.shape[lead] == 1:
+            lead += 1
+        core = kernel.with_shape(kernel.shape[lead:])
+        if t.shape != core.shape:
+            groups = ", ".join(f"[{', '.join(map(str, g))}]" for g in collapse_groups(t.shape, core.shape))
+            into = f"{memref_type(t)} into {memref_type(core)}"
+            buffer = self.em.op(f"memref.collapse_shape {buffer} [{groups}] : {into}")
+        if lead:
+            groups = [list(range(lead + 1))] + [[d] for d in range(lead + 1, kernel.rank)]
+            text = ", ".join(f"[{', '.join(map(str, g))}]" for g in groups)
+            buffer = self.em.op(
+                f"memref.expand_shape {buffer} [{text}] output_shape [{', '.join(map(str, kernel.shape))}] "
+                f": {memref_type(core)} into {memref_type(kernel)}"
+            )
+        return buffer
 
     def lower_op(self, op: Op) -> None:
         if op.name in BUFFER_LOWERINGS:
