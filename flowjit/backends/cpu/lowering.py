@@ -71,14 +71,19 @@ def lowering(*names: str):
     return deco
 
 
-def can_collapse(shape: tuple[int, ...], collapsed: tuple[int, ...]) -> bool:
-    """Whether `collapse_groups(shape, collapsed)` exists (`collapsed` without its leading unit dims,
-    as `store_through` views take it)."""
+def unit_lead(shape: tuple[int, ...]) -> int:
+    """How many leading unit dims `shape` has, keeping at least one dim."""
     lead = 0
-    while lead < len(collapsed) - 1 and collapsed[lead] == 1:
+    while lead < len(shape) - 1 and shape[lead] == 1:
         lead += 1
+    return lead
+
+
+def can_collapse(shape: tuple[int, ...], collapsed: tuple[int, ...]) -> bool:
+    """Whether `collapse_groups(shape, collapsed)` exists for `collapsed` without its leading unit
+    dims (`unit_lead`), as `store_through` views take it."""
     try:
-        collapse_groups(shape, collapsed[lead:])
+        collapse_groups(shape, collapsed[unit_lead(collapsed) :])
     except (CompileError, IndexError):
         return False
     return True
@@ -294,9 +299,7 @@ class _FunctionLowering:
         """`buffer` (of type `t`) viewed with the shape of `kernel` (`store_through`): collapsed to it,
         leading unit dims of the kernel's shape added back by an expand (a gather's (1, count,
         inner) rows, which no collapse of the result's shape gives)."""
-        lead = 0
-        while lead < kernel.rank - 1 and kernel.shape[lead] == 1:
-            lead += 1
+        lead = unit_lead(kernel.shape)
         core = kernel.with_shape(kernel.shape[lead:])
         if t.shape != core.shape:
             groups = ", ".join(f"[{', '.join(map(str, g))}]" for g in collapse_groups(t.shape, core.shape))
