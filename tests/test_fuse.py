@@ -451,6 +451,25 @@ def test_row_reductions_run_as_one_loop_nest(fn, args):
     _check_fused_equals_unfused(fn, args, 1e-5 if args[0].dtype == np.float32 else 1e-12)
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        fnp.triu,
+        fnp.tril,
+        lambda x: fnp.triu(x, 3) - fnp.tril(x, -2) * 2.0,
+        lambda x: fnp.where(fnp.iota((300, 200), 1, "i64") < 7, x, fnp.iota((300, 200), 0, "f32")),
+    ],
+    ids=["triu", "tril", "both", "where_positions"],
+)
+def test_iotas_in_a_fused_loop_are_loop_positions(fn):
+    """An iota read by a fused elementwise kernel is its loop position (`linalg.index`), not an
+    int64 tensor stored first (triu of 2048 x 1024: 1.64 -> 0.15 ms)."""
+    x = RNG.standard_normal((300, 200)).astype(np.float32)
+    mlir = fj.jit(fn).lower(x).as_text("mlir")
+    assert "tensor<300x200xi64>" not in mlir and "tensor<300x200xf32>" in mlir
+    _check_fused_equals_unfused(fn, (x,), 1e-6)
+
+
 def test_cross_entropy_class_index_is_computed_in_the_row_nest_not_stored():
     """The one-hot compare's iota (int64, as large as the logits) streams into the fused group and is
     a row-nest member (the same positions in every tile): no kernel stores it, results match the

@@ -443,6 +443,14 @@ INLINES_SPLATS.update(_FLOAT_UNARY, _UNARY, _BINARY, _FLOAT_PREDICATE, ["select"
 # --- iota ----------------------------------------------------------------------------------------
 
 
+def iota_scalar(b: ScalarBuilder, dimension: int, dtype: dt.DType) -> str:
+    """The position along loop dimension `dimension` (`linalg.index`) as a `dtype` scalar: an iota's
+    element, in its own kernel or inside a fused one (`lower_fusion`)."""
+    index = b.op(f"linalg.index {dimension} : index")
+    as_int = b.op(f"arith.index_cast {index} : index to i64")
+    return convert_scalar(b, as_int, dt.int64, dtype)
+
+
 @lowering("iota")
 def lower_iota(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """0, 1, 2, ... along `dimension` from `linalg.index`."""
@@ -451,9 +459,7 @@ def lower_iota(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     identity = em.identity_map(t.rank)
 
     def body(b: ScalarBuilder, args: list[str]) -> str:
-        index = b.op(f"linalg.index {dimension} : index")
-        as_int = b.op(f"arith.index_cast {index} : index to i64")
-        return convert_scalar(b, as_int, dt.int64, t.dtype)
+        return iota_scalar(b, dimension, t.dtype)
 
     result = em.generic(
         [], (em.empty(t), tensor_type(t)), [identity], ["parallel"] * t.rank, body, [], elem_type(t.dtype)

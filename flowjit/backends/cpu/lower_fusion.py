@@ -49,6 +49,7 @@ from flowjit.backends.cpu.lower_elementwise import (
     compute_elem,
     convert_scalar,
     extend,
+    iota_scalar,
     narrow,
     reshape_tensor,
 )
@@ -228,7 +229,7 @@ class _FusionLowering:
                 self._emit_reduction(op)
             elif op.name in _REDUCE_KINDS and op.attrs["axes"] and self._transposed(op.operands[0]):
                 self._reduce_transposed(op)
-            elif op.name not in ("constant", "broadcast", "slice", "transpose"):  # lowered when a tensor is needed
+            elif op.name not in ("constant", "broadcast", "slice", "transpose", "iota"):  # lowered when needed
                 self._lower_member(op)
         pending: dict[tuple, list[Value]] = {}
         for v in self.body.results:
@@ -420,7 +421,12 @@ class _FusionLowering:
         leaves, or, with `reduction`, that reduction of the single target."""
         em = self.em
         ops, leaves, splats = self._collect(targets)
-        space = self._iteration_space(targets, leaves, reduction)
+        # An iota of the loop's shape is its position in the loop (`linalg.index`), not a stored
+        # tensor: triu's masks, `labels == iota` outside a row nest.
+        shape = targets[0].type.shape
+        iotas = [v for v in leaves if reduction is None and self._iota(v) and v.type.shape == shape]
+        leaves = [v for v in leaves if v not in iotas]
+        space = self._iteration_space(targets, leaves, reduction, positions=bool(iotas))
         loop = space.loop
         if reduction is None:
             outputs = [
@@ -465,7 +471,7 @@ class _FusionLowering:
         em.line(f"^bb0({', '.join(f'{a}: {e}' for a, e in zip(args, in_elems + out_elems))}):")
         b = ScalarBuilder(em, em.indent + "  ")
         leaf_args = dict(zip(read, args)) | {v: args[len(inputs) + k] for v, k in overwritten.items()}
-        yielded = self._body(b, ops, leaf_args, splats, targets, reduction, args[-1])
+        yielded = self._body(b, ops, leaf_args, splats + iotas, targets, reduction, args[-1])
         em.body.extend(b.lines)
         em.line(f"  linalg.yield {', '.join(yielded)} : {', '.join(out_elems)}")
         em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
@@ -515,7 +521,13 @@ class _FusionLowering:
         op = v.producer
         return self._view(v) or (op is not None and op.name == "broadcast" and v not in self.tensors)
 
-    def _iteration_space(self, targets: list[Value], leaves: list[Value], reduction: Op | None) -> _Space:
+    def _iota(self, v: Value) -> bool:
+        """Whether leaf `v` is an iota not stored yet."""
+        return v.producer is not None and v.producer.name == "iota" and v not in self.tensors
+
+    def _iteration_space(
+        self, targets: list[Value], leaves: list[Value], reduction: Op | None, positions: bool = False
+    ) -> _Space:
         """How the generic iterates and reads its leaves: 1-D when nothing broadcasts (the
         elementwise schedule; collapsing is free), a reduction's (A, R, B) form when its axes are
         contiguous (the one-op lowering's view, so the same schedule), else the targets' shape."""
@@ -530,6 +542,7 @@ class _FusionLowering:
         # A strided view cannot be collapsed without a copy: such a generic iterates n-d, like one
         # that broadcasts (rows split over cores, the last dimension vectorized: `copy_nd`).
         broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs) or any(map(self._view, leaves))
+        broadcasting = broadcasting or positions  # the body reads loop positions (iotas): n-d
         if reduction is not None:
             normal = None if broadcasting else self._normal_form(reduction, shape)
             if normal is None:
@@ -559,7 +572,10 @@ class _FusionLowering:
                 arg = b.op(f"arith.cmpi ne, {arg}, {b.const(0, 'i8')} : i8")
             value[v] = extend(b, arg, v.dtype)
         for v in splats:
-            value[v] = b.const(splat_value(v), compute_elem(v.dtype))
+            if v.producer is not None and v.producer.name == "iota":  # a position (`_emit_generic`)
+                value[v] = extend(b, iota_scalar(b, v.producer.attrs["dimension"], v.dtype), v.dtype)
+            else:
+                value[v] = b.const(splat_value(v), compute_elem(v.dtype))
         for op in ops:
             value[op.result] = _scalar(b, op, [value[v] for v in op.operands])
         if reduction is None:
