@@ -517,7 +517,8 @@ class _FusionLowering:
 
     def _read_through_map(self, v: Value) -> bool:
         """Whether leaf `v` is read through an indexing map other than the identity (a broadcast not
-        stored yet) or as a view."""
+        stored yet, `_input`) or as a view: a generic reading one iterates its targets' n-d shape,
+        and a reduction of it has no (A, R, B) form."""
         op = v.producer
         return self._view(v) or (op is not None and op.name == "broadcast" and v not in self.tensors)
 
@@ -541,8 +542,8 @@ class _FusionLowering:
             inputs[0] = self._input(leaves[0], shape)
         # A strided view cannot be collapsed without a copy: such a generic iterates n-d, like one
         # that broadcasts (rows split over cores, the last dimension vectorized: `copy_nd`).
-        broadcasting = any(m != em.identity_map(len(shape)) for _, _, m in inputs) or any(map(self._view, leaves))
-        broadcasting = broadcasting or positions  # the body reads loop positions (iotas): n-d
+        # So does one whose body reads loop positions (iotas).
+        broadcasting = any(map(self._read_through_map, leaves)) or positions
         if reduction is not None:
             normal = None if broadcasting else self._normal_form(reduction, shape)
             if normal is None:

