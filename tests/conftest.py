@@ -5,6 +5,11 @@ import os
 os.environ.setdefault("FLOWJIT_VERIFY", "1")
 
 # The CPU backend's disk cache goes to a fresh folder per test session, never the user's ~/.cache.
+# The folder goes when the session ends (each held ~9 MiB, and every run used to leave one in /tmp).
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-os.environ.setdefault("FLOWJIT_CACHE_DIR", tempfile.mkdtemp(prefix="flowjit-test-cache-"))
+if "FLOWJIT_CACHE_DIR" not in os.environ:
+    os.environ["FLOWJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="flowjit-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["FLOWJIT_CACHE_DIR"], ignore_errors=True)
