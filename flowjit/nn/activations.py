@@ -122,10 +122,13 @@ def tanh(x):
 
 
 def gelu(x, approximate: bool = False):
-    """Gaussian error linear unit: x * Phi(x), exact (erf) by default, tanh approximation if asked."""
+    """Gaussian error linear unit: x * Phi(x), exact (erf) by default, tanh approximation if asked.
+    The cube is x * x * x, as JAX and PyTorch compute it: a general power costs a logarithm and an
+    exponential in float64 per element (gelu of (8, 128, 1024) f32 took 6x longer)."""
     x = fnp.asarray(x)
     if approximate:
-        inner = fnp.multiply(math.sqrt(2.0 / math.pi), fnp.add(x, fnp.multiply(0.044715, fnp.power(x, 3))))
+        cube = fnp.multiply(fnp.multiply(x, x), x)
+        inner = fnp.multiply(math.sqrt(2.0 / math.pi), fnp.add(x, fnp.multiply(0.044715, cube)))
         return fnp.multiply(fnp.multiply(0.5, x), fnp.add(1.0, fnp.tanh(inner)))
     return fnp.multiply(fnp.multiply(0.5, x), fnp.add(1.0, fnp.erf(fnp.multiply(x, 1.0 / math.sqrt(2.0)))))
 
