@@ -300,6 +300,55 @@ def test_row_dot_kernel(dtype):
     check("dot_general", [data((3, 5, 200), dtype, 1), data((3, 2, 200), dtype, 2)], batched)
 
 
+@pytest.mark.parametrize(
+    "m, k, n, dtype",
+    [
+        (1, 1024, 2048, dt.float32),  # split over the cores
+        (2, 513, 4100, dt.float32),  # split over the cores, a partial last vector, a k remainder
+        (3, 7, 1000, dt.float32),  # one thread, a partial last vector
+        (4, 300, 40, dt.float64),
+        (1, 128, 33, dt.int32),
+        (4, 45, 70, dt.int64),
+        (2, 40, 72, dt.float16),
+        (3, 33, 50, dt.bfloat16),
+    ],
+)
+def test_matmul_few_rows_are_streamed(m, k, n, dtype):
+    """A product of at most FEW_ROWS_MAX rows reads B once, row after row, into C's columns: no
+    packed panels, masked past N, C's vectors split over the cores when large."""
+    mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
+    assert "streamed against B's rows, nothing packed" in mlir
+    assert ("scf.forall" in mlir) == (m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
+    mlir = check("dot_general", [data((k,), dtype, 1), data((k, n), dtype, 2)], dict(MATMUL, lhs_contract=(0,)))
+    assert ("streamed against B's rows" in mlir) == (k * n >= matmul_kernel.KERNEL_MIN_FLOPS)  # vector @ matrix
+    more = matmul_kernel.FEW_ROWS_MAX + 1
+    assert "streamed" not in check("dot_general", [data((more, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_matmul_few_rows_with_epilogues(m):
+    """Bias + relu and a residual over a streamed product, through fj.jit against numpy in float64."""
+    x, w, b = data((m, 300), dt.float32, 1), data((300, 1000), dt.float32, 2), data((1000,), dt.float32, 3)
+    want = np.maximum(x.astype(np.float64) @ w + b, 0)
+    got = fj.jit(lambda x, w, b: fnp.maximum(x @ w + b, 0))(x, w, b)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    w2 = data((300, 300), dt.float32, 4)
+    want = np.tanh(x.astype(np.float64) @ w2) + x
+    np.testing.assert_allclose(fj.jit(lambda x, w: fnp.tanh(x @ w) + x)(x, w2), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.int32], ids=ids([dt.float32, dt.float64, dt.int32]))
+def test_one_row_against_rows_takes_row_dots(dtype):
+    """x @ w.T of one row (PyTorch's linear layout): one dot per output over B's contiguous rows,
+    not the tiled kernel packing B's rows into panels."""
+    transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())
+    mlir = check("dot_general", [data((1, 1001), dtype, 1), data((300, 1001), dtype, 2)], transposed)
+    assert "vector.reduction <add>" in mlir and "streamed" not in mlir
+    batched = dict(lhs_contract=(2,), rhs_contract=(2,), lhs_batch=(0,), rhs_batch=(0,))
+    mlir = check("dot_general", [data((3, 1, 200), dtype, 1), data((3, 70, 200), dtype, 2)], batched)
+    assert "vector.reduction <add>" in mlir
+
+
 def test_matmul_kernel_batched_and_transposed():
     batched = dict(lhs_contract=(2,), rhs_contract=(1,), lhs_batch=(0,), rhs_batch=(0,))
     mlir = check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)

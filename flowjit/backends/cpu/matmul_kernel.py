@@ -664,6 +664,8 @@ def emit_matmul(
     if tile_epilogue is not None and (s.serial or s.accumulate):
         raise CompileError("internal error: a tile epilogue needs a product made whole")
     result = into if s.accumulate else em.op(f"tensor.empty() : {c_type}")
+    if streams_rows(s) and not isinstance(a, Restrided):
+        return _rows_streamed(w, s, a, b, result)
     threads = _threads(s)
     if s.batch:
         outer, batch_index, (c_all,) = w.open_for(w.index(0), w.index(s.batch), w.index(1), [(result, c_type)])
@@ -685,6 +687,125 @@ def emit_matmul(
         w.close_for([c_new], [c_type])
         return outer
     return c_new
+
+
+# Products of at most FEW_ROWS_MAX rows (a batch-1 or small-batch layer, `v @ W`) are streamed
+# (`_rows_streamed`): nothing is packed, and B is read once, row after row, in the order it lies in
+# memory. Packed into K x NR panels, each B row was read 128 bytes at a time, 16 KiB apart, and the
+# panels were used by one row block only: (1, 4096) @ (4096, 4096) f32 ran at 10-12 GB/s against
+# JAX's 23-25. FEW_ROWS_K_STEP rows of B go through each pass over C's block (fewer loads and
+# stores of C per multiply-add), and a block of C is at most FEW_ROWS_BLOCK_BYTES, to stay in L1.
+FEW_ROWS_MAX = 4
+FEW_ROWS_K_STEP = 4
+FEW_ROWS_BLOCK_BYTES = 16 << 10
+
+
+def streams_rows(s: MatmulShape) -> bool:
+    """Whether `emit_matmul` streams this product (`_rows_streamed`) instead of tiling it."""
+    plain = not (s.batch or s.serial or s.accumulate or s.a_cols or s.b_rows or s.b_in_place)
+    return plain and s.m <= FEW_ROWS_MAX and s.n >= s.lanes and s.k >= FEW_ROWS_K_STEP
+
+
+def _rows_streamed(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
+    """C = A @ B for a few rows (`streams_rows`): C starts at zero and each step adds
+    FEW_ROWS_K_STEP rows of B, scaled by A's matching columns, to a block of C's columns, vector by
+    vector, so B streams from memory in its own order and C stays in L1. The cores split C's
+    whole vectors of columns; a last partial vector (N not a multiple of the vector width) follows
+    on the calling thread, masked, so nothing outside C is read or written."""
+    em = w.em
+    em.line(f"// matmul: {s.m} row(s) x {s.k} x {s.n} streamed against B's rows, nothing packed")
+    c_type = s.tensor(s.m, s.n)
+    zero = em.op(f"arith.constant {s.zero} : {s.elem}")
+    c = em.op(f"linalg.fill ins({zero} : {s.elem}) outs({c_all} : {c_type}) -> {c_type}")
+    whole = s.n // s.lanes
+    threads = cores() if s.m * s.n * s.k >= PARALLEL_MIN_FLOPS and whole >= 2 * cores() else 1
+    if threads > 1:
+        per = _ceil_div(whole, threads)
+        done, t, shared = w.open_forall(_ceil_div(whole, per), c, c_type)
+        v0 = w.mul(t, w.index(per))
+        count = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(whole)}, {v0} : index')}, {w.index(per)} : index")
+        col0 = w.mul(v0, w.index(s.lanes))
+        tile_type = f"tensor<{s.m}x?x{s.elem}>"
+        where = f"[0, {col0}] [{s.m}, {w.mul(count, w.index(s.lanes))}] [1, 1]"
+        tile = em.op(f"tensor.extract_slice {shared}{where} : {c_type} to {tile_type}")
+        tile = _stream_columns(w, s, a, b, (tile, tile_type, col0), col0, count, "true")
+        w.close_forall(tile, shared, where, tile_type, c_type)
+        c = done
+    else:
+        c = _stream_columns(w, s, a, b, (c, c_type, w.index(0)), w.index(0), w.index(whole), "true")
+    if s.n % s.lanes:
+        c = _stream_columns(w, s, a, b, (c, c_type, w.index(0)), w.index(whole * s.lanes), w.index(1), "false")
+    if w.tile_epilogue is not None:
+        c = _epilogue_by_vectors(w, s, c, c_type)
+    return c
+
+
+def _stream_columns(w: LoopWriter, s: MatmulShape, a: str, b: str, c, col0: str, count: str, state: str) -> str:
+    """`count` vectors of C's columns from column `col0` (`c` = (C's tile, its type, the column of C
+    where the tile starts)), in blocks of at most FEW_ROWS_BLOCK_BYTES of C; `state` "false" masks the vectors
+    (one partial vector past N)."""
+    em = w.em
+    tile, tile_type, origin = c
+    vec = f"vector<{s.lanes}x{s.elem}>"
+    read_a = _a_reader(w, s, a, w.index(0), None)
+    block = max(1, FEW_ROWS_BLOCK_BYTES // (s.m * s.lanes * int(s.elem[1:]) // 8))
+    blocks, first, (cur,) = w.open_for(w.index(0), count, w.index(block), [(tile, tile_type)])
+    end = em.op(f"arith.minsi {w.add(first, w.index(block))}, {count} : index")
+
+    def pass_over_block(cur: str, ks: list[str]) -> str:
+        """C's block += B's rows `ks` times A's columns `ks`."""
+        scales = [
+            [em.op(f"vector.broadcast {read_a(w.index(0), r, k)} : {s.elem} to {vec}") for k in ks] for r in range(s.m)
+        ]
+        loop, v, (t,) = w.open_for(first, end, w.index(1), [(cur, tile_type)])
+        at = w.add(col0, w.mul(v, w.index(s.lanes)))
+        col = em.op(f"arith.subi {at}, {origin} : index")
+        pad = em.op(f"arith.constant {s.zero} : {s.elem}")
+        masked = f"{{in_bounds = [{state}]}}"
+        accs = [
+            em.op(f"vector.transfer_read {t}[{w.index(r)}, {col}], {pad} {masked} : {tile_type}, {vec}")
+            for r in range(s.m)
+        ]
+        for u, k in enumerate(ks):
+            row = em.op(f"vector.transfer_read {b}[{k}, {at}], {pad} {masked} : {s.b_tensor}, {vec}")
+            accs = [multiply_add_vectors(em, scales[r][u], row, accs[r], vec, s.elem) for r in range(s.m)]
+        for r in range(s.m):
+            t = em.op(f"vector.transfer_write {accs[r]}, {t}[{w.index(r)}, {col}] {masked} : {vec}, {tile_type}")
+        w.close_for([t], [tile_type], NO_UNROLL)
+        return loop
+
+    steps = s.k // FEW_ROWS_K_STEP
+    loop, kb, (t,) = w.open_for(w.index(0), w.index(steps), w.index(1), [(cur, tile_type)])
+    k0 = w.mul(kb, w.index(FEW_ROWS_K_STEP))
+    t = pass_over_block(t, [w.add(k0, w.index(u)) for u in range(FEW_ROWS_K_STEP)])
+    w.close_for([t], [tile_type], NO_UNROLL)
+    cur = loop
+    if s.k % FEW_ROWS_K_STEP:
+        cur = pass_over_block(cur, [w.index(k) for k in range(steps * FEW_ROWS_K_STEP, s.k)])
+    w.close_for([cur], [tile_type])
+    return blocks
+
+
+def _epilogue_by_vectors(w: LoopWriter, s: MatmulShape, c: str, c_type: str) -> str:
+    """C, once made, through `w.tile_epilogue` one (M, vector) window at a time (C is a few rows:
+    a window is still in L1 when the epilogue reads it back), then its partial last vector."""
+    em = w.em
+    whole = s.n // s.lanes
+    window = f"tensor<{s.m}x{s.lanes}x{s.elem}>"
+    loop, v, (cur,) = w.open_for(w.index(0), w.index(whole), w.index(1), [(c, c_type)])
+    col = w.mul(v, w.index(s.lanes))
+    where = f"[0, {col}] [{s.m}, {s.lanes}] [1, 1]"
+    part = em.op(f"tensor.extract_slice {cur}{where} : {c_type} to {window}")
+    part = w.tile_epilogue(part, (s.m, s.lanes), w.index(0), col)
+    w.close_for([em.op(f"tensor.insert_slice {part} into {cur}{where} : {window} into {c_type}")], [c_type])
+    if s.n % s.lanes == 0:
+        return loop
+    width = s.n % s.lanes
+    window = f"tensor<{s.m}x{width}x{s.elem}>"
+    where = f"[0, {whole * s.lanes}] [{s.m}, {width}] [1, 1]"
+    part = em.op(f"tensor.extract_slice {loop}{where} : {c_type} to {window}")
+    part = w.tile_epilogue(part, (s.m, width), w.index(0), w.index(whole * s.lanes))
+    return em.op(f"tensor.insert_slice {part} into {loop}{where} : {window} into {c_type}")
 
 
 def _splits_columns(s: MatmulShape, threads: int) -> bool:
@@ -866,6 +987,8 @@ def scratch_bytes(s: MatmulShape) -> int:
     thread's packed A, then A's restrided copy. Per-call allocations this big fragmented glibc's
     heap (small blocks allocated between calls land in the freed panels), so every call
     page-faulted fresh memory."""
+    if streams_rows(s):
+        return 0
     return _scratch_before_a_copy(s) + (restrided_bytes(s.m, s.k, s.elem) if _restrides_a(s) else 0)
 
 
