@@ -130,6 +130,30 @@ def test_closure_over_numpy_array_becomes_a_constant():
     assert "constant" in f.lower(X).as_text("traced")
 
 
+@pytest.mark.parametrize("fill", [0.0, -0.0, 2.5, np.nan, np.inf])
+def test_large_constants_of_one_value_are_a_broadcast_scalar(fill):
+    """fnp.zeros / ones / full of a large shape (and a closed-over array of one value) reach the
+    graph as a scalar and a broadcast, not a literal of every element (which went through every
+    compile as hex: 64 MiB for a (4096, 4096) f32); the value is kept bit for bit."""
+    shape = (300, 40)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    f = fj.jit(lambda x: fnp.maximum(x, fnp.full(shape, fill, np.float32)) + fnp.zeros_like(x))
+    want = np.maximum(x, np.float32(fill)) + np.float32(0)
+    np.testing.assert_array_equal(f(x), want)
+    traced = f.lower(x).as_text("traced")
+    hex_literal = re.compile(r"array<[^,]*, 0x")
+    assert "broadcast" in traced and not hex_literal.search(traced)
+    same = np.full(shape, fill, np.float32)
+    g = fj.jit(lambda x: x * same)
+    np.testing.assert_array_equal(g(x), x * same)
+    assert not hex_literal.search(g.lower(x).as_text("traced"))
+    if fill == 0:  # the sign of zero is kept (bits, not ==): 0.0 * -1 is -0.0, -0.0 * -1 is 0.0
+        negated = fj.jit(lambda x: same * x)(-np.ones(shape, np.float32))
+        np.testing.assert_array_equal(np.signbit(negated), not np.signbit(fill))
+    varied = np.arange(1200, dtype=np.float32).reshape(30, 40)
+    assert hex_literal.search(fj.jit(lambda x: x + varied).lower(np.ones((30, 40), np.float32)).as_text("traced"))
+
+
 def test_method_binds_self_as_static():
     traces = Counter()
 
