@@ -242,6 +242,41 @@ def test_scatter_add_scalar_index():
     check("scatter_add", [x, np.array(-2, np.int64), np.array(5, np.int32)], dict(axis=0))
 
 
+@pytest.mark.parametrize(
+    "dtype", [dt.float32, dt.int32, dt.float64, dt.bool_], ids=ids([dt.float32, dt.int32, dt.float64, dt.bool_])
+)
+@pytest.mark.parametrize("fill", [0, 3])
+def test_scatter_add_into_a_splat_fills_the_output(dtype, fill):
+    """scatter_add into zeros (a gather's gradient) or another splat: the output is filled with the
+    scalar, the splat never stored and copied (an embedding gradient 5.0-5.6 -> 2.1-2.7 ms)."""
+    rows, width = 3000, 40
+    idx = np.random.default_rng(1).integers(-rows, rows, (50, 7)).astype(np.int32)
+    upd = data((50, 7, width), dtype, 2)
+    np_dtype = dtype.np_dtype
+
+    def f(i, u):
+        return fnp.scatter_add(fnp.full((rows, width), fill, np_dtype), i, u)
+
+    want = np.full((rows, width), fill, np_dtype)
+    np.add.at(want, np.where(idx < 0, idx + rows, idx), upd)
+    lowered = fj.jit(f).lower(idx, upd)
+    np.testing.assert_array_equal(lowered.compile()(idx, upd), want)
+    mlir = lowered.as_text("mlir")
+    workspace = int(re.search(r"// workspace: (\d+) bytes", mlir).group(1))
+    assert "linalg.copy" not in mlir and workspace < rows * width  # the splat is not stored
+    assert "linalg.fill" not in mlir  # a scheduled kernel: vector stores
+
+
+def test_large_fills_are_vectorized_kernels():
+    """A large broadcast scalar is a scheduled generic (vector stores, both cores), not a
+    `linalg.fill`, which the pipeline leaves as scalar loops."""
+    x = np.ones((300, 128), np.float32)
+    lowered = fj.jit(lambda x: fnp.zeros_like(x) + 1.0).lower(x)
+    mlir = lowered.as_text("mlir")
+    assert "linalg.fill" not in mlir and "fj.kernel" in mlir
+    np.testing.assert_array_equal(lowered.compile()(x), np.ones_like(x))
+
+
 # --- dot_general -----------------------------------------------------------------------------------
 
 MATMUL = dict(lhs_contract=(1,), rhs_contract=(0,), lhs_batch=(), rhs_batch=())

@@ -11,7 +11,7 @@ import math
 
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
-from flowjit.backends.cpu.lower_elementwise import collapse, expand, reshape_tensor
+from flowjit.backends.cpu.lower_elementwise import filled, reshape_tensor
 from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering, splat_value
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
@@ -60,11 +60,7 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
     splat = splat_value(x)
     if splat is not None and result.size > 0:
         literal = int(bool(splat)) if result.dtype.is_bool else scalar_literal(splat, result.dtype)
-        fill = em.op(f"arith.constant {literal} : {e}")
-        flat = TensorType((result.size,), result.dtype) if result.rank > 1 else result
-        init = collapse(em, em.empty(result, e), result, e)
-        filled = em.op(f"linalg.fill ins({fill} : {e}) outs({init} : {tensor_type(flat, e)}) -> {tensor_type(flat, e)}")
-        return [expand(em, filled, result, e)]
+        return [filled(em, em.op(f"arith.constant {literal} : {e}"), result, e)]
     dims = ", ".join(f"d{i}" for i in range(result.rank))
     source_dims = []
     for i, d in enumerate(op.attrs["dims"]):

@@ -18,8 +18,23 @@ import functools
 import math
 
 from flowjit.backends.cpu import matmul_kernel, schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memory_elem_type, tensor_type
-from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, can_collapse, lowering
+from flowjit.backends.cpu.emitter import (
+    KernelEmitter,
+    ScalarBuilder,
+    elem_type,
+    memory_elem_type,
+    scalar_literal,
+    tensor_type,
+)
+from flowjit.backends.cpu.lower_elementwise import filled
+from flowjit.backends.cpu.lowering import (
+    INLINES_SPLAT_OPERANDS,
+    bool_from_bytes,
+    bool_to_bytes,
+    can_collapse,
+    lowering,
+    splat_value,
+)
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
@@ -379,6 +394,9 @@ def _add(b: ScalarBuilder | KernelEmitter, a: str, c: str, elem: str, is_bool: b
     return b.op(f"arith.addf {a}, {c} : {elem}")
 
 
+INLINES_SPLAT_OPERANDS["scatter_add"] = {0}
+
+
 @lowering("scatter_add")
 @_on_bytes
 def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
@@ -390,7 +408,13 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     axis = op.attrs["axis"]
     _check_nonempty_axis(op, "scatter into")
     ttype = _tensor(source)
-    copy = copy_tensor(em, x, source)
+    splat = splat_value(op.operands[0])
+    if splat is not None and source.size > 0:  # zeros (a gather's gradient): filled, not copied
+        literal = int(bool(splat)) if source.dtype.is_bool else scalar_literal(splat, source.dtype)
+        elem = memory_elem_type(source.dtype)
+        copy = filled(em, em.op(f"arith.constant {literal} : {elem}"), source, elem)
+    else:
+        copy = copy_tensor(em, x, source)
     if upd.size == 0:
         return [copy]
     if math.prod(source.shape[axis + 1 :]) >= matmul_kernel.vector_bits() // max(8, source.dtype.bits):

@@ -178,6 +178,9 @@ def _first_fit(blocks: list[tuple[int, int]], size: int) -> int:
 # Ops whose lowerings use splat operands as scalars (filled by lower_elementwise): a splat value
 # read only by them is never stored.
 INLINES_SPLATS: set[str] = set()
+# Ops that use a splat as a scalar in some operand positions only (scatter_add's x: its lowering
+# fills the output instead of copying x), by position.
+INLINES_SPLAT_OPERANDS: dict[str, set[int]] = {}
 
 
 def splat_value(value: Value):
@@ -349,9 +352,15 @@ def _virtual_splats(graph: Graph) -> set[Value]:
         for v in op.results
         if v not in results
         and v in users
-        and all(u.name in INLINES_SPLATS for u in users[v])
+        and all(_inlines_splat(u, v) for u in users[v])
         and splat_value(v) is not None
     }
+
+
+def _inlines_splat(user: Op, v: Value) -> bool:
+    """Whether `user`'s lowering reads its operand `v` as a scalar when `v` is a splat."""
+    positions = INLINES_SPLAT_OPERANDS.get(user.name, set())
+    return user.name in INLINES_SPLATS or all(i in positions for i, o in enumerate(user.operands) if o is v)
 
 
 def no_lowering_error(op: Op) -> CompileError:
