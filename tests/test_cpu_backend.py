@@ -5,6 +5,7 @@ disabling), concurrent calls, and call-path errors."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -209,6 +210,64 @@ def test_large_constant_is_a_module_global_of_bytes(dtype):
     nbytes = table.size * table.dtype.itemsize
     assert f"memref<{nbytes}xi8> = dense<" in mlir and "memref.get_global" in mlir and "memref.view" in mlir
     np.testing.assert_array_equal(lo.compile()(x), f(x))
+
+
+def test_large_constants_are_passed_as_inputs_not_built_in(tmp_path, monkeypatch):
+    """A large closed-over array (a weight) is lifted out of the module: an input after the caller's,
+    passed by the executable on every call (`compiler.lift_constants`), also where a loop body or a
+    branch reads it and where it is returned; the user-facing signature is unchanged, and a
+    cache hit (same graph, same bytes) runs with this compile's arrays."""
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((128, 160)).astype(np.float32)  # 80 KiB
+    table = rng.integers(0, 9, (200, 128)).astype(np.int32)
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+
+    def f(x):
+        h = fnp.tanh(x @ w)
+        looped = fj.fori_loop(0, 3, lambda i, c: c + (x @ w) * 0.5, h)
+        picked = fj.cond(h.sum() > 0, lambda a: a @ w.T, lambda a: -(a @ w.T), looped)
+        return h, picked, table, table[1:3] * 2
+
+    jitted = fj.jit(f)
+    lowered = jitted.lower(x)
+    mlir = lowered.as_text("mlir")
+    assert f"memref<{w.nbytes}xi8>" not in mlir and f"memref<{table.nbytes}xi8>" not in mlir  # no such global
+    signature = re.search(r"func.func @fj_f\((.*)\)", mlir).group(1)
+    assert signature.startswith("%in0: memref<4x128xf32>")  # x first, then the constants
+    assert "memref<128x160xf32>" in signature and "memref<200x128xi32>" in signature
+    got = jitted(x)
+    h = np.tanh(x.astype(np.float64) @ w)
+    looped = h + 3 * 0.5 * (x.astype(np.float64) @ w)
+    picked = looped @ w.T if h.sum() > 0 else -(looped @ w.T)
+    for g, want in zip(got, (h, picked, table, table[1:3] * 2)):
+        np.testing.assert_allclose(g, want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(lowered.compile()(x)[0], got[0])  # the compiled signature takes x alone
+    again = fj.jit(f)(x)  # another function object: a cache hit, with its own lifted arrays
+    for g, want in zip(again, got):
+        np.testing.assert_array_equal(g, want)
+    other = w + 1.0  # same graph, other bytes: another cache entry, not the first one's code
+    np.testing.assert_allclose(fj.jit(lambda x: x @ other)(x), x @ other, rtol=1e-5, atol=1e-4)
+
+
+def test_lifted_constants_with_variables_and_donation():
+    """Lifted constants come after a stateful function's variable buffers; donation still pairs
+    results with the caller's inputs."""
+    w = np.arange(128 * 130, dtype=np.float32).reshape(128, 130) / 1e4
+    v = fj.Variable(np.zeros((4, 130), np.float32), name="acc")
+
+    @fj.jit
+    def step(x):
+        v.assign_add(x @ w)
+        return v.value * 2.0
+
+    x = np.ones((4, 128), np.float32)
+    step(x)
+    np.testing.assert_allclose(step(x), 2 * 2 * (x @ w), rtol=1e-5)
+    donate = fj.jit(lambda a: a @ w[:, :128] + a, donate_argnums=0)
+    a = np.ones((4, 128), np.float32)
+    want = a @ w[:, :128] + a
+    np.testing.assert_allclose(donate(a), want, rtol=1e-5)
 
 
 # --- stages ----------------------------------------------------------------------------------------

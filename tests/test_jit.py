@@ -154,6 +154,24 @@ def test_large_constants_of_one_value_are_a_broadcast_scalar(fill):
     assert hex_literal.search(fj.jit(lambda x: x + varied).lower(np.ones((30, 40), np.float32)).as_text("traced"))
 
 
+def test_a_large_array_read_twice_is_one_constant_unless_changed_between():
+    """A closed-over array used several times is one constant of the graph (not a copy per use),
+    unless it changed in between (the second read then sees the new values)."""
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    f = fj.jit(lambda x: fnp.tanh(x @ w) @ w + x * w)
+    x = np.ones((64, 64), np.float32)
+    assert f.lower(x).as_text("traced").count("= constant") == 1
+    np.testing.assert_allclose(f(x), np.tanh(x @ w) @ w + x * w, rtol=1e-5, atol=1e-5)
+    a = np.arange(2000, dtype=np.float32)
+
+    def g(x):
+        y = x + a
+        a[0] = 100.0
+        return y + a
+
+    np.testing.assert_array_equal(fj.jit(g)(np.zeros(2000, np.float32))[:3], [100.0, 2.0, 4.0])
+
+
 def test_method_binds_self_as_static():
     traces = Counter()
 

@@ -605,7 +605,8 @@ class Lowered:
         self.name = graph.name
         self._binder = binder
         self._graphs = {"traced": graph}
-        dump.write_stage(self.name, "traced", print_graph(graph))
+        if dump.dump_dir() is not None:  # printing costs: a large constant is written out in hex
+            dump.write_stage(self.name, "traced", print_graph(graph))
         self._executable: Executable | None = None
 
     def graph(self, stage: str = "optimized") -> Graph:

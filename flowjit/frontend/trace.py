@@ -50,6 +50,9 @@ class Trace:
         self.device_stack: list[str] = []
         self.active = False
         self.variables: dict = {}  # name -> Variable read or updated while tracing (root trace only)
+        # (id of a large array, device) -> (the array, the copy the constant holds, its value): an
+        # array read again is the same constant (a weight used twice was two copies in the graph)
+        self._large_constants: dict[tuple[int, str | None], tuple[np.ndarray, np.ndarray, Value]] = {}
 
     def __enter__(self) -> Trace:
         stack = trace_stack()
@@ -87,9 +90,15 @@ class Trace:
         array = np.asarray(x)
         if not dt.is_supported_numpy_dtype(array.dtype):
             raise unsupported_constant_error(array)
+        key = (id(x), self.device)
+        seen = self._large_constants.get(key) if isinstance(x, np.ndarray) else None
+        if seen is not None and seen[0] is x and _same_bits(x, seen[1]):  # unchanged since it was read
+            return seen[2]
         ops = splat_constant(array, user_location(), self.device)
         for op in ops:
             self.graph.append(op)
+        if isinstance(x, np.ndarray) and array.size > SPLAT_MIN_ELEMENTS and ops[-1].name == "constant":
+            self._large_constants[key] = (x, ops[-1].attrs["value"], ops[-1].result)
         return ops[-1].result
 
     @property
@@ -130,6 +139,13 @@ def splat_constant(array: np.ndarray, loc: Location, device: str | None = None) 
         attrs = {"shape": array.shape, "dims": ()}
         return [scalar, make_op("broadcast", [scalar.result], attrs, loc, device=device)]
     return [make_op("constant", [], {"value": np.array(array)}, loc, device=device)]
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays hold the same bytes (nan payloads and the sign of zero included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) == memoryview(b.reshape(-1).view(np.uint8))
 
 
 def _single_value(array: np.ndarray) -> bool:

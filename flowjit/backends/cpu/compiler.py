@@ -22,13 +22,16 @@ from the graph when first asked for.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.errors import CompileError
-from flowjit.ir.graph import Graph
+from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops.contraction import conv_params
 from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
@@ -252,9 +255,85 @@ def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> t
     return True, f"light ({', '.join(toolchain.LIGHT_PASSES)}): every kernel vectorized by its schedule"
 
 
+# Constants of at least this many bytes (not of one value: those are fills) are passed to the
+# native code as extra inputs after the function's own, not built into the module
+# (`lift_constants`). Built in, each byte went through MLIR's translation to LLVM IR text and
+# llvmlite's parser (~90 ms per MiB): a function closing over a (2048, 2048) f32 weight took 1.8 s
+# to compile (25 s before constants became byte arrays), JAX 0.24 s.
+LIFT_MIN_BYTES = 64 << 10
+
+
+def lift_constants(graph: Graph) -> tuple[Graph, tuple[np.ndarray, ...]]:
+    """`graph` with each large constant (`LIFT_MIN_BYTES`, not a splat) at its top level or in the
+    bodies of its loops and branches replaced by a new parameter after the others (named
+    `constN`; a body then reads the parameter from outside, `lower_control`), and the constants'
+    arrays in parameter order. The graph itself when there is none to lift."""
+    lifted: list[Op] = []
+    _liftable_ops(graph, lifted)
+    if not lifted:
+        return graph, ()
+    mapping: dict[Value, Value] = {}
+    new = Graph(graph.name)
+    for p in graph.params:
+        mapping[p] = new.add_param(p.type, p.name_hint)
+    for i, op in enumerate(lifted):
+        mapping[op.result] = new.add_param(op.result.type, f"const{i}")
+    copied = _copy_without(graph, mapping, {id(op) for op in lifted})
+    new.ops, new.results = copied.ops, copied.results
+    return new, tuple(np.ascontiguousarray(op.attrs["value"]) for op in lifted)
+
+
+def _liftable_ops(graph: Graph, found: list[Op]) -> None:
+    for op in graph.ops:
+        if op.name == "constant" and _liftable(op.attrs["value"]):
+            found.append(op)
+        if op.name in ("cond", "for", "while"):  # not fusion bodies: their lowering reads only their params
+            for region in op.regions:
+                _liftable_ops(region, found)
+
+
+def _copy_without(graph: Graph, mapping: dict[Value, Value], skipped: set[int]) -> Graph:
+    """`graph.copy(mapping)` without the ops whose ids are in `skipped`, in nested regions too."""
+    copy = Graph(graph.name)
+    for p in graph.params:
+        if p in mapping:  # the function's own parameters, made by the caller
+            copy.params.append(mapping[p])
+        else:
+            mapping[p] = copy.add_param(p.type, p.name_hint)
+    for op in graph.ops:
+        if id(op) in skipped:
+            continue
+        regions = [_copy_without(region, mapping, skipped) for region in op.regions]
+        new = Op(op.name, [mapping.get(v, v) for v in op.operands], [r.type for r in op.results], op.attrs, op.loc)
+        new.device, new.regions = op.device, regions
+        for old, value in zip(op.results, new.results):
+            value.name_hint = old.name_hint
+            mapping[old] = value
+        copy.ops.append(new)
+    copy.results = [mapping.get(v, v) for v in graph.results]
+    return copy
+
+
+def _liftable(value: np.ndarray) -> bool:
+    if value.nbytes < LIFT_MIN_BYTES:
+        return False
+    flat = value.reshape(-1)
+    return not np.array_equal(flat, np.broadcast_to(flat[0], flat.shape), equal_nan=value.dtype.kind == "f")
+
+
+def _constants_digest(constants: tuple[np.ndarray, ...]) -> str:
+    """What the cache key adds for lifted constants: each one's type and a hash of its bytes."""
+    digest = hashlib.sha256()
+    for array in constants:
+        digest.update(f"{array.shape}{array.dtype}".encode())
+        digest.update(memoryview(array.reshape(-1).view(np.uint8)))
+    return f"// lifted constants: {digest.hexdigest()}\n" if constants else ""
+
+
 def compile_cpu(graph: Graph, options: CompileOptions | None = None):
     """Compile `graph` for the host CPU (or load it from the compile cache). A graph with state ops
-    is functionalized first and bound to the variables' buffers at call time (`stateful.py`)."""
+    is functionalized first and bound to the variables' buffers at call time (`stateful.py`). Large
+    constants become inputs the executable passes itself (`lift_constants`)."""
     from flowjit.backends.cpu.stateful import compile_stateful, has_state
 
     if has_state(graph):
@@ -262,8 +341,9 @@ def compile_cpu(graph: Graph, options: CompileOptions | None = None):
     options = options or CompileOptions()
     if any(op.name in COMMUNICATION_OPS for op in graph.ops):
         link_native_symbols()  # the runtime functions send/recv call (compiled or loaded code)
+    graph, constants = lift_constants(graph)
     graph_text = print_graph(graph)
-    key = cache.cache_key(graph_text, options)
+    key = cache.cache_key(graph_text + _constants_digest(constants), options)
     stages = Stages(graph_text, graph.name, options)
     entry = cache.load(key)
     if entry is None:
@@ -277,7 +357,7 @@ def compile_cpu(graph: Graph, options: CompileOptions | None = None):
         cache.store(key, entry)
     else:
         native = toolchain.load_objects(entry.objects, entry.symbol)
-    executable = CpuExecutable(native, entry, stages)
+    executable = CpuExecutable(native, entry, stages, constants)
     if dump.dump_dir() is not None:
         for stage in Stages.NAMES:
             dump.write_stage(graph.name, stage, stages[stage])

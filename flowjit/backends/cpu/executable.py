@@ -203,16 +203,22 @@ class CpuExecutable(Executable):
 
     fresh_outputs = True
 
-    def __init__(self, native: toolchain.NativeModule, entry, stages):
+    def __init__(self, native: toolchain.NativeModule, entry, stages, constants: tuple[np.ndarray, ...] = ()):
+        """`constants`: arrays the native function takes after the caller's inputs (large constants
+        lifted out of the module, `compiler.lift_constants`), passed on every call."""
         self.native = native  # keeps the machine code alive
         self.entry = entry
         self.stages = stages
         self.backend = f"cpu (MLIR -> LLVM, {toolchain.host_cpu().name})"
-        self.inputs = entry.inputs
+        own = len(entry.inputs) - len(constants)
+        if own < 0 or [(c.shape, c.dtype) for c in constants] != [(b.shape, b.np_dtype) for b in entry.inputs[own:]]:
+            raise CompileError("internal error: the lifted constants do not match the function's last inputs")
+        self.inputs = Layout(entry.inputs[:own])
         self.outputs = entry.outputs
         self.workspace_bytes = entry.workspace_bytes
+        self._constants = tuple(constants)
         self._entry_address = native.address(entry.symbol)
-        self._trampoline = trampoline(len(self.inputs) + len(self.outputs))
+        self._trampoline = trampoline(len(entry.inputs) + len(self.outputs))
         self._out_shapes = [b.shape for b in self.outputs]
         self._out_dtypes = [b.np_dtype for b in self.outputs]
         self._in_specs = [(b.shape, b.np_dtype) for b in self.inputs]
@@ -279,11 +285,11 @@ class CpuExecutable(Executable):
         else:
             outs = list(map(np.empty, self._out_shapes, self._out_dtypes))
         if not self.workspace_bytes:
-            self._trampoline(self._entry_address, *args, *outs, _NO_WORKSPACE_ADDRESS)
+            self._trampoline(self._entry_address, *args, *self._constants, *outs, _NO_WORKSPACE_ADDRESS)
         else:
             workspace = self._take_workspace()
             try:
-                self._trampoline(self._entry_address, *args, *outs, workspace[1])
+                self._trampoline(self._entry_address, *args, *self._constants, *outs, workspace[1])
             finally:
                 self._pool.append(workspace)
         return outs
@@ -291,7 +297,7 @@ class CpuExecutable(Executable):
     def caller(self, single_output: bool) -> Callable[[Sequence[np.ndarray]], object]:
         """`Executable.caller`; a function of one result and no workspace, the usual small call, gets
         a closure doing only the call's own work (half the time of going through `run_trusted`)."""
-        if not single_output or self.workspace_bytes:
+        if not single_output or self.workspace_bytes or self._constants:
             return super().caller(single_output)
         trampoline, entry = self._trampoline, self._entry_address
         ((shape, dtype),) = zip(self._out_shapes, self._out_dtypes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from flowjit.backends.cpu.emitter import KernelEmitter, tensor_type
 from flowjit.backends.cpu.lowering import (
     BUFFER_LOWERINGS,
+    INLINE_CONSTANT_ELEMENTS,
     LOWERINGS,
     bool_from_bytes,
     bool_to_bytes,
@@ -64,9 +65,12 @@ def _results(em: KernelEmitter, count: int) -> tuple[str, list[str]]:
 
 
 def lower_region(em: KernelEmitter, region: Graph, args: list[str]) -> list[str]:
-    """Emit `region`'s ops on tensors, with its parameters bound to `args`; returns its results."""
-    env = dict(zip(region.params, args))
+    """Emit `region`'s ops on tensors, with its parameters bound to `args`; returns its results.
+    Values read from outside the regions, and large constants, come from `em.region_values`."""
+    env = {**em.region_values, **dict(zip(region.params, args))}
     for op in region.ops:
+        if op.name == "constant" and op.result in env:  # a large one, hoisted (`_region_values`)
+            continue
         if op.name == "constant":
             value = op.attrs["value"]
             env[op.result] = em.literal(dense_literal(value, op.result.type.dtype), tensor_type(op.result.type))
@@ -200,12 +204,42 @@ def _check_nested(op: Op) -> None:
                 raise no_lowering_error(inner)
 
 
+def _outside_and_large(op: Op) -> list:
+    """Values `op`'s control-flow regions (nested ones included, not fusion bodies) read without
+    defining them (the function's lifted constants: `compiler.lift_constants`), and the large
+    constants they define (more than `INLINE_CONSTANT_ELEMENTS`): read once before the op. As
+    literals inside a loop body, a (1024, 1024) f32 went through MLIR's translation element by
+    element (4 s to compile)."""
+    found: dict = {}
+
+    def visit(region: Graph, defined: set) -> None:
+        defined = defined | set(region.params)
+        for inner in region.ops:
+            for v in inner.operands:
+                if v not in defined:
+                    found.setdefault(v)
+            if inner.name == "constant" and inner.attrs["value"].size > INLINE_CONSTANT_ELEMENTS:
+                found.setdefault(inner.result)
+            if inner.name in CONTROL_OPS:
+                for nested in inner.regions:
+                    visit(nested, defined)
+            defined |= set(inner.results)
+
+    for region in op.regions:
+        visit(region, set())
+    return list(found)
+
+
 def _lower_control(fl, op: Op) -> None:
     if op.name == "while" and op.attrs["num_carry"] == 0:
         raise CompileError(f"{op.loc}: a while_loop needs at least one carried value")
     _check_nested(op)
     operands = [fl.read(v) for v in op.operands]
-    results = _EMITTERS[op.name](fl.em, op, operands)
+    fl.em.region_values = {v: fl.read(v) for v in _outside_and_large(op)}
+    try:
+        results = _EMITTERS[op.name](fl.em, op, operands)
+    finally:
+        fl.em.region_values = {}
     for value, tensor in zip(op.results, results):
         fl.write(tensor, value, fl.buffers[value])
 
