@@ -294,7 +294,13 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         (lambda x: x[0] @ x[1].T + 1.0, "light ("),
         (lambda x: fnp.mean(x, axis=1), "light ("),
         (lambda x: fnp.sort(x, axis=-1), "O3 (for the scalar loops of: sort)"),
-        (lambda x: fnp.transpose(x, (2, 0, 1)) * 2.0, "O3 (for the scalar loops of: transpose)"),
+        (lambda x: fnp.transpose(x, (2, 0, 1)) * 2.0, "light ("),  # in 8x8 blocks
+        (lambda x: fnp.transpose(x, (1, 0, 2)) * 2.0, "light ("),  # rows kept: vector row copies
+        # rank 3 with the last dim moved and sides not multiples of 8: plain loops, O3 vectorizes them
+        (
+            lambda x: fnp.transpose(x[:4, :45, :33], (0, 2, 1)) * 2.0,
+            "O3 (a kernel of 5940 elements runs as plain loops, vectorized by no schedule)",
+        ),
         # an n-d product with a broadcast, below the parallel threshold and with rows too long for
         # the short-row schedule, runs as plain loops (no schedule)
         (
@@ -302,7 +308,16 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
             "O3 (a kernel of 61440 elements runs as plain loops, vectorized by no schedule)",
         ),
     ],
-    ids=["row_reduction", "matmul", "middle_axis_mean", "sort", "transpose", "plain_loops"],
+    ids=[
+        "row_reduction",
+        "matmul",
+        "middle_axis_mean",
+        "sort",
+        "transpose_blocks",
+        "transpose_rows",
+        "transpose_plain",
+        "plain_loops",
+    ],
 )
 def test_llvm_pipeline_is_light_only_when_every_kernel_is_vectorized_and_the_dump_says_which(fn, pipeline):
     """LLVM runs `toolchain.LIGHT_PASSES` instead of O3 on functions whose kernels the lowering

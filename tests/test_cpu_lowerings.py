@@ -384,6 +384,20 @@ def test_one_row_against_rows_takes_row_dots(dtype):
     assert "vector.reduction <add>" in mlir
 
 
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64], ids=ids([dt.float32, dt.float64]))
+def test_split_head_products_move_rows_not_elements(dtype):
+    """Attention's products on split heads, batched over dims that are not leading: an rhs that
+    contracts its last dim (`q @ k.T`) goes to the kernel as rows, an lhs whose free dims are last
+    (`q.T @ ds` in a gradient) as columns, each a copy of whole contiguous rows; no element-wise
+    `linalg.transpose`."""
+    heads = dict(lhs_contract=(3,), rhs_contract=(3,), lhs_batch=(0, 2), rhs_batch=(0, 2))
+    mlir = check("dot_general", [data((2, 40, 3, 32), dtype, 1), data((2, 48, 3, 32), dtype, 2)], heads)
+    assert "linalg.transpose" not in mlir
+    grads = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(0, 2), rhs_batch=(0, 2))
+    mlir = check("dot_general", [data((2, 40, 3, 32), dtype, 3), data((2, 40, 3, 48), dtype, 4)], grads)
+    assert "linalg.transpose" not in mlir
+
+
 def test_matmul_kernel_batched_and_transposed():
     batched = dict(lhs_contract=(2,), rhs_contract=(1,), lhs_batch=(0,), rhs_batch=(0,))
     mlir = check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)
@@ -630,14 +644,18 @@ def test_matmul_kernel_lhs_columns(lead, m, n, k, dtype):
         ((3, 20, 24, 16), (3, 1, 0, 2), True),
         ((5, 7, 60), (0, 2, 1), False),  # rank 3 with edge blocks stays plain (see `_in_blocks`)
         ((2, 3, 4, 5), (0, 2, 3, 1), False),  # too small for blocks
-        ((40, 30, 20), (1, 0, 2), False),  # the input's last dim stays last: a copy of rows
+        ((40, 30, 20), (1, 0, 2), "rows"),  # the input's last dim stays last: vector copies of rows
+        ((8, 30, 20), (1, 0, 2), "rows"),
+        ((3, 30, 20), (1, 0, 2), False),  # rows, but too small for a schedule (plain loops)
     ],
 )
 def test_transpose_in_blocks(shape, perm, blocks, dtype):
     """Permuted copies, dims merged where the output keeps them together, large ones moved in
-    square blocks (`schedule.transpose_blocks`), against the reference interpreter."""
+    square blocks (`schedule.transpose_blocks`) or, when the input's last dim stays last, as
+    vector copies of rows (`schedule.copy_nd`), against the reference interpreter."""
     mlir = check("transpose", [data(shape, dtype, 3)], dict(perm=perm))
-    assert ("transform.structured.vectorize" in mlir) == blocks  # only the blocked copy has a schedule
+    assert ("transform.structured.vectorize" in mlir) == bool(blocks)  # plain loops have no schedule
+    assert ("transform.structured.vectorize" in mlir and "vector_sizes [1, 1, " in mlir) == (blocks == "rows")
 
 
 # --- conv2d, pooling ---------------------------------------------------------------------------------

@@ -56,7 +56,11 @@ OPT_LEVEL = 3
 # constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
 # elementwise and reduction ops (`lower_elementwise`, `lower_reduction`). The others write scalar
 # loops that LLVM's O3 vectorizes or speeds up (sort, gather, scatter, control flow, argmax,
-# transpose, pad and concatenate copies, communication). conv2d with stride 1
+# pad and concatenate copies, communication). transpose (session 14): a large copy moves in 8x8
+# blocks or, when the input's rows stay rows, as vector row copies, both scheduled; any other
+# (rank 3+ with ragged blocks) is plain loops, which `PLAIN_LOOP_MAX_ELEMENTS` sends to O3. Paired
+# with O3 in one process over six shapes, the same run time; a transformer block's forward, held on
+# O3 by its head splits, compiles in 440 instead of 535 ms. conv2d with stride 1
 # only (`_light_op`): its im2col, pad and matmul kernel are vector code (a small pad's copy or the
 # generic conv of a few taps are plain loops, which `PLAIN_LOOP_MAX_ELEMENTS` catches); paired
 # with O3 in one process, relu(conv + b) ran 0.998-1.005x as long over four layer shapes, its first
@@ -65,7 +69,7 @@ OPT_LEVEL = 3
 # same way over seven shapes (2x2, 3x3/2 padded, 3x3/1 average; 14 to 112 wide): 0.975-1.017x, first
 # calls 10-40% shorter. Large windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
 LIGHT_PIPELINE_OPS = frozenset(
-    {"constant", "broadcast", "reshape", "slice", "dot_general", "conv2d", "reduce_window", "fusion"}
+    {"constant", "broadcast", "reshape", "slice", "transpose", "dot_general", "conv2d", "reduce_window", "fusion"}
 )
 LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")
 # A kernel the transform schedules left as a linalg op (plain loops) up to this many elements does

@@ -235,7 +235,8 @@ def _kernel_shape(op: Op) -> matmul_kernel.MatmulShape | None:
     if not matmul_kernel.worth_it(batch, m, n, k) or _row_against_rows(op):
         return None
     acc = accumulator_elem(op.result.type.dtype)
-    rhs_rows, lhs_cols = _rhs_in_row_order(op), _lhs_in_column_order(op)
+    rhs_rows = _rhs_in_row_order(op) or _rhs_contracts_last(op)
+    lhs_cols = _lhs_in_column_order(op) or _lhs_free_last(op)
     return matmul_kernel.MatmulShape(batch if lhs_batch else 0, m, n, k, acc, b_rows=rhs_rows, a_cols=lhs_cols)
 
 
@@ -316,6 +317,27 @@ def _rhs_in_row_order(op: Op) -> bool:
     rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
     order = list(rhs_batch) + rhs_free + list(rhs_contract)
     return order == sorted(order) and order != list(rhs_batch) + list(rhs_contract) + rhs_free
+
+
+def _rhs_contracts_last(op: Op) -> bool:
+    """Whether the rhs contracts its last dims, in order, but its batch and free dims need moving
+    (attention's `q @ k.T` on split heads: k (B, T, H, D) contracting D, batched over B and H): then
+    it goes to the kernel as (batch, N, K) rows, a copy of whole contiguous rows (`_copy_blocks`),
+    rather than transposed to (batch, K, N), which moves every element on its own (a
+    `linalg.transpose`: plain loops, which also kept the function off LLVM's light pipeline)."""
+    tb = op.operands[1].type
+    _, rhs_contract, _, _ = dot_dims(op.attrs)
+    return list(rhs_contract) == list(range(tb.rank - len(rhs_contract), tb.rank))
+
+
+def _lhs_free_last(op: Op) -> bool:
+    """The lhs's twin of `_rhs_contracts_last`: its free dims are its last dims, in order, with
+    its batch and contracting dims to move (a gradient's `q.T @ ds` on split heads): it goes to the
+    kernel as (batch, K, M), a copy of whole contiguous rows, read by columns."""
+    ta = op.operands[0].type
+    lhs_contract, _, lhs_batch, _ = dot_dims(op.attrs)
+    free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
+    return bool(free) and free == list(range(ta.rank - len(free), ta.rank)) and bool(lhs_contract)
 
 
 def _lhs_in_column_order(op: Op) -> bool:
