@@ -296,6 +296,8 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         (lambda x: fnp.sort(x, axis=-1), "O3 (for the scalar loops of: sort)"),
         (lambda x: fnp.transpose(x, (2, 0, 1)) * 2.0, "light ("),  # in 8x8 blocks
         (lambda x: fnp.transpose(x, (1, 0, 2)) * 2.0, "light ("),  # rows kept: vector row copies
+        # a broadcast below the parallel threshold that a product reads: vector row copies, one thread
+        (lambda x: fnp.broadcast_to(fnp.sum(x, 2, keepdims=True), (32, 48, 40)) @ x[0, :40, :], "light ("),
         # rank 3 with the last dim moved and sides not multiples of 8: plain loops, O3 vectorizes them
         (
             lambda x: fnp.transpose(x[:4, :45, :33], (0, 2, 1)) * 2.0,
@@ -315,6 +317,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         "sort",
         "transpose_blocks",
         "transpose_rows",
+        "small_broadcast",
         "transpose_plain",
         "plain_loops",
     ],

@@ -69,7 +69,7 @@ def lower_region(em: KernelEmitter, region: Graph, args: list[str]) -> list[str]
     Values read from outside the regions, and large constants, come from `em.region_values`."""
     env = {**em.region_values, **dict(zip(region.params, args))}
     for op in region.ops:
-        if op.name == "constant" and op.result in env:  # a large one, hoisted (`_region_values`)
+        if op.name == "constant" and op.result in env:  # a large one, read before the op (`_outside_and_large`)
             continue
         if op.name == "constant":
             value = op.attrs["value"]

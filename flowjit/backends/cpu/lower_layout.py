@@ -67,8 +67,11 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
         source_dims.append("0" if x.type.shape[i] == 1 and result.shape[d] != 1 else f"d{d}")
     input_map = em.affine_map(f"({dims}) -> ({', '.join(source_dims)})")
     out = _copy_with_map(em, operands[0], x.type, result, input_map)
-    if result.rank >= 1 and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
-        em.schedule(out, schedule.copy_nd(result.shape, result.dtype.bits))
+    if result.rank >= 1 and result.size > ROW_COPY_MIN_ELEMENTS:
+        # Small ones on one thread; as plain loops (below the parallel threshold they had no
+        # schedule) only LLVM's O3 vectorized them, which held their function off the light pipeline.
+        parallel = result.size >= schedule.PARALLEL_MIN_ELEMENTS
+        em.schedule(out, schedule.copy_nd(result.shape, result.dtype.bits, parallel))
     return [out]
 
 
