@@ -100,16 +100,20 @@ class Graph:
     def result_types(self) -> list[TensorType]:
         return [r.type for r in self.results]
 
-    def copy(self, mapping: dict[Value, Value] | None = None) -> Graph:
+    def copy(self, mapping: dict[Value, Value] | None = None, skip: frozenset[int] = frozenset()) -> Graph:
         """A structural copy: new values and ops (passes rewrite graphs in place), the same
         attributes, locations and devices. `mapping` (old value -> new) is extended with this
-        graph's values; regions are copied with it, so a region may read values of its parents."""
+        graph's values; regions are copied with it, so a region may read values of its parents.
+        Ops whose `id` is in `skip` are left out, in regions too (their results' uses read what
+        `mapping` already maps them to)."""
         mapping = {} if mapping is None else mapping
         graph = Graph(self.name)
         for p in self.params:
             mapping[p] = graph.add_param(p.type, p.name_hint)
         for op in self.ops:
-            regions = [region.copy(mapping) for region in op.regions]
+            if id(op) in skip:
+                continue
+            regions = [region.copy(mapping, skip) for region in op.regions]
             operands = [mapping.get(v, v) for v in op.operands]
             new = Op(op.name, operands, [r.type for r in op.results], op.attrs, op.loc, op.device, regions)
             for old, value in zip(op.results, new.results):

@@ -276,14 +276,9 @@ def lift_constants(graph: Graph) -> tuple[Graph, tuple[np.ndarray, ...]]:
     _liftable_ops(graph, lifted)
     if not lifted:
         return graph, ()
-    mapping: dict[Value, Value] = {}
-    new = Graph(graph.name)
-    for p in graph.params:
-        mapping[p] = new.add_param(p.type, p.name_hint)
-    for i, op in enumerate(lifted):
-        mapping[op.result] = new.add_param(op.result.type, f"const{i}")
-    copied = _copy_without(graph, mapping, {id(op) for op in lifted})
-    new.ops, new.results = copied.ops, copied.results
+    params = [Value(op.result.type, None, len(graph.params) + i, f"const{i}") for i, op in enumerate(lifted)]
+    new = graph.copy({op.result: p for op, p in zip(lifted, params)}, skip=frozenset(id(op) for op in lifted))
+    new.params.extend(params)
     return new, tuple(np.ascontiguousarray(op.attrs["value"]) for op in lifted)
 
 
@@ -294,28 +289,6 @@ def _liftable_ops(graph: Graph, found: list[Op]) -> None:
         if op.name in ("cond", "for", "while"):  # not fusion bodies: their lowering reads only their params
             for region in op.regions:
                 _liftable_ops(region, found)
-
-
-def _copy_without(graph: Graph, mapping: dict[Value, Value], skipped: set[int]) -> Graph:
-    """`graph.copy(mapping)` without the ops whose ids are in `skipped`, in nested regions too."""
-    copy = Graph(graph.name)
-    for p in graph.params:
-        if p in mapping:  # the function's own parameters, made by the caller
-            copy.params.append(mapping[p])
-        else:
-            mapping[p] = copy.add_param(p.type, p.name_hint)
-    for op in graph.ops:
-        if id(op) in skipped:
-            continue
-        regions = [_copy_without(region, mapping, skipped) for region in op.regions]
-        new = Op(op.name, [mapping.get(v, v) for v in op.operands], [r.type for r in op.results], op.attrs, op.loc)
-        new.device, new.regions = op.device, regions
-        for old, value in zip(op.results, new.results):
-            value.name_hint = old.name_hint
-            mapping[old] = value
-        copy.ops.append(new)
-    copy.results = [mapping.get(v, v) for v in graph.results]
-    return copy
 
 
 def _liftable(value: np.ndarray) -> bool:
