@@ -298,6 +298,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         (lambda x: fnp.transpose(x, (1, 0, 2)) * 2.0, "light ("),  # rows kept: vector row copies
         # a broadcast below the parallel threshold that a product reads: vector row copies, one thread
         (lambda x: fnp.broadcast_to(fnp.sum(x, 2, keepdims=True), (32, 48, 40)) @ x[0, :40, :], "light ("),
+        (lambda x: x[1:30, :, :20] @ x[0, :20, :], "light ("),  # a slice a product reads: row copies
         # rank 3 with the last dim moved and sides not multiples of 8: plain loops, O3 vectorizes them
         (
             lambda x: fnp.transpose(x[:4, :45, :33], (0, 2, 1)) * 2.0,
@@ -318,6 +319,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         "transpose_blocks",
         "transpose_rows",
         "small_broadcast",
+        "slice",
         "transpose_plain",
         "plain_loops",
     ],

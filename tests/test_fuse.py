@@ -8,6 +8,7 @@ and that the optimized stage and the dumps show kernels and member source lines.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -677,7 +678,8 @@ def test_a_slice_the_group_returns_is_stored_once_and_still_read_as_a_view():
     graph = _optimized(fn, _DIFF_X)
     assert [op.name for op in graph.ops] == ["fusion"]
     mlir = fj.jit(fn).lower(_DIFF_X).as_text("mlir")
-    assert mlir.count("linalg.copy") == 1
+    # the slice is viewed twice: once read by the fused kernel, once copied out (stored once)
+    assert len(re.findall(r"tensor\.extract_slice %\w+\[0, 1\] \[6, 32\]", mlir)) == 2
     _check_fused_equals_unfused(fn, (_DIFF_X,), 1e-5)
 
 

@@ -50,6 +50,21 @@ def _copy_with_map(em: KernelEmitter, x: str, source: TensorType, result: Tensor
     )
 
 
+def row_copy(
+    em: KernelEmitter, x: str, source: TensorType, result: TensorType, input_map: str, parallel_min: int | None = None
+) -> str:
+    """A copy reading whole rows of `x` (its last dim maps to the result's: a broadcast, a transpose
+    keeping rows, a slice of unit last stride): above ROW_COPY_MIN_ELEMENTS a vector copy of rows
+    (`schedule.copy_nd`), split over the cores from `parallel_min` elements (default
+    ROW_COPY_PARALLEL_MIN_ELEMENTS). As plain loops only LLVM's O3 vectorized such copies, which held
+    their whole function off the light pipeline."""
+    out = _copy_with_map(em, x, source, result, input_map)
+    if result.rank >= 1 and result.size > ROW_COPY_MIN_ELEMENTS:
+        parallel = result.size >= (ROW_COPY_PARALLEL_MIN_ELEMENTS if parallel_min is None else parallel_min)
+        em.schedule(out, schedule.copy_nd(result.shape, result.dtype.bits, parallel))
+    return out
+
+
 @lowering("broadcast")
 @_on_bytes
 def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
@@ -66,13 +81,8 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
     for i, d in enumerate(op.attrs["dims"]):
         source_dims.append("0" if x.type.shape[i] == 1 and result.shape[d] != 1 else f"d{d}")
     input_map = em.affine_map(f"({dims}) -> ({', '.join(source_dims)})")
-    out = _copy_with_map(em, operands[0], x.type, result, input_map)
-    if result.rank >= 1 and result.size > ROW_COPY_MIN_ELEMENTS:
-        # Small ones on one thread; as plain loops (below the parallel threshold they had no
-        # schedule) only LLVM's O3 vectorized them, which held their function off the light pipeline.
-        parallel = result.size >= schedule.PARALLEL_MIN_ELEMENTS
-        em.schedule(out, schedule.copy_nd(result.shape, result.dtype.bits, parallel))
-    return [out]
+    # Large broadcasts keep the threads they had before small ones were scheduled too (not measured apart).
+    return [row_copy(em, operands[0], x.type, result, input_map, schedule.PARALLEL_MIN_ELEMENTS)]
 
 
 @lowering("reshape")
@@ -105,23 +115,20 @@ def lower_transpose(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
     for i, p in enumerate(perm):
         reads[p] = f"d{i}"
     input_map = em.affine_map(f"({dims}) -> ({', '.join(reads)})")
-    out = _copy_with_map(em, operand, source, moved, input_map)
     source_last = list(perm).index(moved.rank - 1)  # the output dim reading the input's last dim
-    if _in_blocks(moved, source_last):
-        em.schedule(out, schedule.transpose_blocks(moved.shape, source_last, moved.dtype.bits))
-    elif source_last == moved.rank - 1 and moved.size > ROW_COPY_MIN_ELEMENTS:
-        # The input's rows stay rows (split heads: (B, T, H, D) -> (B, H, T, D)): copied a vector at a
-        # time, rows over the cores, like a broadcast. As plain loops only LLVM's O3 vectorized them,
-        # which kept every function holding such a transpose off the light pipeline.
-        parallel = moved.size >= ROW_COPY_PARALLEL_MIN_ELEMENTS
-        em.schedule(out, schedule.copy_nd(moved.shape, moved.dtype.bits, parallel))
+    if source_last == moved.rank - 1:  # rows stay rows (split heads: (B, T, H, D) -> (B, H, T, D))
+        out = row_copy(em, operand, source, moved, input_map)
+    else:
+        out = _copy_with_map(em, operand, source, moved, input_map)
+        if _in_blocks(moved, source_last):
+            em.schedule(out, schedule.transpose_blocks(moved.shape, source_last, moved.dtype.bits))
     return [reshape_tensor(em, out, moved, result, e)]
 
 
-# Permuted copies that keep the input's last dim last are vector row copies from this size on
-# (smaller ones stay plain loops, which `compiler.PLAIN_LOOP_MAX_ELEMENTS` lets LLVM's light pipeline take).
+# Copies of whole rows (`row_copy`) are vector copies from this size on (smaller ones stay plain
+# loops, which `compiler.PLAIN_LOOP_MAX_ELEMENTS` lets LLVM's light pipeline take)...
 ROW_COPY_MIN_ELEMENTS = 4096
-# ... and split over the cores from this size on: a copy is memory-bound, and two threads ran it no
+# ... split over the cores from this size on: a copy is memory-bound, and two threads ran it no
 # faster on 2 cores up to 8M f32 elements, 3.5x slower at 256K ((8, 128, 4, 64): 0.030 -> 0.107 ms).
 ROW_COPY_PARALLEL_MIN_ELEMENTS = 1 << 23
 

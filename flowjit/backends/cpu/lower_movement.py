@@ -27,6 +27,7 @@ from flowjit.backends.cpu.emitter import (
     tensor_type,
 )
 from flowjit.backends.cpu.lower_elementwise import filled
+from flowjit.backends.cpu.lower_layout import row_copy
 from flowjit.backends.cpu.lowering import (
     INLINES_SPLAT_OPERANDS,
     bool_from_bytes,
@@ -96,6 +97,8 @@ def lower_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         f"tensor.extract_slice {x}[{_index_list(start)}] [{_index_list(result.shape)}] "
         f"[{_index_list(stride)}] : {_tensor(source)} to {_tensor(result)}"
     )
+    if stride[-1] == 1:  # whole runs of rows
+        return [row_copy(em, view, result, result, em.identity_map(result.rank))]
     return [copy_tensor(em, view, result)]
 
 
