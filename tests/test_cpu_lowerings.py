@@ -360,6 +360,17 @@ def test_matmul_few_rows_are_streamed(m, k, n, dtype):
     assert "streamed" not in check("dot_general", [data((more, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
 
 
+@pytest.mark.parametrize("m", [5, 8])
+def test_matmul_up_to_8_rows_stream_a_b_larger_than_the_last_cache(monkeypatch, m):
+    """5-8 rows are streamed only when B does not fit in the last-level cache (here pretended 4 KiB)."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")  # the same graph compiles to other code
+    a, b = data((m, 40), dt.float32, 1), data((40, 72), dt.float32, 2)
+    assert "streamed" not in check("dot_general", [a, b], MATMUL)
+    monkeypatch.setattr(matmul_kernel, "last_level_cache_bytes", lambda: 4096)
+    assert "streamed against B's rows" in check("dot_general", [a, b], MATMUL)
+    assert "streamed" not in check("dot_general", [data((9, 40), dt.float32, 3), b], MATMUL)
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_matmul_few_rows_with_epilogues(m):
     """Bias + relu and a residual over a streamed product, through fj.jit against numpy in float64."""
