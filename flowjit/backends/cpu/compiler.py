@@ -31,7 +31,7 @@ import numpy as np
 from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.errors import CompileError
-from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.graph import Graph, Value
 from flowjit.ir.ops.contraction import conv_params
 from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
@@ -268,27 +268,18 @@ LIFT_MIN_BYTES = 64 << 10
 
 
 def lift_constants(graph: Graph) -> tuple[Graph, tuple[np.ndarray, ...]]:
-    """`graph` with each large constant (`LIFT_MIN_BYTES`, not a splat) at its top level or in the
-    bodies of its loops and branches replaced by a new parameter after the others (named
-    `constN`; a body then reads the parameter from outside, `lower_control`), and the constants'
-    arrays in parameter order. The graph itself when there is none to lift."""
-    lifted: list[Op] = []
-    _liftable_ops(graph, lifted)
+    """`graph` with each large top-level constant (`LIFT_MIN_BYTES`, not a splat) replaced by a new
+    parameter after the others (named `constN`), and the constants' arrays in parameter order; the
+    graph itself when there is none to lift. Constants in loop and branch bodies stay (a region
+    sees only its parameters and its own ops; the text form would not parse back): the lowering
+    reads the large ones once before the loop (`lower_control._large_constants`)."""
+    lifted = [op for op in graph.ops if op.name == "constant" and _liftable(op.attrs["value"])]
     if not lifted:
         return graph, ()
     params = [Value(op.result.type, None, len(graph.params) + i, f"const{i}") for i, op in enumerate(lifted)]
     new = graph.copy({op.result: p for op, p in zip(lifted, params)}, skip=frozenset(id(op) for op in lifted))
     new.params.extend(params)
     return new, tuple(np.ascontiguousarray(op.attrs["value"]) for op in lifted)
-
-
-def _liftable_ops(graph: Graph, found: list[Op]) -> None:
-    for op in graph.ops:
-        if op.name == "constant" and _liftable(op.attrs["value"]):
-            found.append(op)
-        if op.name in ("cond", "for", "while"):  # not fusion bodies: their lowering reads only their params
-            for region in op.regions:
-                _liftable_ops(region, found)
 
 
 def _liftable(value: np.ndarray) -> bool:

@@ -125,9 +125,8 @@ class KernelEmitter:
         self.scratch: tuple[str, int] | None = None
         # Tensors that are `arith.constant` literals (`literal`): strided inserts copy them first.
         self.literals: set[str] = set()
-        # Values a control-flow op's regions read from outside them (its function's lifted
-        # constants) or hoist out of them (large constants), as tensors emitted before the op:
-        # `lower_control.lower_region` starts from these.
+        # The large constants of a control-flow op's regions, as tensors emitted before the op
+        # (`lower_control._large_constants`): `lower_region` starts from these.
         self.region_values: dict = {}
         # Kinds of kernels made, for code generation's loop strength reduction (`strength_reduction`).
         self.row_nests = False

@@ -66,10 +66,10 @@ def _results(em: KernelEmitter, count: int) -> tuple[str, list[str]]:
 
 def lower_region(em: KernelEmitter, region: Graph, args: list[str]) -> list[str]:
     """Emit `region`'s ops on tensors, with its parameters bound to `args`; returns its results.
-    Values read from outside the regions, and large constants, come from `em.region_values`."""
+    Its large constants come from `em.region_values` (read before the op)."""
     env = {**em.region_values, **dict(zip(region.params, args))}
     for op in region.ops:
-        if op.name == "constant" and op.result in env:  # a large one, read before the op (`_outside_and_large`)
+        if op.name == "constant" and op.result in env:  # a large one, read before the op (`_large_constants`)
             continue
         if op.name == "constant":
             value = op.attrs["value"]
@@ -204,30 +204,23 @@ def _check_nested(op: Op) -> None:
                 raise no_lowering_error(inner)
 
 
-def _outside_and_large(op: Op) -> list:
-    """Values `op`'s control-flow regions (nested ones included, not fusion bodies) read without
-    defining them (the function's lifted constants: `compiler.lift_constants`), and the large
-    constants they define (more than `INLINE_CONSTANT_ELEMENTS`): read once before the op. As
-    literals inside a loop body, a (1024, 1024) f32 went through MLIR's translation element by
-    element (4 s to compile)."""
-    found: dict = {}
+def _large_constants(op: Op) -> list:
+    """The constants of more than `INLINE_CONSTANT_ELEMENTS` in `op`'s control-flow regions (nested
+    ones included, not fusion bodies), to be read once before the op. As literals inside a loop
+    body, a (1024, 1024) f32 went through MLIR's translation element by element (4.2 s to compile)."""
+    found = []
 
-    def visit(region: Graph, defined: set) -> None:
-        defined = defined | set(region.params)
+    def visit(region: Graph) -> None:
         for inner in region.ops:
-            for v in inner.operands:
-                if v not in defined:
-                    found.setdefault(v)
             if inner.name == "constant" and inner.attrs["value"].size > INLINE_CONSTANT_ELEMENTS:
-                found.setdefault(inner.result)
+                found.append(inner.result)
             if inner.name in CONTROL_OPS:
                 for nested in inner.regions:
-                    visit(nested, defined)
-            defined |= set(inner.results)
+                    visit(nested)
 
     for region in op.regions:
-        visit(region, set())
-    return list(found)
+        visit(region)
+    return found
 
 
 def _lower_control(fl, op: Op) -> None:
@@ -235,7 +228,7 @@ def _lower_control(fl, op: Op) -> None:
         raise CompileError(f"{op.loc}: a while_loop needs at least one carried value")
     _check_nested(op)
     operands = [fl.read(v) for v in op.operands]
-    fl.em.region_values = {v: fl.read(v) for v in _outside_and_large(op)}
+    fl.em.region_values = {v: fl.read(v) for v in _large_constants(op)}
     try:
         results = _EMITTERS[op.name](fl.em, op, operands)
     finally:
