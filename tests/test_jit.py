@@ -154,6 +154,18 @@ def test_large_constants_of_one_value_are_a_broadcast_scalar(fill):
     assert hex_literal.search(fj.jit(lambda x: x + varied).lower(np.ones((30, 40), np.float32)).as_text("traced"))
 
 
+@pytest.mark.parametrize("size", [8, 5000])
+def test_constants_of_mixed_signed_zeros_are_not_splats(size):
+    """[-0.0, 0.0, ...] is not one value: canonicalize once turned `x + c` into `x` (the rule for a
+    splat -0.0) and the CPU lowering filled such a constant with its first element."""
+    c = np.zeros(size, np.float32)
+    c[::2] = -0.0
+    x = np.full(size, -0.0, np.float32)
+    np.testing.assert_array_equal(np.signbit(fj.jit(lambda x: x + c)(x)), np.signbit(x + c))
+    joined = fj.jit(lambda x: fnp.concatenate([x, c]))(x)
+    np.testing.assert_array_equal(np.signbit(joined), np.signbit(np.concatenate([x, c])))
+
+
 def test_a_large_array_read_twice_is_one_constant_unless_changed_between():
     """A closed-over array used several times is one constant of the graph (not a copy per use),
     unless it changed in between (the second read then sees the new values)."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from flowjit.errors import FlowjitAttributeError, FlowjitTypeError, TracerControlFlowError
 from flowjit.ir import dtypes as dt
-from flowjit.ir.builder import infer_types, make_op, normalize_attr
+from flowjit.ir.builder import infer_types, make_op, normalize_attr, single_value
 from flowjit.ir.graph import Graph, Value
 from flowjit.ir.location import Location, user_location
 from flowjit.ir.ops import get_opdef
@@ -134,7 +134,7 @@ def splat_constant(array: np.ndarray, loc: Location, device: str | None = None) 
     """The ops of a constant holding `array`: one `constant`, or, for a large array of a single
     value (bit for bit: -0.0 is not 0.0, a nan payload is kept), a scalar `constant` and its
     `broadcast`."""
-    if array.size > SPLAT_MIN_ELEMENTS and _single_value(array):
+    if array.size > SPLAT_MIN_ELEMENTS and single_value(array):
         scalar = make_op("constant", [], {"value": np.array(array.reshape(-1)[0])}, loc, device=device)
         attrs = {"shape": array.shape, "dims": ()}
         return [scalar, make_op("broadcast", [scalar.result], attrs, loc, device=device)]
@@ -146,17 +146,6 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) == memoryview(b.reshape(-1).view(np.uint8))
-
-
-def _single_value(array: np.ndarray) -> bool:
-    """Whether every element of `array` has the bits of its first, checked a block at a time (an
-    array of varied values fails on its first block, without a pass over the rest)."""
-    if array.dtype.itemsize not in (1, 2, 4, 8):
-        return False
-    flat = np.ascontiguousarray(array).reshape(-1)
-    bits = flat.view(f"u{flat.dtype.itemsize}")
-    first, block = bits[0], 1 << 16
-    return all(np.all(bits[i : i + block] == first) for i in range(0, bits.size, block))
 
 
 def escaped_tracer_error() -> FlowjitTypeError:

@@ -15,6 +15,18 @@ from flowjit.ir.ops import get_opdef
 from flowjit.ir.types import TensorType
 
 
+def single_value(array: np.ndarray) -> bool:
+    """Whether every element of a non-empty `array` has the bits of its first: -0.0 is not 0.0, and
+    nan payloads count (a value-equality test took [-0.0, 0.0] for a splat of -0.0). Checked a block
+    at a time, so an array of varied values fails on its first block."""
+    if array.size == 0 or array.dtype.itemsize not in (1, 2, 4, 8):
+        return False
+    flat = np.ascontiguousarray(array).reshape(-1)
+    bits = flat.view(f"u{flat.dtype.itemsize}")
+    first, block = bits[0], 1 << 16
+    return all(np.all(bits[i : i + block] == first) for i in range(0, bits.size, block))
+
+
 def normalize_attr(value):
     """Attributes are immutable: lists become tuples, numpy scalars become Python scalars."""
     if isinstance(value, (list, tuple)):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowjit.ir.builder import make_op
+from flowjit.ir.builder import make_op, single_value
 from flowjit.ir.dtypes import DType
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.interpreter import eval_op
@@ -32,8 +32,7 @@ def _splat(value: Value, rw: _Rewriter):
     array = rw.constants.get(value)
     if array is None or array.size == 0:
         return None
-    first = array.reshape(-1)[0]
-    return first if np.all(array == first) else None
+    return array.reshape(-1)[0] if single_value(array) else None
 
 
 def _is(value: Value, rw: _Rewriter, scalar) -> bool:

@@ -31,6 +31,7 @@ import numpy as np
 from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.errors import CompileError
+from flowjit.ir.builder import single_value
 from flowjit.ir.graph import Graph, Value
 from flowjit.ir.ops.contraction import conv_params
 from flowjit.ir.printer import print_graph
@@ -283,10 +284,7 @@ def lift_constants(graph: Graph) -> tuple[Graph, tuple[np.ndarray, ...]]:
 
 
 def _liftable(value: np.ndarray) -> bool:
-    if value.nbytes < LIFT_MIN_BYTES:
-        return False
-    flat = value.reshape(-1)
-    return not np.array_equal(flat, np.broadcast_to(flat[0], flat.shape), equal_nan=value.dtype.kind == "f")
+    return value.nbytes >= LIFT_MIN_BYTES and not single_value(value)
 
 
 def _constants_digest(constants: tuple[np.ndarray, ...]) -> str:

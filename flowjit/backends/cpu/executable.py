@@ -297,9 +297,9 @@ class CpuExecutable(Executable):
     def caller(self, single_output: bool) -> Callable[[Sequence[np.ndarray]], object]:
         """`Executable.caller`; a function of one result and no workspace, the usual small call, gets
         a closure doing only the call's own work (half the time of going through `run_trusted`)."""
-        if not single_output or self.workspace_bytes or self._constants:
+        if not single_output or self.workspace_bytes:
             return super().caller(single_output)
-        trampoline, entry = self._trampoline, self._entry_address
+        trampoline, entry, constants = self._trampoline, self._entry_address, self._constants
         ((shape, dtype),) = zip(self._out_shapes, self._out_dtypes)
         empty, contiguous = np.empty, np.ascontiguousarray
         (make,) = self._allocators
@@ -311,7 +311,7 @@ class CpuExecutable(Executable):
                         args = [contiguous(a) for a in args]
                         break
                 out = make()
-                trampoline(entry, *args, out, _NO_WORKSPACE_ADDRESS)
+                trampoline(entry, *args, *constants, out, _NO_WORKSPACE_ADDRESS)
                 return out
 
             return call_allocating
@@ -322,7 +322,7 @@ class CpuExecutable(Executable):
                     args = [contiguous(a) for a in args]
                     break
             out = empty(shape, dtype)
-            trampoline(entry, *args, out, _NO_WORKSPACE_ADDRESS)
+            trampoline(entry, *args, *constants, out, _NO_WORKSPACE_ADDRESS)
             return out
 
         return call

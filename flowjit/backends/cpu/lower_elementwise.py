@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, scalar_literal, tensor_type
 from flowjit.backends.cpu.lowering import INLINES_SPLATS, bool_from_bytes, bool_to_bytes, lowering, splat_value
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
 from flowjit.ir import dtypes as dt
@@ -59,11 +59,14 @@ def expand(em: KernelEmitter, tensor: str, t: TensorType, elem: str | None = Non
 FILL_KERNEL_MIN_ELEMENTS = 4096
 
 
-def filled(em: KernelEmitter, scalar: str, t: TensorType, elem: str) -> str:
-    """A new tensor of type `t` (stored as `elem`) holding `scalar` everywhere, made 1-D. From
+def filled(em: KernelEmitter, value, t: TensorType, elem: str) -> str:
+    """A new tensor of type `t` (stored as `elem`, bools as bytes) holding the Python or numpy scalar
+    `value` everywhere, made 1-D. From
     FILL_KERNEL_MIN_ELEMENTS elements a generic with the elementwise schedule (vector stores, both
     cores when large): a `linalg.fill` is left as scalar loops, which wrote a (30000, 128) f32 at
     ~3.5 G stores/s on one core, 1.1-3.5 ms (`fnp.zeros_like(t) + 1`, the zeros of a scatter_add)."""
+    literal = int(bool(value)) if t.dtype.is_bool else scalar_literal(value, t.dtype)
+    scalar = em.op(f"arith.constant {literal} : {elem}")
     flat = TensorType((t.size,), t.dtype)
     init = collapse(em, em.empty(t, elem), t, elem)
     flat_type = tensor_type(flat, elem)

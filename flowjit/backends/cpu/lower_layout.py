@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
+from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.backends.cpu.lower_elementwise import filled, reshape_tensor
 from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering, splat_value
 from flowjit.ir.graph import Op
@@ -74,8 +74,7 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
     e = _storage(result)
     splat = splat_value(x)
     if splat is not None and result.size > 0:
-        literal = int(bool(splat)) if result.dtype.is_bool else scalar_literal(splat, result.dtype)
-        return [filled(em, em.op(f"arith.constant {literal} : {e}"), result, e)]
+        return [filled(em, splat, result, e)]
     dims = ", ".join(f"d{i}" for i in range(result.rank))
     source_dims = []
     for i, d in enumerate(op.attrs["dims"]):

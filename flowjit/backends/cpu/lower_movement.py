@@ -23,7 +23,6 @@ from flowjit.backends.cpu.emitter import (
     ScalarBuilder,
     elem_type,
     memory_elem_type,
-    scalar_literal,
     tensor_type,
 )
 from flowjit.backends.cpu.lower_elementwise import filled
@@ -413,9 +412,7 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     ttype = _tensor(source)
     splat = splat_value(op.operands[0])
     if splat is not None and source.size > 0:  # zeros (a gather's gradient): filled, not copied
-        literal = int(bool(splat)) if source.dtype.is_bool else scalar_literal(splat, source.dtype)
-        elem = memory_elem_type(source.dtype)
-        copy = filled(em, em.op(f"arith.constant {literal} : {elem}"), source, elem)
+        copy = filled(em, splat, source, memory_elem_type(source.dtype))
     else:
         copy = copy_tensor(em, x, source)
     if upd.size == 0:

@@ -42,6 +42,7 @@ from flowjit.backends.cpu.emitter import (
 from flowjit.backends.cpu.nontemporal import ARG_ATTR, wants_streaming
 from flowjit.errors import CompileError, op_error
 from flowjit.ir import dtypes as dt
+from flowjit.ir.builder import single_value
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
 
@@ -194,9 +195,7 @@ def splat_value(value: Value):
     array = op.attrs["value"]
     if array.size == 0 or value.type.size == 0:
         return None
-    first = array.flat[0]
-    same = np.all(array == first) if not np.isnan(first) else np.all(np.isnan(array))
-    return first if same else None
+    return array.flat[0] if single_value(array) else None
 
 
 def dense_literal(array: np.ndarray, dtype: dt.DType) -> str:
