@@ -511,34 +511,105 @@ def lower_graph(
     """
     check_lowerings(graph)
     name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
-    allowed = split > 1 and not any(op.name in _UNSPLITTABLE for op in graph.walk())
-    by_op = allowed and _estimated_lines(graph) >= SPLIT_MIN_LINES
+    whole_only = any(op.name in _UNSPLITTABLE for op in graph.walk())
+    allowed = split > 1 and not whole_only
+    may_share = not whole_only and _may_repeat(graph)
+    by_op = may_share or (allowed and _estimated_lines(graph) >= SPLIT_MIN_LINES)
     fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, by_op)
-    splittable = allowed and len(fl.em.body) >= SPLIT_MIN_LINES and len(starts) >= 2
-    if splittable != by_op:  # the estimate was wrong: lowered again, so that only split functions
-        # have each op on its own (a function that stays whole keeps its shared constants)
-        fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, splittable)
+    pieces = _shared_kernels(fl, name, args, prologue, starts) if may_share else None
+    if pieces is None:
+        splittable = allowed and len(fl.em.body) >= SPLIT_MIN_LINES and len(starts) >= 2
+        if splittable != by_op:  # the estimate was wrong: lowered again, so that only split functions
+            # have each op on its own (a function that stays whole keeps its shared constants)
+            fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, splittable)
+        pieces = _op_pieces(fl.em, prologue, starts)
+    else:
+        splittable = allowed and sum(p.weight for p in pieces) >= SPLIT_MIN_LINES and len(pieces) >= 2
     em = fl.em
     header = (
         f"// flowjit function '{graph.name}' -> @{name}(inputs, outputs, workspace)\n// workspace: {workspace} bytes\n"
     )
     layout = (name, workspace, tuple(p.type for p in graph.params), tuple(r.type for r in graph.results))
-    cuts = _cuts(starts, len(em.body), split) if splittable else []
+    cuts = _cuts(_piece_starts(pieces, prologue), prologue + sum(p.weight for p in pieces), split) if splittable else []
     if not cuts:
-        text = _module_text(fl, name, args, em.body, em.schedules, fl.globals, None)
+        if any(p.function for p in pieces):
+            body = em.body[:prologue] + [line for p in pieces for line in p.lines]
+            schedules = [line for p in pieces for line in p.schedules]
+            functions = [line for p in pieces for line in p.function]
+        else:
+            body, schedules, functions = em.body, em.schedules, []
+        text = _module_text(fl, name, args, body, schedules, fl.globals, None, functions)
         return MlirModule(header + text, *layout, strength_reduction=em.strength_reduction)
-    bounds = [(prologue, 0), *cuts, (len(em.body), len(em.schedules))]
+    bounds = [0, *(index for _, index in cuts), len(pieces)]
+    defined_in = {p.callee: k for k in range(len(bounds) - 1) for p in pieces[bounds[k] : bounds[k + 1]] if p.function}
+    called_from = {}
+    for k in range(len(bounds) - 1):
+        for p in pieces[bounds[k] : bounds[k + 1]]:
+            if p.callee is not None:
+                called_from.setdefault(p.callee, set()).add(k)
     parts = []
     for k in range(len(bounds) - 1):
-        (line0, sched0), (line1, sched1) = bounds[k], bounds[k + 1]
-        body = em.body[:prologue] + em.body[line0:line1]
-        used = set(_SYMBOL.findall("\n".join(body)))
+        mine = pieces[bounds[k] : bounds[k + 1]]
+        body = em.body[:prologue] + [line for p in mine for line in p.lines]
+        functions = []
+        for p in mine:
+            if p.function and called_from[p.callee] != {k}:  # called from other parts too: linked by name
+                opening = (
+                    p.function[0]
+                    .replace("func.func private @", "func.func @", 1)
+                    .replace(f" attributes {{{_INTERNAL}}}", "")
+                )
+                functions += [opening, *p.function[1:]]
+            else:
+                functions += p.function
+        declarations = {
+            p.callee: f"  func.func private @{p.callee}({p.types})"
+            for p in mine
+            if p.callee is not None and defined_in[p.callee] != k
+        }
+        used = set(_SYMBOL.findall("\n".join(body + functions)))
         globals_ = [g for g in fl.globals if _SYMBOL.search(g).group(1) in used]
         callee = f"{name}_part{k + 1}" if k + 2 < len(bounds) else None
         part_name = name if k == 0 else f"{name}_part{k}"
-        text = _module_text(fl, part_name, args, body, em.schedules[sched0:sched1], globals_, callee)
+        schedules = [line for p in mine for line in p.schedules]
+        text = _module_text(
+            fl, part_name, args, body, schedules, globals_, callee, functions, list(declarations.values())
+        )
         parts.append(f"// part {k + 1} of {len(bounds) - 1} of {header[3:]}{text}")
     return MlirModule("\n".join(parts), *layout, parts=tuple(parts), strength_reduction=em.strength_reduction)
+
+
+@dataclass
+class _Piece:
+    """One op's share of a function: its lines in the entry and its kernels' schedules; when the op
+    calls a shared kernel function (`_shared_kernels`), the function's name and parameter types,
+    and at its first call, the function's lines."""
+
+    lines: list[str]
+    schedules: list[str]
+    callee: str | None = None
+    types: str = ""
+    function: list[str] = ()
+
+    @property
+    def weight(self) -> int:
+        """Lines of MLIR it adds to a module, to balance the parts of a split function."""
+        return len(self.lines) + len(self.function)
+
+
+def _op_pieces(em: KernelEmitter, prologue: int, starts: list[tuple[int, int]]) -> list[_Piece]:
+    """The body after the prologue, cut where each op begins (`_lower_function`'s `starts`)."""
+    bounds = [(prologue, 0), *starts[1:], (len(em.body), len(em.schedules))]
+    return [_Piece(em.body[l0:l1], em.schedules[s0:s1]) for (l0, s0), (l1, s1) in zip(bounds, bounds[1:])]
+
+
+def _piece_starts(pieces: list[_Piece], prologue: int) -> list[tuple[int, int]]:
+    """(line where the piece begins if every piece's lines were in one body, its index): `_cuts`'s input."""
+    starts, line = [], prologue
+    for index, piece in enumerate(pieces):
+        starts.append((line, index))
+        line += piece.weight
+    return starts
 
 
 # Ops whose lowerings add module-level declarations and globals of their own (runtime calls).
@@ -548,6 +619,119 @@ _UNSPLITTABLE = frozenset({"send", "recv", "send_done"})
 # matmuls, 2,750 lines; the CNN: 14 ops, 650 lines).
 _LINES_PER_OP = {"dot_general": 150, "conv2d": 150}
 _LINES_PER_OTHER_OP = 12
+
+
+def _may_repeat(graph: Graph) -> bool:
+    """Whether two top-level ops have the same name and types: their kernels may be the same text
+    (`_shared_kernel_module`)."""
+    seen = set()
+    for op in graph.ops:
+        if op.name == "constant":
+            continue
+        key = (op.name, tuple(v.type for v in op.operands), tuple(v.type for v in op.results))
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
+
+
+# SSA names (`%v12`, `%in0`, `%ws`; `%v3#1` is a result of `%v3`) and kernel tags in the lowering's text.
+_SSA = re.compile(r"%[A-Za-z_][\w$]*")
+_TAG = re.compile(r"fj\.kernel = (\d+) : i64")
+# A shared kernel function of a module that is not split is internal to it (not exported by the
+# AOT library; `private` alone still gives LLVM's external linkage).
+_INTERNAL = "llvm.linkage = #llvm.linkage<internal>"
+_DEFINED = re.compile(r"^\s*(%[\w$]+) = (.*)$")
+
+
+def _shared_kernels(
+    fl: _FunctionLowering, name: str, args: list[str], prologue: int, starts: list[tuple[int, int]]
+) -> list[_Piece] | None:
+    """The function's pieces with the ops whose kernels are the same text (up to SSA names and kernel
+    tags: a deep network's identical layers, their gradients) made one private function each,
+    called from every op that runs it, so that MLIR and LLVM compile it once (`_may_repeat` found
+    candidates); None when no two are the same. The function was lowered op by op (`start_op`):
+    an op's lines use only the entry's arguments and prologue (workspace views), which become the
+    kernel function's parameters, in order of first use. Ops that occur once stay in the entry.
+    """
+    em = fl.em
+    if not starts or starts[0][0] != prologue:
+        return None
+    # The entry's arguments and prologue values: what an op's lines may take from outside.
+    outside: dict[str, str] = {}  # SSA name -> its type, argument attributes included
+    for arg in args:
+        arg_name, arg_type = arg.split(": ", 1)
+        outside[arg_name] = arg_type
+    for line in em.body[:prologue]:
+        m = _DEFINED.match(line)
+        if m is None:
+            return None
+        rhs = m.group(2)
+        if rhs.startswith("memref.view "):
+            outside[m.group(1)] = rhs.rsplit(" to ", 1)[1]
+        elif rhs.startswith("arith.constant "):
+            outside[m.group(1)] = rhs.rsplit(": ", 1)[1]
+        else:
+            return None
+    pieces = _op_pieces(em, prologue, starts)
+    keyed = [(piece, *_canonical(piece.lines, piece.schedules, outside)) for piece in pieces]
+    counts: dict = {}
+    for _, _, key in keyed:
+        counts[key] = counts.get(key, 0) + 1
+    if max(counts.values()) < 2:
+        return None
+    shared: dict = {}  # key -> the first piece calling its function
+    for piece, params, key in keyed:
+        if counts[key] < 2:
+            continue
+        first = shared.get(key)
+        if first is None:
+            callee = f"{name}_kernel{len(shared)}"
+            renamed = {p: f"%arg{i}" for i, p in enumerate(params)}
+
+            def rename(m: re.Match, renamed=renamed) -> str:
+                return renamed.get(m.group(0), m.group(0))
+
+            decls = ", ".join(f"%arg{i}: {outside[p]}" for i, p in enumerate(params))
+            piece.function = [
+                f"  func.func private @{callee}({decls}) attributes {{{_INTERNAL}}} {{",
+                f"    // the kernel of {counts[key]} ops, called from each (the same text up to SSA names)",
+                *(_SSA.sub(rename, line) for line in piece.lines),
+                "    return",
+                "  }",
+            ]
+            piece.callee = callee
+            piece.types = ", ".join(outside[p].split(" {", 1)[0] for p in params)  # without argument attributes
+            first = shared[key] = piece
+        else:
+            piece.schedules = []  # the first piece's apply to the one function
+            piece.callee, piece.types = first.callee, first.types
+        piece.lines = [f"    func.call @{piece.callee}({', '.join(params)}) : ({piece.types}) -> ()"]
+    return pieces
+
+
+def _canonical(lines: list[str], schedules: list[str], outside: dict[str, str]) -> tuple[list[str], tuple]:
+    """An op's outside names (its kernel function's parameters, in order of first use) and a key
+    equal for ops whose lines and schedules are the same text up to SSA names and kernel tags."""
+    names: dict[str, str] = {}
+    params: list[str] = []
+    tags: dict[str, str] = {}
+
+    def rename(m: re.Match) -> str:
+        token = m.group(0)
+        if token not in names:
+            if token in outside:
+                names[token] = f"%p{len(params)}"
+                params.append(token)
+            else:
+                names[token] = f"%x{len(names) - len(params)}"
+        return names[token]
+
+    def retag(m: re.Match) -> str:
+        return f"fj.kernel = {tags.setdefault(m.group(1), str(len(tags)))} : i64"
+
+    text = _SSA.sub(rename, _TAG.sub(retag, "\n".join([*lines, *schedules])))
+    return params, (text, tuple(outside[p] for p in params))
 
 
 def _estimated_lines(graph: Graph) -> int:
@@ -580,10 +764,12 @@ def _module_text(
     schedules: list[str],
     globals_: list[str],
     callee: str | None,
+    functions: list[str] = (),
+    declarations: list[str] = (),
 ) -> str:
     """One module: `@name(args)` running `body` (then calling `callee` with the same arguments)."""
     tail = []
-    declarations = []
+    declarations = list(declarations)
     if callee is not None:
         names = ", ".join(a.split(":", 1)[0] for a in args)
         types = ", ".join(a.split(": ", 1)[1].split(" {", 1)[0] for a in args)  # without argument attributes
@@ -594,6 +780,7 @@ def _module_text(
         "module attributes {transform.with_named_sequence} {" if schedules else "module {",
         *globals_,
         *declarations,
+        *functions,
         f"  func.func @{name}({', '.join(args)}) {{",
         *body,
         *tail,
