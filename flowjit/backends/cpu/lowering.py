@@ -19,6 +19,9 @@ of bool buffers convert. Constants are inlined (`arith.constant dense<...>`) whe
 and module globals of bytes (`memref.global`, read through a typed `memref.view`) otherwise, so a
 call never re-materializes them.
 
+Ops whose kernels are the same text (a deep network's identical layers) become one private
+function of the module, called from each of them, so that it is compiled once (`_shared_kernels`).
+
 Lowerings register in `LOWERINGS[op_name] = fn(em, op, operands) -> results`. The modules that
 fill the table are imported by `flowjit.backends.cpu.compiler`.
 """
@@ -26,6 +29,7 @@ fill the table are imported by `flowjit.backends.cpu.compiler`.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -221,6 +225,7 @@ class _FunctionLowering:
         self.virtual = _virtual_splats(graph)  # splats only read as scalars: never computed or stored
         self.global_symbols: dict[Value, str] = {}  # large constant -> its module global
         self.op_local: set[Value] = set()  # values whose `buffers` entry is an SSA name of the current op
+        self.lowered: list[Op] = []  # the top-level ops lowered, in order (each begins a `starts` entry)
 
     def start_op(self) -> None:
         """Forget what earlier ops emitted (constants, global reads), so that each op's lines use only
@@ -482,6 +487,7 @@ def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op
             if by_op:
                 fl.start_op()
             starts.append((len(em.body), len(em.schedules)))
+            fl.lowered.append(op)
             fl.lower_op(op)
     if by_op:
         fl.start_op()  # the copies to late and repeated outputs go with the last op
@@ -621,14 +627,18 @@ _LINES_PER_OP = {"dot_general": 150, "conv2d": 150}
 _LINES_PER_OTHER_OP = 12
 
 
+def _signature(op: Op) -> tuple:
+    return op.name, tuple(v.type for v in op.operands), tuple(v.type for v in op.results)
+
+
 def _may_repeat(graph: Graph) -> bool:
     """Whether two top-level ops have the same name and types: their kernels may be the same text
-    (`_shared_kernel_module`)."""
+    (`_shared_kernels`)."""
     seen = set()
     for op in graph.ops:
         if op.name == "constant":
             continue
-        key = (op.name, tuple(v.type for v in op.operands), tuple(v.type for v in op.results))
+        key = _signature(op)
         if key in seen:
             return True
         seen.add(key)
@@ -674,11 +684,19 @@ def _shared_kernels(
         else:
             return None
     pieces = _op_pieces(em, prologue, starts)
-    keyed = [(piece, *_canonical(piece.lines, piece.schedules, outside)) for piece in pieces]
+    # Only ops of the same name, types and numbers of lines and schedules can be the same text.
+    signatures = [(_signature(op), len(piece.lines), len(piece.schedules)) for op, piece in zip(fl.lowered, pieces)]
+    repeats = Counter(signatures)
+    candidates = {s for s, n in repeats.items() if n >= 2} if len(fl.lowered) == len(pieces) else set()
+    keyed = [
+        (piece, *_canonical(piece.lines, piece.schedules, outside))
+        for piece, signature in zip(pieces, signatures)
+        if signature in candidates
+    ]
     counts: dict = {}
     for _, _, key in keyed:
         counts[key] = counts.get(key, 0) + 1
-    if max(counts.values()) < 2:
+    if not counts or max(counts.values()) < 2:
         return None
     shared: dict = {}  # key -> the first piece calling its function
     for piece, params, key in keyed:
@@ -687,16 +705,12 @@ def _shared_kernels(
         first = shared.get(key)
         if first is None:
             callee = f"{name}_kernel{len(shared)}"
-            renamed = {p: f"%arg{i}" for i, p in enumerate(params)}
-
-            def rename(m: re.Match, renamed=renamed) -> str:
-                return renamed.get(m.group(0), m.group(0))
-
-            decls = ", ".join(f"%arg{i}: {outside[p]}" for i, p in enumerate(params))
+            # The parameters keep the first op's names for the buffers: its lines are the body as they are.
+            decls = ", ".join(f"{p}: {outside[p]}" for p in params)
             piece.function = [
                 f"  func.func private @{callee}({decls}) attributes {{{_INTERNAL}}} {{",
                 f"    // the kernel of {counts[key]} ops, called from each (the same text up to SSA names)",
-                *(_SSA.sub(rename, line) for line in piece.lines),
+                *piece.lines,
                 "    return",
                 "  }",
             ]
@@ -712,26 +726,23 @@ def _shared_kernels(
 
 def _canonical(lines: list[str], schedules: list[str], outside: dict[str, str]) -> tuple[list[str], tuple]:
     """An op's outside names (its kernel function's parameters, in order of first use) and a key
-    equal for ops whose lines and schedules are the same text up to SSA names and kernel tags."""
-    names: dict[str, str] = {}
-    params: list[str] = []
-    tags: dict[str, str] = {}
-
-    def rename(m: re.Match) -> str:
-        token = m.group(0)
-        if token not in names:
-            if token in outside:
-                names[token] = f"%p{len(params)}"
-                params.append(token)
-            else:
-                names[token] = f"%x{len(names) - len(params)}"
-        return names[token]
-
-    def retag(m: re.Match) -> str:
-        return f"fj.kernel = {tags.setdefault(m.group(1), str(len(tags)))} : i64"
-
-    text = _SSA.sub(rename, _TAG.sub(retag, "\n".join([*lines, *schedules])))
-    return params, (text, tuple(outside[p] for p in params))
+    equal for ops whose lines and schedules are the same text up to SSA names and kernel tags: the
+    text without them, each name's and tag's rank among the distinct ones in order of first use,
+    and which names are parameters, with their types."""
+    text = "\n".join([*lines, *schedules])
+    tokens = _SSA.findall(text)
+    rank = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+    tags = _TAG.findall(text)
+    tag_rank = {tag: i for i, tag in enumerate(dict.fromkeys(tags))}
+    params = [token for token in rank if token in outside]
+    key = (
+        _TAG.sub("fj.kernel", _SSA.sub("%", text)),
+        tuple(rank[t] for t in tokens),
+        tuple(tag_rank[t] for t in tags),
+        tuple(rank[p] for p in params),
+        tuple(outside[p] for p in params),
+    )
+    return params, key
 
 
 def _estimated_lines(graph: Graph) -> int:
