@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, toolchain
+from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, schedule, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.errors import CompileError
 from flowjit.ir.builder import single_value
@@ -74,8 +74,8 @@ LIGHT_PIPELINE_OPS = frozenset(
 )
 LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")
 # A kernel the transform schedules left as a linalg op (plain loops) up to this many elements does
-# not need LLVM's vectorizers (the MLP step's iota of 256 x 10 label columns, a 0-d division).
-PLAIN_LOOP_MAX_ELEMENTS = 4096
+# not need LLVM's vectorizers (`schedule.PLAIN_LOOP_MAX_ELEMENTS`).
+PLAIN_LOOP_MAX_ELEMENTS = schedule.PLAIN_LOOP_MAX_ELEMENTS
 # The LLVM metadata of a loop marked for full unrolling, which only LLVM's O3 pipeline honours (no
 # lowering marks one since session 8: short loops are written out; the check guards any that would).
 FULL_UNROLL_METADATA = '!"llvm.loop.unroll.full"'

@@ -627,7 +627,10 @@ class _FusionLowering:
         batch 8 ~9% faster. Over strided views whose rows end in a part of a vector (pooling's
         gradient, 14-wide rows) the same schedule was ~8% slower than LLVM's own vector loop, so
         those keep none; views of whole vectors per row (an LSTM's gate columns z[:, 64:128]) take
-        it: LLVM's light pipeline leaves a plain loop scalar (that sigmoid 17 -> 3.4 us)."""
+        it: LLVM's light pipeline leaves a plain loop scalar (that sigmoid 17 -> 3.4 us). Longer
+        rows take it too up to `PLAIN_LOOP_MAX_ELEMENTS` (tanh(x + b) on (16, 200) 26.6 -> 6.5 us,
+        JAX 6-9); above, a plain loop sends the function to O3, whose vector loop was as fast or
+        faster (x + b on (64, 256) 3.7 against 4.2 us with the schedule)."""
         widest = max(_bits(e) for e in elems)
         loop, axes = space.loop, space.axes
         masked_rows = loop.shape[-1] % schedule.lanes(widest) != 0 if loop.rank else False
@@ -641,6 +644,8 @@ class _FusionLowering:
         elif loop.rank > 1 and loop.size >= schedule.PARALLEL_MIN_ELEMENTS:
             self.em.schedule(name, schedule.copy_nd(loop.shape, widest))
         elif loop.size > 1 and schedule.short_rows(loop.shape, widest) and not (views and masked_rows):
+            self.em.schedule(name, schedule.copy_nd(loop.shape, widest, parallel=False))
+        elif 1 < loop.size <= schedule.PLAIN_LOOP_MAX_ELEMENTS and not (views and masked_rows):
             self.em.schedule(name, schedule.copy_nd(loop.shape, widest, parallel=False))
 
 

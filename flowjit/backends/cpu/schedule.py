@@ -21,6 +21,11 @@ from flowjit.backends.cpu.emitter import HOIST_MARK
 # shared machine, waits for a descheduled worker; one core streams 256K f32 in ~60 us, so smaller
 # kernels cannot win (docs/cpu-backend.md has the measurements).
 PARALLEL_MIN_ELEMENTS = 1 << 18
+# A kernel left without a schedule (plain loops) up to this many elements does not need LLVM's
+# vectorizers: the function may still take LLVM's light pipeline (`compiler.light_pipeline`), which
+# leaves such loops scalar. Fine for an iota of 256 x 10 label columns or a 0-d division; kernels
+# with math in them get a schedule at this size (`lower_fusion`'s n-d kernels: `copy_nd`).
+PLAIN_LOOP_MAX_ELEMENTS = 4096
 # A full reduction over the cores: this many partial results, each with this many vector
 # accumulators (`_full_reduction`). Inputs of at least `STREAMING_REDUCTION_MIN_BYTES` (streamed from
 # memory, not held in any cache) take one accumulator per partial and 4x the partials, so that each
