@@ -209,6 +209,34 @@ def test_gather_rows_split_over_cores(monkeypatch, dtype):
     assert "scf.forall" in mlir
 
 
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-core", "split"])
+def test_reversed_columns(monkeypatch, dtype, parallel):
+    """`x[..., ::-1]`, `x[:, b:a:-1]` and `flip` trace to a gather of constant, descending columns:
+    vectors read backwards with their lanes reversed, a masked tail (no element-wise generic), and
+    the gradient of a whole reversal is the reversed cotangent (no scatter loop)."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    if parallel:
+        monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+        monkeypatch.setattr(schedule, "PARALLEL_MIN_ELEMENTS", 100)
+    for shape in [(3,), (5, 16), (4, 3, 37), (9, 70)]:
+        x = data(shape, dtype, 5)
+        for key in [np.s_[..., ::-1], np.s_[..., shape[-1] - 2 : 0 : -1], np.s_[..., 2::-1]]:
+            lowered = fj.jit(lambda x, key=key: x[key]).lower(x)
+            mlir = lowered.as_text("mlir")
+            reversal = x[key].shape[-1] >= 2  # one column is a slice
+            assert ("vector.shuffle" in mlir and "tensor.extract %" not in mlir) == reversal
+            rows = x[key].size // x[key].shape[-1]
+            assert ("scf.forall" in mlir) == (reversal and parallel and x[key].size >= 100 and rows >= 4)
+            np.testing.assert_array_equal(lowered.compile()(x), x[key])
+    if dtype.is_float:
+        x, w = data((6, 45), dtype, 1), data((6, 45), dtype, 2)
+        grad = fj.jit(fj.grad(lambda x, w: fnp.sum(fnp.flip(x, -1) * w)))
+        mlir = grad.lower(x, w).as_text("mlir")
+        assert "vector.shuffle" in mlir and "arith.addf" not in mlir  # no scatter adding into zeros
+        np.testing.assert_array_equal(grad(x, w), np.flip(w, -1))
+
+
 def test_gather_scalar_result():
     check("gather", [data((6,), dt.float32), np.array(4, np.int32)], dict(axis=0))
 

@@ -5,7 +5,9 @@ tensors: slices are `tensor.extract_slice` views copied with `linalg.copy`; pads
 concatenations of small blocks) are a fill followed by strided inserts; gather is a generic
 reading the operand with `tensor.extract`, and scatter_add a loop nest over the updates. When the
 block an index (or a concatenated operand) moves is at least a vector long, gather, scatter_add
-and concatenate are vector copy loops instead. bool data moves as bytes (`_on_bytes`).
+and concatenate are vector copy loops instead. A gather of constant, descending columns (reversed
+columns: `x[..., ::-1]`, `flip`) reads vectors backwards and reverses their lanes, and so does the
+scatter_add into zeros that is its gradient. bool data moves as bytes (`_on_bytes`).
 
 Indices are clamped in the generated code, as in the reference implementations: dynamic_slice
 starts into `[0, dim - size]`, gather/scatter_add indices into `[0, dim - 1]`. No generated load or
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
+
+import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.emitter import (
@@ -263,7 +267,8 @@ def _check_nonempty_axis(op: Op, what: str) -> None:
 @_on_bytes
 def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """numpy.take with clamped indices: a vector copy per index for blocks of a vector or more,
-    else a generic over the result reading x with `tensor.extract`."""
+    reversed vectors for constant, descending columns, else a generic over the result reading x
+    with `tensor.extract`."""
     x, idx = operands
     source, indices, result = op.operands[0].type, op.operands[1].type, op.result.type
     axis = op.attrs["axis"]
@@ -273,6 +278,9 @@ def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
     if math.prod(source.shape[axis + 1 :]) >= lanes:
         return [_gather_rows(em, x, idx, op)]
+    start = _reversal_start(op)
+    if start is not None and axis == source.rank - 1:
+        return [_reversed_columns(em, x, source, indices.size, start)]
     dims = [f"d{i}" for i in range(result.rank)]
     idx_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims[axis : axis + indices.rank])})")
     int_elem = memory_elem_type(indices.dtype)
@@ -326,6 +334,78 @@ def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
         w.close_for([done], [_tensor(out_type)])
         w.close_for([index_loop], [_tensor(out_type)])
     return _written_through(em, gathered, out_type, result.shape, elem)
+
+
+def _reversal_start(op: Op) -> int | None:
+    """`start` when the gather's indices are the constant `start, start - 1, ..., start - count + 1`
+    inside the axis (`x[..., b:a:-1]`, `flip`: both trace to such a gather), else None."""
+    index = op.operands[1]
+    if index.producer is None or index.producer.name != "constant" or index.type.rank != 1:
+        return None
+    values = np.asarray(index.producer.attrs["value"]).astype(np.int64, copy=False)
+    count, dim = values.size, op.operands[0].type.shape[op.attrs["axis"]]
+    if count < 2 or not 0 <= values[-1] <= values[0] < dim:
+        return None
+    return int(values[0]) if np.array_equal(values, np.arange(values[0], values[0] - count, -1)) else None
+
+
+def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int, start: int) -> str:
+    """The `count` columns `start, start - 1, ...` of `x` (of type `source`) along its last axis:
+    per row, whole vectors read backwards from `start` and their lanes reversed (`vector.shuffle`),
+    then one masked tail; rows split over the cores when large. As a generic reading one element
+    at a time, reversing the columns of a 1024 x 1024 float32 took 0.62 ms (JAX 0.06, reversing
+    its rows 0.06)."""
+    dim = source.shape[-1]
+    result = TensorType((*source.shape[:-1], count), source.dtype)
+    outer = result.size // count
+    elem = memory_elem_type(source.dtype)
+    rows, out_type = TensorType((outer, dim), source.dtype), TensorType((outer, count), source.dtype)
+    x = reshape(em, x, source, rows.shape, elem)
+    lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
+    vec = f"vector<{lanes}x{elem}>"
+    w = matmul_kernel.LoopWriter(em)
+    pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
+
+    def reversed_row(row: str, into: str, into_type: str, out_row: str) -> str:
+        def move(column: int | str, source_column: str, size: int, into: str) -> str:
+            in_bounds = "true" if size == lanes else "false"
+            value = em.op(
+                f"vector.transfer_read {x}[{row}, {source_column}], {pad} {{in_bounds = [{in_bounds}]}} "
+                f": {_tensor(rows)}, {vec}"
+            )
+            mask = ", ".join(str(max(size - 1 - k, 0)) for k in range(lanes))
+            flipped = em.op(f"vector.shuffle {value}, {value} [{mask}] : {vec}, {vec}")
+            return em.op(
+                f"vector.transfer_write {flipped}, {into}[{out_row}, {column}] {{in_bounds = [{in_bounds}]}} "
+                f": {vec}, {into_type}"
+            )
+
+        full, tail = divmod(count, lanes)
+        loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(into, into_type)])
+        column = w.mul(c, w.index(lanes))
+        source_column = em.op(f"arith.subi {w.index(start - lanes + 1)}, {column} : index")
+        w.close_for([move(column, source_column, lanes, t)], [into_type])
+        if not tail:
+            return loop
+        return move(w.index(full * lanes), w.index(start - count + 1), tail, loop)
+
+    carried = em.empty(out_type, elem)
+    threads = matmul_kernel.cores()
+    if threads > 1 and outer >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
+        per = -(-outer // threads)
+        tile_type = f"tensor<?x{count}x{elem}>"
+        done, t, shared = w.open_forall(-(-outer // per), carried, _tensor(out_type))
+        first = w.mul(t, w.index(per))
+        size = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(outer)}, {first} : index')}, {w.index(per)} : index")
+        where = f"[{first}, 0] [{size}, {count}] [1, 1]"
+        tile = em.op(f"tensor.extract_slice {shared}{where} : {_tensor(out_type)} to {tile_type}")
+        loop, i, (cur,) = w.open_for(w.index(0), size, w.index(1), [(tile, tile_type)])
+        w.close_for([reversed_row(w.add(first, i), cur, tile_type, i)], [tile_type])
+        w.close_forall(loop, shared, where, tile_type, _tensor(out_type))
+    else:
+        done, i, (cur,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
+        w.close_for([reversed_row(i, cur, _tensor(out_type), i)], [_tensor(out_type)])
+    return _written_through(em, done, out_type, result.shape, elem)
 
 
 def _written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tuple[int, ...], elem: str) -> str:
@@ -411,6 +491,11 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     _check_nonempty_axis(op, "scatter into")
     ttype = _tensor(source)
     splat = splat_value(op.operands[0])
+    dim = source.shape[axis]
+    if splat == 0 and axis == source.rank - 1 and upd.shape[axis] == dim and _reversal_start(op) == dim - 1:
+        # the gradient of reversed columns (`x[..., ::-1]`, `flip`): the updates' columns reversed
+        # (1550 -> 105 us on 1024 x 1024 float32, JAX 120; an update of -0.0 stays -0.0, as in JAX)
+        return [_reversed_columns(em, updates, upd, dim, dim - 1)]
     if splat is not None and source.size > 0:  # zeros (a gather's gradient): filled, not copied
         copy = filled(em, splat, source, memory_elem_type(source.dtype))
     else:
