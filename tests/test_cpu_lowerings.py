@@ -237,6 +237,25 @@ def test_reversed_columns(monkeypatch, dtype, parallel):
         np.testing.assert_array_equal(grad(x, w), np.flip(w, -1))
 
 
+@pytest.mark.parametrize("dtype", NUMERIC, ids=ids(NUMERIC))
+@pytest.mark.parametrize("kind", ["sum", "max", "min", "prod"])
+def test_column_reductions_over_few_positions_and_several_axes(dtype, kind):
+    """Not over the last axis: at most `VIEWS_MAX` positions are one elementwise kernel over strided
+    views of x (no reduction loop, no filled accumulator); more, over several groups of axes, one
+    column-reduction kernel over all of them (`schedule.reduction` with a tuple of axes)."""
+    from flowjit.backends.cpu import lower_reduction
+
+    x = data((3, 4, 2, 5, 2, 32), dtype, 3)  # an average pool's (n, h, 2, w, 2, c), as in a reshape
+    mlir = check(f"reduce_{kind}", [x], dict(axes=(2, 4)))
+    assert '"reduction"' not in mlir and mlir.count("tensor.extract_slice") == 4
+    x = data((2, 6, 3, 4, 33), dtype, 4)  # 33 columns: a masked vector per row
+    mlir = check(f"reduce_{kind}", [x], dict(axes=(1, 3)))
+    assert "tile_sizes [0, 1, 0, 1, 0]" in mlir and mlir.count('"reduction"') == 2
+    x = data((5, 3, 48), dtype, 5)
+    mlir = check(f"reduce_{kind}", [x], dict(axes=(1,)))
+    assert ('"reduction"' not in mlir) == (3 <= lower_reduction.VIEWS_MAX)
+
+
 def test_gather_scalar_result():
     check("gather", [data((6,), dt.float32), np.array(4, np.int32)], dict(axis=0))
 

@@ -12,6 +12,7 @@ round once; an empty reduction gives the identity (the accumulator's initial val
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from flowjit.backends.cpu import schedule
@@ -50,6 +51,10 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     if source.size == 0:  # nothing to read: the identity, from one plain generic
         acc_type = TensorType(result.shape, acc_dtype)
         acc = _reduce(em, kind, operands[0], source, axes, acc_type)
+    elif axes[-1] != source.rank - 1 and _as_views(source, axes, acc_dtype):
+        acc, acc_type = _combine_views(em, kind, operands[0], source, axes, acc_dtype)
+    elif len(_contiguous_groups(axes)) > 1 and axes[-1] != source.rank - 1:
+        acc, acc_type = _reduce_columns_at_once(em, kind, operands[0], source, axes, acc_dtype)
     else:
         # One contiguous group of axes at a time, the last first (earlier axes keep their numbers):
         # each step is a scheduled normal form, e.g. axes (0, 2) are a row then a column reduction.
@@ -83,6 +88,87 @@ def _reduce_group(em: KernelEmitter, kind: str, x: str, source: TensorType, grou
     if in_type.size >= 2:
         em.schedule(acc, schedule.reduction(in_shape, reduced, acc_dtype.bits))
     kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in group), acc_dtype)
+    return reshape_tensor(em, acc, flat_acc, kept), kept
+
+
+# Column reductions over at most this many positions (the product of the reduced extents) combine
+# that many strided views of x in one elementwise kernel (`_combine_views`).
+VIEWS_MAX = 8
+
+
+def _runs(source: TensorType, axes: list[int]) -> tuple[TensorType, list[int]]:
+    """`source` with each run of reduced and of kept axes collapsed, and the reduced runs' positions."""
+    runs: list[list] = []  # [extent, reduced]
+    for i, d in enumerate(source.shape):
+        if runs and runs[-1][1] == (i in axes):
+            runs[-1][0] *= d
+        else:
+            runs.append([d, i in axes])
+    return source.with_shape(tuple(d for d, _ in runs)), [i for i, (_, r) in enumerate(runs) if r]
+
+
+def _as_views(source: TensorType, axes: list[int], acc_dtype) -> bool:
+    """Whether the reduction (not over the last axis) is `_combine_views`' few views of whole vectors."""
+    positions = math.prod(source.shape[a] for a in axes)
+    width, vl = source.shape[-1], schedule.lanes(acc_dtype.bits)
+    return 2 <= positions <= VIEWS_MAX and (width % vl == 0 or width >= 4 * vl) and source.size >= 2 * vl
+
+
+def _combine_views(em: KernelEmitter, kind: str, x: str, source: TensorType, axes: list[int], acc_dtype):
+    """A reduction over few positions, not over the last axis (`_as_views`): one elementwise kernel
+    combining the strided views of x at each position, in order, with no accumulator to fill and
+    read back. As a column reduction, summing a (256, 2, 2048) float32 over its middle axis took
+    0.40 ms (JAX 0.18): the filled output was written, read and written again."""
+    collapsed, reduced = _runs(source, axes)
+    x = reshape_tensor(em, x, source, collapsed)
+    kept = TensorType(tuple(d for i, d in enumerate(collapsed.shape) if i not in reduced), source.dtype)
+    elem = elem_type(source.dtype)
+    views = []
+    for position in itertools.product(*(range(collapsed.shape[i]) for i in reduced)):
+        offsets, sizes, at = [], [], dict(zip(reduced, position))
+        for i, d in enumerate(collapsed.shape):
+            offsets.append(at.get(i, 0))
+            sizes.append(1 if i in at else d)
+        where = f"[{', '.join(map(str, offsets))}] [{', '.join(map(str, sizes))}] [{', '.join(['1'] * len(sizes))}]"
+        views.append(em.op(f"tensor.extract_slice {x}{where} : {tensor_type(collapsed)} to {tensor_type(kept)}"))
+    acc = kept.with_dtype(acc_dtype)
+    e = compute_elem(acc_dtype)
+    combine = _COMBINE[kind][0 if acc_dtype.is_float else 1]
+
+    def body(b, args):
+        total = extend(b, args[0], source.dtype)
+        for arg in args[1 : len(views)]:
+            total = b.op(f"arith.{combine} {total}, {extend(b, arg, source.dtype)} : {e}")
+        return total
+
+    identity = em.identity_map(kept.rank)
+    result = em.generic(
+        [(v, tensor_type(kept)) for v in views],
+        (em.empty(acc), tensor_type(acc)),
+        [identity] * (len(views) + 1),
+        ["parallel"] * kept.rank,
+        body,
+        [elem] * len(views),
+        e,
+    )
+    if kept.rank == 1:
+        em.schedule(result, schedule.elementwise(kept.size, acc_dtype.bits))
+    else:
+        em.schedule(result, schedule.copy_nd(kept.shape, acc_dtype.bits, kept.size >= schedule.PARALLEL_MIN_ELEMENTS))
+    shape = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in axes), acc_dtype)
+    return reshape_tensor(em, result, acc, shape), shape
+
+
+def _reduce_columns_at_once(em: KernelEmitter, kind: str, x: str, source: TensorType, axes: list[int], acc_dtype):
+    """Several groups of axes, not the last, in one kernel: runs of reduced and kept axes collapsed,
+    (A, R1, B, R2, C) -> (A, B, C), each output vector summed over R1 and R2 (`schedule.reduction`
+    with a tuple of axes). One group at a time, `x.reshape(n, h / 2, 2, w / 2, 2, c).mean((2, 4))`
+    on (8, 64, 64, 32) float32 took 0.44-0.6 ms in three kernels and two temporaries (JAX 0.13-0.16)."""
+    in_type, reduced = _runs(source, axes)
+    flat_acc = TensorType(tuple(d for i, d in enumerate(in_type.shape) if i not in reduced), acc_dtype)
+    acc = _reduce(em, kind, reshape_tensor(em, x, source, in_type), in_type, reduced, flat_acc)
+    em.schedule(acc, schedule.reduction(in_type.shape, tuple(reduced), acc_dtype.bits))
+    kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in axes), acc_dtype)
     return reshape_tensor(em, acc, flat_acc, kept), kept
 
 

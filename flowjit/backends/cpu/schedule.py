@@ -12,6 +12,7 @@ tiled and vectorized. Each function returns `steps(handle) -> [transform ops]` f
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 from flowjit.backends.cpu import toolchain
@@ -202,12 +203,18 @@ def _hoist(loop: str) -> str:
     return f'transform.annotate {loop} "{HOIST_MARK}" : {ANY}'
 
 
-def reduction(shape: tuple[int, ...], axis: int, acc_bits: int):
+def reduction(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: int):
     """A reduction in normal form: (R) -> (), (A, R) -> (A), (R, B) -> (B) or (A, R, B) -> (A, B); or
     one over the last axis of any rank, (A1, .., An, R) -> (A1, .., An) (a fused reduction of
     broadcast values, whose iteration space cannot be collapsed: `sum((a[:, None] - b[None]) ** 2,
-    -1)`)."""
+    -1)`); or one over several axes (a tuple), none of them the last: (A, R1, B, R2, C) -> (A, B, C)
+    (a mean over the window axes of `x.reshape(n, h / 2, 2, w / 2, 2, c)`), as columns."""
     vl = lanes(acc_bits)
+    if isinstance(axis, tuple):
+        if len(axis) > 1:
+            size = math.prod(shape)
+            return _column_reduction(shape, axis, vl, size >= PARALLEL_MIN_ELEMENTS and threads() > 1)
+        (axis,) = axis
     size = 1
     for d in shape:
         size *= d
@@ -283,17 +290,19 @@ def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
     return steps
 
 
-def _column_reduction(shape: tuple[int, ...], axis: int, vl: int, parallel: bool):
+def _column_reduction(shape: tuple[int, ...], axis: int | tuple[int, ...], vl: int, parallel: bool):
     """(A, R, B) -> (A, B), or any rank with one reduced axis before the last (a fused reduction over
     the channels of NCHW values with a broadcast among them, whose space cannot collapse): each
-    output vector sums its column over R in sequence, as in the collapsed form."""
+    output vector sums its column over R in sequence, as in the collapsed form. Several reduced
+    axes (a tuple, none the last): each output vector sums over all of them, the last innermost."""
     rank = len(shape)
+    axes = axis if isinstance(axis, tuple) else (axis,)
 
     def steps(h: str) -> list[str]:
         n = h[1:]
         lines = []
         if parallel:
-            first = 0 if rank >= 3 and axis > 0 and shape[0] >= threads() else rank - 1
+            first = 0 if rank >= 3 and axes[0] > 0 and shape[0] >= threads() else rank - 1
             sizes = [0] * rank
             sizes[first] = -(-shape[first] // threads())
             if first == rank - 1:
@@ -302,17 +311,21 @@ def _column_reduction(shape: tuple[int, ...], axis: int, vl: int, parallel: bool
             h = f"%par{n}"
         # The dims before and after R by 1 (the last by 4 vectors), R whole; then R by 1 inside: the
         # accumulator stays in registers.
-        outer = [0 if d == axis else 4 * vl if d == rank - 1 else 1 for d in range(rank)]
-        inner = [1 if d == axis else 0 for d in range(rank)]
+        # Columns narrower than 4 vectors: whole vectors of them (32 float32 columns were two
+        # vectors' work in a masked 64-lane one).
+        width = min(4 * vl, _round_up(shape[-1], vl))
+        outer = [0 if d in axes else width if d == rank - 1 else 1 for d in range(rank)]
+        inner = [1 if d in axes else 0 for d in range(rank)]
         lines += [
             _tile_for(h, outer, f"%cols{n}"),
             _tile_for(f"%cols{n}", inner, f"%red{n}"),
-            _vectorize(f"%red{n}", [1] * (rank - 1) + [4 * vl]),
+            _vectorize(f"%red{n}", [1] * (rank - 1) + [width]),
             # The step reduces a 1 x vl slice into the accumulator: an elementwise combine, which
             # only the inner-parallel strategy emits as one vector instruction.
             f"transform.apply_patterns to %red{n}_l0 {{ transform.apply_patterns.vector.lower_multi_reduction "
             f'lowering_strategy = "innerparallel" }} : {ANY}',
-            _hoist(f"%red{n}_l0"),
+            # innermost first: its accumulator moves to the loop around it, then out of that one
+            *(_hoist(f"%red{n}_l{i}") for i in reversed(range(len(axes)))),
         ]
         return lines
 
