@@ -555,6 +555,50 @@ def test_workspace_reuses_memory_of_dead_values():
     assert offsets[graph.ops[0].result] == offsets[graph.ops[2].result] != offsets[graph.ops[1].result]
 
 
+def test_reshapes_are_views_of_their_operands_buffer(monkeypatch):
+    """A top-level reshape is a view of its operand's buffer (an input, a slot; a reshape of a
+    reshape views the first), not a copy into a slot of its own, and that buffer stays allocated
+    while any view of it is read: here the slots of %0 and %3 would otherwise be reused by later
+    products. A reshape that is a graph result is still written to its output."""
+    from flowjit.backends.cpu import lowering
+
+    text = f"""func @f(%x: {TensorType((6, 8, 4), "f32")}, %w: tensor<32x32xf32>)
+  -> (tensor<6x32xf32>, tensor<48x4xf32>) {{
+  %0 = tanh %x : tensor<6x8x4xf32>
+  %1 = reshape %0 {{shape = [6, 32]}} : tensor<6x32xf32>
+  %2 = reshape %1 {{shape = [192]}} : tensor<192xf32>
+  %3 = exp %x : tensor<6x8x4xf32>
+  %4 = reshape %3 {{shape = [6, 32]}} : tensor<6x32xf32>
+  %5 = dot_general %4, %w {{lhs_batch = [], lhs_contract = [1], rhs_batch = [], rhs_contract = [0]}} : tensor<6x32xf32>
+  %6 = reshape %2 {{shape = [6, 32]}} : tensor<6x32xf32>
+  %7 = dot_general %6, %5 {{lhs_batch = [], lhs_contract = [0], rhs_batch = [], rhs_contract = [0]}} : tensor<32x32xf32>
+  %8 = reshape %7 {{shape = [32, 32]}} : tensor<32x32xf32>
+  %9 = dot_general %6, %8 {{lhs_batch = [], lhs_contract = [1], rhs_batch = [], rhs_contract = [0]}} : tensor<6x32xf32>
+  %10 = reshape %x {{shape = [48, 4]}} : tensor<48x4xf32>
+  return %9, %10 : tensor<6x32xf32>, tensor<48x4xf32>
+}}
+"""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((6, 8, 4)).astype(np.float32), rng.standard_normal((32, 32)).astype(np.float32) * 0.2]
+    executable = compile_graph(parse_graph(text), "cpu")
+    mlir = executable.stages["mlir"]
+    assert "memref.expand_shape %in0" not in mlir  # %10 is an output: copied there
+    assert mlir.count("memref.expand_shape") >= 3  # %1 (and %2, %6 through it), %4, %8
+    got = executable.run(inputs)
+    for g, want in zip(got, interpret(parse_graph(text), inputs)):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(lowering, "_reshape_aliases", lambda *args: {})
+    copied = compile_graph(parse_graph(text), "cpu")
+
+    def workspace(executable) -> int:
+        return int(re.search(r"// workspace: (\d+) bytes", executable.stages["mlir"]).group(1))
+
+    assert workspace(executable) < workspace(copied)  # no slots for the views
+    for g, c in zip(got, copied.run(inputs)):
+        np.testing.assert_array_equal(g, c)
+
+
 # --- disk cache ------------------------------------------------------------------------------------
 
 _CACHE_SCRIPT = textwrap.dedent(
