@@ -8,7 +8,8 @@ then the outputs, then one `i8` workspace buffer. Every flowjit op is one kernel
     result:    bufferization.materialize_in_destination %r in restrict writable %destination
 
 Destinations are the outputs for graph results and otherwise `memref.view`s into the workspace at
-offsets chosen by `plan_workspace` (liveness-based reuse, 64-byte alignment). The workspace ends
+offsets chosen by `plan_workspace` (liveness-based reuse, 64-byte alignment). A top-level reshape
+has no destination: its result is a view of its operand's buffer (`_reshape_aliases`). The workspace ends
 with a scratch area for kernel temporaries (`SCRATCH`: packed matmul panels), sized for the op that
 needs most and shared by all, since kernels run one after another. Kernels stay
 separate on purpose: a later fusion pass groups ops into one kernel by emitting several ops
