@@ -5,9 +5,10 @@ share types stay apart, and a split function defines each shared kernel in one p
 
 import numpy as np
 import pytest
+from test_parallel_mlir import _graph  # the graph a jitted function compiles
 
 import flowjit as fj
-from flowjit.backends.cpu import compiler, lowering, parallel_mlir
+from flowjit.backends.cpu import lowering, parallel_mlir
 
 
 def _deep(x, ws):
@@ -26,22 +27,6 @@ def _inputs(layers=5, rows=24, width=40):
     rng = np.random.default_rng(0)
     ws = [(rng.standard_normal((width, width)) * 0.2).astype(np.float32) for _ in range(layers)]
     return rng.standard_normal((rows, width)).astype(np.float32), ws
-
-
-def _graph(fn, *args):
-    captured = {}
-    original = compiler.generate_mlir
-
-    def capture(graph, options=None, split=1):
-        captured["graph"] = graph
-        return original(graph, options, split)
-
-    compiler.generate_mlir = capture
-    try:
-        fj.jit(fn).lower(*args).compile()
-    finally:
-        compiler.generate_mlir = original
-    return captured["graph"]
 
 
 def _inlined(monkeypatch, fn, *args):

@@ -392,16 +392,7 @@ def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int,
     carried = em.empty(out_type, elem)
     threads = matmul_kernel.cores()
     if threads > 1 and outer >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
-        per = -(-outer // threads)
-        tile_type = f"tensor<?x{count}x{elem}>"
-        done, t, shared = w.open_forall(-(-outer // per), carried, _tensor(out_type))
-        first = w.mul(t, w.index(per))
-        size = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(outer)}, {first} : index')}, {w.index(per)} : index")
-        where = f"[{first}, 0] [{size}, {count}] [1, 1]"
-        tile = em.op(f"tensor.extract_slice {shared}{where} : {_tensor(out_type)} to {tile_type}")
-        loop, i, (cur,) = w.open_for(w.index(0), size, w.index(1), [(tile, tile_type)])
-        w.close_for([reversed_row(w.add(first, i), cur, tile_type, i)], [tile_type])
-        w.close_forall(loop, shared, where, tile_type, _tensor(out_type))
+        done = _rows_per_core(em, w, carried, out_type, 0, threads, reversed_row)
     else:
         done, i, (cur,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
         w.close_for([reversed_row(i, cur, _tensor(out_type), i)], [_tensor(out_type)])
@@ -450,20 +441,35 @@ def _gather_rows_in_parallel(em: KernelEmitter, w, source, carried: str, out_typ
     """`_gather_rows` with one `scf.forall` chunk of the indices per core (outer == 1): a gather of
     8,192 rows of 256 float32 from a 50,000-row table took 0.82 ms on one core (PyTorch 0.18)."""
     x, blocks, idx, int_elem = source
-    count, inner = out_type.shape[1], out_type.shape[2]
-    elem = memory_elem_type(blocks.dtype)
+    count = out_type.shape[1]
+
+    def gathered_row(index: str, cur: str, tile_type: str, i: str) -> str:
+        raw = em.op(f"tensor.extract {idx}[{index}] : tensor<{count}x{int_elem}>")
+        row = clamp_index(em, raw, int_elem, 0, blocks.shape[1] - 1)
+        zero = w.index(0)
+        return _copy_block(em, w, (x, blocks, zero, row), (cur, tile_type, zero, i), pad)
+
+    return _rows_per_core(em, w, carried, out_type, 1, threads, gathered_row)
+
+
+def _rows_per_core(em: KernelEmitter, w, carried: str, out_type: TensorType, axis: int, threads: int, row) -> str:
+    """An `scf.forall` with one chunk of `out_type`'s dim `axis` per core, each chunk a loop over its
+    rows; `row(index, tile, tile type, index in the tile)` emits one row into the chunk's tile and
+    returns the new tile. Returns the filled tensor."""
+    count = out_type.shape[axis]
     per = -(-count // threads)
-    tile_type = f"tensor<1x?x{inner}x{elem}>"
+    elem = memory_elem_type(out_type.dtype)
+    dims = ["?" if d == axis else str(n) for d, n in enumerate(out_type.shape)]
+    tile_type = f"tensor<{'x'.join(dims)}x{elem}>"
     done, t, shared = w.open_forall(-(-count // per), carried, _tensor(out_type))
     first = w.mul(t, w.index(per))
     rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(count)}, {first} : index')}, {w.index(per)} : index")
-    where = f"[0, {first}, 0] [1, {rows}, {inner}] [1, 1, 1]"
+    offsets = ", ".join(first if d == axis else "0" for d in range(out_type.rank))
+    sizes = ", ".join(rows if d == axis else str(n) for d, n in enumerate(out_type.shape))
+    where = f"[{offsets}] [{sizes}] [{', '.join(['1'] * out_type.rank)}]"
     tile = em.op(f"tensor.extract_slice {shared}{where} : {_tensor(out_type)} to {tile_type}")
     loop, i, (cur,) = w.open_for(w.index(0), rows, w.index(1), [(tile, tile_type)])
-    raw = em.op(f"tensor.extract {idx}[{w.add(first, i)}] : tensor<{count}x{int_elem}>")
-    row = clamp_index(em, raw, int_elem, 0, blocks.shape[1] - 1)
-    zero = w.index(0)
-    w.close_for([_copy_block(em, w, (x, blocks, zero, row), (cur, tile_type, zero, i), pad)], [tile_type])
+    w.close_for([row(w.add(first, i), cur, tile_type, i)], [tile_type])
     w.close_forall(loop, shared, where, tile_type, _tensor(out_type))
     return done
 
