@@ -2,7 +2,9 @@
 
 Assumes a verified graph. Guarantees bit-identical results for every input: float rules hold in
 IEEE arithmetic including nan, inf and the sign of zero (`x + -0.0 -> x` but not `x + 0.0`), and
-rules that do not (`x*0 -> 0`, `x-x -> 0`) are applied to integers only. Constant folding runs the
+rules that do not (`x*0 -> 0`, `x-x -> 0`) are applied to integers only. A reduction over the
+stacked axis of a stack becomes its parts combined in order, as numpy sums them (not where it may
+sum pairwise: 8 or more floats along its innermost axis), so that they fuse (`_reduce_rules`). Constant folding runs the
 ops' reference implementations and stops at `FOLD_SIZE_LIMIT` elements. Only pure ops (no effects,
 no regions) are folded or merged; DCE deletes them and region ops whose bodies hold no effects when
 their results are unused. Effectful ops only see their operands remapped. New
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op, single_value
 from flowjit.ir.dtypes import DType
 from flowjit.ir.graph import Graph, Op, Value
@@ -224,10 +227,42 @@ def _select_rules(op, rw):
     return None
 
 
+def _pairwise(op: Op, x: Value, parts: int) -> bool:
+    """Whether numpy's float sum of `parts` values along `op`'s axis of `x` (the reference) may add
+    them pairwise, not in order: 8 or more along what is its innermost axis."""
+    axis = op.attrs["axes"][0] % x.type.rank
+    return op.name == "reduce_sum" and x.type.dtype.is_float and parts >= 8 and np.prod(x.type.shape[axis + 1 :]) == 1
+
+
+# reduce over the stacked axis of a stack -> its parts combined in order, by this elementwise op
+_STACK_COMBINE = {"reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max", "reduce_min": "min"}
+STACK_REDUCE_MAX_PARTS = 64
+
+
 def _reduce_rules(op, rw):
     (x,) = op.operands
-    if not op.attrs["axes"]:
+    axes = op.attrs["axes"]
+    if not axes:
         return x  # reduce(x, axes=[]) -> x
+    p = x.producer
+    if (
+        p is not None
+        and p.name == "concatenate"
+        and len(axes) == 1
+        and p.attrs["axis"] % x.type.rank == axes[0] % x.type.rank
+        and all(v.type.shape[axes[0]] == 1 for v in p.operands)
+        and len(p.operands) <= STACK_REDUCE_MAX_PARTS
+        and x.type.dtype not in (dt.float16, dt.bfloat16)  # those reduce in f32, round once
+        and not _pairwise(op, x, len(p.operands))
+    ):
+        # sum(stack(parts), axis) -> parts[0] + parts[1] + ..., in numpy's order: the parts fuse into
+        # one kernel (taps of a convolution written as a stack) instead of a stored stack reduced.
+        shape = {"shape": tuple(op.result.type.shape)}
+        parts = [rw.emit_like(op, "reshape", [v], shape) for v in p.operands]
+        total = parts[0]
+        for part in parts[1:]:
+            total = rw.emit_like(op, _STACK_COMBINE[op.name], [total, part], {})
+        return total
     return None
 
 
