@@ -124,6 +124,18 @@ def test_concatenate(dtype):
     assert "linalg.fill" not in mlir
 
 
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.bfloat16, dt.bool_], ids=["f32", "f64", "bf16", "bool"])
+def test_concatenate_rows_split_over_cores(monkeypatch, dtype):
+    """A large concatenation of blocks: one forall chunk of the rows per core (an uneven last chunk,
+    blocks with a masked tail vector)."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(schedule, "PARALLEL_MIN_ELEMENTS", 1000)
+    a, b = data((33, 70), dtype, 1), data((33, 75), dtype, 2)  # blocks of a vector or more
+    mlir = check("concatenate", [a, b, a], dict(axis=1))
+    assert "scf.forall" in mlir and "linalg.fill" not in mlir
+
+
 def test_concatenate_along_first_and_last_axes():
     a = data((2, 3, 4), dt.float32)
     check("concatenate", [a, a], dict(axis=0))

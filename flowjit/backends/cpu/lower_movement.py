@@ -588,7 +588,9 @@ def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -
 def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     """concatenate as (outer, size) views: for each outer index, each operand's contiguous block is
     copied into its column range of the (outer, total) result with whole vectors and a masked
-    tail. The loops write every element once, so the result needs no fill."""
+    tail. The loops write every element once, so the result needs no fill. Large results split
+    their rows over the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one
+    (JAX 0.30-0.32 at its fastest)."""
     result, axis = op.result.type, op.attrs["axis"]
     outer = math.prod(result.shape[:axis])
     total = result.size // max(outer, 1)
@@ -598,24 +600,34 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     out_type = TensorType((outer, total), result.dtype)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
-    carried = em.empty(out_type, elem)
-    outer_loop, o, (out,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
-    offset = 0
+    blocks = []  # (operand as (outer, size), its type, size)
     for x, value in zip(operands, op.operands):
         size = value.type.size // max(outer, 1)
         block_type = TensorType((outer, size), result.dtype)
-        x = reshape(em, x, value.type, block_type.shape, elem)
+        blocks.append((reshape(em, x, value.type, block_type.shape, elem), block_type, size))
 
-        def copy(column: str, in_bounds: str, into: str, x=x, block_type=block_type, offset=offset) -> str:
-            flags = f"{{in_bounds = [{in_bounds}]}}"
-            got = em.op(f"vector.transfer_read {x}[{o}, {column}], {pad} {flags} : {_tensor(block_type)}, {vec}")
-            at = w.add(column, w.index(offset))
-            return em.op(f"vector.transfer_write {got}, {into}[{o}, {at}] {flags} : {vec}, {_tensor(out_type)}")
+    def row(o: str, out: str, out_tensor: str, at_row: str) -> str:
+        offset = 0
+        for x, block_type, size in blocks:
 
-        full = size // lanes
-        loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(out, _tensor(out_type))])
-        w.close_for([copy(w.mul(c, w.index(lanes)), "true", t)], [_tensor(out_type)])
-        out = loop if size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
-        offset += size
-    w.close_for([out], [_tensor(out_type)])
-    return _written_through(em, outer_loop, out_type, result.shape, elem)
+            def copy(column: str, in_bounds: str, into: str, x=x, block_type=block_type, offset=offset) -> str:
+                flags = f"{{in_bounds = [{in_bounds}]}}"
+                got = em.op(f"vector.transfer_read {x}[{o}, {column}], {pad} {flags} : {_tensor(block_type)}, {vec}")
+                at = w.add(column, w.index(offset))
+                return em.op(f"vector.transfer_write {got}, {into}[{at_row}, {at}] {flags} : {vec}, {out_tensor}")
+
+            full = size // lanes
+            loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(out, out_tensor)])
+            w.close_for([copy(w.mul(c, w.index(lanes)), "true", t)], [out_tensor])
+            out = loop if size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
+            offset += size
+        return out
+
+    carried = em.empty(out_type, elem)
+    threads = matmul_kernel.cores()
+    if threads > 1 and outer >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
+        done = _rows_per_core(em, w, carried, out_type, 0, threads, row)
+    else:
+        done, o, (out,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
+        w.close_for([row(o, out, _tensor(out_type), o)], [_tensor(out_type)])
+    return _written_through(em, done, out_type, result.shape, elem)
