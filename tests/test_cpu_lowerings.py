@@ -268,6 +268,20 @@ def test_column_reductions_over_few_positions_and_several_axes(dtype, kind):
     assert ('"reduction"' not in mlir) == (3 <= lower_reduction.VIEWS_MAX)
 
 
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.int32, dt.float16], ids=["f32", "f64", "i32", "f16"])
+def test_row_reductions_peel_their_partial_chunk(dtype):
+    """Rows longer than one chunk but not a whole number of chunks (1000 columns): the partial chunk
+    is peeled off the reduction loop (`transform.loop.peel`), which keeps every other chunk
+    unmasked; shorter rows (one partial chunk) are not peeled."""
+    for kind in ("sum", "max"):
+        mlir = check(f"reduce_{kind}", [data((6, 1000), dtype, 1)], dict(axes=(1,)))
+        assert "transform.loop.peel" in mlir
+        mlir = check(f"reduce_{kind}", [data((9, 7), dtype, 2)], dict(axes=(1,)))
+        assert "transform.loop.peel" not in mlir
+    mlir = check("reduce_sum", [data((3, 1024), dtype, 3)], dict(axes=(1,)))
+    assert "transform.loop.peel" not in mlir  # whole chunks
+
+
 def test_gather_scalar_result():
     check("gather", [data((6,), dt.float32), np.array(4, np.int32)], dict(axis=0))
 

@@ -495,7 +495,8 @@ def test_row_nest_splits_large_inputs_over_cores_and_tiles_small_ones_whole():
     if os.cpu_count() > 1:
         assert "(forall): 103 rows of 2600" in large
     assert "(for): 32 rows of 24, tiles of 32 rows" in small  # one tile: no loop at all
-    assert "scf.for" not in fj.jit(_softmax).lower(X).as_text("mlir")
+    body = fj.jit(_softmax).lower(X).as_text("mlir").split("transform.named_sequence")[0]
+    assert "scf.for" not in body  # the lowering's own loops (schedules add theirs)
 
 
 @pytest.mark.parametrize(

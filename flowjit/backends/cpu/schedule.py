@@ -280,10 +280,27 @@ def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
             _tile_for(h, lead + [rows, 0], f"%rows{n}"),
             f"%fill{n}, %split{n}, %comb{n}, %rloop{n} = transform.structured.tile_reduction_using_for %rows{n} "
             f"by tile_sizes = {[0] * (len(shape) - 1) + [width]} : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
-            _vectorize(f"%split{n}", lead + [rows, width]),
+        ]
+        loop = f"%rloop{n}"
+        if r % width and r > width:
+            # The last, partial chunk peeled off: with it in the loop every chunk was masked (each
+            # load, and the accumulator stored and reloaded each step): logsumexp over 4096 x 1000
+            # 1.51 -> 1.08 ms, as fast as over 1024 columns (JAX 1.36, PyTorch 3.9).
+            lines += [
+                f'%rfor{n} = transform.cast %rloop{n} : {ANY} to !transform.op<"scf.for">',
+                f'%rmain{n}, %rrest{n} = transform.loop.peel %rfor{n} : (!transform.op<"scf.for">) -> ({ANY}, {ANY})',
+                f'%rrestop{n} = transform.structured.match ops{{["linalg.generic"]}} in %rrest{n} : ({ANY}) -> {ANY}',
+                _vectorize(f"%rrestop{n}", lead + [rows, width]),
+                f'%split{n}_p = transform.structured.match ops{{["linalg.generic"]}} in %rmain{n} : ({ANY}) -> {ANY}',
+            ]
+            loop, split = f"%rmain{n}", f"%split{n}_p"
+        else:
+            split = f"%split{n}"
+        lines += [
+            _vectorize(split, lead + [rows, width]),
             _vectorize(f"%comb{n}", lead + [rows, width]),
             _vectorize(f"%fill{n}", lead + [rows, width]),
-            _hoist(f"%rloop{n}"),
+            _hoist(loop),
         ]
         return lines
 
