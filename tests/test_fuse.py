@@ -499,6 +499,20 @@ def test_row_nest_splits_large_inputs_over_cores_and_tiles_small_ones_whole():
     assert "scf.for" not in body  # the lowering's own loops (schedules add theirs)
 
 
+def test_row_nest_kernels_peel_partial_vectors_off_their_rows():
+    """Rows that are not a whole number of vectors (1000 columns): the nest's reductions and its
+    elementwise kernels peel the partial chunk off their column loops, so that the others are not
+    masked; whole rows (1024) peel nothing. The same results either way (checked bitwise against
+    the unpeeled schedules when this was written)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, 1000)).astype(np.float32)
+    mlir = fj.jit(_softmax).lower(x).as_text("mlir")
+    assert mlir.count("transform.loop.peel") == 4  # max, sum; exp, division
+    whole = rng.standard_normal((16, 1024)).astype(np.float32)
+    assert "transform.loop.peel" not in fj.jit(_softmax).lower(whole).as_text("mlir")
+    _check_fused_equals_unfused(_softmax, (x,), 1e-6)
+
+
 @pytest.mark.parametrize(
     "fn, reason",
     [

@@ -685,17 +685,35 @@ def _vectorize_rows(shape: tuple[int, ...], elem_bits: int, coalesce: bool):
     one loop it only unrolled (softmax's optimized LLVM IR 820 -> 518 lines, compile CPU time -25%,
     same speed).
     Layer norm's last kernel was not unrolled so and runs 1-3% slower coalesced (the row and column
-    indices recomputed from the one induction variable): not coalesced."""
+    indices recomputed from the one induction variable): not coalesced. Rows longer than one vector
+    but not a whole number of them peel the partial vector off the column loop (softmax over 1000
+    columns: every vector was masked), and stay uncoalesced."""
     tiles = [1] * (len(shape) - 1) + [schedule.lanes(elem_bits)]
+    peel = shape[-1] % tiles[-1] != 0 and shape[-1] > tiles[-1]
 
     def steps(h: str) -> list[str]:
-        loops = ", ".join(f"%loop{i}{h[1:]}" for i in range(len(shape)))
-        types = ", ".join([schedule.ANY] * (len(shape) + 1))
+        n, any_ = h[1:], schedule.ANY
+        loops = ", ".join(f"%loop{i}{n}" for i in range(len(shape)))
+        types = ", ".join([any_] * (len(shape) + 1))
         lines = [
-            f"%vec{h[1:]}, {loops} = transform.structured.tile_using_for {h} tile_sizes {tiles} "
-            f": ({schedule.ANY}) -> ({types})",
-            f"transform.structured.vectorize %vec{h[1:]} vector_sizes {tiles} : {schedule.ANY}",
+            f"%vec{n}, {loops} = transform.structured.tile_using_for {h} tile_sizes {tiles} : ({any_}) -> ({types})"
         ]
+        if peel:
+            # The partial last vector of each row peeled off the column loop: with it inside, every
+            # vector was masked (softmax over 1000 columns). The two loops no longer coalesce.
+            scf_for = '!transform.op<"scf.for">'
+            lines += [
+                f"%cfor{n} = transform.cast %loop{len(shape) - 1}{n} : {any_} to {scf_for}",
+                f"%cmain{n}, %crest{n} = transform.loop.peel %cfor{n} : ({scf_for}) -> ({any_}, {any_})",
+            ]
+            for part in ("cmain", "crest"):
+                lines += [
+                    f'%{part}op{n} = transform.structured.match ops{{["linalg.generic"]}} in %{part}{n} '
+                    f": ({any_}) -> {any_}",
+                    f"transform.structured.vectorize %{part}op{n} vector_sizes {tiles} : {any_}",
+                ]
+            return lines
+        lines.append(f"transform.structured.vectorize %vec{n} vector_sizes {tiles} : {any_}")
         if coalesce:
             lines.append(f"%one{h[1:]} = transform.loop.coalesce %loop0{h[1:]} : ({schedule.ANY}) -> ({schedule.ANY})")
         return lines
