@@ -389,14 +389,7 @@ def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int,
             return loop
         return move(w.index(full * lanes), w.index(start - count + 1), tail, loop)
 
-    carried = em.empty(out_type, elem)
-    threads = matmul_kernel.cores()
-    if threads > 1 and outer >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
-        done = _rows_per_core(em, w, carried, out_type, 0, threads, reversed_row)
-    else:
-        done, i, (cur,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
-        w.close_for([reversed_row(i, cur, _tensor(out_type), i)], [_tensor(out_type)])
-    return _written_through(em, done, out_type, result.shape, elem)
+    return _each_row(em, w, out_type, result.shape, reversed_row)
 
 
 def _written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tuple[int, ...], elem: str) -> str:
@@ -450,6 +443,20 @@ def _gather_rows_in_parallel(em: KernelEmitter, w, source, carried: str, out_typ
         return _copy_block(em, w, (x, blocks, zero, row), (cur, tile_type, zero, i), pad)
 
     return _rows_per_core(em, w, carried, out_type, 1, threads, gathered_row)
+
+
+def _each_row(em: KernelEmitter, w, out_type: TensorType, shape: tuple[int, ...], row) -> str:
+    """The (outer, columns) tensor of `out_type` that `row` (as in `_rows_per_core`) fills row by
+    row: rows over the cores when large, else one loop; written through to the result's `shape`."""
+    elem = memory_elem_type(out_type.dtype)
+    carried = em.empty(out_type, elem)
+    outer, threads = out_type.shape[0], matmul_kernel.cores()
+    if threads > 1 and outer >= 2 * threads and out_type.size >= schedule.PARALLEL_MIN_ELEMENTS:
+        done = _rows_per_core(em, w, carried, out_type, 0, threads, row)
+    else:
+        done, o, (cur,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
+        w.close_for([row(o, cur, _tensor(out_type), o)], [_tensor(out_type)])
+    return _written_through(em, done, out_type, shape, elem)
 
 
 def _rows_per_core(em: KernelEmitter, w, carried: str, out_type: TensorType, axis: int, threads: int, row) -> str:
@@ -623,11 +630,4 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
             offset += size
         return out
 
-    carried = em.empty(out_type, elem)
-    threads = matmul_kernel.cores()
-    if threads > 1 and outer >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
-        done = _rows_per_core(em, w, carried, out_type, 0, threads, row)
-    else:
-        done, o, (out,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
-        w.close_for([row(o, out, _tensor(out_type), o)], [_tensor(out_type)])
-    return _written_through(em, done, out_type, result.shape, elem)
+    return _each_row(em, w, out_type, result.shape, row)
