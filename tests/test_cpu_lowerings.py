@@ -272,7 +272,8 @@ def test_column_reductions_over_few_positions_and_several_axes(dtype, kind):
 def test_row_reductions_peel_their_partial_chunk(dtype):
     """Rows longer than one chunk but not a whole number of chunks (1000 columns): the partial chunk
     is peeled off the reduction loop (`transform.loop.peel`), which keeps every other chunk
-    unmasked; shorter rows (one partial chunk) are not peeled."""
+    unmasked; shorter rows (one partial chunk) are not peeled. Column reductions peel their partial
+    last column tile."""
     for kind in ("sum", "max"):
         mlir = check(f"reduce_{kind}", [data((6, 1000), dtype, 1)], dict(axes=(1,)))
         assert "transform.loop.peel" in mlir
@@ -280,6 +281,14 @@ def test_row_reductions_peel_their_partial_chunk(dtype):
         assert "transform.loop.peel" not in mlir
     mlir = check("reduce_sum", [data((3, 1024), dtype, 3)], dict(axes=(1,)))
     assert "transform.loop.peel" not in mlir  # whole chunks
+    # columns: the partial last column tile, the same way
+    for kind in ("sum", "min"):
+        mlir = check(f"reduce_{kind}", [data((40, 1000), dtype, 4)], dict(axes=(0,)))
+        assert "transform.loop.peel" in mlir
+        mlir = check(f"reduce_{kind}", [data((5, 3, 4, 130), dtype, 5)], dict(axes=(1, 2)))
+        assert "transform.loop.peel" in mlir
+    mlir = check("reduce_sum", [data((40, 1024), dtype, 6)], dict(axes=(0,)))
+    assert "transform.loop.peel" not in mlir
 
 
 def test_gather_scalar_result():
