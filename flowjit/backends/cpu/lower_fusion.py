@@ -701,18 +701,9 @@ def _vectorize_rows(shape: tuple[int, ...], elem_bits: int, coalesce: bool):
         if peel:
             # The partial last vector of each row peeled off the column loop: with it inside, every
             # vector was masked (softmax over 1000 columns). The two loops no longer coalesce.
-            scf_for = '!transform.op<"scf.for">'
-            lines += [
-                f"%cfor{n} = transform.cast %loop{len(shape) - 1}{n} : {any_} to {scf_for}",
-                f"%cmain{n}, %crest{n} = transform.loop.peel %cfor{n} : ({scf_for}) -> ({any_}, {any_})",
-            ]
-            for part in ("cmain", "crest"):
-                lines += [
-                    f'%{part}op{n} = transform.structured.match ops{{["linalg.generic"]}} in %{part}{n} '
-                    f": ({any_}) -> {any_}",
-                    f"transform.structured.vectorize %{part}op{n} vector_sizes {tiles} : {any_}",
-                ]
-            return lines
+            peeled, main, rest = schedule.peel_last(f"%loop{len(shape) - 1}{n}", f"%c{n}")
+            vectorize = [f"transform.structured.vectorize {op} vector_sizes {tiles} : {any_}" for op in (main, rest)]
+            return [*lines, *peeled, *vectorize]
         lines.append(f"transform.structured.vectorize %vec{n} vector_sizes {tiles} : {any_}")
         if coalesce:
             lines.append(f"%one{h[1:]} = transform.loop.coalesce %loop0{h[1:]} : ({schedule.ANY}) -> ({schedule.ANY})")
