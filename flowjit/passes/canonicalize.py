@@ -4,12 +4,12 @@ Assumes a verified graph. Guarantees bit-identical results for every input: floa
 IEEE arithmetic including nan, inf and the sign of zero (`x + -0.0 -> x` but not `x + 0.0`), and
 rules that do not (`x*0 -> 0`, `x-x -> 0`) are applied to integers only. A reduction over the
 stacked axis of a stack becomes its parts combined in order, as numpy sums them (not where it may
-sum pairwise: 8 or more floats along its innermost axis), so that they fuse (`_reduce_rules`). Constant folding runs the
-ops' reference implementations and stops at `FOLD_SIZE_LIMIT` elements. Only pure ops (no effects,
-no regions) are folded or merged; DCE deletes them and region ops whose bodies hold no effects when
-their results are unused. Effectful ops only see their operands remapped. New
-ops keep the location and device of the op they replace, and the graph stays topologically
-ordered. Regions are canonicalized recursively, each on its own (CSE never reaches across them).
+sum pairwise: 8 or more floats along its innermost axis), so that they fuse (`_reduce_rules`).
+Constant folding runs the ops' reference implementations and stops at `FOLD_SIZE_LIMIT`
+elements. Only pure ops (no effects, no regions) are folded or merged; DCE deletes them and region
+ops whose bodies hold no effects when their results are unused. Effectful ops only see their
+operands remapped. New ops keep the location and device of the op they replace, and the graph
+stays topologically ordered. Regions are canonicalized recursively, each on its own (CSE never reaches across them).
 """
 
 from __future__ import annotations
