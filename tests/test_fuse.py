@@ -127,6 +127,22 @@ def test_training_step_groups_never_depend_on_each_other():
     assert len(_fusions(fused)) >= 4
 
 
+def _unrolled_steps(x, steps=300):
+    """An unrolled integrator: every step reads x twice (a value shared inside one kernel)."""
+    for _ in range(steps):
+        x = x + 0.01 * fnp.tanh(x * 0.5 + 0.1)
+    return x
+
+
+def test_a_long_unrolled_chain_is_one_group():
+    """1,500 ops, one fused region (the grouping's checks look at what crosses between the two
+    groups a merge joins, not at every member: this took seconds when each merge walked both)."""
+    graph = _optimized(_unrolled_steps, X)
+    (fusion,) = _fusions(graph)
+    assert kernel_count(graph) == 1
+    assert sum(1 for op in fusion.regions[0].ops if op.name == "tanh") == 300
+
+
 def test_fused_ir_round_trips_and_verifies():
     graph = _optimized(_mlp_grad, *_mlp_args())
     text = print_graph(graph)

