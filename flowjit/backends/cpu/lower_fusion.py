@@ -70,9 +70,13 @@ from flowjit.ir.ops.reduction import reduction_identity
 from flowjit.ir.types import TensorType
 
 RECOMPUTE_BUDGET = 24
+_MANY = object()  # `_shared_values`: a value computed in more than one generic
 # In a row tile, a value read by several ops that costs this much (a math function, or eight simple
 # ops) is stored in an output's tile when one reads it (`_store_in_output`).
 TILE_MATERIALIZE_COST = 8
+# A 1-D fused kernel whose body weighs more than this (`_weight`) computes two vectors per loop
+# step (`_schedule`).
+LONG_BODY_WEIGHT = 32
 _REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
 
@@ -133,19 +137,44 @@ class _FusionLowering:
         users = body.uses()
         cost: dict[Value, int] = {}
         # A pointwise value read by several ops is recomputed in each generic that needs it when
-        # that is cheap (memory traffic dominates), else stored once (`materialized`).
+        # that is cheap (memory traffic dominates), else stored once (`materialized`); one whose
+        # readers all end in the same generic is computed once there, and never stored.
         self.materialized: set[Value] = set()
         # output -> the materialized value stored in its tile, which its generic overwrites in place
         self.in_place: dict[Value, Value] = {}
+        shared = self._shared_values(users)
         for op in body.ops:
             if not self._pointwise(op):
                 continue
             cost[op.result] = _weight(op) + sum(cost.get(v, 0) for v in op.operands if v not in self.materialized)
             readers = len(set(users.get(op.result, ())))
-            if readers > 1 and cost[op.result] > RECOMPUTE_BUDGET:
+            if readers > 1 and op.result in shared and cost[op.result] > RECOMPUTE_BUDGET:
                 self.materialized.add(op.result)
             elif readers + (op.result in body.results) > 1 and cost[op.result] >= TILE_MATERIALIZE_COST:
                 self._store_in_output(op.result)
+
+    def _shared_values(self, users: dict[Value, list[Op]]) -> set[Value]:
+        """The pointwise values that more than one generic would compute if no value were stored.
+        Outside a row tile a pointwise value is computed in the generic of the body results of its
+        shape, or of each non-pointwise op reading it (a reduction, a broadcast, a reshape), one for
+        every such place its readers lead to; a value whose readers all lead to one place (an
+        unrolled `x = x + dt * f(x)`: x read twice per step, every step in the one generic of the
+        result) is an SSA value read twice in that generic. In a row tile every pointwise value
+        counts as shared: the tile stores some values in its outputs (`_store_in_output`), which
+        the readers' count alone decides."""
+        pointwise = [op for op in self.body.ops if self._pointwise(op)]
+        if self.tile:
+            return {op.result for op in pointwise}
+        results = set(self.body.results)
+        place: dict[Value, object] = {}  # value -> the one place its readers lead to, or _MANY
+        for op in reversed(pointwise):
+            value = op.result
+            found = {("result", value.type.shape)} if value in results else set()
+            for user in set(users.get(value, ())):
+                found.add(place.get(user.result) if self._pointwise(user) else ("op", user))
+            found.discard(None)  # a dead reader
+            place[value] = next(iter(found)) if len(found) == 1 else _MANY if found else None
+        return {value for value, where in place.items() if where is _MANY}
 
     def _store_in_output(self, value: Value) -> None:
         """In a row tile, store `value` (read by several ops, a math function in it) once, in the
@@ -477,7 +506,8 @@ class _FusionLowering:
         em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
         stored = reduction is None and any(v in self.materialized or v in self.in_place for v in targets)
         views = any(map(self._view, read))
-        self._schedule(name, space, reduction, in_elems + out_elems, coalesce=stored, views=views)
+        weight = sum(map(_weight, ops))
+        self._schedule(name, space, reduction, in_elems + out_elems, coalesce=stored, views=views, weight=weight)
         if reduction is not None:
             self.tensors[reduction.result] = reshape_tensor(em, result, acc_type, reduction.result.type)
             return
@@ -620,7 +650,14 @@ class _FusionLowering:
         return [(init, tensor_type(acc), out_map)], iterators
 
     def _schedule(
-        self, name: str, space: _Space, reduction: Op | None, elems: list[str], coalesce: bool, views: bool
+        self,
+        name: str,
+        space: _Space,
+        reduction: Op | None,
+        elems: list[str],
+        coalesce: bool,
+        views: bool,
+        weight: int = 0,
     ) -> None:
         """Attach the schedule of generic `name`. Small n-d kernels with short rows (the CNN's bias +
         relu at small batch) get `copy_nd` on one thread for its unrolled row loop: cnn forward at
@@ -630,7 +667,11 @@ class _FusionLowering:
         it: LLVM's light pipeline leaves a plain loop scalar (that sigmoid 17 -> 3.4 us). Longer
         rows take it too up to `PLAIN_LOOP_MAX_ELEMENTS` (tanh(x + b) on (16, 200) 26.6 -> 6.5 us,
         JAX 6-9); above, a plain loop sends the function to O3, whose vector loop was as fast or
-        faster (x + b on (64, 256) 3.7 against 4.2 us with the schedule)."""
+        faster (x + b on (64, 256) 3.7 against 4.2 us with the schedule). A 1-D kernel whose body
+        weighs more than `LONG_BODY_WEIGHT` (`_weight`: a math function 8) computes two vectors per
+        step: one vector waiting on its math functions' latency chains left the cores idle (an
+        unrolled `x = x + 0.01 * tanh(x * 0.5 + 0.1)`, 1024^2: 3 steps 1.4-2.1 -> 1.06 ms, 20
+        steps 14-16.6 -> 8.3, 200 steps 150-160 -> 84)."""
         widest = max(_bits(e) for e in elems)
         loop, axes = space.loop, space.axes
         masked_rows = loop.shape[-1] % schedule.lanes(widest) != 0 if loop.rank else False
@@ -638,7 +679,8 @@ class _FusionLowering:
             if loop.size >= 2 and len(axes) == 1:
                 self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
         elif loop.rank == 1 and loop.size > 1:
-            self.em.schedule(name, schedule.elementwise(loop.size, widest))
+            vectors = 2 if weight > LONG_BODY_WEIGHT else 1
+            self.em.schedule(name, schedule.elementwise(loop.size, widest, vectors))
         elif loop.rank > 1 and self.tile and loop.size > 1:
             self.em.schedule(name, _vectorize_rows(loop.shape, widest, coalesce))
         elif loop.rank > 1 and loop.size >= schedule.PARALLEL_MIN_ELEMENTS:

@@ -70,9 +70,11 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def elementwise(n: int, elem_bits: int):
-    """A 1-D elementwise kernel over `n` elements."""
-    vl = lanes(elem_bits)
+def elementwise(n: int, elem_bits: int, vectors: int = 1):
+    """A 1-D elementwise kernel over `n` elements, `vectors` vectors per loop step (`lower_fusion`
+    gives long fused bodies two: independent work for the core while each vector waits on its
+    chain of math-function latencies)."""
+    vl = lanes(elem_bits) * vectors
 
     def steps(h: str) -> list[str]:
         lines = []
