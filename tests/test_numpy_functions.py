@@ -486,6 +486,25 @@ def test_sort_argsort(axis, dtype):
     )
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 9, 63, 1000, 4097])
+def test_sort_of_every_pass_count(n):
+    """One or two leading passes (odd or even pass counts), then pairs in a loop: every split
+    sorts stably, with payloads (argsort)."""
+    x = np.random.default_rng(n).integers(-20, 20, (3, n)).astype(np.float32)
+    x[0, n // 2] = np.nan
+    check_jit(lambda a: fnp.sort(a, axis=-1), x, ref=lambda a: np.sort(a, axis=-1))
+    check_jit(lambda a: fnp.argsort(a, axis=-1), x, ref=lambda a: np.argsort(a, axis=-1, kind="stable"))
+
+
+def test_sort_code_does_not_grow_with_the_row_length():
+    """The merge passes after the first are one loop: a million-element row is no more code
+    than a thousand-element one (unrolled, 20 pass bodies took 350 ms to compile)."""
+    lines = [
+        fj.jit(fnp.sort).lower(fj.ShapeDtype((n,), "float32")).as_text("mlir").count("scf.for") for n in (1000, 1 << 20)
+    ]
+    assert lines[0] == lines[1]
+
+
 def test_sort_edge_cases():
     for x in (np.zeros((0,), np.float32), np.zeros((3, 0), np.int32), f32(1), f32(4, 1)):
         check(fnp.sort, x, ref=np.sort)

@@ -3,7 +3,9 @@
 The operands are viewed as (rows, n) with the sorted axis last (a transpose first when it is not
 last). Each row is sorted by `ceil(log2 n)` merge passes of doubling run widths, any n (no padding
 to a power of two). The passes ping-pong between the result and a scratch row, starting on the
-side that makes the last pass land in the result. A pass is an `scf.for` over pairs of adjacent
+side that makes the last pass land in the result; after the first one or two, an `scf.for` runs
+them in pairs with the run width doubling at run time, so a row of any length is four pass bodies
+of code (`_sort_row`). A pass is an `scf.for` over pairs of adjacent
 runs; each pair is merged from both ends at once by an `scf.for` carrying the read positions (the
 heads and the tails of both runs) and the destination rows of every operand: two independent
 dependency chains per iteration, which this latency-bound loop needs.
@@ -174,38 +176,62 @@ class _SortKernel:
         )
 
     def _sort_row(self, sources: list[str], results: list[str], scratch: list[str]) -> tuple[list[str], list[str]]:
-        """The merge passes of one row: returns the (result, scratch) row tensors after them."""
+        """The merge passes of one row: returns the (result, scratch) row tensors after them. The
+        first pass (two when their number is even) reads the source row and lands in the result;
+        then an `scf.for` runs the remaining passes in pairs, result -> scratch -> result, with run
+        widths doubling at run time: four pass bodies for any n. (Unrolled, a million-element sort
+        had 20 of them, 2,200 lines of MLIR: 350 ms of its 515 ms first call.)"""
+        em = self.em
         passes = math.ceil(math.log2(self.n))
-        current = sources
-        width = 1
-        for p in range(passes):
-            into_result = (passes - 1 - p) % 2 == 0
-            merged = self._merge_pass(current, results if into_result else scratch, width)
-            if into_result:
-                results = merged
-            else:
-                scratch = merged
-            current = merged
-            width *= 2
-        return results, scratch
+        if passes % 2:
+            results = self._merge_pass(sources, results, self.index(1))
+        else:
+            scratch = self._merge_pass(sources, scratch, self.index(1))
+            results = self._merge_pass(scratch, results, self.index(2))
+        pairs = (passes - (1 if passes % 2 else 2)) // 2
+        if pairs == 0:
+            return results, scratch
+        row_types = [_tensor((self.n,), e) for e in self.elems]
+        loop, q, width = em.fresh(), em.fresh("q"), em.fresh("w")
+        kept, spare = [em.fresh("d") for _ in results], [em.fresh("d") for _ in scratch]
+        init = ", ".join(
+            [f"{width} = {self.index(2 if passes % 2 else 4)}"]
+            + [f"{c} = {v}" for c, v in zip(kept + spare, results + scratch)]
+        )
+        types = ", ".join(["index"] + row_types + row_types)
+        em.line(
+            f"{loop}:{1 + 2 * len(results)} = scf.for {q} = {self.index(0)} to {self.index(pairs)} "
+            f"step {self.index(1)} iter_args({init}) -> ({types}) {{"
+        )
+        em.indent += "  "
+        into_scratch = self._merge_pass(kept, spare, width)
+        double = em.op(f"arith.muli {width}, {self.index(2)} : index")
+        into_result = self._merge_pass(into_scratch, kept, double)
+        next_width = em.op(f"arith.muli {width}, {self.index(4)} : index")
+        em.line(f"scf.yield {', '.join([next_width] + into_result + into_scratch)} : {types}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        k = len(results)
+        return [f"{loop}#{1 + m}" for m in range(k)], [f"{loop}#{1 + k + m}" for m in range(k)]
 
-    def _merge_pass(self, source: list[str], dest: list[str], width: int) -> list[str]:
-        """Merge adjacent runs of `width` of `source` into `dest` (one row per operand)."""
+    def _merge_pass(self, source: list[str], dest: list[str], width: str) -> list[str]:
+        """Merge adjacent runs of `width` (an index value) of `source` into `dest` (one row per operand)."""
         em, n = self.em, self.n
         row_types = [_tensor((n,), e) for e in self.elems]
-        pairs = -(-n // (2 * width))
+        span = em.op(f"arith.muli {width}, {self.index(2)} : index")
+        pairs = em.op(f"arith.ceildivui {self.index(n)}, {span} : index")
         outer, pair = em.fresh(), em.fresh("p")
         carried = [em.fresh("d") for _ in dest]
         init = ", ".join(f"{c} = {d}" for c, d in zip(carried, dest))
         results = f"{outer}:{len(dest)}" if len(dest) > 1 else outer
         em.line(
-            f"{results} = scf.for {pair} = {self.index(0)} to {self.index(pairs)} step {self.index(1)} "
+            f"{results} = scf.for {pair} = {self.index(0)} to {pairs} step {self.index(1)} "
             f"iter_args({init}) -> ({', '.join(row_types)}) {{"
         )
         em.indent += "  "
-        lo = em.op(f"arith.muli {pair}, {self.index(2 * width)} : index")
-        mid = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {self.index(width)} : index')}, {self.index(n)} : index")
-        hi = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {self.index(2 * width)} : index')}, {self.index(n)} : index")
+        lo = em.op(f"arith.muli {pair}, {span} : index")
+        mid = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {width} : index')}, {self.index(n)} : index")
+        hi = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {span} : index')}, {self.index(n)} : index")
         merged = self._merge(source, carried, row_types, lo, mid, hi)
         em.line(f"scf.yield {', '.join(merged)} : {', '.join(row_types)}")
         em.indent = em.indent[:-2]
