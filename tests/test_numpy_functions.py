@@ -16,6 +16,7 @@ from test_numpy_api import bf16, check, f32, i32, jit
 
 import flowjit as fj
 import flowjit.numpy as fnp
+from flowjit.backends.cpu import schedule
 from flowjit.errors import FlowjitError
 
 SPECIAL = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.5, -2.0, 3.0], np.float32)
@@ -496,13 +497,28 @@ def test_sort_of_every_pass_count(n):
     check_jit(lambda a: fnp.argsort(a, axis=-1), x, ref=lambda a: np.argsort(a, axis=-1, kind="stable"))
 
 
+@pytest.mark.parametrize("n", [1 << 15, (1 << 15) + 77, 100_003])
+def test_a_long_single_row_splits_each_merge_pass_over_the_cores(n):
+    """One row of at least `SPLIT_PASSES_MIN_ROW`: each pass's pairs of runs are split over the
+    threads, each merging into its own part of the row (the last pass has one pair)."""
+    x = np.random.default_rng(n).integers(-1000, 1000, n).astype(np.float32)
+    x[::997] = np.nan
+    mlir = fj.jit(fnp.sort).lower(x).as_text("mlir")
+    if schedule.threads() > 1:
+        assert mlir.count("scf.forall") > 1  # the rows' forall, and one per pass
+    check_jit(fnp.sort, x, ref=np.sort)
+    check_jit(fnp.argsort, x, ref=lambda a: np.argsort(a, kind="stable"))
+
+
 def test_sort_code_does_not_grow_with_the_row_length():
     """The merge passes after the first are one loop: a million-element row is no more code
     than a thousand-element one (unrolled, 20 pass bodies took 350 ms to compile)."""
-    lines = [
-        fj.jit(fnp.sort).lower(fj.ShapeDtype((n,), "float32")).as_text("mlir").count("scf.for") for n in (1000, 1 << 20)
-    ]
-    assert lines[0] == lines[1]
+
+    def loops(n):
+        return fj.jit(fnp.sort).lower(fj.ShapeDtype((n,), "float32")).as_text("mlir").count("scf.for")
+
+    assert loops(1000) == loops(16_000)  # one thread per row (even pass counts: 10 and 14)
+    assert loops(1 << 16) == loops(1 << 20)  # passes split over the cores
 
 
 def test_sort_edge_cases():

@@ -33,6 +33,10 @@ from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 
+# A row at least this long sorted by one thread (one row, or fewer rows than cores) splits each
+# merge pass's pairs of runs over the cores.
+SPLIT_PASSES_MIN_ROW = 1 << 15
+
 
 def _tensor(shape: tuple[int, ...], elem: str) -> str:
     return f"tensor<{''.join(f'{d}x' for d in shape)}{elem}>"
@@ -60,7 +64,9 @@ def lower_sort(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     ]
     parallel = schedule.threads() > 1 and rows > 1 and keys.size * max(1, math.ceil(math.log2(n))) >= (1 << 16)
     chunks = min(rows, schedule.threads()) if parallel else 1
-    done = _SortKernel(em, types[0].dtype, elems, rows, n).emit(flat, chunks)
+    # One long row (or too few rows for the cores): each merge pass splits its pairs over the cores.
+    split = schedule.threads() > 1 and chunks < schedule.threads() and n >= SPLIT_PASSES_MIN_ROW
+    done = _SortKernel(em, types[0].dtype, elems, rows, n, split).emit(flat, chunks)
     results = []
     inverse = [perm.index(d) for d in range(keys.rank)]
     for x, t, e in zip(done, types, elems):
@@ -96,8 +102,11 @@ def _permute(em: KernelEmitter, x: str, shape: tuple[int, ...], perm: list[int],
 class _SortKernel:
     """Emits the row loops and merge passes of one sort (see the module docstring)."""
 
-    def __init__(self, em: KernelEmitter, key_dtype: dt.DType, elems: list[str], rows: int, n: int):
+    def __init__(
+        self, em: KernelEmitter, key_dtype: dt.DType, elems: list[str], rows: int, n: int, split_passes: bool = False
+    ):
         self.em = em
+        self.split_passes = split_passes
         self.key_dtype = key_dtype
         self.elems = elems
         self.rows = rows
@@ -215,35 +224,73 @@ class _SortKernel:
         return [f"{loop}#{1 + m}" for m in range(k)], [f"{loop}#{1 + k + m}" for m in range(k)]
 
     def _merge_pass(self, source: list[str], dest: list[str], width: str) -> list[str]:
-        """Merge adjacent runs of `width` (an index value) of `source` into `dest` (one row per operand)."""
+        """Merge adjacent runs of `width` (an index value) of `source` into `dest` (one row per
+        operand). A long row sorted alone (`split_passes`) has each pass's pairs of runs split over
+        the cores: each thread merges its pairs into its own part of `dest`."""
         em, n = self.em, self.n
-        row_types = [_tensor((n,), e) for e in self.elems]
+        row_types = self._source_types()
         span = em.op(f"arith.muli {width}, {self.index(2)} : index")
         pairs = em.op(f"arith.ceildivui {self.index(n)}, {span} : index")
+        if not self.split_passes:
+            return self._merge_pairs(source, dest, row_types, width, span, self.index(0), pairs, None)
+        threads = schedule.threads()
+        done, t = em.fresh(), em.fresh("t")
+        shared = [em.fresh("o") for _ in dest]
+        bindings = ", ".join(f"{o} = {d}" for o, d in zip(shared, dest))
+        em.line(
+            f"{done}:{len(dest)} = scf.forall ({t}) in ({threads}) shared_outs({bindings}) "
+            f"-> ({', '.join(row_types)}) {{"
+        )
+        em.indent += "  "
+        per = em.op(f"arith.ceildivui {pairs}, {self.index(threads)} : index")
+        first = em.op(f"arith.minui {em.op(f'arith.muli {t}, {per} : index')}, {pairs} : index")
+        last = em.op(f"arith.minui {em.op(f'arith.addi {first}, {per} : index')}, {pairs} : index")
+        start = em.op(f"arith.minui {em.op(f'arith.muli {first}, {span} : index')}, {self.index(n)} : index")
+        end = em.op(f"arith.minui {em.op(f'arith.muli {last}, {span} : index')}, {self.index(n)} : index")
+        size = em.op(f"arith.subi {end}, {start} : index")
+        part_types = [_tensor(("?",), e) for e in self.elems]
+        parts = [
+            em.op(f"tensor.extract_slice {o}[{start}] [{size}] [1] : {r} to {p}")
+            for o, r, p in zip(shared, row_types, part_types)
+        ]
+        merged = self._merge_pairs(source, parts, part_types, width, span, first, last, start)
+        em.line("scf.forall.in_parallel {")
+        for m, o, r, p in zip(merged, shared, row_types, part_types):
+            em.line(f"  tensor.parallel_insert_slice {m} into {o}[{start}] [{size}] [1] : {p} into {r}")
+        em.line("}")
+        em.indent = em.indent[:-2]
+        em.line("}")
+        return [f"{done}#{i}" for i in range(len(dest))]
+
+    def _merge_pairs(self, source, dest, dest_types, width, span, first, last, base) -> list[str]:
+        """The pairs of runs `first` to `last` (index values) merged into `dest` (rows from
+        position `base` of the row, or whole rows when it is None)."""
+        em, n = self.em, self.n
         outer, pair = em.fresh(), em.fresh("p")
         carried = [em.fresh("d") for _ in dest]
         init = ", ".join(f"{c} = {d}" for c, d in zip(carried, dest))
         results = f"{outer}:{len(dest)}" if len(dest) > 1 else outer
         em.line(
-            f"{results} = scf.for {pair} = {self.index(0)} to {pairs} step {self.index(1)} "
-            f"iter_args({init}) -> ({', '.join(row_types)}) {{"
+            f"{results} = scf.for {pair} = {first} to {last} step {self.index(1)} "
+            f"iter_args({init}) -> ({', '.join(dest_types)}) {{"
         )
         em.indent += "  "
         lo = em.op(f"arith.muli {pair}, {span} : index")
         mid = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {width} : index')}, {self.index(n)} : index")
         hi = em.op(f"arith.minsi {em.op(f'arith.addi {lo}, {span} : index')}, {self.index(n)} : index")
-        merged = self._merge(source, carried, row_types, lo, mid, hi)
-        em.line(f"scf.yield {', '.join(merged)} : {', '.join(row_types)}")
+        merged = self._merge(source, carried, dest_types, lo, mid, hi, base)
+        em.line(f"scf.yield {', '.join(merged)} : {', '.join(dest_types)}")
         em.indent = em.indent[:-2]
         em.line("}")
         return [f"{outer}#{i}" for i in range(len(dest))] if len(dest) > 1 else [outer]
 
-    def _merge(self, source, dest, row_types, lo, mid, hi) -> list[str]:
+    def _merge(self, source, dest, row_types, lo, mid, hi, base=None) -> list[str]:
         """source[lo:mid] merged with source[mid:hi] into dest[lo:hi], from both ends at once: each
         iteration writes the next smallest element at the front and the next largest at the back
         (two independent dependency chains, which the latency-bound loop needs), then an odd
         length takes one more front step. The merged order is unique (ties: left run first), so the
-        two halves agree."""
+        two halves agree. `row_types`: the types of the `dest` rows, which start at position `base`
+        of the row (a thread's part, `_merge_pass`) when it is given."""
         em = self.em
         half = em.op(f"arith.divui {em.op(f'arith.subi {hi}, {lo} : index')}, {self.index(2)} : index")
         rows = ", ".join(row_types)
@@ -260,9 +307,9 @@ class _SortKernel:
         )
         em.indent += "  "
         front = em.op(f"arith.addi {lo}, {k} : index")
-        next_i, next_j, written = self._front_step(source, carried, row_types, front, i, j, mid, hi)
+        next_i, next_j, written = self._front_step(source, carried, row_types, front, i, j, mid, hi, base)
         back = em.op(f"arith.subi {em.op(f'arith.subi {hi}, {self.index(1)} : index')}, {k} : index")
-        next_ib, next_jb, written = self._back_step(source, written, row_types, back, i_back, j_back, lo, mid)
+        next_ib, next_jb, written = self._back_step(source, written, row_types, back, i_back, j_back, lo, mid, base)
         em.line(
             f"scf.yield {next_i}, {next_j}, {next_ib}, {next_jb}, {', '.join(written)} : "
             f"index, index, index, index, {rows}"
@@ -283,21 +330,26 @@ class _SortKernel:
             f"iter_args({init}) -> (index, index, {rows}) {{"
         )
         em.indent += "  "
-        next_i, next_j, written = self._front_step(source, tail_carried, row_types, position, ti, tj, mid, hi)
+        next_i, next_j, written = self._front_step(source, tail_carried, row_types, position, ti, tj, mid, hi, base)
         em.line(f"scf.yield {next_i}, {next_j}, {', '.join(written)} : index, index, {rows}")
         em.indent = em.indent[:-2]
         em.line("}")
         return [f"{tail}#{2 + m}" for m in range(len(dest))]
 
-    def _pick(self, source, dest, row_types, at, take_b, a_read, b_read) -> list[str]:
-        """dest[at] = source[b_read if take_b else a_read], for every operand."""
+    def _pick(self, source, dest, row_types, at, base, take_b, a_read, b_read) -> list[str]:
+        """dest[at - base] = source[b_read if take_b else a_read], for every operand."""
         em = self.em
         position = em.op(f"arith.select {take_b}, {b_read}, {a_read} : index")
+        if base is not None:
+            at = em.op(f"arith.subi {at}, {base} : index")
         written = []
-        for x, d, t in zip(source, dest, row_types):
-            value = em.op(f"tensor.extract {x}[{position}] : {t}")
+        for x, d, t, row in zip(source, dest, row_types, self._source_types()):
+            value = em.op(f"tensor.extract {x}[{position}] : {row}")
             written.append(em.op(f"tensor.insert {value} into {d}[{at}] : {t}"))
         return written
+
+    def _source_types(self) -> list[str]:
+        return [_tensor((self.n,), e) for e in self.elems]
 
     def _key_less(self, source, row_type, x_read, y_read) -> str:
         """key[x_read] < key[y_read] in the sort's order."""
@@ -312,7 +364,7 @@ class _SortKernel:
     def _step(self, taken: str) -> str:
         return self.em.op(f"arith.index_cast {self.em.op(f'arith.extui {taken} : i1 to i64')} : i64 to index")
 
-    def _front_step(self, source, dest, row_types, at, i, j, mid, hi):
+    def _front_step(self, source, dest, row_types, at, i, j, mid, hi, base=None):
         """The smallest remaining element to dest[at]: the right run's head only if strictly
         smaller than the left's (stable), or if the left run is used up."""
         em = self.em
@@ -321,14 +373,14 @@ class _SortKernel:
         j_read = em.op(f"arith.minsi {j}, {last} : index")
         left_done = em.op(f"arith.cmpi sge, {i}, {mid} : index")
         right_open = em.op(f"arith.cmpi slt, {j}, {hi} : index")
-        smaller = self._key_less(source, row_types[0], j_read, i_read)
+        smaller = self._key_less(source, self._source_types()[0], j_read, i_read)
         take_right = em.op(f"arith.andi {right_open}, {em.op(f'arith.ori {left_done}, {smaller} : i1')} : i1")
-        written = self._pick(source, dest, row_types, at, take_right, i_read, j_read)
+        written = self._pick(source, dest, row_types, at, base, take_right, i_read, j_read)
         step = self._step(take_right)
         next_i = em.op(f"arith.addi {i}, {em.op(f'arith.subi {self.index(1)}, {step} : index')} : index")
         return next_i, em.op(f"arith.addi {j}, {step} : index"), written
 
-    def _back_step(self, source, dest, row_types, at, i, j, lo, mid):
+    def _back_step(self, source, dest, row_types, at, i, j, lo, mid, base=None):
         """The largest remaining element to dest[at]: the left run's tail only if strictly larger
         than the right's (equal keys: the right one is later), or if the right run is used up."""
         em = self.em
@@ -337,9 +389,9 @@ class _SortKernel:
         j_read = em.op(f"arith.maxsi {j}, {zero} : index")
         right_done = em.op(f"arith.cmpi slt, {j}, {mid} : index")
         left_open = em.op(f"arith.cmpi sge, {i}, {lo} : index")
-        larger = self._key_less(source, row_types[0], j_read, i_read)
+        larger = self._key_less(source, self._source_types()[0], j_read, i_read)
         take_left = em.op(f"arith.andi {left_open}, {em.op(f'arith.ori {right_done}, {larger} : i1')} : i1")
-        written = self._pick(source, dest, row_types, at, take_left, j_read, i_read)
+        written = self._pick(source, dest, row_types, at, base, take_left, j_read, i_read)
         step = self._step(take_left)
         next_j = em.op(f"arith.subi {j}, {em.op(f'arith.subi {self.index(1)}, {step} : index')} : index")
         return em.op(f"arith.subi {i}, {step} : index"), next_j, written
