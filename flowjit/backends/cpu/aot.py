@@ -110,7 +110,7 @@ def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str =
             function.name = runtime_prefix + function.name
             function.visibility = "hidden"
     externals = toolchain.undefined_symbols(module)
-    return toolchain.emit_object(str(module), kernel, mlir.strength_reduction), mlir, externals
+    return toolchain.emit_object(str(module), kernel, mlir.strength_reduction, mlir.cmov_conversion), mlir, externals
 
 
 def ports(lowered, graph: Graph, state_inputs: tuple[str, ...], state_outputs: tuple[str, ...]):

@@ -198,10 +198,10 @@ class Stages:
 
     def native(self) -> toolchain.NativeModule:
         """Machine code for the built parts: MCJIT for one, objects made in parallel and linked for several."""
-        lsr = self.mlir.strength_reduction
+        lsr, cmov = self.mlir.strength_reduction, self.mlir.cmov_conversion
         if len(self.parts) == 1:
-            return toolchain.jit_compile(*self.parts[0], strength_reduction=lsr)
-        return toolchain.load_objects(tuple(parallel_codegen.emit_objects(self.parts, lsr)), self.mlir.entry)
+            return toolchain.jit_compile(*self.parts[0], strength_reduction=lsr, cmov_conversion=cmov)
+        return toolchain.load_objects(tuple(parallel_codegen.emit_objects(self.parts, lsr, cmov)), self.mlir.entry)
 
     def __getitem__(self, stage: str) -> str:
         if stage not in self.NAMES:
@@ -212,10 +212,12 @@ class Stages:
             if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
                 self.build(keep_texts=True)
             if stage == "asm":
-                lsr = self.mlir.strength_reduction
+                lsr, cmov = self.mlir.strength_reduction, self.mlir.cmov_conversion
                 how = "with" if lsr else "without"
                 header = f"# code generation: {how} loop strength reduction (toolchain.codegen_options)\n"
-                self.texts["asm"] = header + self._joined(lambda m, tm: toolchain.emit_assembly(m, tm, lsr), "#")
+                if not cmov:
+                    header += "# code generation: without x86's cmov conversion (branch-free sort merges)\n"
+                self.texts["asm"] = header + self._joined(lambda m, tm: toolchain.emit_assembly(m, tm, lsr, cmov), "#")
         return self.texts[stage]
 
     def __iter__(self):

@@ -131,6 +131,7 @@ class KernelEmitter:
         # Kinds of kernels made, for code generation's loop strength reduction (`strength_reduction`).
         self.row_nests = False
         self.matmul_kernels = False
+        self.sort_kernels = False
 
     def store_through(self, result: str, kernel: str, shape: tuple[int, ...]) -> None:
         """`result`, an `expand_shape` of the kernel's tensor `kernel` of `shape` (1-D, or a matrix
@@ -147,6 +148,13 @@ class KernelEmitter:
         it, for ~0.5 ms of compile), not for those with packed matmul kernels (the MLP step: run
         time the same, code generation 40 ms of CPU longer)."""
         return self.row_nests and not self.matmul_kernels
+
+    @property
+    def cmov_conversion(self) -> bool:
+        """Whether code generation keeps x86's conversion of conditional moves in loops to branches
+        (`toolchain.codegen_options`): not for functions with sort kernels, whose merge loop picks
+        between two runs' heads unpredictably (a million floats sorted 2x faster branch-free)."""
+        return not self.sort_kernels
 
     def fresh(self, prefix: str = "v") -> str:
         self._counter += 1

@@ -67,6 +67,7 @@ def lower_sort(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     # One long row (or too few rows for the cores): each merge pass splits its pairs over the cores.
     split = schedule.threads() > 1 and chunks < schedule.threads() and n >= SPLIT_PASSES_MIN_ROW
     done = _SortKernel(em, types[0].dtype, elems, rows, n, split).emit(flat, chunks)
+    em.sort_kernels = True  # its merge loop stays branch-free (`KernelEmitter.cmov_conversion`)
     results = []
     inverse = [perm.index(d) for d in range(keys.rank)]
     for x, t, e in zip(done, types, elems):

@@ -119,7 +119,8 @@ class MlirModule:
     """The generated MLIR and what the runtime needs to call it. `parts`: when the function was split
     (`lower_graph(split=...)`), the modules that together define it, the first holding the entry
     (`text` then shows them one after the other); empty otherwise. `strength_reduction`: code
-    generation keeps LLVM's loop strength reduction (`toolchain.codegen_options`)."""
+    generation keeps LLVM's loop strength reduction, `cmov_conversion` x86's conversion of conditional
+    moves to branches (`toolchain.codegen_options`)."""
 
     text: str
     entry: str
@@ -128,6 +129,7 @@ class MlirModule:
     outputs: tuple[TensorType, ...]
     parts: tuple[str, ...] = ()
     strength_reduction: bool = False
+    cmov_conversion: bool = True
 
 
 # --- workspace planning ------------------------------------------------------------------------
@@ -605,7 +607,12 @@ def lower_graph(
         else:
             body, schedules, functions = em.body, em.schedules, []
         text = _module_text(fl, name, args, body, schedules, fl.globals, None, functions)
-        return MlirModule(header + text, *layout, strength_reduction=em.strength_reduction)
+        return MlirModule(
+            header + text,
+            *layout,
+            strength_reduction=em.strength_reduction,
+            cmov_conversion=em.cmov_conversion,
+        )
     bounds = [0, *(index for _, index in cuts), len(pieces)]
     defined_in = {p.callee: k for k in range(len(bounds) - 1) for p in pieces[bounds[k] : bounds[k + 1]] if p.function}
     called_from = {}
@@ -642,7 +649,13 @@ def lower_graph(
             fl, part_name, args, body, schedules, globals_, callee, functions, list(declarations.values())
         )
         parts.append(f"// part {k + 1} of {len(bounds) - 1} of {header[3:]}{text}")
-    return MlirModule("\n".join(parts), *layout, parts=tuple(parts), strength_reduction=em.strength_reduction)
+    return MlirModule(
+        "\n".join(parts),
+        *layout,
+        parts=tuple(parts),
+        strength_reduction=em.strength_reduction,
+        cmov_conversion=em.cmov_conversion,
+    )
 
 
 @dataclass

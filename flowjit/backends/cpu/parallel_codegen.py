@@ -221,10 +221,10 @@ def _emit_object(part) -> bytes:
         ffi.lib.LLVMPY_DisposeMemoryBuffer(buffer)
 
 
-def emit_objects(parts: list, strength_reduction: bool = False) -> list[bytes]:
-    """Object code of each optimized part, generated on its own thread (`strength_reduction`: see
-    `toolchain.codegen_options`)."""
-    with toolchain.codegen_options(strength_reduction):
+def emit_objects(parts: list, strength_reduction: bool = False, cmov_conversion: bool = True) -> list[bytes]:
+    """Object code of each optimized part, generated on its own thread (`strength_reduction`,
+    `cmov_conversion`: see `toolchain.codegen_options`)."""
+    with toolchain.codegen_options(strength_reduction, cmov_conversion):
         return _parallel(_emit_object, parts)
 
 

@@ -529,30 +529,45 @@ class NativeModule:
 # matmuls and the CNN within 1%, the elementwise chain 5% faster without it). Row-tile nests
 # (`lower_rows`: softmax, layer norm) run 2-2.5% faster with it, so functions whose main work they
 # are keep it (`KernelEmitter.strength_reduction`; docs/cpu-backend.md, "Compile time (first call)").
-_NO_LSR, _LSR = "-disable-lsr=true", "-disable-lsr=false"
+#
+# x86's cmov conversion (`X86CmovConversion`) turns conditional moves in loops back into branches
+# when it judges the branch predictable. In a merge sort's merge loop the choice between the two
+# runs' heads is a coin flip on random keys: converted, the loop mispredicted about every second
+# element (1M floats sorted in 82 ms; 37-40 ms with the conversion off, numpy 33). Functions with
+# sort kernels turn it off (`KernelEmitter.cmov_conversion`); the rest keep LLVM's default.
 _codegen = threading.Condition()
 _codegen_users = 0
-_codegen_lsr = True  # LLVM's default, and what the process has while none of our code generations runs
+# LLVM's defaults (strength reduction, cmov conversion), and what the process has while none of
+# our code generations runs.
+_DEFAULTS = (True, True)
+_codegen_state = _DEFAULTS
 CODEGEN_WAIT_S = 600
 
 
-@contextlib.contextmanager
-def codegen_options(strength_reduction: bool = False):
-    """LLVM's code generation with loop strength reduction on or off. It is an LLVM command-line
-    option, global to the process: code generations wanting the other setting wait for the running
-    ones, and LLVM's default comes back when the last one ends, so that another llvmlite user in
-    the process (numba) keeps it. Setting it costs ~0.2 ms. Not to be nested with the other setting
-    on one thread (it would wait for itself until `CODEGEN_WAIT_S`)."""
-    global _codegen_users, _codegen_lsr
+def _set_codegen_state(state: tuple[bool, bool]) -> None:
+    global _codegen_state
     binding = llvm()
+    lsr, cmov = state
+    if lsr != _codegen_state[0]:
+        binding.set_option("flowjit", f"-disable-lsr={'false' if lsr else 'true'}")
+    if cmov != _codegen_state[1] and host_cpu().triple.startswith("x86_64"):  # an x86 option
+        binding.set_option("flowjit", f"-x86-cmov-converter={'true' if cmov else 'false'}")
+    _codegen_state = state
+
+
+@contextlib.contextmanager
+def codegen_options(strength_reduction: bool = False, cmov_conversion: bool = True):
+    """LLVM's code generation with loop strength reduction and x86's cmov conversion on or off.
+    They are LLVM command-line options, global to the process: code generations wanting other
+    settings wait for the running ones, and LLVM's defaults come back when the last one ends, so
+    that another llvmlite user in the process (numba) keeps them. Setting one costs ~0.2 ms. Not to
+    be nested with other settings on one thread (it would wait for itself until `CODEGEN_WAIT_S`)."""
+    global _codegen_users
+    state = (strength_reduction, cmov_conversion)
     with _codegen:
-        if not _codegen.wait_for(
-            lambda: _codegen_users == 0 or _codegen_lsr == strength_reduction, timeout=CODEGEN_WAIT_S
-        ):
+        if not _codegen.wait_for(lambda: _codegen_users == 0 or _codegen_state == state, timeout=CODEGEN_WAIT_S):
             raise CompileError(f"internal error: code generation waited {CODEGEN_WAIT_S} s for another one")
-        if _codegen_lsr != strength_reduction:
-            binding.set_option("flowjit", _LSR if strength_reduction else _NO_LSR)
-            _codegen_lsr = strength_reduction
+        _set_codegen_state(state)
         _codegen_users += 1
     try:
         yield
@@ -560,18 +575,16 @@ def codegen_options(strength_reduction: bool = False):
         with _codegen:
             _codegen_users -= 1
             if _codegen_users == 0:
-                if not _codegen_lsr:
-                    binding.set_option("flowjit", _LSR)
-                    _codegen_lsr = True
+                _set_codegen_state(_DEFAULTS)
                 _codegen.notify_all()
 
 
-def jit_compile(module, tm, strength_reduction: bool = False) -> NativeModule:
+def jit_compile(module, tm, strength_reduction: bool = False, cmov_conversion: bool = True) -> NativeModule:
     """MCJIT-compile an optimized llvmlite module; also captures its object code for the disk cache.
-    `strength_reduction`: see `codegen_options`."""
+    `strength_reduction`, `cmov_conversion`: see `codegen_options`."""
     binding = llvm()
     captured: dict[str, bytes] = {}
-    with _lock, codegen_options(strength_reduction):
+    with _lock, codegen_options(strength_reduction, cmov_conversion):
         engine = binding.create_mcjit_compiler(module, tm)
         engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
         engine.finalize_object()
@@ -597,16 +610,16 @@ def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
     return NativeModule(engine, tuple(objects))
 
 
-def emit_assembly(module, tm, strength_reduction: bool = False) -> str:
+def emit_assembly(module, tm, strength_reduction: bool = False, cmov_conversion: bool = True) -> str:
     """Host assembly of an optimized module (the "asm" stage)."""
-    with _lock, codegen_options(strength_reduction):
+    with _lock, codegen_options(strength_reduction, cmov_conversion):
         return tm.emit_assembly(module)
 
 
-def emit_object(llvm_ir: str, name: str, strength_reduction: bool = False) -> bytes:
+def emit_object(llvm_ir: str, name: str, strength_reduction: bool = False, cmov_conversion: bool = True) -> bytes:
     """Position-independent object code for ahead-of-time shared libraries."""
     module, tm = optimize(llvm_ir, name, reloc="pic")
-    with _lock, codegen_options(strength_reduction):
+    with _lock, codegen_options(strength_reduction, cmov_conversion):
         return tm.emit_object(module)
 
 
