@@ -288,7 +288,7 @@ def test_a_value_read_twice_in_one_generic_is_never_stored(steps):
 
 
 def test_long_fused_bodies_compute_two_vectors_per_step():
-    """Past `LONG_BODY_WEIGHT` a 1-D kernel's loop takes two vectors per step; short ones one."""
+    """Past `LONG_CHAIN_DEPTH` a 1-D kernel's loop takes two vectors per step; shallow ones one."""
     x = np.ones(4096, np.float32)
     vl = schedule.lanes(32)
     long_body = fj.jit(functools.partial(_unrolled_steps, steps=3)).lower(x).as_text("mlir")

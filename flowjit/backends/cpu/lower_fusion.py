@@ -74,9 +74,9 @@ _MANY = object()  # `_shared_values`: a value computed in more than one generic
 # In a row tile, a value read by several ops that costs this much (a math function, or eight simple
 # ops) is stored in an output's tile when one reads it (`_store_in_output`).
 TILE_MATERIALIZE_COST = 8
-# A 1-D fused kernel whose body weighs more than this (`_weight`) computes two vectors per loop
-# step (`_schedule`).
-LONG_BODY_WEIGHT = 32
+# A 1-D fused kernel whose longest chain of dependent ops is deeper than this (`_depth`) computes
+# two vectors per loop step (`_schedule`).
+LONG_CHAIN_DEPTH = 12
 _REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
 
@@ -120,6 +120,14 @@ def _weight(op: Op) -> int:
     if op.name in MATH or op.name in MATH_BINARY or op.name == "pow":
         return 8
     return 2 if op.name in ("div", "rem") else 1
+
+
+def _depth(ops: list[Op]) -> int:
+    """The longest chain of dependent ops among `ops` (in program order), each counted by `_weight`."""
+    depth: dict[Value, int] = {}
+    for op in ops:
+        depth[op.result] = _weight(op) + max((depth.get(v, 0) for v in op.operands), default=0)
+    return max(depth.values(), default=0)
 
 
 class _FusionLowering:
@@ -506,8 +514,7 @@ class _FusionLowering:
         em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
         stored = reduction is None and any(v in self.materialized or v in self.in_place for v in targets)
         views = any(map(self._view, read))
-        weight = sum(map(_weight, ops))
-        self._schedule(name, space, reduction, in_elems + out_elems, coalesce=stored, views=views, weight=weight)
+        self._schedule(name, space, reduction, in_elems + out_elems, coalesce=stored, views=views, depth=_depth(ops))
         if reduction is not None:
             self.tensors[reduction.result] = reshape_tensor(em, result, acc_type, reduction.result.type)
             return
@@ -657,7 +664,7 @@ class _FusionLowering:
         elems: list[str],
         coalesce: bool,
         views: bool,
-        weight: int = 0,
+        depth: int = 0,
     ) -> None:
         """Attach the schedule of generic `name`. Small n-d kernels with short rows (the CNN's bias +
         relu at small batch) get `copy_nd` on one thread for its unrolled row loop: cnn forward at
@@ -667,11 +674,13 @@ class _FusionLowering:
         it: LLVM's light pipeline leaves a plain loop scalar (that sigmoid 17 -> 3.4 us). Longer
         rows take it too up to `PLAIN_LOOP_MAX_ELEMENTS` (tanh(x + b) on (16, 200) 26.6 -> 6.5 us,
         JAX 6-9); above, a plain loop sends the function to O3, whose vector loop was as fast or
-        faster (x + b on (64, 256) 3.7 against 4.2 us with the schedule). A 1-D kernel whose body
-        weighs more than `LONG_BODY_WEIGHT` (`_weight`: a math function 8) computes two vectors per
-        step: one vector waiting on its math functions' latency chains left the cores idle (an
-        unrolled `x = x + 0.01 * tanh(x * 0.5 + 0.1)`, 1024^2: 3 steps 1.4-2.1 -> 1.06 ms, 20
-        steps 14-16.6 -> 8.3, 200 steps 150-160 -> 84)."""
+        faster (x + b on (64, 256) 3.7 against 4.2 us with the schedule). A 1-D kernel whose body's
+        longest chain of dependent ops is deeper than `LONG_CHAIN_DEPTH` (`_depth`: a math
+        function counts 8) computes two vectors per step: one vector waiting on that chain's
+        latency left the cores idle (an unrolled `x = x + 0.01 * tanh(x * 0.5 + 0.1)` on 1024^2: 3
+        steps 1.4-2.1 -> 1.06 ms, 200 steps 150-160 -> 84; tanh-approximated GELU on 4M, depth 16,
+        0.85-0.93 of the time). Bodies of independent math functions side by side (the benchmark's
+        `tanh(x * 0.7 + 0.1) * sigmoid(x) + 0.5 * x`, depth 12) gained nothing (1.03-1.04)."""
         widest = max(_bits(e) for e in elems)
         loop, axes = space.loop, space.axes
         masked_rows = loop.shape[-1] % schedule.lanes(widest) != 0 if loop.rank else False
@@ -679,7 +688,7 @@ class _FusionLowering:
             if loop.size >= 2 and len(axes) == 1:
                 self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
         elif loop.rank == 1 and loop.size > 1:
-            vectors = 2 if weight > LONG_BODY_WEIGHT else 1
+            vectors = 2 if depth > LONG_CHAIN_DEPTH else 1
             self.em.schedule(name, schedule.elementwise(loop.size, widest, vectors))
         elif loop.rank > 1 and self.tile and loop.size > 1:
             self.em.schedule(name, _vectorize_rows(loop.shape, widest, coalesce))
