@@ -610,6 +610,12 @@ def test_cumsum():
         lambda a: fnp.pad(a, (1, 2)),
         lambda a: fnp.pad(a, 1),
         lambda a: fnp.pad(a, ((0, 0), (1, 2), (2, 0)), constant_values=5.0),
+        lambda a: fnp.pad(a, 2, constant_values=((1.0, 2.0), (3.0, 4.0), (5.0, 6.0))),
+        lambda a: fnp.pad(a, ((1, 2), (0, 3), (2, 1)), mode="edge"),
+        lambda a: fnp.pad(a, ((1, 1), (2, 1), (3, 0)), mode="reflect"),
+        lambda a: fnp.pad(a, 7, mode="reflect"),  # wider than the axes: reflected again
+        lambda a: fnp.pad(a, ((2, 0), (1, 3), (0, 4)), mode="symmetric"),
+        lambda a: fnp.pad(a, ((1, 3), (5, 2), (1, 1)), mode="wrap"),
         lambda a: fnp.tile(a, 2),
         lambda a: fnp.tile(a, (2, 1, 1, 2)),
         lambda a: fnp.repeat(a, 3, axis=1),
@@ -630,6 +636,23 @@ def test_cumsum():
 )
 def test_shape_functions(fn):
     check(fn, A3, ref=_with_np(fn))
+
+
+def test_pad_modes_gradients_and_errors():
+    """Reflected padding is differentiable (slices, reversed slices and a concatenation); modes
+    without a lowering, negative widths and an empty axis to extend are errors naming the line."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    got = fj.grad(lambda a: (fnp.pad(a, 2, mode="reflect") ** 2).sum())(x)
+    # each element is counted once per position np.pad copies it to
+    counts = np.zeros(12)
+    np.add.at(counts, np.pad(np.arange(12).reshape(3, 4), 2, mode="reflect").ravel(), 1)
+    np.testing.assert_allclose(got, 2 * x * counts.reshape(3, 4), rtol=1e-6)
+    with pytest.raises(FlowjitError, match=r"test_numpy_api.py:\d+.*'constant', 'edge'.*'median'"):
+        fnp.pad(x, 1, mode="median")
+    with pytest.raises(FlowjitError, match=">= 0"):
+        fnp.pad(x, -1)
+    with pytest.raises(FlowjitError, match="empty axis"):
+        fj.jit(lambda a: fnp.pad(a, 1, mode="wrap"))(np.zeros((0, 2), np.float32))
 
 
 def _with_np(fn):

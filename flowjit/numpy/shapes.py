@@ -354,26 +354,76 @@ def _slice_axis(x, axis, lo, hi, step=1):
     return bind("slice", [x], {"start": start, "limit": limit, "stride": stride})
 
 
+# numpy.pad's modes that take elements of the array itself (`_pad_from_indices`).
+_INDEX_PAD_MODES = ("edge", "reflect", "symmetric", "wrap")
+
+
 def pad(x, pad_width, mode="constant", constant_values=0):
-    if mode != "constant":
-        raise FlowjitValueError(f"{user_location()}: pad supports mode='constant' only; found {mode!r}")
+    """numpy.pad in modes 'constant' (a scalar, traced or not, or numpy's per-axis (before, after)
+    values), 'edge', 'reflect', 'symmetric' and 'wrap' (numpy's default even reflection, widths
+    beyond the axis included)."""
     x = asarray(x)
     rank = ndim(x)
     widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (rank, 2))  # numpy's pad_width rule
-    value = (
-        asarray(constant_values, _dtype_of(x))
-        if not isinstance(constant_values, Tracer)
-        else astype(constant_values, _dtype_of(x))
-    )
+    if (widths < 0).any():
+        raise FlowjitValueError(f"{user_location()}: pad widths must be >= 0; found {pad_width!r}")
+    if mode in _INDEX_PAD_MODES:
+        for axis in range(rank):
+            x = _pad_from_indices(x, axis, mode, int(widths[axis, 0]), int(widths[axis, 1]))
+        return x
+    if mode not in ("constant", "empty"):  # numpy leaves 'empty' padding undefined: zeros here
+        supported = ", ".join(repr(m) for m in ("constant", *_INDEX_PAD_MODES))
+        raise FlowjitValueError(f"{user_location()}: pad supports modes {supported}; found {mode!r}")
+    if isinstance(constant_values, Tracer) or np.ndim(constant_values) == 0:
+        value = constant_values if mode == "constant" else 0
+        return _pad_constant(x, value, widths[:, 0], widths[:, 1])
+    values = np.broadcast_to(np.asarray(constant_values), (rank, 2))  # per axis, as numpy: axis by axis
+    for axis in range(rank):
+        for side, value in enumerate(values[axis]):
+            low = [0] * rank
+            high = [0] * rank
+            (low if side == 0 else high)[axis] = widths[axis, side]
+            x = _pad_constant(x, value, low, high)
+    return x
+
+
+def _pad_constant(x, value, low, high):
+    value = asarray(value, _dtype_of(x)) if not isinstance(value, Tracer) else astype(value, _dtype_of(x))
+    rank = ndim(x)
     return bind(
         "pad",
         [x, value],
-        {
-            "low": tuple(int(w) for w in widths[:, 0]),
-            "high": tuple(int(w) for w in widths[:, 1]),
-            "interior": (0,) * rank,
-        },
+        {"low": tuple(int(w) for w in low), "high": tuple(int(w) for w in high), "interior": (0,) * rank},
     )
+
+
+def _pad_from_indices(x, axis: int, mode: str, before: int, after: int):
+    """Pad `axis` with elements of x itself: the positions numpy's pad gives the axis's indices in
+    `mode`, read as runs (ascending: a slice, descending: a reversed slice, repeated: a broadcast
+    of one), joined by one concatenation."""
+    n = shape(x)[axis]
+    if before == 0 and after == 0:
+        return x
+    if n == 0:
+        raise FlowjitValueError(f"{user_location()}: pad cannot extend an empty axis ({axis}) in mode {mode!r}")
+    index = np.pad(np.arange(n), (before, after), mode=mode)
+    pieces, start = [], 0
+    while start < len(index):
+        step = int(index[start + 1] - index[start]) if start + 1 < len(index) else 1
+        step = step if step in (-1, 0, 1) else 1
+        end = start + 1
+        while end < len(index) and index[end] - index[end - 1] == step:
+            end += 1
+        first, count = int(index[start]), end - start
+        if step == 1:
+            pieces.append(_slice_axis(x, axis, first, first + count))
+        elif step == -1:
+            pieces.append(flip(_slice_axis(x, axis, first - count + 1, first + 1), axis))
+        else:
+            one = _slice_axis(x, axis, first, first + 1)
+            pieces.append(broadcast_to(one, shape(one)[:axis] + (count,) + shape(one)[axis + 1 :]))
+        start = end
+    return pieces[0] if len(pieces) == 1 else concatenate(pieces, axis=axis)
 
 
 def tile(x, reps):
