@@ -297,6 +297,35 @@ def test_long_fused_bodies_compute_two_vectors_per_step():
     assert f"vector_sizes [{vl}]" in short_body and f"vector_sizes [{2 * vl}]" not in short_body
 
 
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (lambda a: (a[:, :, None] == a[0, :8]).any(-1), (X,)),
+        (lambda p, q: ((p[:, None, :] - q[None, :, :]) ** 2).sum(-1), (X[:, :3], X[:7, 5:8])),
+        (lambda p, q: fnp.abs(p[:, None, :] - q[None, :, :]).max(-1), (X[:, :5], X[:9, :5])),
+        (lambda labels: (labels[:, None] == fnp.arange(6)).sum(-1), (LABELS,)),
+    ],
+    ids=["isin", "distances", "max_distance", "one_hot_count"],
+)
+def test_reductions_over_a_short_broadcast_axis_become_elementwise_kernels(fn, args):
+    """`_small_axis_rule`: the reduced (.., k) values are never formed; an elementwise kernel
+    computes the k positions and combines them, in numpy's order (small slices of the table, like
+    `a[0, :8]`, may be a kernel of their own)."""
+    graph = _optimized(fn, *args)
+    ops = list(graph.ops) + [inner for f in _fusions(graph) for inner in f.regions[0].ops]
+    assert not any(op.name.startswith("reduce_") for op in ops)
+    got = fj.jit(fn)(*args)
+    want = _with_numpy(fn)(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.dtype == want.dtype
+
+
+def _with_numpy(fn):
+    import types
+
+    return types.FunctionType(fn.__code__, {**fn.__globals__, "fnp": np}, closure=fn.__closure__)
+
+
 # 103 rows: tiles of 8 and a last tile of more rows (its own copy of the tile body)
 @pytest.mark.parametrize("args", [(X,), (np.random.default_rng(1).standard_normal((103, 600)).astype(np.float32),)])
 def test_row_tile_stores_a_shared_math_value_in_its_output_tile(args):
@@ -574,7 +603,11 @@ def test_row_nest_falls_back_visibly(fn, reason):
     [
         (lambda a, b: fnp.sum((a[:, None, :] - b[None, :, :]) ** 2, axis=-1), (64, 40), (48, 40)),
         (lambda a, b: fnp.sum(a[:, None, :] * b[None, :, :], axis=-1), (64, 100), (48, 100)),
-        (lambda a, b: fnp.max(fnp.abs(a[:, None, :] - b[None, :, :]), axis=-1), (64, 7), (48, 7)),
+        (
+            lambda a, b: fnp.max(fnp.abs(a[:, None, :] - b[None, :, :]), axis=-1),
+            (64, 9),
+            (48, 9),
+        ),  # 8 or less: unrolled
         (lambda a, b: fnp.exp(-fnp.sum((a[:, None, :] - b[None, :, :]) ** 2, axis=-1)), (33, 70), (50, 70)),
         (lambda a, b: fnp.sum((a[:, None, None, :] - b[None, :, :, :]) ** 2, axis=-1), (9, 16), (10, 12, 16)),
         (lambda a, b: fnp.sum((a[:, None, None, :] - b[None, :, :, :]) ** 2, axis=-1), (5, 20), (3, 7, 20)),

@@ -4,7 +4,10 @@ Assumes a verified graph. Guarantees bit-identical results for every input: floa
 IEEE arithmetic including nan, inf and the sign of zero (`x + -0.0 -> x` but not `x + 0.0`), and
 rules that do not (`x*0 -> 0`, `x-x -> 0`) are applied to integers only. A reduction over the
 stacked axis of a stack becomes its parts combined in order, as numpy sums them (not where it may
-sum pairwise: 8 or more floats along its innermost axis), so that they fuse (`_reduce_rules`).
+sum pairwise: 8 or more floats along its innermost axis), so that they fuse (`_reduce_rules`); so
+does a reduction over an axis of at most 8 positions of pointwise ops whose leaves are each
+constant along it or a broadcast of a value that has it (`_small_axis_rule`: an isin against a few
+values, distances over 3 coordinates).
 Constant folding runs the ops' reference implementations and stops at `FOLD_SIZE_LIMIT`
 elements. Only pure ops (no effects, no regions) are folded or merged; DCE deletes them and region
 ops whose bodies hold no effects when their results are unused. Effectful ops only see their
@@ -263,6 +266,102 @@ def _reduce_rules(op, rw):
         for part in parts[1:]:
             total = rw.emit_like(op, _STACK_COMBINE[op.name], [total, part], {})
         return total
+    return _small_axis_rule(op, rw)
+
+
+# A reduction over an axis of at most this many positions, of pointwise ops on values that are each
+# constant along that axis or a broadcast whose source has it, becomes the ops repeated once per
+# position and combined (`_small_axis_rule`); the ops (at most SMALL_AXIS_MAX_OPS) are repeated that
+# often.
+SMALL_AXIS_MAX_POSITIONS = 8
+SMALL_AXIS_MAX_OPS = 24
+
+
+def _small_axis_rule(op, rw):
+    """reduce(f(broadcast(u), broadcast(w), ..), axis) over a short axis -> f at position 0
+    combined with f at position 1, ..., each on its leaves' positions along the axis: a leaf
+    broadcast along it is its source (`(a[:, :, None] == values).any(-1)`, an isin against 8 values,
+    reads `a` once instead of reducing (1024, 1024, 8) booleans over rows of 8); one whose source has
+    the axis takes that position of the source (a slice of the small table). In numpy's order, as
+    the stack rule (not for sums numpy may add pairwise, nor half types); other leaves (stored
+    values varying along the axis) leave the reduction as it is."""
+    (x,) = op.operands
+    axes = op.attrs["axes"]
+    if len(axes) != 1:
+        return None
+    axis = axes[0] % x.type.rank
+    k = x.type.shape[axis]
+    if not 2 <= k <= SMALL_AXIS_MAX_POSITIONS or _pairwise(op, x, k):
+        return None
+    if op.name in ("reduce_sum", "reduce_prod") and x.type.dtype in (dt.float16, dt.bfloat16):
+        return None
+    ops, leaves = _pointwise_expression(x)
+    if not ops or len(ops) > SMALL_AXIS_MAX_OPS or any(_leaf_at(v, axis, 0, rw, None) is None for v in leaves):
+        return None
+    total = None
+    for position in range(k):
+        values = {v: _leaf_at(v, axis, position, rw, op) for v in leaves}
+        for inner in ops:
+            values[inner.result] = rw.emit_like(op, inner.name, [values[v] for v in inner.operands], inner.attrs)
+        part = values[x]
+        total = part if total is None else rw.emit_like(op, _STACK_COMBINE[op.name], [total, part], {})
+    return total
+
+
+def _pointwise_expression(x: Value) -> tuple[list[Op], list[Value]]:
+    """The elementwise ops computing `x` (in program order) and the values they read."""
+    ops: list[Op] = []
+    leaves: list[Value] = []
+    seen: set[Value] = set()
+
+    def walk(v: Value) -> None:
+        if v in seen:
+            return
+        seen.add(v)
+        p = v.producer
+        if p is None or not get_opdef(p.name).elementwise or len(p.results) != 1 or len(seen) > 4 * SMALL_AXIS_MAX_OPS:
+            leaves.append(v)
+            return
+        for u in p.operands:
+            walk(u)
+        ops.append(p)
+
+    walk(x)
+    return ops, leaves
+
+
+def _leaf_at(v: Value, axis: int, position: int, rw, op):
+    """Leaf `v` at `position` along `axis`, with that axis dropped; None when `v` is not constant
+    along the axis, a broadcast, or a small constant. With `op` None only checks (emits nothing)."""
+    p = v.producer
+    shape = tuple(d for i, d in enumerate(v.type.shape) if i != axis)
+    if p is not None and p.name == "broadcast":
+        (source,) = p.operands
+        dims = list(p.attrs["dims"])
+        kept = [(j, d - (d > axis)) for j, d in enumerate(dims) if d != axis]
+        if op is None:
+            return v
+        if axis in dims:  # the source has the axis, of size 1 or of the reduced length
+            j = dims.index(axis)
+            if source.type.shape[j] != 1:
+                start = [0] * source.type.rank
+                limit = list(source.type.shape)
+                start[j], limit[j] = position, position + 1
+                attrs = {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * source.type.rank}
+                source = rw.emit_like(op, "slice", [source], attrs)
+            squeezed = tuple(d for i, d in enumerate(source.type.shape) if i != j)
+            source = rw.emit_like(op, "reshape", [source], {"shape": squeezed})
+        return rw.emit_like(op, "broadcast", [source], {"dims": tuple(d for _, d in kept), "shape": shape})
+    if p is not None and p.name == "constant" and v.type.size <= FOLD_SIZE_LIMIT:
+        if op is None:
+            return v
+        start = [0] * v.type.rank
+        limit = list(v.type.shape)
+        start[axis], limit[axis] = position, position + 1
+        part = rw.emit_like(
+            op, "slice", [v], {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * v.type.rank}
+        )
+        return rw.emit_like(op, "reshape", [part], {"shape": shape})
     return None
 
 
