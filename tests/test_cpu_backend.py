@@ -410,18 +410,22 @@ exit:
 """
 
 
+def _host_assembly(llvm_ir: str) -> str:
+    """LLVM IR text compiled for the host with whatever code generation options are set now."""
+    module = toolchain.llvm().parse_assembly(llvm_ir)
+    tm = toolchain.target_machine()
+    module.triple, module.data_layout = toolchain.host_cpu().triple, str(tm.target_data)
+    return tm.emit_assembly(module)
+
+
 def test_codegen_options_apply_only_while_flowjit_generates_code():
     """Loop strength reduction is off while our code generation runs (a fifth to a half of it, no
     measurable speed) unless the function asks for it (row-tile nests), and LLVM's default is back
     after it, for other llvmlite users in the process; overlapping uses share one setting, and a
     use wanting the other waits for them. The "asm" stage says which."""
-    binding = toolchain.llvm()
 
     def assembly() -> str:
-        module = binding.parse_assembly(_STRIDED_LOOP)
-        tm = toolchain.target_machine()
-        module.triple, module.data_layout = toolchain.host_cpu().triple, str(tm.target_data)
-        return tm.emit_assembly(module)
+        return _host_assembly(_STRIDED_LOOP)
 
     default = assembly()
     with toolchain.codegen_options():
@@ -483,13 +487,9 @@ def test_sort_kernels_are_generated_without_cmov_conversion():
     default is back afterwards; the "asm" stage says so."""
     if not toolchain.host_cpu().triple.startswith("x86_64"):
         pytest.skip("an x86 code generation option")
-    binding = toolchain.llvm()
 
     def assembly() -> str:
-        module = binding.parse_assembly(_SELECT_LOOP)
-        tm = toolchain.target_machine()
-        module.triple, module.data_layout = toolchain.host_cpu().triple, str(tm.target_data)
-        return tm.emit_assembly(module)
+        return _host_assembly(_SELECT_LOOP)
 
     default = assembly()
     with toolchain.codegen_options(cmov_conversion=False):

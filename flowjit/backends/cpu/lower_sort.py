@@ -126,53 +126,70 @@ class _SortKernel:
         outs = [em.op(f"tensor.empty() : {t}") for t in full]
         scratch = [em.op(f"tensor.empty() : {t}") for t in full]
         chunk = -(-rows // chunks)
-        shared = [em.fresh("c") for _ in range(2 * len(full))]
-        done, t = em.fresh(), em.fresh("t")
-        bindings = ", ".join(f"{s} = {v}" for s, v in zip(shared, outs + scratch))
-        em.line(
-            f"{done}:{len(shared)} = scf.forall ({t}) in ({-(-rows // chunk)}) shared_outs({bindings}) "
-            f"-> ({', '.join(full + full)}) {{"
-        )
-        em.indent += "  "
-        first = em.op(f"arith.muli {t}, {self.index(chunk)} : index")
-        left = em.op(f"arith.subi {self.index(rows)}, {first} : index")
-        count = em.op(f"arith.minsi {left}, {self.index(chunk)} : index")
         parts = [_tensor(("?", n), e) for e in self.elems] * 2
-        sliced = [
-            em.op(f"tensor.extract_slice {s}[{first}, 0] [{count}, {n}] [1, 1] : {f} to {p}")
-            for s, f, p in zip(shared, full + full, parts)
-        ]
-        loop, row = em.fresh(), em.fresh("r")
-        carried = [em.fresh("c") for _ in sliced]
-        init = ", ".join(f"{c} = {v}" for c, v in zip(carried, sliced))
+        bounds = {}
+
+        def window(t: str) -> tuple[str, str, str]:
+            first = em.op(f"arith.muli {t}, {self.index(chunk)} : index")
+            left = em.op(f"arith.subi {self.index(rows)}, {first} : index")
+            bounds["first"] = first
+            bounds["count"] = em.op(f"arith.minsi {left}, {self.index(chunk)} : index")
+            return f"[{first}, 0]", f"[{bounds['count']}, {n}]", "[1, 1]"
+
+        def sort_rows(t: str, sliced: list[str]) -> list[str]:
+            first, count = bounds["first"], bounds["count"]
+            loop, row = em.fresh(), em.fresh("r")
+            carried = [em.fresh("c") for _ in sliced]
+            init = ", ".join(f"{c} = {v}" for c, v in zip(carried, sliced))
+            em.line(
+                f"{loop}:{len(carried)} = scf.for {row} = {self.index(0)} to {count} step {self.index(1)} "
+                f"iter_args({init}) -> ({', '.join(parts)}) {{"
+            )
+            em.indent += "  "
+            source_row = em.op(f"arith.addi {first}, {row} : index")
+            sources = [self._row(x, f, source_row, e) for x, f, e in zip(flat, full, self.elems)]
+            row_results, row_scratch = self._sort_row(
+                sources,
+                [self._row(c, p, row, e) for c, p, e in zip(carried[: len(full)], parts, self.elems)],
+                [self._row(c, p, row, e) for c, p, e in zip(carried[len(full) :], parts, self.elems)],
+            )
+            yielded = [
+                self._insert(r, c, p, row, e)
+                for r, c, p, e in zip(row_results + row_scratch, carried, parts, self.elems + self.elems)
+            ]
+            em.line(f"scf.yield {', '.join(yielded)} : {', '.join(parts)}")
+            em.indent = em.indent[:-2]
+            em.line("}")
+            return [f"{loop}#{i}" for i in range(len(carried))]
+
+        done = self._in_parallel(-(-rows // chunk), outs + scratch, full + full, parts, window, sort_rows)
+        return done[: len(full)]
+
+    def _in_parallel(self, threads: int, dest: list[str], types: list[str], part_types: list[str], window, body):
+        """An `scf.forall` of `threads` over the tensors `dest` (of `types`), each thread on its own
+        part of them: `window(t)` emits the thread's (offsets, sizes, strides), `body(t, parts)`
+        the parts' new values, which are inserted back. Returns the tensors after it."""
+        em = self.em
+        done, t = em.fresh(), em.fresh("t")
+        shared = [em.fresh("o") for _ in dest]
+        bindings = ", ".join(f"{o} = {d}" for o, d in zip(shared, dest))
         em.line(
-            f"{loop}:{len(carried)} = scf.for {row} = {self.index(0)} to {count} step {self.index(1)} "
-            f"iter_args({init}) -> ({', '.join(parts)}) {{"
+            f"{done}:{len(dest)} = scf.forall ({t}) in ({threads}) shared_outs({bindings}) -> ({', '.join(types)}) {{"
         )
         em.indent += "  "
-        source_row = em.op(f"arith.addi {first}, {row} : index")
-        sources = [self._row(x, f, source_row, e) for x, f, e in zip(flat, full, self.elems)]
-        row_results, row_scratch = self._sort_row(
-            sources,
-            [self._row(c, p, row, e) for c, p, e in zip(carried[: len(full)], parts, self.elems)],
-            [self._row(c, p, row, e) for c, p, e in zip(carried[len(full) :], parts, self.elems)],
-        )
-        yielded = [
-            self._insert(r, c, p, row, e)
-            for r, c, p, e in zip(row_results + row_scratch, carried, parts, self.elems + self.elems)
+        offsets, sizes, strides = window(t)
+        parts = [
+            em.op(f"tensor.extract_slice {o}{offsets} {sizes} {strides} : {r} to {p}")
+            for o, r, p in zip(shared, types, part_types)
         ]
-        em.line(f"scf.yield {', '.join(yielded)} : {', '.join(parts)}")
-        em.indent = em.indent[:-2]
-        em.line("}")
+        merged = body(t, parts)
         em.line("scf.forall.in_parallel {")
-        for i, (s, f, p) in enumerate(zip(shared, full + full, parts)):
-            em.line(
-                f"  tensor.parallel_insert_slice {loop}#{i} into {s}[{first}, 0] [{count}, {n}] [1, 1] : {p} into {f}"
-            )
+        for m, o, r, p in zip(merged, shared, types, part_types):
+            em.line(f"  tensor.parallel_insert_slice {m} into {o}{offsets} {sizes} {strides} : {p} into {r}")
         em.line("}")
         em.indent = em.indent[:-2]
         em.line("}")
-        return [f"{done}#{i}" for i in range(len(full))]
+        return [f"{done}#{i}" for i in range(len(dest))]
 
     def _row(self, x: str, ttype: str, row: str, elem: str) -> str:
         return self.em.op(
@@ -235,33 +252,23 @@ class _SortKernel:
         if not self.split_passes:
             return self._merge_pairs(source, dest, row_types, width, span, self.index(0), pairs, None)
         threads = schedule.threads()
-        done, t = em.fresh(), em.fresh("t")
-        shared = [em.fresh("o") for _ in dest]
-        bindings = ", ".join(f"{o} = {d}" for o, d in zip(shared, dest))
-        em.line(
-            f"{done}:{len(dest)} = scf.forall ({t}) in ({threads}) shared_outs({bindings}) "
-            f"-> ({', '.join(row_types)}) {{"
-        )
-        em.indent += "  "
-        per = em.op(f"arith.ceildivui {pairs}, {self.index(threads)} : index")
-        first = em.op(f"arith.minui {em.op(f'arith.muli {t}, {per} : index')}, {pairs} : index")
-        last = em.op(f"arith.minui {em.op(f'arith.addi {first}, {per} : index')}, {pairs} : index")
-        start = em.op(f"arith.minui {em.op(f'arith.muli {first}, {span} : index')}, {self.index(n)} : index")
-        end = em.op(f"arith.minui {em.op(f'arith.muli {last}, {span} : index')}, {self.index(n)} : index")
-        size = em.op(f"arith.subi {end}, {start} : index")
         part_types = [_tensor(("?",), e) for e in self.elems]
-        parts = [
-            em.op(f"tensor.extract_slice {o}[{start}] [{size}] [1] : {r} to {p}")
-            for o, r, p in zip(shared, row_types, part_types)
-        ]
-        merged = self._merge_pairs(source, parts, part_types, width, span, first, last, start)
-        em.line("scf.forall.in_parallel {")
-        for m, o, r, p in zip(merged, shared, row_types, part_types):
-            em.line(f"  tensor.parallel_insert_slice {m} into {o}[{start}] [{size}] [1] : {p} into {r}")
-        em.line("}")
-        em.indent = em.indent[:-2]
-        em.line("}")
-        return [f"{done}#{i}" for i in range(len(dest))]
+        bounds = {}
+
+        def window(t: str) -> tuple[str, str, str]:
+            per = em.op(f"arith.ceildivui {pairs}, {self.index(threads)} : index")
+            first = em.op(f"arith.minui {em.op(f'arith.muli {t}, {per} : index')}, {pairs} : index")
+            last = em.op(f"arith.minui {em.op(f'arith.addi {first}, {per} : index')}, {pairs} : index")
+            start = em.op(f"arith.minui {em.op(f'arith.muli {first}, {span} : index')}, {self.index(n)} : index")
+            end = em.op(f"arith.minui {em.op(f'arith.muli {last}, {span} : index')}, {self.index(n)} : index")
+            bounds.update(first=first, last=last, start=start)
+            return f"[{start}]", f"[{em.op(f'arith.subi {end}, {start} : index')}]", "[1]"
+
+        def merge(t: str, parts: list[str]) -> list[str]:
+            b = bounds
+            return self._merge_pairs(source, parts, part_types, width, span, b["first"], b["last"], b["start"])
+
+        return self._in_parallel(threads, dest, row_types, part_types, window, merge)
 
     def _merge_pairs(self, source, dest, dest_types, width, span, first, last, base) -> list[str]:
         """The pairs of runs `first` to `last` (index values) merged into `dest` (rows from
