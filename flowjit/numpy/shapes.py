@@ -374,9 +374,10 @@ def pad(x, pad_width, mode="constant", constant_values=0):
     if mode not in ("constant", "empty"):  # numpy leaves 'empty' padding undefined: zeros here
         supported = ", ".join(repr(m) for m in ("constant", *_INDEX_PAD_MODES))
         raise FlowjitValueError(f"{user_location()}: pad supports modes {supported}; found {mode!r}")
+    if mode == "empty":
+        constant_values = 0
     if isinstance(constant_values, Tracer) or np.ndim(constant_values) == 0:
-        value = constant_values if mode == "constant" else 0
-        return _pad_constant(x, value, widths[:, 0], widths[:, 1])
+        return _pad_constant(x, constant_values, widths[:, 0], widths[:, 1])
     values = np.broadcast_to(np.asarray(constant_values), (rank, 2))  # per axis, as numpy: axis by axis
     for axis in range(rank):
         for side, value in enumerate(values[axis]):

@@ -296,7 +296,7 @@ def _small_axis_rule(op, rw):
     if op.name in ("reduce_sum", "reduce_prod") and x.type.dtype in (dt.float16, dt.bfloat16):
         return None
     ops, leaves = _pointwise_expression(x)
-    if not ops or len(ops) > SMALL_AXIS_MAX_OPS or any(_leaf_at(v, axis, 0, rw, None) is None for v in leaves):
+    if not ops or len(ops) > SMALL_AXIS_MAX_OPS or not all(map(_indexable, leaves)):
         return None
     total = None
     for position in range(k):
@@ -330,39 +330,37 @@ def _pointwise_expression(x: Value) -> tuple[list[Op], list[Value]]:
     return ops, leaves
 
 
-def _leaf_at(v: Value, axis: int, position: int, rw, op):
-    """Leaf `v` at `position` along `axis`, with that axis dropped; None when `v` is not constant
-    along the axis, a broadcast, or a small constant. With `op` None only checks (emits nothing)."""
+def _indexable(v: Value) -> bool:
+    """Whether `_leaf_at` can take `v` apart along any axis: a broadcast, or a small constant."""
+    p = v.producer
+    return p is not None and (p.name == "broadcast" or (p.name == "constant" and v.type.size <= FOLD_SIZE_LIMIT))
+
+
+def _leaf_at(v: Value, axis: int, position: int, rw, op) -> Value:
+    """`_indexable` leaf `v` at `position` along `axis`, with that axis dropped: a broadcast of its
+    source (or of the source's position along the axis, when the source has it), or a constant's
+    position."""
     p = v.producer
     shape = tuple(d for i, d in enumerate(v.type.shape) if i != axis)
-    if p is not None and p.name == "broadcast":
-        (source,) = p.operands
-        dims = list(p.attrs["dims"])
-        kept = [(j, d - (d > axis)) for j, d in enumerate(dims) if d != axis]
-        if op is None:
-            return v
-        if axis in dims:  # the source has the axis, of size 1 or of the reduced length
-            j = dims.index(axis)
-            if source.type.shape[j] != 1:
-                start = [0] * source.type.rank
-                limit = list(source.type.shape)
-                start[j], limit[j] = position, position + 1
-                attrs = {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * source.type.rank}
-                source = rw.emit_like(op, "slice", [source], attrs)
-            squeezed = tuple(d for i, d in enumerate(source.type.shape) if i != j)
-            source = rw.emit_like(op, "reshape", [source], {"shape": squeezed})
-        return rw.emit_like(op, "broadcast", [source], {"dims": tuple(d for _, d in kept), "shape": shape})
-    if p is not None and p.name == "constant" and v.type.size <= FOLD_SIZE_LIMIT:
-        if op is None:
-            return v
-        start = [0] * v.type.rank
-        limit = list(v.type.shape)
-        start[axis], limit[axis] = position, position + 1
-        part = rw.emit_like(
-            op, "slice", [v], {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * v.type.rank}
-        )
-        return rw.emit_like(op, "reshape", [part], {"shape": shape})
-    return None
+    if p.name == "constant":
+        return _position(v, axis, position, rw, op)
+    (source,) = p.operands
+    dims = list(p.attrs["dims"])
+    if axis in dims:  # the source has the axis, of size 1 or of the reduced length
+        j = dims.index(axis)
+        source = _position(source, j, position if source.type.shape[j] != 1 else 0, rw, op)
+    kept = tuple(d - (d > axis) for d in dims if d != axis)
+    return rw.emit_like(op, "broadcast", [source], {"dims": kept, "shape": shape})
+
+
+def _position(v: Value, axis: int, position: int, rw, op) -> Value:
+    """v[.., position, ..] along `axis`, that axis dropped (a slice and a reshape)."""
+    start, limit = [0] * v.type.rank, list(v.type.shape)
+    start[axis], limit[axis] = position, position + 1
+    if v.type.shape[axis] != 1:
+        attrs = {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * v.type.rank}
+        v = rw.emit_like(op, "slice", [v], attrs)
+    return rw.emit_like(op, "reshape", [v], {"shape": tuple(d for i, d in enumerate(v.type.shape) if i != axis)})
 
 
 def _concatenate_rules(op, rw):

@@ -127,17 +127,15 @@ class _SortKernel:
         scratch = [em.op(f"tensor.empty() : {t}") for t in full]
         chunk = -(-rows // chunks)
         parts = [_tensor(("?", n), e) for e in self.elems] * 2
-        bounds = {}
 
-        def window(t: str) -> tuple[str, str, str]:
+        def window(t: str):
             first = em.op(f"arith.muli {t}, {self.index(chunk)} : index")
             left = em.op(f"arith.subi {self.index(rows)}, {first} : index")
-            bounds["first"] = first
-            bounds["count"] = em.op(f"arith.minsi {left}, {self.index(chunk)} : index")
-            return f"[{first}, 0]", f"[{bounds['count']}, {n}]", "[1, 1]"
+            count = em.op(f"arith.minsi {left}, {self.index(chunk)} : index")
+            return f"[{first}, 0]", f"[{count}, {n}]", "[1, 1]", (first, count)
 
-        def sort_rows(t: str, sliced: list[str]) -> list[str]:
-            first, count = bounds["first"], bounds["count"]
+        def sort_rows(bounds: tuple[str, str], sliced: list[str]) -> list[str]:
+            first, count = bounds
             loop, row = em.fresh(), em.fresh("r")
             carried = [em.fresh("c") for _ in sliced]
             init = ", ".join(f"{c} = {v}" for c, v in zip(carried, sliced))
@@ -167,8 +165,9 @@ class _SortKernel:
 
     def _in_parallel(self, threads: int, dest: list[str], types: list[str], part_types: list[str], window, body):
         """An `scf.forall` of `threads` over the tensors `dest` (of `types`), each thread on its own
-        part of them: `window(t)` emits the thread's (offsets, sizes, strides), `body(t, parts)`
-        the parts' new values, which are inserted back. Returns the tensors after it."""
+        part of them: `window(t)` emits the thread's (offsets, sizes, strides, bounds),
+        `body(bounds, parts)` the parts' new values, which are inserted back. Returns the tensors
+        after it."""
         em = self.em
         done, t = em.fresh(), em.fresh("t")
         shared = [em.fresh("o") for _ in dest]
@@ -177,12 +176,12 @@ class _SortKernel:
             f"{done}:{len(dest)} = scf.forall ({t}) in ({threads}) shared_outs({bindings}) -> ({', '.join(types)}) {{"
         )
         em.indent += "  "
-        offsets, sizes, strides = window(t)
+        offsets, sizes, strides, bounds = window(t)
         parts = [
             em.op(f"tensor.extract_slice {o}{offsets} {sizes} {strides} : {r} to {p}")
             for o, r, p in zip(shared, types, part_types)
         ]
-        merged = body(t, parts)
+        merged = body(bounds, parts)
         em.line("scf.forall.in_parallel {")
         for m, o, r, p in zip(merged, shared, types, part_types):
             em.line(f"  tensor.parallel_insert_slice {m} into {o}{offsets} {sizes} {strides} : {p} into {r}")
@@ -253,20 +252,18 @@ class _SortKernel:
             return self._merge_pairs(source, dest, row_types, width, span, self.index(0), pairs, None)
         threads = schedule.threads()
         part_types = [_tensor(("?",), e) for e in self.elems]
-        bounds = {}
 
-        def window(t: str) -> tuple[str, str, str]:
+        def window(t: str):
             per = em.op(f"arith.ceildivui {pairs}, {self.index(threads)} : index")
             first = em.op(f"arith.minui {em.op(f'arith.muli {t}, {per} : index')}, {pairs} : index")
             last = em.op(f"arith.minui {em.op(f'arith.addi {first}, {per} : index')}, {pairs} : index")
             start = em.op(f"arith.minui {em.op(f'arith.muli {first}, {span} : index')}, {self.index(n)} : index")
             end = em.op(f"arith.minui {em.op(f'arith.muli {last}, {span} : index')}, {self.index(n)} : index")
-            bounds.update(first=first, last=last, start=start)
-            return f"[{start}]", f"[{em.op(f'arith.subi {end}, {start} : index')}]", "[1]"
+            return f"[{start}]", f"[{em.op(f'arith.subi {end}, {start} : index')}]", "[1]", (first, last, start)
 
-        def merge(t: str, parts: list[str]) -> list[str]:
-            b = bounds
-            return self._merge_pairs(source, parts, part_types, width, span, b["first"], b["last"], b["start"])
+        def merge(bounds: tuple[str, str, str], parts: list[str]) -> list[str]:
+            first, last, start = bounds
+            return self._merge_pairs(source, parts, part_types, width, span, first, last, start)
 
         return self._in_parallel(threads, dest, row_types, part_types, window, merge)
 
