@@ -879,6 +879,8 @@ _REDUCE_SHAPES = (
     ((2, 3, 4), ()),
     ((), ()),
     ((1, 7), (1,)),
+    ((37, 5), (1,)),  # short rows: tiles of whole rows, a partial last one
+    ((2, 19, 3), (2,)),
     ((0, 3), (0,)),
     ((0, 3), (1,)),
     ((3, 0), (0, 1)),
@@ -919,6 +921,7 @@ for _kind in ("argmax", "argmin"):
         ((3, 4), 0, I32),
         ((3, 4), 1, I64),
         ((2, 3, 4), 2, I32),
+        ((37, 5), 1, I64),  # short rows: a vector of rows per step, a partial last tile
         ((0, 2), 1, I64),
     ):
         add_row(

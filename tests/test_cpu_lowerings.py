@@ -272,13 +272,10 @@ def test_column_reductions_over_few_positions_and_several_axes(dtype, kind):
 def test_row_reductions_peel_their_partial_chunk(dtype):
     """Rows longer than one chunk but not a whole number of chunks (1000 columns): the partial chunk
     is peeled off the reduction loop (`transform.loop.peel`), which keeps every other chunk
-    unmasked; shorter rows (one partial chunk) are not peeled. Column reductions peel their partial
-    last column tile."""
+    unmasked. Column reductions peel their partial last column tile."""
     for kind in ("sum", "max"):
         mlir = check(f"reduce_{kind}", [data((6, 1000), dtype, 1)], dict(axes=(1,)))
         assert "transform.loop.peel" in mlir
-        mlir = check(f"reduce_{kind}", [data((9, 7), dtype, 2)], dict(axes=(1,)))
-        assert "transform.loop.peel" not in mlir
     mlir = check("reduce_sum", [data((3, 1024), dtype, 3)], dict(axes=(1,)))
     assert "transform.loop.peel" not in mlir  # whole chunks
     # columns: the partial last column tile, the same way
@@ -289,6 +286,26 @@ def test_row_reductions_peel_their_partial_chunk(dtype):
         assert "transform.loop.peel" in mlir
     mlir = check("reduce_sum", [data((40, 1024), dtype, 6)], dict(axes=(0,)))
     assert "transform.loop.peel" not in mlir
+
+
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.int32, dt.float16], ids=["f32", "f64", "i32", "f16"])
+def test_short_rows_reduce_whole_rows_per_tile(dtype):
+    """Rows shorter than a vector reduce a tile of one vector's worth of whole rows at a time,
+    transposed (`schedule._short_row_reduction`: the inner-parallel strategy, no horizontal
+    reduction); a partial last tile of rows is peeled off, fewer rows than a vector are one tile.
+    Rows of a whole vector keep the general schedule."""
+    lanes = schedule.lanes(32 if dtype is dt.float16 else dtype.bits)
+    longest = min(lanes - 1, schedule.SHORT_ROW_MAX)
+    for kind in ("sum", "max", "min", "prod"):
+        many = lanes * (schedule.PARALLEL_MIN_ELEMENTS // lanes // 3 + 1) + 5  # over the cores
+        for shape, peeled in (((many, 3), True), ((lanes * 4, longest), False), ((5, 2), False)):
+            mlir = check(f"reduce_{kind}", [data(shape, dtype, 8)], dict(axes=(1,)))
+            assert 'lowering_strategy = "innerparallel"' in mlir
+            assert ("transform.loop.peel" in mlir) == peeled
+        mlir = check(f"reduce_{kind}", [data((2, 4, lanes + 1, 5), dtype, 9)], dict(axes=(3,)))  # leading dims
+        assert 'lowering_strategy = "innerparallel"' in mlir
+        mlir = check(f"reduce_{kind}", [data((lanes + 1, longest + 1), dtype, 10)], dict(axes=(1,)))
+        assert 'lowering_strategy = "innerparallel"' not in mlir
 
 
 def test_gather_scalar_result():
@@ -993,6 +1010,28 @@ def test_arg_extremes_long_rows(name, dtype):
     check(name, [x[:, :70]], dict(axis=1, index_dtype="i32"))
 
 
+SHORT_ROW_DTYPES = [dt.float32, dt.float64, dt.float16, dt.int32]
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+@pytest.mark.parametrize("dtype", SHORT_ROW_DTYPES, ids=ids(SHORT_ROW_DTYPES))
+def test_arg_extremes_short_rows(name, dtype):
+    """Rows shorter than a vector, a vector of rows at a time (`_ArgRows.across_rows`): whole tiles
+    split over the cores, then a partial tile; ties (the first index wins), nan (the first nan),
+    infinities; and leading dims."""
+    rows = schedule.PARALLEL_MIN_ELEMENTS // 5 + 19
+    x = np.round(data((rows, 5), dtype, 4)).astype(dtype.np_dtype)
+    if dtype.is_float:
+        x[3, 2] = x[3, 4] = np.nan
+        x[rows - 1, 4] = np.nan
+        x[8, :] = -np.inf if name == "argmax" else np.inf
+    mlir = check(name, [x], dict(axis=1, index_dtype="i64"))
+    assert "vector.shuffle" in mlir
+    check(name, [x[:40]], dict(axis=1, index_dtype="i32"))
+    check(name, [x[:6, :2]], dict(axis=1, index_dtype="i32"))
+    check(name, [x[:60].reshape(3, 4, 5, 5)[..., :3]], dict(axis=3, index_dtype="i64"))
+
+
 # --- no access outside the buffers -------------------------------------------------------------------
 
 PAGE = mmap.PAGESIZE
@@ -1045,6 +1084,10 @@ GUARDED_CASES = [
     ("gather", [data((20, 70), dt.bool_), np.array([3, 99], np.int32)], dict(axis=0)),
     ("conv2d", [data((2, 3, 9, 8), dt.float32), data((4, 3, 3, 2), dt.float32)], CONV_ATTRS),
     ("argmax", [data((300, 1001), dt.float32)], dict(axis=1, index_dtype="i64")),
+    ("argmax", [data((37, 3), dt.float32)], dict(axis=1, index_dtype="i64")),  # short rows: a partial last tile
+    ("argmin", [data((9, 5), dt.float64)], dict(axis=1, index_dtype="i32")),
+    ("reduce_max", [data((37, 3), dt.float32)], dict(axes=(1,))),
+    ("reduce_sum", [data((2, 21, 5), dt.float64)], dict(axes=(2,))),
     ("dot_general", [data((130, 128), dt.float32), data((128, 141), dt.float32)], MATMUL),
     ("sort", [data((5, 37), dt.float32)], dict(axis=1)),
     ("sort", [data((37, 3), dt.int64)], dict(axis=0)),
