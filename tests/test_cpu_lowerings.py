@@ -1010,6 +1010,40 @@ def test_arg_extremes_long_rows(name, dtype):
     check(name, [x[:, :70]], dict(axis=1, index_dtype="i32"))
 
 
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.bfloat16], ids=ids([dt.float32, dt.float64, dt.bfloat16]))
+def test_float_extremes_across_lanes_keep_nan(kind, dtype):
+    """Row max/min end in a reduction across a vector's lanes, which `lane_extremes` makes a tree of
+    plain max/min plus a nan test (no `llvm.vector.reduce.fmaximum`): nan in any position of a row
+    (first, last, all) still gives nan, infinities and all-equal rows their value, in whole tiles of
+    rows, the peeled partial tile and rows of several vectors."""
+    for shape in ((40, 16), (37, 64), (21, 300)):
+        x = data(shape, dtype, 5)
+        x[0, 0] = x[1, -1] = np.nan
+        x[2, :] = np.nan
+        x[3, :] = np.inf
+        x[4, :] = -np.inf
+        x[5, :] = 2.0
+        x[shape[0] - 1, shape[1] // 2] = np.nan  # in the partial last tile of rows
+        check(f"reduce_{kind}", [x], dict(axes=(1,)))
+    graph = Graph("extremes")
+    (p,) = [graph.add_param(TensorType((64, 64), dtype))]
+    graph.results = list(emit(graph, f"reduce_{kind}", [p], dict(axes=(1,))).results)
+    llvm = compile_graph(graph, "cpu").stages["llvm"]
+    assert "llvm.vector.reduce.fmaximum" not in llvm and "llvm.vector.reduce.fminimum" not in llvm
+    assert re.search(rf"nnan .*@llvm\.vector\.reduce\.f{kind}\.", llvm)
+
+
+def test_row_tiles_peel_the_partial_last_tile_of_rows():
+    """Rows not a whole number of tiles (or of chunks over the cores): the last tile of each chunk is
+    peeled off, so the others have a static size and are not masked."""
+    for rows, peels in ((8 * 11 + 5, 1), (8 * 11, 0), (schedule.PARALLEL_MIN_ELEMENTS // 48 + 3, 1)):
+        mlir = check("reduce_sum", [data((rows, 48), dt.float32, 6)], dict(axes=(1,)))
+        assert mlir.count("transform.loop.peel") == peels, rows
+    mlir = check("reduce_max", [data((8 * 11 + 5, 40), dt.float32, 7)], dict(axes=(1,)))
+    assert mlir.count("transform.loop.peel") == 3  # the rows; the partial chunk of each kind of tile
+
+
 SHORT_ROW_DTYPES = [dt.float32, dt.float64, dt.float16, dt.int32]
 
 

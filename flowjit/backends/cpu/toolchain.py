@@ -265,8 +265,13 @@ def _repro(text: str, pipeline: str) -> str:
 
 
 def _apply_schedule(module) -> bool:
-    """Run the module's transform schedule, if it has one, and erase it; True if there was one."""
+    """Run the module's transform schedule, if it has one, and erase it; then rewrite the float
+    max/min reductions across vector lanes, the schedules' and the lowerings' own
+    (`lane_extremes`). True if there was a schedule."""
+    from flowjit.backends.cpu import lane_extremes
+
     if "transform.with_named_sequence" not in module.operation.attributes:
+        lane_extremes.rewrite(module)
         return False
     try:
         _pass_manager("builtin.module(transform-interpreter)").run(module.operation)
@@ -276,6 +281,7 @@ def _apply_schedule(module) -> bool:
         if op.operation.name == "transform.named_sequence":
             op.operation.erase()
     del module.operation.attributes["transform.with_named_sequence"]
+    lane_extremes.rewrite(module)
     return True
 
 
