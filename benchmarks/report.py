@@ -356,7 +356,8 @@ def render(
         "and the untimed warm-up calls; benchmarks/harness.py); "
         "after a pause: the call right after each settling pause, in which a threaded peer's sleeping worker "
         "threads wake up (information, no target); first call: trace + compile + run of a fresh function "
-        "object; errors: against the numpy version run in float64 (rel err = max abs err / max |reference|); "
+        "object, the median over fresh functions (the mode line says how many; peers alternated); "
+        "errors: against the numpy version run in float64 (rel err = max abs err / max |reference|); "
         "× fastest: median over the fastest peer's median; machine limit: compulsory traffic (inputs read "
         "once, outputs written once) over the measured bandwidth, or FLOPs over the best sgemm.",
         "",

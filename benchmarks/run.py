@@ -153,7 +153,8 @@ def main(argv=None) -> int:
     mode = (
         f"{policy.name} (rounds {policy.min_reps}..{policy.max_reps}, "
         f"budget {policy.budget_s} s per workload, {policy.settle_s} s settling pause, one call timed apart "
-        f"and {policy.warm_s} s of untimed calls before each sample), "
+        f"and {policy.warm_s} s of untimed calls before each sample; first call: the median of "
+        f"{policy.first_calls} fresh functions' first calls, peers alternated), "
         f"sizes {args.sizes}, peers {', '.join(args.peer_names)}, "
         "flowjit's on-disk compile cache off (FLOWJIT_CACHE=0); "
         f"total run time {time.perf_counter() - started:.0f} s"
