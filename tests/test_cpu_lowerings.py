@@ -1044,6 +1044,18 @@ def test_row_tiles_peel_the_partial_last_tile_of_rows():
     assert mlir.count("transform.loop.peel") == 3  # the rows; the partial chunk of each kind of tile
 
 
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64], ids=ids([dt.float32, dt.float64]))
+def test_rows_of_one_chunk_and_a_part_take_narrower_chunks(dtype):
+    """A row of one whole chunk and a partial one (24 = 16 + 8 float32 columns, 100 = 64 + 36) is
+    reduced in narrower chunks, at least two: with one, the chunk's reduction folded into its input
+    and the partial chunk's update copied the tile each step."""
+    lanes = schedule.lanes(dtype.bits)
+    for width, chunk in ((lanes + lanes // 2, lanes // 2), (6 * lanes + 4, lanes), (3 * lanes, lanes)):
+        for kind in ("max", "sum"):
+            mlir = check(f"reduce_{kind}", [data((8 * 7 + 3, width), dtype, 11)], dict(axes=(1,)))
+            assert f"by tile_sizes = [0, {chunk}]" in mlir, (width, mlir)
+
+
 SHORT_ROW_DTYPES = [dt.float32, dt.float64, dt.float16, dt.int32]
 
 
