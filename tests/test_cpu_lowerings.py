@@ -1056,6 +1056,33 @@ def test_rows_of_one_chunk_and_a_part_take_narrower_chunks(dtype):
             assert f"by tile_sizes = [0, {chunk}]" in mlir, (width, mlir)
 
 
+def test_loop_temporaries_are_allocated_once_per_thread():
+    """A row reduction whose partial chunk updates part of its accumulator stores the accumulator; its
+    allocation is hoisted out of the row loop (`buffer-loop-hoisting` in `BUFFERIZE_PIPELINE`), not
+    out of the `scf.forall` chunk each thread runs: one per thread, not one per row."""
+    from mlir import ir
+
+    x = data((schedule.PARALLEL_MIN_ELEMENTS // 100 + 7, 100), dt.float32, 12)
+    mlir = check("reduce_max", [x], dict(axes=(1,)))
+    scheduled = toolchain.apply_transform_schedule(mlir)
+    bufferized = toolchain.run_mlir(scheduled, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"])
+    enclosing = []
+    with toolchain.mlir_context():
+        module = ir.Module.parse(bufferized)
+
+        def visit(op):
+            if op.name == "memref.alloc":
+                names, parent = [], op.parent
+                while parent is not None:
+                    names.append(parent.name)
+                    parent = parent.parent
+                enclosing.append(names)
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    assert enclosing and all("scf.forall" in names and "scf.for" not in names for names in enclosing), enclosing
+
+
 SHORT_ROW_DTYPES = [dt.float32, dt.float64, dt.float16, dt.int32]
 
 
