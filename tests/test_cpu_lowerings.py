@@ -1183,6 +1183,39 @@ def test_kernels_stay_inside_their_buffers(name, inputs, attrs, at_end):
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-5, atol=1e-5)
 
 
+def test_one_lane_masked_stores_stay_inside_the_output():
+    """A bool row of int64 comparisons whose last element is one past a whole vector ends in a
+    masked store of one lane; LLVM's x86 code generation wrote it 8 bytes wide, 7 past the output's
+    end on the last row (heap corruption found by the fuzzer). `single_lane` makes such stores
+    scalar: with the output flush against a protected page the call no longer faults."""
+    import flowjit as fj
+    from flowjit.ir.parser import parse_graph
+
+    x = data((40, 9), dt.float32, 13)
+    f = lambda x: fnp.argmax(x, axis=0) < (x.astype("i32") ^ x.astype("i32"))
+    graph = parse_graph(fj.jit(f).lower(x).as_text("optimized"))
+    compiled = compile_graph(graph, "cpu")
+    assert "%fj.lane0 = extractelement" in compiled.stages["llvm"] or "store i8" in compiled.stages["llvm"]
+    out = guarded(np.ones((40, 9), np.bool_), at_end=True)
+    (got,) = compiled.run_trusted([x], provided={0: out})
+    np.testing.assert_array_equal(got, np.broadcast_to(x.argmax(0) < 0, (40, 9)))
+
+
+def test_single_lane_rewrites_only_one_lane_masked_stores():
+    from flowjit.backends.cpu import single_lane
+
+    call = "  call void @llvm.masked.store.v4i8.p0(<4 x i8> %v, ptr align 1 %p, <4 x i1> <{}>)"
+    one = call.format("i1 false, i1 false, i1 true, i1 false")
+    two = call.format("i1 true, i1 false, i1 true, i1 false")
+    rewritten = single_lane.scalar_stores(f"{one}\n{two}\n")
+    assert rewritten.splitlines() == [
+        "  %fj.lane0 = extractelement <4 x i8> %v, i64 2",
+        "  %fj.addr0 = getelementptr i8, ptr %p, i64 2",
+        "  store i8 %fj.lane0, ptr %fj.addr0, align 1",
+        two,
+    ]
+
+
 def test_matmul_temporaries_live_in_the_workspace_scratch_area():
     """Packed panels (B, and A given as (K, M)) go to the scratch area at the end of the workspace,
     sized for the function's largest product and shared by all: no malloc per call (per-call

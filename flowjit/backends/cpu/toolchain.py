@@ -401,12 +401,16 @@ _NOT_KERNELS = frozenset({"linalg.fill", "linalg.yield", "linalg.index"})
 
 def _translated(module) -> str:
     """LLVM IR of a module the pipelines lowered, once it is verified and holds only LLVM-dialect
-    and OpenMP ops (the translation would crash on any other)."""
+    and OpenMP ops (the translation would crash on any other); one-lane masked stores made scalar
+    (`single_lane`: LLVM's x86 code generation wrote such a store at the width of the elements it
+    was truncated from)."""
     from mlir.dialects import llvm as llvm_dialect
+
+    from flowjit.backends.cpu import single_lane
 
     _verified(module)
     _check_lowered(module)
-    return str(llvm_dialect.translate_module_to_llvmir(module.operation))
+    return single_lane.scalar_stores(str(llvm_dialect.translate_module_to_llvmir(module.operation)))
 
 
 # MLIR lowers a `memref.copy` between memrefs that are not both contiguous to a call of its C runner
