@@ -160,12 +160,12 @@ def run_peers(
     then interleaved steady-state timing of all peers that worked."""
     reference = [np.asarray(r) for r in _leaves(reference)]
     results = [PeerResult(peer.name) for peer in peers]
-    calls = {}
-    for round_ in range(policy.first_calls):
+    pairs, calls = list(zip(peers, results)), {}
+    for round_ in range(policy.first_calls if pairs else 0):
         # Alternated: each round runs every peer once, in a rotated order, so that a slow phase of
         # the machine does not fall on one peer's first calls only.
-        shift = round_ % len(peers)
-        for peer, result in list(zip(peers, results))[shift:] + list(zip(peers, results))[:shift]:
+        shift = round_ % len(pairs)
+        for peer, result in pairs[shift:] + pairs[:shift]:
             if result.status != "ok":
                 continue
             _first_call(peer, result, inputs, reference, policy, calls, log)

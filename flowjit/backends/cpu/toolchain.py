@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from flowjit.backends.cpu import lane_extremes, single_lane
 from flowjit.errors import CompileError
 from flowjit.passes import dump
 
@@ -273,21 +274,18 @@ def _apply_schedule(module) -> bool:
     """Run the module's transform schedule, if it has one, and erase it; then rewrite the float
     max/min reductions across vector lanes, the schedules' and the lowerings' own
     (`lane_extremes`). True if there was a schedule."""
-    from flowjit.backends.cpu import lane_extremes
-
-    if "transform.with_named_sequence" not in module.operation.attributes:
-        lane_extremes.rewrite(module)
-        return False
-    try:
-        _pass_manager("builtin.module(transform-interpreter)").run(module.operation)
-    except Exception as e:
-        raise CompileError(f"internal error: transform schedule failed:\n{e}") from None
-    for op in list(module.body.operations):
-        if op.operation.name == "transform.named_sequence":
-            op.operation.erase()
-    del module.operation.attributes["transform.with_named_sequence"]
+    scheduled = "transform.with_named_sequence" in module.operation.attributes
+    if scheduled:
+        try:
+            _pass_manager("builtin.module(transform-interpreter)").run(module.operation)
+        except Exception as e:
+            raise CompileError(f"internal error: transform schedule failed:\n{e}") from None
+        for op in list(module.body.operations):
+            if op.operation.name == "transform.named_sequence":
+                op.operation.erase()
+        del module.operation.attributes["transform.with_named_sequence"]
     lane_extremes.rewrite(module)
-    return True
+    return scheduled
 
 
 def apply_transform_schedule(text: str) -> str:
@@ -405,8 +403,6 @@ def _translated(module) -> str:
     (`single_lane`: LLVM's x86 code generation wrote such a store at the width of the elements it
     was truncated from)."""
     from mlir.dialects import llvm as llvm_dialect
-
-    from flowjit.backends.cpu import single_lane
 
     _verified(module)
     _check_lowered(module)
