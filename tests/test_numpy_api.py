@@ -576,6 +576,11 @@ def test_cumsum():
     check(lambda a: fnp.cumsum(a, axis=1), A3, ref=lambda a: np.cumsum(a, axis=1), rtol=1e-5, atol=1e-5)
     check(lambda a: fnp.cumsum(a, axis=-1), I, ref=lambda a: a.cumsum(axis=-1), dtype=np.int32)
     check_jit(lambda a: a.cumsum(axis=0), I, ref=lambda a: a.cumsum(axis=0), dtype=np.int32)
+    # dtype=: numpy's widening on request (int32 sums stay int32 by default, docs/design-notes.md)
+    check(lambda a: fnp.cumsum(a, axis=-1, dtype="int64"), I, ref=lambda a: np.cumsum(a, axis=-1, dtype=np.int64))
+    check(lambda a: fnp.cumprod(a, 0, np.float64), I, ref=lambda a: np.cumprod(a, 0, dtype=np.float64))
+    check(lambda a: fnp.nancumsum(a, dtype="float64"), X, ref=lambda a: np.nancumsum(a, dtype=np.float64))
+    check_jit(lambda a: a.cumsum(dtype="int64"), I, ref=lambda a: a.cumsum(dtype=np.int64))
 
 
 # --- shapes, joins, creation ------------------------------------------------------------------------------------------

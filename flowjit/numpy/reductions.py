@@ -195,12 +195,13 @@ CUMSUM_MATMUL_MAX = 128
 CUMSUM_BLOCK = 64
 
 
-def cumsum(x, axis=None):
-    """Inclusive prefix sum. By matmuls with a triangular constant (`_cumsum_by_blocks`) for
+def cumsum(x, axis=None, dtype=None):
+    """Inclusive prefix sum, in `dtype` when given (numpy's; int32 stays int32 by default, see
+    docs/design-notes.md). By matmuls with a triangular constant (`_cumsum_by_blocks`) for
     integers and, when every element is finite, floats; with an inf or nan the log-step scan of
     `cumprod`, as numpy's sequential sum: the constant's zeros times inf made nan of every earlier
     position (cumsum([1, inf]) was [nan, nan])."""
-    x = asarray(x)
+    x = asarray(x) if dtype is None else astype(x, dtype)
     if _dtype_of(x).is_bool:
         x = astype(x, dt.int64)  # as numpy's sum of bools
     if axis is None:
@@ -242,9 +243,10 @@ def _cumsum_by_blocks(x, axis: int):
     return moveaxis(_slice_axis(out, ndim(out) - 1, 0, n), -1, axis)
 
 
-def cumprod(x, axis=None):
-    """Inclusive prefix product by the log-step scan: exact for integers and zeros (no logarithms)."""
-    x = asarray(x)
+def cumprod(x, axis=None, dtype=None):
+    """Inclusive prefix product by the log-step scan, in `dtype` when given: exact for integers and
+    zeros (no logarithms)."""
+    x = asarray(x) if dtype is None else astype(x, dtype)
     if _dtype_of(x).is_bool:
         x = astype(x, dt.int64)
     if axis is None:
@@ -328,16 +330,18 @@ nansum = _nan_reduction("nansum", sum, 0)
 nanprod = _nan_reduction("nanprod", prod, 1)
 
 
-def nancumsum(x, axis=None):
+def nancumsum(x, axis=None, dtype=None):
     """numpy.nancumsum: cumsum with nans counted as 0."""
     x = asarray(x)
-    return cumsum(_where(isnan(x), np.zeros((), _dtype_of(x).np_dtype), x) if _dtype_of(x).is_float else x, axis)
+    x = _where(isnan(x), np.zeros((), _dtype_of(x).np_dtype), x) if _dtype_of(x).is_float else x
+    return cumsum(x, axis, dtype)
 
 
-def nancumprod(x, axis=None):
+def nancumprod(x, axis=None, dtype=None):
     """numpy.nancumprod: cumprod with nans counted as 1."""
     x = asarray(x)
-    return cumprod(_where(isnan(x), np.ones((), _dtype_of(x).np_dtype), x) if _dtype_of(x).is_float else x, axis)
+    x = _where(isnan(x), np.ones((), _dtype_of(x).np_dtype), x) if _dtype_of(x).is_float else x
+    return cumprod(x, axis, dtype)
 
 
 def _nan_extreme(name, reduce, fill):
