@@ -201,9 +201,7 @@ def cumsum(x, axis=None, dtype=None):
     integers and, when every element is finite, floats; with an inf or nan the log-step scan of
     `cumprod`, as numpy's sequential sum: the constant's zeros times inf made nan of every earlier
     position (cumsum([1, inf]) was [nan, nan])."""
-    x = asarray(x) if dtype is None else astype(x, dtype)
-    if _dtype_of(x).is_bool:
-        x = astype(x, dt.int64)  # as numpy's sum of bools
+    x = _scan_input(x, dtype)
     if axis is None:
         x, axis = ravel(x), 0
     axis = _norm_axis(axis, ndim(x), "cumsum")
@@ -246,12 +244,16 @@ def _cumsum_by_blocks(x, axis: int):
 def cumprod(x, axis=None, dtype=None):
     """Inclusive prefix product by the log-step scan, in `dtype` when given: exact for integers and
     zeros (no logarithms)."""
-    x = asarray(x) if dtype is None else astype(x, dtype)
-    if _dtype_of(x).is_bool:
-        x = astype(x, dt.int64)
+    x = _scan_input(x, dtype)
     if axis is None:
         x, axis = ravel(x), 0
     return _scan(x, _norm_axis(axis, ndim(x), "cumprod"), multiply, 1)
+
+
+def _scan_input(x, dtype):
+    """A cumulative sum's or product's operand: in `dtype` when given, bools as int64 (numpy's)."""
+    x = asarray(x) if dtype is None else astype(x, dtype)
+    return astype(x, dt.int64) if _dtype_of(x).is_bool else x
 
 
 def _scan(x, axis: int, combine, identity):

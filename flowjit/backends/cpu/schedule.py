@@ -218,6 +218,17 @@ def peel_last(loop: str, prefix: str) -> tuple[list[str], str, str]:
     return lines, f"{prefix}mainop", f"{prefix}restop"
 
 
+# The transposes an inner-parallel reduction makes, as one shuffle each (`_short_row_reduction`).
+_SHUFFLE_TRANSPOSES = 'transform.apply_patterns.vector.lower_transpose lowering_strategy = "shuffle_1d"'
+
+
+def _inner_parallel(loop: str, more: str = "") -> str:
+    """Lower the multi-reductions inside `loop` with the inner-parallel strategy (the reduced dim
+    moved outermost, its slices combined elementwise), with the patterns `more` beside it."""
+    patterns = f'transform.apply_patterns.vector.lower_multi_reduction lowering_strategy = "innerparallel" {more}'
+    return f"transform.apply_patterns to {loop} {{ {patterns.rstrip()} }} : {ANY}"
+
+
 def _hoist(loop: str) -> str:
     # The vectorized reduction reads and writes its accumulator in every iteration: hoisted out of
     # the loop, it stays in vector registers.
@@ -330,7 +341,7 @@ def _row_tiles(h: str, shape: tuple[int, ...], rows: int, parallel: bool, chunk:
     transform lines and the (linalg op, unique name, loop) of each kind of tile. When the tiles may not
     fill a chunk (the rows, or the chunks, not a whole number of them), the last tile of each chunk
     is peeled off: otherwise every tile has a run-time size and is masked. Sums of 87381 rows of
-    48 float32 took 1.1 ms, of 131072 rows of 32 0.19 ms (JAX 0.32 and 0.67)."""
+    48 float32 took 1.1 ms, now 0.18, as 131072 rows of 32 (JAX 0.32 and 0.67)."""
     n = h[1:]
     a, lead = shape[-2], [1] * (len(shape) - 2)
     lines = []
@@ -355,8 +366,8 @@ def _short_row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
     it (the tile's columns become vectors of one element of `vl` rows) and combines the columns
     elementwise: `vl` results per step, no horizontal reduction and no mask along the row. The
     general schedule reduced eight rows per step, each row a masked vector with its own
-    horizontal reduction: max over (1M, 3) float32 8.0 -> 0.8 ms (JAX 1.2), sum 3.7 -> 0.7 (JAX
-    2.9), softmax over (1M, 4) 14.6 -> 6.1 (JAX 7.9). The transpose is one shuffle of the tile's
+    horizontal reduction: max over (1M, 3) float32 6.6 -> 0.61 ms (JAX 1.2), sum 3.1 -> 0.55 (JAX
+    2.9), softmax over (1M, 4) 13.7 -> 5.5 (JAX 7.9). The transpose is one shuffle of the tile's
     elements (`shuffle_1d`; element by element, the default, made 2.5-5x the machine code: max over
     10 columns 2,075 -> 427 lines of assembly, logsumexp 5,171 -> 2,096, and ran no faster). From a
     full vector on, the transposes cost more than they save (max over 20-48 columns 1.3-2.8x
@@ -372,9 +383,7 @@ def _short_row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
         for op, _, loop in targets:
             lines += [
                 _vectorize(op, lead + [rows, r]),
-                f"transform.apply_patterns to {loop} {{ transform.apply_patterns.vector.lower_multi_reduction "
-                f'lowering_strategy = "innerparallel" transform.apply_patterns.vector.lower_transpose '
-                f'lowering_strategy = "shuffle_1d" }} : {ANY}',
+                _inner_parallel(loop, _SHUFFLE_TRANSPOSES),
             ]
         return lines
 
@@ -422,8 +431,7 @@ def _column_reduction(shape: tuple[int, ...], axis: int | tuple[int, ...], vl: i
                 _vectorize(red, [1] * (rank - 1) + [width]),
                 # The step reduces a 1 x vl slice into the accumulator: an elementwise combine, which
                 # only the inner-parallel strategy emits as one vector instruction.
-                f"transform.apply_patterns to {red}_l0 {{ transform.apply_patterns.vector.lower_multi_reduction "
-                f'lowering_strategy = "innerparallel" }} : {ANY}',
+                _inner_parallel(f"{red}_l0"),
                 # innermost first: its accumulator moves to the loop around it, then out of that one
                 *(_hoist(f"{red}_l{i}") for i in reversed(range(len(axes)))),
             ]
