@@ -907,6 +907,45 @@ for _kind in ("sum", "max", "min", "prod"):
     )
 
 
+def _cumsum_ref(x, dtype, axis, reverse):
+    if reverse:
+        return np.flip(np.cumsum(np.flip(x, axis), axis=axis), axis)
+    return np.cumsum(x, axis=axis)
+
+
+_CUMSUM_DTYPES = (I32, I64, F32, F64)  # the frontend sums bools as int64, half types in float32
+for _shape, _axis in (
+    ((5,), 0),
+    ((3, 4), 1),
+    ((3, 4), 0),
+    ((2, 3, 4), 1),
+    ((2, 3, 4), 2),
+    ((37, 5), 0),  # columns narrower than a vector, rows not a whole number of groups
+    ((19, 70), 1),  # the last axis: groups of rows, a partial last group
+    ((3, 40, 24), 1),  # a block of one vector's columns and a narrower one
+    ((1, 1), 0),
+    ((0, 3), 1),
+):
+    for _reverse in (False, True):
+        add_row(
+            f"cumsum-{_shape_id(_shape)}-axis{_axis}{'-reverse' if _reverse else ''}",
+            "cumsum",
+            _CUMSUM_DTYPES,
+            lambda rng, d, s=_shape: [rand(rng, s, d, -9, 9)],
+            lambda x, dtype, a=_axis, r=_reverse: _cumsum_ref(x, dtype, a, r),
+            attrs={"axis": _axis, "reverse": _reverse},
+            tol_scale=max(_shape[_axis], 1),
+        )
+add_row(
+    "cumsum-special",
+    "cumsum",
+    (F32, F64),
+    lambda rng, d: [literal([[1.0, np.inf, 2.0, np.nan, 3.0], [-np.inf, 1.0, np.inf, 1.0, 1.0]], d)],
+    lambda x, dtype: _cumsum_ref(x, dtype, 1, False),
+    attrs={"axis": 1, "reverse": False},
+)
+
+
 def _arg_ref(kind, x, dtype, axis):
     """Index of the first extreme along `axis`, found by masking (not numpy.argmax)."""
     extreme = np.max(x, axis=axis, keepdims=True) if kind == "argmax" else np.min(x, axis=axis, keepdims=True)

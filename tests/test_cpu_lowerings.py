@@ -1165,6 +1165,11 @@ GUARDED_CASES = [
     ("sort", [data((5, 37), dt.float32)], dict(axis=1)),
     ("sort", [data((37, 3), dt.int64)], dict(axis=0)),
     ("sort", [data((3, 70), dt.bool_)], dict(axis=1)),
+    ("cumsum", [data((19, 70), dt.float32)], dict(axis=1, reverse=False)),  # a partial group of rows
+    ("cumsum", [data((3, 40, 37), dt.float64)], dict(axis=1, reverse=True)),  # a block of columns and a narrower one
+    ("cumsum", [data((37, 5), dt.int32)], dict(axis=0, reverse=False)),  # columns narrower than a vector
+    ("cumsum", [data((301, 300), dt.float32)], dict(axis=1, reverse=False)),  # groups of rows over the cores
+    ("cumsum", [data((2, 300, 130), dt.float32)], dict(axis=1, reverse=True)),  # blocks of columns over the cores
 ]
 
 

@@ -168,6 +168,8 @@ def _rows() -> list[GradRow]:
             lambda rng: [distinct(4, 3)(rng), rng.uniform(-1, 1, (4, 3)), np.arange(12, dtype=np.int32).reshape(4, 3)],
             {"axis": 0},
         ),
+        GradRow("cumsum", "cumsum", uniform(-1, 1, 3, 5), {"axis": 1, "reverse": False}),
+        GradRow("cumsum-reverse-axis0", "cumsum", uniform(-1, 1, 4, 2, 3), {"axis": 0, "reverse": True}),
         GradRow("reduce_sum", "reduce_sum", uniform(-1, 1, 2, 3, 4), {"axes": (0, 2)}),
         GradRow("reduce_sum-all", "reduce_sum", uniform(-1, 1, 3, 2), {"axes": (0, 1)}),
         GradRow("reduce_max", "reduce_max", distinct(3, 4), {"axes": (1,)}),

@@ -891,27 +891,35 @@ def test_more_shape_functions():
     np.testing.assert_allclose(fnp.geomspace(1, 8, 4), np.geomspace(1, 8, 4), rtol=1e-6)
 
 
-def test_long_cumsum_in_blocks():
-    """A long axis: blocks of CUMSUM_BLOCK summed by one matmul with a 64x64 triangular constant
-    (no 300x300 one), their running totals added; the scan when a value is not finite."""
-    x = f32(2, 300)
-    check(
-        lambda a: fnp.cumsum(a, axis=1),
-        x,
-        ref=lambda a: np.cumsum(a.astype(np.float64), axis=1).astype(np.float32),
-        rtol=1e-5,
-        atol=1e-5,
+@pytest.mark.parametrize(
+    "shape, axis",
+    [((2, 300), 1), ((300, 3), 0), ((1024, 40), 1), ((7, 33, 24), 1), ((5000,), 0), ((3, 70, 2), 2), ((70, 5, 9), 0)],
+)
+def test_cumsum_is_one_op_and_numpys_sequential_sum(shape, axis):
+    """One `cumsum` op (no matmuls, no cond), compiled to running sums in numpy's order: float32
+    results bit for bit numpy's, along any axis (groups of rows, narrow columns, blocks of columns
+    and their partial edges); and through `grad`, the reversed running sum."""
+    x = f32(*shape, lo=-9, hi=9)
+    fn = fj.jit(lambda a: fnp.cumsum(a, axis=axis))
+    assert [op.name for op in fn.lower(x).graph("traced").ops] == ["cumsum"]
+    np.testing.assert_array_equal(fn(x), np.cumsum(x, axis=axis))
+    expected = np.flip(np.cumsum(np.flip(x, axis), axis=axis), axis)
+    grad = fj.jit(fj.grad(lambda a, w: fnp.sum(fnp.cumsum(a, axis=axis) * w)))(np.zeros_like(x), x)
+    np.testing.assert_array_equal(grad, expected)
+
+
+def test_cumsum_of_bools_and_half_types():
+    """Bools sum as int64 (numpy's); half types in float32, each running sum rounded once."""
+    x = f32(3, 50, lo=-4, hi=4)
+    check(lambda a: fnp.cumsum(a > 0, axis=1), x, ref=lambda a: np.cumsum(a > 0, axis=1).astype(np.int64))
+    h = x.astype(np.float16)
+    np.testing.assert_array_equal(
+        fj.jit(lambda a: fnp.cumsum(a, axis=1))(h), np.cumsum(h.astype(np.float32), axis=1).astype(np.float16)
     )
-    check(lambda a: fnp.cumsum(a > 0), x, ref=lambda a: np.cumsum(a > 0).astype(np.int64))
-    check(
-        lambda a: fnp.cumsum(a, axis=0),
-        f32(300, 3),
-        ref=lambda a: np.cumsum(a.astype(np.float64), axis=0).astype(np.float32),
-        rtol=1e-5,
-        atol=1e-4,  # running sums of ~10 in magnitude that cancel: float32 rounding of the sums
+    b = f32(40, 3, lo=-4, hi=4).astype(bf16)
+    np.testing.assert_array_equal(
+        fj.jit(lambda a: fnp.cumsum(a, axis=0))(b), np.cumsum(b.astype(np.float32), axis=0).astype(b.dtype)
     )
-    traced = fj.jit(lambda a: fnp.cumsum(a, axis=1)).lower(x).as_text("traced")
-    assert "tensor<64x64xf32>" in traced and "tensor<300x300xf32>" not in traced
 
 
 @pytest.mark.parametrize("n", [5, 300])

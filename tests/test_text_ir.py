@@ -115,6 +115,7 @@ EXAMPLES = {
     "concatenate": lambda: _graph_with("concatenate", [T(2, 3), T(4, 3), T(1, 3)], {"axis": 0}),
     "gather": lambda: _graph_with("gather", [T(10, 4), T(2, 3, dtype=dt.int64)], {"axis": 0}),
     "sort": lambda: _graph_with("sort", [T(3, 7), T(3, 7, dtype=dt.int64)], {"axis": 1}),
+    "cumsum": lambda: _graph_with("cumsum", [T(3, 7, dtype=dt.int64)], {"axis": 0, "reverse": True}),
     "scatter_add": lambda: _graph_with("scatter_add", [T(10, 4), T(3, dtype=dt.int32), T(3, 4)], {"axis": 0}),
     "dot_general": lambda: _graph_with(
         "dot_general",

@@ -17,7 +17,6 @@ from flowjit.numpy.elementwise import (
     equal,
     greater,
     isclose,
-    isfinite,
     isnan,
     logical_and,
     logical_not,
@@ -31,7 +30,7 @@ from flowjit.numpy.elementwise import (
 )
 from flowjit.numpy.elementwise import where as _where
 from flowjit.numpy.promotion import _dtype_of, _float_operand, asarray, astype, broadcast_to
-from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, moveaxis, ndim, pad, ravel, reshape, shape, size
+from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, ndim, pad, ravel, reshape, shape, size
 
 # --- reductions -------------------------------------------------------------------------------------
 
@@ -187,58 +186,20 @@ def _logical_reduction(op, x, axis, keepdims):
     return _keep(x, greater(bind(op, [x], {"axes": axes}), 0), axes, keepdims)
 
 
-# cumsum of finite floats and of integers is matmuls with a triangular constant: the whole axis up
-# to this length, else blocks of CUMSUM_BLOCK elements summed by matmul and their running totals
-# added by the log-step scan (over n / CUMSUM_BLOCK elements). The scan alone is ceil(log2 n)
-# shifted copies of the whole array: 4096x1024 along the rows took 30 ms (PyTorch 1.8).
-CUMSUM_MATMUL_MAX = 128
-CUMSUM_BLOCK = 64
-
-
 def cumsum(x, axis=None, dtype=None):
     """Inclusive prefix sum, in `dtype` when given (numpy's; int32 stays int32 by default, see
-    docs/design-notes.md). By matmuls with a triangular constant (`_cumsum_by_blocks`) for
-    integers and, when every element is finite, floats; with an inf or nan the log-step scan of
-    `cumprod`, as numpy's sequential sum: the constant's zeros times inf made nan of every earlier
-    position (cumsum([1, inf]) was [nan, nan])."""
+    docs/design-notes.md): the `cumsum` op, which adds element by element in order as numpy does
+    (an inf or nan changes the sums from its position on, never those before). Bools sum as int64
+    (numpy's), half types in float32 with each running sum rounded once (as their reductions)."""
     x = _scan_input(x, dtype)
     if axis is None:
         x, axis = ravel(x), 0
     axis = _norm_axis(axis, ndim(x), "cumsum")
     if shape(x)[axis] == 0:
         return x
-    if not _dtype_of(x).is_float:
-        return _cumsum_by_blocks(x, axis)
-    from flowjit.frontend.control_flow import cond  # the frontend builds on this package
-
-    return cond(all(isfinite(x)), lambda v: _cumsum_by_blocks(v, axis), lambda v: _scan(v, axis, add, 0), x)
-
-
-def _cumsum_by_blocks(x, axis: int):
-    """cumsum of integers or finite floats: x (.., n) @ triu(ones(n, n)) for a short axis; else the
-    axis in blocks of CUMSUM_BLOCK (zero-padded at the end), each summed by the same matmul, plus
-    the running total of the blocks before it (an exclusive log-step scan of the block sums, exact
-    where those overflow to inf)."""
-    from flowjit.numpy.linalg import matmul  # linalg builds on this module
-
-    n = shape(x)[axis]
-    moved = moveaxis(x, axis, -1)
-    if n <= CUMSUM_MATMUL_MAX:
-        flat = reshape(moved, (-1, n))
-        summed = reshape(matmul(flat, np.triu(np.ones((n, n), _dtype_of(x).np_dtype))), shape(moved))
-        return moveaxis(summed, -1, axis)
-    lead, b = shape(moved)[:-1], CUMSUM_BLOCK
-    blocks = -(-n // b)
-    if blocks * b != n:
-        moved = pad(moved, [(0, 0)] * len(lead) + [(0, blocks * b - n)])
-    # one 2-D product (a batched one packed the constant again for every row of blocks: 2x slower)
-    within = matmul(reshape(moved, (-1, b)), np.triu(np.ones((b, b), _dtype_of(x).np_dtype)))
-    within = reshape(within, (*lead, blocks, b))
-    totals = _slice_axis(within, ndim(within) - 1, b - 1, b)  # (.., blocks, 1)
-    before = _scan(totals, ndim(totals) - 2, add, 0)  # inclusive, then shifted by one block
-    before = pad(_slice_axis(before, ndim(before) - 2, 0, blocks - 1), [(0, 0)] * len(lead) + [(1, 0), (0, 0)])
-    out = reshape(add(within, before), (*lead, blocks * b))
-    return moveaxis(_slice_axis(out, ndim(out) - 1, 0, n), -1, axis)
+    half = _dtype_of(x) in (dt.float16, dt.bfloat16)
+    summed = bind("cumsum", [astype(x, dt.float32) if half else x], {"axis": axis, "reverse": False})
+    return astype(summed, _dtype_of(x)) if half else summed
 
 
 def cumprod(x, axis=None, dtype=None):

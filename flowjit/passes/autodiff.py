@@ -533,8 +533,16 @@ def _reduce_prod_vjp(op, cts, operands, results):
     return [_broadcast_back(ct, x.shape, axes) * partial]
 
 
+def _cumsum_vjp(op, cts, operands, results):
+    # Linear: each element adds to every running sum from its position on, so its cotangent is the
+    # running sum of the cotangents taken from the other end of the axis.
+    attrs = {"axis": op.attrs["axis"], "reverse": not op.attrs["reverse"]}
+    return [bind("cumsum", [cts[0]], attrs)]
+
+
 VJP_RULES.update(
     {
+        "cumsum": _cumsum_vjp,
         "reduce_sum": _reduce_sum_vjp,
         "reduce_max": _reduce_extreme_vjp,
         "reduce_min": _reduce_extreme_vjp,

@@ -548,6 +548,19 @@ def _reduce(g: Gen) -> None:
     )
 
 
+@builder("cumsum")
+def _cumsum(g: Gen) -> None:
+    # Running sums in order: floats against numpy's float64 sums (the tolerance), integers and bools
+    # exactly (bools sum as int64 in both, int32 stays int32 in flowjit: the cast wraps alike).
+    a = g.need(lambda v: (v.is_float or not g.smooth) and len(v.shape) >= 1)
+    axis = g.choice([None, *range(len(a.shape))])
+    g.emit(
+        f"M.cumsum({a.name}, axis={axis})",
+        f"C(np.cumsum({_w(a)}, axis={axis}), {{T}})",
+        exact=a.exact and not a.is_float,
+    )
+
+
 @builder("argmax", "argmin")
 def _arg_reduce(g: Gen) -> None:
     a = g.need(lambda v: v.exact and v.dtype != "bool" and v.array.size > 0 and len(v.shape) >= 1)
@@ -731,6 +744,7 @@ SMOOTH_OPS = (
     "concatenate",
     "sort",
     "reduce_sum",
+    "cumsum",
     "dot_general",
     "conv2d",
     "select",

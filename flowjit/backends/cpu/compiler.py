@@ -49,6 +49,7 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_fusion",
     "flowjit.backends.cpu.lower_control",
     "flowjit.backends.cpu.lower_sort",
+    "flowjit.backends.cpu.lower_scan",
 )
 
 OPT_LEVEL = 3
@@ -69,8 +70,21 @@ OPT_LEVEL = 3
 # (`reduce_window`) once its rows were written out rather than marked for unrolling, paired the
 # same way over seven shapes (2x2, 3x3/2 padded, 3x3/1 average; 14 to 112 wide): 0.975-1.017x, first
 # calls 10-40% shorter. Large windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
+# `cumsum` (session 18) writes its vector loops itself (`lower_scan`): paired with O3 in one process
+# over seven shapes, 0.996-1.013x the run time, first calls 1-3 ms shorter.
 LIGHT_PIPELINE_OPS = frozenset(
-    {"constant", "broadcast", "reshape", "slice", "transpose", "dot_general", "conv2d", "reduce_window", "fusion"}
+    {
+        "constant",
+        "broadcast",
+        "reshape",
+        "slice",
+        "transpose",
+        "dot_general",
+        "conv2d",
+        "reduce_window",
+        "fusion",
+        "cumsum",
+    }
 )
 LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")
 # A kernel the transform schedules left as a linalg op (plain loops) up to this many elements does

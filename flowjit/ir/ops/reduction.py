@@ -1,4 +1,5 @@
-"""Reductions over axes (sum, max, min, prod), argmax/argmin, and windowed reductions (pooling).
+"""Reductions over axes (sum, max, min, prod), argmax/argmin, running sums (cumsum) and windowed
+reductions (pooling).
 
 Reduced axes are removed from the result (the frontend reshapes for `keepdims`). Empty reductions
 give the identity: 0 for sum, 1 for prod, -inf/+inf (or the integer extremes) for max/min.
@@ -84,6 +85,42 @@ for _name, _fn in (("argmax", np.argmax), ("argmin", np.argmin)):
         attrs=("axis", "index_dtype"),
         doc="index of the first extreme along `axis` (a nan counts as the extreme, as in numpy)",
     )
+
+
+# --- running sums ---------------------------------------------------------------------------------
+
+# The dtypes `cumsum` takes: the frontend (`flowjit.numpy.cumsum`) sums bools as int64 and half
+# types in float32, rounding each running sum once, as half-type reductions accumulate.
+CUMSUM_DTYPES = (dt.int32, dt.int64, dt.float32, dt.float64)
+
+
+def _cumsum_rule(types, attrs):
+    (x,) = types
+    check_dtype(x, CUMSUM_DTYPES)
+    if x.rank == 0:
+        raise ShapeError("needs an operand of rank >= 1 (reshape a scalar to (1,) first)")
+    check_axis(attrs["axis"], x.rank)
+    if not isinstance(attrs["reverse"], (bool, np.bool_)):
+        raise ShapeError(f"'reverse' must be true or false; found {attrs['reverse']!r}")
+    return [x]
+
+
+def _cumsum(x, *, axis, reverse):
+    if reverse:
+        return np.flip(np.cumsum(np.flip(x, axis), axis=axis, dtype=x.dtype), axis)
+    return np.cumsum(x, axis=axis, dtype=x.dtype)
+
+
+defop(
+    "cumsum",
+    REDUCTION,
+    _cumsum_rule,
+    _cumsum,
+    1,
+    attrs=("axis", "reverse"),
+    doc="running sum along `axis`, element by element in order (numpy's sequential sum: an inf or nan "
+    "changes the sums from its position on); from the end of the axis when `reverse`",
+)
 
 
 # --- windowed reductions --------------------------------------------------------------------------
