@@ -1044,6 +1044,18 @@ def test_row_tiles_peel_the_partial_last_tile_of_rows():
     assert mlir.count("transform.loop.peel") == 3  # the rows; the partial chunk of each kind of tile
 
 
+def test_row_chunks_over_the_cores_are_whole_when_they_can_be():
+    """Chunks of a row reduction's rows over the cores divide the rows when some chunk near the
+    target does, in a number the cores share evenly: no tile is peeled off for the last chunk (half
+    the kernel's code). 20000 rows of 50 took chunks of 1248 rows, the last 32 rows peeled."""
+    for a in (20000, 30000, 50000, 4096):
+        chunk = schedule._row_chunk(a, 8)
+        assert chunk % 8 == 0 and a % chunk == 0 and (a // chunk) % schedule.threads() == 0, (a, chunk)
+    assert schedule._row_chunk(8 * 683, 8) % 8 == 0  # 683 tiles (a prime): a partial last chunk
+    mlir = check("reduce_max", [data((20000, 50), dt.float32, 8)], dict(axes=(1,)))
+    assert mlir.count("transform.loop.peel") == 1  # the partial column chunk only
+
+
 @pytest.mark.parametrize("dtype", [dt.float32, dt.float64], ids=ids([dt.float32, dt.float64]))
 def test_rows_of_one_chunk_and_a_part_take_narrower_chunks(dtype):
     """A row of one whole chunk and a partial one (24 = 16 + 8 float32 columns, 100 = 64 + 36) is
