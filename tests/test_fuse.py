@@ -674,6 +674,29 @@ def test_fused_reductions_without_a_collapsed_form_are_vectorized(fn):
     _check_fused_equals_unfused(fn, (_NCHW,), 1e-5, exact="reduce_sum" not in text and "reduce_prod" not in text)
 
 
+@pytest.mark.parametrize(
+    "fn, merged",
+    [
+        (lambda x: fnp.mean((x - fnp.mean(x, axis=(0, 2, 3), keepdims=True)) ** 2, axis=(0, 2, 3)), True),
+        (lambda x: fnp.sum((x - fnp.mean(x, axis=(0, 2, 3), keepdims=True)) * x, axis=(0, 2, 3)), True),
+        (lambda x: fnp.sum(x * fnp.arange(20, dtype=np.float32), axis=(0, 2, 3)), False),  # reads W, not H
+        (lambda x: fnp.sum(x * fnp.arange(6, dtype=np.float32).reshape(6, 1, 1, 1), axis=(0, 1, 2)), False),
+    ],
+    ids=["variance", "centered_product", "row_broadcast", "leading_axes"],
+)
+def test_fused_reductions_merge_their_trailing_axes_when_every_leaf_allows(fn, merged):
+    """A fused reduction over trailing axes (batch norm's (2, 3) of NCHW) whose leaves each read
+    all of them or none (a per-channel broadcast) iterates them as one dimension: a row reduction
+    over H * W, not over W then H in three kernels (a batch-norm gradient's first call 239 -> 119
+    ms, run 0.67x). A leaf reading some of them only, or axes that stop before the last, keep the
+    last axis first."""
+    mlir = fj.jit(fn).lower(_NCHW).as_text("mlir")
+    reductions = [line for line in mlir.splitlines() if "linalg.generic" in line and '"reduction"' in line]
+    assert any("tensor<6x5x240xf32>" in line for line in reductions) == merged
+    assert all("fj.kernel" in line for line in reductions)
+    _check_fused_equals_unfused(fn, (_NCHW,), 1e-5, exact=False)  # sums in another order
+
+
 def test_row_nest_falls_back_for_rows_too_long_to_stay_in_cache():
     x = RNG.standard_normal((4, 20000)).astype(np.float32)
     assert _row_nest_lines(_softmax, x) == ["// fusion: whole-tensor kernels (rows of 80000 bytes (above 65536))"]
