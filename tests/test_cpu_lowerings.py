@@ -838,6 +838,25 @@ def test_conv2d_im2col_in_blocks_of_rows(monkeypatch, stride, dilation, padding,
     assert f"tensor<1x4x3x{out_cols}xf32>" in mlir  # a block of 3 output rows of one image
 
 
+def test_conv2d_blocks_of_rows_are_computed_in_the_output(monkeypatch):
+    """A convolution without an epilogue whose chunks are blocks of one image's output rows computes
+    each block's product in its window of the output. As a product of its own reshaped to the
+    window it was a temporary copied out, a strided copy: plain loops, which put the whole function
+    on LLVM's O3 (first call 2x as long; 8x64x56x56 3x3 115 -> 55 ms, run time the same or less)."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    x, w = data((2, 8, 48, 48), dt.float32, 3), data((8, 8, 3, 3), dt.float32, 4)
+    attrs = dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1))
+    mlir = check("conv2d", [x, w], attrs)
+    bufferized = toolchain.run_mlir(
+        toolchain.apply_transform_schedule(mlir), [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"]
+    )
+    assert "memref.copy" not in bufferized
+    graph = Graph("conv")
+    params = [graph.add_param(TensorType(a.shape, dt.float32)) for a in (x, w)]
+    graph.results = list(emit(graph, "conv2d", params, attrs).results)
+    assert compile_graph(graph, "cpu").stages["llvm"].startswith("; LLVM pipeline: light")
+
+
 @pytest.mark.parametrize("dtype", [dt.float16, dt.float64], ids=["f16", "f64"])
 def test_conv2d_im2col_chunks_in_other_types(monkeypatch, dtype):
     """The chunked paths widen half types to float32 and keep float64 (blocks of rows, two cores)."""

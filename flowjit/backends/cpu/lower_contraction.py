@@ -691,7 +691,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     part = result.with_shape((images, o, rows, ow))
     where = f"[{image}, 0, {row}, 0] [{images}, {o}, {rows}, {ow}] [1, 1, 1, 1]"
     part_type = tensor_type(part, conv.out_elem)
-    into = em.op(f"tensor.extract_slice {shared}{where} : {out_type} to {part_type}") if epilogue else None
+    into = em.op(f"tensor.extract_slice {shared}{where} : {out_type} to {part_type}")
     scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
     y = _conv_images(em, (padded, padded_type), in_fork, part, (image, row), serial=True, into=into)
     em.scratch = scratch
@@ -748,7 +748,7 @@ def _conv_chunk_into(em: KernelEmitter, source, conv, result: TensorType, into: 
     part = result.with_shape((count, result.shape[1], height, result.shape[3]))
     where = f"[{image}, 0, {row}, 0] [{', '.join(map(str, part.shape))}] [1, 1, 1, 1]"
     part_type, out_type = tensor_type(part, conv.out_elem), tensor_type(result, conv.out_elem)
-    window = em.op(f"tensor.extract_slice {into}{where} : {out_type} to {part_type}") if conv.epilogue else None
+    window = em.op(f"tensor.extract_slice {into}{where} : {out_type} to {part_type}")
     y = _conv_images(em, source, conv, part, (image, row), into=window)
     return em.op(f"tensor.insert_slice {y} into {into}{where} : {part_type} into {out_type}")
 
@@ -778,6 +778,17 @@ def _conv_images(
             cols = _im2col(em, source, cols_type, stride, dilation, acc, origin)
         cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
     shape = matmul_kernel.MatmulShape(0, o, columns, depth, acc, serial=serial, b_in_place=in_place)
+    if n == 1 and conv.epilogue is None and into is not None:
+        # One image's rows: the product is its window of the output, (O, rows x OW) in place. As a
+        # product of its own, reshaped to the window, it was a temporary copied into the output
+        # (a strided copy, the one plain loop that kept such a conv on LLVM's O3).
+        four = f"tensor<1x{o}x{oh}x{ow}x{acc}>"
+        view = em.op(f"tensor.collapse_shape {into} [[0, 1], [2, 3]] : {four} into tensor<{o}x{columns}x{acc}>")
+        product = matmul_kernel.emit_matmul(em, weights, cols, shape, out=view)
+        return em.op(
+            f"tensor.expand_shape {product} [[0, 1], [2, 3]] output_shape [1, {o}, {oh}, {ow}] "
+            f": tensor<{o}x{columns}x{acc}> into {four}"
+        )
     product = matmul_kernel.emit_matmul(em, weights, cols, shape)
     if n == 1 and conv.epilogue is None:
         return reshape(em, product, TensorType((o, columns), result.dtype), result.shape, acc)

@@ -652,7 +652,13 @@ def _tile_through_epilogue(w: LoopWriter, s: MatmulShape, c, i: str, col: str, m
 
 
 def emit_matmul(
-    em: KernelEmitter, a: str | Restrided, b: str, s: MatmulShape, into: str | None = None, tile_epilogue=None
+    em: KernelEmitter,
+    a: str | Restrided,
+    b: str,
+    s: MatmulShape,
+    into: str | None = None,
+    tile_epilogue=None,
+    out: str | None = None,
 ) -> str:
     """C = A @ B (batched when s.batch) as a new tensor, or `into` + A @ B with `s.accumulate`; `a`,
     `b` are row-major (.., M, K), (.., K, N), or `a` is (.., K, M) with `s.a_cols`, `b` is (.., N, K)
@@ -660,7 +666,8 @@ def emit_matmul(
     weights, copied before its fork). With `tile_epilogue(window, (rows, columns), row, column)` (a product made
     whole, not serial, not accumulated), each register tile goes through it once stored: it
     returns the tile's window of C (`rows` x `columns` at C's `row`, `column`; of the batch's
-    matrix when batched) computed in place."""
+    matrix when batched) computed in place. `out`: a tensor of C's type to compute C into instead of
+    a new one (a view of the caller's destination: bufferization then writes it in place)."""
     em.matmul_kernels = True
     w = LoopWriter.with_scratch(em, scratch_bytes(s), tile_epilogue)
     c_type = s.tensor(s.m, s.n)
@@ -668,7 +675,7 @@ def emit_matmul(
         raise CompileError("internal error: emit_matmul accumulates exactly when given the tensor to add to")
     if tile_epilogue is not None and (s.serial or s.accumulate):
         raise CompileError("internal error: a tile epilogue needs a product made whole")
-    result = into if s.accumulate else em.op(f"tensor.empty() : {c_type}")
+    result = into if s.accumulate else out or em.op(f"tensor.empty() : {c_type}")
     if streams_rows(s) and not isinstance(a, Restrided):
         return _rows_streamed(w, s, a, b, result)
     threads = _threads(s)
