@@ -607,7 +607,7 @@ class _FusionLowering:
 
         inputs = []
         for v in leaves:
-            tensor, ttype, _ = self._input(v, shape)
+            tensor = self._input(v, shape)[0]
             read = self._read_dims(v, shape)
             kept, extents = [], []
             for d, extent in read:
