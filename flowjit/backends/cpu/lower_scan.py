@@ -29,6 +29,7 @@ from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.backends.cpu.lower_elementwise import reshape_tensor
 from flowjit.backends.cpu.lowering import lowering
+from flowjit.backends.cpu.matmul_kernel import LoopWriter
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 
@@ -99,10 +100,11 @@ def lower_cumsum(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 
 
 class _ScanKernel:
-    """Emits the loops of one cumsum over a (outer, n, inner) tensor."""
+    """Emits the loops of one cumsum over a (outer, n, inner) tensor (`LoopWriter`'s loops)."""
 
     def __init__(self, em: KernelEmitter, view: TensorType, reverse: bool):
         self.em = em
+        self.w = LoopWriter(em)
         self.view = view
         self.columns = view.rank == 3  # else one column: the axis is the last
         self.reverse = reverse
@@ -110,43 +112,26 @@ class _ScanKernel:
         self.elem = elem_type(view.dtype)
         self.is_float = view.dtype.is_float
 
-    def index(self, value: int) -> str:
-        return self.em.op(f"arith.constant {value} : index")
-
     def blocks(self, source: str, result: str, rows: _Span, columns: _Span) -> str:
         """`result` with the blocks of `rows` x `columns` summed from `source`: one block per
         iteration of an `scf.forall` over the cores when there are enough elements, else of an
         `scf.for`."""
-        em = self.em
+        w = self.w
         units = rows.count * columns.count
         full = tensor_type(self.view)
-        block = tensor_type(self.view.with_shape((rows.size, self.n, columns.size)[: self.view.rank]))
         elements = units * rows.size * self.n * columns.size
         if schedule.threads() > 1 and units > 1 and elements >= PARALLEL_MIN_ELEMENTS:
-            done, k, shared = em.fresh(), em.fresh("k"), em.fresh("o")
-            em.line(f"{done} = scf.forall ({k}) in ({units}) shared_outs({shared} = {result}) -> ({full}) {{")
-            em.indent += "  "
+            block = tensor_type(self.view.with_shape((rows.size, self.n, columns.size)[: self.view.rank]))
+            done, k, shared = w.open_forall(units, result, full)
             row, column = self._origin(k, rows, columns)
             where = self._slice(row, column, rows.size, columns.size)
-            part = em.op(f"tensor.extract_slice {shared}{where} : {full} to {block}")
-            summed = self._block(source, row, column, part, block, self.index(0), rows.size, columns.size)
-            em.line("scf.forall.in_parallel {")
-            em.line(f"  tensor.parallel_insert_slice {summed} into {shared}{where} : {block} into {full}")
-            em.line("}")
-            em.indent = em.indent[:-2]
-            em.line("}")
+            part = self.em.op(f"tensor.extract_slice {shared}{where} : {full} to {block}")
+            summed = self._block(source, row, column, part, block, w.index(0), rows.size, columns.size)
+            w.close_forall(summed, shared, where, block, full)
             return done
-        done, k, carried = em.fresh(), em.fresh("k"), em.fresh("o")
-        em.line(
-            f"{done} = scf.for {k} = {self.index(0)} to {self.index(units)} step {self.index(1)} "
-            f"iter_args({carried} = {result}) -> ({full}) {{"
-        )
-        em.indent += "  "
+        done, k, (carried,) = w.open_for(w.index(0), w.index(units), w.index(1), [(result, full)])
         row, column = self._origin(k, rows, columns)
-        summed = self._block(source, row, column, carried, full, None, rows.size, columns.size)
-        em.line(f"scf.yield {summed} : {full}")
-        em.indent = em.indent[:-2]
-        em.line("}")
+        w.close_for([self._block(source, row, column, carried, full, None, rows.size, columns.size)], [full])
         return done
 
     def _slice(self, row: str, column: str, rows: int, columns: int) -> str:
@@ -160,16 +145,13 @@ class _ScanKernel:
 
     def _origin(self, k: str, rows: _Span, columns: _Span) -> tuple[str, str]:
         """The first row and column of block `k` of the span pair."""
-        em = self.em
-        a = em.op(f"arith.divui {k}, {self.index(columns.count)} : index")
-        b = em.op(f"arith.remui {k}, {self.index(columns.count)} : index")
-
-        def first(span: _Span, piece: str) -> str:
-            offset = em.op(f"arith.muli {piece}, {self.index(span.size)} : index")
-            return em.op(f"arith.addi {self.index(span.start)}, {offset} : index")
-
-        row, column = first(rows, a), first(columns, b)
-        return row, column
+        em, w = self.em, self.w
+        a = em.op(f"arith.divui {k}, {w.index(columns.count)} : index")
+        b = em.op(f"arith.remui {k}, {w.index(columns.count)} : index")
+        return (
+            w.add(w.index(rows.start), w.mul(a, w.index(rows.size))),
+            w.add(w.index(columns.start), w.mul(b, w.index(columns.size))),
+        )
 
     def _block(
         self,
@@ -180,34 +162,29 @@ class _ScanKernel:
         dest_type: str,
         dest_origin: str | None,
         g: int,
-        w: int,
+        width: int,
     ) -> str:
-        """`dest` (of `dest_type`) with the running sums of the block of `g` rows and `w` columns
+        """`dest` (of `dest_type`) with the running sums of the block of `g` rows and `width` columns
         of `source` at (`row`, `column`) written at the same place, or at (`dest_origin`,
         `dest_origin`) when `dest` is the block's own slice: an `scf.for` over the n positions
         carrying `dest` and the g accumulators."""
-        em = self.em
-        vec = f"vector<{w}x{self.elem}>"
+        em, w = self.em, self.w
+        vec = f"vector<{width}x{self.elem}>"
         zero = "0.000000e+00" if self.is_float else "0"
         start = em.op(f"arith.constant dense<{zero}> : {vec}")
         pad = em.op(f"arith.constant {zero} : {self.elem}")
         src_type = tensor_type(self.view)
-        rows = [row] + [em.op(f"arith.addi {row}, {self.index(q)} : index") for q in range(1, g)]
+        rows = [row] + [w.add(row, w.index(q)) for q in range(1, g)]
         if dest_origin is None:
             dest_rows, dest_column = rows, column
         else:
-            dest_rows, dest_column = [dest_origin] + [self.index(q) for q in range(1, g)], dest_origin
-        loop, i, d = em.fresh(), em.fresh("i"), em.fresh("d")
-        accs = [em.fresh("s") for _ in range(g)]
-        init = ", ".join([f"{d} = {dest}"] + [f"{a} = {start}" for a in accs])
-        em.line(
-            f"{loop}:{1 + g} = scf.for {i} = {self.index(0)} to {self.index(self.n)} step {self.index(1)} "
-            f"iter_args({init}) -> ({', '.join([dest_type] + [vec] * g)}) {{"
+            dest_rows, dest_column = [dest_origin] + [w.index(q) for q in range(1, g)], dest_origin
+        loop, i, (current, *accs) = w.open_for(
+            w.index(0), w.index(self.n), w.index(1), [(dest, dest_type)] + [(start, vec)] * g
         )
-        em.indent += "  "
-        at = em.op(f"arith.subi {self.index(self.n - 1)}, {i} : index") if self.reverse else i
+        at = em.op(f"arith.subi {w.index(self.n - 1)}, {i} : index") if self.reverse else i
         add = "arith.addf" if self.is_float else "arith.addi"
-        sums, current = [], d
+        sums = []
         for q in range(g):
             value = em.op(
                 f"vector.transfer_read {source}{self._at(rows[q], at, column)}, {pad} {{in_bounds = [true]}} : "
@@ -219,7 +196,5 @@ class _ScanKernel:
                 f"{{in_bounds = [true]}} : {vec}, {dest_type}"
             )
             sums.append(total)
-        em.line(f"scf.yield {', '.join([current] + sums)} : {', '.join([dest_type] + [vec] * g)}")
-        em.indent = em.indent[:-2]
-        em.line("}")
+        w.close_for([current] + sums, [dest_type] + [vec] * g)
         return f"{loop}#0"
