@@ -810,14 +810,31 @@ def test_conv2d_deep_goes_through_im2col_and_the_matmul_kernel():
 @pytest.mark.parametrize("cores", [1, 2])
 def test_conv2d_im2col_in_chunks_of_images(monkeypatch, cores):
     """A column-matrix cap below the batch's size: chunks of whole images, then a tail chunk; on two
-    cores the whole chunks are split over them (a forall), on one they run in a loop."""
+    cores the whole chunks are split over them (a forall), on one they run in a loop. 11 images,
+    4 fit: no divisor of 11 between 2 and 4, so chunks of 4 and a tail of 3."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")  # neither setting is part of the cache key
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 18 * 7 * 4)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
     monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
-    x, w = data((5, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
+    x, w = data((11, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
-    assert "tensor<2x3x7x4xf32>" in mlir and "tensor<1x3x7x4xf32>" in mlir  # chunks of 2, tail of 1
+    assert "tensor<4x3x7x4xf32>" in mlir and "tensor<3x3x7x4xf32>" in mlir  # chunks of 4, tail of 3
+    assert ("scf.forall" in mlir) == (cores == 2)
+
+
+@pytest.mark.parametrize("cores, images", [(1, 4), (2, 3)])
+def test_conv2d_chunks_of_images_divide_the_batch(monkeypatch, cores, images):
+    """Chunks of a number of images that divides the batch when one is at least half of those that
+    fit (`_whole_images`): no tail chunk repeating the chunk's code. 12 images, 4 fit: chunks of 4
+    on one core, of 3 on two (four chunks, two per core; 4 would make three)."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    x, w = data((12, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
+    mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
+    chunks = {int(m) for m in re.findall(r"tensor<(\d+)x3x7x4xf32>", mlir)} - {12}
+    assert chunks == {images}
     assert ("scf.forall" in mlir) == (cores == 2)
 
 
