@@ -874,6 +874,25 @@ def test_conv2d_blocks_of_rows_are_computed_in_the_output(monkeypatch):
     assert compile_graph(graph, "cpu").stages["llvm"].startswith("; LLVM pipeline: light")
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_conv2d_chunks_of_images_are_transposed_into_the_output(monkeypatch, cores, stride):
+    """A convolution without an epilogue whose chunks are runs of whole images transposes each
+    chunk's product (O, N, OH, OW) straight into its images of the output (NCHW): as a transpose of
+    its own it was a temporary copied into a strided window of the output."""
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 18 * 8 * 8)
+    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
+    x, w = data((8, 2, 16, 16), dt.float32, 3), data((8, 2, 3, 3), dt.float32, 4)
+    attrs = dict(stride=(stride, stride), padding=((1, 1), (1, 1)), dilation=(1, 1))
+    mlir = check("conv2d", [x, w], attrs)
+    bufferized = toolchain.run_mlir(
+        toolchain.apply_transform_schedule(mlir), [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"]
+    )
+    assert "memref.copy" not in bufferized
+
+
 @pytest.mark.parametrize("dtype", [dt.float16, dt.float64], ids=["f16", "f64"])
 def test_conv2d_im2col_chunks_in_other_types(monkeypatch, dtype):
     """The chunked paths widen half types to float32 and keep float64 (blocks of rows, two cores)."""

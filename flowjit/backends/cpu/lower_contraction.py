@@ -137,10 +137,13 @@ def contraction_generic(
     return narrow(em, summed, result, acc)
 
 
-def transpose(em: KernelEmitter, x: str, t: TensorType, perm: list[int], elem: str) -> tuple[str, TensorType]:
-    """`x` with its dims permuted (a copy), unless `perm` is the identity. When trailing dims stay
-    in place (the conv output's (O, N, OH, OW) -> (N, O, OH, OW)), a copy of contiguous blocks
-    (`_copy_blocks`)."""
+def transpose(
+    em: KernelEmitter, x: str, t: TensorType, perm: list[int], elem: str, into: str | None = None
+) -> tuple[str, TensorType]:
+    """`x` with its dims permuted (a copy), unless `perm` is the identity; written into the tensor
+    `into` (of the permuted shape, contiguous: a run of whole images of a conv's output) when
+    given, else into a new one. When trailing dims stay in place (the conv output's (O, N, OH, OW)
+    -> (N, O, OH, OW)), a copy of contiguous blocks (`_copy_blocks`)."""
     if perm == sorted(perm):
         return x, t
     out = TensorType(tuple(t.shape[p] for p in perm), t.dtype)
@@ -149,21 +152,24 @@ def transpose(em: KernelEmitter, x: str, t: TensorType, perm: list[int], elem: s
         kept += 1
     block = _prod(range(t.rank - kept, t.rank), t.shape)
     if kept and elem in ("f32", "f64", "i32", "i64") and block >= matmul_kernel.vector_bits() // int(elem[1:]):
-        return _copy_blocks(em, x, t, perm[: t.rank - kept], block, elem), out
-    empty = em.empty(out, elem)
+        return _copy_blocks(em, x, t, perm[: t.rank - kept], block, elem, into), out
+    destination = em.empty(out, elem) if into is None else into
     moved = em.op(
-        f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({empty} : {tensor_type(out, elem)}) "
+        f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({destination} : {tensor_type(out, elem)}) "
         f"permutation = [{', '.join(map(str, perm))}]"
     )
     return moved, out
 
 
-def _copy_blocks(em: KernelEmitter, x: str, t: TensorType, outer: list[int], block: int, elem: str) -> str:
+def _copy_blocks(
+    em: KernelEmitter, x: str, t: TensorType, outer: list[int], block: int, elem: str, into: str | None = None
+) -> str:
     """`x` with its leading dims permuted by `outer`, the trailing ones (`block` elements, contiguous
-    on both sides) kept: loops over the leading output dims, vector copies along the block. (As a
-    `linalg.transpose`, reshaped to (leading dims, block) or not, the fusion pass expands it back
-    and the inner loop ran over OW only: 28-element rows, which LLVM vectorized behind a runtime
-    alias check with a scalar remainder loop.)"""
+    on both sides) kept: loops over the leading output dims, vector copies along the block, into
+    `into` (contiguous, of the permuted shape) when given. (As a `linalg.transpose`, reshaped to
+    (leading dims, block) or not, the fusion pass expands it back and the inner loop ran over OW
+    only: 28-element rows, which LLVM vectorized behind a runtime alias check with a scalar
+    remainder loop.)"""
     lanes = matmul_kernel.vector_bits() // int(elem[1:])
     vec = f"vector<{lanes}x{elem}>"
     flat = TensorType((t.size,), t.dtype)
@@ -174,7 +180,12 @@ def _copy_blocks(em: KernelEmitter, x: str, t: TensorType, outer: list[int], blo
     out_strides = _row_major_strides(out_shape)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant {'0.0' if elem.startswith('f') else '0'} : {elem}")
-    carried, loops, src, dst = em.empty(flat, elem), [], w.index(0), w.index(0)
+    start = (
+        em.empty(flat, elem)
+        if into is None
+        else reshape(em, into, TensorType(tuple(out_shape), t.dtype), flat.shape, elem)
+    )
+    carried, loops, src, dst = start, [], w.index(0), w.index(0)
     for d, p in enumerate(outer):
         loop, iv, (carried,) = w.open_for(w.index(0), w.index(out_shape[d]), w.index(1), [(carried, flat_type)])
         loops.append(loop)
@@ -191,7 +202,8 @@ def _copy_blocks(em: KernelEmitter, x: str, t: TensorType, outer: list[int], blo
         w, _row_of_vectors(w, carried, flat_type, dst, (block, lanes, elem), value_at), flat_type, loops
     )
     result = reshape(em, moved, flat, tuple(out_shape), elem)
-    em.store_through(result, moved, flat.shape)
+    if into is None:
+        em.store_through(result, moved, flat.shape)
     return result
 
 
@@ -810,7 +822,7 @@ def _conv_images(
     product = reshape(em, product, TensorType((o, columns), result.dtype), onhw.shape, acc)
     if conv.epilogue is not None:
         return conv.epilogue.apply(em, product, True, result, origin, into, serial)
-    return transpose(em, product, onhw, [1, 0, 2, 3], acc)[0]
+    return transpose(em, product, onhw, [1, 0, 2, 3], acc, into)[0]
 
 
 # A chunk of whole images with fewer columns than this leaves the matmul kernel's panels (32
