@@ -160,13 +160,16 @@ COLUMN_SPLIT_MIN_K = 64
 # becomes `!llvm.loop` metadata; it must be named `loop_annotation` (`llvm.br`'s own attribute):
 # named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
-# Packing loops over k up to this long are written out (the CNN conv's K = 9), and so is the loop
-# over a panel's blocks of MR rows up to this many blocks of constant rows when K is short (the CNN
-# conv's 32 rows, K = 9):
-# unrolled as LLVM's marked loops were until session 8, without marks (which keep a function on
-# LLVM's O3 pipeline; docs/cpu-backend.md, "Compile time").
+# Packing loops over k up to this long are written out (the CNN conv's K = 9), unrolled as LLVM's
+# marked loops were until session 8, without marks (which keep a function on LLVM's O3 pipeline;
+# docs/cpu-backend.md, "Compile time"). The loop over a panel's blocks of MR rows was written out
+# too, up to 4 blocks of constant rows when K is short (the CNN conv's 32 rows, K = 9), until
+# session 19: as a loop, run times the same within 1.6% (alternated in one process: the CNN forward
+# 0.80 -> 0.82 ms, 3x3 convs on 1 and 3 channels and K = 16-32 products -1% to +1%) and first calls
+# 20-50% shorter (the CNN 90 -> 71 ms, 16x3x32x32 -> 32 channels 99 -> 50 ms): one copy of the
+# register tile's code instead of four.
 MAX_UNROLLED_PACK = 16
-MAX_UNROLLED_ROW_BLOCKS = 4
+MAX_UNROLLED_ROW_BLOCKS = 1
 
 
 class LoopWriter:
@@ -540,10 +543,9 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
     lo, hi = row_range
     few = isinstance(lo, int) and isinstance(hi, int) and -(-(hi - lo) // mr) <= MAX_UNROLLED_ROW_BLOCKS
     if few and s.k < TALL_TILE_MIN_K:
-        # A few blocks of constant rows over a short k loop: written out (a loop marked for LLVM's
-        # unrolling would keep the function on its O3 pipeline). Over a long k loop the row
-        # loop's own cost is nothing, and copies of a tall tile cost compile time: the conv
-        # layer's 64 rows as four written-out 14-row tiles took one-shot bufferization 0.4 s.
+        # A single block of constant rows over a short k loop: no loop around it (see
+        # MAX_UNROLLED_ROW_BLOCKS; copies of a tile cost compile time: the conv layer's 64 rows as
+        # four written-out 14-row tiles took one-shot bufferization 0.4 s).
         for start in range(lo, hi, mr):
             c_tile = _row_block(w, s, read_a, panel, (c_tile, c_type, col), w.index(start), mr, states)
         return c_tile
