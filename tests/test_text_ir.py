@@ -237,6 +237,27 @@ def test_constant_round_trip_bit_exact(dtype, count):
     assert (", 0x" in line) == (count > INLINE_ARRAY_LIMIT)
 
 
+@pytest.mark.parametrize("dtype", dt.ALL_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("count", [2, INLINE_ARRAY_LIMIT + 1, 1024], ids=lambda n: f"n{n}")
+def test_splat_constants_print_as_one_value(dtype, count):
+    """Two or more elements with the same bits print as that value (`array<tensor<1024xf32>, 1.0>`,
+    not 4 KiB of hex in the dumps) and read back bit for bit; nan splats keep the list or hex form
+    (the text `nan` drops a payload)."""
+    for value in _values(dtype, 5 if not dtype.is_bool else 2):
+        array = np.full((count,), value, dtype.np_dtype)
+        parsed = assert_round_trip(_constant_graph(array))
+        assert parsed.ops[0].attrs["value"].tobytes() == array.tobytes()
+        line = print_graph(parsed).splitlines()[1]
+        is_nan = dtype.is_float and np.isnan(np.float64(value))
+        assert (", [" in line or ", 0x" in line) == is_nan, line
+
+
+def test_splat_of_the_wrong_kind_is_a_parse_error():
+    text = "func @f() -> () {\n  %0 = constant {value = array<tensor<4xi32>, 1.5>} : tensor<4xi32>\n  return\n}"
+    with pytest.raises(FlowjitError, match="expected an integer in the range of i32 in tensor<4xi32>; found 1.5"):
+        parse_graph(text, "in.fj")
+
+
 @pytest.mark.parametrize("shape", [(), (0,), (2, 0, 3), (1, 1, 1)])
 def test_constant_shapes_round_trip(shape):
     array = np.ones(shape, ml_dtypes.bfloat16)

@@ -377,6 +377,8 @@ class _Parser:
     def literal_data(self, ttype: TensorType) -> np.ndarray:
         at = self.tok
         items = self.attr_value()
+        if not isinstance(items, (tuple, str)) and ttype.size > 1:  # one value: every element's (a splat)
+            items = (items,) * ttype.size
         if not isinstance(items, tuple) or len(items) != ttype.size:
             found = f"{len(items)} values" if isinstance(items, tuple) else repr(items)
             raise self.fail_at(at, f"expected a list of {ttype.size} values for {ttype}; found {found}")

@@ -10,6 +10,8 @@
 Constants print inline up to 16 elements (`array<tensor<2xf32>, [1.0, -0.0]>`) and as raw
 little-endian hex above that (`array<tensor<32xf32>, 0x0000803f...>`); floats print as the
 shortest decimal that reads back to the same value in their dtype, plus `nan`, `inf`, `-inf`.
+A constant of two or more elements with the same bits (not a nan) prints as that one value
+(`array<tensor<8x128x1xf32>, 1.0>`, as MLIR's `dense<1.0>`), not a list or 4 KiB of hex.
 
 Multi-result ops print `%3:2 = ...` and are referenced as `%3#0`, `%3#1`. Regions print as
 `({ ^bb(%a: T): ... yield %v : T }, {...})` after the attributes. The parser reads exactly this
@@ -24,6 +26,7 @@ import re
 
 import numpy as np
 
+from flowjit.ir.builder import single_value
 from flowjit.ir.dtypes import DType
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
@@ -62,14 +65,20 @@ def format_scalar(x, dtype: DType | None = None) -> str:
 
 
 def format_array(a: np.ndarray) -> str:
-    """`array<tensor<2x2xf32>, [1.0, 2.0, 3.0, 4.0]>`, or raw little-endian hex when large."""
+    """`array<tensor<2x2xf32>, [1.0, 2.0, 3.0, 4.0]>`, raw little-endian hex when large, or the one
+    value of a splat (`array<tensor<1024xf32>, 1.0>`)."""
     ttype = TensorType(a.shape, a.dtype)
+    flat = a.reshape(-1)
+
+    def scalar(v) -> str:
+        return format_scalar(float(v), ttype.dtype) if ttype.dtype.is_float else format_scalar(v)
+
+    if a.size > 1 and single_value(a) and not (ttype.dtype.is_float and np.isnan(flat[0])):
+        return f"array<{ttype}, {scalar(flat[0])}>"  # a splat
     if a.size > INLINE_ARRAY_LIMIT:
         data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes().hex()
         return f"array<{ttype}, 0x{data}>"
-    flat = a.reshape(-1)
-    items = [format_scalar(float(v), ttype.dtype) if ttype.dtype.is_float else format_scalar(v) for v in flat]
-    return f"array<{ttype}, [{', '.join(items)}]>"
+    return f"array<{ttype}, [{', '.join(scalar(v) for v in flat)}]>"
 
 
 def format_attr(value) -> str:
