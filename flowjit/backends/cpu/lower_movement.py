@@ -30,12 +30,11 @@ from flowjit.backends.cpu.emitter import (
     tensor_type,
 )
 from flowjit.backends.cpu.lower_elementwise import filled
-from flowjit.backends.cpu.lower_layout import row_copy
+from flowjit.backends.cpu.lower_layout import row_copy, written_through
 from flowjit.backends.cpu.lowering import (
     INLINES_SPLAT_OPERANDS,
     bool_from_bytes,
     bool_to_bytes,
-    can_collapse,
     lowering,
     splat_value,
 )
@@ -333,7 +332,7 @@ def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
         done = _copy_block(em, w, (x, blocks, o, row), (t2, _tensor(out_type), o, i), pad)
         w.close_for([done], [_tensor(out_type)])
         w.close_for([index_loop], [_tensor(out_type)])
-    return _written_through(em, gathered, out_type, result.shape, elem)
+    return written_through(em, gathered, out_type, result.shape, elem)
 
 
 def _reversal_start(op: Op) -> int | None:
@@ -392,18 +391,6 @@ def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int,
     return _each_row(em, w, out_type, result.shape, reversed_row)
 
 
-def _written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tuple[int, ...], elem: str) -> str:
-    """The tensor `loops` (of type `kernel`) that copy loops filled, reshaped to the result's
-    `shape`, and stored through a view of the result's buffer with `kernel`'s shape
-    (`em.store_through`): through the reshape empty-tensor elimination gave up, and each call
-    filled a temporary of the result's size and copied it out (a stack of three 16 MiB arrays
-    took 37 ms, 9.5 so)."""
-    shaped = reshape(em, loops, kernel, shape, elem)
-    if shaped != loops and can_collapse(shape, kernel.shape):
-        em.store_through(shaped, loops, kernel.shape)
-    return shaped
-
-
 def _copy_block(em: KernelEmitter, w, source, dest, pad: str) -> str:
     """dest[o', i, :] = x[o, row, :] with whole vectors and one masked tail vector; `source` = (x,
     its (outer, dim, inner) type, o, row), `dest` = (tensor, its type, o', i)."""
@@ -456,7 +443,7 @@ def _each_row(em: KernelEmitter, w, out_type: TensorType, shape: tuple[int, ...]
     else:
         done, o, (cur,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
         w.close_for([row(o, cur, _tensor(out_type), o)], [_tensor(out_type)])
-    return _written_through(em, done, out_type, shape, elem)
+    return written_through(em, done, out_type, shape, elem)
 
 
 def _rows_per_core(em: KernelEmitter, w, carried: str, out_type: TensorType, axis: int, threads: int, row) -> str:
