@@ -65,7 +65,7 @@ def configured(x):
 
 IR = """\
 func @f(%x: tensor<4xf32>) -> (tensor<4xf32>) {
-  %0 = constant {value = array<tensor<4xf32>, [1.0, 1.0, 1.0, 1.0]>} : tensor<4xf32>
+  %0 = constant {value = array<tensor<4xf32>, 1.0>} : tensor<4xf32>
   %1 = mul %x, %0 : tensor<4xf32> loc("m.py":2)
   %2 = exp %x : tensor<4xf32> loc("m.py":3)
   %3 = exp %x : tensor<4xf32> loc("m.py":4)

@@ -22,6 +22,7 @@ import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
 from flowjit.backends.cpu.lowering import SCRATCH, lowering
 from flowjit.ir import dtypes as dt
@@ -153,7 +154,9 @@ def transpose(
     block = _prod(range(t.rank - kept, t.rank), t.shape)
     if kept and elem in ("f32", "f64", "i32", "i64") and block >= matmul_kernel.vector_bits() // int(elem[1:]):
         return _copy_blocks(em, x, t, perm[: t.rank - kept], block, elem, into), out
-    destination = em.empty(out, elem) if into is None else into
+    if into is None:  # rows shorter than a vector (a 3x3 weight gradient): the transpose op's copies
+        return permute(em, x, TensorType(t.shape, elem), perm, elem), out
+    destination = into
     moved = em.op(
         f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({destination} : {tensor_type(out, elem)}) "
         f"permutation = [{', '.join(map(str, perm))}]"
@@ -908,6 +911,8 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
             [acc] * threads,
             acc,
         )
+        if sum_t.size > schedule.PLAIN_LOOP_MAX_ELEMENTS:  # vector code: as plain loops, only LLVM's O3 vectorizes
+            em.schedule(total, schedule.copy_nd(sum_t.shape, int(acc[1:]), False))
     onhw = TensorType((o, n, oh, ow), result.dtype)
     total = reshape(em, total, sum_t, onhw.shape, acc)
     if conv.epilogue is not None:

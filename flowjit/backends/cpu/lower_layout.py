@@ -99,15 +99,19 @@ def lower_transpose(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
     in the output are one dim (NCHW -> NHWC is (N, C, H*W) -> (N, H*W, C)). Large enough, it moves
     in blocks (`_in_blocks`)."""
     (x,) = op.operands
-    result = op.result.type
     perm = op.attrs["perm"]
     if list(perm) == sorted(perm):
         return [operands[0]]
-    e = _storage(result)
-    source_shape, perm = _merged_dims(x.type.shape, perm)
-    source = x.type.with_shape(source_shape)
+    return [permute(em, operands[0], x.type, perm, _storage(op.result.type))]
+
+
+def permute(em: KernelEmitter, tensor: str, t: TensorType, perm, e: str) -> str:
+    """`tensor` (of type `t`, elements `e`) with its dims permuted by `perm` (see `lower_transpose`)."""
+    result = t.with_shape(tuple(t.shape[p] for p in perm))
+    source_shape, perm = _merged_dims(t.shape, perm)
+    source = t.with_shape(source_shape)
     moved = result.with_shape(tuple(source_shape[p] for p in perm))
-    operand = reshape_tensor(em, operands[0], x.type, source, e)
+    operand = reshape_tensor(em, tensor, t, source, e)
     dims = ", ".join(f"d{i}" for i in range(moved.rank))
     # moved[d0..dn] = source[...] where source's dim perm[i] is moved's dim i.
     reads = [""] * moved.rank
@@ -121,7 +125,7 @@ def lower_transpose(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
         out = _copy_with_map(em, operand, source, moved, input_map)
         if _in_blocks(moved, source_last):
             em.schedule(out, schedule.transpose_blocks(moved.shape, source_last, moved.dtype.bits))
-    return [written_through(em, out, moved, result.shape, e)]
+    return written_through(em, out, moved, result.shape, e)
 
 
 def written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tuple[int, ...], elem: str) -> str:

@@ -179,35 +179,39 @@ def insert_into(em: KernelEmitter, x: str, source, dest: str, dest_type, offsets
 
 def pad_tensor(em: KernelEmitter, x: str, source, result, scalar: str, low, interior) -> str:
     """`x` (type `source`) placed at offsets `low` with steps `interior + 1` in a `result` tensor
-    filled with `scalar`: edge and interior padding in one strided insert. A large pad without
-    interior padding (a convolution's input) fills and copies with vector loops split over the
-    cores (`_parallel_pad`)."""
-    if source.rank > 1 and not any(interior) and source.size >= schedule.PARALLEL_MIN_ELEMENTS:
-        return _parallel_pad(em, x, source, result, scalar, low)
+    filled with `scalar`: edge and interior padding in one strided insert. A pad without interior
+    padding (a convolution's input) above `schedule.PLAIN_LOOP_MAX_ELEMENTS` fills and copies with
+    vector loops, split over the cores when large (`_vector_pad`)."""
+    if source.rank > 1 and not any(interior) and source.size > schedule.PLAIN_LOOP_MAX_ELEMENTS:
+        return _vector_pad(em, x, source, result, scalar, low)
     filled = fill(em, scalar, result)
     if source.size == 0:
         return filled
     return insert_into(em, x, source, filled, result, low, [i + 1 for i in interior])
 
 
-def _parallel_pad(em: KernelEmitter, x: str, source, result, scalar: str, low) -> str:
-    """`pad_tensor` of a large tensor as two n-d generics with `schedule.copy_nd`: the fill, then the
-    copy into the interior view (in place). As a fill and a strided insert they were a memset and a
-    copy loop on one thread: 8x64x56x56 float32 padded by 1, 0.4 ms of a 5.5 ms convolution."""
+def _vector_pad(em: KernelEmitter, x: str, source, result, scalar: str, low) -> str:
+    """`pad_tensor` as two n-d generics with `schedule.copy_nd`: the fill, then the copy into the
+    interior view (in place), over the cores from `schedule.PARALLEL_MIN_ELEMENTS` on. As a fill and
+    a strided insert they were a memset and a copy loop on one thread: 8x64x56x56 float32 padded
+    by 1, 0.4 ms of a 5.5 ms convolution; and below the parallel size (until session 19) a scalar
+    copy loop that kept the whole function on LLVM's O3 pipeline (a conv weight gradient's
+    32x8x28x28 input padded to 30x30: `compiler.light_pipeline`)."""
     elem = memory_elem_type(result.dtype)
     bits = max(8, result.dtype.bits)
+    parallel = source.size >= schedule.PARALLEL_MIN_ELEMENTS
     ttype = tensor_type(result, elem)
     ident = em.identity_map(result.rank)
-    parallel = ["parallel"] * result.rank
-    filled = em.generic([], (em.empty(result, elem), ttype), [ident], parallel, lambda b, args: scalar, [], elem)
-    em.schedule(filled, schedule.copy_nd(result.shape, bits))
+    iterators = ["parallel"] * result.rank
+    filled = em.generic([], (em.empty(result, elem), ttype), [ident], iterators, lambda b, args: scalar, [], elem)
+    em.schedule(filled, schedule.copy_nd(result.shape, bits, parallel))
     where = f"[{_index_list(low)}] [{_index_list(source.shape)}] [{_index_list([1] * source.rank)}]"
     view_type = _tensor(source)
     view = em.op(f"tensor.extract_slice {filled}{where} : {ttype} to {view_type}")
     copied = em.generic(
-        [(x, view_type)], (view, view_type), [ident, ident], parallel, lambda b, args: args[0], [elem], elem
+        [(x, view_type)], (view, view_type), [ident, ident], iterators, lambda b, args: args[0], [elem], elem
     )
-    em.schedule(copied, schedule.copy_nd(source.shape, bits))
+    em.schedule(copied, schedule.copy_nd(source.shape, bits, parallel))
     return em.op(f"tensor.insert_slice {copied} into {filled}{where} : {view_type} into {ttype}")
 
 
