@@ -388,6 +388,41 @@ def test_conv2d_matches_direct_loop(mode, dtype):
         np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5, err_msg=k)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_conv2d_takes_the_public_api_order_and_pytorchs(mode):
+    """DESIGN.md's `nn.conv2d(x_nchw, w_oihw, stride, padding)` and PyTorch's `(x, w, b, stride,
+    padding, dilation, groups)` (`bias=` too): a stride-like third argument (an int or a pair of
+    ints) starts the public order. Bad combinations are errors that name the argument."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 9, 10)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    want = ref_conv2d(x, w, None, (2, 2), ((1, 1), (1, 1)), (1, 1))
+    biased = ref_conv2d(x, w, b, (2, 1), ((1, 1), (0, 0)), (1, 1))
+
+    def calls(x, w, b):
+        return [
+            nn.conv2d(x, w, 2, 1),
+            nn.conv2d(x, w, (2, 2), padding=1),
+            nn.conv2d(x, w, stride=2, padding=1),
+            nn.conv2d(x, w, None, 2, 1),
+            nn.conv2d(x, w, b, (2, 1), ((1, 1), (0, 0))),
+            nn.conv2d(x, w, (2, 1), ((1, 1), (0, 0)), bias=b),
+            nn.conv2d(x, w, bias=b, stride=(2, 1), padding=((1, 1), (0, 0))),
+        ]
+
+    outs = run(mode, calls, x, w, b)
+    for k, out in enumerate(outs):
+        np.testing.assert_allclose(out, want if k < 4 else biased, rtol=1e-5, atol=1e-5, err_msg=str(k))
+    for bad, message in [
+        (lambda: nn.conv2d(x, w, 2, 1, padding=1), "multiple values for 'padding'"),
+        (lambda: nn.conv2d(x, w, 2, strides=1), "unexpected keyword argument 'strides'"),
+        (lambda: nn.conv2d(x, w, 2, 1, 1, 1, 1), "at most 4 arguments after x and w"),
+    ]:
+        with pytest.raises(FlowjitTypeError, match=message):
+            bad()
+
+
 def ref_pool(kind, x, window, stride, pads):
     fill = -np.inf if kind == "max" else 0.0
     x = np.pad(x.astype(np.float64), ((0, 0), (0, 0), *pads), constant_values=fill)
