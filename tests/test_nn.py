@@ -638,6 +638,47 @@ def test_normalization_layers(mode, dtype):
         close(out[name], want, dtype, scale=4.0)
 
 
+def layer_norms(x, gamma, beta):
+    return {
+        "ours": nn.layer_norm(x, gamma, beta),
+        "torch": nn.layer_norm(x, (5,), gamma, beta),
+        "torch_int_keywords": nn.layer_norm(x, 5, weight=gamma, bias=beta, eps=1e-5),
+        "torch_two_axes": nn.layer_norm(x, x.shape[-2:]),
+        "ours_two_axes": nn.layer_norm(x, axis=(-2, -1)),
+        "rms_ours": nn.rms_norm(x, gamma),
+        "rms_torch": nn.rms_norm(x, [5], gamma),
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_norm_takes_pytorchs_normalized_shape(mode):
+    """`layer_norm(x, gamma, beta, eps, axis)` and PyTorch's `layer_norm(x, normalized_shape, weight,
+    bias, eps)`: a shape second argument (an int or a tuple of ints) was taken for gamma and scaled
+    the output by it, silently. rms_norm likewise."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    gamma, beta = rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    out = run(mode, layer_norms, x, gamma, beta)
+    x64 = x.astype(np.float64)
+
+    def normalized(axes):
+        centered = x64 - x64.mean(axes, keepdims=True)
+        return centered / np.sqrt((centered**2).mean(axes, keepdims=True) + 1e-5)
+
+    rms = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * gamma
+    want = {"ours": normalized(-1) * gamma + beta, "torch_two_axes": normalized((-2, -1)), "rms_ours": rms}
+    want |= {"torch": want["ours"], "torch_int_keywords": want["ours"], "ours_two_axes": want["torch_two_axes"]}
+    want["rms_torch"] = rms
+    for name, expected in want.items():
+        np.testing.assert_allclose(out[name], expected, rtol=1e-5, atol=1e-5, err_msg=name)
+    with pytest.raises(FlowjitValueError, match=r"normalized_shape=\(4,\) normalizes the last 1 axes"):
+        nn.layer_norm(x, (4,))
+    with pytest.raises(FlowjitTypeError, match="multiple values for 'gamma'"):
+        nn.layer_norm(x, gamma, gamma=gamma)
+    with pytest.raises(FlowjitTypeError, match=r"at most 4 arguments after x \(normalized_shape, weight, bias, eps\)"):
+        nn.layer_norm(x, (5,), gamma, beta, 1e-5, -1)
+
+
 def test_normalization_errors():
     with pytest.raises(FlowjitValueError, match="4 groups") as info:
         nn.group_norm(np.zeros((2, 6, 3), np.float32), 4)

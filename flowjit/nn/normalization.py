@@ -7,8 +7,10 @@ updated running statistics next to the output, so a jitted train step threads th
 
 from __future__ import annotations
 
+import numpy as np
+
 from flowjit import numpy as fnp
-from flowjit.errors import FlowjitValueError
+from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.ir.location import user_location
 
 
@@ -21,18 +23,82 @@ def _affine(out, gamma, beta, shape=None):
     return out
 
 
-def layer_norm(x, gamma=None, beta=None, eps: float = 1e-5, axis=-1):
-    """(x - mean) / sqrt(var + eps) over `axis`, then scaled by `gamma` and shifted by `beta`."""
+def _whole(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _shape_like(v) -> bool:
+    """An int or a tuple/list of ints: PyTorch's `normalized_shape`, not a scale array."""
+    return _whole(v) or (isinstance(v, (tuple, list)) and len(v) > 0 and all(map(_whole, v)))
+
+
+def _norm_arguments(what: str, x, args: tuple, kwargs: dict, ours: dict, torch: tuple) -> dict:
+    """The arguments of `what` after `x` in flowjit's order (`ours`: names and defaults, `gamma`
+    first), or in PyTorch's when the first is a shape (`torch`: `normalized_shape` and then names of
+    `ours`, `weight` for `gamma` and `bias` for `beta` accepted as keywords in either order): then
+    `axis` is the last len(normalized_shape) axes, which must be that shape."""
+    aliases = {"weight": "gamma", "bias": "beta"}
+    torch_order = (args and _shape_like(args[0])) or "normalized_shape" in kwargs
+    names = list(torch) if torch_order else list(ours)
+    if len(args) > len(names):
+        shown = [{"gamma": "weight", "beta": "bias"}.get(n, n) if torch_order else n for n in names]
+        raise FlowjitTypeError(
+            f"{user_location()}: {what} takes at most {len(names)} arguments after x ({', '.join(shown)}); "
+            f"found {len(args)}"
+        )
+    values = dict(ours) | {"normalized_shape": None}
+    given = {}
+    for name, value in [*zip(names, args), *kwargs.items()]:
+        key = aliases.get(name, name)
+        if key not in values:
+            raise FlowjitTypeError(f"{user_location()}: {what} got an unexpected keyword argument {name!r}")
+        if key in given:
+            raise FlowjitTypeError(f"{user_location()}: {what} got multiple values for {name!r}")
+        given[key] = value
+    values |= given
+    shape = values.pop("normalized_shape")
+    if shape is not None:
+        shape = (shape,) if _whole(shape) else tuple(int(d) for d in shape)
+        if "axis" in given or tuple(fnp.shape(x)[len(fnp.shape(x)) - len(shape) :]) != shape:
+            found = "an axis too" if "axis" in given else f"an input of shape {fnp.shape(x)}"
+            raise FlowjitValueError(
+                f"{user_location()}: {what} with normalized_shape={shape} normalizes the last {len(shape)} axes, "
+                f"which must have that shape; found {found}"
+            )
+        values["axis"] = tuple(range(-len(shape), 0))
+    return values
+
+
+def layer_norm(x, *args, **kwargs):
+    """(x - mean) / sqrt(var + eps) over `axis`, then scaled by `gamma` and shifted by `beta`:
+    `layer_norm(x, gamma=None, beta=None, eps=1e-5, axis=-1)`, or PyTorch's
+    `layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5)` (over the last axes, which
+    must have that shape) when the second argument is a shape (an int or a tuple of ints)."""
     x = fnp.asarray(x)
+    given = _norm_arguments(
+        "layer_norm",
+        x,
+        args,
+        kwargs,
+        {"gamma": None, "beta": None, "eps": 1e-5, "axis": -1},
+        ("normalized_shape", "gamma", "beta", "eps"),
+    )
+    gamma, beta, eps, axis = given["gamma"], given["beta"], given["eps"], given["axis"]
     mean = fnp.mean(x, axis=axis, keepdims=True)
     centered = fnp.subtract(x, mean)
     var = fnp.mean(fnp.multiply(centered, centered), axis=axis, keepdims=True)
     return _affine(fnp.multiply(centered, fnp.rsqrt(fnp.add(var, eps))), gamma, beta)
 
 
-def rms_norm(x, gamma=None, eps: float = 1e-6, axis=-1):
-    """x / sqrt(mean(x^2) + eps) over `axis`, scaled by `gamma` (no centering; as in T5 and LLaMA)."""
+def rms_norm(x, *args, **kwargs):
+    """x / sqrt(mean(x^2) + eps) over `axis`, scaled by `gamma` (no centering; as in T5 and LLaMA):
+    `rms_norm(x, gamma=None, eps=1e-6, axis=-1)`, or PyTorch's `rms_norm(x, normalized_shape,
+    weight=None, eps=1e-6)` when the second argument is a shape."""
     x = fnp.asarray(x)
+    given = _norm_arguments(
+        "rms_norm", x, args, kwargs, {"gamma": None, "eps": 1e-6, "axis": -1}, ("normalized_shape", "gamma", "eps")
+    )
+    gamma, eps, axis = given["gamma"], given["eps"], given["axis"]
     mean_square = fnp.mean(fnp.multiply(x, x), axis=axis, keepdims=True)
     return _affine(fnp.multiply(x, fnp.rsqrt(fnp.add(mean_square, eps))), gamma, None)
 
