@@ -249,12 +249,12 @@ class Stages:
 
 def _light_op(op) -> bool:
     """Whether `op` is of `LIGHT_PIPELINE_OPS` (a conv2d only with stride 1 and not summed over its
-    taps: a weight gradient, `lower_contraction._over_taps`, ran 1.15-1.25x as long under the light
+    taps: a weight gradient, `lower_contraction.over_taps`, ran 1.15-1.25x as long under the light
     list as under O3 once its pad and partial sums were vector code, 8x32x28x28 with 3x3 kernels)."""
     if op.name == "conv2d":
-        from flowjit.backends.cpu.lower_contraction import _over_taps
+        from flowjit.backends.cpu.lower_contraction import over_taps
 
-        if any(s != 1 for s in conv_params(op.attrs)[0]) or _over_taps(op.operands[1].type, op.result.type):
+        if any(s != 1 for s in conv_params(op.attrs)[0]) or over_taps(op.operands[1].type, op.result.type):
             return False
     return op.name in LIGHT_PIPELINE_OPS
 

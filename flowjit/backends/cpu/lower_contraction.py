@@ -156,9 +156,8 @@ def transpose(
         return _copy_blocks(em, x, t, perm[: t.rank - kept], block, elem, into), out
     if into is None:  # rows shorter than a vector (a 3x3 weight gradient): the transpose op's copies
         return permute(em, x, TensorType(t.shape, elem), perm, elem), out
-    destination = into
     moved = em.op(
-        f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({destination} : {tensor_type(out, elem)}) "
+        f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({into} : {tensor_type(out, elem)}) "
         f"permutation = [{', '.join(map(str, perm))}]"
     )
     return moved, out
@@ -592,7 +591,7 @@ IM2COL_MIN_DEPTH = 8
 # larger chunks no longer split evenly over the cores). See docs/cpu-backend.md ("conv2d").
 IM2COL_MAX_ELEMENTS = 1 << 17
 IM2COL_MIN_COLUMNS = 112
-# The chunks of deeper convs, those that decide whether a conv is summed over taps (`_over_taps`),
+# The chunks of deeper convs, those that decide whether a conv is summed over taps (`over_taps`),
 # and those of a 1x1 conv (its columns are views of the input, so a chunk is only a share of the
 # work per core: 1.05x the time at 128K) keep the cap of session 7.
 WIDE_CHUNK_ELEMENTS = 1 << 19
@@ -683,7 +682,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     acc = accumulator_elem(result.dtype)
     weights = reshape(em, widen_tensor(em, w, tw, acc), tw, (o, depth), acc)
     conv = _Conv(weights, tw, stride, dilation, acc, epilogue, padding)
-    if _over_taps(tw, result):
+    if over_taps(tw, result):
         return conv.finish(em, _conv_over_taps(em, (padded, padded_type), conv, result), result)
     images, rows = _conv_chunk(n, oh, depth, ow, WIDE_CHUNK_ELEMENTS)
     if _pointwise(tw, stride, padded_type):
@@ -836,7 +835,7 @@ TAPS_FORM_MAX_COLUMNS = 128
 TAPS_FORM_MAX_OUTPUT = 1 << 21
 
 
-def _over_taps(tw: TensorType, result: TensorType) -> bool:
+def over_taps(tw: TensorType, result: TensorType) -> bool:
     """Whether `_conv_over_taps` computes this convolution: output rows shorter than the kernel's
     (a weight gradient: the forward's kernel is its output, the forward's output its kernel) and
     chunks of whole images (of `WIDE_CHUNK_ELEMENTS`) too narrow for the matmul kernel."""
@@ -1008,7 +1007,7 @@ def _im2col_pads(tx: TensorType, tw: TensorType, result: TensorType, stride, pad
         and min(tx.shape[3], ow) >= lanes
         and max(padding[1]) <= lanes
         and tw.shape[2:] != (1, 1)
-        and not _over_taps(tw, result)
+        and not over_taps(tw, result)
     )
 
 
