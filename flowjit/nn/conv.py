@@ -14,6 +14,7 @@ from flowjit import numpy as fnp
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.trace import bind
 from flowjit.ir.location import user_location
+from flowjit.nn import arguments
 
 
 def _pair(v, what: str) -> tuple[int, int]:
@@ -110,39 +111,6 @@ def _grouped_conv(x, w, attrs, groups):
 _CONV2D_ARGUMENTS = {"b": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 
-def _stride_like(v) -> bool:
-    """An int or a pair of ints (not a bool, not an array): a stride, not a bias."""
-
-    def whole(e) -> bool:
-        return isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_))
-
-    return whole(v) or (isinstance(v, (tuple, list)) and len(v) in (1, 2) and all(map(whole, v)))
-
-
-def _conv2d_arguments(args: tuple, kwargs: dict) -> tuple:
-    """(b, stride, padding, dilation, groups) from conv2d's arguments after x and w: PyTorch's order
-    (b, stride, padding, dilation, groups), or DESIGN.md's (stride, padding, dilation, groups) when
-    the first is stride-like (`_stride_like`); `bias=` is `b=`."""
-    names = list(_CONV2D_ARGUMENTS)
-    if args and _stride_like(args[0]):
-        names = names[1:]
-    if len(args) > len(names):
-        raise FlowjitTypeError(
-            f"{user_location()}: conv2d takes at most {len(names)} arguments after x and w "
-            f"({', '.join(names)}); found {len(args)}"
-        )
-    given = dict(zip(names, args))
-    values = dict(_CONV2D_ARGUMENTS) | given
-    for name, value in kwargs.items():
-        key = "b" if name == "bias" else name
-        if key not in _CONV2D_ARGUMENTS:
-            raise FlowjitTypeError(f"{user_location()}: conv2d got an unexpected keyword argument {name!r}")
-        if key in given:
-            raise FlowjitTypeError(f"{user_location()}: conv2d got multiple values for {name!r}")
-        values[key] = value
-    return tuple(values.values())
-
-
 def conv2d(x, w, *args, **kwargs):
     """2-D convolution of NCHW `x` with OIHW `w` (plus bias `b` of shape (O,)). With `groups`, the
     channels split into that many independent groups: `w` is (O, C // groups, kh, kw);
@@ -152,7 +120,11 @@ def conv2d(x, w, *args, **kwargs):
     dilation=1, groups=1)` (`bias=` too), or in the order of the public API (DESIGN.md),
     `conv2d(x, w, stride, padding)`, when the third argument is a stride (an int or a pair of ints,
     where a bias is an array): `nn.conv2d(x, w, 2, 1)` has stride 2 and padding 1."""
-    b, stride, padding, dilation, groups = _conv2d_arguments(args, kwargs)
+    names = list(_CONV2D_ARGUMENTS)
+    if args and arguments.ints(args[0], lengths=(1, 2)):  # a stride: the public API's order, no bias
+        names = names[1:]
+    bound = arguments.bind("conv2d", "x and w", args, kwargs, names, _CONV2D_ARGUMENTS, {"bias": "b"})
+    b, stride, padding, dilation, groups = bound.values()
     x, w = _float_operands(x, w, "conv2d")
     dilation, stride = _pair(dilation, "dilation"), _pair(stride, "stride")
     if fnp.ndim(x) != 4 or fnp.ndim(w) != 4:

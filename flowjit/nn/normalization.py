@@ -7,11 +7,10 @@ updated running statistics next to the output, so a jitted train step threads th
 
 from __future__ import annotations
 
-import numpy as np
-
 from flowjit import numpy as fnp
-from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.errors import FlowjitValueError
 from flowjit.ir.location import user_location
+from flowjit.nn import arguments
 
 
 def _affine(out, gamma, beta, shape=None):
@@ -23,44 +22,21 @@ def _affine(out, gamma, beta, shape=None):
     return out
 
 
-def _whole(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _shape_like(v) -> bool:
-    """An int or a tuple/list of ints: PyTorch's `normalized_shape`, not a scale array."""
-    return _whole(v) or (isinstance(v, (tuple, list)) and len(v) > 0 and all(map(_whole, v)))
-
-
 def _norm_arguments(what: str, x, args: tuple, kwargs: dict, ours: dict, torch: tuple) -> dict:
     """The arguments of `what` after `x` in flowjit's order (`ours`: names and defaults, `gamma`
-    first), or in PyTorch's when the first is a shape (`torch`: `normalized_shape` and then names of
-    `ours`, `weight` for `gamma` and `bias` for `beta` accepted as keywords in either order): then
-    `axis` is the last len(normalized_shape) axes, which must be that shape."""
-    aliases = {"weight": "gamma", "bias": "beta"}
-    torch_order = (args and _shape_like(args[0])) or "normalized_shape" in kwargs
+    first), or in PyTorch's when the first is a shape (`torch`: `normalized_shape`, then names of
+    `ours`; `weight` for `gamma` and `bias` for `beta` as keywords in either order): then `axis` is
+    the last len(normalized_shape) axes, which must have that shape."""
+    torch_order = (args and arguments.ints(args[0])) or "normalized_shape" in kwargs
     names = list(torch) if torch_order else list(ours)
-    if len(args) > len(names):
-        shown = [{"gamma": "weight", "beta": "bias"}.get(n, n) if torch_order else n for n in names]
-        raise FlowjitTypeError(
-            f"{user_location()}: {what} takes at most {len(names)} arguments after x ({', '.join(shown)}); "
-            f"found {len(args)}"
-        )
-    values = dict(ours) | {"normalized_shape": None}
-    given = {}
-    for name, value in [*zip(names, args), *kwargs.items()]:
-        key = aliases.get(name, name)
-        if key not in values:
-            raise FlowjitTypeError(f"{user_location()}: {what} got an unexpected keyword argument {name!r}")
-        if key in given:
-            raise FlowjitTypeError(f"{user_location()}: {what} got multiple values for {name!r}")
-        given[key] = value
-    values |= given
+    defaults = dict(ours) | {"normalized_shape": None}
+    values = arguments.bind(what, "x", args, kwargs, names, defaults, {"weight": "gamma", "bias": "beta"})
     shape = values.pop("normalized_shape")
     if shape is not None:
-        shape = (shape,) if _whole(shape) else tuple(int(d) for d in shape)
-        if "axis" in given or tuple(fnp.shape(x)[len(fnp.shape(x)) - len(shape) :]) != shape:
-            found = "an axis too" if "axis" in given else f"an input of shape {fnp.shape(x)}"
+        shape = (int(shape),) if arguments.whole(shape) else tuple(int(d) for d in shape)
+        axis_given = "axis" in kwargs  # in PyTorch's order only a keyword can give it
+        if axis_given or tuple(fnp.shape(x)[len(fnp.shape(x)) - len(shape) :]) != shape:
+            found = "an axis too" if axis_given else f"an input of shape {fnp.shape(x)}"
             raise FlowjitValueError(
                 f"{user_location()}: {what} with normalized_shape={shape} normalizes the last {len(shape)} axes, "
                 f"which must have that shape; found {found}"
