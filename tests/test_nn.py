@@ -418,9 +418,12 @@ def test_conv2d_takes_the_public_api_order_and_pytorchs(mode):
         (lambda: nn.conv2d(x, w, 2, 1, padding=1), "multiple values for 'padding'"),
         (lambda: nn.conv2d(x, w, 2, strides=1), "unexpected keyword argument 'strides'"),
         (lambda: nn.conv2d(x, w, 2, 1, 1, 1, 1), "at most 4 arguments after x and w"),
+        (lambda: nn.conv2d(x, w, "SAME"), "third argument is the stride .* or the bias"),
     ]:
         with pytest.raises(FlowjitTypeError, match=message):
             bad()
+    with pytest.raises(FlowjitValueError, match=r"bias must have one value per output channel, shape \(4,\)"):
+        nn.conv2d(x, w, np.ones(5, np.float32))
 
 
 def ref_pool(kind, x, window, stride, pads):

@@ -141,8 +141,25 @@ def conv2d(x, w, *args, **kwargs):
         depthwise = fnp.shape(w)[1] == 1
         out = _depthwise_conv(x, w, stride, pads, dilation) if depthwise else _grouped_conv(x, w, attrs, groups)
     if b is not None:
-        out = fnp.add(out, fnp.reshape(b, (1, -1, 1, 1)))
+        out = fnp.add(out, fnp.reshape(_bias(b, fnp.shape(w)[0]), (1, -1, 1, 1)))
     return out
+
+
+def _bias(b, channels: int):
+    """`b` as conv2d's bias: an array of shape (O,) (a stride or padding given in its place, or a
+    bias of another length, is an error naming what was found)."""
+    if isinstance(b, str) or not hasattr(b, "shape") and not isinstance(b, (list, tuple, float)):
+        raise FlowjitTypeError(
+            f"{user_location()}: conv2d's third argument is the stride (an int or a pair of ints) or the bias "
+            f"(an array of shape ({channels},)); found {b!r}"
+        )
+    b = fnp.asarray(b)
+    if fnp.shape(b) != (channels,):
+        raise FlowjitValueError(
+            f"{user_location()}: conv2d's bias must have one value per output channel, shape ({channels},); "
+            f"found shape {fnp.shape(b)}"
+        )
+    return b
 
 
 def conv1d(x, w, b=None, stride: int = 1, padding=0, dilation: int = 1, groups: int = 1):
