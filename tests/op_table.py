@@ -946,6 +946,42 @@ add_row(
 )
 
 
+def _recurrence_ref(a, b, dtype, axis, reverse):
+    """h[0] = b[0], h[i] = a[i] * h[i-1] + b[i] along `axis` (from the end when `reverse`), in float64."""
+    a, b = np.moveaxis(np.asarray(a, np.float64), axis, 0), np.moveaxis(np.asarray(b, np.float64), axis, 0)
+    order = range(len(a) - 1, -1, -1) if reverse else range(len(a))
+    out, h = np.empty_like(b), None
+    for i in order:
+        h = b[i] if h is None else a[i] * h + b[i]
+        out[i] = h
+    return np.moveaxis(out, 0, axis)
+
+
+for _shape, _axis in (
+    ((6,), 0),
+    ((3, 4), 1),
+    ((2, 3, 4), 1),
+    ((37, 5), 0),  # columns narrower than a vector
+    ((19, 70), 1),  # the last axis: groups of rows, a partial last group
+    ((3, 40, 24), 1),  # a block of one vector's columns and a narrower one
+    ((1, 1), 0),
+    ((0, 3), 1),
+):
+    for _reverse in (False, True):
+        add_row(
+            f"linear_recurrence-{_shape_id(_shape)}-axis{_axis}{'-reverse' if _reverse else ''}",
+            "linear_recurrence",
+            _CUMSUM_DTYPES,
+            lambda rng, d, s=_shape: [
+                rand(rng, s, d, 0.5, 1.5) if d.is_float else small_ints(rng, s, d),
+                rand(rng, s, d, -2, 2) if d.is_float else small_ints(rng, s, d),
+            ],
+            lambda a, b, dtype, x=_axis, r=_reverse: _recurrence_ref(a, b, dtype, x, r),
+            attrs={"axis": _axis, "reverse": _reverse},
+            tol_scale=max(_shape[_axis], 1) * 4,
+        )
+
+
 def _arg_ref(kind, x, dtype, axis):
     """Index of the first extreme along `axis`, found by masking (not numpy.argmax)."""
     extreme = np.max(x, axis=axis, keepdims=True) if kind == "argmax" else np.min(x, axis=axis, keepdims=True)

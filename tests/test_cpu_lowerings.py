@@ -1273,6 +1273,9 @@ GUARDED_CASES = [
     ("cumsum", [data((37, 5), dt.int32)], dict(axis=0, reverse=False)),  # columns narrower than a vector
     ("cumsum", [data((301, 300), dt.float32)], dict(axis=1, reverse=False)),  # groups of rows over the cores
     ("cumsum", [data((2, 300, 130), dt.float32)], dict(axis=1, reverse=True)),  # blocks of columns over the cores
+    ("linear_recurrence", [data((19, 70), dt.float32), data((19, 70), dt.float32)], dict(axis=1, reverse=False)),
+    ("linear_recurrence", [data((3, 40, 37), dt.float64), data((3, 40, 37), dt.float64)], dict(axis=1, reverse=True)),
+    ("linear_recurrence", [data((301, 300), dt.float32), data((301, 300), dt.float32)], dict(axis=1, reverse=False)),
 ]
 
 

@@ -170,6 +170,18 @@ def _rows() -> list[GradRow]:
         ),
         GradRow("cumsum", "cumsum", uniform(-1, 1, 3, 5), {"axis": 1, "reverse": False}),
         GradRow("cumsum-reverse-axis0", "cumsum", uniform(-1, 1, 4, 2, 3), {"axis": 0, "reverse": True}),
+        GradRow(
+            "linear_recurrence",
+            "linear_recurrence",
+            lambda rng: [rng.uniform(-1.5, 1.5, (3, 5)), rng.uniform(-1, 1, (3, 5))],
+            {"axis": 1, "reverse": False},
+        ),
+        GradRow(
+            "linear_recurrence-reverse-axis0",
+            "linear_recurrence",
+            lambda rng: [rng.uniform(-1.5, 1.5, (4, 2, 3)), rng.uniform(-1, 1, (4, 2, 3))],
+            {"axis": 0, "reverse": True},
+        ),
         GradRow("reduce_sum", "reduce_sum", uniform(-1, 1, 2, 3, 4), {"axes": (0, 2)}),
         GradRow("reduce_sum-all", "reduce_sum", uniform(-1, 1, 3, 2), {"axes": (0, 1)}),
         GradRow("reduce_max", "reduce_max", distinct(3, 4), {"axes": (1,)}),

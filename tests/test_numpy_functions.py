@@ -908,6 +908,39 @@ def test_cumsum_is_one_op_and_numpys_sequential_sum(shape, axis):
     np.testing.assert_array_equal(grad, expected)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+@pytest.mark.parametrize("shape, axis", [((2, 300), 1), ((300, 3), 0), ((7, 33, 24), 1), ((5000,), 0), ((3, 70, 2), 2)])
+def test_cumprod_is_a_linear_recurrence_and_numpys_products(shape, axis, dtype):
+    """cumprod is one `linear_recurrence` op (a = x, b = x first then -0.0): numpy's products bit for
+    bit (zeros and -0.0 among them, ints wrapping as numpy's), eager and compiled; its gradient is
+    exact with zeros (no division): sum over j >= i of w[j] times the product of x[k], k <= j,
+    k != i."""
+    rng = np.random.default_rng(5)
+    if np.dtype(dtype).kind == "f":
+        x = rng.uniform(0.9, 1.1, shape).astype(dtype)
+        x.flat[::13] = 0.0
+        x.flat[5::17] = -0.0
+    else:
+        x = rng.integers(-3, 4, shape).astype(dtype)
+    fn = fj.jit(lambda a: fnp.cumprod(a, axis=axis))
+    assert "linear_recurrence" in [op.name for op in fn.lower(x).graph("traced").ops]
+    want = np.cumprod(x, axis=axis, dtype=dtype)
+    for got in (fn(x), fnp.cumprod(x, axis=axis)):
+        assert got.dtype == want.dtype and np.asarray(got).tobytes() == want.tobytes()
+    if np.dtype(dtype).kind != "f":
+        return
+    v = np.moveaxis(x.astype(np.float64), axis, -1)[..., :12]  # a short axis for the O(n^2) reference
+    w = np.random.default_rng(6).standard_normal(v.shape)
+    grad = fj.jit(fj.grad(lambda a: fnp.sum(fnp.cumprod(a, axis=-1) * w)))(v)
+    n = v.shape[-1]
+    want_grad = np.zeros_like(v)
+    for i in range(n):
+        for j in range(i, n):
+            others = np.prod(np.delete(v[..., : j + 1], i, axis=-1), axis=-1)
+            want_grad[..., i] += w[..., j] * others
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
 def test_cumsum_of_bools_and_half_types():
     """Bools sum as int64 (numpy's); half types in float32, each running sum rounded once."""
     x = f32(3, 50, lo=-4, hi=4)

@@ -116,6 +116,7 @@ EXAMPLES = {
     "gather": lambda: _graph_with("gather", [T(10, 4), T(2, 3, dtype=dt.int64)], {"axis": 0}),
     "sort": lambda: _graph_with("sort", [T(3, 7), T(3, 7, dtype=dt.int64)], {"axis": 1}),
     "cumsum": lambda: _graph_with("cumsum", [T(3, 7, dtype=dt.int64)], {"axis": 0, "reverse": True}),
+    "linear_recurrence": lambda: _graph_with("linear_recurrence", [T(3, 7), T(3, 7)], {"axis": 1, "reverse": False}),
     "scatter_add": lambda: _graph_with("scatter_add", [T(10, 4), T(3, dtype=dt.int32), T(3, 4)], {"axis": 0}),
     "dot_general": lambda: _graph_with(
         "dot_general",

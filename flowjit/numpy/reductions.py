@@ -30,7 +30,7 @@ from flowjit.numpy.elementwise import (
 )
 from flowjit.numpy.elementwise import where as _where
 from flowjit.numpy.promotion import _dtype_of, _float_operand, asarray, astype, broadcast_to
-from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, ndim, pad, ravel, reshape, shape, size
+from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, iota, ndim, ravel, reshape, shape, size
 
 # --- reductions -------------------------------------------------------------------------------------
 
@@ -203,30 +203,30 @@ def cumsum(x, axis=None, dtype=None):
 
 
 def cumprod(x, axis=None, dtype=None):
-    """Inclusive prefix product by the log-step scan, in `dtype` when given: exact for integers and
-    zeros (no logarithms)."""
+    """Inclusive prefix product, in `dtype` when given: the `linear_recurrence` op with a = x and b =
+    x at the axis's first position and -0.0 after it (h[i] = x[i] * h[i-1] + -0.0 is the product
+    exactly, its sign kept), multiplying in numpy's order, so the result is numpy's bit for bit;
+    its gradient is exact with zeros (no division). Half types multiply in float32, rounded once
+    at the end; bools as int64 (numpy's)."""
     x = _scan_input(x, dtype)
     if axis is None:
         x, axis = ravel(x), 0
-    return _scan(x, _norm_axis(axis, ndim(x), "cumprod"), multiply, 1)
+    axis = _norm_axis(axis, ndim(x), "cumprod")
+    if shape(x)[axis] == 0:
+        return x
+    kind = _dtype_of(x)
+    half = kind in (dt.float16, dt.bfloat16)
+    a = astype(x, dt.float32) if half else x
+    first = equal(iota(shape(a), axis, dt.int32), 0)
+    b = _where(first, a, -0.0 if _dtype_of(a).is_float else 0)
+    product = bind("linear_recurrence", [a, b], {"axis": axis, "reverse": False})
+    return astype(product, kind) if half else product
 
 
 def _scan_input(x, dtype):
     """A cumulative sum's or product's operand: in `dtype` when given, bools as int64 (numpy's)."""
     x = asarray(x) if dtype is None else astype(x, dtype)
     return astype(x, dt.int64) if _dtype_of(x).is_bool else x
-
-
-def _scan(x, axis: int, combine, identity):
-    """Inclusive scan along `axis` in ceil(log2 n) steps (Hillis-Steele): combine x with a copy
-    shifted by 1, 2, 4, ... elements, the vacated front filled with `identity`."""
-    n, step = shape(x)[axis], 1
-    while step < n:
-        widths = [(0, 0)] * ndim(x)
-        widths[axis] = (step, 0)
-        x = combine(x, pad(_slice_axis(x, axis, 0, n - step), widths, constant_values=identity))
-        step *= 2
-    return x
 
 
 def diff(x, n=1, axis=-1, prepend=None, append=None):

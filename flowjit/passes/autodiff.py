@@ -540,8 +540,39 @@ def _cumsum_vjp(op, cts, operands, results):
     return [bind("cumsum", [cts[0]], attrs)]
 
 
+def _shifted(x, axis: int, toward_end: bool):
+    """`x` moved one position along `axis` (toward its end when `toward_end`), the vacated position 0."""
+    n = x.shape[axis]
+    rank = len(x.shape)
+    start = [0] * rank
+    limit = list(x.shape)
+    if toward_end:
+        limit[axis] = n - 1
+    else:
+        start[axis] = 1
+    kept = bind("slice", [x], {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * rank})
+    low, high = [0] * rank, [0] * rank
+    (low if toward_end else high)[axis] = 1
+    zero = fnp.asarray(np.zeros((), x.dtype))
+    return bind("pad", [kept, zero], {"low": tuple(low), "high": tuple(high), "interior": (0,) * rank})
+
+
+def _linear_recurrence_vjp(op, cts, operands, results):
+    # h[i] = a[i] h[i-1] + b[i]: the cotangent lambda of h[i] is g[i] + a[i+1] lambda[i+1], the same
+    # recurrence run the other way with the coefficients moved by one; db = lambda and
+    # da[i] = lambda[i] h[i-1] (a at the first position is unused: 0 there exactly).
+    a, _ = operands
+    (h,) = results
+    axis, reverse = op.attrs["axis"], op.attrs["reverse"]
+    attrs = {"axis": axis, "reverse": not reverse}
+    lam = bind("linear_recurrence", [_shifted(a, axis, toward_end=reverse), cts[0]], attrs)
+    first = fnp.iota(a.shape, axis, dt.int32) == (a.shape[axis] - 1 if reverse else 0)
+    return [_where(first, 0, lam * _shifted(h, axis, toward_end=not reverse)), lam]
+
+
 VJP_RULES.update(
     {
+        "linear_recurrence": _linear_recurrence_vjp,
         "cumsum": _cumsum_vjp,
         "reduce_sum": _reduce_sum_vjp,
         "reduce_max": _reduce_extreme_vjp,

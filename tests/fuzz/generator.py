@@ -561,6 +561,24 @@ def _cumsum(g: Gen) -> None:
     )
 
 
+@builder("linear_recurrence")
+def _cumprod(g: Gen) -> None:
+    # Running products (fnp.cumprod: the linear_recurrence op). Floats squashed into [0.75, 1.25]
+    # (no overflow in float32 where numpy's float64 reference would not overflow) and only in
+    # float32/float64 (a half type's long product drifts past the tolerance); integers exactly
+    # (int32 stays int32 in flowjit: numpy's int64 product cast back wraps alike).
+    a = g.need(lambda v: len(v.shape) >= 1 and (v.dtype in ("f32", "f64") or (v.is_int and not g.smooth)))
+    axis = g.choice([None, *range(len(a.shape))])
+    if a.is_float:
+        g.emit(
+            f"M.cumprod(M.tanh({a.name}) * 0.25 + 1.0, axis={axis})",
+            f"C(np.cumprod(np.tanh({_w(a)}) * 0.25 + 1.0, axis={axis}), {{T}})",
+            exact=False,
+        )
+        return
+    g.emit(f"M.cumprod({a.name}, axis={axis})", f"C(np.cumprod({_w(a)}, axis={axis}), {{T}})", exact=a.exact)
+
+
 @builder("argmax", "argmin")
 def _arg_reduce(g: Gen) -> None:
     a = g.need(lambda v: v.exact and v.dtype != "bool" and v.array.size > 0 and len(v.shape) >= 1)
@@ -745,6 +763,7 @@ SMOOTH_OPS = (
     "sort",
     "reduce_sum",
     "cumsum",
+    "linear_recurrence",
     "dot_general",
     "conv2d",
     "select",

@@ -84,6 +84,7 @@ LIGHT_PIPELINE_OPS = frozenset(
         "reduce_window",
         "fusion",
         "cumsum",
+        "linear_recurrence",
     }
 )
 LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")

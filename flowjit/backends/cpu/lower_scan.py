@@ -1,4 +1,6 @@
-"""CPU lowering of `cumsum`: running sums along one axis, element by element in order.
+"""CPU lowering of `cumsum` and `linear_recurrence`: running sums (h[i] = h[i-1] + x[i]) or
+products and recurrences (h[i] = a[i] * h[i-1] + b[i]; cumprod) along one axis, element by element
+in order, the first position's values as they are.
 
 The operand is viewed as (outer, n, inner), the summed axis in the middle. A *block* is `g` rows of
 `outer` by `w` contiguous columns of `inner`; its sums walk the n positions in order (from the end
@@ -74,29 +76,40 @@ def _blocks(outer: int, inner: int, lanes: int) -> tuple[list[_Span], list[_Span
 @lowering("cumsum")
 def lower_cumsum(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """cumsum along `axis` (see the module docstring)."""
-    (x,) = operands
-    t = op.operands[0].type
+    return [_scan(em, op, operands)]
+
+
+@lowering("linear_recurrence")
+def lower_linear_recurrence(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """h[i] = a[i] * h[i-1] + b[i] along `axis`, h[0] = b[0]: the running sums' loops with a
+    multiply and an add per element (cumprod: the module docstring)."""
+    return [_scan(em, op, operands)]
+
+
+def _scan(em: KernelEmitter, op: Op, operands: list[str]) -> str:
+    """The running sums (one operand) or the linear recurrence (a, b) of `op` along its axis."""
+    t = op.operands[-1].type
     axis = op.attrs["axis"] % t.rank
     n = t.shape[axis]
     if t.size == 0 or n == 1:
-        return [x]
+        return operands[-1]
     outer, inner = math.prod(t.shape[:axis]), math.prod(t.shape[axis + 1 :])
     # (outer, n, inner), or (outer, n) when the axis is the last: a collapse of the result's shape
     # (leading unit dims aside), so the kernel writes straight into the result's buffer
     # (`store_through`); through a reshape of its own tensor it would fill a temporary, copied out.
     view = TensorType((outer, n) if inner == 1 else (outer, n, inner), t.dtype)
-    source = reshape_tensor(em, x, t, view)
+    sources = [reshape_tensor(em, x, t, view) for x in operands]
     kernel = _ScanKernel(em, view, bool(op.attrs["reverse"]))
     result = em.empty(view)
     row_spans, column_spans = _blocks(outer, inner, schedule.lanes(t.dtype.itemsize * 8))
     for rows in row_spans:
         for columns in column_spans:
-            result = kernel.blocks(source, result, rows, columns)
+            result = kernel.blocks(sources, result, rows, columns)
     if view.shape == t.shape:
-        return [result]
+        return result
     shaped = reshape_tensor(em, result, view, t)
     em.store_through(shaped, result, view.shape)
-    return [shaped]
+    return shaped
 
 
 class _ScanKernel:
@@ -112,8 +125,9 @@ class _ScanKernel:
         self.elem = elem_type(view.dtype)
         self.is_float = view.dtype.is_float
 
-    def blocks(self, source: str, result: str, rows: _Span, columns: _Span) -> str:
-        """`result` with the blocks of `rows` x `columns` summed from `source`: one block per
+    def blocks(self, source: list[str], result: str, rows: _Span, columns: _Span) -> str:
+        """`result` with the blocks of `rows` x `columns` summed from `source` ([x], or [a, b] of a
+        linear recurrence): one block per
         iteration of an `scf.forall` over the cores when there are enough elements, else of an
         `scf.for`."""
         w = self.w
@@ -155,7 +169,7 @@ class _ScanKernel:
 
     def _block(
         self,
-        source: str,
+        source: list[str],
         row: str,
         column: str,
         dest: str,
@@ -164,37 +178,49 @@ class _ScanKernel:
         g: int,
         width: int,
     ) -> str:
-        """`dest` (of `dest_type`) with the running sums of the block of `g` rows and `width` columns
-        of `source` at (`row`, `column`) written at the same place, or at (`dest_origin`,
-        `dest_origin`) when `dest` is the block's own slice: an `scf.for` over the n positions
-        carrying `dest` and the g accumulators."""
+        """`dest` (of `dest_type`) with the running sums (or recurrence) of the block of `g` rows
+        and `width` columns of `source` at (`row`, `column`) written at the same place, or at
+        (`dest_origin`, `dest_origin`) when `dest` is the block's own slice: the first position's
+        values as they are (numpy's first sum is its first element, -0.0 included), then an
+        `scf.for` over the other n - 1 positions carrying `dest` and the g accumulators."""
         em, w = self.em, self.w
         vec = f"vector<{width}x{self.elem}>"
-        zero = "0.000000e+00" if self.is_float else "0"
-        start = em.op(f"arith.constant dense<{zero}> : {vec}")
-        pad = em.op(f"arith.constant {zero} : {self.elem}")
+        pad = em.op(f"arith.constant {'0.000000e+00' if self.is_float else '0'} : {self.elem}")
         src_type = tensor_type(self.view)
         rows = [row] + [w.add(row, w.index(q)) for q in range(1, g)]
         if dest_origin is None:
             dest_rows, dest_column = rows, column
         else:
             dest_rows, dest_column = [dest_origin] + [w.index(q) for q in range(1, g)], dest_origin
-        loop, i, (current, *accs) = w.open_for(
-            w.index(0), w.index(self.n), w.index(1), [(dest, dest_type)] + [(start, vec)] * g
-        )
-        at = em.op(f"arith.subi {w.index(self.n - 1)}, {i} : index") if self.reverse else i
-        add = "arith.addf" if self.is_float else "arith.addi"
-        sums = []
-        for q in range(g):
-            value = em.op(
-                f"vector.transfer_read {source}{self._at(rows[q], at, column)}, {pad} {{in_bounds = [true]}} : "
+
+        def read(tensor: str, q: int, at: str) -> str:
+            return em.op(
+                f"vector.transfer_read {tensor}{self._at(rows[q], at, column)}, {pad} {{in_bounds = [true]}} : "
                 f"{src_type}, {vec}"
             )
-            total = em.op(f"{add} {accs[q]}, {value} : {vec}")
-            current = em.op(
-                f"vector.transfer_write {total}, {current}{self._at(dest_rows[q], at, dest_column)} "
+
+        def write(value: str, q: int, at: str, into: str) -> str:
+            return em.op(
+                f"vector.transfer_write {value}, {into}{self._at(dest_rows[q], at, dest_column)} "
                 f"{{in_bounds = [true]}} : {vec}, {dest_type}"
             )
+
+        first = w.index(self.n - 1 if self.reverse else 0)
+        starts = [read(source[-1], q, first) for q in range(g)]
+        for q in range(g):
+            dest = write(starts[q], q, first, dest)
+        loop, i, (current, *accs) = w.open_for(
+            w.index(1), w.index(self.n), w.index(1), [(dest, dest_type)] + [(start, vec) for start in starts]
+        )
+        at = em.op(f"arith.subi {w.index(self.n - 1)}, {i} : index") if self.reverse else i
+        add, mul = ("arith.addf", "arith.mulf") if self.is_float else ("arith.addi", "arith.muli")
+        sums = []
+        for q in range(g):
+            carried = accs[q]
+            if len(source) == 2:  # a[i] * h[i-1], then + b[i]: two roundings, as numpy's
+                carried = em.op(f"{mul} {read(source[0], q, at)}, {carried} : {vec}")
+            total = em.op(f"{add} {carried}, {read(source[-1], q, at)} : {vec}")
+            current = write(total, q, at, current)
             sums.append(total)
         w.close_for([current] + sums, [dest_type] + [vec] * g)
         return f"{loop}#0"

@@ -123,6 +123,38 @@ defop(
 )
 
 
+def _recurrence_rule(types, attrs):
+    a, b = types
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ShapeError(f"needs operands of one shape and dtype; found {a} and {b}")
+    return _cumsum_rule([b], attrs)
+
+
+def _recurrence(a, b, *, axis, reverse):
+    """h[0] = b[0], h[i] = a[i] * h[i-1] + b[i] along `axis` (multiply, then add: two roundings)."""
+    order = range(a.shape[axis] - 1, -1, -1) if reverse else range(a.shape[axis])
+    out = np.empty_like(b)
+    h = None
+    for i in order:
+        at = (slice(None),) * axis + (i,)
+        h = b[at] if h is None else a[at] * h + b[at]
+        out[at] = h
+    return out
+
+
+defop(
+    "linear_recurrence",
+    REDUCTION,
+    _recurrence_rule,
+    _recurrence,
+    2,
+    attrs=("axis", "reverse"),
+    doc="h[0] = b[0], h[i] = a[i] * h[i-1] + b[i] along `axis` (from the end when `reverse`), a multiply "
+    "then an add per element: cumprod is a = x, b = x at the first position and -0.0 after it (bit for "
+    "bit numpy's), and the op's gradient is itself run the other way",
+)
+
+
 # --- windowed reductions --------------------------------------------------------------------------
 
 WINDOW_KINDS = ("max", "sum", "avg")
