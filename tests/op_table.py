@@ -914,7 +914,8 @@ def _cumsum_ref(x, dtype, axis, reverse):
 
 
 _CUMSUM_DTYPES = (I32, I64, F32, F64)  # the frontend sums bools as int64, half types in float32
-for _shape, _axis in (
+# (shape, axis) of the scans (cumsum, linear_recurrence): each kind of block of `lower_scan`.
+_SCAN_SHAPES = (
     ((5,), 0),
     ((3, 4), 1),
     ((3, 4), 0),
@@ -925,7 +926,8 @@ for _shape, _axis in (
     ((3, 40, 24), 1),  # a block of one vector's columns and a narrower one
     ((1, 1), 0),
     ((0, 3), 1),
-):
+)
+for _shape, _axis in _SCAN_SHAPES:
     for _reverse in (False, True):
         add_row(
             f"cumsum-{_shape_id(_shape)}-axis{_axis}{'-reverse' if _reverse else ''}",
@@ -957,16 +959,7 @@ def _recurrence_ref(a, b, dtype, axis, reverse):
     return np.moveaxis(out, 0, axis)
 
 
-for _shape, _axis in (
-    ((6,), 0),
-    ((3, 4), 1),
-    ((2, 3, 4), 1),
-    ((37, 5), 0),  # columns narrower than a vector
-    ((19, 70), 1),  # the last axis: groups of rows, a partial last group
-    ((3, 40, 24), 1),  # a block of one vector's columns and a narrower one
-    ((1, 1), 0),
-    ((0, 3), 1),
-):
+for _shape, _axis in _SCAN_SHAPES:
     for _reverse in (False, True):
         add_row(
             f"linear_recurrence-{_shape_id(_shape)}-axis{_axis}{'-reverse' if _reverse else ''}",
