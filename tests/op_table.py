@@ -927,25 +927,6 @@ _SCAN_SHAPES = (
     ((1, 1), 0),
     ((0, 3), 1),
 )
-for _shape, _axis in _SCAN_SHAPES:
-    for _reverse in (False, True):
-        add_row(
-            f"cumsum-{_shape_id(_shape)}-axis{_axis}{'-reverse' if _reverse else ''}",
-            "cumsum",
-            _CUMSUM_DTYPES,
-            lambda rng, d, s=_shape: [rand(rng, s, d, -9, 9)],
-            lambda x, dtype, a=_axis, r=_reverse: _cumsum_ref(x, dtype, a, r),
-            attrs={"axis": _axis, "reverse": _reverse},
-            tol_scale=max(_shape[_axis], 1),
-        )
-add_row(
-    "cumsum-special",
-    "cumsum",
-    (F32, F64),
-    lambda rng, d: [literal([[1.0, np.inf, 2.0, np.nan, 3.0], [-np.inf, 1.0, np.inf, 1.0, 1.0]], d)],
-    lambda x, dtype: _cumsum_ref(x, dtype, 1, False),
-    attrs={"axis": 1, "reverse": False},
-)
 
 
 def _recurrence_ref(a, b, dtype, axis, reverse):
@@ -961,8 +942,19 @@ def _recurrence_ref(a, b, dtype, axis, reverse):
 
 for _shape, _axis in _SCAN_SHAPES:
     for _reverse in (False, True):
+        _case = f"{_shape_id(_shape)}-axis{_axis}{'-reverse' if _reverse else ''}"
+        _scan_attrs = {"axis": _axis, "reverse": _reverse}
         add_row(
-            f"linear_recurrence-{_shape_id(_shape)}-axis{_axis}{'-reverse' if _reverse else ''}",
+            f"cumsum-{_case}",
+            "cumsum",
+            _CUMSUM_DTYPES,
+            lambda rng, d, s=_shape: [rand(rng, s, d, -9, 9)],
+            lambda x, dtype, a=_axis, r=_reverse: _cumsum_ref(x, dtype, a, r),
+            attrs=_scan_attrs,
+            tol_scale=max(_shape[_axis], 1),
+        )
+        add_row(
+            f"linear_recurrence-{_case}",
             "linear_recurrence",
             _CUMSUM_DTYPES,
             lambda rng, d, s=_shape: [
@@ -970,9 +962,17 @@ for _shape, _axis in _SCAN_SHAPES:
                 rand(rng, s, d, -2, 2) if d.is_float else small_ints(rng, s, d),
             ],
             lambda a, b, dtype, x=_axis, r=_reverse: _recurrence_ref(a, b, dtype, x, r),
-            attrs={"axis": _axis, "reverse": _reverse},
+            attrs=_scan_attrs,
             tol_scale=max(_shape[_axis], 1) * 4,
         )
+add_row(
+    "cumsum-special",
+    "cumsum",
+    (F32, F64),
+    lambda rng, d: [literal([[1.0, np.inf, 2.0, np.nan, 3.0], [-np.inf, 1.0, np.inf, 1.0, 1.0]], d)],
+    lambda x, dtype: _cumsum_ref(x, dtype, 1, False),
+    attrs={"axis": 1, "reverse": False},
+)
 
 
 def _arg_ref(kind, x, dtype, axis):

@@ -148,7 +148,7 @@ def conv2d(x, w, *args, **kwargs):
 def _bias(b, channels: int):
     """`b` as conv2d's bias: an array of shape (O,) (a stride or padding given in its place, or a
     bias of another length, is an error naming what was found)."""
-    if isinstance(b, str) or not hasattr(b, "shape") and not isinstance(b, (list, tuple, float)):
+    if isinstance(b, str) or not (hasattr(b, "shape") or isinstance(b, (list, tuple, float))):
         raise FlowjitTypeError(
             f"{user_location()}: conv2d's third argument is the stride (an int or a pair of ints) or the bias "
             f"(an array of shape ({channels},)); found {b!r}"

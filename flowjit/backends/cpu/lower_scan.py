@@ -113,7 +113,8 @@ def _scan(em: KernelEmitter, op: Op, operands: list[str]) -> str:
 
 
 class _ScanKernel:
-    """Emits the loops of one cumsum over a (outer, n, inner) tensor (`LoopWriter`'s loops)."""
+    """Emits the loops of one cumsum or linear recurrence over a (outer, n, inner) tensor
+    (`LoopWriter`'s loops)."""
 
     def __init__(self, em: KernelEmitter, view: TensorType, reverse: bool):
         self.em = em
@@ -126,10 +127,9 @@ class _ScanKernel:
         self.is_float = view.dtype.is_float
 
     def blocks(self, source: list[str], result: str, rows: _Span, columns: _Span) -> str:
-        """`result` with the blocks of `rows` x `columns` summed from `source` ([x], or [a, b] of a
-        linear recurrence): one block per
-        iteration of an `scf.forall` over the cores when there are enough elements, else of an
-        `scf.for`."""
+        """`result` with the blocks of `rows` x `columns` computed from `source` ([x] of a running
+        sum, or [a, b] of a linear recurrence): one block per iteration of an `scf.forall` over the
+        cores when there are enough elements, else of an `scf.for`."""
         w = self.w
         units = rows.count * columns.count
         full = tensor_type(self.view)
