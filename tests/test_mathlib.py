@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu import ldexp, toolchain
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
 
@@ -328,6 +328,43 @@ def test_f64_atan2_of_zeros_constant_or_not():
     zero = lambda b: (b ^ b).astype("float64")  # noqa: E731  (folds to a constant 0.0)
     folded = fj.jit(lambda b: (fnp.arctan2(zero(b), zero(b)), fnp.arctan2(-zero(b), -zero(b))))(np.array(True))
     assert [float(v) for v in folded] == [0.0, -math.pi]
+
+
+_SCALED = {  # functions whose vector code ends in exp's power-of-two scaling (`ldexp.rewrite`)
+    "exp": (lambda fnp, nn: fnp.exp, np.float32, None),  # two factors
+    "tanh": (lambda fnp, nn: fnp.tanh, np.float32, None),  # one factor (`_exp(saturates=True)`)
+    "logistic": (lambda fnp, nn: nn.sigmoid, np.float32, None),
+    "exp_f64": (lambda fnp, nn: fnp.exp, np.float64, None),
+    # exp(x - max) summed along rows of 1024: four registers scaled at a time
+    "logsumexp": (lambda fnp, nn: nn.logsumexp, np.float32, 1024),
+}
+
+
+@pytest.mark.skipif(not ldexp.enabled(), reason="vscalefps needs an AVX-512 host")
+@pytest.mark.parametrize("name", sorted(_SCALED))
+def test_vector_scaling_by_vscalef_is_bit_for_bit_the_arith_code(name, monkeypatch):
+    """On AVX-512 hosts exp's vectorized 2^n scaling is one `vscalef` per register (`ldexp.rewrite`):
+    the same bits as the shifts and multiplies it replaces, over the bit-pattern sweep (denormal
+    results, overflow, infinities and nan included)."""
+    import flowjit as fj
+    import flowjit.numpy as fnp
+    from flowjit import nn
+
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    make, dtype, row = _SCALED[name]
+    with np.errstate(invalid="ignore"):  # signaling nan patterns made float64
+        x = np.concatenate([bit_pattern_sweep(SWEEP_STEP), special_values_f32()]).astype(dtype)
+    if row:  # finite rows: a row holding inf or nan has a nan max, its exp the nan
+        x = np.where(np.isfinite(x), x, 0)[: len(x) // row * row].reshape(-1, row)
+    scaled = fj.jit(make(fnp, nn))
+    assert "llvm.x86.avx512.mask.scalef" in scaled.lower(x).as_text("llvm")
+    with np.errstate(all="ignore"):
+        got = scaled(x)
+        monkeypatch.setattr(ldexp, "enabled", lambda: False)
+        plain = fj.jit(make(fnp, nn))
+        assert "scalef" not in plain.lower(x).as_text("llvm")
+        want = plain(x)
+    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8)), name
 
 
 def _table(step: int = 61) -> None:

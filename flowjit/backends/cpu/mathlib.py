@@ -30,6 +30,7 @@ Float32 algorithms:
 - exp: n = round(x log2 e), r = x - n ln2 (two-constant Cody-Waite with fma), Cephes degree-5
   polynomial, 2^n applied as two exact power-of-two factors built by integer shift + bitcast, so
   results down into the denormals and up to FLT_MAX are right; overflow gives inf, underflow 0.
+  Vectorized on AVX-512, the factors become one `vscalefps` per register, same bits (`ldexp.py`).
 - log: exponent/mantissa split by bit operations (denormal inputs are pre-scaled by 2^23), mantissa in
   [sqrt(1/2), sqrt(2)), Cephes degree-8 polynomial. log(0) = -inf, log(x<0) = nan, log(inf) = inf.
 - log1p: log(u) + (x - (u - 1)) / u with u = 1 + x (the correction term restores the bits rounded off
@@ -88,6 +89,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from flowjit.backends.cpu import ldexp
 from flowjit.backends.cpu.emitter import ScalarBuilder
 
 _INT = {"f32": "i32", "f64": "i64"}
@@ -347,13 +349,19 @@ def _exp(m: _Arith, x: str, saturates: bool = False) -> str:
     y = m.add(m.fma(p, m.mul(r, r), r), m.c(1.0))
     ni = m.to_int(n)
     if saturates:
-        y = m.mul(y, m.pow2_int(ni))
+        y = _scaled(m, y, m.pow2_int(ni), 1)
     else:
         # 2^n as 2^(n//2) * 2^(n - n//2): each factor is a normal float over the whole clamped
         # range, so denormal results are rounded once and exp(88.72) (f32) does not overflow early.
         n1 = m.iop("shrsi", ni, m.ci(1))
-        y = m.mul(m.mul(y, m.pow2_int(n1)), m.pow2_int(m.iop("subi", ni, n1)))
+        y = _scaled(m, m.mul(y, m.pow2_int(n1)), m.pow2_int(m.iop("subi", ni, n1)), 2)
     return m.select(m.isnan(x), x, y)
+
+
+def _scaled(m: _Arith, y: str, power: str, factors: int) -> str:
+    """y * power, the last of exp's `factors` power-of-two factors of 2^n, tagged for `ldexp.rewrite`
+    (one `vscalef` on AVX-512 once vectorized)."""
+    return m.b.op(f"arith.mulf {y}, {power} {{{ldexp.TAG} = {factors} : i64}} : {m.t}")
 
 
 def _log_core_f32(m: _Arith, x: str) -> str:

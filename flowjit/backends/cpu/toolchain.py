@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from flowjit.backends.cpu import lane_extremes, single_lane
+from flowjit.backends.cpu import lane_extremes, ldexp, single_lane
 from flowjit.errors import CompileError
 from flowjit.passes import dump
 
@@ -75,6 +75,7 @@ BUFFERIZE_PIPELINE = (
 # proves the operands non-negative, i.e. shifts and masks; left signed, only LLVM's O3 (IndVars,
 # CorrelatedValuePropagation) found that, and without it softmax's exp loop did 15 more integer
 # instructions per vector (+14% run time under `LIGHT_PASSES`).
+# `enable-x86vector`: lowers the `x86vector.avx512.mask.scalef` ops of `ldexp.rewrite` (AVX-512 hosts).
 # `reassociate-fp-reductions`: a float `vector.reduction` becomes a tree of adds (pairwise) instead
 # of LLVM's default ordered chain of one add per lane (softmax's sum: 16 dependent adds per row and
 # a third more machine code). `_check_lowered` reports any op left over. The closing
@@ -87,7 +88,7 @@ LLVM_PIPELINE = (
     "convert-vector-to-scf{full-unroll=true},expand-strided-metadata,lower-affine,arith-unsigned-when-equivalent,"
     "finalize-memref-to-llvm,"
     "convert-scf-to-cf,convert-math-to-llvm,convert-math-to-libm,"
-    "convert-vector-to-llvm{enable-x86vector=false reassociate-fp-reductions=true},"
+    "convert-vector-to-llvm{enable-x86vector=true reassociate-fp-reductions=true},"
     "convert-arith-to-llvm,convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,"
     "convert-ub-to-llvm,reconcile-unrealized-casts,canonicalize,cse"
 )
@@ -273,7 +274,8 @@ def _repro(text: str, pipeline: str) -> str:
 def _apply_schedule(module) -> bool:
     """Run the module's transform schedule, if it has one, and erase it; then rewrite the float
     max/min reductions across vector lanes, the schedules' and the lowerings' own
-    (`lane_extremes`). True if there was a schedule."""
+    (`lane_extremes`), and exp's vectorized power-of-two scaling (`ldexp`). True if there was a
+    schedule."""
     scheduled = "transform.with_named_sequence" in module.operation.attributes
     if scheduled:
         try:
@@ -285,6 +287,7 @@ def _apply_schedule(module) -> bool:
                 op.operation.erase()
         del module.operation.attributes["transform.with_named_sequence"]
     lane_extremes.rewrite(module)
+    ldexp.rewrite(module)
     return scheduled
 
 
