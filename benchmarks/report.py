@@ -183,7 +183,9 @@ WHY_SLOWER: dict[str, str] = {
     "numpy's large arrays start 16 bytes past a 64-byte line, so every such load "
     "spans two lines: an aligned view of the same buffer sums 2-3.5% faster; a loop peeled to an aligned start "
     "won 1-2.4% at 3 ms more compile time and was dropped (docs/cpu-backend.md, 'Calls, cache, measurements'). "
-    "Paired with torch call by call in one process the medians differ by 1-4%.",
+    "Paired with torch call by call in one process the medians differ by 1-4%; in session 20 (Zen 4), 30 "
+    "alternated samples each after a pause: flowjit 8.20 ms, flowjit on a 64-byte aligned copy 8.36, torch (on "
+    "the same numpy buffer, 16 bytes past a line) 8.14 (minima 7.55, 7.48, 7.43): 33 GB/s, the measured limit.",
     "layernorm": "both read 16 MiB and write 16 MiB; flowjit's layer norm is one row-tile nest split over the cores "
     "(each tile read from memory once, its reductions and the normalized output from cache) at 70-80% of the "
     "measured bandwidth, "
@@ -199,7 +201,9 @@ WHY_SLOWER: dict[str, str] = {
 WHY_LIMIT: dict[str, str] = {
     "elementwise": "Compute-bound: on a 2-core Zen 4 (session 11; AVX-512 on 256-bit units) 8.8-10.4 ms, "
     "29-46% of the limit (JAX 29-34 ms), 46% once tanh's exp scaled by one power of two instead of two "
-    "(5 vector instructions fewer per element, 7% faster). On the 2-core Xeon of session 10 it takes "
+    "(5 vector instructions fewer per element, 7% faster); since session 20 each exp's scaling is one "
+    "`vscalefps` (`ldexp.py`), 0.95x the time again, and its two divisions cost only 3-5% (replaced by "
+    "multiplies for a test). On the 2-core Xeon of session 10 it takes "
     "20-21 ms (JAX 31, torch.compile 41; 23-26 ms before recycled outputs were 64-byte aligned): the two "
     "exp polynomials and two divisions per element, not the memory, set its time there (a "
     "reciprocal estimate for the divisions was slower there too). On the Zen 5 VM: since large outputs are "
