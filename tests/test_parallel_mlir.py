@@ -81,6 +81,26 @@ def test_small_or_one_op_functions_stay_whole(monkeypatch):
     assert not lowering.lower_graph(one_op, split=2).parts
 
 
+def test_the_cut_balances_the_parts_compile_cost_not_their_lines():
+    """Kernels vectorized by a transform schedule cost more to compile than their lines say (the
+    MLP step's loss: 241 lines, 14 scheduled kernels, as long as a 700-line matmul): the cut
+    weighs each by `SCHEDULED_KERNEL_COST` lines, so it comes before such a piece when that evens
+    the parts, and where lines alone would put it when no piece has a schedule."""
+
+    def piece(lines: int, scheduled: int = 0):
+        return lowering._Piece(["  %v = arith.constant 0 : index"] * lines, ["schedule"] * scheduled)
+
+    def cut(pieces):
+        starts = lowering._piece_starts(pieces, 0)
+        ((_, index),) = lowering._cuts(starts, sum(p.cost for p in pieces), 2)
+        return index
+
+    # lines alone: 850 | 600 (cut before the fourth piece) is the most even
+    assert cut([piece(300), piece(250), piece(300), piece(300), piece(300)]) == 3
+    # the second piece's 14 scheduled kernels make it the costliest: 300 + (250 + 14 kernels) | 900
+    assert cut([piece(300), piece(250, scheduled=14), piece(300), piece(300), piece(300)]) == 2
+
+
 def test_split_compile_matches_whole(split_everything, monkeypatch):
     inputs = _inputs()
     compiled = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()

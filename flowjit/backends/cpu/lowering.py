@@ -598,7 +598,7 @@ def lower_graph(
         f"// flowjit function '{graph.name}' -> @{name}(inputs, outputs, workspace)\n// workspace: {workspace} bytes\n"
     )
     layout = (name, workspace, tuple(p.type for p in graph.params), tuple(r.type for r in graph.results))
-    cuts = _cuts(_piece_starts(pieces, prologue), prologue + sum(p.weight for p in pieces), split) if splittable else []
+    cuts = _cuts(_piece_starts(pieces, prologue), prologue + sum(p.cost for p in pieces), split) if splittable else []
     if not cuts:
         if any(p.function for p in pieces):
             body = em.body[:prologue] + [line for p in pieces for line in p.lines]
@@ -672,8 +672,14 @@ class _Piece:
 
     @property
     def weight(self) -> int:
-        """Lines of MLIR it adds to a module, to balance the parts of a split function."""
+        """Lines of MLIR it adds to a module (`SPLIT_MIN_LINES`)."""
         return len(self.lines) + len(self.function)
+
+    @property
+    def cost(self) -> int:
+        """Its compile time in lines of MLIR, to balance the parts of a split function: a kernel that
+        its transform schedule vectorizes costs `SCHEDULED_KERNEL_COST` lines more."""
+        return self.weight + SCHEDULED_KERNEL_COST * len(self.schedules)
 
 
 def _op_pieces(em: KernelEmitter, prologue: int, starts: list[tuple[int, int]]) -> list[_Piece]:
@@ -683,14 +689,19 @@ def _op_pieces(em: KernelEmitter, prologue: int, starts: list[tuple[int, int]]) 
 
 
 def _piece_starts(pieces: list[_Piece], prologue: int) -> list[tuple[int, int]]:
-    """(line where the piece begins if every piece's lines were in one body, its index): `_cuts`'s input."""
+    """(where the piece begins, in the cost of the pieces before it, its index): `_cuts`'s input."""
     starts, line = [], prologue
     for index, piece in enumerate(pieces):
         starts.append((line, index))
-        line += piece.weight
+        line += piece.cost
     return starts
 
 
+# What vectorizing a kernel by its transform schedule adds to the compile, in lines of the lowering's
+# MLIR (`_Piece.cost`): each op of the MLP step, lowered as a module of its own, took 0.12-0.15 ms of
+# MLIR and LLVM per line, plus 2-4 ms per scheduled kernel (its loss, 241 lines and 14 scheduled
+# kernels, 108 ms; a matmul with its epilogue, 442 lines and one, 66 ms).
+SCHEDULED_KERNEL_COST = 20
 # Ops whose lowerings add module-level declarations and globals of their own (runtime calls).
 _UNSPLITTABLE = frozenset({"send", "recv", "send_done"})
 # Rough lines of MLIR per op (nested ones included), to lower a function op by op at once when it
