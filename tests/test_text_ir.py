@@ -5,6 +5,7 @@ ops, nested regions, locations and devices; and parse errors name file:line:col.
 from __future__ import annotations
 
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -251,6 +252,54 @@ def test_splat_constants_print_as_one_value(dtype, count):
         line = print_graph(parsed).splitlines()[1]
         is_nan = dtype.is_float and np.isnan(np.float64(value))
         assert (", [" in line or ", 0x" in line) == is_nan, line
+
+
+@pytest.mark.parametrize("dtype", [dt.int32, dt.int64], ids=lambda d: d.name)
+def test_integer_progressions_print_as_iota(dtype):
+    """A large integer constant stepping evenly prints as `iota(start, step)` (`fnp.flip`'s indices
+    were 8 KiB of hex in the dumps) and reads back bit for bit, at the ends of the dtype's range too;
+    anything else keeps the list or hex form."""
+    info = np.iinfo(dtype.np_dtype)
+    progressions = [
+        np.arange(1023, -1, -1),
+        np.arange(5, 5 + 3 * 40, 3).reshape(4, 10),
+        np.array([int(info.max) - 7 * (16 - i) for i in range(17)], dtype=object),  # up to the largest
+        np.array([int(info.min) + i for i in range(17)], dtype=object),  # from the smallest
+    ]
+    for array in progressions:
+        array = array.astype(dtype.np_dtype)
+        parsed = assert_round_trip(_constant_graph(array))
+        assert parsed.ops[0].attrs["value"].tobytes() == array.tobytes()
+        line = print_graph(parsed).splitlines()[1]
+        step = int(array.reshape(-1)[1]) - int(array.reshape(-1)[0])
+        assert f"iota({int(array.reshape(-1)[0])}, {step})" in line, line
+    wrapping = np.array([int(info.max) - 8 + i for i in range(9)] + [int(info.min) + i for i in range(8)], dtype=object)
+    ends = np.array([int(info.min), int(info.max)] + [0] * 15, dtype=object)
+    others = [np.arange(16), np.r_[np.arange(20), 7], wrapping, ends]
+    for array in others:
+        array = array.astype(dtype.np_dtype)
+        parsed = assert_round_trip(_constant_graph(array))
+        assert parsed.ops[0].attrs["value"].tobytes() == array.tobytes()
+        assert "iota(" not in print_graph(parsed)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("array<tensor<20xf32>, iota(0, 1)>", "iota(start, step) needs an integer tensor; found tensor<20xf32>"),
+        (
+            "array<tensor<20xi32>, iota(2147483640, 1)>",
+            "iota(2147483640, 1) reaches 2147483659, outside the range of i32",
+        ),
+        ("array<tensor<20xi32>, iota(0.5, 1)>", "expected an integer as the first value; found '0.5'"),
+        ("array<tensor<20xi32>, iota(0)>", "expected ','; found ')'"),
+    ],
+)
+def test_bad_iota_constants_are_parse_errors(value, message):
+    ty = value.split(", ")[0][len("array<") :]
+    text = f"func @f() -> () {{\n  %0 = constant {{value = {value}}} : {ty}\n  return\n}}"
+    with pytest.raises(FlowjitError, match=re.escape(message)):
+        parse_graph(text, "in.fj")
 
 
 def test_splat_of_the_wrong_kind_is_a_parse_error():

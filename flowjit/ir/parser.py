@@ -361,6 +361,8 @@ class _Parser:
         at = self.tok
         if at.kind == "hex":
             values = self.hex_data(ttype)
+        elif at.kind == "ident" and at.text == "iota":
+            values = self.iota_data(ttype)
         else:
             values = self.literal_data(ttype)
         self.expect(">")
@@ -373,6 +375,37 @@ class _Parser:
             raise self.fail_at(at, f"expected {ttype.nbytes} bytes of data for {ttype}; found {len(digits) / 2:g}")
         np_dtype = ttype.dtype.np_dtype
         return np.frombuffer(bytes.fromhex(digits), dtype=np_dtype.newbyteorder("<")).astype(np_dtype)
+
+    def iota_data(self, ttype: TensorType) -> np.ndarray:
+        """`iota(start, step)`: element i (row-major) is start + i * step, in an integer tensor."""
+        at = self.tok
+        self.expect("iota")
+        self.expect("(")
+        start = self.integer("the first value")
+        self.expect(",")
+        step = self.integer("the step")
+        self.expect(")")
+        if not ttype.dtype.is_int:
+            raise self.fail_at(at, f"iota(start, step) needs an integer tensor; found {ttype}")
+        last = start + step * max(ttype.size - 1, 0)
+        for value in (start, last):
+            if not _fits(value, ttype.dtype):
+                raise self.fail_at(at, f"iota({start}, {step}) reaches {value}, outside the range of {ttype.dtype}")
+        if ttype.size < 2:
+            return np.full(ttype.size, start, ttype.dtype.np_dtype)
+        # every element lies between start and last, which fit: int64 arithmetic cannot overflow
+        # unless the step itself does not fit (two elements at the ends of the int64 range)
+        if -(2**63) <= step < 2**63:
+            values = np.int64(start) + np.int64(step) * np.arange(ttype.size, dtype=np.int64)
+            return values.astype(ttype.dtype.np_dtype)
+        return np.array([start, last], ttype.dtype.np_dtype)
+
+    def integer(self, what: str) -> int:
+        text = self.take("number", what)
+        try:
+            return int(text)
+        except ValueError:
+            raise self.fail_at(self.tokens[self.pos - 1], f"expected an integer as {what}; found {text!r}") from None
 
     def literal_data(self, ttype: TensorType) -> np.ndarray:
         at = self.tok

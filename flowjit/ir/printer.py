@@ -11,7 +11,9 @@ Constants print inline up to 16 elements (`array<tensor<2xf32>, [1.0, -0.0]>`) a
 little-endian hex above that (`array<tensor<32xf32>, 0x0000803f...>`); floats print as the
 shortest decimal that reads back to the same value in their dtype, plus `nan`, `inf`, `-inf`.
 A constant of two or more elements with the same bits (not a nan) prints as that one value
-(`array<tensor<8x128x1xf32>, 1.0>`, as MLIR's `dense<1.0>`), not a list or 4 KiB of hex.
+(`array<tensor<8x128x1xf32>, 1.0>`, as MLIR's `dense<1.0>`), not a list or 4 KiB of hex, and a
+larger integer one whose elements step evenly as `iota(start, step)` (`fnp.flip`'s indices:
+`array<tensor<1024xi64>, iota(1023, -1)>`), element i being start + i * step, row-major.
 
 Multi-result ops print `%3:2 = ...` and are referenced as `%3#0`, `%3#1`. Regions print as
 `({ ^bb(%a: T): ... yield %v : T }, {...})` after the attributes. The parser reads exactly this
@@ -76,9 +78,23 @@ def format_array(a: np.ndarray) -> str:
     if a.size > 1 and single_value(a) and not (ttype.dtype.is_float and np.isnan(flat[0])):
         return f"array<{ttype}, {scalar(flat[0])}>"  # a splat
     if a.size > INLINE_ARRAY_LIMIT:
+        step = _progression(flat) if ttype.dtype.is_int else None
+        if step is not None:  # flip's indices, an arange: `iota(start, step)`, not KiBs of hex
+            return f"array<{ttype}, iota({int(flat[0])}, {step})>"
         data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes().hex()
         return f"array<{ttype}, 0x{data}>"
     return f"array<{ttype}, [{', '.join(scalar(v) for v in flat)}]>"
+
+
+def _progression(flat: np.ndarray) -> int | None:
+    """The step of integers `flat` if they are start, start + step, ... with step != 0, else None."""
+    values = flat.astype(np.int64)
+    start, step = int(values[0]), int(values[1]) - int(values[0])
+    if step == 0 or start + step * (len(values) - 1) != int(values[-1]):
+        return None
+    # every term of the progression lies between the first and the last, both int64 values (and so
+    # is the step, as one term minus another): no int64 overflow below
+    return step if np.array_equal(values, start + step * np.arange(len(values), dtype=np.int64)) else None
 
 
 def format_attr(value) -> str:
