@@ -134,6 +134,23 @@ def test_concatenate_rows_split_over_cores(monkeypatch, dtype):
     a, b = data((33, 70), dtype, 1), data((33, 75), dtype, 2)  # blocks of a vector or more
     mlir = check("concatenate", [a, b, a], dict(axis=1))
     assert "scf.forall" in mlir and "linalg.fill" not in mlir
+    c = data((33, 3), dtype, 3)  # and shorter ones
+    mlir = check("concatenate", [c, a, c, b, c], dict(axis=1))
+    assert "scf.forall" in mlir and "linalg.fill" not in mlir
+
+
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.bool_, dt.int64], ids=["f32", "f64", "bool", "i64"])
+def test_concatenate_blocks_shorter_than_a_vector(dtype):
+    """Blocks shorter than a vector are one masked copy per row (no fill): a short block's masked
+    write runs past it into the next block's columns, which that block then overwrites; in the
+    middle, first and last of a row (with rows over the cores: `test_concatenate_rows_split_over_cores`)."""
+    for widths in ((3, 1021), (1021, 3), (3, 1, 2), (1,) * 16, (7, 40, 2)):
+        parts = [data((37, w), dtype, k) for k, w in enumerate(widths)]
+        mlir = check("concatenate", parts, dict(axis=1))
+        assert "linalg.fill" not in mlir, widths
+    check("concatenate", [data((300, 5), dtype, 1), data((300, 3), dtype, 2)], dict(axis=1))
+    middle_axis = [data((6, 2, 3), dtype, 1), data((6, 1, 3), dtype, 2), data((6, 1, 3), dtype, 3)]
+    check("concatenate", middle_axis, dict(axis=1))
 
 
 def test_concatenate_along_first_and_last_axes():
@@ -1255,6 +1272,10 @@ GUARDED_CASES = [
     ("dot_general", [data((33, 45), dt.float32), data((45, 37), dt.float32)], MATMUL),
     ("dot_general", [data((13, 101), dt.float64), data((101,), dt.float64)], MATMUL),
     ("concatenate", [data((3, 70), dt.float32), data((3, 33), dt.float32)], dict(axis=1)),
+    # blocks shorter than a vector: one masked copy per row, the last one at the buffer's end
+    ("concatenate", [data((5, 3), dt.float32), data((5, 1), dt.float32), data((5, 2), dt.float32)], dict(axis=1)),
+    ("concatenate", [data((4, 2, 3), dt.bool_), data((4, 1, 3), dt.bool_)], dict(axis=1)),
+    ("concatenate", [data((9, 20), dt.float64), data((9, 3), dt.float64)], dict(axis=1)),
     ("pad", [data((5, 6), dt.float32), np.float32(1)], dict(low=(1, 2), high=(2, 1), interior=(1, 1))),
     ("slice", [data((9, 10), dt.float32)], dict(start=(1, 2), limit=(9, 10), stride=(3, 4))),
     ("gather", [data((20, 70), dt.bool_), np.array([3, 99], np.int32)], dict(axis=0)),
