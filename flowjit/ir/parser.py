@@ -393,8 +393,8 @@ class _Parser:
                 raise self.fail_at(at, f"iota({start}, {step}) reaches {value}, outside the range of {ttype.dtype}")
         if ttype.size < 2:
             return np.full(ttype.size, start, ttype.dtype.np_dtype)
-        # every element lies between start and last, which fit: int64 arithmetic cannot overflow
-        # unless the step itself does not fit (two elements at the ends of the int64 range)
+        # every element lies between start and last, which fit: int64 arithmetic cannot overflow,
+        # and only a pair (the two ends of the int64 range) has a step outside int64
         if -(2**63) <= step < 2**63:
             values = np.int64(start) + np.int64(step) * np.arange(ttype.size, dtype=np.int64)
             return values.astype(ttype.dtype.np_dtype)

@@ -92,8 +92,8 @@ def _progression(flat: np.ndarray) -> int | None:
     start, step = int(values[0]), int(values[1]) - int(values[0])
     if step == 0 or start + step * (len(values) - 1) != int(values[-1]):
         return None
-    # every term of the progression lies between the first and the last, both int64 values (and so
-    # is the step, as one term minus another): no int64 overflow below
+    # every term of the progression lies between the first and the last, both int64 values, and
+    # with more than two terms so does the step: no int64 overflow below
     return step if np.array_equal(values, start + step * np.arange(len(values), dtype=np.int64)) else None
 
 
