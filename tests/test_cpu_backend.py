@@ -302,6 +302,8 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         # a broadcast below the parallel threshold that a product reads: vector row copies, one thread
         (lambda x: fnp.broadcast_to(fnp.sum(x, 2, keepdims=True), (32, 48, 40)) @ x[0, :40, :], "light ("),
         (lambda x: x[1:30, :, :20] @ x[0, :20, :], "light ("),  # a slice a product reads: row copies
+        # vector copies of each block, blocks shorter than a vector (1 wide) masked ones
+        (lambda x: fnp.concatenate([fnp.sum(x, 2, keepdims=True), x, fnp.max(x, 2, keepdims=True)], 2), "light ("),
         # rank 3 with the last dim moved and sides not multiples of 8: plain loops, O3 vectorizes them
         (
             lambda x: fnp.transpose(x[:4, :45, :33], (0, 2, 1)) * 2.0,
@@ -323,6 +325,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         "transpose_rows",
         "small_broadcast",
         "slice",
+        "concatenate",
         "transpose_plain",
         "plain_loops",
     ],

@@ -551,10 +551,12 @@ def _shifted(x, axis: int, toward_end: bool):
     else:
         start[axis] = 1
     kept = bind("slice", [x], {"start": tuple(start), "limit": tuple(limit), "stride": (1,) * rank})
-    low, high = [0] * rank, [0] * rank
-    (low if toward_end else high)[axis] = 1
-    zero = fnp.asarray(np.zeros((), x.dtype))
-    return bind("pad", [kept, zero], {"low": tuple(low), "high": tuple(high), "interior": (0,) * rank})
+    edge = list(x.shape)
+    edge[axis] = 1
+    zero = bind("broadcast", [fnp.asarray(np.zeros((), x.dtype))], {"dims": (), "shape": tuple(edge)})
+    # a concatenation, not a pad: its vector copies keep the function on LLVM's light pipeline
+    parts = [zero, kept] if toward_end else [kept, zero]
+    return bind("concatenate", parts, {"axis": axis})
 
 
 def _linear_recurrence_vjp(op, cts, operands, results):

@@ -58,7 +58,7 @@ OPT_LEVEL = 3
 # constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
 # elementwise and reduction ops (`lower_elementwise`, `lower_reduction`). The others write scalar
 # loops that LLVM's O3 vectorizes or speeds up (sort, gather, scatter, control flow, argmax,
-# pad and concatenate copies, communication). transpose (session 14): a large copy moves in 8x8
+# pad copies, communication). transpose (session 14): a large copy moves in 8x8
 # blocks or, when the input's rows stay rows, as vector row copies, both scheduled; any other
 # (rank 3+ with ragged blocks) is plain loops, which `PLAIN_LOOP_MAX_ELEMENTS` sends to O3. Paired
 # with O3 in one process over six shapes, the same run time; a transformer block's forward, held on
@@ -71,7 +71,10 @@ OPT_LEVEL = 3
 # same way over seven shapes (2x2, 3x3/2 padded, 3x3/1 average; 14 to 112 wide): 0.975-1.017x, first
 # calls 10-40% shorter. Large windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
 # `cumsum` (session 18) writes its vector loops itself (`lower_scan`): paired with O3 in one process
-# over seven shapes, 0.996-1.013x the run time, first calls 1-3 ms shorter.
+# over seven shapes, 0.996-1.013x the run time, first calls 1-3 ms shorter. `concatenate` (session
+# 20) once every block, short ones too, was a masked vector copy (`_concatenate_blocks`; an empty
+# result makes no loop): paired call by call with O3 over three shapes, two runs, 0.93-1.03x the
+# run time (noise both ways), first calls 3-10 ms shorter over five (26 -> 21 ms for (65536, 3) x 2).
 LIGHT_PIPELINE_OPS = frozenset(
     {
         "constant",
@@ -85,6 +88,7 @@ LIGHT_PIPELINE_OPS = frozenset(
         "fusion",
         "cumsum",
         "linear_recurrence",
+        "concatenate",
     }
 )
 LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")
