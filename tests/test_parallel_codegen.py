@@ -1,5 +1,6 @@
 """LLVM's half of a compile split into parts compiled on separate threads (`parallel_codegen`)."""
 
+import faulthandler
 import threading
 
 import numpy as np
@@ -164,10 +165,16 @@ def test_threads_compiling_with_and_without_loop_strength_reduction(monkeypatch)
             failures.append(e)
 
     threads = [threading.Thread(target=compile_many, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    # Seen once (session 20, a slow machine): one thread not done at its join, no error. Should it
+    # happen again, every thread's stack goes to stderr first, to show where it waits.
+    faulthandler.dump_traceback_later(110)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     assert not failures and sorted(done) == [0, 1, 2, 3]
 
 
