@@ -157,6 +157,7 @@ def test_concatenate_along_first_and_last_axes():
     a = data((2, 3, 4), dt.float32)
     check("concatenate", [a, a], dict(axis=0))
     check("concatenate", [a, a[:, :, :1]], dict(axis=2))
+    check("concatenate", [a[:0], a[:0]], dict(axis=1))  # an empty result: no loops
 
 
 @pytest.mark.parametrize(

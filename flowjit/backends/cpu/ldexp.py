@@ -85,28 +85,29 @@ def _scalef(ir, y, n, registers: int):
     `vscalefps`/`vscalefpd` per register, on all its lanes."""
     vector = ir.VectorType(y.type)
     lanes = _BITS // vector.element_type.width
-    mask, i32 = ir.IntegerType.get_signless(lanes), ir.IntegerType.get_signless(32)
-    every = _constant(ir, mask, -1)
-    current = _constant(ir, i32, 4)  # _MM_FROUND_CUR_DIRECTION: MXCSR's rounding, as the multiplies'
-    part = ir.VectorType.get([lanes], vector.element_type)
-    result = None if registers == 1 else _constant(ir, vector, 0.0)
-    for k in range(registers):
-        y_k, n_k = y, n
-        if registers > 1:
-            y_k, n_k = (_extract(ir, v, k * lanes, part) for v in (y, n))
-        scaled = ir.Operation.create(
+    every = _constant(ir, ir.IntegerType.get_signless(lanes), -1)
+    # _MM_FROUND_CUR_DIRECTION: MXCSR's rounding, as the multiplies'
+    current = _constant(ir, ir.IntegerType.get_signless(32), 4)
+
+    def scaled(y_part, n_part):
+        return ir.Operation.create(
             "x86vector.avx512.mask.scalef",
-            results=[part],
+            results=[y_part.type],
             # MLIR 22 hands the operands to `llvm.x86.avx512.mask.scalef.ps.512` in this order: (a,
             # b, passthrough), although the op's syntax names them (src, a, b)
-            operands=[y_k, n_k, y_k, every, current],
+            operands=[y_part, n_part, y_part, every, current],
         ).result
-        if registers == 1:
-            return scaled
+
+    if registers == 1:
+        return scaled(y, n)
+    part = ir.VectorType.get([lanes], vector.element_type)
+    result = _constant(ir, vector, 0.0)
+    for k in range(registers):
+        piece = scaled(*(_extract(ir, v, k * lanes, part) for v in (y, n)))
         result = ir.Operation.create(
             "vector.insert_strided_slice",
             results=[y.type],
-            operands=[scaled, result],
+            operands=[piece, result],
             attributes={"offsets": _i64_array(ir, [k * lanes]), "strides": _i64_array(ir, [1])},
         ).result
     return result

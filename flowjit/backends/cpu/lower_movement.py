@@ -232,27 +232,11 @@ def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 @_on_bytes
 def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Copy each operand's blocks to their offset along `axis` in one new tensor with vector loops
-    (`_concatenate_blocks`); an empty result is a filled tensor of strided inserts."""
+    (`_concatenate_blocks`); an empty result is just that."""
     result = op.result.type
-    axis = op.attrs["axis"]
-    if result.size > 0:
-        return [_concatenate_blocks(em, operands, op)]
-    # Start from a filled tensor, not a bare tensor.empty: with an empty at the root of the insert
-    # chain, eliminate-empty-tensors rewrites the first insert into a temporary buffer plus a
-    # strided memref.copy (a call into the C runner we do not link).
-    elem = memory_elem_type(result.dtype)
-    zero = em.op(f"arith.constant {'0' if elem.startswith('i') else '0.0'} : {elem}")
-    out = fill(em, zero, result)
-    offset = 0
-    for x, value in zip(operands, op.operands):
-        t = value.type
-        if t.shape[axis] == 0:
-            continue
-        offsets = [0] * result.rank
-        offsets[axis] = offset
-        out = insert_into(em, x, t, out, result, offsets, [1] * t.rank)
-        offset += t.shape[axis]
-    return [out]
+    if result.size == 0:
+        return [em.empty(result, memory_elem_type(result.dtype))]
+    return [_concatenate_blocks(em, operands, op)]
 
 
 def _check_nonempty_axis(op: Op, what: str) -> None:
