@@ -496,6 +496,10 @@ def _pad(g: Gen) -> None:
 def _concatenate(g: Gen) -> None:
     a = g.need(lambda v: len(v.shape) >= 1)
     axis = g.draw(st.integers(0, len(a.shape) - 1))
+    if g.draw(st.booleans()):  # a roll: two slices of `a` joined, which the CPU backend copies from `a` directly
+        shift = g.draw(st.integers(-3, 40))
+        g.emit(f"M.roll({a.name}, {shift}, axis={axis})", f"np.roll({a.name}, {shift}, axis={axis})", exact=a.exact)
+        return
 
     def fits(v: Val) -> bool:
         same_rank = len(v.shape) == len(a.shape)

@@ -128,6 +128,9 @@ class KernelEmitter:
         # The large constants of a control-flow op's regions, as tensors emitted before the op
         # (`lower_control._large_constants`): `lower_region` starts from these.
         self.region_values: dict = {}
+        # Operand position -> `lowering.SliceView`, while an op whose operands include slices that no
+        # kernel computed is lowered: its lowering reads their blocks from the slices' sources.
+        self.operand_slices: dict = {}
         # Kinds of kernels made, for code generation's loop strength reduction (`strength_reduction`).
         self.row_nests = False
         self.matmul_kernels = False

@@ -575,7 +575,10 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     may set the columns after its block to the read's padding, which the blocks after it overwrite
     (in order, in the same row) and the row's end bounds; roll by 3 along the rows of 1024 x 1024
     float32 0.26 -> 0.20 ms, two (65536, 3) side by side 0.28 -> 0.12, sixteen (65536, 1) 1.01 ->
-    0.84."""
+    0.84. An operand that is a slice no kernel computed (`em.operand_slices`, see
+    `lowering._slice_views`) is read from its source, viewed as (outer, the source's columns), from
+    the slice's first column on: a masked tail read there may take the source's elements after the
+    slice, which land where the padding did, overwritten by the next block or past the row's end."""
     result, axis = op.result.type, op.attrs["axis"]
     outer = math.prod(result.shape[:axis])
     total = result.size // max(outer, 1)
@@ -585,19 +588,25 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     out_type = TensorType((outer, total), result.dtype)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
-    blocks = []  # (operand as (outer, size), its type, size)
-    for x, value in zip(operands, op.operands):
+    blocks = []  # (operand as (outer, columns), its type, its block's size, the block's first column)
+    for i, (x, value) in enumerate(zip(operands, op.operands)):
         size = value.type.size // max(outer, 1)
-        block_type = TensorType((outer, size), result.dtype)
-        blocks.append((reshape(em, x, value.type, block_type.shape, elem), block_type, size))
+        view = em.operand_slices.get(i)  # a slice read from its source (`lowering._slice_views`)
+        source = value.type if view is None else view.source.type
+        block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
+        skip = 0 if view is None else view.start[axis] * math.prod(source.shape[axis + 1 :])
+        blocks.append((reshape(em, x, source, block_type.shape, elem), block_type, size, skip))
 
     def row(o: str, out: str, out_tensor: str, at_row: str) -> str:
         offset = 0
-        for x, block_type, size in blocks:
+        for block in blocks:
+            size = block[2]
 
-            def copy(column: str, in_bounds: str, into: str, x=x, block_type=block_type, offset=offset) -> str:
+            def copy(column: str, in_bounds: str, into: str, block=block, offset=offset) -> str:
+                x, block_type, _, skip = block
                 flags = f"{{in_bounds = [{in_bounds}]}}"
-                got = em.op(f"vector.transfer_read {x}[{o}, {column}], {pad} {flags} : {_tensor(block_type)}, {vec}")
+                at_source = w.add(column, w.index(skip)) if skip else column
+                got = em.op(f"vector.transfer_read {x}[{o}, {at_source}], {pad} {flags} : {_tensor(block_type)}, {vec}")
                 at = w.add(column, w.index(offset))
                 return em.op(f"vector.transfer_write {got}, {into}[{at_row}, {at}] {flags} : {vec}, {out_tensor}")
 
