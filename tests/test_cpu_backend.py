@@ -304,6 +304,10 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         (lambda x: x[1:30, :, :20] @ x[0, :20, :], "light ("),  # a slice a product reads: row copies
         # vector copies of each block, blocks shorter than a vector (1 wide) masked ones
         (lambda x: fnp.concatenate([fnp.sum(x, 2, keepdims=True), x, fnp.max(x, 2, keepdims=True)], 2), "light ("),
+        # a pad along one axis is rows of vector copies and splat writes, like a concatenation ...
+        (lambda x: fnp.pad(x * 2.0, ((0, 0), (3, 1), (0, 0))), "light ("),
+        # ... along two a fill and a copy into its interior, kept on O3 (session 19: 1.12-1.23x as long under light)
+        (lambda x: fnp.pad(x * 2.0, ((0, 0), (3, 1), (0, 2))), "O3 (for the scalar loops of: pad)"),
         # rank 3 with the last dim moved and sides not multiples of 8: plain loops, O3 vectorizes them
         (
             lambda x: fnp.transpose(x[:4, :45, :33], (0, 2, 1)) * 2.0,
@@ -326,6 +330,8 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         "small_broadcast",
         "slice",
         "concatenate",
+        "pad_one_axis",
+        "pad_two_axes",
         "transpose_plain",
         "plain_loops",
     ],

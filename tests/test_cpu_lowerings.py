@@ -83,6 +83,10 @@ def test_slice_and_pad_every_dtype(dtype):
     check("slice", [x], dict(start=(1, 0, 2), limit=(4, 5, 7), stride=(2, 3, 1)))
     value = np.asarray(x.flat[0])
     check("pad", [x, value], dict(low=(1, 0, 2), high=(0, 2, 1), interior=(1, 0, 2)))
+    for axis in range(3):  # along one axis: rows of copies and splat writes (`lower_movement._pad_blocks`)
+        low, high = [0, 0, 0], [0, 0, 0]
+        low[axis], high[axis] = 2, 1 + axis
+        check("pad", [x, value], dict(low=tuple(low), high=tuple(high), interior=(0, 0, 0)))
 
 
 @pytest.mark.parametrize(
@@ -1278,6 +1282,11 @@ GUARDED_CASES = [
     ("concatenate", [data((4, 2, 3), dt.bool_), data((4, 1, 3), dt.bool_)], dict(axis=1)),
     ("concatenate", [data((9, 20), dt.float64), data((9, 3), dt.float64)], dict(axis=1)),
     ("pad", [data((5, 6), dt.float32), np.float32(1)], dict(low=(1, 2), high=(2, 1), interior=(1, 1))),
+    # along one axis: rows of blocks (`lower_movement._pad_blocks`), short ones masked
+    ("pad", [data((5, 6), dt.float32), np.float32(1)], dict(low=(0, 2), high=(0, 3), interior=(0, 0))),
+    ("pad", [data((7, 3, 5), dt.float64), np.float64(-2)], dict(low=(0, 1, 0), high=(0, 0, 0), interior=(0, 0, 0))),
+    ("pad", [data((9, 20), dt.bool_), np.True_], dict(low=(2, 0), high=(1, 0), interior=(0, 0))),
+    ("pad", [data((300, 130), dt.int32), np.int32(7)], dict(low=(0, 0), high=(0, 17), interior=(0, 0))),
     ("slice", [data((9, 10), dt.float32)], dict(start=(1, 2), limit=(9, 10), stride=(3, 4))),
     ("gather", [data((20, 70), dt.bool_), np.array([3, 99], np.int32)], dict(axis=0)),
     ("conv2d", [data((2, 3, 9, 8), dt.float32), data((4, 3, 3, 2), dt.float32)], CONV_ATTRS),

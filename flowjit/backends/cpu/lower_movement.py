@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -225,6 +226,8 @@ def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     scalar = em.op(f"tensor.extract {value}[] : tensor<{elem}>")
     if source.rank == 0:
         return [x]
+    if pads_one_axis(op):
+        return [_pad_blocks(em, x, op, scalar)]
     return [pad_tensor(em, x, source, result, scalar, op.attrs["low"], op.attrs["interior"])]
 
 
@@ -565,21 +568,78 @@ def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -
     return reshape(em, outer_loop, blocks, source.shape, elem)
 
 
+class _Block(NamedTuple):
+    """One operand's part of every row of a (outer, total) result (`_rows_of_blocks`): `size`
+    elements read from column `skip` on of `tensor` (an (outer, columns) tensor of `type`), or, with
+    `tensor` None, `size` copies of the scalar `splat`."""
+
+    tensor: str | None
+    type: TensorType | None
+    size: int
+    skip: int = 0
+    splat: str | None = None
+
+
 def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
-    """concatenate as (outer, size) views: for each outer index, each operand's contiguous block is
-    copied into its column range of the (outer, total) result with whole vectors and a masked
-    tail. The loops write every element once, so the result needs no fill. Large results split
-    their rows over the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one
+    """concatenate as (outer, size) views, each operand's contiguous block per outer index copied
+    into its column range of the (outer, total) result (`_rows_of_blocks`). An operand that is a
+    slice no kernel computed (`em.operand_slices`, see `lowering._slice_views`) is read from its
+    source, viewed as (outer, the source's columns), from the slice's first column on: a masked
+    tail read there may take the source's elements after the slice, which land where the padding
+    did, overwritten by the next block or past the row's end."""
+    result, axis = op.result.type, op.attrs["axis"]
+    outer = math.prod(result.shape[:axis])
+    elem = memory_elem_type(result.dtype)
+    blocks = []
+    for i, (x, value) in enumerate(zip(operands, op.operands)):
+        size = value.type.size // max(outer, 1)
+        view = em.operand_slices.get(i)  # a slice read from its source (`lowering._slice_views`)
+        source = value.type if view is None else view.source.type
+        block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
+        skip = 0 if view is None else view.start[axis] * math.prod(source.shape[axis + 1 :])
+        blocks.append(_Block(reshape(em, x, source, block_type.shape, elem), block_type, size, skip))
+    return _rows_of_blocks(em, blocks, result, axis)
+
+
+def pads_one_axis(op: Op) -> bool:
+    """Whether pad `op` is edge padding along one axis only (no interior), of a non-empty operand:
+    a concatenation of the padding value, the operand and the value again (`_pad_blocks`), all
+    vector code (`compiler._light_op`). A slice's gradient along one axis is such a pad."""
+    source = op.operands[0].type
+    low, high, interior = op.attrs["low"], op.attrs["high"], op.attrs["interior"]
+    padded = [d for d in range(source.rank) if low[d] or high[d]]
+    return source.size > 0 and not any(interior) and len(padded) == 1 and min(low[padded[0]], high[padded[0]]) >= 0
+
+
+def _pad_blocks(em: KernelEmitter, x: str, op: Op, scalar: str) -> str:
+    """A pad along one axis (`pads_one_axis`) as rows of three blocks: `low` runs of the padding
+    value, the operand's block, `high` runs of the value. Until session 21 a fill and a copy into
+    its interior view, plain loops below `schedule.PLAIN_LOOP_MAX_ELEMENTS`, which kept the
+    function on LLVM's O3 pipeline (every gradient of a slice)."""
+    source, result = op.operands[0].type, op.result.type
+    low, high = op.attrs["low"], op.attrs["high"]
+    axis = next(d for d in range(source.rank) if low[d] or high[d])
+    outer, inner = math.prod(result.shape[:axis]), math.prod(result.shape[axis + 1 :])
+    elem = memory_elem_type(result.dtype)
+    block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
+    blocks = [_Block(None, None, low[axis] * inner, splat=scalar)] if low[axis] else []
+    blocks.append(_Block(reshape(em, x, source, block_type.shape, elem), block_type, block_type.shape[1]))
+    if high[axis]:
+        blocks.append(_Block(None, None, high[axis] * inner, splat=scalar))
+    return _rows_of_blocks(em, blocks, result, axis)
+
+
+def _rows_of_blocks(em: KernelEmitter, blocks: list[_Block], result: TensorType, axis: int) -> str:
+    """The result viewed as (outer, total), outer the product of its dims before `axis`: each row the
+    `blocks` one after the other, copied (or, for a splat block, written) with whole vectors and a
+    masked tail. The loops write every element once, so the result needs no fill. Large results
+    split their rows over the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one
     (JAX 0.30-0.32 at its fastest). A block shorter than a vector is one masked copy per row
     (session 20; it was a fill of the result and strided copies, plain loops): its masked write
     may set the columns after its block to the read's padding, which the blocks after it overwrite
     (in order, in the same row) and the row's end bounds; roll by 3 along the rows of 1024 x 1024
     float32 0.26 -> 0.20 ms, two (65536, 3) side by side 0.28 -> 0.12, sixteen (65536, 1) 1.01 ->
-    0.84. An operand that is a slice no kernel computed (`em.operand_slices`, see
-    `lowering._slice_views`) is read from its source, viewed as (outer, the source's columns), from
-    the slice's first column on: a masked tail read there may take the source's elements after the
-    slice, which land where the padding did, overwritten by the next block or past the row's end."""
-    result, axis = op.result.type, op.attrs["axis"]
+    0.84."""
     outer = math.prod(result.shape[:axis])
     total = result.size // max(outer, 1)
     elem = memory_elem_type(result.dtype)
@@ -588,33 +648,28 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     out_type = TensorType((outer, total), result.dtype)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
-    blocks = []  # (operand as (outer, columns), its type, its block's size, the block's first column)
-    for i, (x, value) in enumerate(zip(operands, op.operands)):
-        size = value.type.size // max(outer, 1)
-        view = em.operand_slices.get(i)  # a slice read from its source (`lowering._slice_views`)
-        source = value.type if view is None else view.source.type
-        block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
-        skip = 0 if view is None else view.start[axis] * math.prod(source.shape[axis + 1 :])
-        blocks.append((reshape(em, x, source, block_type.shape, elem), block_type, size, skip))
+    splats = {b.splat: em.op(f"vector.broadcast {b.splat} : {elem} to {vec}") for b in blocks if b.tensor is None}
 
     def row(o: str, out: str, out_tensor: str, at_row: str) -> str:
         offset = 0
         for block in blocks:
-            size = block[2]
 
             def copy(column: str, in_bounds: str, into: str, block=block, offset=offset) -> str:
-                x, block_type, _, skip = block
                 flags = f"{{in_bounds = [{in_bounds}]}}"
-                at_source = w.add(column, w.index(skip)) if skip else column
-                got = em.op(f"vector.transfer_read {x}[{o}, {at_source}], {pad} {flags} : {_tensor(block_type)}, {vec}")
+                if block.tensor is None:
+                    got = splats[block.splat]
+                else:
+                    at_source = w.add(column, w.index(block.skip)) if block.skip else column
+                    source = f"{block.tensor}[{o}, {at_source}]"
+                    got = em.op(f"vector.transfer_read {source}, {pad} {flags} : {_tensor(block.type)}, {vec}")
                 at = w.add(column, w.index(offset))
                 return em.op(f"vector.transfer_write {got}, {into}[{at_row}, {at}] {flags} : {vec}, {out_tensor}")
 
-            full = size // lanes
+            full = block.size // lanes
             loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(out, out_tensor)])
             w.close_for([copy(w.mul(c, w.index(lanes)), "true", t)], [out_tensor])
-            out = loop if size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
-            offset += size
+            out = loop if block.size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
+            offset += block.size
         return out
 
     return _each_row(em, w, out_type, result.shape, row)
