@@ -1353,6 +1353,25 @@ def test_concatenated_slices_are_copied_from_their_source(fn, shape, dtype, at_e
     np.testing.assert_array_equal(got, np.asarray(fn(x)))  # flowjit.numpy runs eagerly on numpy data
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: fnp.concatenate([fnp.zeros((37, 3), np.float32), x, fnp.full((37, 20), 2.5, np.float32)], axis=1),
+        lambda x: fnp.concatenate([x, fnp.ones((5, 70), np.float32)], axis=0),
+        lambda x: fnp.concatenate([x > 0, fnp.ones((37, 7), bool)], axis=1),
+        lambda x: fnp.concatenate([x.astype(np.int32), fnp.full((37, 1), -3, np.int32)], axis=1),
+    ],
+    ids=["float_edges", "rows_below", "bool", "int_column"],
+)
+def test_concatenated_splats_are_written_not_stored(fn):
+    """A splat constant read only by concatenates is never stored: the concatenation's loops write
+    its value (`lower_movement._concatenate_blocks`), no fill kernel makes it first."""
+    x = data((37, 70), dt.float32, 4)
+    lowered = fj.jit(fn).lower(x)
+    assert "linalg.fill" not in lowered.as_text("mlir")
+    np.testing.assert_array_equal(lowered.compile()(x), np.asarray(fn(x)))
+
+
 def test_slices_read_elsewhere_are_still_computed():
     """Slices that are also results, read by other ops, bool, or strided stay copies of their own;
     the source of a slice the concatenate reads lives (in the workspace) until the concatenate,

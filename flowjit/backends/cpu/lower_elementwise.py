@@ -59,14 +59,20 @@ def expand(em: KernelEmitter, tensor: str, t: TensorType, elem: str | None = Non
 FILL_KERNEL_MIN_ELEMENTS = 4096
 
 
+def memory_scalar(em: KernelEmitter, value, dtype: dt.DType, elem: str) -> str:
+    """The Python or numpy scalar `value` as an `arith.constant` of memory element type `elem` (a
+    bool as its byte)."""
+    literal = int(bool(value)) if dtype.is_bool else scalar_literal(value, dtype)
+    return em.op(f"arith.constant {literal} : {elem}")
+
+
 def filled(em: KernelEmitter, value, t: TensorType, elem: str) -> str:
     """A new tensor of type `t` (stored as `elem`, bools as bytes) holding the Python or numpy scalar
     `value` everywhere, made 1-D. From
     FILL_KERNEL_MIN_ELEMENTS elements a generic with the elementwise schedule (vector stores, both
     cores when large): a `linalg.fill` is left as scalar loops, which wrote a (30000, 128) f32 at
     ~3.5 G stores/s on one core, 1.1-3.5 ms (`fnp.zeros_like(t) + 1`, the zeros of a scatter_add)."""
-    literal = int(bool(value)) if t.dtype.is_bool else scalar_literal(value, t.dtype)
-    scalar = em.op(f"arith.constant {literal} : {elem}")
+    scalar = memory_scalar(em, value, t.dtype, elem)
     flat = TensorType((t.size,), t.dtype)
     init = collapse(em, em.empty(t, elem), t, elem)
     flat_type = tensor_type(flat, elem)

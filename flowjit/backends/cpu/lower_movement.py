@@ -30,10 +30,11 @@ from flowjit.backends.cpu.emitter import (
     memory_elem_type,
     tensor_type,
 )
-from flowjit.backends.cpu.lower_elementwise import filled
+from flowjit.backends.cpu.lower_elementwise import filled, memory_scalar
 from flowjit.backends.cpu.lower_layout import row_copy, written_through
 from flowjit.backends.cpu.lowering import (
     INLINES_SPLAT_OPERANDS,
+    INLINES_SPLATS,
     bool_from_bytes,
     bool_to_bytes,
     lowering,
@@ -586,19 +587,29 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     slice no kernel computed (`em.operand_slices`, see `lowering._slice_views`) is read from its
     source, viewed as (outer, the source's columns), from the slice's first column on: a masked
     tail read there may take the source's elements after the slice, which land where the padding
-    did, overwritten by the next block or past the row's end."""
+    did, overwritten by the next block or past the row's end. A splat operand (zeros, a constant
+    edge: `autodiff._shifted`'s) is written as its scalar, never read; read only by concatenates
+    (`INLINES_SPLATS`) it is never stored either: `concatenate([zeros((1024, 3)), x], 1)` 0.076 ->
+    0.066 ms, cumprod's gradient on 1024 x 1024 11.8 -> 11.2 ms (session 21)."""
     result, axis = op.result.type, op.attrs["axis"]
     outer = math.prod(result.shape[:axis])
     elem = memory_elem_type(result.dtype)
     blocks = []
     for i, (x, value) in enumerate(zip(operands, op.operands)):
         size = value.type.size // max(outer, 1)
+        splat = splat_value(value)
+        if splat is not None:  # written, not read (never stored when only concatenates read it)
+            blocks.append(_Block(None, None, size, splat=memory_scalar(em, splat, result.dtype, elem)))
+            continue
         view = em.operand_slices.get(i)  # a slice read from its source (`lowering._slice_views`)
         source = value.type if view is None else view.source.type
         block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
         skip = 0 if view is None else view.start[axis] * math.prod(source.shape[axis + 1 :])
         blocks.append(_Block(reshape(em, x, source, block_type.shape, elem), block_type, size, skip))
     return _rows_of_blocks(em, blocks, result, axis)
+
+
+INLINES_SPLATS.add("concatenate")
 
 
 def pads_one_axis(op: Op) -> bool:
