@@ -306,8 +306,14 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         (lambda x: fnp.concatenate([fnp.sum(x, 2, keepdims=True), x, fnp.max(x, 2, keepdims=True)], 2), "light ("),
         # a pad along one axis is rows of vector copies and splat writes, like a concatenation ...
         (lambda x: fnp.pad(x * 2.0, ((0, 0), (3, 1), (0, 0))), "light ("),
-        # ... along two a fill and a copy into its interior, kept on O3 (session 19: 1.12-1.23x as long under light)
-        (lambda x: fnp.pad(x * 2.0, ((0, 0), (3, 1), (0, 2))), "O3 (for the scalar loops of: pad)"),
+        # ... along two, too, when the rows before the first padded axis can split over the cores ...
+        (lambda x: fnp.pad(x * 2.0, ((0, 0), (3, 1), (0, 2))), "light ("),
+        # ... but a large one whose first padded axis is the first is one row: a fill and a copy
+        # into its interior (on every core), kept on O3 (session 19: 1.12-1.23x as long under light)
+        (
+            lambda x: fnp.pad(fnp.concatenate([x] * 5, axis=0), ((1, 1), (2, 0), (0, 0))),
+            "O3 (for the scalar loops of: pad)",
+        ),
         # rank 3 with the last dim moved and sides not multiples of 8: plain loops, O3 vectorizes them
         (
             lambda x: fnp.transpose(x[:4, :45, :33], (0, 2, 1)) * 2.0,
@@ -332,6 +338,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         "concatenate",
         "pad_one_axis",
         "pad_two_axes",
+        "pad_two_axes_one_row",
         "transpose_plain",
         "plain_loops",
     ],

@@ -87,6 +87,7 @@ def test_slice_and_pad_every_dtype(dtype):
         low, high = [0, 0, 0], [0, 0, 0]
         low[axis], high[axis] = 2, 1 + axis
         check("pad", [x, value], dict(low=tuple(low), high=tuple(high), interior=(0, 0, 0)))
+    check("pad", [x, value], dict(low=(1, 0, 3), high=(2, 1, 0), interior=(0, 0, 0)))  # along all three
 
 
 @pytest.mark.parametrize(
@@ -1253,6 +1254,7 @@ def guarded(array: np.ndarray, at_end: bool) -> np.ndarray:
 
 
 CONV_ATTRS = dict(stride=(2, 1), padding=((1, 2), (0, 1)), dilation=(1, 2))
+PAD_HW = dict(low=(0, 0, 1, 1), high=(0, 0, 1, 1), interior=(0,) * 4)  # an NCHW image's edges
 GUARDED_CASES = [
     ("gather", [data((20, 70), dt.float32), np.array([[25, -3, 19]], np.int64)], dict(axis=0)),
     ("gather", [data((9, 5), dt.float64), np.array([9, -1, 4], np.int32)], dict(axis=0)),
@@ -1287,6 +1289,10 @@ GUARDED_CASES = [
     ("pad", [data((7, 3, 5), dt.float64), np.float64(-2)], dict(low=(0, 1, 0), high=(0, 0, 0), interior=(0, 0, 0))),
     ("pad", [data((9, 20), dt.bool_), np.True_], dict(low=(2, 0), high=(1, 0), interior=(0, 0))),
     ("pad", [data((300, 130), dt.int32), np.int32(7)], dict(low=(0, 0), high=(0, 17), interior=(0, 0))),
+    # along several axes: runs of blocks per row of the inner padded axis (`_Repeat`)
+    ("pad", [data((9, 20), dt.float32), np.float32(1)], dict(low=(1, 3), high=(2, 0), interior=(0, 0))),
+    ("pad", [data((2, 3, 5, 7), dt.float64), np.float64(0)], PAD_HW),
+    ("pad", [data((3, 4, 5), dt.bool_), np.False_], dict(low=(1, 0, 2), high=(0, 0, 1), interior=(0, 0, 0))),
     ("slice", [data((9, 10), dt.float32)], dict(start=(1, 2), limit=(9, 10), stride=(3, 4))),
     ("gather", [data((20, 70), dt.bool_), np.array([3, 99], np.int32)], dict(axis=0)),
     ("conv2d", [data((2, 3, 9, 8), dt.float32), data((4, 3, 3, 2), dt.float32)], CONV_ATTRS),

@@ -256,12 +256,12 @@ def _light_op(op) -> bool:
     """Whether `op` is of `LIGHT_PIPELINE_OPS` (a conv2d only with stride 1 and not summed over its
     taps: a weight gradient, `lower_contraction.over_taps`, ran 1.15-1.25x as long under the light
     list as under O3 once its pad and partial sums were vector code, 8x32x28x28 with 3x3 kernels),
-    or a pad along one axis (`lower_movement.pads_one_axis`: rows of vector copies and splat
-    writes, like a concatenation; session 21)."""
+    or a pad of edges (`lower_movement.pads_edges`: rows of vector copies and splat writes, like
+    a concatenation; session 21)."""
     if op.name == "pad":
-        from flowjit.backends.cpu.lower_movement import pads_one_axis
+        from flowjit.backends.cpu.lower_movement import pads_edges
 
-        return pads_one_axis(op)
+        return pads_edges(op)
     if op.name == "conv2d":
         from flowjit.backends.cpu.lower_contraction import over_taps
 

@@ -227,7 +227,7 @@ def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     scalar = em.op(f"tensor.extract {value}[] : tensor<{elem}>")
     if source.rank == 0:
         return [x]
-    if pads_one_axis(op):
+    if pads_edges(op):
         return [_pad_blocks(em, x, op, scalar)]
     return [pad_tensor(em, x, source, result, scalar, op.attrs["low"], op.attrs["interior"])]
 
@@ -612,45 +612,79 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
 INLINES_SPLATS.add("concatenate")
 
 
-def pads_one_axis(op: Op) -> bool:
-    """Whether pad `op` is edge padding along one axis only (no interior), of a non-empty operand:
-    a concatenation of the padding value, the operand and the value again (`_pad_blocks`), all
-    vector code (`compiler._light_op`). A slice's gradient along one axis is such a pad."""
-    source = op.operands[0].type
+class _Repeat(NamedTuple):
+    """`count` runs of `blocks` one after the other in a row (`_rows_of_blocks`), run j reading its
+    source from `j * source_step` columns further on (a pad along two or more axes: one run per row
+    of the inner padded axis)."""
+
+    count: int
+    source_step: int
+    blocks: list
+
+
+def pads_edges(op: Op) -> bool:
+    """Whether pad `op` is written as rows of blocks (`_pad_blocks`, all vector code, on LLVM's light
+    pipeline: `compiler._light_op`): edge padding (no interior, nothing cut off) of a non-empty
+    operand, along one axis, or along several when the result's rows before the first padded axis
+    are enough to split over the cores or the result is below the parallel size (a pad of a matrix
+    along both axes is one row: large, it keeps the fill and copy, which run on every core). A
+    slice's gradient is such a pad."""
+    source, result = op.operands[0].type, op.result.type
     low, high, interior = op.attrs["low"], op.attrs["high"], op.attrs["interior"]
     padded = [d for d in range(source.rank) if low[d] or high[d]]
-    return source.size > 0 and not any(interior) and len(padded) == 1 and min(low[padded[0]], high[padded[0]]) >= 0
+    if source.size == 0 or any(interior) or not padded or min(*low, *high) < 0:
+        return False
+    outer = math.prod(result.shape[: padded[0]])
+    return len(padded) == 1 or result.size < schedule.PARALLEL_MIN_ELEMENTS or outer >= 2 * matmul_kernel.cores()
 
 
 def _pad_blocks(em: KernelEmitter, x: str, op: Op, scalar: str) -> str:
-    """A pad along one axis (`pads_one_axis`) as rows of three blocks: `low` runs of the padding
-    value, the operand's block, `high` runs of the value. Until session 21 a fill and a copy into
-    its interior view, plain loops below `schedule.PLAIN_LOOP_MAX_ELEMENTS`, which kept the
-    function on LLVM's O3 pipeline (every gradient of a slice)."""
+    """A pad of edges (`pads_edges`) as rows of blocks: for the first padded axis `low` runs of the
+    padding value, the operand's part, `high` runs of the value; the operand's part is one block
+    when no later axis is padded, else one `_Repeat` of the same per index of the axes up to the
+    next padded one. Until session 21 a fill and a copy into its interior view, plain loops below
+    `schedule.PLAIN_LOOP_MAX_ELEMENTS`, which kept the function on LLVM's O3 pipeline (every
+    gradient of a slice)."""
     source, result = op.operands[0].type, op.result.type
     low, high = op.attrs["low"], op.attrs["high"]
-    axis = next(d for d in range(source.rank) if low[d] or high[d])
-    outer, inner = math.prod(result.shape[:axis]), math.prod(result.shape[axis + 1 :])
+    padded = [d for d in range(source.rank) if low[d] or high[d]]
     elem = memory_elem_type(result.dtype)
+
+    def row(k: int) -> list:  # one index of every axis before padded[k]: its blocks
+        a = padded[k]
+        per_index = math.prod(result.shape[a + 1 :])
+        if k + 1 == len(padded):
+            middle = [_Block(SOURCE, None, source.shape[a] * per_index)]
+        else:
+            b = padded[k + 1]
+            middle = [_Repeat(math.prod(source.shape[a:b]), math.prod(source.shape[b:]), row(k + 1))]
+        edges = [_Block(None, None, n * per_index, splat=scalar) for n in (low[a], high[a])]
+        return [e for e in edges[:1] if e.size] + middle + [e for e in edges[1:] if e.size]
+
+    outer = math.prod(result.shape[: padded[0]])
     block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
-    blocks = [_Block(None, None, low[axis] * inner, splat=scalar)] if low[axis] else []
-    blocks.append(_Block(reshape(em, x, source, block_type.shape, elem), block_type, block_type.shape[1]))
-    if high[axis]:
-        blocks.append(_Block(None, None, high[axis] * inner, splat=scalar))
-    return _rows_of_blocks(em, blocks, result, axis)
+    blocks = row(0)
+    return _rows_of_blocks(em, blocks, result, padded[0], (reshape(em, x, source, block_type.shape, elem), block_type))
 
 
-def _rows_of_blocks(em: KernelEmitter, blocks: list[_Block], result: TensorType, axis: int) -> str:
+# `_Block.tensor` of a block read from the tensor given to `_rows_of_blocks` as `source`.
+SOURCE = "source"
+
+
+def _rows_of_blocks(
+    em: KernelEmitter, blocks: list, result: TensorType, axis: int, source: tuple[str, TensorType] | None = None
+) -> str:
     """The result viewed as (outer, total), outer the product of its dims before `axis`: each row the
     `blocks` one after the other, copied (or, for a splat block, written) with whole vectors and a
-    masked tail. The loops write every element once, so the result needs no fill. Large results
-    split their rows over the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one
-    (JAX 0.30-0.32 at its fastest). A block shorter than a vector is one masked copy per row
-    (session 20; it was a fill of the result and strided copies, plain loops): its masked write
-    may set the columns after its block to the read's padding, which the blocks after it overwrite
-    (in order, in the same row) and the row's end bounds; roll by 3 along the rows of 1024 x 1024
-    float32 0.26 -> 0.20 ms, two (65536, 3) side by side 0.28 -> 0.12, sixteen (65536, 1) 1.01 ->
-    0.84."""
+    masked tail; a `_Repeat` is a loop over runs of its blocks, and a block whose tensor is `SOURCE`
+    reads `source` (an (outer, columns) tensor and its type) from the run's first column on. The
+    loops write every element once, so the result needs no fill. Large results split their rows over
+    the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one (JAX 0.30-0.32 at its
+    fastest). A block shorter than a vector is one masked copy per row (session 20; it was a fill of
+    the result and strided copies, plain loops): its masked write may set the columns after its
+    block to the read's padding, which the blocks after it overwrite (in order, in the same row) and
+    the row's end bounds; roll by 3 along the rows of 1024 x 1024 float32 0.26 -> 0.20 ms, two
+    (65536, 3) side by side 0.28 -> 0.12, sixteen (65536, 1) 1.01 -> 0.84."""
     outer = math.prod(result.shape[:axis])
     total = result.size // max(outer, 1)
     elem = memory_elem_type(result.dtype)
@@ -659,28 +693,60 @@ def _rows_of_blocks(em: KernelEmitter, blocks: list[_Block], result: TensorType,
     out_type = TensorType((outer, total), result.dtype)
     w = matmul_kernel.LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
-    splats = {b.splat: em.op(f"vector.broadcast {b.splat} : {elem} to {vec}") for b in blocks if b.tensor is None}
 
-    def row(o: str, out: str, out_tensor: str, at_row: str) -> str:
+    def splats(items) -> set[str]:
+        found = set()
+        for item in items:
+            found |= splats(item.blocks) if isinstance(item, _Repeat) else {item.splat} - {None}
+        return found
+
+    broadcast = {scalar: em.op(f"vector.broadcast {scalar} : {elem} to {vec}") for scalar in sorted(splats(blocks))}
+
+    def at(base: str | None, offset: int, column: str) -> str:
+        """base + offset + column (base None: 0)."""
+        shifted = w.add(column, w.index(offset)) if offset else column
+        return w.add(base, shifted) if base is not None else shifted
+
+    def run(items, o: str, out: str, out_tensor: str, at_row: str, bases: tuple[str | None, str | None]) -> str:
+        """Write `items` into row `at_row` of `out` from column `bases[0]` on (None: 0), reading the
+        source from its column `bases[1]` on."""
+        out_base, source_base = bases
         offset = 0
-        for block in blocks:
+        for item in items:
+            if isinstance(item, _Repeat):
+                width = _row_width(item.blocks)
+                loop, j, (t,) = w.open_for(w.index(0), w.index(item.count), w.index(1), [(out, out_tensor)])
+                out_at = at(out_base, offset, w.mul(j, w.index(width)))
+                source_at = at(source_base, 0, w.mul(j, w.index(item.source_step)))
+                w.close_for([run(item.blocks, o, t, out_tensor, at_row, (out_at, source_at))], [out_tensor])
+                out, offset = loop, offset + item.count * width
+                continue
 
-            def copy(column: str, in_bounds: str, into: str, block=block, offset=offset) -> str:
+            def copy(column: str, in_bounds: str, into: str, block=item, offset=offset) -> str:
                 flags = f"{{in_bounds = [{in_bounds}]}}"
                 if block.tensor is None:
-                    got = splats[block.splat]
+                    got = broadcast[block.splat]
                 else:
-                    at_source = w.add(column, w.index(block.skip)) if block.skip else column
-                    source = f"{block.tensor}[{o}, {at_source}]"
-                    got = em.op(f"vector.transfer_read {source}, {pad} {flags} : {_tensor(block.type)}, {vec}")
-                at = w.add(column, w.index(offset))
-                return em.op(f"vector.transfer_write {got}, {into}[{at_row}, {at}] {flags} : {vec}, {out_tensor}")
+                    tensor, ttype = source if block.tensor == SOURCE else (block.tensor, block.type)
+                    read_at = at(source_base if block.tensor == SOURCE else None, block.skip, column)
+                    where = f"{tensor}[{o}, {read_at}]"
+                    got = em.op(f"vector.transfer_read {where}, {pad} {flags} : {_tensor(ttype)}, {vec}")
+                write_at = at(out_base, offset, column)
+                return em.op(f"vector.transfer_write {got}, {into}[{at_row}, {write_at}] {flags} : {vec}, {out_tensor}")
 
-            full = block.size // lanes
+            full = item.size // lanes
             loop, c, (t,) = w.open_for(w.index(0), w.index(full), w.index(1), [(out, out_tensor)])
             w.close_for([copy(w.mul(c, w.index(lanes)), "true", t)], [out_tensor])
-            out = loop if block.size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
-            offset += block.size
+            out = loop if item.size % lanes == 0 else copy(w.index(full * lanes), "false", loop)
+            offset += item.size
         return out
 
+    def row(o: str, out: str, out_tensor: str, at_row: str) -> str:
+        return run(blocks, o, out, out_tensor, at_row, (None, None))
+
     return _each_row(em, w, out_type, result.shape, row)
+
+
+def _row_width(items) -> int:
+    """Elements of a row that `items` (blocks and repeats) write."""
+    return sum(item.count * _row_width(item.blocks) if isinstance(item, _Repeat) else item.size for item in items)
