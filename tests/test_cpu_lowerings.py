@@ -1570,7 +1570,8 @@ def test_conv_chunks_are_read_in_place_by_the_kernel(monkeypatch):
 def test_full_reduction_streams_large_inputs(monkeypatch):
     """A full reduction of at least STREAMING_REDUCTION_MIN_BYTES takes 4x the partial results with one
     vector accumulator each (the same sequential adds per lane), smaller ones four accumulators;
-    both sum exactly what numpy sums (checked with the threshold lowered, on a small input)."""
+    both sum exactly what numpy sums (checked with the threshold lowered, on a small input). The
+    partials are combined a vector at a time (the last tile step), not as one vector of them all."""
     lanes = matmul_kernel.vector_bits() // 32
     chunks, vectors = schedule.FULL_REDUCTION_CHUNKS, schedule.FULL_REDUCTION_VECTORS
     big = schedule.STREAMING_REDUCTION_MIN_BYTES // 4
@@ -1579,11 +1580,12 @@ def test_full_reduction_streams_large_inputs(monkeypatch):
         text = fj.jit(lambda x: fnp.sum(x)).lower(fj.ShapeDtype((n,), "float32")).as_text("mlir")
         return re.findall(r"num_threads = \[\d+\]|tile_sizes = \[\d+\]", text)
 
-    assert steps(big) == [f"num_threads = [{chunks * vectors}]", f"tile_sizes = [{lanes}]"]
-    assert steps(big - 1) == [f"num_threads = [{chunks}]", f"tile_sizes = [{vectors * lanes}]"]
+    combine = f"tile_sizes = [{lanes}]"
+    assert steps(big) == [f"num_threads = [{chunks * vectors}]", f"tile_sizes = [{lanes}]", combine]
+    assert steps(big - 1) == [f"num_threads = [{chunks}]", f"tile_sizes = [{vectors * lanes}]", combine]
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(schedule, "STREAMING_REDUCTION_MIN_BYTES", 1 << 20)
     x = data((300_001,), dt.float32, 3)
-    assert len(steps(x.size)) == 2 and steps(x.size)[1] == f"tile_sizes = [{lanes}]"
+    assert len(steps(x.size)) == 3 and steps(x.size)[1] == f"tile_sizes = [{lanes}]"
     np.testing.assert_allclose(fj.jit(lambda x: fnp.sum(x))(x), x.sum(dtype=np.float64), rtol=1e-6)
     np.testing.assert_array_equal(fj.jit(lambda x: fnp.max(x))(x), x.max())

@@ -283,7 +283,17 @@ def _full_reduction(vl: int, parallel: bool, streams: bool):
             _vectorize(f"%fill{n}"),
         ]
         if parallel:
-            lines += [_vectorize(f"%pcomb{n}"), _vectorize(f"%pfill{n}")]
+            # The partials are combined a vector at a time: vectorized whole, their `chunks` lanes
+            # were one <256 x float> add tree, which LLVM's instruction selection legalized for ms.
+            lines += [
+                f"%cfill{n}, %csplit{n}, %ccomb{n}, %cloop{n} = transform.structured.tile_reduction_using_for "
+                f"%pcomb{n} by tile_sizes = [{vl}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
+                _vectorize(f"%csplit{n}", [vl]),
+                _vectorize(f"%ccomb{n}"),
+                _vectorize(f"%cfill{n}"),
+                _vectorize(f"%pfill{n}"),
+                _hoist(f"%cloop{n}"),
+            ]
         return lines + [_hoist(f"%rloop{n}")]
 
     return steps
