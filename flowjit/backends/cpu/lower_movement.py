@@ -631,11 +631,17 @@ def pads_edges(op: Op) -> bool:
     slice's gradient is such a pad."""
     source, result = op.operands[0].type, op.result.type
     low, high, interior = op.attrs["low"], op.attrs["high"], op.attrs["interior"]
-    padded = [d for d in range(source.rank) if low[d] or high[d]]
+    padded = _padded_axes(op)
     if source.size == 0 or any(interior) or not padded or min(*low, *high) < 0:
         return False
     outer = math.prod(result.shape[: padded[0]])
     return len(padded) == 1 or result.size < schedule.PARALLEL_MIN_ELEMENTS or outer >= 2 * matmul_kernel.cores()
+
+
+def _padded_axes(op: Op) -> list[int]:
+    """The axes pad `op` pads at either end."""
+    low, high = op.attrs["low"], op.attrs["high"]
+    return [d for d in range(op.operands[0].type.rank) if low[d] or high[d]]
 
 
 def _pad_blocks(em: KernelEmitter, x: str, op: Op, scalar: str) -> str:
@@ -647,37 +653,31 @@ def _pad_blocks(em: KernelEmitter, x: str, op: Op, scalar: str) -> str:
     gradient of a slice)."""
     source, result = op.operands[0].type, op.result.type
     low, high = op.attrs["low"], op.attrs["high"]
-    padded = [d for d in range(source.rank) if low[d] or high[d]]
+    padded = _padded_axes(op)
     elem = memory_elem_type(result.dtype)
+    outer = math.prod(result.shape[: padded[0]])
+    block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
+    x = reshape(em, x, source, block_type.shape, elem)
 
     def row(k: int) -> list:  # one index of every axis before padded[k]: its blocks
         a = padded[k]
         per_index = math.prod(result.shape[a + 1 :])
         if k + 1 == len(padded):
-            middle = [_Block(SOURCE, None, source.shape[a] * per_index)]
+            middle = [_Block(x, block_type, source.shape[a] * per_index)]
         else:
             b = padded[k + 1]
             middle = [_Repeat(math.prod(source.shape[a:b]), math.prod(source.shape[b:]), row(k + 1))]
         edges = [_Block(None, None, n * per_index, splat=scalar) for n in (low[a], high[a])]
         return [e for e in edges[:1] if e.size] + middle + [e for e in edges[1:] if e.size]
 
-    outer = math.prod(result.shape[: padded[0]])
-    block_type = TensorType((outer, source.size // max(outer, 1)), result.dtype)
-    blocks = row(0)
-    return _rows_of_blocks(em, blocks, result, padded[0], (reshape(em, x, source, block_type.shape, elem), block_type))
+    return _rows_of_blocks(em, row(0), result, padded[0])
 
 
-# `_Block.tensor` of a block read from the tensor given to `_rows_of_blocks` as `source`.
-SOURCE = "source"
-
-
-def _rows_of_blocks(
-    em: KernelEmitter, blocks: list, result: TensorType, axis: int, source: tuple[str, TensorType] | None = None
-) -> str:
+def _rows_of_blocks(em: KernelEmitter, blocks: list, result: TensorType, axis: int) -> str:
     """The result viewed as (outer, total), outer the product of its dims before `axis`: each row the
     `blocks` one after the other, copied (or, for a splat block, written) with whole vectors and a
-    masked tail; a `_Repeat` is a loop over runs of its blocks, and a block whose tensor is `SOURCE`
-    reads `source` (an (outer, columns) tensor and its type) from the run's first column on. The
+    masked tail; a `_Repeat` is a loop over runs of its blocks, whose reads start `source_step`
+    columns further on from one run to the next. The
     loops write every element once, so the result needs no fill. Large results split their rows over
     the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one (JAX 0.30-0.32 at its
     fastest). A block shorter than a vector is one masked copy per row (session 20; it was a fill of
@@ -709,7 +709,7 @@ def _rows_of_blocks(
 
     def run(items, o: str, out: str, out_tensor: str, at_row: str, bases: tuple[str | None, str | None]) -> str:
         """Write `items` into row `at_row` of `out` from column `bases[0]` on (None: 0), reading the
-        source from its column `bases[1]` on."""
+        blocks' tensors from `bases[1]` columns further on (None: 0; a `_Repeat`'s run)."""
         out_base, source_base = bases
         offset = 0
         for item in items:
@@ -727,10 +727,8 @@ def _rows_of_blocks(
                 if block.tensor is None:
                     got = broadcast[block.splat]
                 else:
-                    tensor, ttype = source if block.tensor == SOURCE else (block.tensor, block.type)
-                    read_at = at(source_base if block.tensor == SOURCE else None, block.skip, column)
-                    where = f"{tensor}[{o}, {read_at}]"
-                    got = em.op(f"vector.transfer_read {where}, {pad} {flags} : {_tensor(ttype)}, {vec}")
+                    where = f"{block.tensor}[{o}, {at(source_base, block.skip, column)}]"
+                    got = em.op(f"vector.transfer_read {where}, {pad} {flags} : {_tensor(block.type)}, {vec}")
                 write_at = at(out_base, offset, column)
                 return em.op(f"vector.transfer_write {got}, {into}[{at_row}, {write_at}] {flags} : {vec}, {out_tensor}")
 
