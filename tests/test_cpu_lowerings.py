@@ -438,7 +438,8 @@ def test_dot_general_degenerate_shapes():
         (20, 17, 30, dt.int64),
     ],
 )
-def test_matmul_kernel(m, k, n, dtype):
+def test_matmul_kernel(m, k, n, dtype, monkeypatch):
+    monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "0")  # the specialized kernel (test_matmul_library.py: the library)
     mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
     assert "vector.fma" in mlir if dtype.is_float else "arith.muli" in mlir and "vector.broadcast" in mlir
     assert ("scf.forall" in mlir) == (m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
@@ -737,9 +738,10 @@ def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype):
         (33, 280, 230, dt.float16, False),
     ],
 )
-def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows):
+def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows, monkeypatch):
     """Products with two or more panels per core split C's columns: each thread packs each of its
     panels into its own buffer just before using it (no serial packing of all of B)."""
+    monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "0")  # the specialized kernel (test_matmul_library.py: the library)
     dims = MATMUL | (dict(rhs_contract=(1,)) if rhs_rows else {})
     mlir = check("dot_general", [data((m, k), dtype, 1), data((n, k) if rhs_rows else (k, n), dtype, 2)], dims)
     lanes = matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)
@@ -1302,6 +1304,11 @@ GUARDED_CASES = [
     ("reduce_max", [data((37, 3), dt.float32)], dict(axes=(1,))),
     ("reduce_sum", [data((2, 21, 5), dt.float64)], dict(axes=(2,))),
     ("dot_general", [data((130, 128), dt.float32), data((128, 141), dt.float32)], MATMUL),
+    # large enough for the matmul library (on two or more cores): partial panels of one vector and
+    # of one and a masked one, rows left over, f64 rows 4 KiB long (restrided into the scratch area)
+    ("dot_general", [data((301, 200), dt.float32), data((200, 300), dt.float32)], MATMUL),
+    ("dot_general", [data((290, 256), dt.float32), data((256, 250), dt.float32)], MATMUL),
+    ("dot_general", [data((150, 512), dt.float64), data((512, 230), dt.float64)], MATMUL),
     ("sort", [data((5, 37), dt.float32)], dict(axis=1)),
     ("sort", [data((37, 3), dt.int64)], dict(axis=0)),
     ("sort", [data((3, 70), dt.bool_)], dict(axis=1)),

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import matmul_kernel, schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.backends.cpu import matmul_kernel, matmul_library, schedule
+from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
 from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
-from flowjit.backends.cpu.lowering import SCRATCH, lowering
+from flowjit.backends.cpu.lowering import CALL_LOWERINGS, SCRATCH, lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import conv_params, dot_dims
@@ -256,10 +256,62 @@ def _kernel_shape(op: Op) -> matmul_kernel.MatmulShape | None:
 
 def _dot_general_scratch(op: Op) -> int:
     shape = _kernel_shape(op)
-    return 0 if shape is None else matmul_kernel.scratch_bytes(shape)
+    kernel = 0 if shape is None else matmul_kernel.scratch_bytes(shape)
+    call = _library_call(op)
+    # Either may run (the call is declined when an operand has no buffer).
+    return max(kernel, matmul_library.scratch_bytes(call[0], call[2], call[3]) if call else 0)
 
 
 SCRATCH["dot_general"] = _dot_general_scratch
+
+
+def _library_call(op: Op) -> tuple[int, int, int, str] | None:
+    """(M, N, K, element type) when this dot_general calls the matmul library (`matmul_library`):
+    A (.., K) with its free dims first, B (K, N), no batch, all of one float type."""
+    lhs_contract, rhs_contract, lhs_batch, _ = dot_dims(op.attrs)
+    ta, tb = op.operands[0].type, op.operands[1].type
+    if lhs_batch or tuple(lhs_contract) != (ta.rank - 1,) or tb.rank != 2 or tuple(rhs_contract) != (0,):
+        return None
+    if not ta.dtype == tb.dtype == op.result.type.dtype or ta.dtype.is_bool:
+        return None
+    elem = elem_type(ta.dtype)
+    m, n, k = ta.size // max(ta.shape[-1], 1), tb.shape[1], ta.shape[-1]
+    return (m, n, k, elem) if matmul_library.call_shape(m, n, k, elem) else None
+
+
+def _lower_dot_general_call(fl, op: Op) -> bool:
+    """A large plain product as a call of the matmul library's function for its element type, on
+    the operands' and result's buffers; False (the tensor lowering runs) when the product is not
+    one the library takes or an operand has no buffer (a splat, a slice no kernel computes)."""
+    call = _library_call(op)
+    if call is None:
+        return False
+    for v in op.operands:
+        if v not in fl.buffers and v.producer is not None and v.producer.name == "constant":
+            fl.read(v)  # a large constant: a view of its module global
+    if any(v not in fl.buffers for v in (*op.operands, op.result)) or fl.em.scratch is None:
+        return False
+    m, n, k, elem = call
+    em = fl.em
+    name = matmul_library.symbol(elem)
+    declaration = f"  func.func private @{name}({', '.join(['i64'] * 11)})"
+    if declaration not in fl.globals:
+        fl.globals.append(declaration)
+    em.line(f"// dot_general: calls the matmul library's @{name} (precompiled, shape-generic: matmul_library.py)")
+    pointers = [_pointer(em, fl.buffers[v], memref_type(v.type)) for v in (*op.operands, op.result)]
+    area, size = em.scratch
+    pointers.append(_pointer(em, area, f"memref<{size}xi8>"))
+    sizes = [em.op(f"arith.constant {value} : i64") for value in (m, n, k, k, n, n, matmul_library.threads())]
+    em.line(f"func.call @{name}({', '.join(pointers + sizes)}) : ({', '.join(['i64'] * 11)}) -> ()")
+    return True
+
+
+def _pointer(em: KernelEmitter, memref: str, memref_ty: str) -> str:
+    index = em.op(f"memref.extract_aligned_pointer_as_index {memref} : {memref_ty} -> index")
+    return em.op(f"arith.index_cast {index} : index to i64")
+
+
+CALL_LOWERINGS["dot_general"] = _lower_dot_general_call
 
 
 def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:

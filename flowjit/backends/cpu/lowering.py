@@ -56,6 +56,10 @@ LOWERINGS: dict[str, Callable[[KernelEmitter, Op, list[str]], list[str]]] = {}
 # Ops lowered on buffers rather than tensors (send/recv call the runtime with pointers): the
 # lowering gets the function's state (`_FunctionLowering`) and writes its results itself.
 BUFFER_LOWERINGS: dict[str, Callable] = {}
+# Ops that may run as a call into precompiled code (large products: `matmul_library`): fn(function
+# state, op) emits the call and writes the result's buffer, or returns False, and the op gets its
+# tensor lowering.
+CALL_LOWERINGS: dict[str, Callable[..., bool]] = {}
 
 # op name -> bytes of temporaries its kernel keeps in the scratch area (`KernelEmitter.scratch`).
 # The area is shared because kernels run one after another: code that lowers ops inside a parallel
@@ -362,6 +366,8 @@ class _FunctionLowering:
     def lower_op(self, op: Op) -> None:
         if op.name in BUFFER_LOWERINGS:
             BUFFER_LOWERINGS[op.name](self, op)
+            return
+        if op.name in CALL_LOWERINGS and CALL_LOWERINGS[op.name](self, op):
             return
         fn = LOWERINGS.get(op.name)
         if fn is None:

@@ -520,6 +520,13 @@ def check_objects(objects: tuple[bytes, ...]) -> None:
         )
 
 
+def _resolve_libraries(names) -> None:
+    """Load the precompiled library functions (`matmul_library`) that code about to be linked calls."""
+    from flowjit.backends.cpu import matmul_library
+
+    matmul_library.resolve(names)
+
+
 class NativeModule:
     """Machine code loaded in this process; keeps the engine alive as long as functions are used.
     `objects`: the object code it was loaded from (one object per part, `parallel_codegen`)."""
@@ -598,6 +605,7 @@ def jit_compile(module, tm, strength_reduction: bool = False, cmov_conversion: b
     `strength_reduction`, `cmov_conversion`: see `codegen_options`."""
     binding = llvm()
     captured: dict[str, bytes] = {}
+    _resolve_libraries(undefined_symbols(module))
     with _lock, codegen_options(strength_reduction, cmov_conversion):
         engine = binding.create_mcjit_compiler(module, tm)
         engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
@@ -617,6 +625,8 @@ def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
         empty.name = name
         empty.triple = host_cpu().triple
         engine = binding.create_mcjit_compiler(empty, target_machine())
+        for object_code in objects:
+            _resolve_libraries(object_externals(object_code)[0])
         check_objects(objects)
         for object_code in objects:
             engine.add_object_file(binding.ObjectFileRef.from_data(object_code))

@@ -1,0 +1,148 @@
+"""The JIT's matmul library (flowjit/backends/cpu/matmul_library.py): large plain products call a
+precompiled shape-generic kernel; its results equal the specialized kernel's bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+from flowjit.backends.cpu import aot, matmul_kernel, matmul_library
+
+needs_cores = pytest.mark.skipif(
+    matmul_kernel.cores() < 2, reason="the library takes products split over two or more cores"
+)
+
+
+def _product(a, b, library: bool, monkeypatch, fn=lambda a, b: a @ b):
+    monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "1" if library else "0")
+    f = fj.jit(fn)
+    text = f.lower(a, b).as_text("mlir")
+    return np.asarray(f(a, b)), text
+
+
+SHAPES = [
+    # (m, k, n, dtype): rows left over from the 14-row tiles (0, 1, 13), partial panels of one vector
+    # (n % 32 <= 16) and of two (the second masked), f32 rows 4 KiB long (A restrided), f64
+    (14 * 30, 128, 256, np.float32),
+    (14 * 30 + 1, 100, 300, np.float32),
+    (14 * 20 + 13, 96, 273, np.float32),
+    (200, 1024, 160, np.float32),
+    (150, 512, 230, np.float64),
+    (97, 333, 161, np.float64),
+]
+
+
+@needs_cores
+@pytest.mark.parametrize("m, k, n, dtype", SHAPES, ids=[f"{m}x{k}x{n}-{np.dtype(d).name}" for m, k, n, d in SHAPES])
+def test_library_products_equal_the_specialized_kernel(m, k, n, dtype, monkeypatch):
+    rng = np.random.default_rng(m + n)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    got, text = _product(a, b, True, monkeypatch)
+    assert "func.call @fj_matmul_" in text
+    want, plain = _product(a, b, False, monkeypatch)
+    assert "fj_matmul_" not in plain
+    np.testing.assert_array_equal(got, want)  # the same multiply-adds in the same order
+    reference = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(got, reference, rtol=1e-4 if dtype == np.float32 else 1e-12, atol=1e-3)
+
+
+@needs_cores
+def test_operands_from_kernels_constants_and_leading_dims(monkeypatch):
+    """Operands that are other kernels' results (workspace slots), a large closed-over constant, an
+    lhs with two free dims (M = 4 x 64), and a result read by later kernels."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 64, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 384)).astype(np.float32)
+    c = rng.standard_normal((384, 200)).astype(np.float32)
+
+    def fn(x, w):
+        h = (x * 2.0) @ (w - 1.0)
+        return fnp_sum(h @ c, 1), h
+
+    results = {}
+    for library in (True, False):
+        monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "1" if library else "0")
+        f = fj.jit(fn)
+        text = f.lower(x, w).as_text("mlir")
+        assert (text.count("func.call @fj_matmul_f32(") == 2) == library
+        results[library] = [np.asarray(r) for r in f(x, w)]
+    for got, want in zip(results[True], results[False]):
+        np.testing.assert_array_equal(got, want)
+    h = (x * 2.0).astype(np.float64) @ (w - 1.0).astype(np.float64)
+    np.testing.assert_allclose(results[True][1], h, rtol=1e-4, atol=1e-3)
+
+
+def fnp_sum(x, axis):
+    import flowjit.numpy as fnp
+
+    return fnp.sum(x, axis=axis)
+
+
+def test_small_transposed_and_batched_products_keep_their_kernels(monkeypatch):
+    monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "1")
+    a = np.ones((64, 64), np.float32)
+    for fn, args in [
+        (lambda a, b: a @ b, (a, a)),  # too small to pay for the call
+        (lambda a, b: a @ b, (np.ones((2, 1024), np.float32), np.ones((1024, 2048), np.float32))),  # streamed
+        (lambda a, b: a @ b.T, (np.ones((512, 256), np.float32), np.ones((512, 256), np.float32))),
+        (lambda a, b: a @ b, (np.ones((4, 256, 256), np.float32), np.ones((4, 256, 256), np.float32))),
+        (lambda a, b: a @ b, (np.ones((512, 256), np.int32), np.ones((256, 512), np.int32))),
+    ]:
+        assert "fj_matmul_" not in fj.jit(fn).lower(*args).as_text("mlir")
+
+
+@needs_cores
+def test_aot_libraries_keep_their_own_kernels():
+    a = np.ones((256, 256), np.float32)
+    graph = fj.jit(lambda a, b: a @ b).lower(a, a).graph()
+    _, mlir, externals = aot.kernel_object(graph, "product", "openmp")
+    assert "fj_matmul_" not in mlir.text
+    assert not [name for name in externals if name.startswith("fj_matmul_")]
+
+
+def test_library_file_is_checked_and_rebuilt(tmp_path, monkeypatch):
+    """The object is written with a checksum; a damaged file is rebuilt, never loaded."""
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
+    builds = []
+    monkeypatch.setattr(matmul_library, "build", lambda: builds.append(1) or b"object code")
+    assert matmul_library.object_code() == b"object code"
+    assert matmul_library.object_code() == b"object code" and len(builds) == 1  # read back
+    (path,) = (tmp_path / "library").iterdir()
+    path.write_bytes(b"object codf" + path.read_bytes()[11:])
+    assert matmul_library.object_code() == b"object code" and len(builds) == 2
+    path.write_bytes(b"")
+    assert matmul_library.object_code() == b"object code" and len(builds) == 3
+
+
+@needs_cores
+def test_a_cached_program_loads_the_library_in_a_new_process(tmp_path):
+    """A second process loads the program's object from the disk cache, without lowering it: the
+    library is loaded when that object is linked."""
+    script = textwrap.dedent(
+        """
+        import sys, numpy as np, flowjit as fj
+        from flowjit.backends.cpu import matmul_library
+        a = np.arange(300 * 200, dtype=np.float32).reshape(300, 200) % 7
+        b = np.arange(200 * 260, dtype=np.float32).reshape(200, 260) % 5
+        f = fj.jit(lambda a, b: a @ b)
+        if sys.argv[1] == "first":
+            assert "fj_matmul_f32" in f.lower(a, b).as_text("mlir")
+        np.testing.assert_array_equal(np.asarray(f(a, b)), a @ b)
+        print("loaded" if matmul_library._loaded else "not loaded")
+        """
+    )
+    env = {**os.environ, "FLOWJIT_CACHE": "1", "FLOWJIT_CACHE_DIR": str(tmp_path), "FLOWJIT_MATMUL_LIBRARY": "1"}
+    for which in ("first", "second"):
+        run = subprocess.run(
+            [sys.executable, "-c", script, which], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == "loaded"
+    assert len(list(tmp_path.glob("*.fjo"))) == 1
