@@ -187,6 +187,12 @@ class KernelEmitter:
         dims = ", ".join(f"d{i}" for i in range(rank))
         return self.affine_map(f"({dims}) -> ({dims})")
 
+    def pointer(self, memref: str, memref_ty: str) -> str:
+        """The address of `memref`'s first element as an i64 (for calls into the runtime and the
+        matmul library; our buffers' memrefs have no offset)."""
+        index = self.op(f"memref.extract_aligned_pointer_as_index {memref} : {memref_ty} -> index")
+        return self.op(f"arith.index_cast {index} : index to i64")
+
     def empty(self, t: TensorType, elem: str | None = None) -> str:
         return self.op(f"tensor.empty() : {tensor_type(t, elem)}")
 

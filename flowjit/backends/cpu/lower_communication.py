@@ -33,11 +33,6 @@ def _declare(fl, decl: str) -> None:
         fl.globals.append(decl)
 
 
-def _pointer(fl, memref: str, memref_ty: str) -> str:
-    index = fl.em.op(f"memref.extract_aligned_pointer_as_index {memref} : {memref_ty} -> index")
-    return fl.em.op(f"arith.index_cast {index} : index to i64")
-
-
 def _key_pointer(fl, key: str) -> str:
     """A pointer to `key` as a NUL-terminated constant of the module."""
     data = key.encode() + b"\0"
@@ -46,7 +41,7 @@ def _key_pointer(fl, key: str) -> str:
     fl.globals.append(
         f'  memref.global "private" constant @{symbol} : {ty} = dense<[{", ".join(str(b) for b in data)}]>'
     )
-    return _pointer(fl, fl.em.op(f"memref.get_global @{symbol} : {ty}"), ty)
+    return fl.em.pointer(fl.em.op(f"memref.get_global @{symbol} : {ty}"), ty)
 
 
 def _nbytes(fl, t) -> str:
@@ -66,7 +61,7 @@ def lower_send(fl, op: Op) -> None:
     buffer = fl.em.op(
         f"bufferization.to_buffer {tensor} read_only : {tensor_type(t, memory_elem_type(t.dtype))} to {ty}"
     )
-    data = _pointer(fl, buffer, ty)
+    data = fl.em.pointer(buffer, ty)
     key = _key_pointer(fl, op.attrs["key"])
     fl.em.line(f"func.call @flowjit_send({key}, {data}, {_nbytes(fl, t)}) : (i64, i64, i64) -> ()")
 
@@ -76,7 +71,7 @@ def lower_recv(fl, op: Op) -> None:
     if t.size == 0:
         return
     _declare(fl, RECV_DECL)
-    dest = _pointer(fl, fl.buffers[op.result], memref_type(t))
+    dest = fl.em.pointer(fl.buffers[op.result], memref_type(t))
     key = _key_pointer(fl, op.attrs["key"])
     fl.em.op(f"func.call @flowjit_recv({key}, {dest}, {_nbytes(fl, t)}) : (i64, i64, i64) -> i32")
 

@@ -298,17 +298,12 @@ def _lower_dot_general_call(fl, op: Op) -> bool:
     if declaration not in fl.globals:
         fl.globals.append(declaration)
     em.line(f"// dot_general: calls the matmul library's @{name} (precompiled, shape-generic: matmul_library.py)")
-    pointers = [_pointer(em, fl.buffers[v], memref_type(v.type)) for v in (*op.operands, op.result)]
+    pointers = [em.pointer(fl.buffers[v], memref_type(v.type)) for v in (*op.operands, op.result)]
     area, size = em.scratch
-    pointers.append(_pointer(em, area, f"memref<{size}xi8>"))
+    pointers.append(em.pointer(area, f"memref<{size}xi8>"))
     sizes = [em.op(f"arith.constant {value} : i64") for value in (m, n, k, k, n, n, matmul_library.threads())]
     em.line(f"func.call @{name}({', '.join(pointers + sizes)}) : ({', '.join(['i64'] * 11)}) -> ()")
     return True
-
-
-def _pointer(em: KernelEmitter, memref: str, memref_ty: str) -> str:
-    index = em.op(f"memref.extract_aligned_pointer_as_index {memref} : {memref_ty} -> index")
-    return em.op(f"arith.index_cast {index} : index to i64")
 
 
 CALL_LOWERINGS["dot_general"] = _lower_dot_general_call
