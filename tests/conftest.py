@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("FLOWJIT_VERIFY", "1")
 
 # The CPU backend's disk cache goes to a fresh folder per test session, never the user's ~/.cache.
@@ -13,3 +15,10 @@ import tempfile  # noqa: E402
 if "FLOWJIT_CACHE_DIR" not in os.environ:
     os.environ["FLOWJIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="flowjit-test-cache-")
     atexit.register(shutil.rmtree, os.environ["FLOWJIT_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture
+def specialized_matmul(monkeypatch):
+    """Products get their specialized kernel (`matmul_kernel.py`), not a matmul library call
+    (`matmul_library.py`, tested in test_matmul_library.py): for tests of the kernel's code."""
+    monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "0")

@@ -438,8 +438,8 @@ def test_dot_general_degenerate_shapes():
         (20, 17, 30, dt.int64),
     ],
 )
-def test_matmul_kernel(m, k, n, dtype, monkeypatch):
-    monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "0")  # the specialized kernel (test_matmul_library.py: the library)
+@pytest.mark.usefixtures("specialized_matmul")
+def test_matmul_kernel(m, k, n, dtype):
     mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
     assert "vector.fma" in mlir if dtype.is_float else "arith.muli" in mlir and "vector.broadcast" in mlir
     assert ("scf.forall" in mlir) == (m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
@@ -581,6 +581,7 @@ def test_matmul_tile_is_stored_by_one_write():
     assert re.search(r"vector.transfer_write [^\n]*in_bounds = \[false\]", mlir)
 
 
+@pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_restrides_rows_that_alias_in_l1():
     """A whose rows are a multiple of 4 KiB apart is copied to rows one cache line longer before the
     tiles read it (all of a tile's rows in one L1 set ran the 1024^3 product at 58% of the speed);
@@ -738,10 +739,10 @@ def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype):
         (33, 280, 230, dt.float16, False),
     ],
 )
-def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows, monkeypatch):
+@pytest.mark.usefixtures("specialized_matmul")
+def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows):
     """Products with two or more panels per core split C's columns: each thread packs each of its
     panels into its own buffer just before using it (no serial packing of all of B)."""
-    monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "0")  # the specialized kernel (test_matmul_library.py: the library)
     dims = MATMUL | (dict(rhs_contract=(1,)) if rhs_rows else {})
     mlir = check("dot_general", [data((m, k), dtype, 1), data((n, k) if rhs_rows else (k, n), dtype, 2)], dims)
     lanes = matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)
@@ -765,6 +766,7 @@ def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows, monke
         ((), 300, 200, 64, dt.float32),  # above PARALLEL_MIN_FLOPS: each core packs its own rows
     ],
 )
+@pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_kernel_lhs_columns(lead, m, n, k, dtype):
     """`a.T @ b` (weight gradients): the lhs arrives as (batch, K, M) and the kernel reads its
     columns (packed when several panels re-read them), without a transpose copy."""
@@ -1442,6 +1444,7 @@ def test_single_lane_rewrites_only_one_lane_masked_stores():
     ]
 
 
+@pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_temporaries_live_in_the_workspace_scratch_area():
     """Packed panels (B, and A given as (K, M)) go to the scratch area at the end of the workspace,
     sized for the function's largest product and shared by all: no malloc per call (per-call

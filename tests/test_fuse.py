@@ -1019,6 +1019,7 @@ _DOT_PATHS = {
 
 
 @pytest.mark.parametrize("path", list(_DOT_PATHS))
+@pytest.mark.usefixtures("specialized_matmul")
 def test_dot_epilogue_streams_and_equals_unfused(path):
     m, k, n, b_rows, a_cols, dtype = _DOT_PATHS[path]
     rng = np.random.default_rng(7)
@@ -1089,6 +1090,7 @@ def test_dot_epilogue_of_batched_products_streams():
     _check_epilogues([(scaled, True), (residual, False)], (q, k, b, r))
 
 
+@pytest.mark.usefixtures("specialized_matmul")
 def test_dot_epilogue_reading_rows_runs_after_the_product_in_place():
     """An epilogue reading a tensor of the product's shape (a residual, a mask) runs over the whole
     product after it (read tile by tile down the columns it made the kernel 2% slower), in place in

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import flowjit as fj
+import flowjit.numpy as fnp
 from flowjit.backends.cpu import aot, matmul_kernel, matmul_library
 
 needs_cores = pytest.mark.skipif(
@@ -27,30 +28,70 @@ def _product(a, b, library: bool, monkeypatch, fn=lambda a, b: a @ b):
 
 
 SHAPES = [
-    # (m, k, n, dtype): rows left over from the 14-row tiles (0, 1, 13), partial panels of one vector
-    # (n % 32 <= 16) and of two (the second masked), f32 rows 4 KiB long (A restrided), f64
+    # (m, k, n, dtype): rows left over from the 14-row tiles (0, 1, 13: tiles of 8, 4, 2, 1 rows),
+    # partial panels of less than a vector, of exactly one (n % 32 = 16) and of more (the second
+    # masked), f32 rows 4 KiB long (A restrided), narrow products (split by rows), a short
+    # contraction (K < 64, small), f64
     (14 * 30, 128, 256, np.float32),
     (14 * 30 + 1, 100, 300, np.float32),
-    (14 * 20 + 13, 96, 273, np.float32),
+    (14 * 20 + 13, 96, 784, np.float32),
     (200, 1024, 160, np.float32),
+    (256, 1024, 10, np.float32),
+    (300, 10, 1000, np.float32),
     (150, 512, 230, np.float64),
     (97, 333, 161, np.float64),
 ]
+LAYOUTS = {"nn": lambda a, b: a @ b, "bt": lambda a, b: a @ b.T, "at": lambda a, b: a.T @ b}
 
 
 @needs_cores
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("m, k, n, dtype", SHAPES, ids=[f"{m}x{k}x{n}-{np.dtype(d).name}" for m, k, n, d in SHAPES])
-def test_library_products_equal_the_specialized_kernel(m, k, n, dtype, monkeypatch):
+def test_library_products_equal_the_specialized_kernel(m, k, n, dtype, layout, monkeypatch):
     rng = np.random.default_rng(m + n)
-    a = rng.standard_normal((m, k)).astype(dtype)
-    b = rng.standard_normal((k, n)).astype(dtype)
-    got, text = _product(a, b, True, monkeypatch)
+    a = rng.standard_normal((k, m) if layout == "at" else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if layout == "bt" else (k, n)).astype(dtype)
+    fn = LAYOUTS[layout]
+    got, text = _product(a, b, True, monkeypatch, fn)
     assert "func.call @fj_matmul_" in text
-    want, plain = _product(a, b, False, monkeypatch)
+    want, plain = _product(a, b, False, monkeypatch, fn)
     assert "fj_matmul_" not in plain
     np.testing.assert_array_equal(got, want)  # the same multiply-adds in the same order
-    reference = a.astype(np.float64) @ b.astype(np.float64)
+    reference = fn(a.astype(np.float64), b.astype(np.float64))
     np.testing.assert_allclose(got, reference, rtol=1e-4 if dtype == np.float32 else 1e-12, atol=1e-3)
+
+
+@needs_cores
+def test_fused_epilogues_after_a_library_product(monkeypatch):
+    """Fusions whose product calls the library: the epilogue reads the product from the scratch
+    area and writes the result (a mask of the product's shape, an SGD update, a small product's
+    bias), with the same bits as the specialized kernel's."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((256, 300)).astype(np.float32)
+    w = rng.standard_normal((512, 300)).astype(np.float32)
+    h = rng.standard_normal((256, 512)).astype(np.float32)
+    v = rng.standard_normal((300, 512)).astype(np.float32)
+    c = rng.standard_normal((20,)).astype(np.float32)
+    u = rng.standard_normal((512, 20)).astype(np.float32)
+
+    def fn(x, w, h, v):
+        masked = (x @ w.T) * (h > 0)  # reads a tensor of the product's shape
+        updated = v - 0.01 * (x.T @ masked)  # an SGD step on a weight gradient
+        logits = masked @ u + c  # small: a bias the kernel would add tile by tile
+        return masked, updated, logits
+
+    results = {}
+    for library in (True, False):
+        monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "1" if library else "0")
+        f = fj.jit(fn)
+        text = f.lower(x, w, h, v).as_text("mlir")
+        assert (text.count("the product is a matmul library call") == 3) == library, text.count("library call")
+        results[library] = [np.asarray(r) for r in f(x, w, h, v)]
+    for got, want in zip(results[True], results[False]):
+        np.testing.assert_array_equal(got, want)
+    masked = (x.astype(np.float64) @ w.T) * (h > 0)
+    np.testing.assert_allclose(results[True][0], masked, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(results[True][1], v - 0.01 * (x.T.astype(np.float64) @ masked), rtol=1e-4, atol=1e-3)
 
 
 @needs_cores
@@ -64,7 +105,7 @@ def test_operands_from_kernels_constants_and_leading_dims(monkeypatch):
 
     def fn(x, w):
         h = (x * 2.0) @ (w - 1.0)
-        return fnp_sum(h @ c, 1), h
+        return fnp.sum(h @ c, axis=1), h
 
     results = {}
     for library in (True, False):
@@ -79,21 +120,19 @@ def test_operands_from_kernels_constants_and_leading_dims(monkeypatch):
     np.testing.assert_allclose(results[True][1], h, rtol=1e-4, atol=1e-3)
 
 
-def fnp_sum(x, axis):
-    import flowjit.numpy as fnp
-
-    return fnp.sum(x, axis=axis)
-
-
-def test_small_transposed_and_batched_products_keep_their_kernels(monkeypatch):
+def test_products_the_library_does_not_take_keep_their_kernels(monkeypatch):
     monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "1")
     a = np.ones((64, 64), np.float32)
+    f32 = np.float32
     for fn, args in [
-        (lambda a, b: a @ b, (a, a)),  # too small to pay for the call
-        (lambda a, b: a @ b, (np.ones((2, 1024), np.float32), np.ones((1024, 2048), np.float32))),  # streamed
-        (lambda a, b: a @ b.T, (np.ones((512, 256), np.float32), np.ones((512, 256), np.float32))),
-        (lambda a, b: a @ b, (np.ones((4, 256, 256), np.float32), np.ones((4, 256, 256), np.float32))),
-        (lambda a, b: a @ b, (np.ones((512, 256), np.int32), np.ones((256, 512), np.int32))),
+        (lambda a, b: a @ b, (a, a)),  # one core's work: no fork to pay for
+        (lambda a, b: a @ b, (np.ones((2, 1024), f32), np.ones((1024, 2048), f32))),  # streamed
+        (lambda a, b: a.T @ b.T, (np.ones((256, 512), f32), np.ones((512, 256), f32))),  # both transposed
+        (lambda a, b: a @ b, (np.ones((4, 256, 256), f32), np.ones((4, 256, 256), f32))),  # batched
+        (lambda a, b: a @ b, (np.ones((512, 256), np.int32), np.ones((256, 512), np.int32))),  # integers
+        (lambda a, b: a @ b, (np.ones((1024, 16), f32), np.ones((16, 1024), f32))),  # large, K < 64
+        # large, with an epilogue fused into its tiles
+        (lambda a, b: fnp.maximum(a @ b + 1.0, 0.0), (np.ones((512, 256), f32), np.ones((256, 512), f32))),
     ]:
         assert "fj_matmul_" not in fj.jit(fn).lower(*args).as_text("mlir")
 

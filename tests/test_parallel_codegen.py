@@ -104,6 +104,7 @@ def _inputs():
     return w1, w2, x
 
 
+@pytest.mark.usefixtures("specialized_matmul")  # large kernels: a module worth splitting
 def test_split_compile_matches_one_thread(monkeypatch, tmp_path):
     """A gradient with several parallel kernels compiles in two parts; same results as in one part,
     and the two-object cache entry loads in a fresh compile."""

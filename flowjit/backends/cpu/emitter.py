@@ -123,6 +123,8 @@ class KernelEmitter:
         self.flat_views: dict[str, tuple[str, tuple[int, ...]]] = {}
         # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (lowering.SCRATCH)
         self.scratch: tuple[str, int] | None = None
+        # Module-level lines (globals, external function declarations) the function's kernels need.
+        self.globals: list[str] = []
         # Tensors that are `arith.constant` literals (`literal`): strided inserts copy them first.
         self.literals: set[str] = set()
         # The large constants of a control-flow op's regions, as tensors emitted before the op
@@ -186,6 +188,11 @@ class KernelEmitter:
     def identity_map(self, rank: int) -> str:
         dims = ", ".join(f"d{i}" for i in range(rank))
         return self.affine_map(f"({dims}) -> ({dims})")
+
+    def declare(self, line: str) -> None:
+        """Add a module-level line (an external function's declaration) once."""
+        if line not in self.globals:
+            self.globals.append(line)
 
     def pointer(self, memref: str, memref_ty: str) -> str:
         """The address of `memref`'s first element as an i64 (for calls into the runtime and the

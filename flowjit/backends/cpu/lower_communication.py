@@ -28,11 +28,6 @@ RECV_DECL = "  func.func private @flowjit_recv(i64, i64, i64) -> i32"
 SEND_DONE_DECL = "  func.func private @flowjit_send_done()"
 
 
-def _declare(fl, decl: str) -> None:
-    if decl not in fl.globals:
-        fl.globals.append(decl)
-
-
 def _key_pointer(fl, key: str) -> str:
     """A pointer to `key` as a NUL-terminated constant of the module."""
     data = key.encode() + b"\0"
@@ -53,7 +48,7 @@ def lower_send(fl, op: Op) -> None:
     t = value.type
     if t.size == 0:
         return
-    _declare(fl, SEND_DECL)
+    fl.em.declare(SEND_DECL)
     tensor = fl.read(value)
     if t.dtype.is_bool:  # send numpy's bool bytes
         tensor = bool_to_bytes(fl.em, tensor, t)
@@ -70,7 +65,7 @@ def lower_recv(fl, op: Op) -> None:
     t = op.result.type
     if t.size == 0:
         return
-    _declare(fl, RECV_DECL)
+    fl.em.declare(RECV_DECL)
     dest = fl.em.pointer(fl.buffers[op.result], memref_type(t))
     key = _key_pointer(fl, op.attrs["key"])
     fl.em.op(f"func.call @flowjit_recv({key}, {dest}, {_nbytes(fl, t)}) : (i64, i64, i64) -> i32")
@@ -78,7 +73,7 @@ def lower_recv(fl, op: Op) -> None:
 
 def lower_send_done(fl, op: Op) -> None:
     # The sent values are this op's operands, so the workspace plan keeps their slots until here.
-    _declare(fl, SEND_DONE_DECL)
+    fl.em.declare(SEND_DONE_DECL)
     fl.em.line("func.call @flowjit_send_done() : () -> ()")
 
 

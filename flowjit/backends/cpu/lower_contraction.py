@@ -257,33 +257,85 @@ def _kernel_shape(op: Op) -> matmul_kernel.MatmulShape | None:
 def _dot_general_scratch(op: Op) -> int:
     shape = _kernel_shape(op)
     kernel = 0 if shape is None else matmul_kernel.scratch_bytes(shape)
-    call = _library_call(op)
+    call = library_call(op)
     # Either may run (the call is declined when an operand has no buffer).
-    return max(kernel, matmul_library.scratch_bytes(call[0], call[2], call[3]) if call else 0)
+    return max(kernel, call.scratch_bytes() if call else 0)
 
 
 SCRATCH["dot_general"] = _dot_general_scratch
 
 
-def _library_call(op: Op) -> tuple[int, int, int, str] | None:
-    """(M, N, K, element type) when this dot_general calls the matmul library (`matmul_library`):
-    A (.., K) with its free dims first, B (K, N), no batch, all of one float type."""
+@dataclass(frozen=True)
+class LibraryCall:
+    """A dot_general as a call of the matmul library (`matmul_library`): C (M, N) = A @ B in `elem`,
+    `layout` "" (A (M, K), B (K, N)), "bt" (B given as (N, K)) or "at" (A given as (K, M))."""
+
+    m: int
+    n: int
+    k: int
+    elem: str
+    layout: str
+
+    @property
+    def symbol(self) -> str:
+        return matmul_library.symbol(self.elem, self.layout)
+
+    def scratch_bytes(self) -> int:
+        return matmul_library.scratch_bytes(self.m, self.n, self.k, self.elem, self.layout)
+
+    @property
+    def small(self) -> bool:
+        return self.m * self.n * self.k <= matmul_library.SMALL_FLOPS
+
+    def product_bytes(self) -> int:
+        return self.m * self.n * int(self.elem[1:]) // 8
+
+    def emit(self, em: KernelEmitter, a: tuple[str, str], b: tuple[str, str], c: tuple[str, str]) -> None:
+        """The call on memrefs (name, type) of A, B (laid out as `layout` says) and C, with the
+        function's scratch area; its declaration goes into the module."""
+        one, byte = f"memref<1x{self.elem}>", "memref<1xi8>"
+        types = ", ".join([one] * 3 + [byte] + ["index"] * 7)
+        em.declare(f"  func.func private @{self.symbol}({types})")
+        em.line(f"// dot_general: calls the matmul library's @{self.symbol} (precompiled: matmul_library.py)")
+        area, size = em.scratch
+        args = []
+        for (memref, ty), target in [(a, one), (b, one), (c, one), ((area, f"memref<{size}xi8>"), byte)]:
+            cast = f"memref.reinterpret_cast {memref} to offset: [0], sizes: [1], strides: [1] : {ty} to {target}"
+            args.append(em.op(cast))
+        lda = self.m if self.layout == "at" else self.k
+        ldb = self.k if self.layout == "bt" else self.n
+        for value in (self.m, self.n, self.k, lda, ldb, self.n, matmul_library.threads()):
+            args.append(em.op(f"arith.constant {value} : index"))
+        em.line(f"func.call @{self.symbol}({', '.join(args)}) : ({types}) -> ()")
+
+
+def library_call(op: Op) -> LibraryCall | None:
+    """How this dot_general calls the matmul library, or None when it does not: one float type, no
+    batch, A (.., K) with its free dims first or (K, M), B (K, N) or (N, K), not both transposed,
+    a product the library takes (`matmul_library.call_shape`)."""
     lhs_contract, rhs_contract, lhs_batch, _ = dot_dims(op.attrs)
     ta, tb = op.operands[0].type, op.operands[1].type
-    if lhs_batch or tuple(lhs_contract) != (ta.rank - 1,) or tb.rank != 2 or tuple(rhs_contract) != (0,):
+    if lhs_batch or tb.rank != 2 or not ta.dtype == tb.dtype == op.result.type.dtype or ta.dtype.is_bool:
         return None
-    if not ta.dtype == tb.dtype == op.result.type.dtype or ta.dtype.is_bool:
+    if tuple(lhs_contract) == (ta.rank - 1,):
+        a_cols, m, k = False, ta.size // max(ta.shape[-1], 1), ta.shape[-1]
+    elif ta.rank == 2 and tuple(lhs_contract) == (0,):
+        a_cols, m, k = True, ta.shape[1], ta.shape[0]
+    else:
         return None
-    elem = elem_type(ta.dtype)
-    m, n, k = ta.size // max(ta.shape[-1], 1), tb.shape[1], ta.shape[-1]
-    return (m, n, k, elem) if matmul_library.call_shape(m, n, k, elem) else None
+    b_rows = tuple(rhs_contract) == (1,)
+    if a_cols and b_rows:
+        return None
+    n, elem = tb.shape[0 if b_rows else 1], elem_type(ta.dtype)
+    layout = "at" if a_cols else "bt" if b_rows else ""
+    return LibraryCall(m, n, k, elem, layout) if matmul_library.call_shape(m, n, k, elem, layout) else None
 
 
 def _lower_dot_general_call(fl, op: Op) -> bool:
-    """A large plain product as a call of the matmul library's function for its element type, on
-    the operands' and result's buffers; False (the tensor lowering runs) when the product is not
-    one the library takes or an operand has no buffer (a splat, a slice no kernel computes)."""
-    call = _library_call(op)
+    """A large product as a call of the matmul library on the operands' and the result's buffers;
+    False (the tensor lowering runs) when the library does not take it or an operand has no buffer
+    (a splat, a slice no kernel computes)."""
+    call = library_call(op)
     if call is None:
         return False
     for v in op.operands:
@@ -291,18 +343,8 @@ def _lower_dot_general_call(fl, op: Op) -> bool:
             fl.read(v)  # a large constant: a view of its module global
     if any(v not in fl.buffers for v in (*op.operands, op.result)) or fl.em.scratch is None:
         return False
-    m, n, k, elem = call
-    em = fl.em
-    name = matmul_library.symbol(elem)
-    declaration = f"  func.func private @{name}({', '.join(['i64'] * 11)})"
-    if declaration not in fl.globals:
-        fl.globals.append(declaration)
-    em.line(f"// dot_general: calls the matmul library's @{name} (precompiled, shape-generic: matmul_library.py)")
-    pointers = [em.pointer(fl.buffers[v], memref_type(v.type)) for v in (*op.operands, op.result)]
-    area, size = em.scratch
-    pointers.append(em.pointer(area, f"memref<{size}xi8>"))
-    sizes = [em.op(f"arith.constant {value} : i64") for value in (m, n, k, k, n, n, matmul_library.threads())]
-    em.line(f"func.call @{name}({', '.join(pointers + sizes)}) : ({', '.join(['i64'] * 11)}) -> ()")
+    a, b, c = ((fl.buffers[v], memref_type(v.type)) for v in (*op.operands, op.result))
+    call.emit(fl.em, a, b, c)
     return True
 
 
@@ -350,6 +392,13 @@ def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue:
     kernel = shape is not None and len(rhs_free) == 1 and in_place
     flat = len(lhs_free) > 1 or bool(shape and shape.batch)  # C's rows span more than one dim
     tiles = kernel and (epilogue.columns_only() if flat else not epilogue.reads_along(0))
+    call = library_call(op)
+    if call is not None and result.rank == 2 and _scratch_holds(em, call) and (not tiles or call.small):
+        # The product into the scratch area, the epilogue from there into the result: the same
+        # passes over C as the kernel's product and in-place epilogue (a small product's tiles
+        # are cheaper to compile as a library call than to fuse its epilogue into).
+        em.line("// fusion: epilogue over the whole product after it (the product is a matmul library call)")
+        return epilogue.window(em, _library_product(em, call, op, operands), result, {}, None, False)
     if tiles or (kernel and flat and not shape.batch and epilogue.as_matrix()):
         a, b, lead = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
         if tiles:
@@ -369,6 +418,37 @@ def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue:
     em.line(f"// fusion: epilogue over the whole product after it ({why})")
     (product,) = lower_dot_general(em, op, operands)
     return epilogue.window(em, product, result, {}, product if in_place else None, False)
+
+
+def fusion_scratch(op: Op) -> int:
+    """Scratch bytes of a fusion whose product calls the matmul library (`_dot_with_epilogue`): the
+    call's, then the product."""
+    calls = [library_call(inner) for inner in op.regions[0].walk() if inner.name == "dot_general"]
+    return max((_product_at(call) + call.product_bytes() for call in calls if call is not None), default=0)
+
+
+def _product_at(call: LibraryCall) -> int:
+    return -(-call.scratch_bytes() // 64) * 64
+
+
+def _scratch_holds(em: KernelEmitter, call: LibraryCall) -> bool:
+    return em.scratch is not None and em.scratch[1] >= _product_at(call) + call.product_bytes()
+
+
+def _library_product(em: KernelEmitter, call: LibraryCall, op: Op, operands: list[str]) -> str:
+    """The product as a call of the matmul library into the scratch area, after the call's own
+    temporaries; returns it as a tensor."""
+    buffers = []
+    for x, v in zip(operands, op.operands):
+        t = v.type
+        buffer = em.op(f"bufferization.to_buffer {x} read_only : {tensor_type(t)} to {memref_type(t)}")
+        buffers.append((buffer, memref_type(t)))
+    area, size = em.scratch
+    c_type = op.result.type
+    at = em.op(f"arith.constant {_product_at(call)} : index")
+    c = em.op(f"memref.view {area}[{at}][] : memref<{size}xi8> to {memref_type(c_type)}")
+    call.emit(em, buffers[0], buffers[1], (c, memref_type(c_type)))
+    return em.op(f"bufferization.to_tensor {c} restrict writable : {memref_type(c_type)} to {tensor_type(c_type)}")
 
 
 def _rhs_in_row_order(op: Op) -> bool:

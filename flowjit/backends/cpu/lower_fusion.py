@@ -56,6 +56,7 @@ from flowjit.backends.cpu.lower_elementwise import (
 from flowjit.backends.cpu.lower_reduction import _COMBINE
 from flowjit.backends.cpu.lowering import (
     LOWERINGS,
+    SCRATCH,
     bool_from_bytes,
     bool_to_bytes,
     dense_literal,
@@ -946,6 +947,10 @@ class _Epilogue(lower_contraction.Epilogue):
 
 
 _STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general": lower_contraction.lower_dot_general}
+
+
+# A product of the fusion that calls the matmul library puts its result in the scratch area.
+SCRATCH["fusion"] = lower_contraction.fusion_scratch
 
 
 @lowering("fusion")

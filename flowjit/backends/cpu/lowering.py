@@ -232,7 +232,7 @@ class _FunctionLowering:
         self.graph = graph
         self.name = name
         self.em = KernelEmitter()
-        self.globals: list[str] = []
+        self.globals: list[str] = self.em.globals
         self.buffers: dict[Value, str] = {}  # value -> memref SSA name holding it
         self.inline: dict[Value, str] = {}  # constant value -> tensor SSA name (emitted on first read)
         self.result_outputs: dict[Value, str] = {}  # op result that is a graph result -> its output arg

@@ -53,8 +53,22 @@ ELEMS = ("f32", "f64")
 WHOLE, NONE = "whole", "none"
 
 
-def symbol(elem: str) -> str:
-    return f"fj_matmul_{elem}"
+# Operand layouts, each its own function: B given as (N, K) (`a @ w.T`: packed from its rows,
+# transposed in registers) and A given as (K, M) (`x.T @ dz`, weight gradients: its blocks of MR
+# columns packed first, shared by the cores).
+LAYOUTS = ("", "bt", "at")
+
+
+# Products of at most this many multiply-adds (tens of microseconds on two cores) take the library
+# even where the specialized kernel runs a little faster: short contractions (K < 64, where its
+# shorter tiles ran 10-15% faster) and fused epilogues it would apply tile by tile (the library's
+# product is written, then the epilogue makes the result). Their specialized code costs 20-40 ms
+# of compile each (the MLP step's logits and the gradient of its last layer's input).
+SMALL_FLOPS = 1 << 23
+
+
+def symbol(elem: str, layout: str = "") -> str:
+    return f"fj_matmul_{elem}{'_' + layout if layout else ''}"
 
 
 def enabled() -> bool:
@@ -78,26 +92,47 @@ class disabled:
         _local.off = self.before
 
 
-def call_shape(m: int, n: int, k: int, elem: str) -> bool:
-    """Whether a plain (M, K) @ (K, N) product of `elem` calls the library."""
-    if elem not in ELEMS or not enabled():
+def call_shape(m: int, n: int, k: int, elem: str, layout: str = "") -> bool:
+    """Whether an (M, K) @ (K, N) product of `elem`, its operands laid out as `layout` says, calls
+    the library: when the specialized kernel would split the plain product over the cores (by
+    columns or rows) and not stream it, and the contraction is long enough for tall tiles."""
+    if elem not in ELEMS or layout not in LAYOUTS or not enabled():
         return False
     shape = matmul_kernel.MatmulShape(0, m, n, k, elem)
-    threads = matmul_kernel._threads(shape)
-    return matmul_kernel._splits_columns(shape, threads) and not matmul_kernel.streams_rows(shape)
+    if not matmul_kernel.worth_it(0, m, n, k) or matmul_kernel.streams_rows(shape):
+        return False
+    short_ok = m * n * k <= SMALL_FLOPS
+    return matmul_kernel._threads(shape) > 1 and (k >= matmul_kernel.TALL_TILE_MIN_K or short_ok)
 
 
 def threads() -> int:
     return matmul_kernel.cores()
 
 
-def scratch_bytes(m: int, k: int, elem: str) -> int:
-    """Bytes of the scratch area a call uses: one K x NR panel per core, then A's restrided copy
-    (when its rows alias, `matmul_kernel.aliases`)."""
-    size = int(elem[1:]) // 8
-    nr = 2 * matmul_kernel.vector_bits() // int(elem[1:])
-    panels = threads() * _round_up(k * nr * size, 64)
+def scratch_bytes(m: int, n: int, k: int, elem: str, layout: str = "") -> int:
+    """Bytes of the scratch area a call uses (`_Kernel.text` lays it out): one panel per core
+    (K rounded up to a vector, x NR), then A's restrided copy (when its rows alias,
+    `matmul_kernel.aliases`) or, A given as (K, M), its packed blocks of MR columns."""
+    geometry = _Geometry(elem)
+    by_columns = n // geometry.nr >= 2 * threads() and k >= matmul_kernel.COLUMN_SPLIT_MIN_K
+    count = threads() if by_columns else -(-n // geometry.nr)
+    panels = count * _round_up(_round_up(k, geometry.vl) * geometry.nr * geometry.size, 64)
+    if layout == "at" and -(-n // geometry.nr) >= matmul_kernel.PACK_A_MIN_PANELS:
+        blocks = -(-m // geometry.mr)
+        return panels + _round_up(blocks * k * geometry.packed_width * geometry.size, 64)
     return panels + (matmul_kernel.restrided_bytes(m, k, elem) if matmul_kernel.aliases(k, elem) else 0)
+
+
+class _Geometry:
+    """Vector and register-tile sizes for `elem` on this host."""
+
+    def __init__(self, elem: str):
+        self.elem = elem
+        self.size = int(elem[1:]) // 8
+        self.vl = matmul_kernel.vector_bits() // int(elem[1:])
+        self.nr = 2 * self.vl
+        self.mr = matmul_kernel.tile_rows(2)
+        self.packed_width = _round_up(self.mr, self.vl)  # a packed block of A's columns, per k
 
 
 def _round_up(a: int, b: int) -> int:
@@ -111,6 +146,7 @@ class _Writer:
         self.lines: list[str] = []
         self.count = 0
         self.indent = "    "
+        self.last_thread = ""  # the thread index of the last `_Kernel.split`
 
     def op(self, text: str) -> str:
         name = f"%v{self.count}"
@@ -142,59 +178,108 @@ class _Writer:
         return f"%{prefix}{self.count}"
 
 
-class _Kernel:
-    """The library function for one element type."""
+class _Kernel(_Geometry):
+    """The library function for one element type and operand layout."""
 
-    def __init__(self, elem: str):
-        self.elem = elem
-        self.size = int(elem[1:]) // 8
-        self.vl = matmul_kernel.vector_bits() // int(elem[1:])
-        self.nr = 2 * self.vl
-        self.mr = matmul_kernel.tile_rows(2)
+    def __init__(self, elem: str, layout: str):
+        super().__init__(elem)
+        self.layout = layout
         self.vec = f"vector<{self.vl}x{elem}>"
+        self.mask = f"vector<{self.vl}xi1>"
         self.mat = f"memref<?x?x{elem}, strided<[?, 1]>>"
         self.panel = f"memref<?x{self.nr}x{elem}>"
-        self.zero = "0.0"
+        self.packed = f"memref<?x?x{self.packed_width}x{elem}>"
+        self.packs_a = False  # while writing the product for A's packed blocks (`packed_a`)
         self.w = _Writer()
 
     def text(self) -> str:
         w, e = self.w, self.elem
         one = f"memref<1x{e}>"
         w.lines.append(
-            f"  func.func @{symbol(e)}(%a0: {one}, %b0: {one}, %c0: {one}, %s0: memref<1xi8>, %m: index, "
-            "%n: index, %k: index, %lda: index, %ldb: index, %ldc: index, %threads: index) {"
+            f"  func.func @{symbol(e, self.layout)}(%a0: {one}, %b0: {one}, %c0: {one}, %s0: memref<1xi8>, "
+            "%m: index, %n: index, %k: index, %lda: index, %ldb: index, %ldc: index, %threads: index) {"
         )
-        a = self.matrix("%a0", "%m", "%k", "%lda")
-        b = self.matrix("%b0", "%k", "%n", "%ldb")
-        c = self.matrix("%c0", "%m", "%n", "%ldc")
-        panel_bytes = w.arith("muli", "%k", self.nr * self.size)
+        a = self.matrix("%a0", ("%k", "%m") if self.layout == "at" else ("%m", "%k"), "%lda")
+        b = self.matrix("%b0", ("%n", "%k") if self.layout == "bt" else ("%k", "%n"), "%ldb")
+        c = self.matrix("%c0", ("%m", "%n"), "%ldc")
+        # The scratch area (`scratch_bytes`): the panels (one per core when the cores split C's
+        # columns, else all of them), then A's copy or packed blocks.
+        k_rounded = w.arith("muli", w.arith("ceildivui", "%k", self.vl), self.vl)
+        panel_bytes = w.arith("muli", k_rounded, self.nr * self.size)
         panel_bytes = w.arith("muli", w.arith("ceildivui", panel_bytes, 64), 64)
-        copy_at = w.arith("muli", "%threads", panel_bytes)
-        stride = w.arith("addi", "%lda", matmul_kernel.CACHE_LINE // self.size)
-        copy_bytes = w.arith("addi", w.arith("muli", w.arith("muli", "%m", stride), self.size), 64)
-        total = w.arith("addi", copy_at, copy_bytes)
-        scratch = w.op(
-            f"memref.reinterpret_cast %s0 to offset: [0], sizes: [{total}], strides: [1] : memref<1xi8> to memref<?xi8>"
-        )
-        a = self.restrided(a, scratch, copy_at, stride)
-        self.columns(a, b, c, scratch, panel_bytes)
+        wide = w.op(f"arith.cmpi uge, {w.arith('divui', '%n', self.nr)}, {w.arith('muli', '%threads', 2)} : index")
+        deep = w.op(f"arith.cmpi uge, %k, {w.index(matmul_kernel.COLUMN_SPLIT_MIN_K)} : index")
+        by_columns = w.op(f"arith.andi {wide}, {deep} : i1")
+        count = w.op(f"arith.select {by_columns}, %threads, {w.arith('ceildivui', '%n', self.nr)} : index")
+        after = w.arith("muli", count, panel_bytes)
+        sizes = f"sizes: [{self.big()}], strides: [1]"
+        scratch = w.op(f"memref.reinterpret_cast %s0 to offset: [0], {sizes} : memref<1xi8> to memref<?xi8>")
+        panels = (scratch, panel_bytes, k_rounded)
+        if self.layout == "at":
+            # A's blocks packed when enough panels read them (`matmul_kernel.PACK_A_MIN_PANELS`), else
+            # read in place, as the specialized kernel does.
+            many = w.arith("ceildivui", "%n", self.nr)
+            packs = w.op(f"arith.cmpi uge, {many}, {w.index(matmul_kernel.PACK_A_MIN_PANELS)} : index")
+            w.open(f"scf.if {packs}")
+            self.packs_a = True
+            self.product(self.packed_a(a, scratch, after), b, c, panels, by_columns)
+            self.packs_a = False
+            w.close("} else {")
+            w.indent += "  "
+            self.product(self.columns_a(a), b, c, panels, by_columns)
+            w.close()
+        else:
+            self.product(self.plain_a(self.restrided(a, scratch, after)), b, c, panels, by_columns)
         w.line("return")
         w.lines.append("  }")
         return "\n".join(w.lines)
 
-    def matrix(self, pointer: str, rows: str, cols: str, ld: str) -> str:
+    def product(self, read_a, b: str, c: str, panels: tuple[str, str, str], by_columns: str) -> None:
+        w = self.w
+        w.open(f"scf.if {by_columns}")
+        self.columns(read_a, b, c, panels)
+        w.close("} else {")
+        w.indent += "  "
+        self.row_chunks(read_a, b, c, panels)
+        w.close()
+
+    def big(self) -> str:
+        # The scratch area's size as a memref bound (never used to index: views carry their own).
+        return self.w.index(1 << 62)
+
+    def matrix(self, pointer: str, sizes: tuple[str, str], ld: str) -> str:
         return self.w.op(
-            f"memref.reinterpret_cast {pointer} to offset: [0], sizes: [{rows}, {cols}], strides: [{ld}, 1] "
+            f"memref.reinterpret_cast {pointer} to offset: [0], sizes: [{sizes[0]}, {sizes[1]}], strides: [{ld}, 1] "
             f": memref<1x{self.elem}> to {self.mat}"
         )
 
-    def restrided(self, a: str, scratch: str, at: str, stride: str) -> str:
-        """A, or its copy with rows `stride` elements apart when A's rows alias in L1."""
+    def plain_a(self, a: str):
+        """read(row block start, r, k) = A[start + r, k]."""
         w = self.w
+
+        def read(start: str, r: int, k: str) -> str:
+            return w.op(f"memref.load {a}[{w.arith('addi', start, r)}, {k}] : {self.mat}")
+
+        return read
+
+    def columns_a(self, a: str):
+        """read(row start, r, k) = A[k, start + r] for A given as (K, M), read in place."""
+        w = self.w
+
+        def read(start: str, r: int, k: str) -> str:
+            return w.op(f"memref.load {a}[{k}, {w.arith('addi', start, r)}] : {self.mat}")
+
+        return read
+
+    def restrided(self, a: str, scratch: str, at: str) -> str:
+        """A, or its copy with rows one cache line longer when A's rows alias in L1 (the specialized
+        kernel's `restride`), split by rows over the cores."""
+        w = self.w
+        stride = w.arith("addi", "%lda", matmul_kernel.CACHE_LINE // self.size)
         row_bytes = w.arith("muli", "%lda", self.size)
         offset = w.arith("remui", row_bytes, matmul_kernel.ALIASING_STRIDE)
         aliased = w.op(f"arith.cmpi eq, {offset}, {w.index(0)} : index")
-        tall = w.op(f"arith.cmpi sge, %m, {w.index(self.mr)} : index")
+        tall = w.op(f"arith.cmpi uge, %m, {w.index(self.mr)} : index")
         copies = w.op(f"arith.andi {aliased}, {tall} : i1")
         elements = w.arith("muli", "%m", stride)
         flat = w.op(f"memref.view {scratch}[{at}][{elements}] : memref<?xi8> to memref<?x{self.elem}>")
@@ -203,85 +288,173 @@ class _Kernel:
             f": memref<?x{self.elem}> to {self.mat}"
         )
         w.open(f"scf.if {copies}")
-        chunk = w.arith("ceildivui", "%m", "%threads")
-        t = w.fresh("t")
-        w.open(f"scf.forall ({t}) in (%threads)")
-        r0 = w.op(f"arith.minui {w.arith('muli', t, chunk)}, %m : index")
-        r1 = w.op(f"arith.minui {w.arith('addi', r0, chunk)}, %m : index")
-        r = w.fresh()
-        w.open(f"scf.for {r} = {r0} to {r1} step {w.index(1)}")
-        self.copy_row(lambda col: (a, f"[{r}, {col}]"), lambda col: (copy, f"[{r}, {col}]"), "%k", self.mat)
+        r = self.split("%m", w.arith("ceildivui", "%m", "%threads"))
+        self.copy_row(a, copy, r)
         w.close()
         w.close()
         w.close()
         return w.op(f"arith.select {copies}, {copy}, {a} : {self.mat}")
 
-    def copy_row(self, source, dest, count: str, dest_type: str, source_type: str | None = None) -> None:
-        """dest[.., 0:count] = source[.., 0:count] a vector at a time, the tail masked (zeros read
-        past `count`, written to the destination only with `pad_to`)."""
+    def split(self, count: str, chunk: str) -> str:
+        """Opens an `scf.forall` over the cores and, inside, a loop over the core's `chunk` of
+        [0, count); returns the loop's index (close both). The core's index: `w.last_thread`."""
         w = self.w
-        source_type = source_type or self.mat
-        whole = w.arith("muli", w.arith("divui", count, self.vl), self.vl)
+        t = w.last_thread = w.fresh("t")
+        w.open(f"scf.forall ({t}) in (%threads)")
+        lo = w.op(f"arith.minui {w.arith('muli', t, chunk)}, {count} : index")
+        hi = w.op(f"arith.minui {w.arith('addi', lo, chunk)}, {count} : index")
+        i = w.fresh()
+        w.open(f"scf.for {i} = {lo} to {hi} step {w.index(1)}")
+        return i
+
+    def copy_row(self, a: str, copy: str, r: str) -> None:
+        """copy[r, 0:K] = A[r, 0:K], a vector at a time, the tail masked."""
+        w = self.w
+        whole = w.arith("muli", w.arith("divui", "%k", self.vl), self.vl)
         col = w.fresh()
         w.open(f"scf.for {col} = {w.index(0)} to {whole} step {w.index(self.vl)}")
-        src, at = source(col)
-        v = w.op(f"vector.load {src}{at} : {source_type}, {self.vec}")
-        dst, at = dest(col)
-        w.line(f"vector.store {v}, {dst}{at} : {dest_type}, {self.vec}")
+        v = w.op(f"vector.load {a}[{r}, {col}] : {self.mat}, {self.vec}")
+        w.line(f"vector.store {v}, {copy}[{r}, {col}] : {self.mat}, {self.vec}")
         w.close()
-        rest = w.arith("subi", count, whole)
+        rest = w.arith("subi", "%k", whole)
         w.open(f"scf.if {w.op(f'arith.cmpi ugt, {rest}, {w.index(0)} : index')}")
-        mask = w.op(f"vector.create_mask {rest} : vector<{self.vl}xi1>")
-        zeros = w.op(f"arith.constant dense<{self.zero}> : {self.vec}")
-        src, at = source(whole)
-        masked = f"vector<{self.vl}xi1>, {self.vec}"
-        v = w.op(f"vector.maskedload {src}{at}, {mask}, {zeros} : {source_type}, {masked} into {self.vec}")
-        dst, at = dest(whole)
-        w.line(f"vector.maskedstore {dst}{at}, {mask}, {v} : {dest_type}, {masked}")
+        mask = w.op(f"vector.create_mask {rest} : {self.mask}")
+        v = self.masked_load(a, f"[{r}, {whole}]", mask)
+        w.line(f"vector.maskedstore {copy}[{r}, {whole}], {mask}, {v} : {self.mat}, {self.mask}, {self.vec}")
         w.close()
 
-    def columns(self, a: str, b: str, c: str, scratch: str, panel_bytes: str) -> None:
-        """C's whole panels split over the cores, then the partial last panel on this thread."""
+    def masked_load(self, source: str, at: str, mask: str, source_type: str | None = None) -> str:
+        w = self.w
+        zeros = w.op(f"arith.constant dense<0.0> : {self.vec}")
+        types = f"{source_type or self.mat}, {self.mask}, {self.vec} into {self.vec}"
+        return w.op(f"vector.maskedload {source}{at}, {mask}, {zeros} : {types}")
+
+    def packed_a(self, a: str, scratch: str, at: str):
+        """A given as (K, M): its blocks of MR columns packed as Ap[block, k, 0:MR] (zeros past M),
+        split by blocks over the cores before any product (every core's panels read all of A), so
+        that a tile reads MR contiguous elements per k instead of one line per k, M apart (all in
+        one L1 set when M is a multiple of 1024). read(row start, r, k) = A's row start + r at k."""
+        w = self.w
+        blocks = w.arith("ceildivui", "%m", self.mr)
+        packed = w.op(f"memref.view {scratch}[{at}][{blocks}, %k] : memref<?xi8> to {self.packed}")
+        block = self.split(blocks, w.arith("ceildivui", blocks, "%threads"))
+        first = w.arith("muli", block, self.mr)
+        live = w.op(f"arith.minui {w.arith('subi', '%m', first)}, {w.index(self.mr)} : index")
+        masks = []
+        for q in range(self.packed_width // self.vl):
+            past = w.op(f"arith.maxui {live}, {w.index(q * self.vl)} : index")  # lanes of vector q inside
+            count = w.op(f"arith.minui {w.arith('subi', past, q * self.vl)}, {w.index(self.vl)} : index")
+            masks.append(w.op(f"vector.create_mask {count} : {self.mask}"))
+        k = w.fresh()
+        w.open(f"scf.for {k} = {w.index(0)} to %k step {w.index(1)}")
+        for q, mask in enumerate(masks):
+            v = self.masked_load(a, f"[{k}, {w.arith('addi', first, q * self.vl)}]", mask)
+            w.line(f"vector.store {v}, {packed}[{block}, {k}, {w.index(q * self.vl)}] : {self.packed}, {self.vec}")
+        w.close()
+        w.close()
+        w.close()
+
+        def read(start: str, r: int, k: str) -> str:
+            block, within = w.arith("divui", start, self.mr), w.arith("remui", start, self.mr)
+            return w.op(f"memref.load {packed}[{block}, {k}, {w.arith('addi', within, r)}] : {self.packed}")
+
+        return read
+
+    def columns(self, read_a, b: str, c: str, panels: tuple[str, str, str]) -> None:
+        """C's whole panels split over the cores, each packed just in time into the core's own
+        buffer, then the partial last panel on this thread (`panels`: the scratch area, a panel's
+        bytes, its rows)."""
         w = self.w
         whole = w.arith("divui", "%n", self.nr)
-        per = w.arith("ceildivui", whole, "%threads")
-        t = w.fresh("t")
-        w.open(f"scf.forall ({t}) in (%threads)")
-        p0 = w.op(f"arith.minui {w.arith('muli', t, per)}, {whole} : index")
-        p1 = w.op(f"arith.minui {w.arith('addi', p0, per)}, {whole} : index")
-        panel = w.op(f"memref.view {scratch}[{w.arith('muli', t, panel_bytes)}][%k] : memref<?xi8> to {self.panel}")
-        p = w.fresh()
-        w.open(f"scf.for {p} = {p0} to {p1} step {w.index(1)}")
+        p = self.split(whole, w.arith("ceildivui", whole, "%threads"))
+        panel = self.panel_at(panels, self.w.last_thread)
         col = w.arith("muli", p, self.nr)
         self.pack(b, panel, col, [WHOLE, WHOLE])
-        self.rows(a, panel, c, col, [WHOLE, WHOLE])
+        self.rows(read_a, panel, c, col, [WHOLE, WHOLE], (w.index(0), "%m"))
         w.close()
         w.close()
-        left = w.arith("subi", "%n", w.arith("muli", whole, self.nr))
-        w.open(f"scf.if {w.op(f'arith.cmpi ugt, {left}, {w.index(0)} : index')}")
-        panel = w.op(f"memref.view {scratch}[{w.index(0)}][%k] : memref<?xi8> to {self.panel}")
+        panel = self.panel_at(panels, w.index(0))
         col = w.arith("muli", whole, self.nr)
-        # At most one vector's worth of columns left: the second vector is neither computed nor
-        # stored (half the multiply-adds); else the first is whole and the second masked.
-        w.open(f"scf.if {w.op(f'arith.cmpi ule, {left}, {w.index(self.vl)} : index')}")
-        states = [w.op(f"vector.create_mask {left} : vector<{self.vl}xi1>"), NONE]
-        self.pack(b, panel, col, states)
-        self.rows(a, panel, c, col, states)
+
+        def last(states):
+            self.pack(b, panel, col, states)
+            self.rows(read_a, panel, c, col, states, (w.index(0), "%m"))
+
+        self.partial_panel(last)
+
+    def row_chunks(self, read_a, b: str, c: str, panels: tuple[str, str, str]) -> None:
+        """C's rows split over the cores in chunks of whole MR-row blocks (narrow or short
+        products: too few panels or too short a contraction to split by columns), after every
+        panel is packed on this thread (as the specialized kernel does: few panels, and a second fork
+        cost more than packing them: (256, 1024) @ (1024, 10) 0.074 against 0.068 ms)."""
+        w = self.w
+        whole = w.arith("divui", "%n", self.nr)
+        p = w.fresh()
+        w.open(f"scf.for {p} = {w.index(0)} to {whole} step {w.index(1)}")
+        self.pack(b, self.panel_at(panels, p), w.arith("muli", p, self.nr), [WHOLE, WHOLE])
+        w.close()
+        panel, col = self.panel_at(panels, whole), w.arith("muli", whole, self.nr)
+        self.partial_panel(lambda states: self.pack(b, panel, col, states))
+        # Equal chunks (a multiple of MR rows only for A's packed blocks, which a tile must not
+        # straddle): in multiples of MR, (256, 1024) @ (1024, 10) gave one core 140 rows, the
+        # other 116, and ran 1.18x the specialized kernel's time (which picks a tile height that
+        # divides 128).
+        chunk = w.arith("ceildivui", "%m", "%threads")
+        if self.packs_a:
+            chunk = w.arith("muli", w.arith("ceildivui", chunk, self.mr), self.mr)
+        t = w.fresh("t")
+        w.open(f"scf.forall ({t}) in (%threads)")
+        lo = w.op(f"arith.minui {w.arith('muli', t, chunk)}, %m : index")
+        hi = w.op(f"arith.minui {w.arith('addi', lo, chunk)}, %m : index")
+        p = w.fresh()
+        w.open(f"scf.for {p} = {w.index(0)} to {whole} step {w.index(1)}")
+        col = w.arith("muli", p, self.nr)
+        self.rows(read_a, self.panel_at(panels, p), c, col, [WHOLE, WHOLE], (lo, hi))
+        w.close()
+        panel = self.panel_at(panels, whole)
+        col = w.arith("muli", whole, self.nr)
+        self.partial_panel(lambda states: self.rows(read_a, panel, c, col, states, (lo, hi)))
+        w.close()
+
+    def panel_at(self, panels: tuple[str, str, str], index: str) -> str:
+        """The `index`th panel buffer of the scratch area."""
+        scratch, panel_bytes, k_rounded = panels
+        at = self.w.arith("muli", index, panel_bytes)
+        return self.w.op(f"memref.view {scratch}[{at}][{k_rounded}] : memref<?xi8> to {self.panel}")
+
+    def partial_panel(self, body) -> None:
+        """`body(states)` for C's partial last panel, if any: with at most one vector's worth of
+        columns left the second vector is neither computed nor stored (half the multiply-adds);
+        else the first is whole and the second masked."""
+        w = self.w
+        left = w.arith("subi", "%n", w.arith("muli", w.arith("divui", "%n", self.nr), self.nr))
+        w.open(f"scf.if {w.op(f'arith.cmpi ugt, {left}, {w.index(0)} : index')}")
+        w.open(f"scf.if {w.op(f'arith.cmpi ult, {left}, {w.index(self.vl)} : index')}")
+        body([self.partial(left), NONE])
         w.close("} else {")
         w.indent += "  "
-        states = [WHOLE, w.op(f"vector.create_mask {w.arith('subi', left, self.vl)} : vector<{self.vl}xi1>")]
-        self.pack(b, panel, col, states)
-        self.rows(a, panel, c, col, states)
+        w.open(f"scf.if {w.op(f'arith.cmpi eq, {left}, {w.index(self.vl)} : index')}")
+        body([WHOLE, NONE])  # one whole vector: no masks (N = 784: 1.17x the kernel's time with them)
+        w.close("} else {")
+        w.indent += "  "
+        body([WHOLE, self.partial(w.arith("subi", left, self.vl))])
+        w.close()
         w.close()
         w.close()
 
-    def pack(self, b: str, panel: str, col: str, states: list[str]) -> None:
-        """panel[k, :] = B[k, col : col + NR], zeros past N; `states`, one per vector: `WHOLE`, a
-        mask (the partial last panel) or `NONE` (past N: not packed, never read)."""
+    def partial(self, count: str) -> tuple[str, str]:
+        """The state of a panel vector with `count` columns inside C: (its mask, count)."""
+        return (self.w.op(f"vector.create_mask {count} : {self.mask}"), count)
+
+    def pack(self, b: str, panel: str, col: str, states: list) -> None:
+        """panel[k, :] = B[k, col : col + NR], zeros past N; `states`, one per vector: `WHOLE`,
+        `partial` (the partial last panel) or `NONE` (past N: not packed, never read)."""
+        if self.layout == "bt":
+            self.pack_rows(b, panel, col, states)
+            return
         w = self.w
         k = w.fresh()
         w.open(f"scf.for {k} = {w.index(0)} to %k step {w.index(1)}")
-        zeros = w.op(f"arith.constant dense<{self.zero}> : {self.vec}")
         for v, state in enumerate(states):
             if state == NONE:
                 continue
@@ -289,40 +462,76 @@ class _Kernel:
             if state == WHOLE:
                 x = w.op(f"vector.load {b}{at} : {self.mat}, {self.vec}")
             else:
-                x = w.op(
-                    f"vector.maskedload {b}{at}, {state}, {zeros} : {self.mat}, vector<{self.vl}xi1>, "
-                    f"{self.vec} into {self.vec}"
-                )
+                x = self.masked_load(b, at, state[0])
             w.line(f"vector.store {x}, {panel}[{k}, {w.index(v * self.vl)}] : {self.panel}, {self.vec}")
         w.close()
 
-    def rows(self, a: str, panel: str, c: str, col: str, states: list[str]) -> None:
-        """Every block of MR rows times the panel, then the rows left over as one shorter tile."""
+    def pack_rows(self, b: str, panel: str, col: str, states: list) -> None:
+        """`pack` for B given as (N, K): squares of a vector's rows x a vector of k, read along
+        B's rows and transposed in registers (`matmul_kernel._transpose_square`); the k tail's
+        loads masked (the panel has K rounded up to a vector rows: the extra ones are zeros, never
+        read), rows past N not read."""
         w = self.w
-        full = w.arith("muli", w.arith("divui", "%m", self.mr), self.mr)
-        i = w.fresh()
-        w.open(f"scf.for {i} = {w.index(0)} to {full} step {w.index(self.mr)}")
-        self.tile(a, panel, c, i, col, self.mr, states)
+        whole = w.arith("muli", w.arith("divui", "%k", self.vl), self.vl)
+        k = w.fresh()
+        w.open(f"scf.for {k} = {w.index(0)} to {whole} step {w.index(self.vl)}")
+        self.pack_square(b, panel, col, states, k, None)
         w.close()
-        left = w.arith("subi", "%m", full)
-        cases = range(1, self.mr)
-        w.line(f"scf.index_switch {left}")
-        for rows in cases:
-            w.open(f"case {rows}")
-            self.tile(a, panel, c, full, col, rows, states)
-            w.line("scf.yield")
-            w.close()
-        w.open("default")
-        w.line("scf.yield")
+        rest = w.arith("subi", "%k", whole)
+        w.open(f"scf.if {w.op(f'arith.cmpi ugt, {rest}, {w.index(0)} : index')}")
+        self.pack_square(b, panel, col, states, whole, rest)
         w.close()
 
-    def tile(self, a: str, panel: str, c: str, i: str, col: str, mr: int, states: list[str]) -> None:
+    def pack_square(self, b: str, panel: str, col: str, states: list, k: str, k_count: str | None) -> None:
+        w = self.w
+        for v, state in enumerate(states):
+            if state == NONE:
+                continue
+            rows = []
+            for j in range(self.vl):
+                at = f"[{w.arith('addi', col, v * self.vl + j)}, {k}]"
+                if state == WHOLE and k_count is None:
+                    rows.append(w.op(f"vector.load {b}{at} : {self.mat}, {self.vec}"))
+                    continue
+                length = k_count or w.index(self.vl)
+                if state != WHOLE:  # row j of this vector lies past N: nothing read
+                    inside = w.op(f"arith.cmpi ult, {w.index(j)}, {state[1]} : index")
+                    length = w.op(f"arith.select {inside}, {length}, {w.index(0)} : index")
+                rows.append(self.masked_load(b, at, w.op(f"vector.create_mask {length} : {self.mask}")))
+            square = matmul_kernel._transpose_square(w, rows, self.vec)
+            for i, row in enumerate(square):
+                where = f"[{w.arith('addi', k, i)}, {w.index(v * self.vl)}]"
+                w.line(f"vector.store {row}, {panel}{where} : {self.panel}, {self.vec}")
+
+    def rows(self, read_a, panel: str, c: str, col: str, states: list, bounds: tuple[str, str]) -> None:
+        """Every block of MR rows in [lo, hi) times the panel, then the rows left over."""
+        w = self.w
+        lo, hi = bounds
+        full = w.arith("addi", lo, w.arith("muli", w.arith("divui", w.arith("subi", hi, lo), self.mr), self.mr))
+        i = w.fresh()
+        w.open(f"scf.for {i} = {lo} to {full} step {w.index(self.mr)}")
+        self.tile(read_a, panel, c, i, col, self.mr, states)
+        w.close()
+        # The rows left over (fewer than MR) as tiles of 8, 4, 2 and 1 rows, by the bits of their
+        # count: four tiles' code instead of one per count (the specialized kernel writes the one
+        # it needs); each row's multiply-adds are the same, so are the results.
+        left = w.arith("subi", hi, full)
+        size = 1 << (self.mr - 1).bit_length() - 1
+        while size:
+            if size < self.mr:
+                has = w.op(f"arith.cmpi ne, {w.arith('andi', left, size)}, {w.index(0)} : index")
+                w.open(f"scf.if {has}")
+                start = w.arith("addi", full, w.arith("andi", left, ~(2 * size - 1)))
+                self.tile(read_a, panel, c, start, col, size, states)
+                w.close()
+            size //= 2
+
+    def tile(self, read_a, panel: str, c: str, i: str, col: str, mr: int, states: list) -> None:
         """The register tile of rows [i, i + mr) with the panel's vectors (`states`, see `pack`),
         stored into C."""
         w = self.w
         live = [v for v, state in enumerate(states) if state != NONE]
-        zero = w.op(f"arith.constant dense<{self.zero}> : {self.vec}")
-        rows = [w.arith("addi", i, r) for r in range(mr)]
+        zero = w.op(f"arith.constant dense<0.0> : {self.vec}")
         names = [w.fresh("c") for _ in range(len(live) * mr)]
         k = w.fresh()
         result = w.fresh("r")
@@ -333,28 +542,27 @@ class _Kernel:
         b = [w.op(f"vector.load {panel}[{k}, {w.index(v * self.vl)}] : {self.panel}, {self.vec}") for v in live]
         new = []
         for r in range(mr):
-            x = w.op(f"memref.load {a}[{rows[r]}, {k}] : {self.mat}")
-            xb = w.op(f"vector.broadcast {x} : {self.elem} to {self.vec}")
+            xb = w.op(f"vector.broadcast {read_a(i, r, k)} : {self.elem} to {self.vec}")
             for j in range(len(live)):
                 new.append(w.op(f"vector.fma {xb}, {b[j]}, {names[len(live) * r + j]} : {self.vec}"))
         w.line(f"scf.yield {', '.join(new)} : {types}")
         w.close(f"}} {{{matmul_kernel.NO_UNROLL}}}")
-        cols = [w.arith("addi", col, v * self.vl) for v in range(len(states))]
         for r in range(mr):
+            row = w.arith("addi", i, r)
             for j, v in enumerate(live):
                 acc = f"{result}#{len(live) * r + j}" if len(names) > 1 else result
-                at = f"[{rows[r]}, {cols[v]}]"
+                at = f"[{row}, {w.arith('addi', col, v * self.vl)}]"
                 if states[v] == WHOLE:
                     w.line(f"vector.store {acc}, {c}{at} : {self.mat}, {self.vec}")
                 else:
-                    mask = f"{states[v]}, {acc} : {self.mat}, vector<{self.vl}xi1>, {self.vec}"
-                    w.line(f"vector.maskedstore {c}{at}, {mask}")
+                    w.line(f"vector.maskedstore {c}{at}, {states[v][0]}, {acc} : {self.mat}, {self.mask}, {self.vec}")
 
 
 @functools.cache
 def library_mlir() -> str:
     """The library module's MLIR: one function per element type."""
-    return "module {\n" + "\n".join(_Kernel(elem).text() for elem in ELEMS) + "\n}\n"
+    kernels = [_Kernel(elem, layout).text() for elem in ELEMS for layout in LAYOUTS]
+    return "module {\n" + "\n".join(kernels) + "\n}\n"
 
 
 def _path() -> str:
@@ -367,9 +575,10 @@ def _path() -> str:
 
 
 def build() -> bytes:
-    """The library's object code, compiled now (O3, position independent)."""
+    """The library's object code, compiled now (position independent; LLVM's light pipeline, as
+    the specialized kernels' modules get: `compiler.light_pipeline`)."""
     lowered = toolchain.lower_to_llvm_ir(library_mlir())
-    return toolchain.emit_object(lowered.llvm_ir, "fj_matmul_library")
+    return toolchain.emit_object(lowered.llvm_ir, "fj_matmul_library", light=True)
 
 
 _CHECKSUM = 32
@@ -412,7 +621,8 @@ def load() -> None:
         native = toolchain.load_objects((object_code(),), "fj_matmul_library")
         binding = toolchain.llvm()
         for elem in ELEMS:
-            binding.add_symbol(symbol(elem), native.address(symbol(elem)))
+            for layout in LAYOUTS:
+                binding.add_symbol(symbol(elem, layout), native.address(symbol(elem, layout)))
         _loaded.append(native)
 
 

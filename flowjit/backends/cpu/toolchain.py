@@ -640,9 +640,12 @@ def emit_assembly(module, tm, strength_reduction: bool = False, cmov_conversion:
         return tm.emit_assembly(module)
 
 
-def emit_object(llvm_ir: str, name: str, strength_reduction: bool = False, cmov_conversion: bool = True) -> bytes:
-    """Position-independent object code for ahead-of-time shared libraries."""
-    module, tm = optimize(llvm_ir, name, reloc="pic")
+def emit_object(
+    llvm_ir: str, name: str, strength_reduction: bool = False, cmov_conversion: bool = True, light: bool = False
+) -> bytes:
+    """Position-independent object code for ahead-of-time shared libraries (and the matmul library);
+    `light`: `LIGHT_PASSES` instead of O3."""
+    module, tm = optimize(llvm_ir, name, reloc="pic", light=light)
     with _lock, codegen_options(strength_reduction, cmov_conversion):
         return tm.emit_object(module)
 
