@@ -1,41 +1,39 @@
 """The JIT's matmul library: shape-generic matrix products, compiled once per machine by our own MLIR
-and LLVM pipelines, which a program's large plain products call instead of compiling a kernel for
-their shapes.
+and LLVM pipelines, which a program's large products call instead of compiling a kernel for their
+shapes.
 
-    void fj_matmul_f32(const float *a, const float *b, float *c, void *scratch,
-                       int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, int64_t threads);
-    (fj_matmul_f64 alike)   C[m, n] = A[m, k] @ B[k, n], row-major, leading dimensions lda, ldb, ldc
+    void fj_matmul_f32(const float *a, const float *b, float *c, void *scratch, int64_t m, int64_t n,
+                       int64_t k, int64_t lda, int64_t ldb, int64_t ldc, int64_t threads);
+    C[m, n] = A[m, k] @ B[k, n], row-major with leading dimensions lda, ldb, ldc; fj_matmul_f64 alike;
+    the _bt functions take B as (n, k) (`a @ w.T`), the _at ones A as (k, m) (`x.T @ dz`).
 
 Why: a function's first call is almost all compile time, and a product's specialized kernel
-(`matmul_kernel.py`, static shapes throughout) is most of its module: matmul 1024's first call spent
-~45 of its ~55 ms in MLIR and LLVM (`benchmarks/compile_time.py`), against JAX's whole first call of
-~33 ms, whose XLA calls a precompiled Eigen kernel for the product. With the library the program's
-module holds one call, a small function whose compile takes a few milliseconds.
+(`matmul_kernel.py`, static shapes throughout) was most of its module: matmul 1024's first call
+spent ~45 of its 55-70 ms in MLIR and LLVM (`benchmarks/compile_time.py`), against JAX's whole
+first call of ~33 ms, whose XLA calls a precompiled Eigen kernel for the product. With the library
+the program's module holds a call, which compiles in a few milliseconds.
 
-The algorithm is the specialized kernel's column split (`matmul_kernel._columns_in_parallel`) with
-run-time bounds: one `scf.forall` chunk of whole NR-column panels per core; each core packs each of
-its panels into its own K x NR buffer just before every block of MR rows multiplies it in registers
-(MR = `matmul_kernel.tile_rows`, 14 with AVX-512), the rows left over by one tile of their own height
-(an `scf.index_switch` over the heights), the partial last panel on the calling thread with masked
-loads and stores; A whose rows are a multiple of 4 KiB apart is first copied with rows one cache
-line longer (`matmul_kernel.ALIASING_STRIDE`). So a product runs the code the specialized kernel
-would have run for it, with loop bounds read from registers.
+The functions run the specialized kernel's algorithm with loop bounds in registers (`_Kernel`), so
+each element is the same chain of multiply-adds and the results are bit-identical: C's whole panels
+split over the cores, packed just in time (`matmul_kernel._columns_in_parallel`), or, for products
+too narrow or too short for that, C's rows split over the cores after every panel is packed
+(`_rows_in_parallel`); MR-row register tiles, leftover rows as tiles of 8, 4, 2 and 1 rows; the
+partial last panel masked; A restrided when its rows alias in L1, packed in blocks of MR columns
+when given as (K, M) and re-read by 4 or more panels. docs/cpu-backend.md ("Matmul library") has the
+measurements.
 
-Which products call it (`call_shape`): plain 2-D (or leading free dims) f32/f64 products whose
-specialized kernel would split columns (at least `PARALLEL_MIN_FLOPS` multiply-adds, K >=
-`COLUMN_SPLIT_MIN_K`, two panels per core), in JIT-compiled code. Paired with the specialized
-kernel in one process (10th percentiles of 180 calls, same bits): 128^3 0.025 vs 0.024 ms,
-300x200x260 0.165 vs 0.164, 1024^3 9.79 vs 9.85, 2048^3 79.1 vs 78.6, 512x1000x300 1.58 vs 1.60; first
-calls 9-13 ms against 36-87 ms. Not AOT libraries (`aot.py`: no compile-time
-pressure there, and a library must stand alone), not products with fused epilogues, transposed
-operands or batches (the specialized kernel keeps those). `FLOWJIT_MATMUL_LIBRARY=0` turns it off.
+Which products call it: `call_shape` (f32/f64 products the specialized kernel would split over the
+cores and not stream, K >= 64 unless small) and `lower_contraction.library_call` (no batch, not both
+operands transposed); in JIT-compiled code only: AOT libraries (`aot.py`) must stand alone and keep
+their kernels (`disabled`). `FLOWJIT_MATMUL_LIBRARY=0` turns it off.
 
 Where it lives: `$FLOWJIT_CACHE_DIR` (else `~/.cache/flowjit`)`/library/matmul-<key>.o`, the key a
-hash of the backend's fingerprint (flowjit, MLIR and LLVM versions, the backend's source, this file's
-included, host CPU and cores; `cache._backend_fingerprint`). `make` builds it when it sets up the
-environment (`python -m flowjit.backends.cpu.matmul_library`); otherwise the first product that
-needs it builds it (~1-2 s, once per machine). `FLOWJIT_CACHE=0` does not apply: this is installed
-code, not a cache of the user's programs. A file that fails its checksum is rebuilt.
+hash of the backend's fingerprint (flowjit, MLIR and LLVM versions, the backend's source, this file
+included, host CPU and cores; `cache._backend_fingerprint`), followed by its sha256 (a file that
+fails it is rebuilt). `make` builds it when it sets up the environment (`python -m
+flowjit.backends.cpu.matmul_library`, 3-4 s on two cores); otherwise the first product that needs
+it does, once per machine. `FLOWJIT_CACHE=0` does not apply: this is installed code, not a cache of
+the user's programs. A process loads it (~7 ms) when it links code that calls it (`resolve`).
 """
 
 from __future__ import annotations
@@ -165,6 +163,11 @@ class _Writer:
         self.indent = self.indent[:-2]
         self.line(text)
 
+    def otherwise(self) -> None:
+        """Close an `scf.if`'s then-region and open its else-region."""
+        self.close("} else {")
+        self.indent += "  "
+
     def index(self, value: int) -> str:
         return self.op(f"arith.constant {value} : index")
 
@@ -224,8 +227,7 @@ class _Kernel(_Geometry):
             self.packs_a = True
             self.product(self.packed_a(a, scratch, after), b, c, panels, by_columns)
             self.packs_a = False
-            w.close("} else {")
-            w.indent += "  "
+            w.otherwise()
             self.product(self.columns_a(a), b, c, panels, by_columns)
             w.close()
         else:
@@ -238,8 +240,7 @@ class _Kernel(_Geometry):
         w = self.w
         w.open(f"scf.if {by_columns}")
         self.columns(read_a, b, c, panels)
-        w.close("} else {")
-        w.indent += "  "
+        w.otherwise()
         self.row_chunks(read_a, b, c, panels)
         w.close()
 
@@ -431,12 +432,10 @@ class _Kernel(_Geometry):
         w.open(f"scf.if {w.op(f'arith.cmpi ugt, {left}, {w.index(0)} : index')}")
         w.open(f"scf.if {w.op(f'arith.cmpi ult, {left}, {w.index(self.vl)} : index')}")
         body([self.partial(left), NONE])
-        w.close("} else {")
-        w.indent += "  "
+        w.otherwise()
         w.open(f"scf.if {w.op(f'arith.cmpi eq, {left}, {w.index(self.vl)} : index')}")
         body([WHOLE, NONE])  # one whole vector: no masks (N = 784: 1.17x the kernel's time with them)
-        w.close("} else {")
-        w.indent += "  "
+        w.otherwise()
         body([WHOLE, self.partial(w.arith("subi", left, self.vl))])
         w.close()
         w.close()
