@@ -195,8 +195,8 @@ class KernelEmitter:
             self.globals.append(line)
 
     def pointer(self, memref: str, memref_ty: str) -> str:
-        """The address of `memref`'s first element as an i64 (for calls into the runtime and the
-        matmul library; our buffers' memrefs have no offset)."""
+        """The address of `memref`'s first element as an i64 (for calls into the runtime: send and
+        recv; our buffers' memrefs have no offset)."""
         index = self.op(f"memref.extract_aligned_pointer_as_index {memref} : {memref_ty} -> index")
         return self.op(f"arith.index_cast {index} : index to i64")
 
