@@ -1043,6 +1043,13 @@ for _name, _sa, _sb, _dims in (
     ("outer", (3,), (2,), ((), (), (), ())),
     ("empty-contraction", (3, 0), (0, 2), ((1,), (0,), (), ())),
     ("size-1", (1, 1), (1, 1), ((1,), (0,), (), ())),
+    # Large enough (on two or more cores) for the matmul library's calls (matmul_library.py) in
+    # f32/f64: columns split with a partial panel and leftover rows, B given as (N, K), A given as
+    # (K, M), and a narrow product split by rows.
+    ("library", (150, 96), (96, 300), ((1,), (0,), (), ())),
+    ("library-rhs-rows", (150, 96), (300, 96), ((1,), (1,), (), ())),
+    ("library-lhs-columns", (96, 150), (96, 300), ((0,), (0,), (), ())),
+    ("library-narrow", (600, 256), (256, 20), ((1,), (0,), (), ())),
 ):
     add_row(
         f"dot_general-{_name}",
@@ -1051,7 +1058,8 @@ for _name, _sa, _sb, _dims in (
         lambda rng, d, a=_sa, b=_sb: [small_ints(rng, a, d, -3, 3), rand(rng, b, d)],
         lambda a, b, dtype, k=_dims: _dot_general_ref(a, b, dtype, *k),
         attrs=dict(zip(("lhs_contract", "rhs_contract", "lhs_batch", "rhs_batch"), _dims)),
-        tol_scale=12.0,
+        # sums of K products of up to 3 in magnitude: the absolute part grows with K
+        tol_scale=max(12.0, 3.0 * math.prod(_sa[i] for i in _dims[0])),
     )
 
 

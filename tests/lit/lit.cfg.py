@@ -30,3 +30,6 @@ try:
         config.available_features.add("avx512")
 except Exception:  # no usable CPU backend here: such tests report UNSUPPORTED
     pass
+# `REQUIRES: cores2`: tests of code for products split over two or more cores (the matmul library).
+if (os.cpu_count() or 1) >= 2:
+    config.available_features.add("cores2")
