@@ -158,6 +158,10 @@ def test_library_file_is_checked_and_rebuilt(tmp_path, monkeypatch):
     assert matmul_library.object_code() == b"object code" and len(builds) == 2
     path.write_bytes(b"")
     assert matmul_library.object_code() == b"object code" and len(builds) == 3
+    blocked = tmp_path / "a file"  # a cache folder that cannot be made: built, used, not written
+    blocked.write_bytes(b"")
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(blocked))
+    assert matmul_library.object_code() == b"object code" and len(builds) == 4
 
 
 @needs_cores

@@ -285,7 +285,7 @@ class LibraryCall:
 
     @property
     def small(self) -> bool:
-        return self.m * self.n * self.k <= matmul_library.SMALL_FLOPS
+        return matmul_library.small(self.m, self.n, self.k)
 
     def product_bytes(self) -> int:
         return self.m * self.n * int(self.elem[1:]) // 8

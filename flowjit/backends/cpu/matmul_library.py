@@ -99,8 +99,13 @@ def call_shape(m: int, n: int, k: int, elem: str, layout: str = "") -> bool:
     shape = matmul_kernel.MatmulShape(0, m, n, k, elem)
     if not matmul_kernel.worth_it(0, m, n, k) or matmul_kernel.streams_rows(shape):
         return False
-    short_ok = m * n * k <= SMALL_FLOPS
-    return matmul_kernel._threads(shape) > 1 and (k >= matmul_kernel.TALL_TILE_MIN_K or short_ok)
+    return matmul_kernel._threads(shape) > 1 and (k >= matmul_kernel.TALL_TILE_MIN_K or small(m, n, k))
+
+
+def small(m: int, n: int, k: int) -> bool:
+    """Whether a product is small enough to take the library where the kernel runs a little faster
+    (`SMALL_FLOPS`)."""
+    return m * n * k <= SMALL_FLOPS
 
 
 def threads() -> int:
