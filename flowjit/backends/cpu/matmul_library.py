@@ -564,7 +564,7 @@ class _Kernel(_Geometry):
 
 @functools.cache
 def library_mlir() -> str:
-    """The library module's MLIR: one function per element type."""
+    """The library module's MLIR: one function per element type and operand layout."""
     kernels = [_Kernel(elem, layout).text() for elem in ELEMS for layout in LAYOUTS]
     return "module {\n" + "\n".join(kernels) + "\n}\n"
 
