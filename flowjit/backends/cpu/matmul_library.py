@@ -617,13 +617,14 @@ def object_code() -> bytes:
 
 
 _loaded: list = []  # the library's NativeModule, kept alive for the process
-_load_lock = threading.Lock()
 
 
 def load() -> None:
     """Load the library into this process (once) and make its functions resolvable by name for the
     code compiled or loaded after."""
-    with _load_lock:
+    # Under the toolchain's (reentrant) lock, which the build and the load take too: a lock of its
+    # own, taken by a thread holding the toolchain's while another built under it, would deadlock.
+    with toolchain.lock():
         if _loaded:
             return
         native = toolchain.load_objects((object_code(),), "fj_matmul_library")
