@@ -189,3 +189,36 @@ def test_a_cached_program_loads_the_library_in_a_new_process(tmp_path):
         assert run.returncode == 0, run.stderr
         assert run.stdout.strip() == "loaded"
     assert len(list(tmp_path.glob("*.fjo"))) == 1
+
+
+@needs_cores
+def test_threads_compiling_products_share_one_build(tmp_path):
+    """Threads compiling and running products at once in a process whose cache folder has no library
+    yet: one build (under the toolchain's lock), no deadlock, correct results."""
+    script = textwrap.dedent(
+        """
+        import threading, numpy as np, flowjit as fj
+        rng = np.random.default_rng(0)
+        errors = []
+
+        def work(i):
+            try:
+                a = rng.standard_normal((200 + 10 * i, 128 + i)).astype(np.float32)
+                b = rng.standard_normal((128 + i, 256 + 7 * i)).astype(np.float32)
+                f = fj.jit(lambda a, b: a @ b)
+                np.testing.assert_allclose(np.asarray(f(a, b)), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+            except Exception as e:
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        """
+    )
+    env = {**os.environ, "FLOWJIT_CACHE": "0", "FLOWJIT_CACHE_DIR": str(tmp_path), "FLOWJIT_MATMUL_LIBRARY": "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert len(list((tmp_path / "library").glob("matmul-*.o"))) == 1
