@@ -222,3 +222,37 @@ def test_threads_compiling_products_share_one_build(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert len(list((tmp_path / "library").glob("matmul-*.o"))) == 1
+
+
+def test_library_for_256_bit_vectors_is_correct(monkeypatch):
+    """The library as an AVX2 host gets it (8 f32 lanes, 6-row tiles: `matmul_kernel.vector_bits`
+    answering 256), built and run here: every layout and element type against float64 products."""
+    import ctypes
+    import functools
+
+    from flowjit.backends.cpu import toolchain
+
+    monkeypatch.setattr(matmul_kernel, "vector_bits", functools.cache(lambda: 256))
+    matmul_kernel.tile_rows.cache_clear()
+    matmul_library.library_mlir.cache_clear()
+    try:
+        native = toolchain.load_objects((matmul_library.build(),), "fj_matmul_library_avx2")
+        signature = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7))
+        rng = np.random.default_rng(3)
+        for layout in ("", "bt", "at"):
+            for dtype, elem in ((np.float32, "f32"), (np.float64, "f64")):
+                fn = signature(native.address(matmul_library.symbol(elem, layout)))
+                for m, n, k in [(100, 130, 70), (13, 1000, 100), (300, 20, 1024), (29, 45, 17)]:
+                    a = rng.standard_normal((m, k)).astype(dtype)
+                    b = rng.standard_normal((k, n)).astype(dtype)
+                    a_in = np.ascontiguousarray(a.T) if layout == "at" else a
+                    b_in = np.ascontiguousarray(b.T) if layout == "bt" else b
+                    c = np.full((m, n), np.nan, dtype)
+                    scratch = np.zeros(matmul_library.scratch_bytes(m, n, k, elem, layout) + 64, np.uint8)
+                    pointers = (a_in.ctypes.data, b_in.ctypes.data, c.ctypes.data, scratch.ctypes.data)
+                    fn(*pointers, m, n, k, a_in.shape[1], b_in.shape[1], n, 2)
+                    tol = 1e-4 if dtype == np.float32 else 1e-12
+                    np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=tol, atol=tol * 10)
+    finally:
+        matmul_kernel.tile_rows.cache_clear()
+        matmul_library.library_mlir.cache_clear()
