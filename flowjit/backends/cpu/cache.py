@@ -101,16 +101,41 @@ def encode(entry: Entry) -> bytes:
         }
     ).encode()
     payload = b"".join(entry.objects)
-    body = MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(payload)) + payload
+    return sealed(MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(payload)) + payload)
+
+
+def sealed(body: bytes) -> bytes:
+    """`body` followed by its sha256 (`unsealed` checks it)."""
     return body + hashlib.sha256(body).digest()
+
+
+def unsealed(data: bytes) -> bytes | None:
+    """The body of `sealed` data, or None when the data is truncated or damaged."""
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    return body if len(data) > _DIGEST and hashlib.sha256(body).digest() == digest else None
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write `data` to `path` through a unique temporary file in the same folder and `os.replace`:
+    readers see the old file or the new one, concurrent writers never interleave. Raises OSError."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)[:16]}-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def decode(data: bytes) -> Entry | None:
     """The entry in `data`, or None when it is not a complete, intact entry."""
     if len(data) < len(MAGIC) + 2 * _LENGTH.size + _DIGEST or not data.startswith(MAGIC):
         return None
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if hashlib.sha256(body).digest() != digest:
+    body = unsealed(data)
+    if body is None:
         return None
     pos = len(MAGIC)
     (header_len,) = _LENGTH.unpack_from(body, pos)
@@ -161,16 +186,7 @@ def store(key: str, entry: Entry) -> None:
     is already compiled in this process)."""
     if not enabled() or not entry.objects:
         return
-    folder = cache_dir()
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(encode(entry))
-            os.replace(tmp, entry_path(key))
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomically(entry_path(key), encode(entry))
     except OSError:
         return

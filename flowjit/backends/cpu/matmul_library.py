@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import tempfile
 import threading
 
 from flowjit.backends.cpu import matmul_kernel, toolchain
@@ -149,7 +148,6 @@ class _Writer:
         self.lines: list[str] = []
         self.count = 0
         self.indent = "    "
-        self.last_thread = ""  # the thread index of the last `_Kernel.split`
 
     def op(self, text: str) -> str:
         name = f"%v{self.count}"
@@ -233,10 +231,10 @@ class _Kernel(_Geometry):
             self.product(self.packed_a(a, scratch, after), b, c, panels, by_columns)
             self.packs_a = False
             w.otherwise()
-            self.product(self.columns_a(a), b, c, panels, by_columns)
+            self.product(self.in_place_a(a, True), b, c, panels, by_columns)
             w.close()
         else:
-            self.product(self.plain_a(self.restrided(a, scratch, after)), b, c, panels, by_columns)
+            self.product(self.in_place_a(self.restrided(a, scratch, after), False), b, c, panels, by_columns)
         w.line("return")
         w.lines.append("  }")
         return "\n".join(w.lines)
@@ -259,21 +257,13 @@ class _Kernel(_Geometry):
             f": memref<1x{self.elem}> to {self.mat}"
         )
 
-    def plain_a(self, a: str):
-        """read(row block start, r, k) = A[start + r, k]."""
+    def in_place_a(self, a: str, transposed: bool):
+        """read(row start, r, k) = A[start + r, k], or At[k, start + r] for A given as (K, M)."""
         w = self.w
 
         def read(start: str, r: int, k: str) -> str:
-            return w.op(f"memref.load {a}[{w.arith('addi', start, r)}, {k}] : {self.mat}")
-
-        return read
-
-    def columns_a(self, a: str):
-        """read(row start, r, k) = A[k, start + r] for A given as (K, M), read in place."""
-        w = self.w
-
-        def read(start: str, r: int, k: str) -> str:
-            return w.op(f"memref.load {a}[{k}, {w.arith('addi', start, r)}] : {self.mat}")
+            row = w.arith("addi", start, r)
+            return w.op(f"memref.load {a}[{f'{k}, {row}' if transposed else f'{row}, {k}'}] : {self.mat}")
 
         return read
 
@@ -294,24 +284,24 @@ class _Kernel(_Geometry):
             f": memref<?x{self.elem}> to {self.mat}"
         )
         w.open(f"scf.if {copies}")
-        r = self.split("%m", w.arith("ceildivui", "%m", "%threads"))
+        _, r = self.split("%m", w.arith("ceildivui", "%m", "%threads"))
         self.copy_row(a, copy, r)
         w.close()
         w.close()
         w.close()
         return w.op(f"arith.select {copies}, {copy}, {a} : {self.mat}")
 
-    def split(self, count: str, chunk: str) -> str:
+    def split(self, count: str, chunk: str) -> tuple[str, str]:
         """Opens an `scf.forall` over the cores and, inside, a loop over the core's `chunk` of
-        [0, count); returns the loop's index (close both). The core's index: `w.last_thread`."""
+        [0, count); returns (the core's index, the loop's index) (close both)."""
         w = self.w
-        t = w.last_thread = w.fresh("t")
+        t = w.fresh("t")
         w.open(f"scf.forall ({t}) in (%threads)")
         lo = w.op(f"arith.minui {w.arith('muli', t, chunk)}, {count} : index")
         hi = w.op(f"arith.minui {w.arith('addi', lo, chunk)}, {count} : index")
         i = w.fresh()
         w.open(f"scf.for {i} = {lo} to {hi} step {w.index(1)}")
-        return i
+        return t, i
 
     def copy_row(self, a: str, copy: str, r: str) -> None:
         """copy[r, 0:K] = A[r, 0:K], a vector at a time, the tail masked."""
@@ -329,10 +319,11 @@ class _Kernel(_Geometry):
         w.line(f"vector.maskedstore {copy}[{r}, {whole}], {mask}, {v} : {self.mat}, {self.mask}, {self.vec}")
         w.close()
 
-    def masked_load(self, source: str, at: str, mask: str, source_type: str | None = None) -> str:
+    def masked_load(self, source: str, at: str, mask: str) -> str:
+        """A vector of the matrix `source` at `at`, zeros where `mask` is off (nothing read there)."""
         w = self.w
         zeros = w.op(f"arith.constant dense<0.0> : {self.vec}")
-        types = f"{source_type or self.mat}, {self.mask}, {self.vec} into {self.vec}"
+        types = f"{self.mat}, {self.mask}, {self.vec} into {self.vec}"
         return w.op(f"vector.maskedload {source}{at}, {mask}, {zeros} : {types}")
 
     def packed_a(self, a: str, scratch: str, at: str):
@@ -343,7 +334,7 @@ class _Kernel(_Geometry):
         w = self.w
         blocks = w.arith("ceildivui", "%m", self.mr)
         packed = w.op(f"memref.view {scratch}[{at}][{blocks}, %k] : memref<?xi8> to {self.packed}")
-        block = self.split(blocks, w.arith("ceildivui", blocks, "%threads"))
+        _, block = self.split(blocks, w.arith("ceildivui", blocks, "%threads"))
         first = w.arith("muli", block, self.mr)
         live = w.op(f"arith.minui {w.arith('subi', '%m', first)}, {w.index(self.mr)} : index")
         masks = []
@@ -372,8 +363,8 @@ class _Kernel(_Geometry):
         bytes, its rows)."""
         w = self.w
         whole = w.arith("divui", "%n", self.nr)
-        p = self.split(whole, w.arith("ceildivui", whole, "%threads"))
-        panel = self.panel_at(panels, self.w.last_thread)
+        thread, p = self.split(whole, w.arith("ceildivui", whole, "%threads"))
+        panel = self.panel_at(panels, thread)
         col = w.arith("muli", p, self.nr)
         self.pack(b, panel, col, [WHOLE, WHOLE])
         self.rows(read_a, panel, c, col, [WHOLE, WHOLE], (w.index(0), "%m"))
@@ -389,10 +380,10 @@ class _Kernel(_Geometry):
         self.partial_panel(last)
 
     def row_chunks(self, read_a, b: str, c: str, panels: tuple[str, str, str]) -> None:
-        """C's rows split over the cores in chunks of whole MR-row blocks (narrow or short
-        products: too few panels or too short a contraction to split by columns), after every
-        panel is packed on this thread (as the specialized kernel does: few panels, and a second fork
-        cost more than packing them: (256, 1024) @ (1024, 10) 0.074 against 0.068 ms)."""
+        """C's rows split over the cores in equal chunks (narrow or short products: too few panels
+        or too short a contraction to split by columns), after every panel is packed on this thread
+        (as the specialized kernel does: few panels, and a second fork cost more than packing them:
+        (256, 1024) @ (1024, 10) 0.074 against 0.068 ms)."""
         w = self.w
         whole = w.arith("divui", "%n", self.nr)
         p = w.fresh()
@@ -589,28 +580,23 @@ def build() -> bytes:
     return toolchain.emit_object(lowered.llvm_ir, "fj_matmul_library", strength_reduction=True, light=True)
 
 
-_CHECKSUM = 32
-
-
 def object_code() -> bytes:
     """The library's object code: read from its file, else built and written there (see the module
-    docstring). A file whose checksum fails is rebuilt; an unwritable folder only costs the write."""
+    docstring; sealed with its sha256, `cache.sealed`). A damaged file is rebuilt; an unwritable
+    folder only costs the write."""
+    from flowjit.backends.cpu import cache
+
     path = _path()
     try:
         with open(path, "rb") as f:
-            data = f.read()
-        body, digest = data[:-_CHECKSUM], data[-_CHECKSUM:]
-        if len(data) > _CHECKSUM and hashlib.sha256(body).digest() == digest:
+            body = cache.unsealed(f.read())
+        if body is not None:
             return body
     except OSError:
         pass
     body = build()
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".matmul-", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(body + hashlib.sha256(body).digest())
-        os.replace(tmp, path)
+        cache.write_atomically(path, cache.sealed(body))
     except OSError:
         pass
     return body
