@@ -291,14 +291,21 @@ class _Kernel(_Geometry):
         w.close()
         return w.op(f"arith.select {copies}, {copy}, {a} : {self.mat}")
 
-    def split(self, count: str, chunk: str) -> tuple[str, str]:
-        """Opens an `scf.forall` over the cores and, inside, a loop over the core's `chunk` of
-        [0, count); returns (the core's index, the loop's index) (close both)."""
+    def chunks(self, count: str, chunk: str) -> tuple[str, str, str]:
+        """Opens an `scf.forall` over the cores; returns (the core's index, the first and the end of
+        its `chunk` of [0, count)) (close it)."""
         w = self.w
         t = w.fresh("t")
         w.open(f"scf.forall ({t}) in (%threads)")
         lo = w.op(f"arith.minui {w.arith('muli', t, chunk)}, {count} : index")
         hi = w.op(f"arith.minui {w.arith('addi', lo, chunk)}, {count} : index")
+        return t, lo, hi
+
+    def split(self, count: str, chunk: str) -> tuple[str, str]:
+        """`chunks` and, inside, a loop over the core's chunk; returns (the core's index, the loop's
+        index) (close both)."""
+        w = self.w
+        t, lo, hi = self.chunks(count, chunk)
         i = w.fresh()
         w.open(f"scf.for {i} = {lo} to {hi} step {w.index(1)}")
         return t, i
@@ -399,10 +406,7 @@ class _Kernel(_Geometry):
         chunk = w.arith("ceildivui", "%m", "%threads")
         if self.packs_a:
             chunk = w.arith("muli", w.arith("ceildivui", chunk, self.mr), self.mr)
-        t = w.fresh("t")
-        w.open(f"scf.forall ({t}) in (%threads)")
-        lo = w.op(f"arith.minui {w.arith('muli', t, chunk)}, %m : index")
-        hi = w.op(f"arith.minui {w.arith('addi', lo, chunk)}, %m : index")
+        _, lo, hi = self.chunks("%m", chunk)
         p = w.fresh()
         w.open(f"scf.for {p} = {w.index(0)} to {whole} step {w.index(1)}")
         col = w.arith("muli", p, self.nr)
