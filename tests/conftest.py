@@ -22,3 +22,10 @@ def specialized_matmul(monkeypatch):
     """Products get their specialized kernel (`matmul_kernel.py`), not a matmul library call
     (`matmul_library.py`, tested in test_matmul_library.py): for tests of the kernel's code."""
     monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "0")
+
+
+@pytest.fixture
+def compiled_rows(monkeypatch):
+    """Softmax and layer norm regions get their compiled row nest (`lower_rows.py`), not a row
+    library call (`row_library.py`, tested in test_row_library.py): for tests of the nest's code."""
+    monkeypatch.setenv("FLOWJIT_ROW_LIBRARY", "0")

@@ -514,7 +514,7 @@ _GAMMA, _BETA = RNG.uniform(0.5, 2, 2600).astype(np.float32), RNG.standard_norma
         "softmax_gradient",
     ],
 )
-def test_row_reductions_run_as_one_loop_nest(fn, args):
+def test_row_reductions_run_as_one_loop_nest(fn, args, compiled_rows):
     """Each fused region with row reductions runs as one loop over row tiles, bit-identical to the
     unfused program (same kernels per tile, same summation order)."""
     lines = _row_nest_lines(fn, *args)
@@ -559,7 +559,7 @@ def test_cross_entropy_class_index_is_computed_in_the_row_nest_not_stored():
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-9)
 
 
-def test_row_nest_splits_large_inputs_over_cores_and_tiles_small_ones_whole():
+def test_row_nest_splits_large_inputs_over_cores_and_tiles_small_ones_whole(compiled_rows):
     (large,) = _row_nest_lines(_softmax, _ROWS)
     (small,) = _row_nest_lines(_softmax, X)
     if os.cpu_count() > 1:
@@ -569,7 +569,7 @@ def test_row_nest_splits_large_inputs_over_cores_and_tiles_small_ones_whole():
     assert "scf.for" not in body  # the lowering's own loops (schedules add theirs)
 
 
-def test_row_nest_kernels_peel_partial_vectors_off_their_rows():
+def test_row_nest_kernels_peel_partial_vectors_off_their_rows(compiled_rows):
     """Rows that are not a whole number of vectors (1000 columns): the nest's reductions and its
     elementwise kernels peel the partial chunk off their column loops, so that the others are not
     masked; whole rows (1024) peel nothing. The same results either way (checked bitwise against

@@ -150,18 +150,18 @@ def test_library_file_is_checked_and_rebuilt(tmp_path, monkeypatch):
     """The object is written with a checksum; a damaged file is rebuilt, never loaded."""
     monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
     builds = []
-    monkeypatch.setattr(matmul_library, "build", lambda: builds.append(1) or b"object code")
-    assert matmul_library.object_code() == b"object code"
-    assert matmul_library.object_code() == b"object code" and len(builds) == 1  # read back
+    monkeypatch.setattr(matmul_library.LIBRARY, "build", lambda: builds.append(1) or b"object code")
+    assert matmul_library.LIBRARY.object_code() == b"object code"
+    assert matmul_library.LIBRARY.object_code() == b"object code" and len(builds) == 1  # read back
     (path,) = (tmp_path / "library").iterdir()
     path.write_bytes(b"object codf" + path.read_bytes()[11:])
-    assert matmul_library.object_code() == b"object code" and len(builds) == 2
+    assert matmul_library.LIBRARY.object_code() == b"object code" and len(builds) == 2
     path.write_bytes(b"")
-    assert matmul_library.object_code() == b"object code" and len(builds) == 3
+    assert matmul_library.LIBRARY.object_code() == b"object code" and len(builds) == 3
     blocked = tmp_path / "a file"  # a cache folder that cannot be made: built, used, not written
     blocked.write_bytes(b"")
     monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(blocked))
-    assert matmul_library.object_code() == b"object code" and len(builds) == 4
+    assert matmul_library.LIBRARY.object_code() == b"object code" and len(builds) == 4
 
 
 @needs_cores
@@ -178,7 +178,7 @@ def test_a_cached_program_loads_the_library_in_a_new_process(tmp_path):
         if sys.argv[1] == "first":
             assert "fj_matmul_f32" in f.lower(a, b).as_text("mlir")
         np.testing.assert_array_equal(np.asarray(f(a, b)), a @ b)
-        print("loaded" if matmul_library._loaded else "not loaded")
+        print("loaded" if matmul_library.LIBRARY.loaded else "not loaded")
         """
     )
     env = {**os.environ, "FLOWJIT_CACHE": "1", "FLOWJIT_CACHE_DIR": str(tmp_path), "FLOWJIT_MATMUL_LIBRARY": "1"}
@@ -236,7 +236,7 @@ def test_library_for_256_bit_vectors_is_correct(monkeypatch):
     matmul_kernel.tile_rows.cache_clear()
     matmul_library.library_mlir.cache_clear()
     try:
-        native = toolchain.load_objects((matmul_library.build(),), "fj_matmul_library_avx2")
+        native = toolchain.load_objects((matmul_library.LIBRARY.build(),), "fj_matmul_library_avx2")
         signature = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7))
         rng = np.random.default_rng(3)
         for layout in ("", "bt", "at"):

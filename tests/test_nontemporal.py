@@ -47,7 +47,7 @@ def _without_streaming(monkeypatch, fn, *args):
         return f(*args)
 
 
-def test_a_large_write_only_output_is_streamed_exactly(monkeypatch):
+def test_a_large_write_only_output_is_streamed_exactly(monkeypatch, compiled_rows):
     args = _inputs()
     f = fj.jit(_layer_norm)
     lowered = f.lower(*args)
@@ -79,7 +79,7 @@ def test_unaligned_outputs_and_rows_store_ordinarily_and_exactly(monkeypatch):
     np.testing.assert_array_equal(fj.jit(_layer_norm)(*args), _without_streaming(monkeypatch, _layer_norm, *args))
 
 
-def test_parallel_tiles_fence_their_stores_before_the_barrier():
+def test_parallel_tiles_fence_their_stores_before_the_barrier(compiled_rows):
     text = fj.jit(_layer_norm).lower(*_inputs()).as_text("mlir-llvm")
     assert "omp.parallel" in text
     lines = text.splitlines()
@@ -123,7 +123,7 @@ def test_only_streamed_outputs_are_allocated_on_a_line():
     assert plain is None and _address(streamed()) % 64 == 0
 
 
-def test_a_cache_hit_keeps_the_streamed_outputs(tmp_path, monkeypatch):
+def test_a_cache_hit_keeps_the_streamed_outputs(tmp_path, monkeypatch, compiled_rows):
     from flowjit.backends import compile_graph
     from flowjit.backends.cpu import cache
 

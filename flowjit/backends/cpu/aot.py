@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import flowjit
-from flowjit.backends.cpu import aot_c, matmul_library, toolchain
+from flowjit.backends.cpu import aot_c, library, toolchain
 from flowjit.backends.cpu.compiler import generate_mlir
 from flowjit.errors import CompileError, FlowjitValueError
 from flowjit.frontend.jit import PIPELINE, PLACEMENT_PIPELINE, VariableArg
@@ -97,7 +97,7 @@ def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str =
     """Compile `graph` to a position-independent object defining `kernel` (hidden visibility);
     returns (object bytes, the MlirModule, the external functions it calls). Its calls of the
     rendezvous (`flowjit_send`...) go to `runtime_prefix` + that name, defined by the library."""
-    with matmul_library.disabled():  # a library stands alone: products get their own kernels
+    with library.disabled():  # a library stands alone: products and row functions get their own kernels
         mlir = generate_mlir(graph)
     llvm_ir = toolchain.lower_to_llvm_ir(mlir.text, llvm_pipeline(threads)).llvm_ir
     module = toolchain.llvm().parse_assembly(llvm_ir)

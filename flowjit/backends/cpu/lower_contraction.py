@@ -24,7 +24,7 @@ from flowjit.backends.cpu import matmul_kernel, matmul_library, schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
 from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
-from flowjit.backends.cpu.lowering import CALL_LOWERINGS, SCRATCH, lowering
+from flowjit.backends.cpu.lowering import CALL_LOWERINGS, SCRATCH, call_buffers, lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import conv_params, dot_dims
@@ -336,15 +336,10 @@ def _lower_dot_general_call(fl, op: Op) -> bool:
     False (the tensor lowering runs) when the library does not take it or an operand has no buffer
     (a splat, a slice no kernel computes)."""
     call = library_call(op)
-    if call is None:
+    buffers = call_buffers(fl, op) if call is not None else None
+    if buffers is None or fl.em.scratch is None:
         return False
-    for v in op.operands:
-        if v not in fl.buffers and v.producer is not None and v.producer.name == "constant":
-            fl.read(v)  # a large constant: a view of its module global
-    if any(v not in fl.buffers for v in (*op.operands, op.result)) or fl.em.scratch is None:
-        return False
-    a, b, c = ((fl.buffers[v], memref_type(v.type)) for v in (*op.operands, op.result))
-    call.emit(fl.em, a, b, c)
+    call.emit(fl.em, *buffers)
     return True
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import lower_contraction, lower_rows, schedule
+from flowjit.backends.cpu import lower_contraction, lower_rows, row_library, schedule
 from flowjit.backends.cpu.emitter import (
     KernelEmitter,
     ScalarBuilder,
@@ -55,10 +55,12 @@ from flowjit.backends.cpu.lower_elementwise import (
 )
 from flowjit.backends.cpu.lower_reduction import _COMBINE
 from flowjit.backends.cpu.lowering import (
+    CALL_LOWERINGS,
     LOWERINGS,
     SCRATCH,
     bool_from_bytes,
     bool_to_bytes,
+    call_buffers,
     dense_literal,
     lowering,
     no_lowering_error,
@@ -951,6 +953,21 @@ _STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general
 
 # A product of the fusion that calls the matmul library puts its result in the scratch area.
 SCRATCH["fusion"] = lower_contraction.fusion_scratch
+
+
+def _lower_fusion_call(fl, op: Op) -> bool:
+    """A region that is exactly softmax, log-softmax or layer norm over rows (`row_library.match`)
+    as a call of the row library on its operands' and result's buffers; False (the region is
+    compiled) otherwise, or when one has no buffer."""
+    call = row_library.match(op)
+    buffers = call_buffers(fl, op) if call is not None else None
+    if buffers is None:
+        return False
+    call.emit(fl.em, buffers[:-1], buffers[-1])
+    return True
+
+
+CALL_LOWERINGS["fusion"] = _lower_fusion_call
 
 
 @lowering("fusion")

@@ -407,6 +407,19 @@ def _inlines_splat(user: Op, v: Value) -> bool:
     return user.name in INLINES_SPLATS or all(i in positions for i, o in enumerate(user.operands) if o is v)
 
 
+def call_buffers(fl, op: Op) -> list[tuple[str, str]] | None:
+    """For a call into a precompiled library (`CALL_LOWERINGS`): the buffers (memref, type) of `op`'s
+    operands, then its results, or None when one has none (a splat, a slice no kernel computes).
+    A large constant operand is read first: a view of its module global."""
+    for v in op.operands:
+        if v not in fl.buffers and v.producer is not None and v.producer.name == "constant":
+            fl.read(v)
+    values = (*op.operands, *op.results)
+    if any(v not in fl.buffers for v in values):
+        return None
+    return [(fl.buffers[v], memref_type(v.type)) for v in values]
+
+
 def no_lowering_error(op: Op) -> CompileError:
     """The error for an op the CPU backend cannot compile: names the op, its line and the target."""
     return op_error(

@@ -24,26 +24,16 @@ measurements.
 
 Which products call it: `call_shape` (f32/f64 products the specialized kernel would split over the
 cores and not stream, K >= 64 unless small) and `lower_contraction.library_call` (no batch, not both
-operands transposed); in JIT-compiled code only: AOT libraries (`aot.py`) must stand alone and keep
-their kernels (`disabled`). `FLOWJIT_MATMUL_LIBRARY=0` turns it off.
-
-Where it lives: `$FLOWJIT_CACHE_DIR` (else `~/.cache/flowjit`)`/library/matmul-<key>.o`, the key a
-hash of the backend's fingerprint (flowjit, MLIR and LLVM versions, the backend's source, this file
-included, host CPU and cores; `cache._backend_fingerprint`), followed by its sha256 (a file that
-fails it is rebuilt). `make` builds it when it sets up the environment (`python -m
-flowjit.backends.cpu.matmul_library`, 3-4 s on two cores); otherwise the first product that needs
-it does, once per machine. `FLOWJIT_CACHE=0` does not apply: this is installed code, not a cache of
-the user's programs. A process loads it (~7 ms) when it links code that calls it (`resolve`).
+operands transposed); in JIT-compiled code only (`library.disabled` for AOT).
+`FLOWJIT_MATMUL_LIBRARY=0` turns it off. Where it lives, when it is built and loaded: `library.py`
+(`matmul-<key>.o`; 3-4 s to build on two cores, ~7 ms to load).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import threading
 
-from flowjit.backends.cpu import matmul_kernel, toolchain
+from flowjit.backends.cpu import library, matmul_kernel
 
 ELEMS = ("f32", "f64")
 # A vector of a panel: loaded and stored whole, or past N (`_Kernel.pack`); otherwise its mask.
@@ -69,24 +59,8 @@ def symbol(elem: str, layout: str = "") -> str:
 
 
 def enabled() -> bool:
-    """False with `FLOWJIT_MATMUL_LIBRARY=0`, or inside `disabled()` (AOT compiles)."""
-    if getattr(_local, "off", False):
-        return False
-    return os.environ.get("FLOWJIT_MATMUL_LIBRARY", "1") not in ("0", "false", "off", "")
-
-
-_local = threading.local()
-
-
-class disabled:
-    """Context manager: products compiled inside get their specialized kernel (AOT libraries)."""
-
-    def __enter__(self):
-        self.before = getattr(_local, "off", False)
-        _local.off = True
-
-    def __exit__(self, *exc):
-        _local.off = self.before
+    """False with `FLOWJIT_MATMUL_LIBRARY=0`, or inside `library.disabled()` (AOT compiles)."""
+    return library.enabled("FLOWJIT_MATMUL_LIBRARY")
 
 
 def call_shape(m: int, n: int, k: int, elem: str, layout: str = "") -> bool:
@@ -141,49 +115,6 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
-class _Writer:
-    """MLIR text of one function: SSA names, indentation, index constants."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-        self.count = 0
-        self.indent = "    "
-
-    def op(self, text: str) -> str:
-        name = f"%v{self.count}"
-        self.count += 1
-        self.lines.append(f"{self.indent}{name} = {text}")
-        return name
-
-    def line(self, text: str) -> None:
-        self.lines.append(self.indent + text)
-
-    def open(self, text: str) -> None:
-        self.line(text + " {")
-        self.indent += "  "
-
-    def close(self, text: str = "}") -> None:
-        self.indent = self.indent[:-2]
-        self.line(text)
-
-    def otherwise(self) -> None:
-        """Close an `scf.if`'s then-region and open its else-region."""
-        self.close("} else {")
-        self.indent += "  "
-
-    def index(self, value: int) -> str:
-        return self.op(f"arith.constant {value} : index")
-
-    def arith(self, name: str, a: str, b: str | int) -> str:
-        if isinstance(b, int):
-            b = self.index(b)
-        return self.op(f"arith.{name} {a}, {b} : index")
-
-    def fresh(self, prefix: str = "i") -> str:
-        self.count += 1
-        return f"%{prefix}{self.count}"
-
-
 class _Kernel(_Geometry):
     """The library function for one element type and operand layout."""
 
@@ -196,7 +127,7 @@ class _Kernel(_Geometry):
         self.panel = f"memref<?x{self.nr}x{elem}>"
         self.packed = f"memref<?x?x{self.packed_width}x{elem}>"
         self.packs_a = False  # while writing the product for A's packed blocks (`packed_a`)
-        self.w = _Writer()
+        self.w = library.Writer()
 
     def text(self) -> str:
         w, e = self.w, self.elem
@@ -291,21 +222,11 @@ class _Kernel(_Geometry):
         w.close()
         return w.op(f"arith.select {copies}, {copy}, {a} : {self.mat}")
 
-    def chunks(self, count: str, chunk: str) -> tuple[str, str, str]:
-        """Opens an `scf.forall` over the cores; returns (the core's index, the first and the end of
-        its `chunk` of [0, count)) (close it)."""
-        w = self.w
-        t = w.fresh("t")
-        w.open(f"scf.forall ({t}) in (%threads)")
-        lo = w.op(f"arith.minui {w.arith('muli', t, chunk)}, {count} : index")
-        hi = w.op(f"arith.minui {w.arith('addi', lo, chunk)}, {count} : index")
-        return t, lo, hi
-
     def split(self, count: str, chunk: str) -> tuple[str, str]:
         """`chunks` and, inside, a loop over the core's chunk; returns (the core's index, the loop's
         index) (close both)."""
         w = self.w
-        t, lo, hi = self.chunks(count, chunk)
+        t, lo, hi = self.w.chunks(count, chunk)
         i = w.fresh()
         w.open(f"scf.for {i} = {lo} to {hi} step {w.index(1)}")
         return t, i
@@ -406,7 +327,7 @@ class _Kernel(_Geometry):
         chunk = w.arith("ceildivui", "%m", "%threads")
         if self.packs_a:
             chunk = w.arith("muli", w.arith("ceildivui", chunk, self.mr), self.mr)
-        _, lo, hi = self.chunks("%m", chunk)
+        _, lo, hi = self.w.chunks("%m", chunk)
         p = w.fresh()
         w.open(f"scf.for {p} = {w.index(0)} to {whole} step {w.index(1)}")
         col = w.arith("muli", p, self.nr)
@@ -564,77 +485,12 @@ def library_mlir() -> str:
     return "module {\n" + "\n".join(kernels) + "\n}\n"
 
 
-def _path() -> str:
-    from flowjit.backends.cpu import cache
-
-    # The fingerprint covers what the library's code depends on: this file's source (which writes
-    # its MLIR), the toolchain's versions and the host CPU.
-    digest = hashlib.sha256(cache._backend_fingerprint().encode()).hexdigest()
-    return os.path.join(cache.cache_dir(), "library", f"matmul-{digest[:32]}.o")
+def symbols() -> list[str]:
+    return [symbol(elem, layout) for elem in ELEMS for layout in LAYOUTS]
 
 
-def build() -> bytes:
-    """The library's object code, compiled now (position independent; LLVM's light pipeline, as
-    the specialized kernels' modules get: `compiler.light_pipeline`). With loop strength reduction
-    (`toolchain.codegen_options`): a tile's rows of A are a run-time stride apart, and without it
-    LLVM kept 14 row pointers, spilled two and the loop bound, and reloaded them every k; in the
-    benchmark's pattern (a pause, 50 ms of calls, timed calls) 1024^3 ran at a median of 12.7 ms
-    against the kernel's 10.8 (minima equal); with it 10.1 against 10.7 (one process per run)."""
-    lowered = toolchain.lower_to_llvm_ir(library_mlir())
-    return toolchain.emit_object(lowered.llvm_ir, "fj_matmul_library", strength_reduction=True, light=True)
-
-
-def object_code() -> bytes:
-    """The library's object code: read from its file, else built and written there (see the module
-    docstring; sealed with its sha256, `cache.sealed`). A damaged file is rebuilt; an unwritable
-    folder only costs the write."""
-    from flowjit.backends.cpu import cache
-
-    path = _path()
-    try:
-        with open(path, "rb") as f:
-            body = cache.unsealed(f.read())
-        if body is not None:
-            return body
-    except OSError:
-        pass
-    body = build()
-    try:
-        cache.write_atomically(path, cache.sealed(body))
-    except OSError:
-        pass
-    return body
-
-
-_loaded: list = []  # the library's NativeModule, kept alive for the process
-
-
-def load() -> None:
-    """Load the library into this process (once) and make its functions resolvable by name for the
-    code compiled or loaded after."""
-    # Under the toolchain's (reentrant) lock, which the build and the load take too: a lock of its
-    # own, taken by a thread holding the toolchain's while another built under it, would deadlock.
-    with toolchain.lock():
-        if _loaded:
-            return
-        native = toolchain.load_objects((object_code(),), "fj_matmul_library")
-        binding = toolchain.llvm()
-        for elem in ELEMS:
-            for layout in LAYOUTS:
-                binding.add_symbol(symbol(elem, layout), native.address(symbol(elem, layout)))
-        _loaded.append(native)
-
-
-def resolve(names) -> None:
-    """Load the library when code about to be linked calls one of its functions (`names`: the
-    code's undefined symbols)."""
-    if not _loaded and any(name.startswith("fj_matmul_") for name in names):
-        load()
-
-
-if __name__ == "__main__":  # `make` builds the library when it sets up the environment
-    import time
-
-    start = time.perf_counter()
-    object_code()
-    print(f"flowjit: matmul library ready ({_path()}, {time.perf_counter() - start:.1f} s)")
+# Built with loop strength reduction (`toolchain.codegen_options`): a tile's rows of A are a run-time
+# stride apart, and without it LLVM kept 14 row pointers, spilled two and the loop bound, and
+# reloaded them every k; in the benchmark's pattern (a pause, 50 ms of calls, timed calls) 1024^3
+# ran at a median of 12.7 ms against the kernel's 10.8 (minima equal); with it 10.1 against 10.7.
+LIBRARY = library.Library("matmul", library_mlir, symbols, strength_reduction=True)

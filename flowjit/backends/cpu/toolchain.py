@@ -521,10 +521,10 @@ def check_objects(objects: tuple[bytes, ...]) -> None:
 
 
 def _resolve_libraries(names) -> None:
-    """Load the precompiled library functions (`matmul_library`) that code about to be linked calls."""
-    from flowjit.backends.cpu import matmul_library
+    """Load the precompiled libraries (`library.py`) whose functions code about to be linked calls."""
+    from flowjit.backends.cpu import library
 
-    matmul_library.resolve(names)
+    library.resolve(names)
 
 
 class NativeModule:

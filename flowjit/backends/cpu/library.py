@@ -1,0 +1,198 @@
+"""Precompiled libraries of the JIT: functions for run-time shapes, written as MLIR by our own code,
+compiled once per machine by the backend's pipelines, which programs call instead of compiling a
+kernel for their shapes (a function's first call is mostly compile time).
+
+    matmul_library.py   fj_matmul_{f32,f64}[_bt|_at]: large matrix products
+    row_library.py      fj_softmax_*, fj_log_softmax_*, fj_layer_norm[_affine]_*: whole row functions
+
+`Library` is what they share: where the object lives, its build, its check, its loading.
+`$FLOWJIT_CACHE_DIR` (else `~/.cache/flowjit`)`/library/<name>-<key>.o`, the key a hash of the
+backend's fingerprint (flowjit, MLIR and LLVM versions, the backend's source, the library's writer
+included, host CPU and cores; `cache._backend_fingerprint`), followed by its sha256 (a file that
+fails it is rebuilt: `cache.sealed`). `make` builds them when it sets up the environment (`python -m
+flowjit.backends.cpu.library`, a few seconds on two cores); otherwise the first program that calls one
+does, once per machine. `FLOWJIT_CACHE=0` does not apply: this is installed code, not a cache of
+the user's programs. A process loads a library (a few ms) when it links code that calls it
+(`resolve`, from `toolchain`). AOT libraries (`aot.py`) must stand alone: they compile inside
+`disabled()`, and each library's own switch (`FLOWJIT_MATMUL_LIBRARY=0`, `FLOWJIT_ROW_LIBRARY=0`)
+turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+
+from flowjit.backends.cpu import toolchain
+
+_local = threading.local()
+
+
+class disabled:
+    """Context manager: code compiled inside calls no library (AOT libraries)."""
+
+    def __enter__(self):
+        self.before = getattr(_local, "off", False)
+        _local.off = True
+
+    def __exit__(self, *exc):
+        _local.off = self.before
+
+
+def enabled(switch: str) -> bool:
+    """False with the environment variable `switch` set to 0, or inside `disabled()`."""
+    if getattr(_local, "off", False):
+        return False
+    return os.environ.get(switch, "1") not in ("0", "false", "off", "")
+
+
+class Writer:
+    """MLIR text of one function: SSA names, indentation, index constants; `entry` puts a definition
+    (a constant) at the function's entry, once per text, so that any region may use it."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.entries: list[str] = []
+        self._defined: dict[str, str] = {}
+        self.count = 0
+        self.indent = "    "
+
+    def op(self, text: str) -> str:
+        name = f"%v{self.count}"
+        self.count += 1
+        self.lines.append(f"{self.indent}{name} = {text}")
+        return name
+
+    def entry(self, text: str) -> str:
+        if text not in self._defined:
+            name = self._defined[text] = f"%e{len(self._defined)}"
+            self.entries.append(f"    {name} = {text}")
+        return self._defined[text]
+
+    def line(self, text: str) -> None:
+        self.lines.append(self.indent + text)
+
+    def open(self, text: str) -> None:
+        self.line(text + " {")
+        self.indent += "  "
+
+    def close(self, text: str = "}") -> None:
+        self.indent = self.indent[:-2]
+        self.line(text)
+
+    def otherwise(self) -> None:
+        """Close an `scf.if`'s then-region and open its else-region."""
+        self.close("} else {")
+        self.indent += "  "
+
+    def index(self, value: int) -> str:
+        return self.op(f"arith.constant {value} : index")
+
+    def arith(self, name: str, a: str, b: str | int) -> str:
+        if isinstance(b, int):
+            b = self.index(b)
+        return self.op(f"arith.{name} {a}, {b} : index")
+
+    def fresh(self, prefix: str = "i") -> str:
+        self.count += 1
+        return f"%{prefix}{self.count}"
+
+    def chunks(self, count: str, chunk: str) -> tuple[str, str, str]:
+        """Opens an `scf.forall` over the function's `%threads` cores; returns (the core's index, the
+        first and the end of its `chunk` of [0, count)) (close it)."""
+        t = self.fresh("t")
+        self.open(f"scf.forall ({t}) in (%threads)")
+        lo = self.op(f"arith.minui {self.arith('muli', t, chunk)}, {count} : index")
+        hi = self.op(f"arith.minui {self.arith('addi', lo, chunk)}, {count} : index")
+        return t, lo, hi
+
+
+class Library:
+    """One precompiled library: `mlir()` writes its module, `symbols()` names its functions.
+    `strength_reduction`: LLVM's loop strength reduction in its code generation
+    (`toolchain.codegen_options`)."""
+
+    def __init__(self, name: str, mlir: Callable[[], str], symbols: Callable[[], list[str]], strength_reduction: bool):
+        self.name = name
+        self.mlir = mlir
+        self.symbols = symbols
+        self.strength_reduction = strength_reduction
+        self.loaded: list = []  # its NativeModule once loaded, kept alive for the process
+
+    def path(self) -> str:
+        from flowjit.backends.cpu import cache
+
+        digest = hashlib.sha256(cache._backend_fingerprint().encode()).hexdigest()
+        return os.path.join(cache.cache_dir(), "library", f"{self.name}-{digest[:32]}.o")
+
+    def build(self) -> bytes:
+        """The object code, compiled now (position independent; LLVM's light pipeline, as the
+        specialized kernels' modules get: `compiler.light_pipeline`)."""
+        lowered = toolchain.lower_to_llvm_ir(self.mlir())
+        return toolchain.emit_object(
+            lowered.llvm_ir, f"fj_{self.name}_library", strength_reduction=self.strength_reduction, light=True
+        )
+
+    def object_code(self) -> bytes:
+        """Read from its file, else built and written there (sealed with its sha256). A damaged file
+        is rebuilt; an unwritable folder only costs the write."""
+        from flowjit.backends.cpu import cache
+
+        path = self.path()
+        try:
+            with open(path, "rb") as f:
+                body = cache.unsealed(f.read())
+            if body is not None:
+                return body
+        except OSError:
+            pass
+        body = self.build()
+        try:
+            cache.write_atomically(path, cache.sealed(body))
+        except OSError:
+            pass
+        return body
+
+    def load(self) -> None:
+        """Load the library into this process (once) and make its functions resolvable by name for
+        the code compiled or loaded after."""
+        # Under the toolchain's (reentrant) lock, which the build and the load take too: a lock of its
+        # own, taken by a thread holding the toolchain's while another built under it, would deadlock.
+        with toolchain.lock():
+            if self.loaded:
+                return
+            native = toolchain.load_objects((self.object_code(),), f"fj_{self.name}_library")
+            binding = toolchain.llvm()
+            for name in self.symbols():
+                binding.add_symbol(name, native.address(name))
+            self.loaded.append(native)
+
+    def resolve(self, names) -> None:
+        """Load the library when code about to be linked calls one of its functions (`names`: the
+        code's undefined symbols)."""
+        if not self.loaded and not set(names).isdisjoint(self.symbols()):
+            self.load()
+
+
+def libraries() -> list[Library]:
+    from flowjit.backends.cpu import matmul_library, row_library
+
+    return [matmul_library.LIBRARY, row_library.LIBRARY]
+
+
+def resolve(names) -> None:
+    """Load the libraries that code about to be linked calls."""
+    names = list(names)
+    for library in libraries():
+        library.resolve(names)
+
+
+if __name__ == "__main__":  # `make` builds the libraries when it sets up the environment
+    import time
+
+    for library in libraries():
+        start = time.perf_counter()
+        library.object_code()
+        print(f"flowjit: {library.name} library ready ({library.path()}, {time.perf_counter() - start:.1f} s)")
