@@ -236,9 +236,10 @@ WHY_FIRST_CALL = (
     "takes each first call after a pause, which on this VM slows CPU-bound work for tens of milliseconds; `python "
     "benchmarks/compile_time.py` prints each phase's CPU time per workload back to back and docs/cpu-backend.md "
     "('Compile time (first call)') what was cut and what is left (on a cache hit in a new process a first call "
-    "costs tens of milliseconds). Large matrix products compile no kernel: they call the precompiled matmul "
-    "library (docs/cpu-backend.md, 'Matmul library'); where they still trail JAX (matmul 2048), the run itself "
-    "is most of the first call."
+    "costs tens of milliseconds). Large matrix products, softmax/log-softmax/layer norm regions over long rows "
+    "and whole-array sums, maxima and minima compile no kernel: they call precompiled libraries "
+    "(docs/cpu-backend.md, 'Matmul library', 'Row library', 'Reduction library'); where they still trail JAX "
+    "(matmul 2048, the sum), the run itself is most of the first call."
 )
 
 

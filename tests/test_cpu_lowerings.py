@@ -1581,7 +1581,9 @@ def test_full_reduction_streams_large_inputs(monkeypatch):
     """A full reduction of at least STREAMING_REDUCTION_MIN_BYTES takes 4x the partial results with one
     vector accumulator each (the same sequential adds per lane), smaller ones four accumulators;
     both sum exactly what numpy sums (checked with the threshold lowered, on a small input). The
-    partials are combined a vector at a time (the last tile step), not as one vector of them all."""
+    partials are combined a vector at a time (the last tile step), not as one vector of them all.
+    The kernel's code: the reduction library (test_reduction_library.py) off."""
+    monkeypatch.setenv("FLOWJIT_REDUCTION_LIBRARY", "0")
     lanes = matmul_kernel.vector_bits() // 32
     chunks, vectors = schedule.FULL_REDUCTION_CHUNKS, schedule.FULL_REDUCTION_VECTORS
     big = schedule.STREAMING_REDUCTION_MIN_BYTES // 4

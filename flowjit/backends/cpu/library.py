@@ -4,6 +4,7 @@ kernel for their shapes (a function's first call is mostly compile time).
 
     matmul_library.py   fj_matmul_{f32,f64}[_bt|_at]: large matrix products
     row_library.py      fj_softmax_*, fj_log_softmax_*, fj_layer_norm[_affine]_*: whole row functions
+    reduction_library.py    fj_reduce_{sum,max,min}_*: reductions of whole arrays
 
 `Library` is what they share: where the object lives, its build, its check, its loading.
 `$FLOWJIT_CACHE_DIR` (else `~/.cache/flowjit`)`/library/<name>-<key>.o`, the key a hash of the
@@ -14,8 +15,8 @@ flowjit.backends.cpu.library`, a few seconds on two cores); otherwise the first 
 does, once per machine. `FLOWJIT_CACHE=0` does not apply: this is installed code, not a cache of
 the user's programs. A process loads a library (a few ms) when it links code that calls it
 (`resolve`, from `toolchain`). AOT libraries (`aot.py`) must stand alone: they compile inside
-`disabled()`, and each library's own switch (`FLOWJIT_MATMUL_LIBRARY=0`, `FLOWJIT_ROW_LIBRARY=0`)
-turns it off.
+`disabled()`, and each library's own switch (`FLOWJIT_MATMUL_LIBRARY=0`, `FLOWJIT_ROW_LIBRARY=0`,
+`FLOWJIT_REDUCTION_LIBRARY=0`) turns it off.
 """
 
 from __future__ import annotations
@@ -177,9 +178,9 @@ class Library:
 
 
 def libraries() -> list[Library]:
-    from flowjit.backends.cpu import matmul_library, row_library
+    from flowjit.backends.cpu import matmul_library, reduction_library, row_library
 
-    return [matmul_library.LIBRARY, row_library.LIBRARY]
+    return [matmul_library.LIBRARY, row_library.LIBRARY, reduction_library.LIBRARY]
 
 
 def resolve(names) -> None:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 import math
 
-from flowjit.backends.cpu import schedule
+from flowjit.backends.cpu import reduction_library, schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
 from flowjit.backends.cpu.lower_elementwise import compute_elem, extend, map_elementwise, reshape_tensor
-from flowjit.backends.cpu.lowering import lowering
+from flowjit.backends.cpu.lowering import CALL_LOWERINGS, call_buffers, lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.ops.reduction import reduction_identity
@@ -64,6 +64,22 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     if acc_dtype != result.dtype:
         acc = map_elementwise(em, acc_type.with_dtype(result.dtype), [(acc, Value(acc_type))], lambda b, v: v[0])
     return [reshape_tensor(em, acc, acc_type.with_dtype(result.dtype), result)]
+
+
+def _lower_reduce_call(fl, op: Op) -> bool:
+    """A float32/float64 reduction of a whole array as a call of the reduction library
+    (`reduction_library.match`) on its operand's and result's buffers; False (the kernel is
+    compiled) otherwise, or when one has no buffer."""
+    call = reduction_library.match(op)
+    buffers = call_buffers(fl, op) if call is not None else None
+    if buffers is None:
+        return False
+    call.emit(fl.em, *buffers)
+    return True
+
+
+for _name in ("reduce_sum", "reduce_max", "reduce_min"):
+    CALL_LOWERINGS[_name] = _lower_reduce_call
 
 
 def _contiguous_groups(axes: list[int]) -> list[list[int]]:

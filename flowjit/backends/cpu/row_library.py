@@ -266,7 +266,7 @@ class _RowKernel:
             col = w.arith("addi", j, u * self.vl)
             value = body(self.load(self.x, r, col, None), col, None)
             if combine:
-                new.append(self.combine(combine, names[u], value))
+                new.append(self.combine(combine, value, names[u]))
         if combine:
             w.line(f"scf.yield {', '.join(new)} : {types}")
             accs = [f"{result}#{u}" for u in range(ACCUMULATORS)]
@@ -287,7 +287,7 @@ class _RowKernel:
             value = body(self.load(self.x, r, col, mask), col, mask)
             if combine:
                 kept = w.op(f"arith.select {mask}, {value}, {init} : {self.mask}, {self.vec}")
-                new.append(self.combine(combine, accs[u], kept))
+                new.append(self.combine(combine, kept, accs[u]))
         if combine:
             w.line(f"scf.yield {', '.join(new)} : {types}")
             w.otherwise()
@@ -301,8 +301,9 @@ class _RowKernel:
         whole = self.combine(combine, half[0], half[1])
         return w.op(f"vector.reduction <{combine}>, {whole} : {self.vec} into {self.elem}")
 
-    def combine(self, kind: str, a: str, b: str) -> str:
-        return self.w.op(f"arith.{'addf' if kind == 'add' else kind} {a}, {b} : {self.vec}")
+    def combine(self, kind: str, value: str, acc: str) -> str:
+        """value (+) acc, in the compiled kernels' operand order (`reduction_library._ReductionKernel.combine`)."""
+        return self.w.op(f"arith.{'addf' if kind == 'add' else kind} {value}, {acc} : {self.vec}")
 
 
 @functools.cache
@@ -349,6 +350,16 @@ _REFERENCES = {
     "log_softmax": _log_softmax,
     "layer_norm": _layer_norm,
     "layer_norm_affine": _layer_norm_affine,
+}
+
+
+# Ops each function's region holds: a test that costs nothing before its reference is traced (1-3 ms
+# per function and operand types), so that other regions (elementwise chains) pay none of it.
+_HOLDS = {
+    "softmax": {"reduce_max", "exp", "reduce_sum"},
+    "log_softmax": {"reduce_max", "exp", "reduce_sum", "log"},
+    "layer_norm": {"reduce_sum", "rsqrt"},
+    "layer_norm_affine": {"reduce_sum", "rsqrt"},
 }
 
 
@@ -454,14 +465,14 @@ def match(op: Op) -> RowCall | None:
     row_bytes = cols * t.dtype.itemsize
     if rows < 1 or not MIN_ROW_BYTES <= row_bytes <= MAX_ROW_BYTES or not _identical_sums(cols, elem):
         return None
-    found = _signature(op.regions[0])
+    held = {o.name for o in op.regions[0].ops}
+    types = tuple(v.type for v in op.operands)
+    candidates = [n for n, f in _REFERENCES.items() if f.__code__.co_argcount == len(types) and _HOLDS[n] <= held]
+    found = _signature(op.regions[0]) if candidates else None
     if found is None:
         return None
     signature, constants = found
-    types = tuple(v.type for v in op.operands)
-    for name, reference in _REFERENCES.items():
-        if reference.__code__.co_argcount != len(types):
-            continue
+    for name in candidates:
         expected = _reference(name, types)
         if expected is None or expected[0] != signature:
             continue
