@@ -35,6 +35,8 @@ FUNCTIONS = {
     "log_softmax": (lambda x: nn.log_softmax(x, axis=-1), 0),
     "layer_norm": (lambda x: nn.layer_norm(x, eps=1e-5), 0),
     "layer_norm_affine": (lambda x, g, b: nn.layer_norm(x, g, b, eps=1e-5), 2),
+    "rms_norm": (lambda x: nn.rms_norm(x, eps=1e-6), 0),
+    "rms_norm_scaled": (lambda x, g: nn.rms_norm(x, g, eps=1e-6), 1),
 }
 SHAPES = [
     # whole chunks of 64 floats, split over the cores (4096 x 1024) or not; a partial last chunk
@@ -76,7 +78,7 @@ def test_special_values_as_the_kernel(monkeypatch):
     x[2] = -np.inf
     x[3, 1000:] = -np.inf
     x[4, 3] = 1e30
-    for name in ("softmax", "log_softmax", "layer_norm"):
+    for name in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         fn, _ = FUNCTIONS[name]
         lib, kernel, text = _both(fn, (x,), monkeypatch)
         assert CALL in text

@@ -956,7 +956,7 @@ SCRATCH["fusion"] = lower_contraction.fusion_scratch
 
 
 def _lower_fusion_call(fl, op: Op) -> bool:
-    """A region that is exactly softmax, log-softmax or layer norm over rows (`row_library.match`)
+    """A region that is exactly softmax, log-softmax, layer or RMS norm over rows (`row_library.match`)
     as a call of the row library on its operands' and result's buffers; False (the region is
     compiled) otherwise, or when one has no buffer."""
     call = row_library.match(op)

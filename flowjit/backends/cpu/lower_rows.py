@@ -35,7 +35,7 @@ Algorithm:
    tiles; a last tile of T + A % T rows runs after the loop. Full-sized outputs are 1-D views
    (A * R), each tile's last kernel writing straight into its slice.
 
-A region that is exactly softmax, log-softmax or layer norm over rows of 512 to 16384 floats is not
+A region that is exactly softmax, log-softmax, layer or RMS norm over rows of 512 to 16384 floats is not
 compiled at all: it calls the row library's precompiled function (`row_library.py`), which gives
 the same bits.
 """

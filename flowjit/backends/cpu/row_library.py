@@ -1,5 +1,5 @@
-"""The JIT's row library: softmax, log-softmax and layer norm over the rows of a matrix, for any row
-count and length, compiled once per machine (`library.py`), which a program's fused region calls
+"""The JIT's row library: softmax, log-softmax, layer norm and RMS norm over the rows of a matrix,
+for any row count and length, compiled once per machine (`library.py`), which a program's fused region calls
 when it is exactly one of them, instead of compiling a row kernel for its shapes.
 
     void fj_softmax_f32(const float *x, float *y, int64_t rows, int64_t cols, int64_t threads);
@@ -8,6 +8,7 @@ when it is exactly one of them, instead of compiling a row kernel for its shapes
                            int64_t threads);
     void fj_layer_norm_affine_f32(const float *x, const float *gamma, const float *beta, float *y,
                                   int64_t rows, int64_t cols, float eps, int64_t threads);
+    void fj_rms_norm_f32(x, y, rows, cols, eps, threads), fj_rms_norm_scaled_f32(x, gamma, y, ...);
     and the _f64 functions alike. Rows are contiguous (cols apart); y may be x.
 
 Why: such a function's first call was almost all compile time (softmax over 4096 x 1024: 42-44 ms,
@@ -51,6 +52,8 @@ FUNCTIONS = {
     "log_softmax": (("x",), False),
     "layer_norm": (("x",), True),
     "layer_norm_affine": (("x", "gamma", "beta"), True),
+    "rms_norm": (("x",), True),
+    "rms_norm_scaled": (("x", "gamma"), True),
 }
 ACCUMULATORS = 4
 # Rows shorter than this keep their compiled kernel, which works on tiles of 8 rows and runs faster
@@ -174,7 +177,7 @@ class _RowKernel:
         w = self.w
         r = w.fresh("r")
         w.open(f"scf.for {r} = {lo} to {hi} step {w.index(1)}")
-        getattr(self, self.name.removesuffix("_affine"))(r)
+        getattr(self, self.name.removesuffix("_affine").removesuffix("_scaled"))(r)
         w.close()
 
     # --- the functions, a row at a time (the order of operations of `flowjit.nn`'s graphs) ---------
@@ -220,6 +223,19 @@ class _RowKernel:
             if self.gamma is not None:
                 first = self.w.index(0)
                 y = v.add(v.mul(y, self.load(self.gamma, first, col, mask)), self.load(self.beta, first, col, mask))
+            self.store(self.y, r, col, mask, y)
+
+        self.sweep(r, normalized)
+
+    def rms_norm(self, r: str) -> None:
+        v, s = self.v, self.s
+        mean_square = s.div(self.sweep(r, lambda x, col, mask: v.mul(x, x), "add"), self.count)
+        scale_v = self.splat(mathlib.MATH["rsqrt"](s.b, s.add(mean_square, "%eps"), self.elem))
+
+        def normalized(x, col, mask):
+            y = v.mul(x, scale_v)
+            if self.gamma is not None:
+                y = v.mul(y, self.load(self.gamma, self.w.index(0), col, mask))
             self.store(self.y, r, col, mask, y)
 
         self.sweep(r, normalized)
@@ -344,12 +360,26 @@ def _layer_norm_affine(x, gamma, beta):
     return nn.layer_norm(x, gamma, beta, eps=_EPS)
 
 
+def _rms_norm(x):
+    from flowjit import nn
+
+    return nn.rms_norm(x, eps=_EPS)
+
+
+def _rms_norm_scaled(x, gamma):
+    from flowjit import nn
+
+    return nn.rms_norm(x, gamma, eps=_EPS)
+
+
 # function -> the `flowjit.nn` call whose graph its regions must be, op for op
 _REFERENCES = {
     "softmax": _softmax,
     "log_softmax": _log_softmax,
     "layer_norm": _layer_norm,
     "layer_norm_affine": _layer_norm_affine,
+    "rms_norm": _rms_norm,
+    "rms_norm_scaled": _rms_norm_scaled,
 }
 
 
@@ -358,8 +388,10 @@ _REFERENCES = {
 _HOLDS = {
     "softmax": {"reduce_max", "exp", "reduce_sum"},
     "log_softmax": {"reduce_max", "exp", "reduce_sum", "log"},
-    "layer_norm": {"reduce_sum", "rsqrt"},
-    "layer_norm_affine": {"reduce_sum", "rsqrt"},
+    "layer_norm": {"reduce_sum", "rsqrt", "sub"},
+    "layer_norm_affine": {"reduce_sum", "rsqrt", "sub"},
+    "rms_norm": {"reduce_sum", "rsqrt"},
+    "rms_norm_scaled": {"reduce_sum", "rsqrt"},
 }
 
 
