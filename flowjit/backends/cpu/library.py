@@ -88,6 +88,17 @@ class Writer:
         self.close("} else {")
         self.indent += "  "
 
+    def if_else(self, condition: str, result_type: str, then, otherwise) -> str:
+        """An `scf.if` yielding one value of `result_type`: `then()` writes its then-region and returns
+        the value to yield, `otherwise()` its else-region's."""
+        result = self.fresh("if")
+        self.open(f"{result} = scf.if {condition} -> ({result_type})")
+        self.line(f"scf.yield {then()} : {result_type}")
+        self.otherwise()
+        self.line(f"scf.yield {otherwise()} : {result_type}")
+        self.close()
+        return result
+
     def index(self, value: int) -> str:
         return self.op(f"arith.constant {value} : index")
 
