@@ -21,12 +21,13 @@ and the same summation order as the compiled kernel's reductions of rows of at l
 four vector accumulators, the element at column j in lane j mod (4 x lanes), the partial last chunk
 masked, the accumulators combined (0 + 2) + (1 + 3) and then across lanes as a tree. Rows of that
 length (most: 1024 floats is 16 chunks of 64) give bit-identical results; shorter rows, which the
-compiled kernel sums with one accumulator, round differently (within a few ulp).
+compiled kernel sums a vector at a time, would round differently and keep their kernel
+(`_identical_sums`), so the library never changes a program's results.
 
 Which regions call it: `match` (a fusion whose body is, op for op, what `flowjit.nn`'s function traces
-to for the same types: `_REFERENCES`; rows of at most `lower_rows.MAX_ROW_BYTES`), through
-`lower_rows.lower_fusion_call`. `FLOWJIT_ROW_LIBRARY=0` turns it off; AOT libraries keep their
-kernels (`library.disabled`).
+to for the same types: `_REFERENCES`; rows of `MIN_ROW_BYTES` to `lower_rows.MAX_ROW_BYTES`), through
+`lower_fusion._lower_fusion_call`. `FLOWJIT_ROW_LIBRARY=0` turns it off; AOT libraries keep their
+kernels (`library.disabled`). docs/cpu-backend.md ("Row library") has the measurements.
 """
 
 from __future__ import annotations
@@ -482,7 +483,7 @@ def _identical_sums(cols: int, elem: str) -> bool:
 
 def match(op: Op) -> RowCall | None:
     """How the fusion `op` calls the row library, or None: a region with one result whose body is
-    op for op the graph of one of `_REFERENCES` for the same operand types (layer norm: any eps),
+    op for op the graph of one of `_REFERENCES` for the same operand types (the norms: any eps),
     f32/f64 rows of `MIN_ROW_BYTES` to `lower_rows.MAX_ROW_BYTES` on which the compiled kernel would sum as
     the library does (same bits: `_identical_sums`)."""
     from flowjit.backends.cpu.lower_rows import MAX_ROW_BYTES
