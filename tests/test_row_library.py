@@ -30,11 +30,25 @@ def _both(fn, args, monkeypatch, **jit_kwargs):
     return lib, kernel, text
 
 
+def _softmax_divided(x):
+    e = fnp.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _layer_norm_divided(x):  # as numpy users write it
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / fnp.sqrt(var + 1e-5)
+
+
 FUNCTIONS = {
     "softmax": (lambda x: nn.softmax(x, axis=-1), 0),
     "log_softmax": (lambda x: nn.log_softmax(x, axis=-1), 0),
     "layer_norm": (lambda x: nn.layer_norm(x, eps=1e-5), 0),
     "layer_norm_affine": (lambda x, g, b: nn.layer_norm(x, g, b, eps=1e-5), 2),
+    "softmax_divided": (_softmax_divided, 0),
+    "layer_norm_divided": (_layer_norm_divided, 0),
+    "layer_norm_divided_affine": (lambda x, g, b: _layer_norm_divided(x) * g + b, 2),
     "rms_norm": (lambda x: nn.rms_norm(x, eps=1e-6), 0),
     "rms_norm_scaled": (lambda x, g: nn.rms_norm(x, g, eps=1e-6), 1),
 }
@@ -78,7 +92,7 @@ def test_special_values_as_the_kernel(monkeypatch):
     x[2] = -np.inf
     x[3, 1000:] = -np.inf
     x[4, 3] = 1e30
-    for name in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+    for name in ("softmax", "log_softmax", "layer_norm", "rms_norm", "softmax_divided"):
         fn, _ = FUNCTIONS[name]
         lib, kernel, text = _both(fn, (x,), monkeypatch)
         assert CALL in text
@@ -108,12 +122,12 @@ def test_hand_written_softmax_of_the_same_graph_calls_it(monkeypatch):
 
 
 REGIONS_OF_OTHER_FORMS = {
-    # over another axis; rows too short or too long; divided instead of multiplied by the reciprocal;
+    # over another axis; rows too short or too long; exp without the max subtracted;
     # fused with more work; gamma without beta; other element types
     "axis 0": (lambda x: nn.softmax(x, axis=0), (256, 1024), np.float32, 0),
     "short rows": (lambda x: nn.softmax(x, axis=-1), (256, 256), np.float32, 0),
     "long rows": (lambda x: nn.log_softmax(x, axis=-1), (8, 32768), np.float32, 0),
-    "divided": (lambda x: fnp.exp(x) / fnp.sum(fnp.exp(x), axis=-1, keepdims=True), (64, 1024), np.float32, 0),
+    "unshifted": (lambda x: fnp.exp(x) / fnp.sum(fnp.exp(x), axis=-1, keepdims=True), (64, 1024), np.float32, 0),
     "more work": (lambda x: nn.softmax(x, axis=-1) * 2.0 + 1.0, (64, 1024), np.float32, 0),
     "gamma only": (lambda x, g: nn.layer_norm(x, g, eps=1e-5), (64, 1024), np.float32, 1),
     "f16": (lambda x: nn.softmax(x, axis=-1), (64, 1024), np.float16, 0),

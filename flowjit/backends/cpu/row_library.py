@@ -9,6 +9,7 @@ when it is exactly one of them, instead of compiling a row kernel for its shapes
     void fj_layer_norm_affine_f32(const float *x, const float *gamma, const float *beta, float *y,
                                   int64_t rows, int64_t cols, float eps, int64_t threads);
     void fj_rms_norm_f32(x, y, rows, cols, eps, threads), fj_rms_norm_scaled_f32(x, gamma, y, ...);
+    fj_softmax_divided_f32, fj_layer_norm_divided[_affine]_f32: the forms that divide by the sum or root;
     and the _f64 functions alike. Rows are contiguous (cols apart); y may be x.
 
 Why: such a function's first call was almost all compile time (softmax over 4096 x 1024: 42-44 ms,
@@ -50,9 +51,12 @@ ELEMS = ("f32", "f64")
 # name -> the pointer arguments before y (x first), and whether it takes eps
 FUNCTIONS = {
     "softmax": (("x",), False),
+    "softmax_divided": (("x",), False),
     "log_softmax": (("x",), False),
     "layer_norm": (("x",), True),
     "layer_norm_affine": (("x", "gamma", "beta"), True),
+    "layer_norm_divided": (("x",), True),
+    "layer_norm_divided_affine": (("x", "gamma", "beta"), True),
     "rms_norm": (("x",), True),
     "rms_norm_scaled": (("x", "gamma"), True),
 }
@@ -178,7 +182,11 @@ class _RowKernel:
         w = self.w
         r = w.fresh("r")
         w.open(f"scf.for {r} = {lo} to {hi} step {w.index(1)}")
-        getattr(self, self.name.removesuffix("_affine").removesuffix("_scaled"))(r)
+        # The _divided forms divide by the row's sum or root where the others multiply by its
+        # reciprocal (`nn.softmax`) or reciprocal root (`nn.layer_norm`): written `e / e.sum(...)`,
+        # `(x - mean) / sqrt(var + eps)`.
+        self.divided = "_divided" in self.name
+        getattr(self, self.name.replace("_divided", "").removesuffix("_affine").removesuffix("_scaled"))(r)
         w.close()
 
     # --- the functions, a row at a time (the order of operations of `flowjit.nn`'s graphs) ---------
@@ -194,6 +202,14 @@ class _RowKernel:
             return e
 
         total = self.sweep(r, exp, "add")
+        if self.divided:
+            total_v = self.splat(total)
+
+            def divided(_, col, mask):
+                self.store(self.y, r, col, mask, v.div(self.load(self.y, r, col, mask), total_v))
+
+            self.sweep(r, divided)
+            return
         scale = self.splat(s.div(s.c(1.0), total))
 
         def scaled(_, col, mask):
@@ -217,10 +233,11 @@ class _RowKernel:
             return v.mul(centered, centered)
 
         var = s.div(self.sweep(r, square, "add"), self.count)
-        scale_v = self.splat(mathlib.MATH["rsqrt"](s.b, s.add(var, "%eps"), self.elem))
+        root = "sqrt" if self.divided else "rsqrt"
+        scale_v = self.splat(mathlib.MATH[root](s.b, s.add(var, "%eps"), self.elem))
 
         def normalized(x, col, mask):
-            y = v.mul(v.sub(x, mean_v), scale_v)
+            y = (v.div if self.divided else v.mul)(v.sub(x, mean_v), scale_v)
             if self.gamma is not None:
                 first = self.w.index(0)
                 y = v.add(v.mul(y, self.load(self.gamma, first, col, mask)), self.load(self.beta, first, col, mask))
@@ -361,6 +378,27 @@ def _layer_norm_affine(x, gamma, beta):
     return nn.layer_norm(x, gamma, beta, eps=_EPS)
 
 
+def _softmax_divided(x):
+    from flowjit import numpy as fnp
+
+    e = fnp.exp(fnp.subtract(x, fnp.max(x, axis=-1, keepdims=True)))
+    return fnp.divide(e, fnp.sum(e, axis=-1, keepdims=True))
+
+
+def _layer_norm_divided(x):
+    from flowjit import numpy as fnp
+
+    centered = fnp.subtract(x, fnp.mean(x, axis=-1, keepdims=True))
+    var = fnp.mean(fnp.multiply(centered, centered), axis=-1, keepdims=True)
+    return fnp.divide(centered, fnp.sqrt(fnp.add(var, _EPS)))
+
+
+def _layer_norm_divided_affine(x, gamma, beta):
+    from flowjit import numpy as fnp
+
+    return fnp.add(fnp.multiply(_layer_norm_divided(x), gamma), beta)
+
+
 def _rms_norm(x):
     from flowjit import nn
 
@@ -376,9 +414,12 @@ def _rms_norm_scaled(x, gamma):
 # function -> the `flowjit.nn` call whose graph its regions must be, op for op
 _REFERENCES = {
     "softmax": _softmax,
+    "softmax_divided": _softmax_divided,
     "log_softmax": _log_softmax,
     "layer_norm": _layer_norm,
     "layer_norm_affine": _layer_norm_affine,
+    "layer_norm_divided": _layer_norm_divided,
+    "layer_norm_divided_affine": _layer_norm_divided_affine,
     "rms_norm": _rms_norm,
     "rms_norm_scaled": _rms_norm_scaled,
 }
@@ -388,9 +429,12 @@ _REFERENCES = {
 # per function and operand types), so that other regions (elementwise chains) pay none of it.
 _HOLDS = {
     "softmax": {"reduce_max", "exp", "reduce_sum"},
+    "softmax_divided": {"reduce_max", "exp", "reduce_sum", "div"},
     "log_softmax": {"reduce_max", "exp", "reduce_sum", "log"},
     "layer_norm": {"reduce_sum", "rsqrt", "sub"},
     "layer_norm_affine": {"reduce_sum", "rsqrt", "sub"},
+    "layer_norm_divided": {"reduce_sum", "sqrt", "sub", "div"},
+    "layer_norm_divided_affine": {"reduce_sum", "sqrt", "sub", "div"},
     "rms_norm": {"reduce_sum", "rsqrt"},
     "rms_norm_scaled": {"reduce_sum", "rsqrt"},
 }
