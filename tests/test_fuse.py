@@ -360,7 +360,7 @@ def test_row_tile_stores_a_shared_math_value_in_its_output_tile(args):
     ],
     ids=["softmax", "flat_output"],
 )
-def test_row_tile_overwrites_the_stored_value_without_a_copy(fn):
+def test_row_tile_overwrites_the_stored_value_without_a_copy(fn, compiled_rows):
     """The output's generic reads the stored value from its own tile: bufferization needs no
     temporary tile and no copy (read as an input as well, it would copy the tile)."""
     x = np.random.default_rng(2).standard_normal((64, 512)).astype(np.float32)
