@@ -103,3 +103,26 @@ def test_aot_libraries_keep_their_own_kernels():
     _, mlir, externals = aot.kernel_object(graph, "total", "openmp")
     assert "fj_reduce" not in mlir.text
     assert not [name for name in externals if name.startswith("fj_reduce")]
+
+
+def test_library_module_compiles_for_a_256_bit_host(monkeypatch):
+    """An AVX2 host's geometry (8 float32 lanes): the module is written, lowered and compiled (it
+    runs here as well, being plain AVX2 code), and its sums are numpy's to rounding, in one pass and
+    in pieces over the cores."""
+    import ctypes
+
+    from flowjit.backends.cpu import matmul_kernel, toolchain
+
+    monkeypatch.setattr(matmul_kernel, "vector_bits", lambda: 256)
+    reduction_library.library_mlir.cache_clear()
+    try:
+        native = toolchain.load_objects((reduction_library.LIBRARY.build(),), "fj_reduction_library_avx2")
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        total = ctypes.CFUNCTYPE(None, pointer, pointer, size, size, size, size)(native.address("fj_reduce_sum_f32"))
+        x = np.random.default_rng(5).standard_normal(100_003).astype(np.float32)
+        for pieces, vectors, threads in [(0, 4, 1), (64, 4, 2), (256, 1, 2)]:
+            out = np.zeros(1, np.float32)
+            total(x.ctypes.data, out.ctypes.data, x.size, pieces, vectors, threads)
+            np.testing.assert_allclose(out[0], x.sum(dtype=np.float64), rtol=1e-5)
+    finally:
+        reduction_library.library_mlir.cache_clear()
