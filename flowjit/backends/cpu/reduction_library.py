@@ -105,7 +105,8 @@ class _ReductionKernel:
 
     def pass_over(self, start: str, end: str, vectors: int) -> str:
         """The reduction of x[start:end] with `vectors` accumulators: whole chunks of that many
-        vectors, then one masked chunk."""
+        vectors, then one masked chunk (the order of `row_library._RowKernel.sweep`, which runs a
+        body per vector as well)."""
         w, e = self.w, self.elem
         width = vectors * self.vl
         length = w.arith("subi", end, start)

@@ -80,14 +80,10 @@ def symbols() -> list[str]:
 
 
 _SCALAR_TYPE = re.compile(r"\b(f32|f64|i32|i64|i1)\b")
-_DTYPES = {"f32": dt.float32, "f64": dt.float64}
+_DTYPES = {"f32": dt.float32, "f64": dt.float64, "i32": dt.int32, "i64": dt.int64, "i1": dt.bool_}
 
 
 def _literal(value, elem: str) -> str:
-    if elem == "i1":
-        return "true" if value else "false"
-    if elem.startswith("i"):
-        return str(int(value))
     return scalar_literal(value, _DTYPES[elem])
 
 
@@ -114,14 +110,17 @@ class _VectorBuilder:
         return self.w.entry(f"arith.constant dense<{_literal(value, elem)}> : vector<{self.lanes}x{elem}>")
 
 
-class _ScalarBuilder(_VectorBuilder):
+class _ScalarBuilder:
     """`mathlib`'s builder interface for a row's scalars (its max, sum, mean), constants at the entry."""
 
     def __init__(self, w: Writer):
-        super().__init__(w, 1)
+        self.w = w
 
     def op(self, rhs: str) -> str:
         return self.w.op(rhs)
+
+    def line(self, text: str) -> None:
+        self.w.line(text)
 
     def const(self, value, elem: str) -> str:
         return self.w.entry(f"arith.constant {_literal(value, elem)} : {elem}")
@@ -140,6 +139,10 @@ class _RowKernel:
         self.w = Writer()
         self.v = mathlib._Arith(_VectorBuilder(self.w, self.vl), elem)  # arithmetic on vectors
         self.s = mathlib._Arith(_ScalarBuilder(self.w), elem)  # on a row's scalars
+        # The _divided forms divide by the row's sum or root where the others multiply by its
+        # reciprocal (`nn.softmax`) or reciprocal root (`nn.layer_norm`): written `e / e.sum(...)`,
+        # `(x - mean) / sqrt(var + eps)`.
+        self.divided = "_divided" in name
 
     def text(self) -> str:
         w, e = self.w, self.elem
@@ -150,8 +153,8 @@ class _RowKernel:
         header = f"  func.func @{symbol(self.name, e)}({', '.join(args)}) {{"
         self.x = self.matrix("%x0")
         self.y = self.matrix("%y0")
-        self.gamma = self.vector_of("%gamma0") if "gamma" in pointers else None
-        self.beta = self.vector_of("%beta0") if "beta" in pointers else None
+        self.gamma = self.matrix("%gamma0", "1") if "gamma" in pointers else None
+        self.beta = self.matrix("%beta0", "1") if "beta" in pointers else None
         self.whole = w.arith("muli", w.arith("divui", "%cols", self.width), self.width)
         self.rest = w.arith("subi", "%cols", self.whole)
         self.count = w.op(f"arith.uitofp {w.op('arith.index_cast %cols : index to i64')} : i64 to {e}")
@@ -166,15 +169,10 @@ class _RowKernel:
         w.line("return")
         return "\n".join([header, *w.entries, *w.lines, "  }"])
 
-    def matrix(self, pointer: str) -> str:
+    def matrix(self, pointer: str, rows: str = "%rows") -> str:
+        """The rows x cols matrix at `pointer` (gamma and beta: one row)."""
         return self.w.op(
-            f"memref.reinterpret_cast {pointer} to offset: [0], sizes: [%rows, %cols], strides: [%cols, 1] "
-            f": memref<1x{self.elem}> to {self.mat}"
-        )
-
-    def vector_of(self, pointer: str) -> str:
-        return self.w.op(
-            f"memref.reinterpret_cast {pointer} to offset: [0], sizes: [1, %cols], strides: [%cols, 1] "
+            f"memref.reinterpret_cast {pointer} to offset: [0], sizes: [{rows}, %cols], strides: [%cols, 1] "
             f": memref<1x{self.elem}> to {self.mat}"
         )
 
@@ -182,10 +180,6 @@ class _RowKernel:
         w = self.w
         r = w.fresh("r")
         w.open(f"scf.for {r} = {lo} to {hi} step {w.index(1)}")
-        # The _divided forms divide by the row's sum or root where the others multiply by its
-        # reciprocal (`nn.softmax`) or reciprocal root (`nn.layer_norm`): written `e / e.sum(...)`,
-        # `(x - mean) / sqrt(var + eps)`.
-        self.divided = "_divided" in self.name
         getattr(self, self.name.replace("_divided", "").removesuffix("_affine").removesuffix("_scaled"))(r)
         w.close()
 
