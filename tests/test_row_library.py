@@ -197,3 +197,20 @@ def test_library_module_compiles_for_a_256_bit_host(monkeypatch):
         np.testing.assert_allclose(y, e / e.sum(axis=-1, keepdims=True), rtol=1e-6)
     finally:
         row_library.library_mlir.cache_clear()
+
+
+def test_reference_traces_are_not_the_users(monkeypatch, tmp_path, capsys):
+    """Matching traces `flowjit.nn`'s function for the region's types: that trace is the compiler's
+    own, so it neither prints a FLOWJIT_LOG_COMPILES line nor writes dumps."""
+    monkeypatch.setenv("FLOWJIT_LOG_COMPILES", "1")
+    monkeypatch.setenv("FLOWJIT_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWJIT_CACHE", "0")
+    x = _inputs((48, 1536), np.float32, 0)[0]  # types no other test traced a reference for
+
+    def user_softmax(x):
+        return nn.softmax(x, axis=-1)
+
+    assert CALL in fj.jit(user_softmax).lower(x).as_text("mlir")
+    logged = capsys.readouterr().err
+    assert "tracing user_softmax" in logged and "_softmax" not in logged.replace("user_softmax", "")
+    assert all("-user_softmax-" in path.name for path in tmp_path.iterdir())

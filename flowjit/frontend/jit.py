@@ -801,6 +801,17 @@ class Compiled:
 
 
 @user_errors
+def optimized_graph(fun, *args) -> Graph:
+    """`fun`'s optimized graph for `args` (arrays or `ShapeDtype`s), traced for the compiler's own use
+    (the CPU row library's reference graphs): no FLOWJIT_LOG_COMPILES line and no dumps, since it is
+    not the user's function, and allowed while another function is being traced."""
+    jitted = Jitted(fun, (), (), None, (), "interpreter", ())
+    with dump.quiet():
+        sig, bound, _, paths = jitted._signature_of(args, {}, False)
+        graph, _, _ = jitted._trace(sig, bound, paths)
+        return run_pipeline(graph, PIPELINE)
+
+
 def jit(
     fun=None,
     *,

@@ -10,6 +10,7 @@ import threading
 
 _counter = itertools.count()
 _lock = threading.Lock()
+_local = threading.local()
 
 _EXTENSIONS = {"mlir": "mlir", "mlir-llvm": "mlir", "llvm": "ll", "asm": "s", "ptx": "ptx"}
 _COMMENT = {"ll": ";", "s": "#", "ptx": "//"}
@@ -20,7 +21,21 @@ def verify_enabled() -> bool:
 
 
 def dump_dir() -> str | None:
+    if getattr(_local, "quiet", False):
+        return None
     return os.environ.get("FLOWJIT_DUMP_DIR") or None
+
+
+class quiet:
+    """Context manager: nothing is dumped on this thread inside (graphs the compiler traces for its
+    own use, e.g. the CPU row library's references, are not the user's stages)."""
+
+    def __enter__(self):
+        self.before = getattr(_local, "quiet", False)
+        _local.quiet = True
+
+    def __exit__(self, *exc):
+        _local.quiet = self.before
 
 
 def write_stage(function: str, stage: str, text: str) -> str | None:

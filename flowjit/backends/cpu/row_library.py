@@ -464,10 +464,9 @@ def _signature(body: Graph) -> tuple[tuple, list[np.ndarray]] | None:
 def _reference(name: str, types: tuple[TensorType, ...]):
     """The signature of the region `flowjit.nn`'s function traces to for operands of `types`, or None
     when it does not trace to one fused region over the function's arguments in order."""
-    from flowjit.frontend.jit import ShapeDtype, jit
+    from flowjit.frontend.jit import ShapeDtype, optimized_graph
 
-    args = [ShapeDtype(t.shape, t.dtype.np_dtype) for t in types]
-    graph = jit(_REFERENCES[name], target="interpreter").lower(*args).graph("optimized")
+    graph = optimized_graph(_REFERENCES[name], *[ShapeDtype(t.shape, t.dtype.np_dtype) for t in types])
     if len(graph.ops) != 1 or graph.ops[0].name != "fusion" or graph.ops[0].operands != graph.params:
         return None
     return _signature(graph.ops[0].regions[0])
