@@ -800,7 +800,6 @@ class Compiled:
         return self.call_leaves(leaves)
 
 
-@user_errors
 def optimized_graph(fun, *args) -> Graph:
     """`fun`'s optimized graph for `args` (arrays or `ShapeDtype`s), traced for the compiler's own use
     (the CPU row library's reference graphs): no FLOWJIT_LOG_COMPILES line and no dumps, since it is
@@ -812,6 +811,7 @@ def optimized_graph(fun, *args) -> Graph:
         return run_pipeline(graph, PIPELINE)
 
 
+@user_errors
 def jit(
     fun=None,
     *,
