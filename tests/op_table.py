@@ -887,6 +887,7 @@ _REDUCE_SHAPES = (
     ((0, 3), (0,)),
     ((0, 3), (1,)),
     ((3, 0), (0, 1)),
+    ((300, 1100), (0, 1)),  # whole and large: f32/f64 call the reduction library, in pieces over the cores
 )
 for _kind in ("sum", "max", "min", "prod"):
     for _shape, _axes in _REDUCE_SHAPES:
@@ -1300,6 +1301,69 @@ add_row(
     _fusion_rows_reference,
     attrs={"kind": "reduction"},
     regions=_fusion_rows_regions,
+)
+
+
+def _nn_graph(fn):
+    """The optimized graph of `flowjit.nn`'s `fn` for the row's inputs: one fusion region that the
+    CPU backend runs as a row library call (f32/f64 rows of 512 floats or more: row_library.py)."""
+
+    def build(inputs, attrs):
+        from flowjit.frontend.jit import ShapeDtype, optimized_graph
+
+        return optimized_graph(fn, *[ShapeDtype(a.shape, a.dtype) for a in inputs])
+
+    return build
+
+
+def _softmax_ref(x, dtype):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _layer_norm_ref(x, gamma, beta, dtype):
+    centered = x - x.mean(axis=-1, keepdims=True)
+    return centered / np.sqrt((centered**2).mean(axis=-1, keepdims=True) + 1e-5) * gamma + beta
+
+
+def _rms_norm_ref(x, gamma, dtype):
+    return x / np.sqrt((x**2).mean(axis=-1, keepdims=True) + 1e-6) * gamma
+
+
+def _nn(name):
+    def call(*args):
+        import flowjit.nn as nn
+
+        return getattr(nn, name)(*args)
+
+    return call
+
+
+_ROW_INPUTS = lambda rng, d: [rand(rng, (37, 1040), d, -4, 4)]  # noqa: E731 (a partial last chunk)
+_NORM_INPUTS = lambda rng, d: [
+    rand(rng, (37, 1040), d, -2, 2),
+    rand(rng, (1040,), d, 0.5, 2),
+    rand(rng, (1040,), d, -1, 1),
+]  # noqa: E731
+add_row("fusion-row-library-softmax", "fusion", FLOATS, _ROW_INPUTS, _softmax_ref, graph=_nn_graph(_nn("softmax")))
+add_row(
+    "fusion-row-library-log_softmax",
+    "fusion",
+    FLOATS,
+    _ROW_INPUTS,
+    lambda x, dtype: np.log(_softmax_ref(x, dtype)),
+    graph=_nn_graph(_nn("log_softmax")),
+)
+add_row(
+    "fusion-row-library-layer_norm", "fusion", FLOATS, _NORM_INPUTS, _layer_norm_ref, graph=_nn_graph(_nn("layer_norm"))
+)
+add_row(
+    "fusion-row-library-rms_norm",
+    "fusion",
+    FLOATS,
+    lambda rng, d: _NORM_INPUTS(rng, d)[:2],
+    _rms_norm_ref,
+    graph=_nn_graph(_nn("rms_norm")),
 )
 
 
