@@ -3,7 +3,7 @@ compiled once per machine by the backend's pipelines, which programs call instea
 kernel for their shapes (a function's first call is mostly compile time).
 
     matmul_library.py   fj_matmul_{f32,f64}[_bt|_at]: large matrix products
-    row_library.py      fj_softmax_*, fj_log_softmax_*, fj_layer_norm[_affine]_*: whole row functions
+    row_library.py      fj_softmax_*, fj_log_softmax_*, fj_layer_norm*_*, fj_rms_norm*_*: whole row functions
     reduction_library.py    fj_reduce_{sum,max,min}_*: reductions of whole arrays
 
 `Library` is what they share: where the object lives, its build, its check, its loading.
