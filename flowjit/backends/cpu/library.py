@@ -121,6 +121,22 @@ class Writer:
         return t, lo, hi
 
 
+def emit_call(em, symbol: str, note: str, pointers: list[tuple[str, str, str]], scalars: list[tuple]) -> None:
+    """A call of the library function `symbol` in a program being lowered (`em`: its KernelEmitter):
+    its declaration into the module, the dump's line `// note`, then each of `pointers` (memref,
+    its type, the bare-pointer type it is passed as: `memref<1xT>`) cast to its bare pointer, and
+    `scalars` ((value literal, type)) as constants, in the function's argument order."""
+    types = [target for _, _, target in pointers] + [ty for _, ty in scalars]
+    em.declare(f"  func.func private @{symbol}({', '.join(types)})")
+    em.line(f"// {note}")
+    args = [
+        em.op(f"memref.reinterpret_cast {memref} to offset: [0], sizes: [1], strides: [1] : {ty} to {target}")
+        for memref, ty, target in pointers
+    ]
+    args += [em.op(f"arith.constant {value} : {ty}") for value, ty in scalars]
+    em.line(f"func.call @{symbol}({', '.join(args)}) : ({', '.join(types)}) -> ()")
+
+
 class Library:
     """One precompiled library: `mlir()` writes its module, `symbols()` names its functions.
     `strength_reduction`: LLVM's loop strength reduction in its code generation

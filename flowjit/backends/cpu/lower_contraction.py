@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import matmul_kernel, matmul_library, schedule
+from flowjit.backends.cpu import library, matmul_kernel, matmul_library, schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
 from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
@@ -294,19 +294,13 @@ class LibraryCall:
         """The call on memrefs (name, type) of A, B (laid out as `layout` says) and C, with the
         function's scratch area; its declaration goes into the module."""
         one, byte = f"memref<1x{self.elem}>", "memref<1xi8>"
-        types = ", ".join([one] * 3 + [byte] + ["index"] * 7)
-        em.declare(f"  func.func private @{self.symbol}({types})")
-        em.line(f"// dot_general: calls the matmul library's @{self.symbol} (precompiled: matmul_library.py)")
         area, size = em.scratch
-        args = []
-        for (memref, ty), target in [(a, one), (b, one), (c, one), ((area, f"memref<{size}xi8>"), byte)]:
-            cast = f"memref.reinterpret_cast {memref} to offset: [0], sizes: [1], strides: [1] : {ty} to {target}"
-            args.append(em.op(cast))
+        pointers = [(*a, one), (*b, one), (*c, one), (area, f"memref<{size}xi8>", byte)]
         lda = self.m if self.layout == "at" else self.k
         ldb = self.k if self.layout == "bt" else self.n
-        for value in (self.m, self.n, self.k, lda, ldb, self.n, matmul_library.threads()):
-            args.append(em.op(f"arith.constant {value} : index"))
-        em.line(f"func.call @{self.symbol}({', '.join(args)}) : ({types}) -> ()")
+        scalars = [(value, "index") for value in (self.m, self.n, self.k, lda, ldb, self.n, matmul_library.threads())]
+        note = f"dot_general: calls the matmul library's @{self.symbol} (precompiled: matmul_library.py)"
+        library.emit_call(em, self.symbol, note, pointers, scalars)
 
 
 def library_call(op: Op) -> LibraryCall | None:

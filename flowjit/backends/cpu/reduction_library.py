@@ -28,7 +28,7 @@ import functools
 from dataclasses import dataclass
 
 from flowjit.backends.cpu import library, matmul_kernel, schedule
-from flowjit.backends.cpu.emitter import scalar_literal
+from flowjit.backends.cpu.emitter import elem_type, scalar_literal
 from flowjit.backends.cpu.library import Writer
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
@@ -196,15 +196,9 @@ class ReductionCall:
 
     def emit(self, em, x: tuple[str, str], out: tuple[str, str]) -> None:
         one = f"memref<1x{self.elem}>"
-        types = [one, one] + ["index"] * 4
-        em.declare(f"  func.func private @{self.symbol}({', '.join(types)})")
-        em.line(f"// {self.kind}: calls the reduction library's @{self.symbol} (precompiled: reduction_library.py)")
-        args = []
-        for memref, ty in (x, out):
-            cast = f"memref.reinterpret_cast {memref} to offset: [0], sizes: [1], strides: [1] : {ty} to {one}"
-            args.append(em.op(cast))
-        args += [em.op(f"arith.constant {value} : index") for value in (self.n, *self.plan())]
-        em.line(f"func.call @{self.symbol}({', '.join(args)}) : ({', '.join(types)}) -> ()")
+        note = f"{self.kind}: calls the reduction library's @{self.symbol} (precompiled: reduction_library.py)"
+        scalars = [(value, "index") for value in (self.n, *self.plan())]
+        library.emit_call(em, self.symbol, note, [(*x, one), (*out, one)], scalars)
 
 
 def match(op: Op) -> ReductionCall | None:
@@ -214,7 +208,7 @@ def match(op: Op) -> ReductionCall | None:
     if kind not in KINDS or not op.operands or not enabled():
         return None
     source = op.operands[0].type
-    elem = {ELEMS[e]: e for e in ELEMS}.get(source.dtype)
+    elem = elem_type(source.dtype) if source.dtype in ELEMS.values() else None
     axes = sorted(a % max(source.rank, 1) for a in op.attrs.get("axes", ()))
     if elem is None or source.rank == 0 or source.size == 0 or op.result.type.dtype != source.dtype:
         return None

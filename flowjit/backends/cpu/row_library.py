@@ -496,18 +496,10 @@ class RowCall:
         """The call on memrefs (name, type) of the region's operands and its result; its
         declaration goes into the module."""
         one = f"memref<1x{self.elem}>"
-        types = [one] * (len(operands) + 1) + ["index", "index"] + [self.elem] * (self.eps is not None) + ["index"]
-        em.declare(f"  func.func private @{self.symbol}({', '.join(types)})")
-        em.line(f"// fusion: calls the row library's @{self.symbol} (precompiled: row_library.py)")
-        args = []
-        for memref, ty in [*operands, result]:
-            cast = f"memref.reinterpret_cast {memref} to offset: [0], sizes: [1], strides: [1] : {ty} to {one}"
-            args.append(em.op(cast))
-        args += [em.op(f"arith.constant {value} : index") for value in (self.rows, self.cols)]
-        if self.eps is not None:
-            args.append(em.op(f"arith.constant {_literal(self.eps, self.elem)} : {self.elem}"))
-        args.append(em.op(f"arith.constant {self.threads} : index"))
-        em.line(f"func.call @{self.symbol}({', '.join(args)}) : ({', '.join(types)}) -> ()")
+        scalars = [(self.rows, "index"), (self.cols, "index")]
+        scalars += [(_literal(self.eps, self.elem), self.elem)] * (self.eps is not None) + [(self.threads, "index")]
+        note = f"fusion: calls the row library's @{self.symbol} (precompiled: row_library.py)"
+        library.emit_call(em, self.symbol, note, [(*b, one) for b in [*operands, result]], scalars)
 
 
 def _identical_sums(cols: int, elem: str) -> bool:
