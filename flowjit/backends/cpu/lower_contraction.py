@@ -24,7 +24,7 @@ from flowjit.backends.cpu import library, matmul_kernel, matmul_library, schedul
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
 from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
-from flowjit.backends.cpu.lowering import CALL_LOWERINGS, SCRATCH, call_buffers, lowering
+from flowjit.backends.cpu.lowering import CALL_LOWERINGS, SCRATCH, call_lowering, lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import conv_params, dot_dims
@@ -325,19 +325,9 @@ def library_call(op: Op) -> LibraryCall | None:
     return LibraryCall(m, n, k, elem, layout) if matmul_library.call_shape(m, n, k, elem, layout) else None
 
 
-def _lower_dot_general_call(fl, op: Op) -> bool:
-    """A large product as a call of the matmul library on the operands' and the result's buffers;
-    False (the tensor lowering runs) when the library does not take it or an operand has no buffer
-    (a splat, a slice no kernel computes)."""
-    call = library_call(op)
-    buffers = call_buffers(fl, op) if call is not None else None
-    if buffers is None or fl.em.scratch is None:
-        return False
-    call.emit(fl.em, *buffers)
-    return True
-
-
-CALL_LOWERINGS["dot_general"] = _lower_dot_general_call
+# A large product as a call of the matmul library on the operands' and the result's buffers (its
+# packed panels in the scratch area); the tensor lowering when the library does not take it.
+CALL_LOWERINGS["dot_general"] = call_lowering(library_call, needs_scratch=True)
 
 
 def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:

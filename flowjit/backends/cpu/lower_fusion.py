@@ -60,7 +60,7 @@ from flowjit.backends.cpu.lowering import (
     SCRATCH,
     bool_from_bytes,
     bool_to_bytes,
-    call_buffers,
+    call_lowering,
     dense_literal,
     lowering,
     no_lowering_error,
@@ -955,19 +955,9 @@ _STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general
 SCRATCH["fusion"] = lower_contraction.fusion_scratch
 
 
-def _lower_fusion_call(fl, op: Op) -> bool:
-    """A region that is exactly softmax, log-softmax, layer or RMS norm over rows (`row_library.match`)
-    as a call of the row library on its operands' and result's buffers; False (the region is
-    compiled) otherwise, or when one has no buffer."""
-    call = row_library.match(op)
-    buffers = call_buffers(fl, op) if call is not None else None
-    if buffers is None:
-        return False
-    call.emit(fl.em, buffers[:-1], buffers[-1])
-    return True
-
-
-CALL_LOWERINGS["fusion"] = _lower_fusion_call
+# A region that is exactly softmax, log-softmax, layer or RMS norm over rows (`row_library.match`)
+# as a call of the row library on its operands' and result's buffers; compiled otherwise.
+CALL_LOWERINGS["fusion"] = call_lowering(row_library.match)
 
 
 @lowering("fusion")

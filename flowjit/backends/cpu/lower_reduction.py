@@ -18,7 +18,7 @@ import math
 from flowjit.backends.cpu import reduction_library, schedule
 from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
 from flowjit.backends.cpu.lower_elementwise import compute_elem, extend, map_elementwise, reshape_tensor
-from flowjit.backends.cpu.lowering import CALL_LOWERINGS, call_buffers, lowering
+from flowjit.backends.cpu.lowering import CALL_LOWERINGS, call_lowering, lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.ops.reduction import reduction_identity
@@ -66,20 +66,10 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     return [reshape_tensor(em, acc, acc_type.with_dtype(result.dtype), result)]
 
 
-def _lower_reduce_call(fl, op: Op) -> bool:
-    """A float32/float64 reduction of a whole array as a call of the reduction library
-    (`reduction_library.match`) on its operand's and result's buffers; False (the kernel is
-    compiled) otherwise, or when one has no buffer."""
-    call = reduction_library.match(op)
-    buffers = call_buffers(fl, op) if call is not None else None
-    if buffers is None:
-        return False
-    call.emit(fl.em, *buffers)
-    return True
-
-
+# A float32/float64 reduction of a whole array as a call of the reduction library
+# (`reduction_library.match`) on its operand's and result's buffers; compiled otherwise.
 for _name in ("reduce_sum", "reduce_max", "reduce_min"):
-    CALL_LOWERINGS[_name] = _lower_reduce_call
+    CALL_LOWERINGS[_name] = call_lowering(reduction_library.match)
 
 
 def _contiguous_groups(axes: list[int]) -> list[list[int]]:

@@ -407,6 +407,24 @@ def _inlines_splat(user: Op, v: Value) -> bool:
     return user.name in INLINES_SPLATS or all(i in positions for i, o in enumerate(user.operands) if o is v)
 
 
+def call_lowering(match: Callable, needs_scratch: bool = False) -> Callable[..., bool]:
+    """A `CALL_LOWERINGS` entry for a precompiled library: `match(op)` says how `op` calls it (an
+    object whose `emit(em, *buffers)` writes the call on its operands' and results' buffers) or
+    None; the entry returns False, and the op gets its tensor lowering, when it does not, when a
+    value has no buffer (`call_buffers`) or, with `needs_scratch`, when the function has no scratch
+    area."""
+
+    def lower(fl, op: Op) -> bool:
+        call = match(op)
+        buffers = call_buffers(fl, op) if call is not None else None
+        if buffers is None or (needs_scratch and fl.em.scratch is None):
+            return False
+        call.emit(fl.em, *buffers)
+        return True
+
+    return lower
+
+
 def call_buffers(fl, op: Op) -> list[tuple[str, str]] | None:
     """For a call into a precompiled library (`CALL_LOWERINGS`): the buffers (memref, type) of `op`'s
     operands, then its results, or None when one has none (a splat, a slice no kernel computes).

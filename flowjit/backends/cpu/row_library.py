@@ -27,8 +27,9 @@ compiled kernel sums a vector at a time, would round differently and keep their 
 
 Which regions call it: `match` (a fusion whose body is, op for op, what `flowjit.nn`'s function traces
 to for the same types: `_REFERENCES`; rows of `MIN_ROW_BYTES` to `lower_rows.MAX_ROW_BYTES`), through
-`lower_fusion._lower_fusion_call`. `FLOWJIT_ROW_LIBRARY=0` turns it off; AOT libraries keep their
-kernels (`library.disabled`). docs/cpu-backend.md ("Row library") has the measurements.
+`lower_fusion`'s `CALL_LOWERINGS` entry (`lowering.call_lowering`). `FLOWJIT_ROW_LIBRARY=0` turns it
+off; AOT libraries keep their kernels (`library.disabled`). docs/cpu-backend.md ("Row library") has
+the measurements.
 """
 
 from __future__ import annotations
@@ -492,14 +493,14 @@ class RowCall:
         parallel = self.rows * self.cols >= schedule.PARALLEL_MIN_ELEMENTS and schedule.threads() > 1
         return schedule.threads() if parallel else 1
 
-    def emit(self, em, operands: list[tuple[str, str]], result: tuple[str, str]) -> None:
-        """The call on memrefs (name, type) of the region's operands and its result; its
+    def emit(self, em, *buffers: tuple[str, str]) -> None:
+        """The call on memrefs (name, type) of the region's operands, then its result; its
         declaration goes into the module."""
         one = f"memref<1x{self.elem}>"
         scalars = [(self.rows, "index"), (self.cols, "index")]
         scalars += [(_literal(self.eps, self.elem), self.elem)] * (self.eps is not None) + [(self.threads, "index")]
         note = f"fusion: calls the row library's @{self.symbol} (precompiled: row_library.py)"
-        library.emit_call(em, self.symbol, note, [(*b, one) for b in [*operands, result]], scalars)
+        library.emit_call(em, self.symbol, note, [(*b, one) for b in buffers], scalars)
 
 
 def _identical_sums(cols: int, elem: str) -> bool:
