@@ -226,6 +226,25 @@ def test_split_compiles_on_several_threads_at_once(split_everything):
             np.testing.assert_array_equal(g, w)
 
 
+def test_forks_hold_llvmlites_lock(split_everything, monkeypatch):
+    """Children are forked while this thread holds llvmlite's lock, which every engine's disposal
+    takes: an engine freed on another thread meanwhile (its exception-handling frames deregistered
+    under the C++ unwinder's mutex) left the child waiting forever at its first C++ exception."""
+    from llvmlite.binding import ffi
+
+    real_fork, held = os.fork, []
+
+    def fork():
+        held.append((ffi.lib._lock._lock._is_owned(), toolchain.lock()._is_owned()))
+        return real_fork()
+
+    monkeypatch.setattr(parallel_mlir.os, "fork", fork)
+    inputs = _inputs()
+    compiled = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()
+    assert len(compiled.executable.stages.mlir.parts) == 2
+    assert held == [(True, True)]
+
+
 def test_one_process_means_no_split(split_everything, monkeypatch):
     monkeypatch.setenv("FLOWJIT_COMPILE_THREADS", "1")
     assert parallel_mlir.processes() == 1

@@ -11,8 +11,8 @@ up front; the child already has MLIR loaded, its context and its pass managers. 
 in two parts: 104 + 78 ms of MLIR against 193 ms whole; its first call 343 -> 270 ms (minima of 5,
 alternated in one process).
 
-How: `lower_parts` forks one child per extra part while holding the toolchain's lock, so no other
-thread of this process is inside MLIR or LLVM when the child's copy of the process is taken; the
+How: `lower_parts` forks one child per extra part while holding `toolchain.fork_lock`, so no other
+thread of this process is inside MLIR or llvmlite when the child's copy of the process is taken; the
 child only runs `toolchain.lower_to_llvm_ir` on its text, writes the pickled result (or the error's
 text) to a pipe and leaves with `os._exit`, running none of the parent's exit handlers. The parent
 lowers the first part meanwhile, then reads each pipe with a deadline (`PART_TIMEOUT_S`); a child
@@ -137,7 +137,7 @@ def lower_parts(texts: list[str], keep_text: bool = False) -> list[toolchain.LLV
         return [toolchain.lower_to_llvm_ir(texts[0], keep_text=keep_text)]
     children: list[_Child] = []
     try:
-        with toolchain.lock():
+        with toolchain.fork_lock():
             for k, text in enumerate(texts[1:], start=1):
                 try:
                     children.append(_Child(text, k))

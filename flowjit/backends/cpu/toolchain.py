@@ -97,8 +97,24 @@ _lock = threading.RLock()
 
 
 def lock() -> threading.RLock:
-    """The lock held around this module's MLIR and LLVM calls (and while `parallel_mlir` forks)."""
+    """The lock held around this module's MLIR and LLVM calls."""
     return _lock
+
+
+@contextlib.contextmanager
+def fork_lock():
+    """Held while `parallel_mlir` forks: this module's lock and llvmlite's (every llvmlite call
+    holds it but `parallel_codegen`'s unlocked parse, optimization and code generation), so that no
+    other thread is inside MLIR or an llvmlite call when the child's copy of the process is taken.
+    Freeing an engine (a dropped function's machine code) deregisters its exception-handling frames
+    under the C++ unwinder's mutex; a child forked meanwhile would wait forever for that mutex at its
+    first C++ exception, which the MLIR bindings throw at the end of every iteration over
+    operations (2 children in ~3,600 forks hung so while another thread compiled and dropped
+    functions)."""
+    from llvmlite.binding import ffi
+
+    with _lock, ffi.lib._lock:
+        yield
 
 
 def openmp_library() -> str:
