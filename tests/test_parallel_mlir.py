@@ -172,12 +172,37 @@ def test_a_crashed_part_process_is_reported(split_everything, monkeypatch):
         fj.jit(fj.grad(_loss, argnums=(0, 1)))(*_inputs())
 
 
-def test_a_hanging_part_process_times_out_and_is_stopped(split_everything, monkeypatch):
-    monkeypatch.setattr(toolchain, "lower_to_llvm_ir", _failing_in_part_two(lambda: time.sleep(60)))
+def _hang_in_a_child(parent: int):
+    def hang():
+        if os.getpid() != parent:
+            time.sleep(60)
+
+    return hang
+
+
+def test_a_hanging_part_process_is_stopped_and_its_part_lowered_here(split_everything, monkeypatch):
+    """A child that hangs where the parent would not (a lock held forever in its copy of the
+    process) is stopped after its deadline and its part lowered in this process."""
+    inputs = _inputs()
+    want = fj.jit(fj.grad(_loss, argnums=(0, 1)))(*inputs)
+    monkeypatch.setattr(toolchain, "lower_to_llvm_ir", _failing_in_part_two(_hang_in_a_child(os.getpid())))
+    monkeypatch.setattr(parallel_mlir, "PART_GRACE_S", 1.0)
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="part 2 of a split function through MLIR did not finish in time"):
+        compiled = fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*inputs).compile()
+    assert time.monotonic() - start < 30
+    assert len(compiled.executable.stages.mlir.parts) == 2
+    for g, w in zip(compiled(*inputs), want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_part_process_is_stopped_at_the_longest_wait(split_everything, monkeypatch):
+    monkeypatch.setattr(toolchain, "lower_to_llvm_ir", _failing_in_part_two(_hang_in_a_child(os.getpid())))
+    monkeypatch.setattr(parallel_mlir, "PART_GRACE_S", 1000.0)
     monkeypatch.setattr(parallel_mlir, "PART_TIMEOUT_S", 2.0)
     start = time.monotonic()
-    with pytest.raises(CompileError, match="did not finish within 2 s"):
-        fj.jit(fj.grad(_loss, argnums=(0, 1)))(*_inputs())
+    with pytest.warns(RuntimeWarning, match="did not finish in time"):
+        fj.jit(fj.grad(_loss, argnums=(0, 1))).lower(*_inputs()).compile()
     assert time.monotonic() - start < 30
 
 

@@ -15,9 +15,10 @@ How: `lower_parts` forks one child per extra part while holding `toolchain.fork_
 thread of this process is inside MLIR or llvmlite when the child's copy of the process is taken; the
 child only runs `toolchain.lower_to_llvm_ir` on its text, writes the pickled result (or the error's
 text) to a pipe and leaves with `os._exit`, running none of the parent's exit handlers. The parent
-lowers the first part meanwhile, then reads each pipe with a deadline (`PART_TIMEOUT_S`); a child
-that fails, dies or overruns fails the compile with its reason (a crash in MLIR, e.g. an assertion,
-now costs one compile instead of the whole process). Where no process can be forked (memory or
+lowers the first part meanwhile, then reads each pipe with a deadline (`PART_GRACE_S` plus
+`PART_SLACK` times its own part's time); a child that fails or dies fails the compile with its reason
+(a crash in MLIR, e.g. an assertion, now costs one compile instead of the whole process), one that
+overruns is stopped and its part lowered here, with a warning. Where no process can be forked (memory or
 process limits), the parts left are lowered here, one after the other. `processes()` is 1 (no
 split) where there is no `os.fork`, with `FLOWJIT_COMPILE_THREADS=1`, or on one core.
 """
@@ -37,8 +38,18 @@ from flowjit.errors import CompileError
 
 # The most parts a function is split into: each costs a fork and repeats the function's prologue.
 MAX_PARTS = 4
-# How long the parent waits for a part's child (the largest modules compile in seconds).
+# How long the parent waits for a part's child once its own part is done: PART_GRACE_S plus
+# PART_SLACK times what its own part took (the parts are cut to cost about the same). A child still
+# running then is stopped and its part lowered here: a child can hang where the parent would not (a
+# lock another thread of the parent held when it was forked, held forever in the child's copy).
+PART_GRACE_S = 30.0
+PART_SLACK = 20.0
+# The longest a parent waits for a child in any case (the largest modules compile in seconds).
 PART_TIMEOUT_S = 600.0
+
+
+class _Overrun(Exception):
+    """A child did not finish by its deadline (and was stopped)."""
 
 
 def processes() -> int:
@@ -85,10 +96,7 @@ class _Child:
                 left = deadline - time.monotonic()
                 if left <= 0 or not poll.poll(left * 1000):
                     self.kill()
-                    raise CompileError(
-                        f"internal error: the MLIR pipelines of part {self.index + 1} did not finish within "
-                        f"{PART_TIMEOUT_S:.0f} s (compile process {self.pid} stopped)"
-                    )
+                    raise _Overrun()
                 chunk = os.read(self.pipe, 1 << 20)
                 if not chunk:
                     break
@@ -130,6 +138,22 @@ def _exit_reason(status: int | None) -> str:
     return f"exit status {os.WEXITSTATUS(status)}"
 
 
+def _result_or_here(child: _Child, text: str, deadline: float) -> toolchain.LLVMLowering:
+    """The child's result; if it overran its deadline, the part lowered in this process, with a
+    warning (the pipelines themselves would have hung here too: a hang the parent shares is then
+    this process's, as it is for a function that is not split)."""
+    try:
+        return child.result(deadline)
+    except _Overrun:
+        warnings.warn(
+            f"flowjit: the process lowering part {child.index + 1} of a split function through MLIR did not "
+            f"finish in time (process {child.pid} stopped); lowering that part in this process instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return toolchain.lower_to_llvm_ir(text)
+
+
 def lower_parts(texts: list[str], keep_text: bool = False) -> list[toolchain.LLVMLowering]:
     """`toolchain.lower_to_llvm_ir` of each module text, the first here and the others in forked
     processes at the same time (one text: just here)."""
@@ -143,9 +167,11 @@ def lower_parts(texts: list[str], keep_text: bool = False) -> list[toolchain.LLV
                     children.append(_Child(text, k))
                 except OSError:  # no process to be had (memory, process limits): the rest here
                     break
+        start = time.monotonic()
         first = toolchain.lower_to_llvm_ir(texts[0], keep_text=keep_text)
-        deadline = time.monotonic() + PART_TIMEOUT_S
-        rest = [child.result(deadline) for child in children]
+        now = time.monotonic()
+        deadline = min(now + PART_GRACE_S + PART_SLACK * (now - start), start + PART_TIMEOUT_S)
+        rest = [_result_or_here(child, text, deadline) for child, text in zip(children, texts[1:])]
         return [first, *rest, *(toolchain.lower_to_llvm_ir(text) for text in texts[1 + len(children) :])]
     finally:
         for child in children:  # an error left them running
