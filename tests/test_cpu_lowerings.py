@@ -315,20 +315,51 @@ def test_row_reductions_peel_their_partial_chunk(dtype):
 def test_short_rows_reduce_whole_rows_per_tile(dtype):
     """Rows shorter than a vector reduce a tile of one vector's worth of whole rows at a time,
     transposed (`schedule._short_row_reduction`: the inner-parallel strategy, no horizontal
-    reduction); a partial last tile of rows is peeled off, fewer rows than a vector are one tile.
-    Rows of a whole vector keep the general schedule."""
+    reduction); a partial last tile of rows is peeled off. Rows of a whole vector keep the general
+    schedule. Up to `PLAIN_LOOP_MAX_ELEMENTS` in all, such a reduction is plain loops
+    (`schedule.stays_plain`: the transposes cost more compile time than they save run time)."""
     lanes = schedule.lanes(32 if dtype is dt.float16 else dtype.bits)
     longest = min(lanes - 1, schedule.SHORT_ROW_MAX)
+    rows = lanes * (schedule.PLAIN_LOOP_MAX_ELEMENTS // (lanes * longest) + 1)  # whole tiles, past plain
     for kind in ("sum", "max", "min", "prod"):
         many = lanes * (schedule.PARALLEL_MIN_ELEMENTS // lanes // 3 + 1) + 5  # over the cores
-        for shape, peeled in (((many, 3), True), ((lanes * 4, longest), False), ((5, 2), False)):
+        for shape, peeled in (((many, 3), True), ((rows, longest), False)):
             mlir = check(f"reduce_{kind}", [data(shape, dtype, 8)], dict(axes=(1,)))
             assert 'lowering_strategy = "innerparallel"' in mlir
             assert ("transform.loop.peel" in mlir) == peeled
-        mlir = check(f"reduce_{kind}", [data((2, 4, lanes + 1, 5), dtype, 9)], dict(axes=(3,)))  # leading dims
+        mlir = check(f"reduce_{kind}", [data((2, 64, lanes + 1, 5), dtype, 9)], dict(axes=(3,)))  # leading dims
         assert 'lowering_strategy = "innerparallel"' in mlir
-        mlir = check(f"reduce_{kind}", [data((lanes + 1, longest + 1), dtype, 10)], dict(axes=(1,)))
-        assert 'lowering_strategy = "innerparallel"' not in mlir
+        mlir = check(f"reduce_{kind}", [data((rows, longest + 1), dtype, 10)], dict(axes=(1,)))
+        assert 'lowering_strategy = "innerparallel"' not in mlir and "fj.kernel" in mlir
+        for small in ((5, 2), (lanes * 4, longest), (2, 4, lanes + 1, 5)):
+            mlir = check(f"reduce_{kind}", [data(small, dtype, 11)], dict(axes=(len(small) - 1,)))
+            reductions = [line for line in mlir.splitlines() if "linalg.generic" in line and '"reduction"' in line]
+            assert reductions and not any("fj.kernel" in line for line in reductions)  # plain loops
+
+
+def test_small_short_row_reductions_keep_their_schedule_in_loops_and_with_math():
+    """A small reduction over short rows is plain loops only when it runs once per call and its
+    body has no math function: in a `for` body, a row nest's tile loop, or summing an exp it keeps
+    its vectorizing schedule (`schedule.stays_plain`)."""
+    x = data((64, 10), dt.float32, 12)
+    assert "innerparallel" not in fj.jit(lambda x: fnp.sum(x, axis=1)).lower(x).as_text("mlir")
+    summed_exp = fj.jit(lambda x: fnp.sum(fnp.exp(x), axis=1))
+    assert 'lowering_strategy = "innerparallel"' in summed_exp.lower(x).as_text("mlir")
+    np.testing.assert_allclose(summed_exp(x), np.exp(x).sum(1), rtol=1e-6)
+
+    def loop(x):
+        return fj.fori_loop(0, 3, lambda i, acc: acc + fnp.sum(acc, axis=1, keepdims=True) * 0.1, x)
+
+    looped = fj.jit(loop)
+    assert 'lowering_strategy = "innerparallel"' in looped.lower(x).as_text("mlir")
+    want = x.astype(np.float64)
+    for _ in range(3):
+        want = want + want.sum(1, keepdims=True) * 0.1
+    np.testing.assert_allclose(looped(x), want, rtol=1e-5)
+    # Many tiles of a row nest (softmax over 100K rows of 10): each tile's reductions are scheduled.
+    big = data((100_000, 10), dt.float32, 13)
+    nested = fj.jit(nn.softmax).lower(big).as_text("mlir")
+    assert "row loop nest" in nested and 'lowering_strategy = "innerparallel"' in nested
 
 
 def test_gather_scalar_result():

@@ -674,6 +674,13 @@ def test_fused_reductions_without_a_collapsed_form_are_vectorized(fn):
     _check_fused_equals_unfused(fn, (_NCHW,), 1e-5, exact="reduce_sum" not in text and "reduce_prod" not in text)
 
 
+def _small_short_rows(generic: str) -> bool:
+    """Whether a reduction generic's input is small with short rows: plain loops (`schedule.stays_plain`)."""
+    (shape,) = re.findall(r"ins\(%\w+ : tensor<([0-9x]+)x\w+>", generic)
+    dims = tuple(int(d) for d in shape.split("x"))
+    return schedule.stays_plain(dims, len(dims) - 1, 32)
+
+
 @pytest.mark.parametrize(
     "fn, merged",
     [
@@ -693,7 +700,7 @@ def test_fused_reductions_merge_their_trailing_axes_when_every_leaf_allows(fn, m
     mlir = fj.jit(fn).lower(_NCHW).as_text("mlir")
     reductions = [line for line in mlir.splitlines() if "linalg.generic" in line and '"reduction"' in line]
     assert any("tensor<6x5x240xf32>" in line for line in reductions) == merged
-    assert all("fj.kernel" in line for line in reductions)
+    assert all("fj.kernel" in line or _small_short_rows(line) for line in reductions)
     _check_fused_equals_unfused(fn, (_NCHW,), 1e-5, exact=False)  # sums in another order
 
 

@@ -137,6 +137,9 @@ class KernelEmitter:
         self.row_nests = False
         self.matmul_kernels = False
         self.sort_kernels = False
+        # Loops around the kernels being emitted (row-nest tile loops, `for`/`while` bodies): inside
+        # one, a kernel runs many times per call (`schedule.reduction`'s `may_stay_plain`).
+        self.loops = 0
 
     def store_through(self, result: str, kernel: str, shape: tuple[int, ...]) -> None:
         """`result`, an `expand_shape` of the kernel's tensor `kernel` of `shape` (1-D, or a matrix
@@ -239,12 +242,15 @@ class KernelEmitter:
         self.line(f"}} -> {init[1]}")
         return result
 
-    def schedule(self, generic: str, steps: Callable[[str], Sequence[str]]) -> None:
+    def schedule(self, generic: str, steps: Callable[[str], Sequence[str]] | None) -> None:
         """Attach a transform-dialect schedule to the `linalg.generic` whose result is `generic`.
 
         The generic gets a unique `fj.kernel` attribute; `steps(handle)` returns the transform ops
-        applied to the handle that matches it (see `schedule.py`).
+        applied to the handle that matches it (see `schedule.py`). `steps` None: the generic stays
+        plain loops (`schedule.stays_plain`).
         """
+        if steps is None:
+            return
         marker = f"{generic} = linalg.generic {{"
         # From the end: the generic was usually just emitted (a scan from the start cost a
         # training step's lowering ~10 ms, its body being ~10,000 lines for 22 schedules).

@@ -165,7 +165,9 @@ def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     index_scalar = em.op(f"arith.index_cast {iv} : index to {elem}")
     index_tensor = em.op(f"tensor.from_elements {index_scalar} : tensor<{elem}>")
     scheduled = len(em.schedules)
+    em.loops += 1
     outs = lower_region(em, body, [index_tensor, *_unpack(em, carried, op.results), *invariants])
+    em.loops -= 1
     if carry:
         _yield(em, outs, body, into=carried, copy=len(em.schedules) > scheduled)
     em.line("}")
@@ -183,12 +185,14 @@ def emit_while(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     initial = _writable_copies(em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results)
     inits = ", ".join(f"{b} = {x}" for b, x in zip(before, initial))
     em.line(f"{head} = scf.while ({inits}) : ({types}) -> ({types}) {{")
+    em.loops += 1
     (flag,) = lower_region(em, cond_region, [*_unpack(em, before, op.results), *invariants])
     em.line(f"scf.condition({_predicate(em, flag, cond_region.results[0])}) {', '.join(before)} : {types}")
     em.line("} do {")
     em.line(f"^bb0({', '.join(f'{d}: {_carrier_type(v)}' for d, v in zip(after, op.results))}):")
     scheduled = len(em.schedules)
     outs = lower_region(em, body_region, [*_unpack(em, after, op.results), *invariants])
+    em.loops -= 1
     _yield(em, outs, body_region, after, copy=len(em.schedules) > scheduled)
     em.line("}")
     return _unpack(em, names, op.results)

@@ -28,6 +28,7 @@ Other members use their one-op lowerings on tensors, with their own schedules.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flowjit.backends.cpu import lower_contraction, lower_rows, row_library, schedule
@@ -118,10 +119,14 @@ def _storage(dtype: dt.DType) -> str:
     return memory_elem_type(dtype)
 
 
+# `_weight` of a math function (exp, tanh, ...).
+MATH_WEIGHT = 8
+
+
 def _weight(op: Op) -> int:
     """Rough cost of one element of `op`, in simple arithmetic instructions."""
     if op.name in MATH or op.name in MATH_BINARY or op.name == "pow":
-        return 8
+        return MATH_WEIGHT
     return 2 if op.name in ("div", "rem") else 1
 
 
@@ -521,7 +526,7 @@ class _FusionLowering:
         em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
         stored = reduction is None and any(v in self.materialized or v in self.in_place for v in targets)
         views = any(map(self._view, read))
-        self._schedule(name, space, reduction, in_elems + out_elems, coalesce=stored, views=views, depth=_depth(ops))
+        self._schedule(name, space, reduction, in_elems + out_elems, coalesce=stored, views=views, ops=ops)
         if reduction is not None:
             self.tensors[reduction.result] = reshape_tensor(em, result, acc_type, reduction.result.type)
             return
@@ -739,7 +744,7 @@ class _FusionLowering:
         elems: list[str],
         coalesce: bool,
         views: bool,
-        depth: int = 0,
+        ops: Sequence[Op] = (),
     ) -> None:
         """Attach the schedule of generic `name`. Small n-d kernels with short rows (the CNN's bias +
         relu at small batch) get `copy_nd` on one thread for its unrolled row loop: cnn forward at
@@ -755,13 +760,16 @@ class _FusionLowering:
         latency left the cores idle (an unrolled `x = x + 0.01 * tanh(x * 0.5 + 0.1)` on 1024^2: 3
         steps 1.4-2.1 -> 1.06 ms, 200 steps 150-160 -> 84; tanh-approximated GELU on 4M, depth 16,
         0.85-0.93 of the time). Bodies of independent math functions side by side (the benchmark's
-        `tanh(x * 0.7 + 0.1) * sigmoid(x) + 0.5 * x`, depth 12) gained nothing (1.03-1.04)."""
-        widest = max(_bits(e) for e in elems)
+        `tanh(x * 0.7 + 0.1) * sigmoid(x) + 0.5 * x`, depth 12) gained nothing (1.03-1.04). A small
+        reduction over short rows with no math function among `ops` (the kernel's body), outside
+        loops, stays plain loops (`schedule.stays_plain`)."""
+        widest, depth = max(_bits(e) for e in elems), _depth(ops)
         loop, axes = space.loop, space.axes
         masked_rows = loop.shape[-1] % schedule.lanes(widest) != 0 if loop.rank else False
         if reduction is not None:
             if loop.size >= 2 and len(axes) == 1:
-                self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest))
+                plain = not self.em.loops and max(map(_weight, ops), default=0) < MATH_WEIGHT
+                self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest, may_stay_plain=plain))
         elif loop.rank == 1 and loop.size > 1:
             vectors = 2 if depth > LONG_CHAIN_DEPTH else 1
             self.em.schedule(name, schedule.elementwise(loop.size, widest, vectors))

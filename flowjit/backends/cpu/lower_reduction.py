@@ -92,7 +92,7 @@ def _reduce_group(em: KernelEmitter, kind: str, x: str, source: TensorType, grou
     flat_acc = TensorType(tuple(d for i, d in enumerate(in_shape) if i != reduced), acc_dtype)
     acc = _reduce(em, kind, reshape_tensor(em, x, source, in_type), in_type, [reduced], flat_acc)
     if in_type.size >= 2:
-        em.schedule(acc, schedule.reduction(in_shape, reduced, acc_dtype.bits))
+        em.schedule(acc, schedule.reduction(in_shape, reduced, acc_dtype.bits, may_stay_plain=not em.loops))
     kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in group), acc_dtype)
     return reshape_tensor(em, acc, flat_acc, kept), kept
 

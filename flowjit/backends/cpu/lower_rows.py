@@ -404,7 +404,9 @@ def _loop(em: KernelEmitter, nest: RowNest, views, inits: list[str], count: int,
         em.line(f"{name} = scf.for {iv} = {lo} to {hi} step {step} iter_args({init}) -> ({', '.join(types)}) {{")
     em.indent += "  "
     offset = em.op(f"arith.muli {iv}, {em.op(f'arith.constant {nest.tile} : index')} : index")
+    em.loops += 1
     tiles = _tile_body(em, nest, views, carried, offset, nest.tile, lower_tile)
+    em.loops -= 1
     if nest.parallel:
         em.line("scf.forall.in_parallel {")
         for c, (t, slice_) in zip(carried, tiles):

@@ -235,13 +235,17 @@ def _hoist(loop: str) -> str:
     return f'transform.annotate {loop} "{HOIST_MARK}" : {ANY}'
 
 
-def reduction(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: int):
+def reduction(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: int, may_stay_plain: bool = False):
     """A reduction in normal form: (R) -> (), (A, R) -> (A), (R, B) -> (B) or (A, R, B) -> (A, B); or
     one over the last axis of any rank, (A1, .., An, R) -> (A1, .., An) (a fused reduction of
     broadcast values, whose iteration space cannot be collapsed: `sum((a[:, None] - b[None]) ** 2,
     -1)`); or one over several axes (a tuple), none of them the last: (A, R1, B, R2, C) -> (A, B, C)
-    (a mean over the window axes of `x.reshape(n, h / 2, 2, w / 2, 2, c)`), as columns."""
+    (a mean over the window axes of `x.reshape(n, h / 2, 2, w / 2, 2, c)`), as columns. None (no
+    schedule: plain loops) when `may_stay_plain` (the caller's kernel runs once per call and has no
+    math function in its body) and `stays_plain`."""
     vl = lanes(acc_bits)
+    if may_stay_plain and stays_plain(shape, axis, acc_bits):
+        return None
     if isinstance(axis, tuple):
         if len(axis) > 1:
             size = math.prod(shape)
@@ -257,6 +261,18 @@ def reduction(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: int
     if axis == len(shape) - 1:
         return _row_reduction(shape, vl, parallel)
     return _column_reduction(shape, axis, vl, parallel)
+
+
+def stays_plain(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: int) -> bool:
+    """Whether a reduction of `shape` over `axis`, run once per call with no math function in its
+    body, is left as plain loops: rows shorter than a vector (`_short_row_reduction`), at most
+    `PLAIN_LOOP_MAX_ELEMENTS` elements in all. Their tile's transpose (a 16 x 10 tile is a
+    160-element shuffle) cost ~20 ms of compile each, mostly LLVM's lowering of the shuffles, for
+    2-3 us of run time: cross-entropy's gradient over 256 x 10 (three such reductions), first-call
+    CPU 126 -> 61 ms, a call 6.9 -> 14.6 us (docs/cpu-backend.md, "Compile time")."""
+    last = len(shape) - 1
+    short = last > 0 and axis in (last, (last,)) and shape[-1] < min(lanes(acc_bits), SHORT_ROW_MAX + 1)
+    return short and math.prod(shape) <= PLAIN_LOOP_MAX_ELEMENTS
 
 
 def _full_reduction(vl: int, parallel: bool, streams: bool):
