@@ -563,6 +563,7 @@ def test_split_head_products_move_rows_not_elements(dtype):
     assert "linalg.transpose" not in mlir
 
 
+@pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_kernel_batched_and_transposed():
     batched = dict(lhs_contract=(2,), rhs_contract=(1,), lhs_batch=(0,), rhs_batch=(0,))
     mlir = check("dot_general", [data((3, 37, 45), dt.float32, 1), data((3, 45, 70), dt.float32, 2)], batched)
@@ -602,6 +603,7 @@ def test_matmul_tile_rows(monkeypatch, bits):
         matmul_kernel.tile_rows.cache_clear()
 
 
+@pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_tile_is_stored_by_one_write():
     """A whole panel's register tile is stored by one 2-D transfer_write (one tensor value for
     bufferization per tile, not one per vector); the partial panel's masked vectors one by one."""
@@ -654,6 +656,7 @@ def test_conv_restrides_weights_that_alias_in_l1(monkeypatch):
     check("conv2d", [x2, w2], dict(stride=(2, 2), padding=((0, 0), (0, 0)), dilation=(1, 1)))
 
 
+@pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_kernel_k_loop_is_not_unrolled_by_llvm():
     """The micro-kernel's k loop reaches LLVM with `llvm.loop.unroll.disable`: O3 fully unrolled a
     short contraction (the CNN conv's K = 9) into 9x the FMAs. A block of 8 rows has a loop of 16
@@ -744,7 +747,7 @@ def test_small_nd_kernels_with_long_rows_are_vectorized(monkeypatch, shape):
         ((2,), 70, 130, 120, dt.int64),
     ],
 )
-def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype):
+def test_matmul_kernel_rhs_rows(lead, m, n, k, dtype, specialized_matmul):
     """`a @ b.T`: the rhs arrives as (batch, N, K) and the kernel packs it without a transpose."""
     b = len(lead)
     dims = dict(lhs_contract=(b + 1,), rhs_contract=(b + 1,), lhs_batch=tuple(range(b)), rhs_batch=tuple(range(b)))

@@ -120,12 +120,33 @@ def test_operands_from_kernels_constants_and_leading_dims(monkeypatch):
     np.testing.assert_allclose(results[True][1], h, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_small_products_call_the_library_on_one_core(layout, monkeypatch):
+    """Products of one core's work (the specialized kernel would not fork: `call_threads`) call the
+    library too, with threads = 1, which runs the body in place instead of in a parallel region;
+    their bits are the kernel's. Their kernels cost 20-35 ms of compile each."""
+    fn = LAYOUTS[layout]
+    for m, k, n in ((64, 64, 64), (16, 32, 256), (32, 128, 10), (5, 7, 3)):
+        assert matmul_library.call_threads(m, n, k, "f32") == 1
+        rng = np.random.default_rng(m * n)
+        a = rng.standard_normal((k, m) if layout == "at" else (m, k)).astype(np.float32)
+        b = rng.standard_normal((n, k) if layout == "bt" else (k, n)).astype(np.float32)
+        got, text = _product(a, b, True, monkeypatch, fn)
+        if not matmul_kernel.worth_it(0, m, n, k):  # too small for a tiled product at all
+            assert "fj_matmul_" not in text
+            continue
+        lines = text.splitlines()
+        call = next(i for i, line in enumerate(lines) if "func.call @fj_matmul_f32" in line)
+        assert lines[call - 1].strip().endswith("= arith.constant 1 : index")  # threads
+        want, plain = _product(a, b, False, monkeypatch, fn)
+        assert "fj_matmul_" not in plain
+        np.testing.assert_array_equal(got, want)
+
+
 def test_products_the_library_does_not_take_keep_their_kernels(monkeypatch):
     monkeypatch.setenv("FLOWJIT_MATMUL_LIBRARY", "1")
-    a = np.ones((64, 64), np.float32)
     f32 = np.float32
     for fn, args in [
-        (lambda a, b: a @ b, (a, a)),  # one core's work: no fork to pay for
         (lambda a, b: a @ b, (np.ones((2, 1024), f32), np.ones((1024, 2048), f32))),  # streamed
         (lambda a, b: a.T @ b.T, (np.ones((256, 512), f32), np.ones((512, 256), f32))),  # both transposed
         (lambda a, b: a @ b, (np.ones((4, 256, 256), f32), np.ones((4, 256, 256), f32))),  # batched

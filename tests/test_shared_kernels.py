@@ -82,6 +82,7 @@ def test_ops_that_only_share_types_stay_apart():
     np.testing.assert_allclose(b, np.tanh(x @ ws[1]) * 3.0, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("specialized_matmul")  # the 32 x 32 products' kernels, not library calls
 def test_operands_in_other_orders_and_the_same_buffer_twice():
     rng = np.random.default_rng(1)
     a, b = (rng.standard_normal((32, 32)).astype(np.float32) * 0.3 for _ in range(2))

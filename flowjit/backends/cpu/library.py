@@ -51,12 +51,16 @@ def enabled(switch: str) -> bool:
 
 class Writer:
     """MLIR text of one function: SSA names, indentation, index constants; `entry` puts a definition
-    (a constant) at the function's entry, once per text, so that any region may use it."""
+    (a constant) at the function's entry, once per text, so that any region may use it. `close`
+    closes the region the last `open` (or `chunks`) opened."""
 
     def __init__(self):
         self.lines: list[str] = []
         self.entries: list[str] = []
         self._defined: dict[str, str] = {}
+        # Per region open, innermost last: the text closing it, or (the first line of its body, the
+        # core's index) for a `chunks` region, whose body is written twice (`close`).
+        self._closings: list[str | tuple[int, str]] = []
         self.count = 0
         self.indent = "    "
 
@@ -78,15 +82,32 @@ class Writer:
     def open(self, text: str) -> None:
         self.line(text + " {")
         self.indent += "  "
+        self._closings.append("}")
 
-    def close(self, text: str = "}") -> None:
+    def close(self, text: str | None = None) -> None:
+        """Close the last region opened, with `text` in place of its closing brace when given (a
+        brace and attributes). A `chunks` region's body is written a second time, in the else-region
+        of its `scf.if`, for one core: the core's index 0, its chunk everything (MLIR scopes names by
+        region, so the copy keeps them)."""
+        closing = self._closings.pop()
         self.indent = self.indent[:-2]
-        self.line(text)
+        if isinstance(closing, str):
+            self.line(text or closing)
+            return
+        first, t = closing
+        body = [line[2:] for line in self.lines[first:]]
+        self.line("}")
+        self.indent = self.indent[:-2]
+        self.line("} else {")
+        self.line(f"  {t} = arith.constant 0 : index")
+        self.lines += body
+        self.line("}")
 
     def otherwise(self) -> None:
         """Close an `scf.if`'s then-region and open its else-region."""
-        self.close("} else {")
-        self.indent += "  "
+        self._closings.pop()
+        self.indent = self.indent[:-2]
+        self.open("} else")
 
     def if_else(self, condition: str, result_type: str, then, otherwise) -> str:
         """An `scf.if` yielding one value of `result_type`: `then()` writes its then-region and returns
@@ -112,10 +133,17 @@ class Writer:
         return f"%{prefix}{self.count}"
 
     def chunks(self, count: str, chunk: str) -> tuple[str, str, str]:
-        """Opens an `scf.forall` over the function's `%threads` cores; returns (the core's index, the
-        first and the end of its `chunk` of [0, count)) (close it)."""
+        """Opens an `scf.forall` over the function's `%threads` cores when there are several, else
+        the same body run once in place (`close`): a fork with one thread left idle cost a small
+        matrix product ~1.5 us (OpenMP's parallel region). Returns (the core's index, the first and
+        the end of its `chunk` of [0, count)) (close it)."""
         t = self.fresh("t")
-        self.open(f"scf.forall ({t}) in (%threads)")
+        several = self.entry(f"arith.cmpi ugt, %threads, {self.entry('arith.constant 1 : index')} : index")
+        self.line(f"scf.if {several} {{")
+        self.indent += "  "
+        self.line(f"scf.forall ({t}) in (%threads) {{")
+        self.indent += "  "
+        self._closings.append((len(self.lines), t))
         lo = self.op(f"arith.minui {self.arith('muli', t, chunk)}, {count} : index")
         hi = self.op(f"arith.minui {self.arith('addi', lo, chunk)}, {count} : index")
         return t, lo, hi

@@ -298,7 +298,8 @@ class LibraryCall:
         pointers = [(*a, one), (*b, one), (*c, one), (area, f"memref<{size}xi8>", byte)]
         lda = self.m if self.layout == "at" else self.k
         ldb = self.k if self.layout == "bt" else self.n
-        scalars = [(value, "index") for value in (self.m, self.n, self.k, lda, ldb, self.n, matmul_library.threads())]
+        threads = matmul_library.call_threads(self.m, self.n, self.k, self.elem)
+        scalars = [(value, "index") for value in (self.m, self.n, self.k, lda, ldb, self.n, threads)]
         note = f"dot_general: calls the matmul library's @{self.symbol} (precompiled: matmul_library.py)"
         library.emit_call(em, self.symbol, note, pointers, scalars)
 

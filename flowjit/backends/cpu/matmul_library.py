@@ -23,10 +23,14 @@ when given as (K, M) and re-read by 4 or more panels. docs/cpu-backend.md ("Matm
 measurements.
 
 Which products call it: `call_shape` (f32/f64 products the specialized kernel would split over the
-cores and not stream, K >= 64 unless small) and `lower_contraction.library_call` (no batch, not both
-operands transposed); in JIT-compiled code only (`library.disabled` for AOT).
+cores and not stream, K >= 64; and, since session 24, every small one (`SMALL_FLOPS`), on one core
+when the kernel would not fork: `call_threads`) and `lower_contraction.library_call` (no batch, not
+both operands transposed); in JIT-compiled code only (`library.disabled` for AOT). With one thread
+a call runs in place (`library.Writer.chunks`: no OpenMP parallel region, whose fork cost a small
+product ~1.5 us): (128, 64) @ (64, 128) 22.0 us against the kernel's 22.3, (16, 32) @ (32, 256) 6.1
+against 6.0, (256, 256) @ (256, 128) 83 against 90; first calls 6-14 ms against 21-39.
 `FLOWJIT_MATMUL_LIBRARY=0` turns it off. Where it lives, when it is built and loaded: `library.py`
-(`matmul-<key>.o`; 3-4 s to build on two cores, ~7 ms to load).
+(`matmul-<key>.o`; ~6 s to build on two cores, ~7 ms to load).
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ LAYOUTS = ("", "bt", "at")
 # Products of at most this many multiply-adds (tens of microseconds on two cores) take the library
 # even where the specialized kernel runs a little faster: short contractions (K < 64, where its
 # shorter tiles ran 10-15% faster) and fused epilogues it would apply tile by tile (the library's
-# product is written, then the epilogue makes the result). Their specialized code costs 20-40 ms
-# of compile each (the MLP step's logits and the gradient of its last layer's input).
+# product is written, then the epilogue makes the result), and those of one core's work (run in
+# place: `call_threads`). Their specialized code costs 20-40 ms of compile each (the MLP step's
+# logits and the gradient of its last layer's input; attention's q @ k.T over 128 x 64).
 SMALL_FLOPS = 1 << 23
 
 
@@ -65,14 +70,20 @@ def enabled() -> bool:
 
 def call_shape(m: int, n: int, k: int, elem: str, layout: str = "") -> bool:
     """Whether an (M, K) @ (K, N) product of `elem`, its operands laid out as `layout` says, calls
-    the library: when the specialized kernel would split the plain product over the cores (by
-    columns or rows) and not stream it, and the contraction is long enough for tall tiles."""
+    the library: a tiled product (`worth_it`) not streamed, small (`SMALL_FLOPS`), or split over
+    the cores (by columns or rows) with a contraction long enough for tall tiles."""
     if elem not in ELEMS or layout not in LAYOUTS or not enabled():
         return False
     shape = matmul_kernel.MatmulShape(0, m, n, k, elem)
     if not matmul_kernel.worth_it(0, m, n, k) or matmul_kernel.streams_rows(shape):
         return False
-    return matmul_kernel._threads(shape) > 1 and (k >= matmul_kernel.TALL_TILE_MIN_K or small(m, n, k))
+    return small(m, n, k) or (matmul_kernel._threads(shape) > 1 and k >= matmul_kernel.TALL_TILE_MIN_K)
+
+
+def call_threads(m: int, n: int, k: int, elem: str) -> int:
+    """The cores a call splits its product over: the specialized kernel's choice (one for a small
+    product, whose fork would cost more than it saves)."""
+    return matmul_kernel._threads(matmul_kernel.MatmulShape(0, m, n, k, elem))
 
 
 def small(m: int, n: int, k: int) -> bool:
@@ -132,7 +143,7 @@ class _Kernel(_Geometry):
     def text(self) -> str:
         w, e = self.w, self.elem
         one = f"memref<1x{e}>"
-        w.lines.append(
+        header = (
             f"  func.func @{symbol(e, self.layout)}(%a0: {one}, %b0: {one}, %c0: {one}, %s0: memref<1xi8>, "
             "%m: index, %n: index, %k: index, %lda: index, %ldb: index, %ldc: index, %threads: index) {"
         )
@@ -167,8 +178,7 @@ class _Kernel(_Geometry):
         else:
             self.product(self.in_place_a(self.restrided(a, scratch, after), False), b, c, panels, by_columns)
         w.line("return")
-        w.lines.append("  }")
-        return "\n".join(w.lines)
+        return "\n".join([header, *w.entries, *w.lines, "  }"])
 
     def product(self, read_a, b: str, c: str, panels: tuple[str, str, str], by_columns: str) -> None:
         w = self.w
