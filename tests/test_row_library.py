@@ -63,6 +63,10 @@ SHAPES = [
     ((3, 5, 640), np.float32),
     ((40, 256), np.float64),
     ((9, 1000), np.float64),
+    # short rows in small inputs (`SMALL_INPUT_BYTES`)
+    ((128, 128), np.float32),
+    ((3, 64), np.float32),
+    ((50, 64), np.float64),
 ]
 
 
@@ -126,6 +130,8 @@ REGIONS_OF_OTHER_FORMS = {
     # fused with more work; gamma without beta; other element types
     "axis 0": (lambda x: nn.softmax(x, axis=0), (256, 1024), np.float32, 0),
     "short rows": (lambda x: nn.softmax(x, axis=-1), (256, 256), np.float32, 0),
+    "short rows summed otherwise": (lambda x: nn.softmax(x, axis=-1), (16, 100), np.float32, 0),
+    "shorter than the sums": (lambda x: nn.softmax(x, axis=-1), (16, 32), np.float32, 0),
     "long rows": (lambda x: nn.log_softmax(x, axis=-1), (8, 32768), np.float32, 0),
     "unshifted": (lambda x: fnp.exp(x) / fnp.sum(fnp.exp(x), axis=-1, keepdims=True), (64, 1024), np.float32, 0),
     "more work": (lambda x: nn.softmax(x, axis=-1) * 2.0 + 1.0, (64, 1024), np.float32, 0),

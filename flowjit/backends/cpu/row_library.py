@@ -26,10 +26,10 @@ compiled kernel sums a vector at a time, would round differently and keep their 
 (`_identical_sums`), so the library never changes a program's results.
 
 Which regions call it: `match` (a fusion whose body is, op for op, what `flowjit.nn`'s function traces
-to for the same types: `_REFERENCES`; rows of `MIN_ROW_BYTES` to `lower_rows.MAX_ROW_BYTES`), through
-`lower_fusion`'s `CALL_LOWERINGS` entry (`lowering.call_lowering`). `FLOWJIT_ROW_LIBRARY=0` turns it
-off; AOT libraries keep their kernels (`library.disabled`). docs/cpu-backend.md ("Row library") has
-the measurements.
+to for the same types: `_REFERENCES`; rows of `MIN_ROW_BYTES` to `lower_rows.MAX_ROW_BYTES`, of any
+length in inputs of at most `SMALL_INPUT_BYTES`), through `lower_fusion`'s `CALL_LOWERINGS` entry
+(`lowering.call_lowering`). `FLOWJIT_ROW_LIBRARY=0` turns it off; AOT libraries keep their kernels
+(`library.disabled`). docs/cpu-backend.md ("Row library") has the measurements.
 """
 
 from __future__ import annotations
@@ -70,6 +70,11 @@ ACCUMULATORS = 4
 # norm 0.45 vs 0.82). Rows longer than `lower_rows.MAX_ROW_BYTES` (no longer cache-resident between
 # the sweeps) keep theirs too: 256 x 32000 log-softmax 2.6 vs 2.3 ms, layer norm 2.0 vs 1.8.
 MIN_ROW_BYTES = 2048
+# ... unless the whole input is at most this many bytes (session 24): then the library's run time is
+# at most a few microseconds more, and the kernel's compile 20-40 ms. Paired (min of 7 x 200 calls),
+# library vs kernel: softmax 128 x 128 9.5 vs 9.0 us, 64 x 64 4.4 vs 4.1, 256 x 64 11.7 vs 8.6; layer
+# norm 128 x 128 6.4 vs 6.0, 256 x 64 7.7 vs 6.5; first calls 11-17 ms against 32-58.
+SMALL_INPUT_BYTES = 128 << 10
 
 
 def symbol(name: str, elem: str) -> str:
@@ -514,8 +519,9 @@ def _identical_sums(cols: int, elem: str) -> bool:
 def match(op: Op) -> RowCall | None:
     """How the fusion `op` calls the row library, or None: a region with one result whose body is
     op for op the graph of one of `_REFERENCES` for the same operand types (the norms: any eps),
-    f32/f64 rows of `MIN_ROW_BYTES` to `lower_rows.MAX_ROW_BYTES` on which the compiled kernel would sum as
-    the library does (same bits: `_identical_sums`)."""
+    f32/f64 rows of `MIN_ROW_BYTES` (any length in inputs of at most `SMALL_INPUT_BYTES`) to
+    `lower_rows.MAX_ROW_BYTES` on which the compiled kernel would sum as the library does (same bits:
+    `_identical_sums`)."""
     from flowjit.backends.cpu.lower_rows import MAX_ROW_BYTES
 
     if op.name != "fusion" or len(op.results) != 1 or not op.operands or not enabled():
@@ -526,7 +532,8 @@ def match(op: Op) -> RowCall | None:
         return None
     cols, rows = t.shape[-1], math.prod(t.shape[:-1])
     row_bytes = cols * t.dtype.itemsize
-    if rows < 1 or not MIN_ROW_BYTES <= row_bytes <= MAX_ROW_BYTES or not _identical_sums(cols, elem):
+    shortest = MIN_ROW_BYTES if rows * row_bytes > SMALL_INPUT_BYTES else 1
+    if rows < 1 or not shortest <= row_bytes <= MAX_ROW_BYTES or not _identical_sums(cols, elem):
         return None
     held = {o.name for o in op.regions[0].ops}
     types = tuple(v.type for v in op.operands)
