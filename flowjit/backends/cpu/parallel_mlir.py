@@ -140,8 +140,8 @@ def _exit_reason(status: int | None) -> str:
 
 def _result_or_here(child: _Child, text: str, deadline: float) -> toolchain.LLVMLowering:
     """The child's result; if it overran its deadline, the part lowered in this process, with a
-    warning (the pipelines themselves would have hung here too: a hang the parent shares is then
-    this process's, as it is for a function that is not split)."""
+    warning: a child can hang where this process would not (a lock held forever in its copy of the
+    process). A hang of the pipelines themselves then hangs here, as for a function not split."""
     try:
         return child.result(deadline)
     except _Overrun:
