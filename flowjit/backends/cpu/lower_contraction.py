@@ -1329,6 +1329,35 @@ def _read_every_step(
     return value
 
 
+def _window_rows_then_columns(em, w, source: tuple[str, TensorType], base: str, window_of, vectors, inside) -> str:
+    """`lanes` outputs of a window as wide as its step along the last axis (2x2/2, 3x3/3: the
+    windows tile the row): per window row one read of the `step * lanes` inputs they cover (in
+    bounds when `inside`: its last element is the last window's), the rows combined element by
+    element, then each of the `step` columns picked out of that by a shuffle and combined. Tap by
+    tap (`_read_every_step`), 2x2 max pooling read every input twice, as four wide reads and four
+    shuffles per vector of outputs, the reads masked on short rows (14 outputs in a 16-lane vector)."""
+    (source, flat_in), (attrs, in_strides), (lanes, pad, elem, acc) = source, window_of, vectors
+    kind, window, step = attrs["kind"], attrs["window"], attrs["strides"][-1]
+    is_int = acc.startswith("i")
+    wide_type, wide_acc = f"vector<{step * lanes}x{elem}>", f"vector<{step * lanes}x{acc}>"
+    rows = None
+    for tap in itertools.product(*(range(n) for n in window[:-1])):
+        where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
+        wide = em.op(
+            f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [{str(inside).lower()}]}} "
+            f": {tensor_type(flat_in)}, {wide_type}"
+        )
+        if elem != acc:
+            wide = em.op(f"arith.extf {wide} : {wide_type} to {wide_acc}")
+        rows = wide if rows is None else _combine(em, kind, rows, wide, wide_acc, is_int)
+    total, vec = None, f"vector<{lanes}x{acc}>"
+    for kw in range(window[-1]):
+        picks = ", ".join(str(i * step + kw) for i in range(lanes))
+        value = em.op(f"vector.shuffle {rows}, {rows} [{picks}] : {wide_acc}, {wide_acc}")
+        total = value if total is None else _combine(em, kind, total, value, vec, is_int)
+    return total
+
+
 def _close_loops(w, done: str, flat_type: str, loops) -> str:
     """Close the row loops `loops` (innermost last), each yielding the tensor `done` its body made;
     returns the outermost loop's result."""
@@ -1442,6 +1471,10 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
 
     def value_at(column: str, inside: bool) -> str:
         base = w.add(in_offset, w.mul(column, w.index(step)))
+        if window[-1] == step > 1:
+            vectors = (lanes, pad, elem, acc)
+            total = _window_rows_then_columns(em, w, (source, flat_in), base, (attrs, in_strides), vectors, inside)
+            return total if count is None else em.op(f"arith.divf {total}, {count} : {vec}")
         total = None
         for tap in itertools.product(*(range(n) for n in window)):
             where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
