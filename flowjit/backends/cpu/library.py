@@ -64,6 +64,11 @@ class Writer:
         self.count = 0
         self.indent = "    "
 
+    def function(self, header: str) -> str:
+        """The function's text: `header` (its `func.func ... {` line), the entry's definitions, the
+        body written, the closing brace."""
+        return "\n".join([header, *self.entries, *self.lines, "  }"])
+
     def op(self, text: str) -> str:
         name = f"%v{self.count}"
         self.count += 1

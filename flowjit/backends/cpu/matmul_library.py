@@ -178,7 +178,7 @@ class _Kernel(_Geometry):
         else:
             self.product(self.in_place_a(self.restrided(a, scratch, after), False), b, c, panels, by_columns)
         w.line("return")
-        return "\n".join([header, *w.entries, *w.lines, "  }"])
+        return w.function(header)
 
     def product(self, read_a, b: str, c: str, panels: tuple[str, str, str], by_columns: str) -> None:
         w = self.w

@@ -75,7 +75,7 @@ class _ReductionKernel:
         result = w.if_else(serial, e, lambda: self.pass_over(w.index(0), "%n", 4), self.in_chunks)
         w.line(f"memref.store {result}, %out[{w.index(0)}] : {one}")
         w.line("return")
-        return "\n".join([header, *w.entries, *w.lines, "  }"])
+        return w.function(header)
 
     def in_chunks(self) -> str:
         """The reduction of `%chunks` equal pieces, the pieces over the cores, their results

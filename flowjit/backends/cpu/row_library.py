@@ -164,16 +164,11 @@ class _RowKernel:
         self.whole = w.arith("muli", w.arith("divui", "%cols", self.width), self.width)
         self.rest = w.arith("subi", "%cols", self.whole)
         self.count = w.op(f"arith.uitofp {w.op('arith.index_cast %cols : index to i64')} : i64 to {e}")
-        parallel = w.op(f"arith.cmpi ugt, %threads, {w.index(1)} : index")
-        w.open(f"scf.if {parallel}")
-        _, lo, hi = w.chunks("%rows", w.arith("ceildivui", "%rows", "%threads"))
+        _, lo, hi = w.chunks("%rows", w.arith("ceildivui", "%rows", "%threads"))  # one thread: all rows
         self.rows(lo, hi)
         w.close()
-        w.otherwise()
-        self.rows(w.index(0), "%rows")
-        w.close()
         w.line("return")
-        return "\n".join([header, *w.entries, *w.lines, "  }"])
+        return w.function(header)
 
     def matrix(self, pointer: str, rows: str = "%rows") -> str:
         """The rows x cols matrix at `pointer` (gamma and beta: one row)."""
