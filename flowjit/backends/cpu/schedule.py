@@ -125,9 +125,9 @@ def _rows_over_cores(h: str, shape: tuple[int, ...], parallel: bool, multiple: i
     return [line], f"%par{h[1:]}"
 
 
-def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
+def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True, unroll: int = MAX_UNROLLED_STEPS):
     """An n-d kernel (e.g. a broadcast): rows split over cores (unless not `parallel`), the last
-    dimension vectorized, its loop unrolled when short."""
+    dimension vectorized, its loop unrolled when short (by at most `unroll` steps)."""
     vl = lanes(elem_bits)
     rank = len(shape)
 
@@ -141,10 +141,11 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
             f"transform.structured.vectorize %vec{h[1:]} vector_sizes [{tiles}] : {ANY}",
         ]
         row_steps = -(-shape[-1] // vl)
-        if short_row(shape[-1], vl) and row_steps > 1:
+        factor = max(d for d in range(1, min(row_steps, unroll) + 1) if row_steps % d == 0)
+        if short_row(shape[-1], vl) and factor > 1:
             # Unrolled here rather than marked for LLVM's unrolling: a marked loop keeps the
             # function on LLVM's O3 pipeline (`compiler.light_pipeline`).
-            lines.append(f"transform.loop.unroll %loop{rank - 1}{h[1:]} {{factor = {row_steps}}} : {ANY}")
+            lines.append(f"transform.loop.unroll %loop{rank - 1}{h[1:]} {{factor = {factor}}} : {ANY}")
         return lines
 
     return steps
