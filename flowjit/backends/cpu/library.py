@@ -64,9 +64,10 @@ class Writer:
         self.count = 0
         self.indent = "    "
 
-    def function(self, header: str) -> str:
-        """The function's text: `header` (its `func.func ... {` line), the entry's definitions, the
-        body written, the closing brace."""
+    def function(self, symbol: str, args: list[str]) -> str:
+        """The text of the function `symbol` taking `args` ("%name: type"): its entry's definitions,
+        then the body written."""
+        header = f"  func.func @{symbol}({', '.join(args)}) {{"
         return "\n".join([header, *self.entries, *self.lines, "  }"])
 
     def op(self, text: str) -> str:

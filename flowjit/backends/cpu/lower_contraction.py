@@ -1329,14 +1329,16 @@ def _read_every_step(
     return value
 
 
-def _window_rows_then_columns(em, w, source: tuple[str, TensorType], base: str, window_of, vectors, inside) -> str:
+def _window_rows_then_columns(
+    w, source: str, flat_in: TensorType, base: str, attrs, in_strides, pad: str, lanes: int, elem: str, acc: str, inside
+) -> str:
     """`lanes` outputs of a window as wide as its step along the last axis (2x2/2, 3x3/3: the
     windows tile the row): per window row one read of the `step * lanes` inputs they cover (in
     bounds when `inside`: its last element is the last window's), the rows combined element by
     element, then each of the `step` columns picked out of that by a shuffle and combined. Tap by
     tap (`_read_every_step`), 2x2 max pooling read every input twice, as four wide reads and four
     shuffles per vector of outputs, the reads masked on short rows (14 outputs in a 16-lane vector)."""
-    (source, flat_in), (attrs, in_strides), (lanes, pad, elem, acc) = source, window_of, vectors
+    em = w.em
     kind, window, step = attrs["kind"], attrs["window"], attrs["strides"][-1]
     is_int = acc.startswith("i")
     wide_type, wide_acc = f"vector<{step * lanes}x{elem}>", f"vector<{step * lanes}x{acc}>"
@@ -1472,14 +1474,15 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
     def value_at(column: str, inside: bool) -> str:
         base = w.add(in_offset, w.mul(column, w.index(step)))
         if window[-1] == step > 1:
-            vectors = (lanes, pad, elem, acc)
-            total = _window_rows_then_columns(em, w, (source, flat_in), base, (attrs, in_strides), vectors, inside)
-            return total if count is None else em.op(f"arith.divf {total}, {count} : {vec}")
-        total = None
-        for tap in itertools.product(*(range(n) for n in window)):
-            where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
-            value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc, inside)
-            total = value if total is None else _combine(em, kind, total, value, vec, is_int)
+            total = _window_rows_then_columns(
+                w, source, flat_in, base, attrs, in_strides, pad, lanes, elem, acc, inside
+            )
+        else:
+            total = None
+            for tap in itertools.product(*(range(n) for n in window)):
+                where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
+                value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc, inside)
+                total = value if total is None else _combine(em, kind, total, value, vec, is_int)
         return total if count is None else em.op(f"arith.divf {total}, {count} : {vec}")
 
     row_out = _row_of_vectors(w, carried, out_type, out_offset, (width, lanes, acc), value_at)

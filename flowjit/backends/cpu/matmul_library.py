@@ -143,10 +143,6 @@ class _Kernel(_Geometry):
     def text(self) -> str:
         w, e = self.w, self.elem
         one = f"memref<1x{e}>"
-        header = (
-            f"  func.func @{symbol(e, self.layout)}(%a0: {one}, %b0: {one}, %c0: {one}, %s0: memref<1xi8>, "
-            "%m: index, %n: index, %k: index, %lda: index, %ldb: index, %ldc: index, %threads: index) {"
-        )
         a = self.matrix("%a0", ("%k", "%m") if self.layout == "at" else ("%m", "%k"), "%lda")
         b = self.matrix("%b0", ("%n", "%k") if self.layout == "bt" else ("%k", "%n"), "%ldb")
         c = self.matrix("%c0", ("%m", "%n"), "%ldc")
@@ -178,7 +174,9 @@ class _Kernel(_Geometry):
         else:
             self.product(self.in_place_a(self.restrided(a, scratch, after), False), b, c, panels, by_columns)
         w.line("return")
-        return w.function(header)
+        args = [f"%a0: {one}", f"%b0: {one}", f"%c0: {one}", "%s0: memref<1xi8>"]
+        args += [f"%{n}: index" for n in ("m", "n", "k", "lda", "ldb", "ldc", "threads")]
+        return w.function(symbol(e, self.layout), args)
 
     def product(self, read_a, b: str, c: str, panels: tuple[str, str, str], by_columns: str) -> None:
         w = self.w

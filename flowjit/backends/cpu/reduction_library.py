@@ -66,16 +66,13 @@ class _ReductionKernel:
     def text(self) -> str:
         w, e = self.w, self.elem
         one = f"memref<1x{e}>"
-        header = (
-            f"  func.func @{symbol(self.kind, e)}(%x0: {one}, %out: {one}, %n: index, %chunks: index, "
-            "%vectors: index, %threads: index) {"
-        )
         self.x = w.op(f"memref.reinterpret_cast %x0 to offset: [0], sizes: [%n], strides: [1] : {one} to memref<?x{e}>")
         serial = w.op(f"arith.cmpi eq, %chunks, {w.index(0)} : index")
         result = w.if_else(serial, e, lambda: self.pass_over(w.index(0), "%n", 4), self.in_chunks)
         w.line(f"memref.store {result}, %out[{w.index(0)}] : {one}")
         w.line("return")
-        return w.function(header)
+        args = [f"%x0: {one}", f"%out: {one}"] + [f"%{n}: index" for n in ("n", "chunks", "vectors", "threads")]
+        return w.function(symbol(self.kind, e), args)
 
     def in_chunks(self) -> str:
         """The reduction of `%chunks` equal pieces, the pieces over the cores, their results

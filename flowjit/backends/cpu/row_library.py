@@ -156,7 +156,6 @@ class _RowKernel:
         one = f"memref<1x{e}>"
         args = [f"%{p}0: {one}" for p in (*pointers, "y")] + ["%rows: index", "%cols: index"]
         args += [f"%eps: {e}"] * takes_eps + ["%threads: index"]
-        header = f"  func.func @{symbol(self.name, e)}({', '.join(args)}) {{"
         self.x = self.matrix("%x0")
         self.y = self.matrix("%y0")
         self.gamma = self.matrix("%gamma0", "1") if "gamma" in pointers else None
@@ -168,7 +167,7 @@ class _RowKernel:
         self.rows(lo, hi)
         w.close()
         w.line("return")
-        return w.function(header)
+        return w.function(symbol(self.name, e), args)
 
     def matrix(self, pointer: str, rows: str = "%rows") -> str:
         """The rows x cols matrix at `pointer` (gamma and beta: one row)."""
