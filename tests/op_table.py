@@ -1306,7 +1306,8 @@ add_row(
 
 def _nn_graph(fn):
     """The optimized graph of `flowjit.nn`'s `fn` for the row's inputs: one fusion region that the
-    CPU backend runs as a row library call (f32/f64 rows of 512 floats or more: row_library.py)."""
+    CPU backend runs as a row library call (f32/f64 rows of 512 floats or more, or shorter ones in
+    small inputs: row_library.py)."""
 
     def build(inputs, attrs):
         from flowjit.frontend.jit import ShapeDtype, optimized_graph
@@ -1364,6 +1365,23 @@ add_row(
     lambda rng, d: _NORM_INPUTS(rng, d)[:2],
     _rms_norm_ref,
     graph=_nn_graph(_nn("rms_norm")),
+)
+# Short rows in a small input (row_library.SMALL_INPUT_BYTES): the library too, for f32/f64.
+add_row(
+    "fusion-row-library-short-softmax",
+    "fusion",
+    FLOATS,
+    lambda rng, d: [rand(rng, (48, 128), d, -4, 4)],
+    _softmax_ref,
+    graph=_nn_graph(_nn("softmax")),
+)
+add_row(
+    "fusion-row-library-short-layer_norm",
+    "fusion",
+    FLOATS,
+    lambda rng, d: [rand(rng, (48, 128), d, -2, 2), rand(rng, (128,), d, 0.5, 2), rand(rng, (128,), d, -1, 1)],
+    _layer_norm_ref,
+    graph=_nn_graph(_nn("layer_norm")),
 )
 
 
