@@ -1385,6 +1385,41 @@ add_row(
 )
 
 
+def _conv_pool(kind):
+    def layer(x, w, b):
+        import flowjit.nn as nn
+
+        act = nn.relu(nn.conv2d(x, w, b, padding=1))
+        return nn.max_pool2d(act, 2) if kind == "max" else nn.avg_pool2d(act, 3)
+
+    return layer
+
+
+def _conv_pool_ref(kind):
+    def ref(x, w, b, dtype):
+        act = np.maximum(_conv2d_ref(x, w, dtype, (1, 1), ((1, 1), (1, 1)), (1, 1)) + b.reshape(1, -1, 1, 1), 0)
+        n, c, h, wid = act.shape
+        k = 2 if kind == "max" else 3
+        windows = act[:, :, : h // k * k, : wid // k * k].reshape(n, c, h // k, k, wid // k, k)
+        return windows.max(axis=(3, 5)) if kind == "max" else windows.mean(axis=(3, 5))
+
+    return ref
+
+
+# Pooling fused into a conv's epilogue (fuse._tiling_pool): each chunk of the conv's output pooled in
+# cache; odd sizes leave the last rows and columns out. float32/float64 (others pool on their own).
+for _kind, _xs in (("max", (3, 2, 13, 11)), ("avg", (2, 3, 10, 14))):
+    add_row(
+        f"fusion-conv-{_kind}-pool",
+        "fusion",
+        FLOATS,
+        lambda rng, d, a=_xs: [rand(rng, a, d, -1, 1), rand(rng, (16, a[1], 3, 3), d, -1, 1), rand(rng, (16,), d)],
+        _conv_pool_ref(_kind),
+        graph=_nn_graph(_conv_pool(_kind)),
+        tol_scale=16.0,
+    )
+
+
 def _fusion_rows_shared_exp_regions(dtype):
     # Softmax: exp(x - max) is read by the row sum and by the division, so a row tile computes it
     # once into the output's tile and divides it in place (37 rows: a loop and a last, larger tile).

@@ -1011,6 +1011,95 @@ def test_conv_epilogue_strided_and_image_chunks():
     _check_fused_equals_unfused(layer, (x, wt, b), 1e-4)
 
 
+# --- pooling after a conv's epilogue: each chunk of the conv's output pooled in cache ---------------
+
+
+def _pooled_group(graph) -> bool:
+    """One fusion (constants aside) whose body ends in the pool it returns."""
+    (op,) = [op for op in graph.ops if op.name != "constant"]
+    body = op.regions[0]
+    return op.name == "fusion" and body.results[0].producer.name == "reduce_window"
+
+
+@pytest.mark.parametrize("path", list(_CONV_PATHS))
+def test_conv_epilogue_pools_each_chunk(path):
+    """Conv + bias + relu + 2x2 max pooling is one group on every path of the im2col form (chunks of
+    whole images, blocks of rows rounded to whole windows, tails, odd sizes whose last row and column
+    no window covers) and of the generic, equal to the unfused program bit for bit."""
+    n, c, h, w, k, kernel = _CONV_PATHS[path]
+    conv, (x, wt, b) = _conv_case(n, c, h, w, k, kernel, padding=1 if kernel == 3 else 0)
+
+    def layer(x, wt, b):
+        return nn.max_pool2d(nn.relu(conv(x, wt) + b.reshape(1, -1, 1, 1)), 2)
+
+    graph = _optimized(layer, x, wt, b)
+    assert _pooled_group(graph)
+    _check_fused_equals_unfused(layer, (x, wt, b), 1e-4)
+    # The conv's output is never a tensor of its own but in the generic form, which makes it whole.
+    oh = h + 2 * (kernel == 3) - kernel + 1
+    whole = f"tensor.empty() : tensor<{n}x{k}x{oh}x{oh}xf32>"
+    assert _mlir(graph).count(whole) == (1 if path.startswith("generic") else 0)
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        pytest.param(lambda y: nn.avg_pool2d(y, 3), id="avg 3x3"),
+        pytest.param(lambda y: nn.max_pool2d(y, (2, 3)), id="max 2x3"),
+        pytest.param(lambda y: nn.max_pool2d(y, (4, 1)), id="max 4x1"),
+    ],
+)
+def test_conv_epilogue_pools_every_window_that_tiles(pool):
+    """Average pooling (its division), windows taller than wide and wider than tall, a conv whose
+    rows come in blocks (one 1 x 64 x 40 x 40 image: each block a whole number of windows)."""
+    conv, (x, wt, b) = _conv_case(2, 64, 40, 40, 16, 3, seed=6)
+
+    def layer(x, wt, b):
+        return pool(nn.gelu(conv(x, wt) + b.reshape(1, -1, 1, 1)))
+
+    assert _pooled_group(_optimized(layer, x, wt, b))
+    _check_fused_equals_unfused(layer, (x, wt, b), 1e-4)
+
+
+def test_conv_epilogue_pools_with_leaves_of_every_kind():
+    """A residual of the conv's shape (read with each plane collapsed, as the product), a leaf along
+    rows only (then the epilogue runs row by row), the product pooled without an epilogue, and
+    float64."""
+    conv, (x, wt, b) = _conv_case(4, 16, 30, 30, 32, 3, seed=7)
+    rng = np.random.default_rng(8)
+    residual = rng.standard_normal((4, 32, 30, 30)).astype(np.float32)
+    rows = rng.standard_normal((1, 1, 30, 1)).astype(np.float32)
+
+    def with_residual(x, wt, residual):
+        return nn.max_pool2d(fnp.tanh(conv(x, wt) + residual), 2)
+
+    def with_rows(x, wt, rows):
+        return nn.max_pool2d(conv(x, wt) * rows, 2)
+
+    def bare(x, wt):
+        return nn.avg_pool2d(conv(x, wt), 2)
+
+    for layer, args in ((with_residual, (x, wt, residual)), (with_rows, (x, wt, rows)), (bare, (x, wt))):
+        assert _pooled_group(_optimized(layer, *args))
+        _check_fused_equals_unfused(layer, args, 1e-4)
+    wide = (x.astype(np.float64), wt.astype(np.float64), residual.astype(np.float64))
+    _check_fused_equals_unfused(with_residual, wide, 1e-12)
+
+
+def test_conv_pool_stays_apart_when_its_input_is_kept():
+    """A training step keeps the activation for the pool's gradient: the pool is not fused (the
+    activation is the group's result), and the gradients equal the unfused program's."""
+    conv, (x, wt, b) = _conv_case(4, 8, 16, 16, 16, 3, seed=9)
+
+    def loss(wt, x, b):
+        return fnp.sum(nn.max_pool2d(nn.relu(conv(x, wt) + b.reshape(1, -1, 1, 1)), 2) ** 2)
+
+    grad = fj.grad(loss)
+    graph = _optimized(grad, wt, x, b)
+    assert "reduce_window" in [op.name for op in graph.ops]
+    _check_fused_equals_unfused(grad, (wt, x, b), 1e-4, exact=False)
+
+
 # --- matrix-product epilogues: streamed through each register tile of the tiled kernel ------------
 
 # Each shape takes one path of the CPU backend's tiled kernel (matmul_kernel.emit_matmul) on two or

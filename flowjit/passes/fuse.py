@@ -32,8 +32,15 @@ What fuses (legality comes from op families):
   contraction and pointwise ops returning one value of the product's shape keeps any size; a
   group of another form is split before the contraction (`_epilogue_groups`).
 
+- pooling after a convolution's epilogue: a `reduce_window` with windows that tile the image
+  (window = stride along H and W, 1 along N and C, no padding, at most `MAX_POOL_TAPS` taps) whose
+  operand is a streamed conv epilogue's one result, read by nothing else (conv + bias + relu +
+  max pooling: one group whose result is the pooled tensor). Backends pool each chunk of the
+  conv's output as they make it (`lower_contraction.Epilogue.pool`), so the conv's output is never
+  stored whole; nothing else joins such a group after the pool (`_merged_kind`: kind "pooled").
+
 What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
-other movement ops (dynamic_slice, pad, gather, ...), pooling, argmax/argmin; ops with different
+other movement ops (dynamic_slice, pad, gather, ...), other pooling, argmax/argmin; ops with different
 device constraints (so a group never crosses a device boundary); and a merge that would force an
 effectful op or a region op to move past the group (an effect that reads a value of the group
 before the group's last op), or that would make the grouped graph cyclic.
@@ -93,6 +100,8 @@ CONV_EPILOGUE_MIN_DEPTH = 8
 # backend's tiled kernel takes N of half a vector and more: 8 float32 with AVX-512).
 DOT_EPILOGUE_MIN_COLUMNS = 16
 _STREAMING = ("conv2d", "dot_general")  # the contractions whose epilogues can stream
+# Pooling windows of at most this many taps join a conv's epilogue (the CPU backend unrolls them).
+MAX_POOL_TAPS = 16
 # Movement ops a kernel reads as views of a group input (a strided subview, a permuted indexing map).
 VIEWS = frozenset({"slice", "transpose"})
 
@@ -107,12 +116,35 @@ def op_kind(op: Op) -> str | None:
         return "reduction"
     if op.name in ops_in(CONTRACTION):
         return "output"
+    if _tiling_pool(op):
+        return "pool"
     return None
+
+
+def _tiling_pool(op: Op) -> bool:
+    """A float32/float64 pooling of NCHW images whose windows tile them (window = stride along H
+    and W, 1 along N and C, no padding) with at most `MAX_POOL_TAPS` taps: it may end a conv's
+    epilogue group (each chunk of conv output rows pools on its own)."""
+    if op.name != "reduce_window" or op.result.dtype not in (dt.float32, dt.float64) or op.result.type.size == 0:
+        return False
+    window, strides, padding = op.attrs["window"], op.attrs["strides"], op.attrs["padding"]
+    return (
+        len(window) == 4
+        and tuple(window[:2]) == (1, 1)
+        and tuple(strides) == tuple(window)
+        and not any(lo or hi for lo, hi in padding)
+        and window[2] * window[3] <= MAX_POOL_TAPS
+    )
 
 
 def _merged_kind(producer: str, consumer: str, consumer_op: Op) -> str | None:
     """The kind of the group made by merging a producer group into the group of `consumer_op`
     (which reads the producer's value); None when they must stay apart."""
+    if "pooled" in (producer, consumer):
+        return None  # a pool ends its group: nothing reads inside it past the pool
+    if "pool" in (producer, consumer):
+        # A contraction group's epilogue ending in the pool; `_epilogue_groups` checks its form.
+        return "pooled" if (producer, consumer) == ("output", "pool") else None
     if consumer_op.name in ops_in(CONTRACTION):
         return None  # contractions read materialized operands (packing, tiling)
     if consumer_op.name in VIEWS:
@@ -137,6 +169,8 @@ def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     stored in the planned workspace, than a per-call allocation."""
     if producer.name == "transpose":
         return consumer.name in REDUCTIONS
+    if consumer.name == "reduce_window":  # a pool reads its chunk of the conv's output in cache
+        return producer.name in _pointwise_ops() or (producer.name == "conv2d" and _streams_epilogue(producer))
     if value.type.size * value.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return True
     pointwise = _pointwise_ops()
@@ -176,25 +210,36 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     the product's shape, not a bool (and, for a matrix product, whose tiles are computed in place,
     of its dtype), made by a pointwise op, and holds no view. The split is always legal: the
     contraction reads no member's value (else it stays whole; the backend then stores the
-    product)."""
+    product). A pool ending the group (`_tiling_pool`) must follow a conv and be its one result,
+    the value it pools then being of that form (or the product itself); else the pool is split
+    off on its own first (it reads no member but through its operand, which is then a result)."""
     contractions = [op for op in members if op.name in _STREAMING]
     if not contractions:
         return [members]
     contraction = contractions[0]
+    used = _used_outside(graph, members)
+    outside = [v for op in members for v in op.results if v in used]
+    pool = next((op for op in members if op.name == "reduce_window"), None)
+    if pool is not None:
+        if contraction.name != "conv2d" or outside != [pool.result] or any(op.name in VIEWS for op in members):
+            rest = [op for op in members if op is not pool]  # the pool on its own, after the rest's group
+            return [*_epilogue_groups(graph, rest), [pool]]
+        outside = list(pool.operands)  # the epilogue's result, which the pool reads chunk by chunk
     product = contraction.result
     if product.type.size * product.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
         return [members]
-    used = _used_outside(graph, members)
-    outside = [v for op in members for v in op.results if v in used]
+    made_by = outside[0].producer.name if len(outside) == 1 else None
     streams = (
         len(outside) == 1
         and outside[0].type.shape == product.type.shape
         and not outside[0].type.dtype.is_bool
         and (contraction.name == "conv2d" or outside[0].type.dtype == product.type.dtype)
-        and outside[0].producer.name in _pointwise_ops()
+        and (made_by in _pointwise_ops() or (pool is not None and made_by == "conv2d"))
         and all(op.name not in VIEWS for op in members)
         and _streams_epilogue(contraction)
     )
+    if pool is not None and not streams:
+        return [*_epilogue_groups(graph, [op for op in members if op is not pool]), [pool]]
     computed = {v for op in members for v in op.results}
     if streams or any(v in computed for v in contraction.operands):
         return [members]

@@ -621,9 +621,21 @@ class Epilogue:
     `columns_only()`: whether each such tensor is at most a vector along the last dimension (a
     bias) or a scalar: then `window(.., flat_rows=True)` takes windows of the output viewed as a
     matrix, its leading dimensions flattened; `as_matrix()`: whether each is that or a tensor of
-    the output's whole shape (a residual): then `window(.., flat_rows=True)` takes all of it."""
+    the output's whole shape (a residual): then `window(.., flat_rows=True)` takes all of it.
+
+    `pool`: the attributes of a pooling that ends a conv's epilogue (`fuse._tiling_pool`: windows
+    that tile the image), else None. Then `apply` returns the pooled window, `out_shape(shape)` of
+    it, and fills `into` of that shape; a window's rows start at a multiple of the pool's height."""
 
     elem: str
+    pool: dict | None = None
+
+    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of what `apply` makes of a conv output window of `shape`."""
+        if self.pool is None:
+            return tuple(shape)
+        _, _, height, width = self.pool["window"]
+        return (*shape[:2], shape[2] // height, shape[3] // width)
 
     def reads_along(self, d: int) -> bool:
         raise NotImplementedError
@@ -702,6 +714,9 @@ IM2COL_MIN_COLUMNS = 112
 # and those of a 1x1 conv (its columns are views of the input, so a chunk is only a share of the
 # work per core: 1.05x the time at 128K) keep the cap of session 7.
 WIDE_CHUNK_ELEMENTS = 1 << 19
+# A chunk's product (O x columns), which an epilogue reads back, stays under this many elements
+# (512 KiB of float32, half a Zen 4 core's L2) (`_epilogue_cap`).
+EPILOGUE_PRODUCT_ELEMENTS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -726,6 +741,22 @@ class _Conv:
     def finish(self, em: KernelEmitter, out: str, result: TensorType) -> str:
         return out if self.epilogue is not None else narrow(em, out, result, self.acc)
 
+    def out(self, part: TensorType) -> TensorType:
+        """The part of the output tensor that conv output `part` fills (pooled by the epilogue)."""
+        return part.with_shape(self.epilogue.out_shape(part.shape)) if self.epilogue is not None else part
+
+    @property
+    def row_step(self) -> int:
+        """Conv output rows per output row: the pool's window height (chunks of rows are its multiples)."""
+        pool = self.epilogue.pool if self.epilogue is not None else None
+        return pool["window"][2] if pool is not None else 1
+
+    def out_slice(self, w_, image: str, row: str, part: TensorType) -> str:
+        """The `[offsets] [sizes] [strides]` of the output that conv output rows `part` from (image, row) fill."""
+        if self.row_step > 1:
+            row = w_.em.op(f"arith.divui {row}, {w_.index(self.row_step)} : index")
+        return f"[{image}, 0, {row}, 0] [{', '.join(map(str, self.out(part).shape))}] [1, 1, 1, 1]"
+
 
 def _restrides_weights(o: int, depth: int, acc: str) -> bool:
     """Whether the weights' rows are copied one cache line apart before the chunks' fork: rows a
@@ -748,6 +779,18 @@ SCRATCH["conv2d"] = _conv2d_scratch
 def _im2col_cap(depth: int) -> int:
     """Elements of an im2col chunk's column matrix for a sum over `depth` taps (see IM2COL_MAX_ELEMENTS)."""
     return IM2COL_MAX_ELEMENTS if depth * IM2COL_MIN_COLUMNS <= IM2COL_MAX_ELEMENTS else WIDE_CHUNK_ELEMENTS
+
+
+def _epilogue_cap(cap: int, conv: _Conv, o: int) -> int:
+    """`cap` for the chunks of a conv with an epilogue, lowered so that a chunk's product (O x its
+    columns) also stays under EPILOGUE_PRODUCT_ELEMENTS: the epilogue (and its pool) reads it back
+    from L2. A shallow conv's product is the larger: 1 -> 32 channels 3x3 makes 32 outputs from 9
+    taps. The CNN's conv + bias + relu + 2x2 max pooling, 64 x 1 x 28 x 28: 16 images a chunk
+    (1.6 MB of product) 386 us, 4 (400 KB) 366 us, paired in one process."""
+    if conv.epilogue is None:
+        return cap
+    depth = conv.tw.size // o
+    return min(cap, depth * max(1, EPILOGUE_PRODUCT_ELEMENTS // o))
 
 
 def _conv_chunk(n: int, oh: int, depth: int, ow: int, cap: int) -> tuple[int, int]:
@@ -795,9 +838,11 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     if _pointwise(tw, stride, padded_type):
         images = 1 if n > 1 else images  # each image's own view is its column matrix (`_pointwise_columns`)
     else:
-        images, rows = _conv_chunk(n, oh, depth, ow, _im2col_cap(depth))
+        images, rows = _conv_chunk(n, oh, depth, ow, _epilogue_cap(_im2col_cap(depth), conv, o))
         if rows == oh and images < n:
             images = _whole_images(n, images)
+    if rows < oh:  # blocks of rows that pool on their own
+        rows = max(conv.row_step, rows // conv.row_step * conv.row_step)
     w_ = matmul_kernel.LoopWriter(em)
     whole = n // images if rows == oh else n * (oh // rows)  # whole chunks
     threads = matmul_kernel.cores()
@@ -815,8 +860,8 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
         source = (conv.weights, f"tensor<{o}x{depth}x{acc}>", [])
         weights = matmul_kernel.restride(copier, source, o, depth, acc, copier.index(0), threads)
         in_fork = dataclasses.replace(conv, weights=weights)
-    out_type = tensor_type(result, conv.out_elem)
-    done, t, shared = w_.open_forall(whole, em.empty(result, conv.out_elem), out_type)
+    out_type = tensor_type(conv.out(result), conv.out_elem)
+    done, t, shared = w_.open_forall(whole, em.empty(conv.out(result), conv.out_elem), out_type)
     if rows == oh:
         image, row = w_.mul(t, w_.index(images)), w_.index(0)
     else:
@@ -824,8 +869,8 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
         image = em.op(f"arith.divui {t}, {per_image} : index")
         row = w_.mul(em.op(f"arith.remui {t}, {per_image} : index"), w_.index(rows))
     part = result.with_shape((images, o, rows, ow))
-    where = f"[{image}, 0, {row}, 0] [{images}, {o}, {rows}, {ow}] [1, 1, 1, 1]"
-    part_type = tensor_type(part, conv.out_elem)
+    where = conv.out_slice(w_, image, row, part)
+    part_type = tensor_type(conv.out(part), conv.out_elem)
     into = em.op(f"tensor.extract_slice {shared}{where} : {out_type} to {part_type}")
     scratch, em.scratch = em.scratch, None  # the shared scratch area is no thread's own: allocate
     y = _conv_images(em, (padded, padded_type), in_fork, part, (image, row), serial=True, into=into)
@@ -835,7 +880,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
         done = _conv_chunk_into(
             em, (padded, padded_type), conv, result, done, (w_.index(whole * images), n % images, w_.index(0), oh)
         )
-    elif rows < oh and oh % rows:  # each image's tail block of rows
+    elif rows < oh and oh % rows >= conv.row_step:  # each image's tail block of rows (a whole pooling window)
         first = w_.index(oh // rows * rows)
         tail = lambda image, _, into: _conv_chunk_into(
             em, (padded, padded_type), conv, result, into, (image, 1, first, oh % rows)
@@ -848,8 +893,8 @@ def _conv_chunks_in_turn(em: KernelEmitter, w_, source, conv, result: TensorType
     """The chunks one after another (each product on all cores): loops over whole chunks, then tails."""
     n, oh = result.shape[0], result.shape[2]
     images, rows = chunk
-    out_type = tensor_type(result, conv.out_elem)
-    empty = em.empty(result, conv.out_elem)
+    out_type = tensor_type(conv.out(result), conv.out_elem)
+    empty = em.empty(conv.out(result), conv.out_elem)
 
     def chunk_into(image, count, row, height, into):
         return _conv_chunk_into(em, source, conv, result, into, (image, count, row, height))
@@ -878,11 +923,14 @@ def _blocks(w_, size: int, total: int, emit, into: str, out_type: str) -> str:
 
 
 def _conv_chunk_into(em: KernelEmitter, source, conv, result: TensorType, into: str, chunk) -> str:
-    """`into` with the output rows [row, row + height) of images [image, image + count) computed."""
+    """`into` with the output rows [row, row + height) of images [image, image + count) computed
+    (`row` a multiple of the epilogue's pool height; rows past its last whole window are left out)."""
     image, count, row, height = chunk
     part = result.with_shape((count, result.shape[1], height, result.shape[3]))
-    where = f"[{image}, 0, {row}, 0] [{', '.join(map(str, part.shape))}] [1, 1, 1, 1]"
-    part_type, out_type = tensor_type(part, conv.out_elem), tensor_type(result, conv.out_elem)
+    if conv.out(part).size == 0:  # a tail shorter than a pooling window
+        return into
+    where = conv.out_slice(matmul_kernel.LoopWriter(em), image, row, part)
+    part_type, out_type = tensor_type(conv.out(part), conv.out_elem), tensor_type(conv.out(result), conv.out_elem)
     window = em.op(f"tensor.extract_slice {into}{where} : {out_type} to {part_type}")
     y = _conv_images(em, source, conv, part, (image, row), into=window)
     return em.op(f"tensor.insert_slice {y} into {into}{where} : {part_type} into {out_type}")
@@ -1423,14 +1471,33 @@ def _row_major_strides(shape) -> list[int]:
     return strides[::-1]
 
 
-def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result: TensorType, attrs, acc) -> str:
+def pool_window(em: KernelEmitter, source, onhw: bool, result: TensorType, attrs, into, serial: bool) -> str:
+    """The pooling `attrs` (windows that tile the image: `fuse._tiling_pool`) of a conv output window
+    `source` = (tensor, type) in the accumulator type, laid out (O, N, H, W) when `onhw` else
+    (N, O, H, W), as `result` (N, O, H / window, W / window) computed into `into` (a slice of the
+    output; None: a new tensor); `serial`: on the calling thread. The end of a conv epilogue
+    (`Epilogue.pool`)."""
+    tensor, layout = source
+    strides = _row_major_strides(layout.shape)
+    if onhw:  # the result's (n, o) are the source's dimensions (1, 0)
+        strides = [strides[1], strides[0], *strides[2:]]
+    acc = accumulator_elem(result.dtype)
+    return _window_taps(em, tensor, layout, result, attrs, acc, in_strides=strides, into=into, serial=serial)
+
+
+def _window_taps(
+    em: KernelEmitter, padded: str, padded_type: TensorType, result: TensorType, attrs, acc, **place
+) -> str:
     """A small window as vector code along the last output dimension.
 
     Loops over the leading output dims; for each chunk of `lanes` outputs in a row and each
     window tap, one contiguous read of `stride * lanes` inputs (on a 1-D view of the padded
     input), a shuffle keeping every stride-th element, and a lane-wise max/add. Reads past the
     end of a row only feed lanes that are never stored; the buffer's end is masked. Each output
-    is written once, by a store masked to the row's length.
+    is written once, by a store masked to the row's length. `place` (`pool_window`): the input's
+    elements apart per step along each output dimension's window (`in_strides`; default: the
+    padded input's row-major strides), the tensor of `result`'s shape to write the result into
+    (`into`), and whether it stays on the calling thread (`serial`).
     """
     kind, window, strides = attrs["kind"], attrs["window"], attrs["strides"]
     rank, elem = result.rank, elem_type(result.dtype)
@@ -1441,7 +1508,8 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
     flat_in = TensorType((padded_type.size,), result.dtype)
     flat_out = TensorType((result.size,), result.dtype)
     source = reshape(em, padded, padded_type, flat_in.shape)
-    in_strides, out_strides = _row_major_strides(padded_type.shape), _row_major_strides(result.shape)
+    in_strides = place.get("in_strides") or _row_major_strides(padded_type.shape)
+    out_strides = _row_major_strides(result.shape)
     vec = f"vector<{lanes}x{acc}>"
     acc_dtype = dt.float32 if acc == "f32" else result.dtype
     pad = em.op(f"arith.constant {0 if is_int else 0.0} : {elem}")
@@ -1449,13 +1517,19 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
     if kind == "avg":
         count = em.op(f"vector.broadcast {const(em, float(np.prod(window)), acc_dtype)} : {acc} to {vec}")
     out_type = tensor_type(flat_out, acc)
-    carried = em.empty(flat_out, acc)
+    into = place.get("into")
+    if into is not None:
+        everything = f"[{', '.join(map(str, range(rank)))}]"
+        carried = em.op(f"tensor.collapse_shape {into} [{everything}] : {tensor_type(result, acc)} into {out_type}")
+    else:
+        carried = em.empty(flat_out, acc)
     loops, in_offset, out_offset = [], w.index(0), w.index(0)
     # Split over the cores along the first output dimension longer than 1 (images, else channels):
     # one chunk of whole output planes per core, written into its slice of the shared output.
     split = next((d for d in range(rank - 1) if result.shape[d] > 1), None)
     work = result.size * int(np.prod(window))
     parallel = split is not None and schedule.threads() > 1 and work >= schedule.PARALLEL_MIN_ELEMENTS
+    parallel = parallel and not place.get("serial")
     outer = range(rank - 1)
     if parallel:
         chunk = _pooling_chunk(w, split, result.shape[split], out_strides[split], (carried, out_type))
@@ -1491,7 +1565,8 @@ def _window_taps(em: KernelEmitter, padded: str, padded_type: TensorType, result
         w.close_forall(result_flat, shared, where, out_type, tensor_type(flat_out, acc))
         result_flat = done
     pooled = reshape(em, result_flat, flat_out, result.shape, acc)
-    em.store_through(pooled, result_flat, flat_out.shape)
+    if into is None:
+        em.store_through(pooled, result_flat, flat_out.shape)
     return pooled
 
 
