@@ -492,6 +492,34 @@ def test_row_dot_kernel(dtype):
 @pytest.mark.parametrize(
     "m, k, n, dtype",
     [
+        (64, 6272, 10, dt.float32),  # the CNN's dense layer: blocks of 2 rows over the cores
+        (13, 100, 8, dt.float32),  # 3-row blocks, a last block of 1 row, a masked last step of K
+        (37, 64, 15, dt.float32),  # one row a block
+        (9, 33, 5, dt.float64),  # 4-row blocks, a masked last step
+    ],
+)
+def test_few_columns_take_dot_blocks(m, k, n, dtype):
+    """Products with half a vector to a vector of columns: blocks of rows x N dots along K (not the
+    tiled kernel, whose two-vector panels were mostly padding), B as (N, K) rows given or transposed,
+    fused with a bias and relu."""
+    if matmul_kernel.vector_bits() != 512:
+        pytest.skip("the shapes are chosen for AVX-512's 16 float32 lanes")
+    mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
+    assert "dots along K (few columns)" in mlir
+    parallel = m * n * k >= lower_contraction.PARALLEL_MIN_WORK and (os.cpu_count() or 1) > 1
+    assert ("scf.forall" in mlir) == parallel
+    assert "fj_matmul" not in mlir and "vector.reduction <add>" in mlir
+    transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())
+    assert "dots along K" in check("dot_general", [data((m, k), dtype, 3), data((n, k), dtype, 4)], transposed)
+    x, w, b = data((m, k), dtype, 5), data((k, n), dtype, 6), data((n,), dtype, 7)
+    want = np.maximum(x.astype(np.float64) @ w + b, 0)
+    got = fj.jit(lambda x, w, b: fnp.maximum(x @ w + b, 0))(x, w, b)
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE[dtype] * 8 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    "m, k, n, dtype",
+    [
         (1, 1024, 2048, dt.float32),  # split over the cores
         (2, 513, 4100, dt.float32),  # split over the cores, a partial last vector, a k remainder
         (3, 7, 1000, dt.float32),  # one thread, a partial last vector
@@ -846,6 +874,20 @@ def test_transpose_in_blocks(shape, perm, blocks, dtype):
     mlir = check("transpose", [data(shape, dtype, 3)], dict(perm=perm))
     assert ("transform.structured.vectorize" in mlir) == bool(blocks)  # plain loops have no schedule
     assert ("transform.structured.vectorize" in mlir and "vector_sizes [1, 1, " in mlir) == (blocks == "rows")
+
+
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.bool_], ids=ids([dt.float32, dt.float64, dt.bool_]))
+@pytest.mark.parametrize("shape", [(6272, 10), (6000, 3), (1000, 17), (2000, 9)])
+def test_transpose_rows_past_whole_blocks_are_a_kernel_of_their_own(shape, dtype):
+    """A 2-D transpose whose output rows are no multiple of the block side: the whole blocks of rows,
+    then the rows left in tiles of all of them (`lower_layout._transposed_in_two`), so that no block
+    stores rows past the output's end under all-false masks (each a microcode assist on a page never
+    mapped: (6272, 10) took 0.67 ms)."""
+    mlir = check("transpose", [data(shape, dtype, 4)], dict(perm=(1, 0)))
+    side = schedule.transpose_block(32 if dtype == dt.float32 else 64 if dtype == dt.float64 else 8)
+    rest = shape[1] % side
+    assert f"vector_sizes [{rest}, {side}]" in mlir
+    assert (f"vector_sizes [{side}, {side}]" in mlir) == (shape[1] >= side)
 
 
 @pytest.mark.parametrize("shape, perm", [((8, 32, 28, 28), (1, 0, 2, 3)), ((4, 8, 56, 56), (0, 2, 3, 1))])

@@ -36,7 +36,7 @@ SHAPES = [
     (14 * 30 + 1, 100, 300, np.float32),
     (14 * 20 + 13, 96, 784, np.float32),
     (200, 1024, 160, np.float32),
-    (256, 1024, 10, np.float32),
+    (256, 1024, 20, np.float32),
     (300, 10, 1000, np.float32),
     (150, 512, 230, np.float64),
     (97, 333, 161, np.float64),
@@ -126,7 +126,7 @@ def test_small_products_call_the_library_on_one_core(layout, monkeypatch):
     library too, with threads = 1, which runs the body in place instead of in a parallel region;
     their bits are the kernel's. Their kernels cost 20-35 ms of compile each."""
     fn = LAYOUTS[layout]
-    for m, k, n in ((64, 64, 64), (16, 32, 256), (32, 128, 10), (5, 7, 3)):
+    for m, k, n in ((64, 64, 64), (16, 32, 256), (32, 48, 10), (5, 7, 3)):
         assert matmul_library.call_threads(m, n, k, "f32") == 1
         rng = np.random.default_rng(m * n)
         a = rng.standard_normal((k, m) if layout == "at" else (m, k)).astype(np.float32)
@@ -152,6 +152,7 @@ def test_products_the_library_does_not_take_keep_their_kernels(monkeypatch):
         (lambda a, b: a @ b, (np.ones((4, 256, 256), f32), np.ones((4, 256, 256), f32))),  # batched
         (lambda a, b: a @ b, (np.ones((512, 256), np.int32), np.ones((256, 512), np.int32))),  # integers
         (lambda a, b: a @ b, (np.ones((1024, 16), f32), np.ones((16, 1024), f32))),  # large, K < 64
+        (lambda a, b: a @ b, (np.ones((256, 1024), f32), np.ones((1024, 10), f32))),  # few columns: dot blocks
         # large, with an epilogue fused into its tiles
         (lambda a, b: fnp.maximum(a @ b + 1.0, 0.0), (np.ones((512, 256), f32), np.ones((256, 512), f32))),
     ]:
