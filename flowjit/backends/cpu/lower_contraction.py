@@ -640,10 +640,12 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
         totals = [f"{loop}#{i}" for i in range(rows * n)] if rows * n > 1 else [loop]
         if k % lanes:
             totals = step(row_ids, w.index(k // lanes * lanes), "false", totals)
-        for i, total in enumerate(totals):
-            value = em.op(f"vector.reduction <add>, {total} : {vec} into {acc}")
-            out = em.op(f"tensor.insert {value} into {out}[{w.add(at, w.index(i))}] : {out_type}")
-        return out
+        sums = [em.op(f"vector.reduction <add>, {total} : {vec} into {acc}") for total in totals]
+        # One write of the block's rows x N outputs: as many tensor.inserts they were as many tensor
+        # values for bufferization to analyse.
+        block_vec = f"vector<{len(sums)}x{acc}>"
+        values = em.op(f"vector.from_elements {', '.join(sums)} : {block_vec}")
+        return em.op(f"vector.transfer_write {values}, {out}[{at}] {{in_bounds = [true]}} : {block_vec}, {out_type}")
 
     def blocks(first: str | None, count: str, part: str, part_type: str) -> str:
         first_row = w.index(0) if first is None else em.op(f"arith.divui {first}, {w.index(n)} : index")
