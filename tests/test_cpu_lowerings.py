@@ -1169,6 +1169,22 @@ def test_max_pool_propagates_nan_and_window_over_channels():
     check("reduce_window", [x], dict(kind="max", window=(1, 2, 3, 3), strides=(1, 1, 1, 2), padding=((0, 0),) * 4))
 
 
+@pytest.mark.parametrize("window", [2, 3])
+def test_max_pool_propagates_nan_from_every_tap(window):
+    """Windows as wide as their step (read a row at a time, columns picked by shuffles), their max
+    NaN-propagating though unordered on signed zeros (`fastmath<nsz>`): a NaN at each tap of a
+    window (one channel per tap), in rows of more and of fewer outputs than a vector, comes out;
+    -0.0 and +0.0 compare equal."""
+    for width in (40 * window, 7 * window):
+        x = data((2, window * window, 2 * window, width), dt.float32)
+        x[0, 0, 0, 0], x[0, 0, 0, 1] = -0.0, 0.0
+        for tap in range(window * window):
+            r, c = divmod(tap, window)
+            x[1, tap, r, window + c] = np.nan
+        attrs = dict(kind="max", window=(1, 1, window, window), strides=(1, 1, window, window), padding=((0, 0),) * 4)
+        assert "fastmath<nsz>" in check("reduce_window", [x], attrs)
+
+
 # --- argmax, argmin ----------------------------------------------------------------------------------
 
 
