@@ -225,12 +225,13 @@ WHY_LIMIT: dict[str, str] = {
     "its samples.",
     "cnn": "The limit is sgemm's rate, but this CNN is mostly not a matrix product: its conv has K = 9 "
     "multiply-adds per output (1 input channel, 3x3), then bias, relu, pooling and a 6272x10 dense layer, "
-    "all memory- or latency-bound at this size. Its three kernels timed apart (session 24, medians of 200 "
-    "calls): conv + bias + relu 241 us (0.9M vector multiply-adds: ~145 us at one per cycle per core, "
-    "plus writing its 6.4 MB output), max pooling 94 us (163 before it read each window row once), the "
-    "dense layer 108 us (numpy's OpenBLAS 111); the limit (37 MFLOP at sgemm's rate) is ~180 us. Pooling "
-    "fused into the conv's epilogue (not done: the epilogue writes windows of the conv's output shape) "
-    "would save most of the pooling kernel and three quarters of the conv's writes.",
+    "all memory- or latency-bound at this size. Since session 25 it is two kernels (paired in one process): "
+    "conv + bias + relu + 2x2 max pooling ~250-280 us, each chunk of 4 images pooled in L2 (0.9M vector "
+    "multiply-adds, ~145 us at one per cycle per core, plus im2col, the epilogue's and the pool's passes "
+    "over the product), and the dense layer 74 us as dot blocks along K (109 us through the matmul "
+    "library, whose 32-column panels held 10 used ones); the whole forward 421 -> ~345 us, against a limit "
+    "(37 MFLOP at sgemm's rate) of ~180 us. Applying the epilogue in the conv's register tiles instead of "
+    "a pass over the chunk's product measured the same (357 vs 356 us).",
 }
 WHY_FIRST_CALL = (
     "The reason is compile time, which scales with the generated code: the MLIR pipelines (15-17 ms for a "
