@@ -660,7 +660,9 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
     if m % height:
         flat_type = f"tensor<{m * n}x{acc}>"
         flat = block(w.index(whole * height), m % height, flat, flat_type, w.index(whole * height * n))
-    return narrow(em, reshape(em, flat, TensorType((m * n,), result.dtype), result.shape, acc), result, acc)
+    product = reshape(em, flat, TensorType((m * n,), result.dtype), result.shape, acc)
+    em.store_through(product, flat, (m * n,))  # the blocks write the output itself, not a copy of it
+    return narrow(em, product, result, acc)
 
 
 def _rows_of(em: KernelEmitter, b: str, tb: TensorType, acc: str) -> str:
