@@ -1086,6 +1086,37 @@ def test_conv_epilogue_pools_with_leaves_of_every_kind():
     _check_fused_equals_unfused(with_residual, wide, 1e-12)
 
 
+def test_conv_max_pool_runs_first_only_under_non_decreasing_epilogues(monkeypatch):
+    """A max pool runs before the epilogue when the epilogue is a non-decreasing function of the
+    product with no operand varying inside a window (`_Epilogue._commutes_with_max`): then the max
+    of the results is the result on the max, bit for bit. Decreasing or non-monotone epilogues (a
+    negative scale, b - x, a relu whose floor is above its threshold) and leaves varying along rows
+    keep the epilogue first; every one equals the unfused program."""
+    from flowjit.backends.cpu import lower_fusion
+
+    decided = []
+    commutes = lower_fusion._Epilogue._commutes_with_max
+    monkeypatch.setattr(
+        lower_fusion._Epilogue, "_commutes_with_max", lambda self: decided.append(commutes(self)) or decided[-1]
+    )
+    conv, (x, wt, b) = _conv_case(4, 16, 20, 20, 32, 3, seed=11)
+    rows = np.random.default_rng(12).standard_normal((1, 1, 20, 1)).astype(np.float32)
+    bias = lambda b: b.reshape(1, -1, 1, 1)  # noqa: E731
+    cases = [
+        (lambda x, wt, b: nn.relu(conv(x, wt) + bias(b)), True),
+        (lambda x, wt, b: fnp.maximum(conv(x, wt) * 2.0 - bias(b), bias(b)), True),
+        (lambda x, wt, b: conv(x, wt) * -0.5 + bias(b), False),
+        (lambda x, wt, b: bias(b) - conv(x, wt), False),
+        (lambda x, wt, b: fnp.where(conv(x, wt) <= 0.0, 1.0, conv(x, wt)), False),
+        (lambda x, wt, b: nn.relu(conv(x, wt) + rows), False),
+    ]
+    for epilogue, first in cases:
+        layer = lambda x, wt, b, epilogue=epilogue: nn.max_pool2d(epilogue(x, wt, b), 2)  # noqa: E731
+        decided.clear()
+        _check_fused_equals_unfused(layer, (x, wt, b), 1e-4)
+        assert decided and all(d == first for d in decided), (epilogue, decided)
+
+
 def test_conv_pool_stays_apart_when_its_input_is_kept():
     """A training step keeps the activation for the pool's gradient: the pool is not fused (the
     activation is the group's result), and the gradients equal the unfused program's."""

@@ -884,10 +884,60 @@ class _Epilogue(lower_contraction.Epilogue):
         offsets = {0: origin[0], 2: origin[1]} if origin is not None else {}
         if self.pool is None:
             return self._generic(em, (product, product_t, product_map), window, offsets, into, serial)
+        pooled = window.with_shape(self.out_shape(window.shape))
+        if self.ops and self._commutes_with_max():  # pool first, then the ops on a quarter of the values
+            out = lower_contraction.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
+            return self._in_place(em, (out, pooled, em.identity_map(4)), pooled, {0: offsets.get(0)}, serial)
         if self.ops:  # the pointwise ops in place on the product (in cache), then the pool reads it
             product = self._in_place(em, (product, product_t, product_map), window, offsets, serial)
-        pooled = window.with_shape(self.out_shape(window.shape))
         return lower_contraction.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
+
+    def _commutes_with_max(self) -> bool:
+        """Whether a max pool may run before the pointwise ops: they are a non-decreasing function of
+        the product, exactly, rounding included, whose other operands do not vary within a window
+        (a bias, scalars), so the max of their results is their result on the max: additions,
+        subtractions of constants, products and quotients by positive scalars, max and min, and
+        relu's `select(x <= k, c, x)` with c <= k. (Math functions are left out: their polynomials
+        need not be monotone to the last bit.) The CNN's bias + relu then run on a quarter of the
+        conv's outputs."""
+        if self.pool["kind"] != "max" or any(d >= 2 for _, dims in self.inputs for d, _ in dims):
+            return False
+        rising, predicates = {self.product}, set()
+
+        def scalar(v: Value) -> float | None:
+            value = splat_value(v)
+            return None if value is None else float(value)
+
+        for op in self.ops:
+            args, name = op.operands, op.name
+            up = [v in rising for v in args]
+            if name == "select" and self._relu(op, rising, scalar):
+                rising.add(op.result)
+            elif any(v in predicates for v in args):
+                return False  # a predicate on the product read other than by a relu's select
+            elif not any(up):
+                continue  # a value of the leaves alone: constant within a window
+            elif name in ("add", "max", "min") or (name == "sub" and not up[1]):
+                rising.add(op.result)
+            elif name in ("mul", "div") and not up[1] and (scalar(args[1]) or 0) > 0:
+                rising.add(op.result)
+            elif name == "mul" and not up[0] and (scalar(args[0]) or 0) > 0:
+                rising.add(op.result)
+            elif name in ("le", "lt") and up == [True, False] and scalar(args[1]) is not None:
+                predicates.add(op.result)  # a relu's, if only its select reads it
+            else:
+                return False
+        return self.target in rising
+
+    @staticmethod
+    def _relu(op: Op, rising: set, scalar) -> bool:
+        """`select(x <= k, c, x)` (or `<`) with x rising and c <= k: non-decreasing in x, NaN kept."""
+        predicate, low, x = op.operands
+        compare = predicate.producer
+        if compare is None or compare.name not in ("le", "lt") or x not in rising or compare.operands[0] is not x:
+            return False
+        k, c = scalar(compare.operands[1]), scalar(low)
+        return k is not None and c is not None and c <= k
 
     def _in_place(self, em, product, window: TensorType, offsets: dict, serial: bool) -> str:
         """The epilogue computed in place in the conv's product (before its pool), over its planes
