@@ -1654,7 +1654,15 @@ def pool_window(em: KernelEmitter, source, onhw: bool, result: TensorType, attrs
 
 
 def _window_taps(
-    em: KernelEmitter, padded: str, padded_type: TensorType, result: TensorType, attrs, acc, **place
+    em: KernelEmitter,
+    padded: str,
+    padded_type: TensorType,
+    result: TensorType,
+    attrs,
+    acc,
+    in_strides: list[int] | None = None,
+    into: str | None = None,
+    serial: bool = False,
 ) -> str:
     """A small window as vector code along the last output dimension.
 
@@ -1662,10 +1670,10 @@ def _window_taps(
     window tap, one contiguous read of `stride * lanes` inputs (on a 1-D view of the padded
     input), a shuffle keeping every stride-th element, and a lane-wise max/add. Reads past the
     end of a row only feed lanes that are never stored; the buffer's end is masked. Each output
-    is written once, by a store masked to the row's length. `place` (`pool_window`): the input's
-    elements apart per step along each output dimension's window (`in_strides`; default: the
-    padded input's row-major strides), the tensor of `result`'s shape to write the result into
-    (`into`), and whether it stays on the calling thread (`serial`).
+    is written once, by a store masked to the row's length. For `pool_window`: `in_strides`, the
+    input's elements apart per step along each output dimension's window (default: the padded
+    input's row-major strides), `into`, a tensor of `result`'s shape to write the result into, and
+    `serial`, whether it stays on the calling thread.
     """
     kind, window, strides = attrs["kind"], attrs["window"], attrs["strides"]
     rank, elem = result.rank, elem_type(result.dtype)
@@ -1676,7 +1684,7 @@ def _window_taps(
     flat_in = TensorType((padded_type.size,), result.dtype)
     flat_out = TensorType((result.size,), result.dtype)
     source = reshape(em, padded, padded_type, flat_in.shape)
-    in_strides = place.get("in_strides") or _row_major_strides(padded_type.shape)
+    in_strides = in_strides or _row_major_strides(padded_type.shape)
     out_strides = _row_major_strides(result.shape)
     vec = f"vector<{lanes}x{acc}>"
     acc_dtype = dt.float32 if acc == "f32" else result.dtype
@@ -1685,7 +1693,6 @@ def _window_taps(
     if kind == "avg":
         count = em.op(f"vector.broadcast {const(em, float(np.prod(window)), acc_dtype)} : {acc} to {vec}")
     out_type = tensor_type(flat_out, acc)
-    into = place.get("into")
     if into is not None:
         everything = f"[{', '.join(map(str, range(rank)))}]"
         carried = em.op(f"tensor.collapse_shape {into} [{everything}] : {tensor_type(result, acc)} into {out_type}")
@@ -1697,7 +1704,7 @@ def _window_taps(
     split = next((d for d in range(rank - 1) if result.shape[d] > 1), None)
     work = result.size * int(np.prod(window))
     parallel = split is not None and schedule.threads() > 1 and work >= schedule.PARALLEL_MIN_ELEMENTS
-    parallel = parallel and not place.get("serial")
+    parallel = parallel and not serial
     outer = range(rank - 1)
     if parallel:
         chunk = _pooling_chunk(w, split, result.shape[split], out_strides[split], (carried, out_type))

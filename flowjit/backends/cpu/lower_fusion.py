@@ -887,7 +887,7 @@ class _Epilogue(lower_contraction.Epilogue):
         pooled = window.with_shape(self.out_shape(window.shape))
         if self.ops and self._commutes_with_max():  # pool first, then the ops on a quarter of the values
             out = lower_contraction.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
-            images = {d: at for d, at in offsets.items() if d == 0}  # its leaves read no rows
+            images = {0: offsets[0]} if 0 in offsets else {}  # its leaves read no rows
             return self._in_place(em, (out, pooled, em.identity_map(4)), pooled, images, serial)
         if self.ops:  # the pointwise ops in place on the product (in cache), then the pool reads it
             product = self._in_place(em, (product, product_t, product_map), window, offsets, serial)
