@@ -618,7 +618,17 @@ for _in, _out in (((2, 3), (3, 2)), ((), (1, 1)), ((2, 0), (0, 5)), ((4,), (2, 2
         attrs={"shape": _out},
     )
 
-for _in, _perm in (((2, 3, 4), (2, 0, 1)), ((2, 3), (1, 0)), ((), ()), ((0, 3), (1, 0)), ((1, 2, 1, 3), (3, 1, 0, 2))):
+for _in, _perm in (
+    ((2, 3, 4), (2, 0, 1)),
+    ((2, 3), (1, 0)),
+    ((), ()),
+    ((0, 3), (1, 0)),
+    ((1, 2, 1, 3), (3, 1, 0, 2)),
+    # Large enough for blocks, with output rows no multiple of the block side: whole blocks of rows,
+    # then the rest in one tile (lower_layout._transposed_in_two), or the rest alone.
+    ((2000, 10), (1, 0)),
+    ((6000, 3), (1, 0)),
+):
     add_row(
         f"transpose-{_shape_id(_in)}-{''.join(map(str, _perm)) or 'id'}",
         "transpose",
