@@ -49,7 +49,7 @@ F32_ULP = {
     "log": 1.0,
     "log1p": 1.6,
     "expm1": 1.5,
-    "tanh": 1.4,
+    "tanh": 2.7,
     "logistic": 2.6,
     "erf": 1.3,
     "sin": 1.7,
@@ -332,7 +332,7 @@ def test_f64_atan2_of_zeros_constant_or_not():
 
 _SCALED = {  # functions whose vector code ends in exp's power-of-two scaling (`ldexp.rewrite`)
     "exp": (lambda fnp, nn: fnp.exp, np.float32, None),  # two factors
-    "tanh": (lambda fnp, nn: fnp.tanh, np.float32, None),  # one factor (`_exp(saturates=True)`)
+    "tanh": (lambda fnp, nn: fnp.tanh, np.float32, None),  # a power alone (`_power_of_two`)
     "logistic": (lambda fnp, nn: nn.sigmoid, np.float32, None),
     "exp_f64": (lambda fnp, nn: fnp.exp, np.float64, None),
     # exp(x - max) summed along rows of 1024: four registers scaled at a time

@@ -1,18 +1,21 @@
 """exp's power-of-two scaling as one `vscalefps`/`vscalefpd` per vector register (AVX-512).
 
 `mathlib._exp` ends by multiplying the polynomial's value y by 2^n, built from the integral float n
-by converting it to an integer and shifting that into a float's exponent field. Over the whole
-range (denormal results, exp(88.72) just below FLT_MAX) that takes two factors, 2^(n >> 1) and
-2^(n - (n >> 1)): nine vector instructions per exp (the conversion, an arithmetic shift, a
-subtraction, two additions, two shifts, two multiplies); tanh's saturating exp takes one factor
-(four). AVX-512's `vscalefps` computes y * 2^floor(n) from the float n with one rounding, in one
-instruction. The vectorizer knows no such op, so the scalar code stays portable arith, its final
-multiply tagged `fj.ldexp = <factors>`; after the transform schedule, `rewrite` replaces each tagged
-multiply that the schedule vectorized in whole 512-bit registers (one, or several cut into
-registers: a row reduction's 4-vector tiles) by `x86vector.avx512.mask.scalef` on all lanes,
-finding y and n by walking back the tagged code's known shape. Anything else (a multiply left
-scalar, a vector narrower than a register, a rank-2 tile, code of another shape) keeps the arith
-code, which computes the same value.
+by converting it to an integer (nan guarded to 0 first) and shifting that into a float's exponent
+field. Over the whole range (denormal results, exp(88.72) just below FLT_MAX) that takes two
+factors, 2^(n >> 1) and 2^(n - (n >> 1)): eleven vector instructions per exp (the guard's compare
+and select, the conversion, an arithmetic shift, a subtraction, two additions, two shifts, two
+multiplies); a power 2^n alone (`mathlib._power_of_two`: expm1 and tanh's 2^n expm1(r) + 2^n - 1)
+takes five. AVX-512's `vscalefps` computes y * 2^floor(n) from the float n with one rounding, in
+one instruction. The vectorizer knows no such op, so the scalar code stays portable arith, its
+final multiply (or the power's bitcast) tagged `fj.ldexp = <factors>` (2, or 0 for a power alone);
+after the transform schedule, `rewrite` replaces each tagged op that the schedule vectorized in
+whole 512-bit registers (one, or several cut into registers: a row reduction's 4-vector tiles) by
+`x86vector.avx512.mask.scalef` on all lanes (of y, or of 1 for a power alone), finding y and n by
+walking back the tagged code's known shape. Anything else (an op left scalar, a vector narrower
+than a register, a rank-2 tile, code of another shape) keeps the arith code, which computes the
+same value but for nan's power: vscalef gives nan, the guarded arith 1, and the callers' results
+are nan either way.
 
 The same value: y * 2^(n >> 1) is exact (a normal float over the clamped range) and the second
 factor rounds once, as `vscalef`'s single rounding of y * 2^n does (denormal results included;
@@ -49,7 +52,7 @@ def rewrite(module) -> int:
     found = []
 
     def visit(op):
-        if op.name == "arith.mulf" and TAG in op.attributes and _registers(op.results[0].type):
+        if op.name in ("arith.mulf", "arith.bitcast") and TAG in op.attributes and _registers(op.results[0].type):
             found.append(op)
         return ir.WalkResult.ADVANCE
 
@@ -60,7 +63,10 @@ def rewrite(module) -> int:
         if operands is None:
             continue
         with ir.InsertionPoint(op), op.location:
-            scaled = _scalef(ir, *operands, _registers(op.results[0].type))
+            y, n = operands
+            if y is None:
+                y = _constant(ir, op.results[0].type, 1.0)
+            scaled = _scalef(ir, y, n, _registers(op.results[0].type))
         op.results[0].replace_all_uses_with(scaled)
         op.erase()
         done += 1
@@ -139,11 +145,11 @@ def _constant(ir, t, value):
 
 
 def _scaled(op, factors: int):
-    """(y, n) of `y * 2^n` as `mathlib._exp` builds it with `factors` power-of-two factors, or None."""
-    if factors == 1:  # y * bits(n + bias << m)
-        y, power = op.operands
-        n = _float(_exponent(power))
-        return None if n is None else (y, n)
+    """(y, n) of `y * 2^n` as `mathlib._exp` builds it (two power-of-two factors), or None;
+    `factors` = 0 tags a power 2^n alone (`mathlib._power_of_two`, the bitcast): y is None, for 1."""
+    if factors == 0:  # bits((n + bias) << m)
+        n = _float(_exponent(op.results[0]))
+        return None if n is None else (None, n)
     # (y * bits((n >> 1) + bias << m)) * bits((n - (n >> 1)) + bias << m)
     first, second = op.operands
     rest = _producer(second, "arith.bitcast", "arith.shli", "arith.addi", "arith.subi")
@@ -159,9 +165,19 @@ def _scaled(op, factors: int):
 
 
 def _float(n):
-    """The integral float that integer `n` was converted from, or None."""
+    """The integral float that integer `n` was converted from (through exp's nan guard
+    `select(isnan(f), 0, f)`, which `vscalef` does not need: it scales nan to nan), or None."""
     convert = None if n is None else _producer(n, "arith.fptosi")
-    return None if convert is None else convert.operands[0]
+    if convert is None:
+        return None
+    guard = _producer(convert.operands[0], "arith.select")
+    if guard is None:
+        return convert.operands[0]
+    condition, _, f = guard.operands
+    test = _producer(condition, "arith.cmpf")
+    if test is None or list(test.operands) != [f, f] or "cmpf uno" not in str(test):
+        return None
+    return f
 
 
 def _exponent(power):
