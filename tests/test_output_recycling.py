@@ -66,6 +66,50 @@ def test_recycled_results_start_on_a_64_byte_line(small_threshold):
         del results, y
 
 
+def _in_page_at(offset: int, n: int, k: int) -> np.ndarray:
+    """n float32 starting `offset` bytes into a page, as numpy's large arrays start 16 bytes in."""
+    block = np.empty(n * 4 + 2 * executable.PAGE_BYTES, np.uint8)
+    start = (offset - _address(block)) % executable.PAGE_BYTES
+    x = block[start : start + n * 4].view(np.float32)
+    x[:] = np.random.default_rng(k).standard_normal(n, dtype=np.float32)
+    return x
+
+
+def _page_gap(a: int, b: int) -> int:
+    page = executable.PAGE_BYTES
+    return min((a - b) % page, (b - a) % page)
+
+
+def test_recycled_results_start_far_in_a_page_from_the_inputs(small_threshold, monkeypatch):
+    """A load whose address matches a pending store's in its low 12 bits waits for it (4K aliasing):
+    each recycled result starts half a page from a large input (and from the results made before
+    it), on a line, new block or reused; small inputs leave it on a line at a page's start."""
+    monkeypatch.setattr(executable, "STREAM_MIN_BYTES", 1024)
+    one = fj.jit(_chain)
+    two = fj.jit(lambda x: (x * 2.0, x + 1.0))
+    for offset in (16, 64, 2048, 4080):
+        x = _in_page_at(offset, N, offset)
+        for _ in range(3):  # a new block, then reused ones
+            y = one(x)
+            assert _address(y) % executable.OUTPUT_ALIGNMENT == 0
+            assert _page_gap(_address(y), _address(x)) >= executable.PAGE_BYTES // 2 - executable.OUTPUT_ALIGNMENT
+            np.testing.assert_allclose(y, _chain(x), rtol=1e-6, atol=1e-7)  # numpy's tanh, not ours
+            a, b = two(x)
+            pairs = [(x, a), (x, b), (a, b)]
+            assert min(_page_gap(_address(p), _address(q)) for p, q in pairs) >= 1024
+            np.testing.assert_array_equal(a, x * 2.0)
+            np.testing.assert_array_equal(b, x + 1.0)
+            del y, a, b
+    monkeypatch.setattr(executable, "STREAM_MIN_BYTES", 1 << 30)
+    assert _address(one(_in_page_at(16, N, 0))) % executable.PAGE_BYTES == 0
+
+
+def test_the_farthest_place_in_a_page():
+    assert executable._farthest_in_page((16,)) == 2048
+    assert executable._farthest_in_page((0, 2048)) in (1024, 3072)
+    assert executable._farthest_in_page((4080,)) == 2048  # 2032 from 4080 one way, 2064 the other
+
+
 def test_results_are_new_objects_and_weak_references_to_dropped_ones_are_cleared(small_threshold):
     xs = _inputs(6)
     f = fj.jit(lambda x: x * 2.0)

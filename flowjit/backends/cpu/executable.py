@@ -43,6 +43,15 @@ RECYCLE_MIN_BYTES = 32 << 20
 # smaller, non-recycled outputs the same way (a view into a 64-byte longer block) gained nothing
 # measurable (softmax, matmul, conv layer within 1%; layer norm and the MLP step 2-4% slower).
 OUTPUT_ALIGNMENT = 64
+# Recycled outputs also start far, within a 4 KiB page, from where the call's large inputs start
+# (`placement_in_page`): a load whose address matches an earlier, still pending store's in its low
+# 12 bits waits for it ("4K aliasing"). numpy's large arrays start 16 bytes into a page and a
+# recycled output did 64 bytes in, so the elementwise chain's loads of x ran 48 bytes behind its
+# stores to y: 16M floats took 5.25 ms so, 4.6-4.7 with the output 256 bytes or more from the
+# input's place (2-core Zen 4, one process; docs/cpu-backend.md). Streamed outputs are placed alike.
+PAGE_BYTES = 4096
+# Inputs from this size on count as streams that an output should not alias.
+STREAM_MIN_BYTES = 1 << 20
 # Recycling decides from reference counts, which free-threaded Python builds defer.
 _CAN_RECYCLE = not sysconfig.get_config_var("Py_GIL_DISABLED")
 
@@ -94,8 +103,9 @@ class OutputRecycler:
         self._blocks: list[np.ndarray] = []
         self._lock = threading.Lock()
 
-    def take(self) -> np.ndarray:
-        """A new result array in a free block, or in a new block if none is free."""
+    def take(self, in_page: int = 0) -> np.ndarray:
+        """A new result array in a free block, or in a new block if none is free, starting `in_page`
+        bytes into a page (a multiple of `OUTPUT_ALIGNMENT`; see `placement_in_page`)."""
         blocks = self._blocks
         with self._lock:
             for i in range(len(blocks)):
@@ -103,45 +113,65 @@ class OutputRecycler:
                 # that low, so its count cannot rise behind our back; the view made here raises it
                 # before the lock is released, so no other call takes the same block.
                 if sys.getrefcount(blocks[i]) == 2:
-                    return self._result_in(blocks[i])
-            block = np.empty(self._nbytes + OUTPUT_ALIGNMENT, np.uint8)
+                    return self._result_in(blocks[i], in_page)
+            block = np.empty(self._nbytes + PAGE_BYTES, np.uint8)
             blocks.append(block)
             if len(blocks) > self.KEEP:
                 del blocks[0]  # all in use: the oldest becomes ordinary memory, freed with its results
-            return self._result_in(block)
+            return self._result_in(block, in_page)
 
-    def _result_in(self, block: np.ndarray) -> np.ndarray:
-        return _aligned_view(block, self.shape, self.dtype)
+    def _result_in(self, block: np.ndarray, in_page: int) -> np.ndarray:
+        return _view_in_page(block, self.shape, self.dtype, in_page)
 
 
-def _aligned_view(block: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An array of `shape` and `dtype` in `block` (at least `OUTPUT_ALIGNMENT` bytes longer), from its
-    first `OUTPUT_ALIGNMENT`-byte boundary on."""
-    offset = -_address(block) % OUTPUT_ALIGNMENT
+@functools.lru_cache(maxsize=256)
+def _farthest_in_page(taken: tuple[int, ...]) -> int:
+    """The multiple of `OUTPUT_ALIGNMENT` in a page farthest, going round the page, from every
+    offset in `taken`."""
+
+    def gap(offset: int) -> int:
+        return min(min((offset - t) % PAGE_BYTES, (t - offset) % PAGE_BYTES) for t in taken)
+
+    return max(range(0, PAGE_BYTES, OUTPUT_ALIGNMENT), key=gap)
+
+
+def placement_in_page(arrays: Sequence[np.ndarray]) -> int:
+    """Where in a page a large output of a call on `arrays` should start (`PAGE_BYTES`): as far as
+    it can from where each of them of `STREAM_MIN_BYTES` or more starts; on a line (0) if none is
+    that large. ~1 us per large array (its address), for outputs of `RECYCLE_MIN_BYTES` or more."""
+    taken = tuple(sorted({_address(a) % PAGE_BYTES for a in arrays if a.nbytes >= STREAM_MIN_BYTES}))
+    return _farthest_in_page(taken) if taken else 0
+
+
+def _view_in_page(block: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, in_page: int) -> np.ndarray:
+    """An array of `shape` and `dtype` in `block` (at least `PAGE_BYTES` longer) starting `in_page`
+    bytes into a page."""
+    offset = (in_page - _address(block)) % PAGE_BYTES
     return block[offset : offset + _nbytes(shape, dtype)].view(dtype).reshape(shape)
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """`np.empty(shape, dtype)` starting on a 64-byte line (`.base` is the block holding it)."""
-    return _aligned_view(np.empty(_nbytes(shape, dtype) + OUTPUT_ALIGNMENT, np.uint8), shape, dtype)
+def _placed_empty(shape: tuple[int, ...], dtype: np.dtype, in_page: int = 0) -> np.ndarray:
+    """`np.empty(shape, dtype)` starting `in_page` bytes into a page (`.base` is the block holding it)."""
+    return _view_in_page(np.empty(_nbytes(shape, dtype) + PAGE_BYTES, np.uint8), shape, dtype, in_page)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def _allocators(shapes, dtypes, streamed: Sequence[int] = ()) -> list[Callable[[], np.ndarray] | None]:
-    """How each output nobody provides is made: by a recycler from `RECYCLE_MIN_BYTES` on; starting on
-    a 64-byte line if the code writes it with non-temporal stores (`streamed`, output indices: their
-    fast branch needs whole aligned lines; placed so without them, the outputs of softmax and layer
-    norm ran 2-6% slower); by `np.empty` (None) otherwise."""
-    allocators: list[Callable[[], np.ndarray] | None] = []
+def _allocators(shapes, dtypes, streamed: Sequence[int] = ()) -> list[Callable[[int], np.ndarray] | None]:
+    """How each output nobody provides is made, given where in a page it should start
+    (`placement_in_page`, a multiple of 64): by a recycler from `RECYCLE_MIN_BYTES` on; in a block of
+    its own if the code writes it with non-temporal stores (`streamed`, output indices: their fast
+    branch needs whole aligned lines; placed so without them, the outputs of softmax and layer norm
+    ran 2-6% slower); by `np.empty` (None) otherwise."""
+    allocators: list[Callable[[int], np.ndarray] | None] = []
     for index, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _nbytes(shape, dtype)
         if _CAN_RECYCLE and nbytes >= RECYCLE_MIN_BYTES:
             allocators.append(OutputRecycler(shape, dtype).take)
         elif index in streamed:
-            allocators.append(functools.partial(_aligned_empty, shape, dtype))
+            allocators.append(functools.partial(_placed_empty, shape, dtype))
         else:
             allocators.append(None)
     return allocators
@@ -278,10 +308,14 @@ class CpuExecutable(Executable):
         caller-owned buffers (C-contiguous, of the output's type) to write instead of fresh arrays."""
         if provided or self._allocating:  # only the outputs nobody provided are allocated (variables, donations)
             provided = provided or {}
-            outs = [
-                provided[i] if i in provided else np.empty(shape, dtype) if make is None else make()
-                for i, (shape, dtype, make) in enumerate(zip(self._out_shapes, self._out_dtypes, self._allocators))
-            ]
+            outs = []
+            for i, (shape, dtype, make) in enumerate(zip(self._out_shapes, self._out_dtypes, self._allocators)):
+                if i in provided:
+                    outs.append(provided[i])
+                elif make is None:
+                    outs.append(np.empty(shape, dtype))
+                else:  # clear of the inputs' pages and of the outputs made before it
+                    outs.append(make(placement_in_page([*args, *self._constants, *outs])))
         else:
             outs = list(map(np.empty, self._out_shapes, self._out_dtypes))
         if not self.workspace_bytes:
@@ -310,7 +344,7 @@ class CpuExecutable(Executable):
                     if not a.flags.c_contiguous:
                         args = [contiguous(a) for a in args]
                         break
-                out = make()
+                out = make(placement_in_page(args))
                 trampoline(entry, *args, *constants, out, _NO_WORKSPACE_ADDRESS)
                 return out
 
