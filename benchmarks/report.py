@@ -199,7 +199,12 @@ WHY_SLOWER: dict[str, str] = {
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
 WHY_LIMIT: dict[str, str] = {
-    "elementwise": "Compute-bound: on a 2-core Zen 4 (session 11; AVX-512 on 256-bit units) 8.8-10.4 ms, "
+    "elementwise": "On the 2-core Zen 4 since session 26: 4.6-5.4 ms, 61-68% of the limit (JAX 27-30 ms): "
+    "float32 tanh is expm1(2|x|) / (expm1(2|x|) + 2) with exp's polynomial of degree 4 and its 2^n one "
+    "`vscalefps` (45 vector instructions per 16 floats of the chain, 64 before; 7.6 -> 5.3 ms), and large "
+    "outputs start half a page from the call's large inputs, since loads and stores 4 KiB apart alias in the "
+    "store buffer (5.3 -> 4.6-4.7 ms; docs/cpu-backend.md, 'Math library' and 'Large outputs'). Before: "
+    "compute-bound: on a 2-core Zen 4 (session 11; AVX-512 on 256-bit units) 8.8-10.4 ms, "
     "29-46% of the limit (JAX 29-34 ms), 46% once tanh's exp scaled by one power of two instead of two "
     "(5 vector instructions fewer per element, 7% faster); since session 20 each exp's scaling is one "
     "`vscalefps` (`ldexp.py`), 0.95x the time again, and its two divisions cost only 3-5% (replaced by "

@@ -351,7 +351,7 @@ def _exp(m: _Arith, x: str, nonpositive: bool = False) -> str:
     conversion and its guard are dead: nan * 2^nan is nan, with no compare and select per exp."""
     lo, hi = _EXP_RANGE[m.t]
     xc = x if nonpositive else _at_most(m, x, hi)
-    xc = m.select(m.cmp("olt", xc, m.c(lo)), m.c(lo), xc)  # ordered: nan stays nan
+    xc = _at_least(m, xc, lo)
     n, r = _reduce_ln2(m, xc)
     p = m.poly(r, _EXP_POLY[m.t])
     y = m.add(m.fma(p, m.mul(r, r), r), m.c(1.0))
@@ -365,6 +365,11 @@ def _exp(m: _Arith, x: str, nonpositive: bool = False) -> str:
 def _at_most(m: _Arith, x: str, hi: float) -> str:
     """min(x, hi) with nan kept: one `vminps hi, x` on x86."""
     return m.select(m.cmp("olt", m.c(hi), x), m.c(hi), x)
+
+
+def _at_least(m: _Arith, x: str, lo: float) -> str:
+    """max(x, lo) with nan kept: one `vmaxps lo, x` on x86."""
+    return m.select(m.cmp("olt", x, m.c(lo)), m.c(lo), x)
 
 
 def _to_int_exponent(m: _Arith, n: str) -> str:
