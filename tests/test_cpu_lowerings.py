@@ -1185,6 +1185,31 @@ def test_max_pool_propagates_nan_from_every_tap(window):
         assert "fastmath<nsz>" in check("reduce_window", [x], attrs)
 
 
+@pytest.mark.parametrize("dtype", [dt.float32, dt.float64, dt.float16], ids=ids([dt.float32, dt.float64, dt.float16]))
+@pytest.mark.parametrize("window", [2, 3])
+def test_pooling_short_rows_read_only_their_windows(dtype, window):
+    """Rows of fewer outputs than a vector (the CNN's 14 of 16 lanes) read each window row's inputs
+    under a mask of the inputs their outputs use, in bounds, and store under a mask of the row,
+    in bounds: no mask of the tensor's end per read or store. Columns no window covers (a width
+    one past the windows) hold NaN and infinities that must not reach an output, the last row's
+    among them, whose full-width read would run past the tensor's end."""
+    lanes = matmul_kernel.vector_bits() // (64 if dtype == dt.float64 else 32)
+    outputs = lanes - 2
+    width = outputs * window + 1
+    x = data((2, 3, 2 * window, width), dtype)
+    x[..., -1] = np.nan
+    x[0, 0, :, -1] = np.inf
+    x[1, 2, -1, -1] = -np.inf
+    x[1, 1, 0, 0] = np.nan  # a NaN inside a window comes out
+    for kind in ("max", "avg"):
+        attrs = dict(kind=kind, window=(1, 1, window, window), strides=(1, 1, window, window), padding=((0, 0),) * 4)
+        mlir = check("reduce_window", [x], attrs)
+        wide = [line for line in mlir.splitlines() if "transfer_read" in line and f"vector<{window * lanes}x" in line]
+        assert wide and all("in_bounds = [true]" in line and line.count(",") >= 2 for line in wide)
+        stores = [line for line in mlir.splitlines() if "transfer_write" in line and f"vector<{lanes}x" in line]
+        assert stores and all("in_bounds = [true]" in line for line in stores)
+
+
 # --- argmax, argmin ----------------------------------------------------------------------------------
 
 

@@ -1486,11 +1486,13 @@ def _row_of_vectors(w, row_out: str, flat_type: str, out_offset: str, row, value
                 f"vector.transfer_write {value}, {into}[{w.add(out_offset, column)}] {{in_bounds = [true]}} "
                 f": {vec}, {flat_type}"
             )
+        # Masked to the row, every lane written is in the tensor: in bounds, so no mask of the
+        # tensor's end is computed per store (the lanes masked off are not accessed).
         mask = em.op(
             f"vector.create_mask {em.op(f'arith.subi {w.index(width)}, {column} : index')} : vector<{lanes}xi1>"
         )
         return em.op(
-            f"vector.transfer_write {value}, {into}[{w.add(out_offset, column)}], {mask} {{in_bounds = [false]}} "
+            f"vector.transfer_write {value}, {into}[{w.add(out_offset, column)}], {mask} {{in_bounds = [true]}} "
             f": {vec}, {flat_type}"
         )
 
@@ -1541,25 +1543,47 @@ def _read_every_step(
 
 
 def _window_rows_then_columns(
-    w, source: str, flat_in: TensorType, base: str, attrs, in_strides, pad: str, lanes: int, elem: str, acc: str, inside
+    w,
+    source: str,
+    flat_in: TensorType,
+    base: str,
+    attrs,
+    in_strides,
+    pad: str,
+    lanes: int,
+    elem: str,
+    acc: str,
+    inside,
+    used: str | None = None,
 ) -> str:
     """`lanes` outputs of a window as wide as its step along the last axis (2x2/2, 3x3/3: the
     windows tile the row): per window row one read of the `step * lanes` inputs they cover (in
     bounds when `inside`: its last element is the last window's), the rows combined element by
     element, then each of the `step` columns picked out of that by a shuffle and combined. Tap by
     tap (`_read_every_step`), 2x2 max pooling read every input twice, as four wide reads and four
-    shuffles per vector of outputs, the reads masked on short rows (14 outputs in a 16-lane vector)."""
+    shuffles per vector of outputs, the reads masked on short rows (14 outputs in a 16-lane vector).
+    `used` (an index, when not `inside`): how many of the read's elements feed outputs that are
+    stored; the read is masked to them, in bounds, instead of to the tensor's end, whose mask
+    took a compare per read (the CNN's 28-wide rows)."""
     em = w.em
     kind, window, step = attrs["kind"], attrs["window"], attrs["strides"][-1]
     is_int = acc.startswith("i")
     wide_type, wide_acc = f"vector<{step * lanes}x{elem}>", f"vector<{step * lanes}x{acc}>"
+    if used is not None:
+        mask = em.op(f"vector.create_mask {used} : vector<{step * lanes}xi1>")
     rows = None
     for tap in itertools.product(*(range(n) for n in window[:-1])):
         where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
-        wide = em.op(
-            f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [{str(inside).lower()}]}} "
-            f": {tensor_type(flat_in)}, {wide_type}"
-        )
+        if used is None:
+            wide = em.op(
+                f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [{str(inside).lower()}]}} "
+                f": {tensor_type(flat_in)}, {wide_type}"
+            )
+        else:
+            wide = em.op(
+                f"vector.transfer_read {source}[{where}], {pad}, {mask} {{in_bounds = [true]}} "
+                f": {tensor_type(flat_in)}, {wide_type}"
+            )
         if elem != acc:
             wide = em.op(f"arith.extf {wide} : {wide_type} to {wide_acc}")
         rows = wide if rows is None else _combine(em, kind, rows, wide, wide_acc, is_int)
@@ -1723,8 +1747,11 @@ def _window_taps(
     def value_at(column: str, inside: bool) -> str:
         base = w.add(in_offset, w.mul(column, w.index(step)))
         if window[-1] == step > 1:
+            # Outside the row's whole vectors, the inputs of the columns in the row (a short row's
+            # 14 outputs of 16 lanes: 28 inputs), read under a mask that keeps them in the tensor.
+            used = None if inside else w.mul(em.op(f"arith.subi {w.index(width)}, {column} : index"), w.index(step))
             total = _window_rows_then_columns(
-                w, source, flat_in, base, attrs, in_strides, pad, lanes, elem, acc, inside
+                w, source, flat_in, base, attrs, in_strides, pad, lanes, elem, acc, inside, used
             )
         else:
             total = None
