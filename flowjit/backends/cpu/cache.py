@@ -75,9 +75,12 @@ def _backend_fingerprint() -> str:
 
 
 def cache_key(graph_text: str, options) -> str:
-    """sha256 of the optimized IR, the options and everything else that changes the code."""
+    """sha256 of the optimized IR, the options and everything else that changes the code (the
+    precompiled libraries it may call included)."""
+    from flowjit.backends.cpu import library
+
     digest = hashlib.sha256()
-    for part in (graph_text, repr(options), _backend_fingerprint()):
+    for part in (graph_text, repr(options), _backend_fingerprint(), library.state()):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()

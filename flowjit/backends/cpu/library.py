@@ -5,6 +5,7 @@ kernel for their shapes (a function's first call is mostly compile time).
     matmul_library.py   fj_matmul_{f32,f64}[_bt|_at]: large matrix products
     row_library.py      fj_softmax_*, fj_log_softmax_*, fj_layer_norm*_*, fj_rms_norm*_*: whole row functions
     reduction_library.py    fj_reduce_{sum,max,min}_*: reductions of whole arrays
+    transpose_library.py    fj_transpose_narrow_*: (K, N) -> (N, K) for N shorter than a vector
 
 `Library` is what they share: where the object lives, its build, its check, its loading.
 `$FLOWJIT_CACHE_DIR` (else `~/.cache/flowjit`)`/library/<name>-<key>.o`, the key a hash of the
@@ -16,7 +17,7 @@ does, once per machine. `FLOWJIT_CACHE=0` does not apply: this is installed code
 the user's programs. A process loads a library (a few ms) when it links code that calls it
 (`resolve`, from `toolchain`). AOT libraries (`aot.py`) must stand alone: they compile inside
 `disabled()`, and each library's own switch (`FLOWJIT_MATMUL_LIBRARY=0`, `FLOWJIT_ROW_LIBRARY=0`,
-`FLOWJIT_REDUCTION_LIBRARY=0`) turns it off.
+`FLOWJIT_REDUCTION_LIBRARY=0`, `FLOWJIT_TRANSPOSE_LIBRARY=0`) turns it off.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ class disabled:
 
     def __exit__(self, *exc):
         _local.off = self.before
+
+
+# Each library's switch (its `enabled()` reads it).
+SWITCHES = ("FLOWJIT_MATMUL_LIBRARY", "FLOWJIT_ROW_LIBRARY", "FLOWJIT_REDUCTION_LIBRARY", "FLOWJIT_TRANSPOSE_LIBRARY")
+
+
+def state() -> str:
+    """Which libraries code compiled now may call, for the compile cache's key (`cache.cache_key`):
+    a program compiled with a library switched off must not be served one that calls it."""
+    return "off" if getattr(_local, "off", False) else ",".join(str(enabled(switch)) for switch in SWITCHES)
 
 
 def enabled(switch: str) -> bool:
@@ -239,9 +250,9 @@ class Library:
 
 
 def libraries() -> list[Library]:
-    from flowjit.backends.cpu import matmul_library, reduction_library, row_library
+    from flowjit.backends.cpu import matmul_library, reduction_library, row_library, transpose_library
 
-    return [matmul_library.LIBRARY, row_library.LIBRARY, reduction_library.LIBRARY]
+    return [matmul_library.LIBRARY, row_library.LIBRARY, reduction_library.LIBRARY, transpose_library.LIBRARY]
 
 
 def resolve(names) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import library, matmul_kernel, matmul_library, schedule
+from flowjit.backends.cpu import library, matmul_kernel, matmul_library, schedule, transpose_library
 from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
 from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
@@ -259,7 +259,7 @@ def _dot_general_scratch(op: Op) -> int:
     kernel = 0 if shape is None else matmul_kernel.scratch_bytes(shape)
     call = library_call(op)
     # Either may run (the call is declined when an operand has no buffer).
-    return max(kernel, call.scratch_bytes() if call else 0)
+    return max(kernel, call.scratch_bytes() if call else 0, _transpose_scratch(op))
 
 
 SCRATCH["dot_general"] = _dot_general_scratch
@@ -404,9 +404,11 @@ def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue:
 
 def fusion_scratch(op: Op) -> int:
     """Scratch bytes of a fusion whose product calls the matmul library (`_dot_with_epilogue`): the
-    call's, then the product."""
-    calls = [library_call(inner) for inner in op.regions[0].walk() if inner.name == "dot_general"]
-    return max((_product_at(call) + call.product_bytes() for call in calls if call is not None), default=0)
+    call's, then the product; or of B^T for dot blocks (`_transpose_scratch`)."""
+    dots = [inner for inner in op.regions[0].walk() if inner.name == "dot_general"]
+    calls = [library_call(inner) for inner in dots]
+    products = [_product_at(call) + call.product_bytes() for call in calls if call is not None]
+    return max(products + [_transpose_scratch(inner) for inner in dots], default=0)
 
 
 def _product_at(call: LibraryCall) -> int:
@@ -610,7 +612,7 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
     rows_given = _rhs_in_row_order(op) or _rhs_contracts_last(op)  # B as (N, K): a view or a copy of rows
     a, b, _ = _dot_operands(em, op, operands, acc, rhs_rows=rows_given)
     if not rows_given:
-        b = _rows_of(em, b, TensorType((k, n), result.dtype), acc)
+        b = _transposed_by_library(em, b, k, n, acc) or _rows_of(em, b, TensorType((k, n), result.dtype), acc)
     w = matmul_kernel.LoopWriter(em)
     vec = f"vector<{lanes}x{acc}>"
     a_type = tensor_type(TensorType((m, k), result.dtype), acc)
@@ -665,9 +667,41 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
     return narrow(em, product, result, acc)
 
 
+def _transposes_rhs(op: Op) -> bool:
+    """Whether `_lower_with_dot_blocks` makes B^T of `op`: B given as (K, N)."""
+    return _few_columns(op) and not (_rhs_in_row_order(op) or _rhs_contracts_last(op))
+
+
+def _transpose_scratch(op: Op) -> int:
+    """Scratch bytes of B^T made by the transpose library (`_transposed_by_library`), else 0."""
+    if not _transposes_rhs(op) or not transpose_library.enabled():
+        return 0
+    _, _, (_, _, n, k) = _dims_of_dot(op)
+    return k * n * int(accumulator_elem(op.result.type.dtype)[1:]) // 8
+
+
+def _transposed_by_library(em: KernelEmitter, b: str, k: int, n: int, acc: str) -> str | None:
+    """B (K, N) as (N, K), made by the transpose library (`transpose_library.py`) in the scratch
+    area, or None where it is off (AOT, `FLOWJIT_TRANSPOSE_LIBRARY=0`) or the area is too small:
+    then `_rows_of` compiles the transpose into the program."""
+    if not transpose_library.enabled() or em.scratch is None or em.scratch[1] < k * n * int(acc[1:]) // 8:
+        return None
+    area, size = em.scratch
+    given, rows = f"{k}x{n}x{acc}", f"{n}x{k}x{acc}"
+    buffer = em.op(f"bufferization.to_buffer {b} read_only : tensor<{given}> to memref<{given}>")
+    at = em.op("arith.constant 0 : index")
+    out = em.op(f"memref.view {area}[{at}][] : memref<{size}xi8> to memref<{rows}>")
+    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    parallel = k * n >= SHORT_ROWS_PARALLEL_MIN_ELEMENTS
+    threads = min(matmul_kernel.cores(), k // lanes) if parallel else 1
+    transpose_library.emit(em, (buffer, f"memref<{given}>"), (out, f"memref<{rows}>"), acc, k, n, max(threads, 1))
+    return em.op(f"bufferization.to_tensor {out} restrict writable : memref<{rows}> to tensor<{rows}>")
+
+
 def _rows_of(em: KernelEmitter, b: str, tb: TensorType, acc: str) -> str:
     """B (K, N) transposed to (N, K), N shorter than a vector: each vector of a row gathered from
-    B's column (`vector.gather`, a masked one for the last when K is no multiple of the vector)."""
+    B's column (`vector.gather`, a masked one for the last when K is no multiple of the vector).
+    Where the transpose library is off (`_transposed_by_library`): AOT compiles."""
     k, n = tb.shape
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
     w = matmul_kernel.LoopWriter(em)
