@@ -244,10 +244,9 @@ WHY_LIMIT: dict[str, str] = {
     "pool before bias + relu), against a limit (37 MFLOP at sgemm's rate) of ~180 us. Applying the epilogue "
     "in the conv's register tiles instead of "
     "a pass over the chunk's product measured the same (357 vs 356 us). Session 27 (short pooling rows "
-    "read under their windows' mask, B^T from the transpose library): 283 us median back to back (64% "
-    "of the limit), 288 after each 0.25 s pause and 50 ms of calls as the harness does, but 337 (minimum "
-    "279 in all three) after 0.5 s of calls: this VM slows under sustained load, and in the suite the "
-    "peers' runs before the CNN's load it (docs/cpu-backend.md, 'reduce_window' and 'Dot blocks').",
+    "read under their windows' mask, B^T from the transpose library): medians of 283-293 us (62-64% of "
+    "the limit) in this VM's quiet phases and 335-410 in its slow ones, minutes apart, the minimum "
+    "~280 in both (docs/cpu-backend.md, 'reduce_window' and 'Dot blocks').",
 }
 WHY_FIRST_CALL = (
     "The reason is compile time, which scales with the generated code: the MLIR pipelines (15-17 ms for a "
