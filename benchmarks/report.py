@@ -205,7 +205,7 @@ WHY_SLOWER: dict[str, str] = {
     "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
 }
 WHY_LIMIT: dict[str, str] = {
-    "elementwise": "On the 2-core Zen 4 since session 26: 4.6-5.4 ms, 61-68% of the limit (JAX 27-30 ms): "
+    "elementwise": "On the 2-core Zen 4 since session 26: 4.6-5.4 ms, 61-71% of the limit (JAX 25-30 ms): "
     "float32 tanh is expm1(2|x|) / (expm1(2|x|) + 2) with exp's polynomial of degree 4 and its 2^n one "
     "`vscalefps` (45 vector instructions per 16 floats of the chain, 64 before; 7.6 -> 5.3 ms), and large "
     "outputs start half a page from the call's large inputs, since loads and stores 4 KiB apart alias in the "

@@ -1205,7 +1205,8 @@ def test_pooling_short_rows_read_only_their_windows(dtype, window):
         attrs = dict(kind=kind, window=(1, 1, window, window), strides=(1, 1, window, window), padding=((0, 0),) * 4)
         mlir = check("reduce_window", [x], attrs)
         wide = [line for line in mlir.splitlines() if "transfer_read" in line and f"vector<{window * lanes}x" in line]
-        assert wide and all("in_bounds = [true]" in line and line.count(",") >= 2 for line in wide)
+        masked = re.compile(r"transfer_read %\S+\[%\S+\], %\S+, %\S+ \{in_bounds = \[true\]\}")
+        assert wide and all(masked.search(line) for line in wide)
         stores = [line for line in mlir.splitlines() if "transfer_write" in line and f"vector<{lanes}x" in line]
         assert stores and all("in_bounds = [true]" in line for line in stores)
 

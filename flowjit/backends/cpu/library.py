@@ -43,16 +43,6 @@ class disabled:
         _local.off = self.before
 
 
-# Each library's switch (its `enabled()` reads it).
-SWITCHES = ("FLOWJIT_MATMUL_LIBRARY", "FLOWJIT_ROW_LIBRARY", "FLOWJIT_REDUCTION_LIBRARY", "FLOWJIT_TRANSPOSE_LIBRARY")
-
-
-def state() -> str:
-    """Which libraries code compiled now may call, for the compile cache's key (`cache.cache_key`):
-    a program compiled with a library switched off must not be served one that calls it."""
-    return "off" if getattr(_local, "off", False) else ",".join(str(enabled(switch)) for switch in SWITCHES)
-
-
 def enabled(switch: str) -> bool:
     """False with the environment variable `switch` set to 0, or inside `disabled()`."""
     if getattr(_local, "off", False):
@@ -185,14 +175,26 @@ def emit_call(em, symbol: str, note: str, pointers: list[tuple[str, str, str]], 
 class Library:
     """One precompiled library: `mlir()` writes its module, `symbols()` names its functions.
     `strength_reduction`: LLVM's loop strength reduction in its code generation
-    (`toolchain.codegen_options`)."""
+    (`toolchain.codegen_options`); `switch`: the environment variable that turns it off."""
 
-    def __init__(self, name: str, mlir: Callable[[], str], symbols: Callable[[], list[str]], strength_reduction: bool):
+    def __init__(
+        self,
+        name: str,
+        mlir: Callable[[], str],
+        symbols: Callable[[], list[str]],
+        strength_reduction: bool,
+        switch: str,
+    ):
         self.name = name
+        self.switch = switch
         self.mlir = mlir
         self.symbols = symbols
         self.strength_reduction = strength_reduction
         self.loaded: list = []  # its NativeModule once loaded, kept alive for the process
+
+    def enabled(self) -> bool:
+        """False with its switch set to 0, or inside `disabled()` (AOT compiles)."""
+        return enabled(self.switch)
 
     def path(self) -> str:
         from flowjit.backends.cpu import cache
@@ -253,6 +255,12 @@ def libraries() -> list[Library]:
     from flowjit.backends.cpu import matmul_library, reduction_library, row_library, transpose_library
 
     return [matmul_library.LIBRARY, row_library.LIBRARY, reduction_library.LIBRARY, transpose_library.LIBRARY]
+
+
+def state() -> str:
+    """Which libraries code compiled now may call, for the compile cache's key (`cache.cache_key`):
+    a program compiled with a library switched off must not be served one that calls it."""
+    return ",".join(str(library.enabled()) for library in libraries())
 
 
 def resolve(names) -> None:

@@ -249,7 +249,7 @@ def _kernel_shape(op: Op) -> matmul_kernel.MatmulShape | None:
     if not matmul_kernel.worth_it(batch, m, n, k) or _row_against_rows(op) or _few_columns(op):
         return None
     acc = accumulator_elem(op.result.type.dtype)
-    rhs_rows = _rhs_in_row_order(op) or _rhs_contracts_last(op)
+    rhs_rows = _rhs_rows_given(op)
     lhs_cols = _lhs_in_column_order(op) or _lhs_free_last(op)
     return matmul_kernel.MatmulShape(batch if lhs_batch else 0, m, n, k, acc, b_rows=rhs_rows, a_cols=lhs_cols)
 
@@ -609,7 +609,7 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
     _, _, (_, m, n, k) = _dims_of_dot(op)
     height = _dot_block_rows(n)
-    rows_given = _rhs_in_row_order(op) or _rhs_contracts_last(op)  # B as (N, K): a view or a copy of rows
+    rows_given = _rhs_rows_given(op)
     a, b, _ = _dot_operands(em, op, operands, acc, rhs_rows=rows_given)
     if not rows_given:
         b = _transposed_by_library(em, b, k, n, acc) or _rows_of(em, b, TensorType((k, n), result.dtype), acc)
@@ -667,24 +667,29 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
     return narrow(em, product, result, acc)
 
 
-def _transposes_rhs(op: Op) -> bool:
-    """Whether `_lower_with_dot_blocks` makes B^T of `op`: B given as (K, N)."""
-    return _few_columns(op) and not (_rhs_in_row_order(op) or _rhs_contracts_last(op))
+def _rhs_rows_given(op: Op) -> bool:
+    """Whether a product's B comes as (N, K) rows: a view or a copy of rows, no transpose."""
+    return _rhs_in_row_order(op) or _rhs_contracts_last(op)
+
+
+def _transposed_bytes(k: int, n: int, acc: str) -> int:
+    return k * n * int(acc[1:]) // 8
 
 
 def _transpose_scratch(op: Op) -> int:
-    """Scratch bytes of B^T made by the transpose library (`_transposed_by_library`), else 0."""
-    if not _transposes_rhs(op) or not transpose_library.enabled():
+    """Scratch bytes of B^T that `_lower_with_dot_blocks` gets from the transpose library
+    (`_transposed_by_library`: B given as (K, N)), else 0."""
+    if not _few_columns(op) or _rhs_rows_given(op) or not transpose_library.enabled():
         return 0
     _, _, (_, _, n, k) = _dims_of_dot(op)
-    return k * n * int(accumulator_elem(op.result.type.dtype)[1:]) // 8
+    return _transposed_bytes(k, n, accumulator_elem(op.result.type.dtype))
 
 
 def _transposed_by_library(em: KernelEmitter, b: str, k: int, n: int, acc: str) -> str | None:
     """B (K, N) as (N, K), made by the transpose library (`transpose_library.py`) in the scratch
     area, or None where it is off (AOT, `FLOWJIT_TRANSPOSE_LIBRARY=0`) or the area is too small:
     then `_rows_of` compiles the transpose into the program."""
-    if not transpose_library.enabled() or em.scratch is None or em.scratch[1] < k * n * int(acc[1:]) // 8:
+    if not transpose_library.enabled() or em.scratch is None or em.scratch[1] < _transposed_bytes(k, n, acc):
         return None
     area, size = em.scratch
     given, rows = f"{k}x{n}x{acc}", f"{n}x{k}x{acc}"
@@ -693,8 +698,8 @@ def _transposed_by_library(em: KernelEmitter, b: str, k: int, n: int, acc: str) 
     out = em.op(f"memref.view {area}[{at}][] : memref<{size}xi8> to memref<{rows}>")
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
     parallel = k * n >= SHORT_ROWS_PARALLEL_MIN_ELEMENTS
-    threads = min(matmul_kernel.cores(), k // lanes) if parallel else 1
-    transpose_library.emit(em, (buffer, f"memref<{given}>"), (out, f"memref<{rows}>"), acc, k, n, max(threads, 1))
+    threads = min(matmul_kernel.cores(), k // lanes) if parallel else 1  # K is at least 4 vectors
+    transpose_library.emit(em, (buffer, f"memref<{given}>"), (out, f"memref<{rows}>"), acc, k, n, threads)
     return em.op(f"bufferization.to_tensor {out} restrict writable : memref<{rows}> to tensor<{rows}>")
 
 
@@ -1588,17 +1593,16 @@ def _window_rows_then_columns(
     lanes: int,
     elem: str,
     acc: str,
-    inside,
     used: str | None = None,
 ) -> str:
     """`lanes` outputs of a window as wide as its step along the last axis (2x2/2, 3x3/3: the
     windows tile the row): per window row one read of the `step * lanes` inputs they cover (in
-    bounds when `inside`: its last element is the last window's), the rows combined element by
+    bounds: its last element is the last window's), the rows combined element by
     element, then each of the `step` columns picked out of that by a shuffle and combined. Tap by
     tap (`_read_every_step`), 2x2 max pooling read every input twice, as four wide reads and four
     shuffles per vector of outputs, the reads masked on short rows (14 outputs in a 16-lane vector).
-    `used` (an index, when not `inside`): how many of the read's elements feed outputs that are
-    stored; the read is masked to them, in bounds, instead of to the tensor's end, whose mask
+    `used` (an index; a row shorter than a vector): how many of the read's elements feed outputs that
+    are stored; the read is masked to them, in bounds, instead of to the tensor's end, whose mask
     took a compare per read (the CNN's 28-wide rows)."""
     em = w.em
     kind, window, step = attrs["kind"], attrs["window"], attrs["strides"][-1]
@@ -1609,16 +1613,11 @@ def _window_rows_then_columns(
     rows = None
     for tap in itertools.product(*(range(n) for n in window[:-1])):
         where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
-        if used is None:
-            wide = em.op(
-                f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [{str(inside).lower()}]}} "
-                f": {tensor_type(flat_in)}, {wide_type}"
-            )
-        else:
-            wide = em.op(
-                f"vector.transfer_read {source}[{where}], {pad}, {mask} {{in_bounds = [true]}} "
-                f": {tensor_type(flat_in)}, {wide_type}"
-            )
+        masked = "" if used is None else f", {mask}"
+        wide = em.op(
+            f"vector.transfer_read {source}[{where}], {pad}{masked} {{in_bounds = [true]}} "
+            f": {tensor_type(flat_in)}, {wide_type}"
+        )
         if elem != acc:
             wide = em.op(f"arith.extf {wide} : {wide_type} to {wide_acc}")
         rows = wide if rows is None else _combine(em, kind, rows, wide, wide_acc, is_int)
@@ -1785,9 +1784,7 @@ def _window_taps(
             # Outside the row's whole vectors, the inputs of the columns in the row (a short row's
             # 14 outputs of 16 lanes: 28 inputs), read under a mask that keeps them in the tensor.
             used = None if inside else w.mul(em.op(f"arith.subi {w.index(width)}, {column} : index"), w.index(step))
-            total = _window_rows_then_columns(
-                w, source, flat_in, base, attrs, in_strides, pad, lanes, elem, acc, inside, used
-            )
+            total = _window_rows_then_columns(w, source, flat_in, base, attrs, in_strides, pad, lanes, elem, acc, used)
         else:
             total = None
             for tap in itertools.product(*(range(n) for n in window)):

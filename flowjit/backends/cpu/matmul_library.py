@@ -65,7 +65,7 @@ def symbol(elem: str, layout: str = "") -> str:
 
 def enabled() -> bool:
     """False with `FLOWJIT_MATMUL_LIBRARY=0`, or inside `library.disabled()` (AOT compiles)."""
-    return library.enabled("FLOWJIT_MATMUL_LIBRARY")
+    return LIBRARY.enabled()
 
 
 def call_shape(m: int, n: int, k: int, elem: str, layout: str = "") -> bool:
@@ -501,4 +501,4 @@ def symbols() -> list[str]:
 # stride apart, and without it LLVM kept 14 row pointers, spilled two and the loop bound, and
 # reloaded them every k; in the benchmark's pattern (a pause, 50 ms of calls, timed calls) 1024^3
 # ran at a median of 12.7 ms against the kernel's 10.8 (minima equal); with it 10.1 against 10.7.
-LIBRARY = library.Library("matmul", library_mlir, symbols, strength_reduction=True)
+LIBRARY = library.Library("matmul", library_mlir, symbols, strength_reduction=True, switch="FLOWJIT_MATMUL_LIBRARY")

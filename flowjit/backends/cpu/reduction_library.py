@@ -163,10 +163,12 @@ def library_mlir() -> str:
 
 def enabled() -> bool:
     """False with `FLOWJIT_REDUCTION_LIBRARY=0`, or inside `library.disabled()` (AOT compiles)."""
-    return library.enabled("FLOWJIT_REDUCTION_LIBRARY")
+    return LIBRARY.enabled()
 
 
-LIBRARY = library.Library("reduction", library_mlir, symbols, strength_reduction=False)
+LIBRARY = library.Library(
+    "reduction", library_mlir, symbols, strength_reduction=False, switch="FLOWJIT_REDUCTION_LIBRARY"
+)
 
 
 @dataclass(frozen=True)

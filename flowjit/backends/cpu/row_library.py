@@ -566,7 +566,7 @@ def _constants_match(expected: list[np.ndarray], found: list[np.ndarray]) -> flo
 
 def enabled() -> bool:
     """False with `FLOWJIT_ROW_LIBRARY=0`, or inside `library.disabled()` (AOT compiles)."""
-    return library.enabled("FLOWJIT_ROW_LIBRARY")
+    return LIBRARY.enabled()
 
 
-LIBRARY = library.Library("row", library_mlir, symbols, strength_reduction=True)
+LIBRARY = library.Library("row", library_mlir, symbols, strength_reduction=True, switch="FLOWJIT_ROW_LIBRARY")

@@ -106,10 +106,12 @@ def library_mlir() -> str:
 
 def enabled() -> bool:
     """False with `FLOWJIT_TRANSPOSE_LIBRARY=0`, or inside `library.disabled()` (AOT compiles)."""
-    return library.enabled("FLOWJIT_TRANSPOSE_LIBRARY")
+    return LIBRARY.enabled()
 
 
-LIBRARY = library.Library("transpose", library_mlir, symbols, strength_reduction=False)
+LIBRARY = library.Library(
+    "transpose", library_mlir, symbols, strength_reduction=False, switch="FLOWJIT_TRANSPOSE_LIBRARY"
+)
 
 
 def emit(em, b: tuple[str, str], out: tuple[str, str], elem: str, k: int, n: int, threads: int) -> None:
