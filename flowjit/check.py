@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flowjit.backends import default_target
 from flowjit.errors import CompileError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph
@@ -136,7 +137,7 @@ def check_lowered(lowered, args: Sequence[np.ndarray], pipeline: Sequence[str]) 
             _compare(run(graph), reference, graph, stage)
         if stage.problem is not None:
             return report
-    stage = Stage(f"compiled ({lowered.target})")
+    stage = Stage(f"compiled ({lowered.target or default_target()})")
     report.stages.append(stage)
     try:
         compiled = lowered.compile()

@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 import flowjit
+from flowjit.backends import default_target
 from flowjit.errors import FlowjitError
 from flowjit.ir import dtypes as dt
 
@@ -62,12 +63,14 @@ def _run_opt(args) -> int:
     from flowjit.ir.printer import print_module
     from flowjit.ir.verifier import verify
     from flowjit.passes.registry import parse_pipeline, run_pipeline
+    from flowjit.runtime.devices import devices
 
     names = parse_pipeline(args.passes)
     text, filename = _read_text(args.file)
     graphs = parse_module(text, filename)
     for graph in graphs:
         verify(graph)
+        graph.devices = tuple(d.name for d in devices())  # what `place` may use: the local devices
     graphs = [run_pipeline(graph, names, verify=True) for graph in graphs]
     sys.stdout.write(print_module(graphs))
     return 0
@@ -168,7 +171,7 @@ def _run_dump(args) -> int:
         if args.stage != "all" and args.stage not in available:
             raise UsageError(
                 f"--stage {args.stage}: expected all or a stage of this compilation ({', '.join(available)}); "
-                f"the '{lowered.target}' target has no stage '{args.stage}'"
+                f"the '{lowered.target or default_target()}' target has no stage '{args.stage}'"
             )
         stages = available if args.stage == "all" else [args.stage]
     texts = []

@@ -74,7 +74,13 @@ def test_names_the_backend(model, capsys, monkeypatch):
         def run(self, args, variables=None):
             return [o + 1 for o in super().run(args, variables)]
 
-    monkeypatch.setitem(backends.BACKENDS, "cpu", lambda graph, options, aliases: WrongExecutable(graph))
+    class WrongBackend(backends.Backend):
+        name = "cpu"
+
+        def compile(self, graph, device=None, options=None, aliases=None):
+            return WrongExecutable(graph)
+
+    monkeypatch.setitem(backends.BACKENDS, "cpu", WrongBackend())
     assert cli.main(["check", f"{model}:predict", "--arg", "f32[4,8]", "--arg", "f32[8,3]"]) == 1
     out = capsys.readouterr().out
     assert re.search(r"compiled \(cpu\) +MISMATCH: result 0", out)
@@ -91,11 +97,14 @@ def test_variables_are_checked_and_left_unchanged(model, capsys):
 def test_a_missing_lowering_is_skipped_not_blamed(model, capsys, monkeypatch):
     from flowjit.backends.cpu.lowering import no_lowering_error
 
-    def compile_without_for(graph, options, aliases):
-        op = next(op for op in graph.ops if op.name != "constant")
-        raise no_lowering_error(op)
+    class WithoutFor(backends.Backend):
+        name = "cpu"
 
-    monkeypatch.setitem(backends.BACKENDS, "cpu", compile_without_for)
+        def compile(self, graph, device=None, options=None, aliases=None):
+            op = next(op for op in graph.ops if op.name != "constant")
+            raise no_lowering_error(op)
+
+    monkeypatch.setitem(backends.BACKENDS, "cpu", WithoutFor())
     assert cli.main(["check", f"{model}:loop", "--arg", "f32[3]"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"compiled \(cpu\) +skipped: .*has no lowering for target 'cpu'", out)

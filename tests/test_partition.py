@@ -11,8 +11,14 @@ from flowjit.ir.parser import parse_graph
 from flowjit.ir.printer import print_graph
 from flowjit.ir.verifier import verify
 from flowjit.passes.partition import partition, split_partitions
-from flowjit.passes.place import place
+from flowjit.passes.place import place as place_on
 from flowjit.runtime.rendezvous import Rendezvous
+
+
+def place(graph):
+    """The `place` pass on the local devices, as `fj.jit` runs it."""
+    return place_on(graph, fj.devices())
+
 
 X = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
 

@@ -9,8 +9,14 @@ import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.ir.parser import parse_graph
 from flowjit.ir.printer import print_graph
-from flowjit.passes.place import place
+from flowjit.passes.place import place as place_on
 from flowjit.runtime.executor import PartitionedExecutable
+
+
+def place(graph):
+    """The `place` pass on the local devices, as `fj.jit` runs it."""
+    return place_on(graph, fj.devices())
+
 
 CPU0 = "/job:localhost/task:0/device:cpu:0"
 CPU1 = "/job:localhost/task:0/device:cpu:1"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import flowjit.numpy  # noqa: F401  (installs the Tracer operators `+ - * @ ...` that traced code uses)
-from flowjit.backends import Executable, compile_graph, default_target
+from flowjit.backends import Executable, backend_for_device, default_target, get_backend
 from flowjit.errors import FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, current_trace, escaped_tracer_error
@@ -48,7 +48,7 @@ from flowjit.passes import dump
 from flowjit.passes.fuse import fusion_summary
 from flowjit.passes.partition import graph_devices, placement_report, split_partitions
 from flowjit.passes.registry import run_pipeline
-from flowjit.runtime.devices import DeviceSpec
+from flowjit.runtime.devices import DeviceSpec, devices
 from flowjit.runtime.executor import PartitionedExecutable
 
 # The optimization pipeline for every target, top to bottom.
@@ -475,7 +475,7 @@ class Jitted:
             self._log_compile(sig, paths, for_lower=True)
             graph, out_tree, variables = self._trace(sig, bound, paths)
         binder = functools.partial(self._signature_of, bound_self=bound_self)
-        target = self.target or default_target()
+        target = self.target
         return Lowered(graph, sig, out_tree, paths, target, binder, variables, self._donated_leaves(paths))
 
     def _call(self, args, kwargs, bound_self: bool):
@@ -491,7 +491,7 @@ class Jitted:
                     self._log_compile(sig, paths)
                     graph, out_tree, variables = self._trace(sig, bound, paths)
                     binder = functools.partial(self._signature_of, bound_self=bound_self)
-                    target = self.target or default_target()
+                    target = self.target
                     donated = self._donated_leaves(paths)
                     lowered = Lowered(graph, sig, out_tree, paths, target, binder, variables, donated)
                     compiled = lowered.compile()
@@ -617,6 +617,7 @@ class Lowered:
             self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
         if stage == "placement" and stage not in self._graphs:
             copy = self.graph("optimized").copy()
+            copy.devices = tuple(d.name for d in devices())  # placement may use every local device
             self._graphs["placement"] = run_pipeline(copy, PLACEMENT_PIPELINE, dump_name=self.name)
         if stage not in self._graphs:
             raise FlowjitValueError(f"no IR stage '{stage}'; IR stages are 'traced', 'optimized' and 'placement'")
@@ -631,11 +632,17 @@ class Lowered:
     def _compile_executable(self) -> Executable:
         if self._executable is None:
             placed = self.graph("placement")
-            if len(graph_devices(placed)) > 1:
+            used = graph_devices(placed)
+            if len(used) > 1:
                 self._executable = PartitionedExecutable(split_partitions(placed), self.target)
-            else:  # one device: the optimized graph as is
+            else:  # one device: the optimized graph as is, by that device's backend (or the target's)
                 graph = self.graph("optimized")
-                self._executable = compile_graph(graph, self.target, aliases=self._aliases(graph))
+                device = used[0] if used else None
+                if self.target is not None:
+                    backend = get_backend(self.target)
+                else:
+                    backend = backend_for_device(device) if device else get_backend(default_target())
+                self._executable = backend.compile(graph, device, aliases=self._aliases(graph))
         return self._executable
 
     def _aliases(self, graph: Graph) -> dict[int, int]:

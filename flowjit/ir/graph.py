@@ -82,6 +82,9 @@ class Graph:
         self.params = list(params)
         self.ops: list[Op] = list(ops)
         self.results: list[Value] = list(results)
+        # The devices placement may use (full names), supplied by whoever runs the `place` pass:
+        # the local devices for a jitted function, a cluster's devices for a distributed one.
+        self.devices: tuple[str, ...] | None = None
 
     def add_param(self, type: TensorType, name: str | None = None) -> Value:
         value = Value(type, None, len(self.params), name)
@@ -108,6 +111,7 @@ class Graph:
         `mapping` already maps them to)."""
         mapping = {} if mapping is None else mapping
         graph = Graph(self.name)
+        graph.devices = self.devices
         for p in self.params:
             mapping[p] = graph.add_param(p.type, p.name_hint)
         for op in self.ops:

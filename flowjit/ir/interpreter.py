@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flowjit.errors import CompileError, FlowjitTypeError
+from flowjit.ir.channel import Channel, loopback, receive_array
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops import get_opdef
 from flowjit.ir.types import TensorType
@@ -22,10 +23,10 @@ from flowjit.ir.types import TensorType
 @dataclass
 class RunContext:
     """What a call provides beyond its arguments: the live buffers of the variables it uses, and
-    for a partition of a multi-device function the step's rendezvous (`send`/`recv`)."""
+    for a partition of a multi-device function the step's channel (`send`/`recv`)."""
 
     variables: dict[str, np.ndarray] = field(default_factory=dict)
-    rendezvous: object | None = None  # flowjit.runtime.rendezvous.Rendezvous
+    channel: Channel | None = None  # None: this thread's loopback
 
 
 # op name -> handler(op, operand arrays, context) -> list of result arrays
@@ -148,22 +149,19 @@ HANDLERS.update(
 # --- communication --------------------------------------------------------------------------------------
 
 
-def _rendezvous(op: Op, context):
-    rendezvous = getattr(context, "rendezvous", None)
-    if rendezvous is None:  # a graph run on its own, not by the executor: its sends reach its own recvs
-        from flowjit.runtime.rendezvous import loopback
-
-        return loopback()
-    return rendezvous
+def _channel(context) -> Channel:
+    channel = getattr(context, "channel", None)
+    return loopback() if channel is None else channel  # a graph run on its own: its sends reach its own recvs
 
 
 def _send(op: Op, args, context):
-    _rendezvous(op, context).send(op.attrs["key"], args[0])  # the array itself: the interpreter never mutates it
+    _channel(context).send(op.attrs["key"], args[0])  # the array itself: the interpreter never mutates it
     return []
 
 
 def _recv(op: Op, args, context):
-    return [_rendezvous(op, context).recv(op.attrs["key"], f"{op.loc}: ")]
+    ttype = op.result.type
+    return [receive_array(_channel(context), op.attrs["key"], ttype.shape, ttype.dtype.np_dtype, f"{op.loc}: ")]
 
 
 def _send_done(op: Op, args, context):

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from flowjit.errors import CompileError
 from flowjit.ir.builder import make_op
+from flowjit.ir.devices import LOCAL_JOB, DeviceSpec
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.passes.place import FREE_CREATIONS
 from flowjit.passes.registry import register
-from flowjit.runtime.devices import LOCAL_JOB, DeviceSpec
 
 
 @dataclass

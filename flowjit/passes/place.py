@@ -2,8 +2,10 @@
 
 Assumes: ops carry their user constraint in `op.device` (a full or partial device name, or None),
 as traced under `with fj.device(...)` / `fj.jit(..., device=...)`.
-Guarantees: every op, nested ones included, has `op.device` set to the full name of one of
-`fj.devices()`; ops that touch one variable share a device; a region op (cond/while/for) and its
+Input: the devices it may use (`place(graph, devices)`; the registered pass reads `graph.devices`,
+which the frontend sets to the local devices, `fj.devices()`, and a cluster to its tasks' devices).
+Guarantees: every op, nested ones included, has `op.device` set to the full name of one of those
+devices; ops that touch one variable share a device; a region op (cond/while/for) and its
 body share a device; `graph.placement` maps each top-level op to a one-line reason.
 
 Cost model (deterministic, in estimated microseconds; constants below, measured by
@@ -23,13 +25,14 @@ independent work big enough to pay for its transfers spreads across devices.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flowjit.errors import FlowjitValueError
+from flowjit.errors import CompileError, FlowjitValueError
+from flowjit.ir.devices import Device, DeviceSpec
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops import CONTRACTION, get_opdef
 from flowjit.passes.registry import register
-from flowjit.runtime.devices import Device, DeviceSpec, devices
 
 ELEMENTS_PER_US = 1000.0  # elementwise/movement work: ~1 ns per element touched
 FLOPS_PER_US = 4000.0  # contractions: multiply-adds per microsecond on one core
@@ -49,6 +52,15 @@ class _Unit:
     constraint: DeviceSpec | None
     constraint_op: Op | None  # the op whose constraint `constraint` came from (for errors)
     variables: frozenset[str]
+
+
+def _full_device(name: str) -> Device:
+    spec = DeviceSpec.parse(name)
+    if not spec.is_full:
+        raise FlowjitValueError(
+            f"placement needs full device names like '/job:localhost/task:0/device:cpu:0'; found {name!r}"
+        )
+    return Device(spec)
 
 
 def _parse(op: Op) -> DeviceSpec | None:
@@ -207,7 +219,7 @@ def _candidates(op: Op, constraint: DeviceSpec | None, source: Op | None, local:
         op = source or op
         raise FlowjitValueError(
             f"{op.loc}: op '{op.name}': no device matches the constraint '{constraint}'; the devices are "
-            f"{', '.join(d.name for d in local)} (set FLOWJIT_CPU_DEVICES=N for N CPU devices)"
+            f"{', '.join(d.name for d in local)} (set FLOWJIT_CPU_DEVICES=N for N local CPU devices)"
         )
     return found
 
@@ -240,8 +252,18 @@ def _set_device(op: Op, device: str) -> None:
 
 
 @register("place")
-def place(graph: Graph) -> Graph:
-    """Assign every op a concrete device and record why in `graph.placement` (op -> reason).
+def place_pass(graph: Graph) -> Graph:
+    """The registered `place` pass: `place` on the devices the graph says it may use."""
+    if not graph.devices:
+        raise CompileError(
+            f"graph '{graph.name}' has no device set to place on: set `graph.devices` to the devices it may "
+            "use (the frontend and `flowjit opt` use the local devices) or call place(graph, devices)"
+        )
+    return place(graph, graph.devices)
+
+
+def place(graph: Graph, devices: Sequence[Device | str]) -> Graph:
+    """Assign every op one of `devices` and record why in `graph.placement` (op -> reason).
 
     Algorithm:
     1. Treat each top-level op with its regions as one unit; merge the constraints inside it.
@@ -255,7 +277,10 @@ def place(graph: Graph) -> Graph:
        (counting a transfer of its results when they are bound for another device).
     5. Free creations take their first consumer's device (partition copies them to other users).
     """
-    local = devices()
+    local = [d if isinstance(d, Device) else _full_device(d) for d in devices]
+    if not local:
+        raise CompileError(f"graph '{graph.name}': placement needs at least one device")
+    graph.devices = tuple(d.name for d in local)
     units = [_unit(op) for op in graph.ops]
     groups = _variable_groups(units)
     group_constraint: dict[int, tuple[DeviceSpec, Op]] = {}

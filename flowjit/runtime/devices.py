@@ -1,9 +1,9 @@
-"""Device names, as in the TensorFlow paper: `/job:NAME/task:N/device:TYPE:K`.
+"""The devices this process has, and the `with fj.device(...)` scope.
 
-Short forms are accepted: `cpu:1`, `gpu:0`, `/device:cpu:0`. A spec may be partial (`/job:ps`,
-`gpu:*`, `/job:worker/task:1`): it constrains only the fields it names, and matches any device that
-fits. Local devices live in `/job:localhost/task:0`; `FLOWJIT_CPU_DEVICES=N` (default 1) makes the
-host show N CPU devices, so partitioned execution is testable on one machine.
+Local devices live in `/job:localhost/task:0`. The host shows `FLOWJIT_CPU_DEVICES=N` CPU devices
+(default 1), so partitioned execution is testable on one machine; other device types come from
+providers a backend registers (`register_device_provider`: a GPU backend asks the driver how many
+GPUs there are). Names and their parsing are the IR's (`flowjit.ir.devices`), re-exported here.
 
     fj.devices()                     # [Device('/job:localhost/task:0/device:cpu:0'), ...]
     with fj.device("cpu:1"): ...     # ops traced inside are constrained to cpu:1
@@ -13,133 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from flowjit.errors import FlowjitValueError
-from flowjit.ir.location import user_location
+from flowjit.ir.devices import LOCAL_JOB, Device, DeviceSpec, register_device_type
+from flowjit.ir.devices import resolve as resolve_among
 
-DEVICE_TYPES = ("cpu", "gpu")
-LOCAL_JOB = "localhost"
+__all__ = ["LOCAL_JOB", "Device", "DeviceSpec", "current_device_spec", "device", "devices", "resolve"]
 
-_PART_RE = re.compile(r"^(job|task|device|replica):(.+)$")
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """A full or partial device name; `None` fields are unconstrained."""
-
-    job: str | None = None
-    task: int | None = None
-    device_type: str | None = None
-    index: int | None = None
-
-    @staticmethod
-    def parse(text: str | DeviceSpec | Device) -> DeviceSpec:
-        """Parse `/job:ps/task:0/device:cpu:1`, `cpu:1`, `gpu:*`, `/job:worker`, ..."""
-        if isinstance(text, DeviceSpec):
-            return text
-        if isinstance(text, Device):
-            return text.spec
-        if not isinstance(text, str) or not text.strip():
-            raise FlowjitValueError(f"a device must be a name like 'cpu:0' or '/job:ps/task:0'; found {text!r}")
-        raw = text.strip()
-        if not raw.startswith("/"):
-            raw = "/device:" + raw
-        job = task = device_type = index = None
-        for part in raw.strip("/").split("/"):
-            m = _PART_RE.match(part)
-            if m is None:
-                raise _bad(text, f"cannot read the part {part!r}")
-            key, value = m.groups()
-            if key == "job":
-                job = value
-            elif key == "task":
-                task = _int_or_any(value, text, "task")
-            elif key == "device":
-                device_type, _, idx = value.partition(":")
-                device_type = device_type.lower()
-                if device_type not in DEVICE_TYPES:
-                    raise _bad(text, f"unknown device type {device_type!r} (known: {', '.join(DEVICE_TYPES)})")
-                index = _int_or_any(idx, text, "device index") if idx else None
-        return DeviceSpec(job, task, device_type, index)
-
-    def merged_with(self, inner: DeviceSpec) -> DeviceSpec:
-        """The constraint of a `with fj.device(inner)` nested inside this one: inner fields win."""
-        return DeviceSpec(
-            inner.job if inner.job is not None else self.job,
-            inner.task if inner.task is not None else self.task,
-            inner.device_type if inner.device_type is not None else self.device_type,
-            inner.index if inner.index is not None else self.index,
-        )
-
-    def matches(self, device: Device) -> bool:
-        d = device.spec
-        return all(
-            mine is None or mine == theirs
-            for mine, theirs in (
-                (self.job, d.job),
-                (self.task, d.task),
-                (self.device_type, d.device_type),
-                (self.index, d.index),
-            )
-        )
-
-    @property
-    def is_full(self) -> bool:
-        return None not in (self.job, self.task, self.device_type, self.index)
-
-    def __str__(self) -> str:
-        parts = []
-        if self.job is not None:
-            parts.append(f"/job:{self.job}")
-        if self.task is not None:
-            parts.append(f"/task:{self.task}")
-        if self.device_type is not None:
-            idx = "*" if self.index is None else str(self.index)
-            parts.append(f"/device:{self.device_type}:{idx}")
-        return "".join(parts) or "/device:*"
-
-
-def _int_or_any(value: str, text: str, what: str) -> int | None:
-    if value == "*":
-        return None
-    if not value.isdigit():
-        raise _bad(text, f"the {what} must be a number or '*'; found {value!r}")
-    return int(value)
-
-
-def _bad(text, why: str) -> FlowjitValueError:
-    return FlowjitValueError(
-        f"{user_location()}: bad device name {text!r}: {why}. "
-        "Use '/job:NAME/task:N/device:cpu:K' or a short form like 'cpu:1', 'gpu:0'"
-    )
-
-
-@dataclass(frozen=True)
-class Device:
-    """A concrete device: every field of its spec is set."""
-
-    spec: DeviceSpec
-
-    @property
-    def name(self) -> str:
-        return str(self.spec)
-
-    @property
-    def device_type(self) -> str:
-        return self.spec.device_type
-
-    @property
-    def short_name(self) -> str:
-        return f"{self.spec.device_type}:{self.spec.index}"
-
-    def __str__(self) -> str:
-        return self.name
-
-    def __repr__(self) -> str:
-        return f"Device({self.name!r})"
+# device type -> a function returning how many devices of that type this process has
+_providers: dict[str, Callable[[], int]] = {}
 
 
 def cpu_device_count() -> int:
@@ -149,16 +33,32 @@ def cpu_device_count() -> int:
     return int(raw)
 
 
+def register_device_provider(device_type: str, count: Callable[[], int]) -> Callable[[], None]:
+    """Make `count()` devices of `device_type` local devices (asked on every `devices()` call, so
+    the count may follow the environment). Returns a function that removes the provider again."""
+    if device_type == "cpu":
+        raise FlowjitValueError("CPU devices are counted by FLOWJIT_CPU_DEVICES; register another device type")
+    register_device_type(device_type)
+    _providers[device_type] = count
+
+    def unregister() -> None:
+        if _providers.get(device_type) is count:
+            del _providers[device_type]
+
+    return unregister
+
+
 def devices(device_type: str | None = None) -> list[Device]:
-    """The devices of this process (`/job:localhost/task:0`), optionally of one type."""
-    found = [Device(DeviceSpec(LOCAL_JOB, 0, "cpu", i)) for i in range(cpu_device_count())]
+    """The devices of this process (`/job:localhost/task:0`), optionally of one type: the CPUs
+    first, then each registered type's in registration order."""
+    counts = {"cpu": cpu_device_count(), **{t: count() for t, count in _providers.items()}}
+    found = [Device(DeviceSpec(LOCAL_JOB, 0, t, i)) for t, n in counts.items() for i in range(n)]
     return [d for d in found if device_type is None or d.device_type == device_type]
 
 
 def resolve(spec: str | DeviceSpec, candidates: list[Device] | None = None) -> list[Device]:
-    """The devices matching `spec`, in order."""
-    spec = DeviceSpec.parse(spec)
-    return [d for d in (candidates if candidates is not None else devices()) if spec.matches(d)]
+    """The devices matching `spec`, in order (among the local devices unless `candidates`)."""
+    return resolve_among(spec, candidates if candidates is not None else devices())
 
 
 # --- `with fj.device(spec):` ----------------------------------------------------------------------------

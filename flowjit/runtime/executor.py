@@ -24,79 +24,54 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flowjit.backends import Executable, compile_graph
-from flowjit.errors import FlowjitError
+from flowjit.backends.base import Executable
+from flowjit.backends.interpreter import PartitionError
+from flowjit.backends.registry import backend_for_device, get_backend
 from flowjit.ir.graph import Graph
-from flowjit.ir.interpreter import RunContext, check_array, eval_op
 from flowjit.passes.partition import PartitionPlan, short_device_name
-from flowjit.runtime.rendezvous import Rendezvous, StepBinding, TransferError
+from flowjit.runtime.rendezvous import Rendezvous, TransferError
+from flowjit.runtime.transports import Transport, transport_for
+
+__all__ = ["PartitionError", "PartitionedExecutable", "routes"]
 
 
-class PartitionError(FlowjitError):
-    """An op of one partition failed while running."""
+class Partition:
+    """One partition compiled by the backend of its device (or the one `target` names)."""
 
-
-class InterpretedPartition:
-    """A partition run op by op by the reference interpreter (target 'interpreter')."""
-
-    def __init__(self, graph: Graph, device: str):
-        self.graph = graph
+    def __init__(self, graph: Graph, device: str, target: str | None):
         self.device = short_device_name(device)
+        self.backend = backend_for_device(device) if target is None else get_backend(target)
+        self.executable = self.backend.compile(graph, device)
 
     def run(self, args: Sequence[np.ndarray], variables: dict, rendezvous: Rendezvous) -> list[np.ndarray]:
-        context = RunContext(variables, rendezvous)
-        env = dict(zip(self.graph.params, args))
-        for op in self.graph.ops:
-            try:
-                outs = eval_op(op, [env[v] for v in op.operands], context)
-            except (FlowjitError, TransferError):
-                raise
-            except Exception as e:
-                raise PartitionError(
-                    f"{op.loc}: op '{op.name}' on {self.device} failed: {type(e).__name__}: {e}"
-                ) from e
-            for result, value in zip(op.results, outs):
-                check_array(value, result.type, f"internal error: result of op '{op.name}' at {op.loc}")
-                env[result] = value
-        return [env[r] for r in self.graph.results]
+        return self.executable.run_step(args, variables, rendezvous)
 
 
-class NativePartition:
-    """A partition compiled to one native entry point; its send/recv call the rendezvous of the step
-    bound to the calling thread."""
-
-    def __init__(self, graph: Graph, device: str, target: str):
-        self.device = short_device_name(device)
-        self.executable = compile_graph(graph, target)
-        self.uses_variables = any("var" in op.attrs for op in graph.walk())
-        self.recv_locations = {op.attrs["key"]: str(op.loc) for op in graph.ops if op.name == "recv"}
-
-    def run(self, args: Sequence[np.ndarray], variables: dict, rendezvous: Rendezvous) -> list[np.ndarray]:
-        with StepBinding(rendezvous, self.recv_locations) as step:
-            if self.uses_variables:
-                outs = self.executable.run(args, variables)
-            else:  # the caller checked and converted the arguments of the whole function
-                outs = self.executable.run_trusted(args)
-        if step.error is not None:
-            raise step.error
-        return outs
+def routes(plan: PartitionPlan) -> dict[str, Transport]:
+    """Each rendezvous key's transport, from the devices of its send and its recv."""
+    senders, receivers = {}, {}
+    for partition in plan.partitions:
+        for op in partition.graph.ops:
+            if op.name == "send":
+                senders[op.attrs["key"]] = partition.device
+            elif op.name == "recv":
+                receivers[op.attrs["key"]] = partition.device
+    return {key: transport_for(senders[key], receivers[key]) for key in receivers if key in senders}
 
 
 class PartitionedExecutable(Executable):
-    """All partitions of one function, each compiled for `target`, run together per call."""
+    """All partitions of one function, run together per call. Each is compiled by the backend of
+    its device's type, or by the backend `target` names for all (e.g. 'interpreter'); each value
+    crossing devices moves through the transport of its device pair."""
 
-    def __init__(self, plan: PartitionPlan, target: str):
+    def __init__(self, plan: PartitionPlan, target: str | None = None):
         self.plan = plan
-        self.parts = [
-            InterpretedPartition(p.graph, p.device)
-            if target == "interpreter"
-            else NativePartition(p.graph, p.device, target)
-            for p in plan.partitions
-        ]
+        self.routes = routes(plan)
+        self.parts = [Partition(p.graph, p.device, target) for p in plan.partitions]
         names = ", ".join(p.device for p in self.parts)
-        inner = "reference interpreter" if target == "interpreter" else self.parts[0].executable.backend
-        self.backend = f"{len(self.parts)} partitions on {names}, each {inner}"
-        self.stages = {} if target == "interpreter" else _PartitionStages(self.parts)
+        inner = sorted({p.executable.backend for p in self.parts})
+        self.backend = f"{len(self.parts)} partitions on {names}, each {' / '.join(inner)}"
+        self.stages = _PartitionStages(self.parts)
 
     def run(
         self, args: Sequence[np.ndarray], variables: dict | None = None, outputs: dict | None = None
@@ -104,7 +79,7 @@ class PartitionedExecutable(Executable):
         """One step: every partition on its own thread, results gathered in the original order.
         Partitioned functions do not take donated buffers (`aliases` is empty): results are fresh."""
         variables = variables or {}
-        rendezvous = Rendezvous(parties=len(self.parts))
+        rendezvous = Rendezvous(parties=len(self.parts), routes=self.routes)
         outs: list[list | None] = [None] * len(self.parts)
         errors: list[BaseException | None] = [None] * len(self.parts)
 
@@ -177,20 +152,25 @@ WORKERS = _WorkerPool()
 class _PartitionStages:
     """Backend stage texts of a partitioned function: each partition's, one after the other."""
 
-    def __init__(self, parts: list[NativePartition]):
+    def __init__(self, parts: list[Partition]):
         self.parts = parts
 
     def __getitem__(self, stage: str) -> str:
-        return "\n".join(f"// partition on {p.device}\n{p.executable.stages[stage]}" for p in self.parts)
+        return "\n".join(
+            f"// partition on {p.device}\n{p.executable.stages[stage]}"
+            for p in self.parts
+            if stage in p.executable.stages
+        )
 
     def __iter__(self):
-        return iter(self.parts[0].executable.stages)
+        return iter(self.keys())
 
     def __contains__(self, stage) -> bool:
-        return stage in self.parts[0].executable.stages
+        return stage in self.keys()
 
     def __len__(self) -> int:
-        return len(self.parts[0].executable.stages)
+        return len(self.keys())
 
     def keys(self):
-        return list(self)
+        """The stages any partition's backend has, in the order they first appear."""
+        return list(dict.fromkeys(stage for p in self.parts for stage in p.executable.stages))

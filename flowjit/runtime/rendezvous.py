@@ -3,32 +3,20 @@
 A step's partitions run concurrently; `send(key, array)` deposits a buffer under its key and never
 blocks; `recv(key)` waits until that key is deposited, the step is cancelled (another partition
 failed), or the timeout passes. Every call gets a fresh `Rendezvous`, so concurrent calls of one
-function never see each other's values (the step id names the namespace in errors).
+function never see each other's values (the step id names the namespace in errors). The bytes of
+each key move through the transport of its (sending device, receiving device) pair
+(`transports.py`, given as `routes`); the rendezvous itself only matches and waits. It is the
+`flowjit.ir.channel.Channel` every backend's send/recv call: native code through the C ABI of its
+backend (`backends/cpu/communication.py`), the interpreter directly.
 
-Native partitions reach the rendezvous through three C-ABI functions (see `native_symbols`; the
-pointers travel as 64-bit integers):
-
-    void    flowjit_send(const char *key, const void *data, int64_t nbytes);
-    int32_t flowjit_recv(const char *key, void *dest, int64_t nbytes);
-    void    flowjit_send_done(void);   /* returns once every receiver has read what was sent */
-
-The step a call belongs to is bound to the calling thread (`StepBinding`) before the partition's
-entry point runs; send/recv sit at the top level of the entry (never inside a parallel loop), so
-they run on that thread. This keeps every entry point's signature `(inputs, outputs, workspace)`;
-a runtime without Python binds its step the same way. A native transfer is one copy: when the
-recv is waiting, the send copies straight into the buffer the received value lives in; otherwise
-the send lends its buffer (without waiting: two partitions exchanging values would deadlock) and
-the recv copies out of it. A partition's last op, `send_done`, waits until its lent buffers were
-read, and the partition pass keeps every sent value alive until then (they are its operands), so
-no workspace slot is reused under a reader. The interpreter hands arrays over with no copy.
-`flowjit_recv` returns 0 on delivery and 1 when the step was cancelled or timed out (the
-destination is then zero-filled so the partition can finish; the executor raises).
+A raw-buffer transfer is one copy: when the recv is waiting, the send copies straight into the
+buffer the received value lives in; otherwise the send lends its buffer (without waiting: two
+partitions exchanging values would deadlock) and the recv copies out of it. A partition's last op,
+`send_done`, waits until its lent buffers were read (`wait_returned`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import itertools
 import os
 import threading
@@ -37,12 +25,12 @@ import time
 import numpy as np
 
 from flowjit.errors import FlowjitError
+from flowjit.ir.channel import TransferError
+from flowjit.runtime.transports import HOST_COPY, Transport
+
+__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "TransferError", "recv_timeout_s"]
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-class TransferError(FlowjitError):
-    """A recv that could not complete: its step was cancelled, or its send never came."""
 
 
 def recv_timeout_s() -> float:
@@ -69,8 +57,12 @@ class Rendezvous:
     keeps lent buffers intact until `wait_returned` (its partition's `send_done`).
     """
 
-    def __init__(self, timeout_s: float | None = None, parties: int | None = None):
+    def __init__(
+        self, timeout_s: float | None = None, parties: int | None = None, routes: dict[str, Transport] | None = None
+    ):
         self.step_id = next(_step_ids)
+        # key -> the transport of its device pair; a key without a route moves between host buffers
+        self._routes = routes or {}
         # With `parties` (the step's partition count), a recv that no running partition can still
         # satisfy fails at once: every partition not finished (`leave`) is waiting in a recv.
         self._parties = parties
@@ -102,7 +94,7 @@ class Rendezvous:
                 self._loans[key] = (address, nbytes)
                 self._cond.notify_all()
                 return True
-        ctypes.memmove(claim[0], address, min(nbytes, claim[1]))
+        self._routes.get(key, HOST_COPY).copy(claim[0], address, min(nbytes, claim[1]))
         with self._cond:
             self._delivered.add(key)
             self._cond.notify_all()
@@ -160,7 +152,7 @@ class Rendezvous:
                 source, available = self._loans.pop(key)
                 self._copying.add(key)
         try:
-            ctypes.memmove(address, source, min(nbytes, available))
+            self._routes.get(key, HOST_COPY).copy(address, source, min(nbytes, available))
         finally:
             if value is None:
                 with self._cond:
@@ -212,108 +204,3 @@ class Rendezvous:
             if self._cancelled is None:
                 self._cancelled = error
             self._cond.notify_all()
-
-
-# --- the C ABI for native partitions ---------------------------------------------------------------------
-
-SEND_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
-SEND_DONE_PROTOTYPE = ctypes.CFUNCTYPE(None)
-RECV_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
-
-_bound = threading.local()
-
-
-class StepBinding:
-    """Binds one partition's step to the calling thread while its native code runs: the native
-    send/recv calls made on this thread use `rendezvous`. `where` maps a key to its recv's source
-    location (for errors); `error` keeps the first failure a native recv met."""
-
-    def __init__(self, rendezvous: Rendezvous, where: dict[str, str]):
-        self.rendezvous = rendezvous
-        self.where = where
-        self.error: BaseException | None = None
-        self.lent: list[str] = []  # keys whose buffers receivers may still read
-
-    def __enter__(self) -> StepBinding:
-        _bound.step = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _bound.step = None
-
-
-def loopback() -> Rendezvous:
-    """The rendezvous of a function run outside the executor (one function on its own, as in
-    backend tests): its sends reach its own recvs on this thread."""
-    if getattr(_bound, "loopback", None) is None:
-        _bound.loopback = Rendezvous(parties=1)
-    return _bound.loopback
-
-
-def _native_send(key: int, data: int, nbytes: int) -> None:
-    name = ctypes.string_at(key).decode()
-    step = getattr(_bound, "step", None)
-    if step is None:  # a snapshot: nothing ends the loan of a function called on its own
-        snapshot = np.empty(nbytes, np.uint8)
-        ctypes.memmove(snapshot.ctypes.data, data, nbytes)
-        loopback().send(name, snapshot)
-        return
-    if step.rendezvous.send_bytes(name, data, nbytes):
-        step.lent.append(name)
-
-
-def _native_send_done() -> None:
-    step = getattr(_bound, "step", None)
-    if step is None or not step.lent:
-        return
-    try:
-        step.rendezvous.wait_returned(step.lent)
-    except TransferError as e:
-        if step.error is None:
-            step.error = e
-    step.lent.clear()
-
-
-def _native_recv(key: int, dest: int, nbytes: int) -> int:
-    # An exception must not escape a ctypes callback (it would be printed and ignored): failures
-    # are recorded on the step and reported by the executor once the native call returns.
-    name = ctypes.string_at(key).decode()
-    step = getattr(_bound, "step", None)
-    rendezvous = step.rendezvous if step is not None else loopback()
-    where = step.where.get(name, "") if step is not None else ""
-    try:
-        rendezvous.recv_into(name, dest, nbytes, f"{where}: " if where else "")
-    except TransferError as e:
-        if step is not None and step.error is None:
-            step.error = e
-        ctypes.memset(dest, 0, nbytes)
-        return 1
-    return 0
-
-
-# Kept alive for the life of the process: native code holds their addresses.
-_SEND_CALLBACK = SEND_PROTOTYPE(_native_send)
-_RECV_CALLBACK = RECV_PROTOTYPE(_native_recv)
-_SEND_DONE_CALLBACK = SEND_DONE_PROTOTYPE(_native_send_done)
-
-
-# Ops whose native code calls the functions below.
-COMMUNICATION_OPS = frozenset({"send", "recv", "send_done"})
-
-
-def native_symbols() -> dict[str, int]:
-    """The addresses native code links `flowjit_send` / `flowjit_recv` / `flowjit_send_done` to."""
-    return {
-        "flowjit_send": ctypes.cast(_SEND_CALLBACK, ctypes.c_void_p).value,
-        "flowjit_recv": ctypes.cast(_RECV_CALLBACK, ctypes.c_void_p).value,
-        "flowjit_send_done": ctypes.cast(_SEND_DONE_CALLBACK, ctypes.c_void_p).value,
-    }
-
-
-@functools.cache
-def link_native_symbols() -> None:
-    """Make the functions above resolvable by JIT-compiled and cache-loaded native code."""
-    import llvmlite.binding as binding
-
-    for name, address in native_symbols().items():
-        binding.add_symbol(name, address)

@@ -255,7 +255,11 @@ def link(
 def partition_plan(graph: Graph) -> PartitionPlan | None:
     """`graph` placed and partitioned as `fj.jit` does it (stage "placement"), split per device;
     None when it runs on one device."""
-    placed = run_pipeline(graph.copy(), PLACEMENT_PIPELINE)
+    from flowjit.runtime.devices import devices
+
+    graph = graph.copy()
+    graph.devices = tuple(d.name for d in devices())
+    placed = run_pipeline(graph, PLACEMENT_PIPELINE)
     return split_partitions(placed) if len(graph_devices(placed)) > 1 else None
 
 

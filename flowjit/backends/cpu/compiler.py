@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, schedule, toolchain
+from flowjit.backends.cpu.communication import COMMUNICATION_OPS, link_native_symbols
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.errors import CompileError
 from flowjit.ir.builder import single_value
@@ -36,7 +37,6 @@ from flowjit.ir.graph import Graph, Value
 from flowjit.ir.ops.contraction import conv_params
 from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
-from flowjit.runtime.rendezvous import COMMUNICATION_OPS, link_native_symbols
 
 # Modules that fill `LOWERINGS`, imported when compiling (not when loading from the cache).
 LOWERING_MODULES = (

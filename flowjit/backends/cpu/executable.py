@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends import Executable
+from flowjit.backends.base import Executable
 from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu.communication import run_in_step
 from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.types import TensorType
@@ -232,6 +233,11 @@ class CpuExecutable(Executable):
     """Native code for one flowjit function on the host CPU."""
 
     fresh_outputs = True
+    recv_locations: dict[str, str] = {}  # rendezvous key -> its recv's source line (for errors)
+
+    def run_step(self, args, variables, channel):
+        """A partition's call (its arguments checked by the caller): send/recv use `channel`."""
+        return run_in_step(lambda: self.run_trusted(args), channel, self.recv_locations)
 
     def __init__(self, native: toolchain.NativeModule, entry, stages, constants: tuple[np.ndarray, ...] = ()):
         """`constants`: arrays the native function takes after the caller's inputs (large constants

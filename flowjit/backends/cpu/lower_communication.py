@@ -1,10 +1,10 @@
-"""CPU lowering of `send`/`recv`: calls into the runtime's rendezvous with pointers.
+"""CPU lowering of `send`/`recv`: calls into the step's channel (the runtime's rendezvous) with pointers.
 
     send %v {key}   ->  flowjit_send(key, &v, nbytes)            (v is copied out, or lent)
     %r = recv {key} ->  flowjit_recv(key, &destination(r), nbytes) (one copy into r's buffer)
     send_done %v... ->  flowjit_send_done()                      (returns once lent buffers were read)
 
-with the C ABI (`flowjit.runtime.rendezvous`, pointers passed as 64-bit integers):
+with the C ABI (`communication.py`, pointers passed as 64-bit integers):
 
     void    flowjit_send(const char *key, const void *data, int64_t nbytes);
     int32_t flowjit_recv(const char *key, void *dest, int64_t nbytes);   // 0: delivered

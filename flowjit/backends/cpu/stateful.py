@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowjit.backends import Executable
+from flowjit.backends.base import Executable
+from flowjit.backends.cpu.communication import run_in_step
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph
 from flowjit.ir.ops import STATEFUL, get_opdef
@@ -25,6 +26,11 @@ class StatefulExecutable(Executable):
     """A CPU executable plus the binding of its extra inputs/outputs to variable buffers."""
 
     fresh_outputs = True  # the results are the inner executable's fresh arrays; variable buffers are not returned
+    recv_locations: dict[str, str] = {}  # rendezvous key -> its recv's source line (for errors)
+
+    def run_step(self, args, variables, channel):
+        """A partition's call: reads and updates `variables`; send/recv use `channel`."""
+        return run_in_step(lambda: self.run(args, variables), channel, self.recv_locations)
 
     def __init__(self, inner, layout: StateLayout, num_results: int):
         self.inner = inner

@@ -1,0 +1,73 @@
+"""Which backend serves which target name and device type.
+
+    BACKENDS            target name -> Backend ('cpu', 'interpreter', and any registered one)
+    DEVICE_BACKENDS     device type -> target name ('cpu' -> 'cpu')
+
+`fj.jit(f, target=...)` names a backend for every partition; by default each partition is compiled
+by the backend of its device's type (`backend_for_device`). A new backend registers itself with the
+device types it serves; a new device type must also be known to device names
+(`flowjit.ir.devices.register_device_type`) and have local devices (`runtime.devices`).
+"""
+
+from __future__ import annotations
+
+from flowjit.backends.base import Backend, Executable
+from flowjit.backends.cpu.backend import CpuBackend
+from flowjit.backends.interpreter import InterpreterBackend
+from flowjit.errors import FlowjitValueError
+from flowjit.ir.devices import DeviceSpec, register_device_type
+from flowjit.ir.graph import Graph
+
+BACKENDS: dict[str, Backend] = {"interpreter": InterpreterBackend(), "cpu": CpuBackend()}
+DEVICE_BACKENDS: dict[str, str] = {"cpu": "cpu"}
+
+
+def register_backend(backend: Backend, device_types: tuple[str, ...] = ()) -> None:
+    """Make `backend` a target (`fj.jit(f, target=backend.name)`) and the compiler of the devices
+    of `device_types` (registered as device types if new). Registering a name again replaces it."""
+    if not backend.name:
+        raise FlowjitValueError("a backend needs a name")
+    BACKENDS[backend.name] = backend
+    for device_type in device_types:
+        register_device_type(device_type)
+        DEVICE_BACKENDS[device_type] = backend.name
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a registered backend and the device types it served (the built-in ones stay)."""
+    if name in ("cpu", "interpreter"):
+        raise FlowjitValueError(f"the built-in backend '{name}' cannot be removed")
+    BACKENDS.pop(name, None)
+    for device_type in [t for t, n in DEVICE_BACKENDS.items() if n == name]:
+        del DEVICE_BACKENDS[device_type]
+
+
+def get_backend(target: str) -> Backend:
+    """The backend registered as `target`."""
+    backend = BACKENDS.get(target)
+    if backend is None:
+        raise FlowjitValueError(f"unknown target '{target}'; available: {', '.join(sorted(BACKENDS))}")
+    return backend
+
+
+def backend_for_device(device: str) -> Backend:
+    """The backend that compiles for `device` (a device name): the one registered for its type."""
+    device_type = DeviceSpec.parse(device).device_type
+    name = DEVICE_BACKENDS.get(device_type)
+    if name is None:
+        raise FlowjitValueError(
+            f"no backend compiles for device '{device}' (type '{device_type}'); backends serve "
+            f"{', '.join(f'{t} ({n})' for t, n in sorted(DEVICE_BACKENDS.items()))}"
+        )
+    return BACKENDS[name]
+
+
+def compile_graph(graph: Graph, target: str = "cpu", options=None, aliases: dict[int, int] | None = None) -> Executable:
+    """Compile `graph` with the backend registered as `target` ('cpu', 'interpreter', ...). `aliases`
+    (output index -> input index of the same type) are the outputs callers may have written into
+    donated inputs' buffers; the executable's `aliases` says which ones the backend honors."""
+    return get_backend(target).compile(graph, None, options, dict(aliases or {}))
+
+
+def default_target() -> str:
+    return "cpu" if "cpu" in BACKENDS else "interpreter"
