@@ -14,12 +14,11 @@ from flowjit import (  # noqa: E402,F401  (libraries written on the API above)
     random,
 )
 from flowjit.errors import CompileError, FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError  # noqa: F401
+from flowjit.frontend.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from flowjit.frontend.control_flow import cond, fori_loop, while_loop  # noqa: F401
 from flowjit.frontend.grad import custom_vjp, grad, stop_gradient, value_and_grad, vjp  # noqa: F401
 from flowjit.frontend.jit import Compiled, Jitted, Lowered, ShapeDtype, jit  # noqa: F401
 from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 from flowjit.frontend.variables import Variable  # noqa: F401
-from flowjit.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from flowjit.runtime.devices import Device, DeviceSpec, device, devices  # noqa: F401
-
-__version__ = "0.1.0"
+from flowjit.version import __version__  # noqa: F401

@@ -332,7 +332,7 @@ def _add_compile(sub) -> None:
 def _run_compile(args) -> int:
     """Compile FUNCTION of FILE.py for the given arguments into DIR/NAME.so (or .a), DIR/NAME.h and
     DIR/NAME.json: a C library that runs without Python (see docs/aot.md)."""
-    from flowjit.backends.cpu import aot
+    from flowjit import aot
 
     if args.backend != "cpu":
         raise UsageError(f"--target {args.backend}: ahead-of-time compilation supports only the 'cpu' target")

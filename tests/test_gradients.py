@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from flowjit.frontend.autodiff import VJP_RULES, VJPSpec, is_non_differentiable, vjp_graph
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
@@ -22,7 +23,6 @@ from flowjit.ir.interpreter import interpret
 from flowjit.ir.ops import REGISTRY
 from flowjit.ir.types import TensorType
 from flowjit.ir.verifier import verify
-from flowjit.passes.autodiff import VJP_RULES, VJPSpec, is_non_differentiable, vjp_graph
 
 F16, BF16, F32, F64, I32 = dt.float16, dt.bfloat16, dt.float32, dt.float64, dt.int32
 

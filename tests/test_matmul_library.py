@@ -13,7 +13,8 @@ import pytest
 
 import flowjit as fj
 import flowjit.numpy as fnp
-from flowjit.backends.cpu import aot, matmul_kernel, matmul_library
+from flowjit import aot
+from flowjit.backends.cpu import matmul_kernel, matmul_library
 
 needs_cores = pytest.mark.skipif(
     matmul_kernel.cores() < 2, reason="the library takes products split over two or more cores"

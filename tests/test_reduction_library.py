@@ -9,7 +9,8 @@ import pytest
 
 import flowjit as fj
 import flowjit.numpy as fnp
-from flowjit.backends.cpu import aot, reduction_library, schedule
+from flowjit import aot
+from flowjit.backends.cpu import reduction_library, schedule
 
 CALL = "calls the reduction library's @fj_reduce_"
 REDUCTIONS = {"sum": fnp.sum, "max": fnp.max, "min": fnp.min}

@@ -9,8 +9,8 @@ import pytest
 
 import flowjit as fj
 import flowjit.numpy as fnp
-from flowjit import nn
-from flowjit.backends.cpu import aot, library, row_library
+from flowjit import aot, nn
+from flowjit.backends.cpu import library, row_library
 
 CALL = "calls the row library's @fj_"
 

@@ -11,7 +11,8 @@ import pytest
 
 import flowjit as fj
 import flowjit.numpy as fnp
-from flowjit.backends.cpu import aot, cache, matmul_kernel, toolchain, transpose_library
+from flowjit import aot
+from flowjit.backends.cpu import cache, matmul_kernel, toolchain, transpose_library
 
 CALL = "calls the transpose library's @fj_transpose_narrow_"
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from flowjit.errors import FlowjitTypeError
 from flowjit.frontend.pytree import TreeDef, tree_flatten, tree_unflatten
-from flowjit.frontend.trace import Trace, Tracer, current_trace
+from flowjit.frontend.trace import Trace, Tracer, array_library, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Value
 from flowjit.ir.location import user_location
@@ -29,8 +29,7 @@ def _aval(x) -> TensorType:
 def _as_operands(leaves: list) -> list:
     """Leaves as tracers or arrays of flowjit dtypes, converted as `flowjit.numpy` converts them: a
     lone Python float is float32 (numpy would make it float64), a Python int int64, lists arrays."""
-    from flowjit import numpy as fnp
-
+    fnp = array_library()
     return [x if isinstance(x, Tracer) else fnp.asarray(x) for x in leaves]
 
 
@@ -83,8 +82,7 @@ def cond(pred, true_fn: Callable, false_fn: Callable, *operands):
     """
     if not _is_traced(pred, operands):
         return true_fn(*operands) if bool(np.asarray(pred)) else false_fn(*operands)
-    from flowjit import numpy as fnp
-
+    fnp = array_library()
     pred = fnp.asarray(pred)
     if tuple(pred.shape) != ():
         raise FlowjitTypeError(f"{user_location()}: cond's predicate must be a scalar; found shape {pred.shape}")
@@ -165,8 +163,7 @@ def fori_loop(lower, upper, body_fn: Callable, init_val):
         for i in range(int(lower), int(upper)):
             val = body_fn(np.asarray(i, np.int64), val)
         return val
-    from flowjit import numpy as fnp
-
+    fnp = array_library()
     index_dtype = dt.int64
     lo = fnp.astype(fnp.asarray(lower), index_dtype)
     hi = fnp.astype(fnp.asarray(upper), index_dtype)

@@ -28,17 +28,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from flowjit import numpy as fnp
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.frontend.autodiff import CUSTOM_RULES, GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
 from flowjit.frontend.pytree import leaf_paths, tree_flatten, tree_map, tree_unflatten
-from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
+from flowjit.frontend.trace import Trace, Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.location import UNKNOWN, user_location
 from flowjit.ir.printer import print_graph
 from flowjit.ir.types import TensorType
-from flowjit.passes.autodiff import CUSTOM_RULES, GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
 
 # --- inlining a graph into the caller ------------------------------------------------------------------
 
@@ -315,7 +314,7 @@ def vjp(fun: Callable, *primals):
                 f"found {ct_tree}"
             )
         for i in seeds:
-            expected, found = graph.results[i].type, _leaf_type(fnp.asarray(ct_leaves[i]))
+            expected, found = graph.results[i].type, _leaf_type(array_library().asarray(ct_leaves[i]))
             if expected != found:
                 raise FlowjitTypeError(f"{user_location()}: cotangent leaf {i} must be {expected}; found {found}")
         grads = inline_graph(vjp_graph(graph, spec), [*diff_leaves, *captured, *(ct_leaves[i] for i in seeds)])
@@ -385,8 +384,8 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
         out_leaves, out_tree = tree_flatten(out)
         if not out_leaves:
             return out
-        in_types = tuple(_leaf_type(fnp.asarray(x)) for x in in_leaves)
-        out_types = tuple(_leaf_type(fnp.asarray(x)) for x in out_leaves)
+        in_types = tuple(_leaf_type(array_library().asarray(x)) for x in in_leaves)
+        out_types = tuple(_leaf_type(array_library().asarray(x)) for x in out_leaves)
         rule = self._rule_id(in_tree, in_types, res_tree, out_tree, out_types)
         attrs = {"rule": rule, "num_inputs": len(in_leaves), "num_residuals": len(res_leaves)}
         results = bind("custom_vjp_call", [*in_leaves, *res_leaves, *out_leaves], attrs)
@@ -402,7 +401,7 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
 
     def _backward(self, in_tree, in_types, res_tree, out_tree, out_types, residuals, cts):
         """Call `bwd` on tracers; returns one cotangent (or None) per input leaf."""
-        cts = [ct if ct is not None else fnp.zeros(t.shape, t.dtype) for ct, t in zip(cts, out_types)]
+        cts = [ct if ct is not None else array_library().zeros(t.shape, t.dtype) for ct, t in zip(cts, out_types)]
         arg_cts = self.bwd(tree_unflatten(res_tree, residuals), tree_unflatten(out_tree, cts))
         num_args = len(in_tree.children)
         if not isinstance(arg_cts, tuple | list) or len(arg_cts) != num_args:
@@ -427,11 +426,11 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
             if ct is None or not t.dtype.is_float:
                 out.append(None)
                 continue
-            ct = fnp.asarray(ct)
-            if tuple(fnp.shape(ct)) != t.shape:
+            ct = array_library().asarray(ct)
+            if tuple(array_library().shape(ct)) != t.shape:
                 raise FlowjitTypeError(
                     f"{user_location()}: the bwd of custom_vjp {self.__name__} returned a cotangent of shape "
-                    f"{tuple(fnp.shape(ct))} for an input of type {t}"
+                    f"{tuple(array_library().shape(ct))} for an input of type {t}"
                 )
-            out.append(fnp.astype(ct, t.dtype))
+            out.append(array_library().astype(ct, t.dtype))
         return out

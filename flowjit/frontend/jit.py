@@ -33,11 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import flowjit.numpy  # noqa: F401  (installs the Tracer operators `+ - * @ ...` that traced code uses)
 from flowjit.backends import Executable, backend_for_device, default_target, get_backend
 from flowjit.errors import FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
-from flowjit.frontend.trace import Trace, Tracer, current_trace, escaped_tracer_error
+from flowjit.frontend.trace import Trace, Tracer, array_library, current_trace, escaped_tracer_error
 from flowjit.frontend.variables import Variable
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph
@@ -450,7 +449,7 @@ class Jitted:
                 f"{self._where()}: {self.name} returned an array of dtype {np.asarray(leaf).dtype} at {path}; "
                 f"flowjit supports {', '.join(d.np_dtype.name for d in dt.ALL_DTYPES)}"
             )
-        return flowjit.numpy.asarray(leaf)
+        return array_library().asarray(leaf)
 
     def _where(self) -> str:
         code = getattr(self.fun, "__code__", None)

@@ -312,3 +312,23 @@ class Tracer:
 
     # Arithmetic operators and array methods (`+`, `@`, `.sum`, `.T`, ...) are installed on this
     # class by flowjit.numpy, next to the functions they call.
+
+
+# --- the array library -----------------------------------------------------------------------------------
+
+_array_library = None
+
+
+def install_array_library(module) -> None:
+    """Called by flowjit.numpy when it is imported: the library traced code is written with. The
+    frontend converts user values with it (`asarray`, `astype`, `broadcast_to`, ...), so that they
+    follow the same dtype rules, without importing a layer above its own."""
+    global _array_library
+    _array_library = module
+
+
+def array_library():
+    """flowjit.numpy (installed by `import flowjit`, which every use of the frontend goes through)."""
+    if _array_library is None:
+        raise RuntimeError("internal error: flowjit.numpy is not loaded; import flowjit first")
+    return _array_library

@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 
 from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError
-from flowjit.frontend.trace import Tracer, bind, current_trace
+from flowjit.frontend.trace import Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
 from flowjit.ir.types import TensorType
@@ -52,8 +52,7 @@ def _as_host_array(value, dtype=None) -> np.ndarray:
         except ValueError as e:
             raise FlowjitTypeError(f"{user_location()}: Variable: {e}") from None
         return np.asarray(value)
-    from flowjit import numpy as fnp
-
+    fnp = array_library()
     return np.asarray(fnp.asarray(value))  # Python scalars and lists: float32 / int64 defaults
 
 
@@ -108,8 +107,7 @@ class Variable:
 
     def _update(self, op: str, x) -> Variable:
         if current_trace() is not None:
-            from flowjit import numpy as fnp
-
+            fnp = array_library()
             x = fnp.asarray(x)
             if tuple(fnp.shape(x)) != self.shape:
                 try:

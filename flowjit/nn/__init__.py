@@ -8,6 +8,7 @@ in `flowjit/nn/{activations,normalization,losses,conv,layers,initialization}.py`
 public namespace.
 """
 
+from flowjit.nn import composites  # noqa: E402,F401  (registers nn's composites for the backends)
 from flowjit.nn.activations import (  # noqa: F401 (the public namespace)
     celu,
     cosine_similarity,

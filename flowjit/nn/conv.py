@@ -200,14 +200,14 @@ def conv_transpose2d(x, w, b=None, stride=1, padding=0, output_padding=0, dilati
     if groups == 1 and dilation == (1, 1) and max(stride) > 1:
         # The adjoint of conv2d(., w, stride, padding) whose input is this output's size: one
         # stride-1 conv per phase, never multiplying the zeros a stride-dilated input would hold.
-        from flowjit.passes import autodiff  # the autodiff pass imports this package
+        from flowjit.numpy import vjp_rules
 
-        if autodiff.STRIDED_INPUT_GRADIENT_BY_PHASES:
+        if vjp_rules.STRIDED_INPUT_GRADIENT_BY_PHASES:
             size = tuple(
                 (n - 1) * s - 2 * p + (k - 1) + op + 1
                 for n, s, p, k, op in zip(fnp.shape(x)[2:], stride, padding, (kh, kw), output_padding)
             )
-            out = autodiff.conv2d_input_grad_by_phases(x, w, size, stride, tuple((p, p) for p in padding))
+            out = vjp_rules.conv2d_input_grad_by_phases(x, w, size, stride, tuple((p, p) for p in padding))
             return out if b is None else fnp.add(out, fnp.reshape(b, (1, -1, 1, 1)))
     # (C, O/g, kh, kw) -> (O, C/g, kh, kw), spatially flipped: the forward conv's adjoint.
     w = fnp.reshape(w, (groups, in_channels // groups, group_out, kh, kw))

@@ -8,9 +8,11 @@ flowjit's reference implementations, so results match what compiled code returns
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from flowjit.frontend.trace import Tracer
+from flowjit.frontend.trace import Tracer, install_array_library
 from flowjit.ir import dtypes as dt
 from flowjit.numpy.elementwise import (  # noqa: F401 (the public namespace)
     abs,
@@ -354,3 +356,7 @@ TRACER_METHODS = {
 }
 for _name, _fn in TRACER_METHODS.items():
     setattr(Tracer, _name, _fn)
+install_array_library(sys.modules[__name__])
+
+# The VJP rules are written with the functions above; registering them needs this package whole.
+from flowjit.numpy import vjp_rules  # noqa: E402,F401

@@ -88,7 +88,7 @@ def sort(x, axis=-1, kind=None, order=None, stable=None):
 
 
 def _under_differentiation() -> bool:
-    from flowjit.passes.autodiff import under_differentiation  # the autodiff pass imports this package
+    from flowjit.frontend.autodiff import under_differentiation
 
     return under_differentiation()
 

@@ -67,4 +67,4 @@ def run_pipeline(graph: Graph, names: Sequence[str], verify: bool | None = None,
 
 
 def _load_builtin_passes() -> None:
-    from flowjit.passes import autodiff, canonicalize, fuse, partition, place, state  # noqa: F401
+    from flowjit.passes import canonicalize, fuse, partition, place, state  # noqa: F401

@@ -55,7 +55,7 @@ def cache_dir() -> str:
 @functools.cache
 def _backend_fingerprint() -> str:
     """Versions, host and the backend's source: anything that changes generated code."""
-    import flowjit
+    from flowjit.version import __version__
 
     source = hashlib.sha256()
     folder = os.path.dirname(os.path.abspath(__file__))
@@ -65,7 +65,7 @@ def _backend_fingerprint() -> str:
                 source.update(name.encode() + b"\0" + f.read())
     cpu = toolchain.host_cpu()
     parts = {
-        "flowjit": flowjit.__version__,
+        "flowjit": __version__,
         **toolchain.versions(),
         "backend-source": source.hexdigest(),
         "cpu": f"{cpu.triple} {cpu.name} {cpu.features}",

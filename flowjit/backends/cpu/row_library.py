@@ -26,10 +26,10 @@ compiled kernel sums a vector at a time, would round differently and keep their 
 (`_identical_sums`), so the library never changes a program's results.
 
 Which regions call it: `match` (a fusion whose body is, op for op, what `flowjit.nn`'s function traces
-to for the same types: `_REFERENCES`; rows of `MIN_ROW_BYTES` to `lower_rows.MAX_ROW_BYTES`, of any
-length in inputs of at most `SMALL_INPUT_BYTES`), through `lower_fusion`'s `CALL_LOWERINGS` entry
-(`lowering.call_lowering`). `FLOWJIT_ROW_LIBRARY=0` turns it off; AOT libraries keep their kernels
-(`library.disabled`). docs/cpu-backend.md ("Row library") has the measurements.
+to for the same types, registered as a composite in `flowjit.ir.composites`; rows of `MIN_ROW_BYTES`
+to `lower_rows.MAX_ROW_BYTES`, of any length in inputs of at most `SMALL_INPUT_BYTES`), through
+`lower_fusion`'s `CALL_LOWERINGS` entry (`lowering.call_lowering`). `FLOWJIT_ROW_LIBRARY=0` turns it
+off; AOT libraries keep their kernels (`library.disabled`). docs/cpu-backend.md ("Row library") has the measurements.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from flowjit.backends.cpu import library, mathlib, matmul_kernel, schedule
 from flowjit.backends.cpu.emitter import scalar_literal
 from flowjit.backends.cpu.library import Writer
 from flowjit.ir import dtypes as dt
+from flowjit.ir.composites import COMPOSITES, EPS_MARKER, composite_graph
 from flowjit.ir.graph import Graph, Op
 from flowjit.ir.types import TensorType
 
@@ -343,82 +344,6 @@ def library_mlir() -> str:
 
 # --- which fused regions call it ------------------------------------------------------------------
 
-# eps of the reference graphs: a value no canonicalization folds away, exact in f32 and f64, whose
-# constants mark where the candidate's eps is.
-_EPS = 2.0**-7 + 2.0**-20
-
-
-def _softmax(x):
-    from flowjit import nn
-
-    return nn.softmax(x, axis=-1)
-
-
-def _log_softmax(x):
-    from flowjit import nn
-
-    return nn.log_softmax(x, axis=-1)
-
-
-def _layer_norm(x):
-    from flowjit import nn
-
-    return nn.layer_norm(x, eps=_EPS)
-
-
-def _layer_norm_affine(x, gamma, beta):
-    from flowjit import nn
-
-    return nn.layer_norm(x, gamma, beta, eps=_EPS)
-
-
-def _softmax_divided(x):
-    from flowjit import numpy as fnp
-
-    e = fnp.exp(fnp.subtract(x, fnp.max(x, axis=-1, keepdims=True)))
-    return fnp.divide(e, fnp.sum(e, axis=-1, keepdims=True))
-
-
-def _layer_norm_divided(x):
-    from flowjit import numpy as fnp
-
-    centered = fnp.subtract(x, fnp.mean(x, axis=-1, keepdims=True))
-    var = fnp.mean(fnp.multiply(centered, centered), axis=-1, keepdims=True)
-    return fnp.divide(centered, fnp.sqrt(fnp.add(var, _EPS)))
-
-
-def _layer_norm_divided_affine(x, gamma, beta):
-    from flowjit import numpy as fnp
-
-    return fnp.add(fnp.multiply(_layer_norm_divided(x), gamma), beta)
-
-
-def _rms_norm(x):
-    from flowjit import nn
-
-    return nn.rms_norm(x, eps=_EPS)
-
-
-def _rms_norm_scaled(x, gamma):
-    from flowjit import nn
-
-    return nn.rms_norm(x, gamma, eps=_EPS)
-
-
-# function -> the `flowjit.nn` call whose graph its regions must be, op for op
-_REFERENCES = {
-    "softmax": _softmax,
-    "softmax_divided": _softmax_divided,
-    "log_softmax": _log_softmax,
-    "layer_norm": _layer_norm,
-    "layer_norm_affine": _layer_norm_affine,
-    "layer_norm_divided": _layer_norm_divided,
-    "layer_norm_divided_affine": _layer_norm_divided_affine,
-    "rms_norm": _rms_norm,
-    "rms_norm_scaled": _rms_norm_scaled,
-}
-
-
 # Ops each function's region holds: a test that costs nothing before its reference is traced (1-3 ms
 # per function and operand types), so that other regions (elementwise chains) pay none of it.
 _HOLDS = {
@@ -460,14 +385,12 @@ def _signature(body: Graph) -> tuple[tuple, list[np.ndarray]] | None:
     return (tuple(str(p.type) for p in body.params), tuple(ops), tuple(names[v] for v in body.results)), constants
 
 
-@functools.lru_cache(maxsize=64)
 def _reference(name: str, types: tuple[TensorType, ...]):
-    """The signature of the region `flowjit.nn`'s function traces to for operands of `types`, or None
-    when it does not trace to one fused region over the function's arguments in order."""
-    from flowjit.frontend.jit import ShapeDtype, optimized_graph
-
-    graph = optimized_graph(_REFERENCES[name], *[ShapeDtype(t.shape, t.dtype.np_dtype) for t in types])
-    if len(graph.ops) != 1 or graph.ops[0].name != "fusion" or graph.ops[0].operands != graph.params:
+    """The signature of the region the composite `name` traces to for operands of `types`
+    (`flowjit.ir.composites`, registered by `flowjit.nn`), or None when it does not trace to one
+    fused region over the function's arguments in order."""
+    graph = composite_graph(name, types)
+    if graph is None or len(graph.ops) != 1 or graph.ops[0].name != "fusion" or graph.ops[0].operands != graph.params:
         return None
     return _signature(graph.ops[0].regions[0])
 
@@ -512,7 +435,8 @@ def _identical_sums(cols: int, elem: str) -> bool:
 
 def match(op: Op) -> RowCall | None:
     """How the fusion `op` calls the row library, or None: a region with one result whose body is
-    op for op the graph of one of `_REFERENCES` for the same operand types (the norms: any eps),
+    op for op the graph of one of the composites (`flowjit.ir.composites`) for the same operand
+    types (the norms: any eps),
     f32/f64 rows of `MIN_ROW_BYTES` (any length in inputs of at most `SMALL_INPUT_BYTES`) to
     `lower_rows.MAX_ROW_BYTES` on which the compiled kernel would sum as the library does (same bits:
     `_identical_sums`)."""
@@ -531,7 +455,7 @@ def match(op: Op) -> RowCall | None:
         return None
     held = {o.name for o in op.regions[0].ops}
     types = tuple(v.type for v in op.operands)
-    candidates = [n for n, f in _REFERENCES.items() if f.__code__.co_argcount == len(types) and _HOLDS[n] <= held]
+    candidates = [n for n, held_ops in _HOLDS.items() if held_ops <= held and n in COMPOSITES]
     found = _signature(op.regions[0]) if candidates else None
     if found is None:
         return None
@@ -548,13 +472,13 @@ def match(op: Op) -> RowCall | None:
 
 def _constants_match(expected: list[np.ndarray], found: list[np.ndarray]) -> float | None | bool:
     """False unless `found` has the reference's constants (same dtypes and shapes, same bits) but for
-    the splats of `_EPS`, which must be splats of one value there; else that value (eps; None where
+    the splats of `EPS_MARKER`, which must be splats of one value there; else that value (eps; None where
     the function has none)."""
     eps = None
     for want, have in zip(expected, found):
         if want.dtype != have.dtype or want.shape != have.shape:
             return False
-        if want.size and (want == _EPS).all():
+        if want.size and (want == EPS_MARKER).all():
             value = have.reshape(-1)[0]
             if (have != value).any() or (eps is not None and float(value) != eps):
                 return False

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, op_error
+from flowjit.frontend.autodiff import FORWARD_RULES, VJP_RULES, VJPSpec, emit_traced, replay, vjp_graph, zeros
 from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op
 from flowjit.ir.types import TensorType
-from flowjit.passes.autodiff import FORWARD_RULES, VJP_RULES, VJPSpec, emit_traced, replay, vjp_graph, zeros
 
 
 def _while_vjp(op, cts, operands, results):

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import flowjit
 from flowjit.backends.cpu import aot_c, library, toolchain
 from flowjit.backends.cpu.compiler import generate_mlir
 from flowjit.errors import CompileError, FlowjitValueError
@@ -40,6 +39,7 @@ from flowjit.ir.graph import Graph, Value
 from flowjit.passes.partition import PartitionPlan, graph_devices, short_device_name, split_partitions
 from flowjit.passes.registry import run_pipeline
 from flowjit.passes.state import functionalize_state
+from flowjit.version import __version__
 
 THREADS = ("openmp", "serial")
 # The rendezvous functions partition kernels call (lower_communication.py); a partitioned library
@@ -192,7 +192,7 @@ def _freeze_parameters(graph: Graph, values: dict[int, np.ndarray]) -> None:
 def load_frozen_variables(path: str) -> dict:
     """Variable name -> value from a checkpoint of a dict (`fj.save_checkpoint(path, {name: value
     or Variable})`)."""
-    from flowjit.runtime.checkpoint import load_checkpoint
+    from flowjit.frontend.checkpoint import load_checkpoint
 
     tree = load_checkpoint(path)
     if not isinstance(tree, dict):
@@ -357,7 +357,7 @@ def _manifest(
     manifest = {
         "name": options.name,
         "source": source,
-        "flowjit_version": flowjit.__version__,
+        "flowjit_version": __version__,
         "library": options.name + (".a" if options.static_lib else ".so"),
         "header": f"{options.name}.h",
         "entry_points": [
