@@ -329,13 +329,9 @@ def _constants_digest(constants: tuple[np.ndarray, ...]) -> str:
 
 
 def compile_cpu(graph: Graph, options: CompileOptions | None = None):
-    """Compile `graph` for the host CPU (or load it from the compile cache). A graph with state ops
-    is functionalized first and bound to the variables' buffers at call time (`stateful.py`). Large
-    constants become inputs the executable passes itself (`lift_constants`)."""
-    from flowjit.backends.cpu.stateful import compile_stateful, has_state
-
-    if has_state(graph):
-        return compile_stateful(graph, options or CompileOptions())
+    """Compile `graph`, which has no state ops (`stateful.py` functionalizes those first), for the
+    host CPU (or load it from the compile cache). Large constants become inputs the executable
+    passes itself (`lift_constants`)."""
     options = options or CompileOptions()
     if any(op.name in COMMUNICATION_OPS for op in graph.ops):
         link_native_symbols()  # the runtime functions send/recv call (compiled or loaded code)
