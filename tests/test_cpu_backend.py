@@ -25,6 +25,7 @@ from flowjit.backends import compile_graph
 from flowjit.backends.cpu import cache, compiler, toolchain
 from flowjit.backends.cpu.compiler import load_lowerings
 from flowjit.backends.cpu.lowering import BUFFER_LOWERINGS, LOWERINGS, plan_workspace
+from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph, Op
@@ -600,7 +601,7 @@ def test_failed_pipeline_saves_a_reproducer(tmp_path, monkeypatch):
     )
     pipelines = ["builtin.module(convert-scf-to-openmp)", "builtin.module(convert-scf-to-cf)"]
     with pytest.raises(CompileError, match="reproduce with: python -c") as info:
-        toolchain.run_mlir(text, pipelines)
+        mlir_pipeline.run_mlir(text, pipelines)
     (saved,) = tmp_path.iterdir()
     assert saved.read_text() == text and str(saved) in str(info.value)
 

@@ -18,6 +18,7 @@ import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
 from flowjit.backends.cpu import lower_contraction, matmul_kernel, schedule, toolchain
+from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph
@@ -898,7 +899,7 @@ def test_transpose_of_merged_dims_is_written_in_its_output(shape, perm):
     transpose too small for a schedule still copies: MLIR's elementwise fusion expands its plain
     generic back to the result's dims, which no longer match the view.)"""
     mlir = check("transpose", [data(shape, dt.float32, 3)], dict(perm=perm))
-    bufferized = toolchain.run_mlir(
+    bufferized = mlir_pipeline.run_mlir(
         toolchain.apply_transform_schedule(mlir), [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"]
     )
     assert "memref.copy" not in bufferized and "memref.alloc" not in bufferized
@@ -981,7 +982,7 @@ def test_conv2d_blocks_of_rows_are_computed_in_the_output(monkeypatch):
     x, w = data((2, 8, 48, 48), dt.float32, 3), data((8, 8, 3, 3), dt.float32, 4)
     attrs = dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1))
     mlir = check("conv2d", [x, w], attrs)
-    bufferized = toolchain.run_mlir(
+    bufferized = mlir_pipeline.run_mlir(
         toolchain.apply_transform_schedule(mlir), [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"]
     )
     assert "memref.copy" not in bufferized
@@ -1026,7 +1027,7 @@ def test_conv2d_chunks_of_images_are_transposed_into_the_output(monkeypatch, cor
     x, w = data((8, 2, 16, 16), dt.float32, 3), data((8, 2, 3, 3), dt.float32, 4)
     attrs = dict(stride=(stride, stride), padding=((1, 1), (1, 1)), dilation=(1, 1))
     mlir = check("conv2d", [x, w], attrs)
-    bufferized = toolchain.run_mlir(
+    bufferized = mlir_pipeline.run_mlir(
         toolchain.apply_transform_schedule(mlir), [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"]
     )
     assert "memref.copy" not in bufferized
@@ -1316,9 +1317,9 @@ def test_loop_temporaries_are_allocated_once_per_thread():
     x = data((schedule.PARALLEL_MIN_ELEMENTS // 100 + 7, 100), dt.float32, 12)
     mlir = check("reduce_max", [x], dict(axes=(1,)))
     scheduled = toolchain.apply_transform_schedule(mlir)
-    bufferized = toolchain.run_mlir(scheduled, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"])
+    bufferized = mlir_pipeline.run_mlir(scheduled, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})"])
     enclosing = []
-    with toolchain.mlir_context():
+    with mlir_pipeline.mlir_context():
         module = ir.Module.parse(bufferized)
 
         def visit(op):

@@ -15,7 +15,6 @@ into memory is rejected by MLIR 22's MemRefToLLVM (an assertion, which would abo
 
 from __future__ import annotations
 
-from flowjit.backends.cpu.emitter import KernelEmitter, tensor_type
 from flowjit.backends.cpu.lowering import (
     BUFFER_LOWERINGS,
     INLINE_CONSTANT_ELEMENTS,
@@ -26,6 +25,7 @@ from flowjit.backends.cpu.lowering import (
     lowering,
     no_lowering_error,
 )
+from flowjit.backends.mlir.emitter import KernelEmitter, tensor_type
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph, Op
 

@@ -32,14 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flowjit.backends.cpu import lower_contraction, lower_rows, row_library, schedule
-from flowjit.backends.cpu.emitter import (
-    KernelEmitter,
-    ScalarBuilder,
-    elem_type,
-    memory_elem_type,
-    scalar_literal,
-    tensor_type,
-)
 from flowjit.backends.cpu.lower_elementwise import (
     _BINARY,
     _BOOL_PREDICATE,
@@ -68,6 +60,14 @@ from flowjit.backends.cpu.lowering import (
     splat_value,
 )
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
+from flowjit.backends.mlir.emitter import (
+    KernelEmitter,
+    ScalarBuilder,
+    elem_type,
+    memory_elem_type,
+    scalar_literal,
+    tensor_type,
+)
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops.reduction import reduction_identity

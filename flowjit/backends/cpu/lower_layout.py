@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.backends.cpu.lower_elementwise import filled, reshape_tensor
 from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, can_collapse, lowering, splat_value
+from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 

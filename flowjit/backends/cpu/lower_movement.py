@@ -23,13 +23,6 @@ from typing import NamedTuple
 import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
-from flowjit.backends.cpu.emitter import (
-    KernelEmitter,
-    ScalarBuilder,
-    elem_type,
-    memory_elem_type,
-    tensor_type,
-)
 from flowjit.backends.cpu.lower_elementwise import filled, memory_scalar
 from flowjit.backends.cpu.lower_layout import row_copy, written_through
 from flowjit.backends.cpu.lowering import (
@@ -39,6 +32,13 @@ from flowjit.backends.cpu.lowering import (
     bool_to_bytes,
     lowering,
     splat_value,
+)
+from flowjit.backends.mlir.emitter import (
+    KernelEmitter,
+    ScalarBuilder,
+    elem_type,
+    memory_elem_type,
+    tensor_type,
 )
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op

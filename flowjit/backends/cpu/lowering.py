@@ -37,7 +37,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flowjit.backends.cpu.emitter import (
+from flowjit.backends.cpu.nontemporal import ARG_ATTR, wants_streaming
+from flowjit.backends.mlir.emitter import (
     KernelEmitter,
     elem_type,
     memory_elem_type,
@@ -45,7 +46,6 @@ from flowjit.backends.cpu.emitter import (
     scalar_literal,
     tensor_type,
 )
-from flowjit.backends.cpu.nontemporal import ARG_ATTR, wants_streaming
 from flowjit.errors import CompileError, op_error
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import single_value

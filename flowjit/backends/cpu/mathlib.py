@@ -97,7 +97,7 @@ import math
 from collections.abc import Callable
 
 from flowjit.backends.cpu import ldexp
-from flowjit.backends.cpu.emitter import ScalarBuilder
+from flowjit.backends.mlir.emitter import ScalarBuilder
 
 _INT = {"f32": "i32", "f64": "i64"}
 # (exponent bias, mantissa bits) of the binary formats

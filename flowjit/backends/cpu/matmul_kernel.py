@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from flowjit.backends.cpu import toolchain
-from flowjit.backends.cpu.emitter import KernelEmitter
+from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.errors import CompileError
 
 # Below this many multiply-adds the product runs on one thread (an OpenMP fork costs microseconds).

@@ -1,8 +1,9 @@
 """The CPU toolchain: MLIR text -> MLIR pass pipeline -> LLVM IR -> llvmlite (host CPU, O3) ->
 native code, in process (MCJIT) or as an object file for ahead-of-time builds.
 
-Everything that touches `mlir` or `llvmlite` directly lives here (and in `parallel_codegen`, which
-compiles a large module's parts on several threads), so the lowering code only deals in MLIR text.
+Everything that touches `llvmlite` directly lives here (and in `parallel_codegen`, which compiles
+a large module's parts on several threads); MLIR pipelines run through the shared runner
+(`backends/mlir/pipeline.py`), so the lowering code only deals in MLIR text.
 Recipes and their pitfalls are in shared/TOOLCHAIN.md; the ones that matter here:
 attribute aliases sit outside `module {}`; `eliminate-empty-tensors` precedes bufferization;
 `convert-ub-to-llvm` is required; the OpenMP runtime (`libiomp5` from the intel-openmp wheel) must
@@ -14,19 +15,16 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import functools
-import math
 import os
-import re
 import struct
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from flowjit.backends.cpu import lane_extremes, ldexp, single_lane
+from flowjit.backends.mlir import pipeline
 from flowjit.errors import CompileError
-from flowjit.passes import dump
 
 # Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
 # The transform schedule before them ends with a function-wide canonicalization and hoists the
@@ -93,11 +91,11 @@ LLVM_PIPELINE = (
     "convert-ub-to-llvm,reconcile-unrealized-casts,canonicalize,cse"
 )
 
-_lock = threading.RLock()
+_lock = pipeline.lock()
 
 
 def lock() -> threading.RLock:
-    """The lock held around this module's MLIR and LLVM calls."""
+    """The lock held around this module's MLIR and LLVM calls (`pipeline.lock`)."""
     return _lock
 
 
@@ -199,109 +197,12 @@ def target_machine(reloc: str = "default", opt: int = 3):
     return target.create_target_machine(cpu=cpu.name, features=cpu.features, opt=opt, reloc=reloc, codemodel=codemodel)
 
 
-@functools.cache
-def mlir_context():
-    """One MLIR context per process (creating one costs milliseconds; parsing is guarded by a lock).
-    Without MLIR's thread pool: our module is one function, so the pool never had work to share, and
-    a process forked after the pool started has none of its threads, so the child's first parse
-    (parallel verification) waited on them forever."""
-    from mlir import ir
-
-    context = ir.Context()
-    context.enable_multithreading(False)
-    return context
-
-
-def _pass_manager(pipeline: str):
-    """A pass manager for `pipeline`. The MLIR verifier runs after every pass only with
-    `FLOWJIT_VERIFY=1` (the test suite): it costs about a sixth of the pipelines' time. Without it
-    the input is still verified when parsed and the result once at the end (`_verified`)."""
-    return _reused_pass_manager(pipeline, dump.verify_enabled())
-
-
-@functools.lru_cache(maxsize=16)
-def _reused_pass_manager(pipeline: str, verify: bool):
-    """One pass manager per pipeline and process (used under `_lock`): a pass manager initializes
-    its passes on its first run only (each canonicalize collects the patterns of every loaded op,
-    conversions build theirs), which took 1.0-1.5 ms of every compile, most of a tiny function's
-    MLIR half."""
-    from mlir.passmanager import PassManager
-
-    pm = PassManager.parse(pipeline, context=mlir_context())
-    pm.enable_verifier(verify)
-    return pm
-
-
-def _parse(text: str):
-    from mlir import ir
-
-    try:
-        return ir.Module.parse(text)
-    except Exception as e:  # the bindings raise MLIRError with diagnostics
-        raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
-
-
-def _join(pipelines: list[str]) -> str:
-    """One 'builtin.module(...)' pipeline from several."""
-    prefix = "builtin.module("
-    if not all(p.startswith(prefix) and p.endswith(")") for p in pipelines):
-        raise CompileError(f"internal error: pipelines must be '{prefix}...)' strings; found {pipelines}")
-    return prefix + ",".join(p[len(prefix) : -1] for p in pipelines) + ")"
-
-
-def _run_pipeline(module, pipeline: str, repro_text) -> None:
-    """Run `pipeline` on `module`; on failure save the input (`repro_text()`) and say how to rerun it."""
-    try:
-        _pass_manager(pipeline).run(module.operation)
-    except Exception as e:
-        repro = _repro(repro_text(), pipeline)
-        raise CompileError(f"internal error: MLIR pipeline failed: {pipeline}\n{e}\n{repro}") from None
-
-
-def _verified(module) -> None:
-    """Verify the final module once when the verifier did not run after every pass."""
-    if dump.verify_enabled():
-        return
-    try:
-        module.operation.verify()
-    except Exception as e:
-        raise CompileError(f"internal error: the MLIR pipelines produced invalid IR:\n{e}") from None
-
-
-def run_mlir(text: str, pipelines: list[str]) -> str:
-    """Parse MLIR text, run each pass pipeline (a 'builtin.module(...)' string), return MLIR text."""
-    with _lock, mlir_context():
-        module = _parse(text)
-        # One pass manager for all pipelines: the input text is then the reproducer of a failure.
-        _run_pipeline(module, _join(pipelines), lambda: text)
-        _verified(module)
-        return str(module)
-
-
-def _repro(text: str, pipeline: str) -> str:
-    """Save the input of a failed pipeline and say how to rerun it."""
-    fd, path = tempfile.mkstemp(prefix="flowjit-failed-", suffix=".mlir")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    command = f"from flowjit.backends.cpu import toolchain; toolchain.run_mlir(open({path!r}).read(), [{pipeline!r}])"
-    return f'input saved to {path}; reproduce with: python -c "{command}"'
-
-
 def _apply_schedule(module) -> bool:
-    """Run the module's transform schedule, if it has one, and erase it; then rewrite the float
-    max/min reductions across vector lanes, the schedules' and the lowerings' own
-    (`lane_extremes`), and exp's vectorized power-of-two scaling (`ldexp`). True if there was a
+    """Run the module's transform schedule, if it has one, and erase it (`pipeline.apply_schedule`);
+    then rewrite the float max/min reductions across vector lanes, the schedules' and the lowerings'
+    own (`lane_extremes`), and exp's vectorized power-of-two scaling (`ldexp`). True if there was a
     schedule."""
-    scheduled = "transform.with_named_sequence" in module.operation.attributes
-    if scheduled:
-        try:
-            _pass_manager("builtin.module(transform-interpreter)").run(module.operation)
-        except Exception as e:
-            raise CompileError(f"internal error: transform schedule failed:\n{e}") from None
-        for op in list(module.body.operations):
-            if op.operation.name == "transform.named_sequence":
-                op.operation.erase()
-        del module.operation.attributes["transform.with_named_sequence"]
+    scheduled = pipeline.apply_schedule(module)
     lane_extremes.rewrite(module)
     ldexp.rewrite(module)
     return scheduled
@@ -311,31 +212,10 @@ def apply_transform_schedule(text: str) -> str:
     """Run the transform-dialect schedule embedded in the module (`transform.named_sequence
     @__transform_main` inside a module carrying `transform.with_named_sequence`), then erase the
     schedule so the payload is an ordinary module again."""
-    with _lock, mlir_context():
-        module = _parse(text)
+    with _lock, pipeline.mlir_context():
+        module = pipeline.parse(text)
         _apply_schedule(module)
         return str(module)
-
-
-def _check_lowered(module) -> None:
-    """Ops of other dialects left behind by the pipeline are an internal error (the translation
-    itself would crash on them)."""
-    from mlir import ir
-
-    leftovers: set[str] = set()
-
-    def visit(op):
-        name = op.name
-        if not name.startswith(("llvm.", "omp.")) and name != "builtin.module":
-            leftovers.add(name)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    if leftovers:
-        raise CompileError(
-            f"internal error: ops not lowered to the LLVM dialect: {', '.join(sorted(leftovers))}"
-            f"\n--- MLIR ---\n{module}"
-        )
 
 
 class LLVMLowering(NamedTuple):
@@ -355,26 +235,26 @@ def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: b
     schedule, bufferization and `llvm_pipeline`, translate to LLVM IR. The LLVM-dialect text is
     made only when `keep_text` asks for it: printing and re-parsing the module between steps cost a
     fifth of this function's time."""
-    with _lock, mlir_context():
-        module = _parse(text)
-        pipeline = f"builtin.module({BUFFERIZE_PIPELINE},{llvm_pipeline})"
+    with _lock, pipeline.mlir_context():
+        module = pipeline.parse(text)
+        passes = f"builtin.module({BUFFERIZE_PIPELINE},{llvm_pipeline})"
         scheduled = _apply_schedule(module)
-        plain = _largest_plain_kernel(module)
+        plain = pipeline.largest_plain_kernel(module)
 
         def repro() -> str:  # a failure's reproducer starts after the schedule, as `run_mlir` takes it
             return apply_transform_schedule(text) if scheduled else text
 
-        _run_pipeline(module, pipeline, repro)
+        pipeline.run_pipeline(module, passes, repro)
         streamed = _streamed(module)
         llvm_ir = _translated(module)
-        if _COPY_CALL in llvm_ir:
-            module = _parse(text)
+        if pipeline.COPY_CALL in llvm_ir:
+            module = pipeline.parse(text)
             _apply_schedule(module)
-            _run_pipeline(module, f"builtin.module({BUFFERIZE_PIPELINE})", repro)
-            bufferized = copies_as_loops(str(module))
-            module = _parse(bufferized)
-            plain = max(plain, _largest_plain_kernel(module))  # the copies, now plain loops
-            _run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
+            pipeline.run_pipeline(module, f"builtin.module({BUFFERIZE_PIPELINE})", repro)
+            bufferized = pipeline.copies_as_loops(str(module))
+            module = pipeline.parse(bufferized)
+            plain = max(plain, pipeline.largest_plain_kernel(module))  # the copies, now plain loops
+            pipeline.run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
             streamed = _streamed(module)
             llvm_ir = _translated(module)
         return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain, streamed)
@@ -389,64 +269,19 @@ def _streamed(module) -> tuple:
     return tuple(nontemporal.stream_stores(module))
 
 
-def _largest_plain_kernel(module) -> int:
-    """Elements of the largest linalg op (fills aside) left in `module` after its transform schedule:
-    the largest operand or result, a lower bound of its iteration space."""
-    from mlir import ir
-
-    largest = 0
-
-    def visit(op):
-        nonlocal largest
-        name = op.name
-        if name.startswith("linalg.") and name not in _NOT_KERNELS:
-            for value in (*op.operands, *op.results):
-                shaped = value.type
-                if isinstance(shaped, ir.ShapedType) and shaped.has_static_shape:
-                    largest = max(largest, math.prod(shaped.shape))
-            return ir.WalkResult.SKIP
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return largest
-
-
-# linalg ops that are not kernels of their own: fills (accumulator initializations a schedule did not
-# fold, memsets) and the body ops of a generic.
-_NOT_KERNELS = frozenset({"linalg.fill", "linalg.yield", "linalg.index"})
-
-
 def _translated(module) -> str:
     """LLVM IR of a module the pipelines lowered, once it is verified and holds only LLVM-dialect
     and OpenMP ops (the translation would crash on any other); one-lane masked stores made scalar
     (`single_lane`: LLVM's x86 code generation wrote such a store at the width of the elements it
     was truncated from)."""
-    from mlir.dialects import llvm as llvm_dialect
-
-    _verified(module)
-    _check_lowered(module)
-    return single_lane.scalar_stores(str(llvm_dialect.translate_module_to_llvmir(module.operation)))
-
-
-# MLIR lowers a `memref.copy` between memrefs that are not both contiguous to a call of its C runner
-# library's `memrefCopy`, which native code here cannot call. The lowerings avoid such copies, but
-# MLIR's folding can still make one (a fused kernel whose body folds to the identity, `x[::2] << 0`,
-# is erased and its strided input copied to the output). Such a module is lowered again with every
-# `memref.copy` after bufferization rewritten as `linalg.copy`, which becomes loops.
-_COPY_CALL = "@memrefCopy("
-_MEMREF_COPY = re.compile(r"^(\s*)memref\.copy (\S+), (\S+) : (.+) to (.+)$", re.MULTILINE)
-
-
-def copies_as_loops(bufferized: str) -> str:
-    """Bufferized MLIR text with each `memref.copy` replaced by the equivalent `linalg.copy`."""
-    return _MEMREF_COPY.sub(r"\1linalg.copy ins(\2 : \4) outs(\3 : \5)", bufferized)
+    return single_lane.scalar_stores(pipeline.translate(module))
 
 
 def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
     """LLVM-dialect MLIR (with OpenMP ops) -> LLVM IR text. Ops of other dialects left behind by the
     pipeline are an internal error (the translation itself would crash on them)."""
-    with _lock, mlir_context():
-        return _translated(_parse(llvm_dialect_text))
+    with _lock, pipeline.mlir_context():
+        return _translated(pipeline.parse(llvm_dialect_text))
 
 
 def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default", light: bool = False):

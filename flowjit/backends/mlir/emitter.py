@@ -1,9 +1,10 @@
-"""Building MLIR text for the CPU backend.
+"""Building MLIR text, for any target.
 
 `KernelEmitter` accumulates the body of one `func.func` operating on tensors, plus the top-level
 attribute aliases it needs (which must sit outside `module {}`). `ScalarBuilder` writes the scalar
-body of a `linalg.generic` region; the vectorizable math library (`mathlib.py`) and elementwise
-lowerings emit through it. Lowerings are plain functions registered in `LOWERINGS`:
+body of a `linalg.generic` region; a target's math library (the CPU's `mathlib.py`) and the
+elementwise lowerings emit through it. Lowerings are plain functions registered in a target's
+lowering table (`LOWERINGS`):
 
     LOWERINGS[op_name] = fn(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
 
@@ -11,8 +12,8 @@ taking the MLIR SSA names of the op's operand tensors and returning those of its
 
 Note for lowering authors (stable API: `LOWERINGS`, `em.generic`, `em.op`, `ScalarBuilder.op/const`,
 `elem_type`, `tensor_type`). Added by the driver's owner:
-- `em.schedule(generic, steps)` attaches a transform-dialect schedule (see `schedule.py`) to a
-  `linalg.generic`; untagged kernels are lowered to plain loops (LLVM may still vectorize them).
+- `em.schedule(generic, steps)` attaches a transform-dialect schedule (the CPU's: `schedule.py`) to
+  a `linalg.generic`; untagged kernels are lowered to plain loops (LLVM may still vectorize them).
 - bool operands arrive as i1 tensors made by `lowering.bool_from_bytes`; `bool_to_bytes` on such a
   tensor returns the original bytes instead of emitting a conversion (`em.bool_bytes`), so a lowering
   that moves bool data as bytes never creates an i1 buffer (MLIR 22 cannot store those).
