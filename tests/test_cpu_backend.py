@@ -24,8 +24,9 @@ import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
 from flowjit.backends.cpu import cache, compiler, toolchain
 from flowjit.backends.cpu.compiler import load_lowerings
-from flowjit.backends.cpu.lowering import BUFFER_LOWERINGS, LOWERINGS, plan_workspace
+from flowjit.backends.cpu.target import BUFFER_LOWERINGS, LOWERINGS
 from flowjit.backends.mlir import pipeline as mlir_pipeline
+from flowjit.backends.mlir.workspace import plan_workspace
 from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph, Op
@@ -627,7 +628,7 @@ def test_reshapes_are_views_of_their_operands_buffer(monkeypatch):
     reshape views the first), not a copy into a slot of its own, and that buffer stays allocated
     while any view of it is read: here the slots of %0 and %3 would otherwise be reused by later
     products. A reshape that is a graph result is still written to its output."""
-    from flowjit.backends.cpu import lowering
+    from flowjit.backends.mlir import lowering
 
     text = f"""func @f(%x: {TensorType((6, 8, 4), "f32")}, %w: tensor<32x32xf32>)
   -> (tensor<6x32xf32>, tensor<48x4xf32>) {{

@@ -111,7 +111,8 @@ def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str =
             function.name = runtime_prefix + function.name
             function.visibility = "hidden"
     externals = toolchain.undefined_symbols(module)
-    return toolchain.emit_object(str(module), kernel, mlir.strength_reduction, mlir.cmov_conversion), mlir, externals
+    lsr, cmov = toolchain.codegen_settings(mlir.kernel_kinds)
+    return toolchain.emit_object(str(module), kernel, lsr, cmov), mlir, externals
 
 
 def ports(lowered, graph: Graph, state_inputs: tuple[str, ...], state_outputs: tuple[str, ...]):

@@ -38,7 +38,8 @@ from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
 from flowjit.runtime.rendezvous import COMMUNICATION_OPS, link_native_symbols
 
-# Modules that fill `LOWERINGS`, imported when compiling (not when loading from the cache).
+# Modules that fill the CPU's lowering table (`target.CPU`), imported when compiling (not when
+# loading from the cache); `target` itself adds the generic control-flow lowerings.
 LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_elementwise",
     "flowjit.backends.cpu.lower_layout",
@@ -47,7 +48,6 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_contraction",
     "flowjit.backends.cpu.lower_communication",
     "flowjit.backends.cpu.lower_fusion",
-    "flowjit.backends.cpu.lower_control",
     "flowjit.backends.cpu.lower_sort",
     "flowjit.backends.cpu.lower_scan",
 )
@@ -124,7 +124,7 @@ def load_lowerings() -> dict:
         except ModuleNotFoundError as e:
             if e.name != name:  # a module that exists but fails to import is a bug: surface it
                 raise
-    from flowjit.backends.cpu.lowering import LOWERINGS
+    from flowjit.backends.cpu.target import LOWERINGS
 
     return LOWERINGS
 
@@ -132,9 +132,11 @@ def load_lowerings() -> dict:
 def generate_mlir(graph: Graph, options: CompileOptions | None = None, split: int = 1):
     """Stage 'mlir': the generated module and its calling layout (in up to `split` parts)."""
     load_lowerings()
-    from flowjit.backends.cpu.lowering import lower_graph
+    from flowjit.backends.cpu.target import CPU
+    from flowjit.backends.mlir.lowering import lower_graph
 
-    return lower_graph(graph, late_outputs=frozenset(options.late_outputs if options else ()), split=split)
+    late_outputs = frozenset(options.late_outputs if options else ())
+    return lower_graph(graph, CPU, late_outputs=late_outputs, split=split)
 
 
 class Stages:
@@ -217,7 +219,7 @@ class Stages:
 
     def native(self) -> toolchain.NativeModule:
         """Machine code for the built parts: MCJIT for one, objects made in parallel and linked for several."""
-        lsr, cmov = self.mlir.strength_reduction, self.mlir.cmov_conversion
+        lsr, cmov = toolchain.codegen_settings(self.mlir.kernel_kinds)
         if len(self.parts) == 1:
             return toolchain.jit_compile(*self.parts[0], strength_reduction=lsr, cmov_conversion=cmov)
         return toolchain.load_objects(tuple(parallel_codegen.emit_objects(self.parts, lsr, cmov)), self.mlir.entry)
@@ -231,7 +233,7 @@ class Stages:
             if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
                 self.build(keep_texts=True)
             if stage == "asm":
-                lsr, cmov = self.mlir.strength_reduction, self.mlir.cmov_conversion
+                lsr, cmov = toolchain.codegen_settings(self.mlir.kernel_kinds)
                 how = "with" if lsr else "without"
                 header = f"# code generation: {how} loop strength reduction (toolchain.codegen_options)\n"
                 if not cmov:
@@ -276,7 +278,7 @@ def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> t
     `LIGHT_PIPELINE_OPS` or the elementwise and reduction lowerings, no kernel above
     `PLAIN_LOOP_MAX_ELEMENTS` was left unvectorized, and no loop is marked for full unrolling (which
     only O3's unroll pass does without unrolling other loops too)."""
-    from flowjit.backends.cpu.lowering import LOWERINGS
+    from flowjit.backends.cpu.target import LOWERINGS
 
     if opt < 2:
         return False, f"O{opt}"

@@ -400,13 +400,13 @@ class NativeModule:
 # 150 -> 107-114, matmul's 10.5 -> 7.5) for no speed (paired in one process: the MLP step, the
 # matmuls and the CNN within 1%, the elementwise chain 5% faster without it). Row-tile nests
 # (`lower_rows`: softmax, layer norm) run 2-2.5% faster with it, so functions whose main work they
-# are keep it (`KernelEmitter.strength_reduction`; docs/cpu-backend.md, "Compile time (first call)").
+# are keep it (`codegen_settings`; docs/cpu-backend.md, "Compile time (first call)").
 #
 # x86's cmov conversion (`X86CmovConversion`) turns conditional moves in loops back into branches
 # when it judges the branch predictable. In a merge sort's merge loop the choice between the two
 # runs' heads is a coin flip on random keys: converted, the loop mispredicted about every second
 # element (1M floats sorted in 82 ms; 37-40 ms with the conversion off, numpy 33). Functions with
-# sort kernels turn it off (`KernelEmitter.cmov_conversion`); the rest keep LLVM's default.
+# sort kernels turn it off (`codegen_settings`); the rest keep LLVM's default.
 _codegen = threading.Condition()
 _codegen_users = 0
 # LLVM's defaults (strength reduction, cmov conversion), and what the process has while none of
@@ -449,6 +449,17 @@ def codegen_options(strength_reduction: bool = False, cmov_conversion: bool = Tr
             if _codegen_users == 0:
                 _set_codegen_state(_DEFAULTS)
                 _codegen.notify_all()
+
+
+def codegen_settings(kernel_kinds) -> tuple[bool, bool]:
+    """(strength_reduction, cmov_conversion) of `codegen_options` for a function whose lowering made
+    kernels of `kernel_kinds` (`MlirModule.kernel_kinds`): loop strength reduction for functions
+    whose main work is row-tile nests (softmax, layer norm: 2-2.5% faster with it, for ~0.5 ms of
+    compile), not for those with packed matmul kernels (the MLP step: run time the same, code
+    generation 40 ms of CPU longer); x86's cmov conversion off for functions with sort kernels,
+    whose merge loop picks between two runs' heads unpredictably (a million floats sorted 2x
+    faster branch-free)."""
+    return "row_nest" in kernel_kinds and "matmul" not in kernel_kinds, "sort" not in kernel_kinds
 
 
 def jit_compile(module, tm, strength_reduction: bool = False, cmov_conversion: bool = True) -> NativeModule:
