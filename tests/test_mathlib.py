@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flowjit.backends.cpu import ldexp, toolchain
+from flowjit.backends.cpu import ldexp, pipeline, toolchain
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder
@@ -101,7 +101,7 @@ module {{
 }}
 """
     llvm_dialect = mlir_pipeline.run_mlir(
-        text, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})", f"builtin.module({toolchain.LLVM_PIPELINE})"]
+        text, [pipeline.stage_pipeline("bufferize"), pipeline.stage_pipeline("llvm-dialect")]
     )
     module, tm = toolchain.optimize(toolchain.translate_to_llvm_ir(llvm_dialect), f"mathlib_{name}")
     assembly = toolchain.emit_assembly(module, tm)

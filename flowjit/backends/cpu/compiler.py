@@ -1,10 +1,8 @@
 """The CPU compiler driver: optimized flowjit graph -> native code, through the disk cache.
 
-    lower_graph            flowjit IR -> MLIR (func on tensors + transform schedule)     stage "mlir"
-    transform-interpreter  tile, parallelize (scf.forall), vectorize each kernel
-    MLIR pipelines         hoisting, bufferization, lowering to the LLVM dialect         stage "mlir-llvm"
-    translate + llvmlite   LLVM IR, O3 (or `LIGHT_PASSES`) for the host CPU               stage "llvm"
-    MCJIT                  machine code in this process                                  stage "asm"
+The stages, their passes and the options that select them are one table in `pipeline.py`; the
+texts this driver keeps are those of the stages "mlir", "mlir-llvm" (after the "llvm-dialect"
+stage), "llvm" and "asm".
 
 A large module is optimized and compiled in parts, one per thread (`parallel_codegen`): the
 "llvm" and "asm" stages then show each part under a `---- part k of n` comment line. A function
@@ -24,12 +22,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, schedule, toolchain
+from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, pipeline, schedule, toolchain
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
+from flowjit.backends.cpu.pipeline import CompileOptions
 from flowjit.errors import CompileError
 from flowjit.ir.builder import single_value
 from flowjit.ir.graph import Graph, Value
@@ -51,8 +49,6 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_sort",
     "flowjit.backends.cpu.lower_scan",
 )
-
-OPT_LEVEL = 3
 
 # Ops whose lowerings vectorize every kernel they make with a schedule (or make only views and
 # constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
@@ -98,19 +94,6 @@ PLAIN_LOOP_MAX_ELEMENTS = schedule.PLAIN_LOOP_MAX_ELEMENTS
 # The LLVM metadata of a loop marked for full unrolling, which only LLVM's O3 pipeline honours (no
 # lowering marks one since session 8: short loops are written out; the check guards any that would).
 FULL_UNROLL_METADATA = '!"llvm.loop.unroll.full"'
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """Options that change the generated code (hashed into the cache key)."""
-
-    opt_level: int = OPT_LEVEL
-    # Outputs the caller may alias with an input (variables updated in place): written last.
-    late_outputs: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.opt_level not in (0, 1, 2, 3):
-            raise ValueError(f"opt_level must be 0..3; found {self.opt_level}")
 
 
 @functools.cache
@@ -165,7 +148,7 @@ class Stages:
         # Stage texts come from one module: a split function's parts would each show a piece.
         mlir = generate_mlir(graph, self.options, split=1 if keep_texts else parallel_mlir.processes())
         t1 = time.perf_counter()
-        lowerings = parallel_mlir.lower_parts(list(mlir.parts or [mlir.text]), keep_text=keep_texts)
+        lowerings = parallel_mlir.lower_parts(list(mlir.parts or [mlir.text]), self.options, keep_text=keep_texts)
         lowered = lowerings[0]
         if len(lowerings) > 1:  # one LLVM part per MLIR part, the first defining the entry
             pieces = [part.llvm_ir for part in lowerings]
@@ -273,7 +256,7 @@ def _light_op(op) -> bool:
 
 
 def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> tuple[bool, str]:
-    """Whether LLVM runs `toolchain.LIGHT_PASSES` instead of O`opt` on this function, and why (the
+    """Whether LLVM runs `pipeline.LIGHT_PASSES` instead of O`opt` on this function, and why (the
     "llvm" stage's first line says it): at O2 and O3, when every op (fusion bodies included) is of
     `LIGHT_PIPELINE_OPS` or the elementwise and reduction lowerings, no kernel above
     `PLAIN_LOOP_MAX_ELEMENTS` was left unvectorized, and no loop is marked for full unrolling (which
@@ -291,7 +274,7 @@ def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> t
         return False, f"O{opt} (a kernel of {elements} elements runs as plain loops, vectorized by no schedule)"
     if FULL_UNROLL_METADATA in lowered.llvm_ir:
         return False, f"O{opt} (loops marked for full unrolling)"
-    return True, f"light ({', '.join(toolchain.LIGHT_PASSES)}): every kernel vectorized by its schedule"
+    return True, f"light ({', '.join(pipeline.LIGHT_PASSES)}): every kernel vectorized by its schedule"
 
 
 # Constants of at least this many bytes (not of one value: those are fills) are passed to the

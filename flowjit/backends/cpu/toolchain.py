@@ -22,80 +22,15 @@ import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from flowjit.backends.cpu import lane_extremes, ldexp, single_lane
-from flowjit.backends.mlir import pipeline
+from flowjit.backends.cpu import lane_extremes, ldexp, pipeline, single_lane
+from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.errors import CompileError
 
-# Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
-# The transform schedule before them ends with a function-wide canonicalization and hoists the
-# vector accumulators out of the reduction loops it marked (`emitter.HOIST_MARK`): the
-# `loop-invariant-subset-hoisting` pass over every loop cost a third of the MLIR pipelines' time
-# in a training step (its packed matmul loops hold many subsets). No `cse` before bufferization:
-# it merges the `tensor.empty`s of different kernels (e.g. two reductions' partial accumulators),
-# and the shared buffer then costs copies on every iteration.
-# `linalg-fuse-elementwise-ops` first folds the i8 <-> i1 conversions of bool tensors into their
-# neighbours: an i1 tensor that stays materialized between two kernels would be a memref<..xi1>,
-# whose loads and stores MLIR 22's MemRefToLLVM rejects (assertion on sub-byte element types).
-# Deallocation runs the passes of MLIR's `buffer-deallocation-pipeline` (expand-realloc, canonicalize,
-# ownership-based-buffer-deallocation, canonicalize, buffer-deallocation-simplification,
-# bufferization-lower-deallocations, cse, canonicalize) that change our modules: the lowering makes
-# no `memref.realloc`, and after the `canonicalize,cse` just before, the first two canonicalizations
-# and the cse found nothing to do (together 7-14% of the MLIR half's time, 13-16 ms of the training
-# step's). The last `canonicalize` stays: it folds the self-copies `cse` leaves of in-place updates
-# (`memref.copy %a, %a`) and the deallocations' ownership conditions. Identical LLVM IR on the
-# benchmark workloads and the 727 distinct functions the CPU tests compile.
-# `buffer-loop-hoisting` moves an allocation whose size is known outside a loop and which no
-# iteration hands to the next out of the loop (not out of an `scf.forall`: each thread keeps its
-# own): a row reduction's accumulator, stored when a partial chunk updates part of it, was
-# malloc'ed and freed once per row (max over (41943, 100) float32 0.80 -> 0.44 ms, logsumexp 2.3 ->
-# 1.6).
-BUFFERIZE_PIPELINE = (
-    "func.func(linalg-fuse-elementwise-ops),canonicalize,eliminate-empty-tensors,"
-    "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map},"
-    "canonicalize,cse,func.func(buffer-loop-hoisting),ownership-based-buffer-deallocation,buffer-deallocation-simplification,"
-    "bufferization-lower-deallocations,canonicalize,convert-bufferization-to-memref"
-)
-# `finalize-memref-to-llvm` must precede `convert-scf-to-cf`: scf-to-openmp wraps loop bodies in
-# `memref.alloca_scope`, which only accepts a single block (TOOLCHAIN.md §2). `convert-func-to-llvm`
-# must precede `convert-openmp-to-llvm`, which would otherwise convert the function signature itself
-# with memref descriptors instead of bare pointers. Math becomes LLVM intrinsics where LLVM has them
-# and libm calls otherwise (erf, atan2 in f64), before vector-to-llvm: the libm conversion unrolls
-# vector operands with `vector.extract`/`insert`, which must still be lowered afterwards.
-# `convert-vector-to-scf{full-unroll}`: masked n-d transfers otherwise go through `alloca` buffers
-# inside the loop, one per iteration (stack overflow on a 45000-row sum + max).
-# `convert-openmp-to-llvm` carries the cf, memref and func conversions (for the ops inside OpenMP
-# regions) and applies them to the whole module: it also lowers the cf ops and the memref ops that
-# vector-to-llvm leaves. Separate convert-cf-to-llvm, a second finalize-memref-to-llvm and
-# convert-index-to-llvm (the lowering makes no index-dialect ops) changed nothing in the LLVM IR.
-# convert-arith-to-llvm stays: it lowers ops the openmp conversion does not (`arith.floordivsi`).
-# `arith-unsigned-when-equivalent` after the affine lowering: the index arithmetic of coalesced and
-# tiled loops (`floordivsi`/`remsi` by a power of two) becomes unsigned where integer range analysis
-# proves the operands non-negative, i.e. shifts and masks; left signed, only LLVM's O3 (IndVars,
-# CorrelatedValuePropagation) found that, and without it softmax's exp loop did 15 more integer
-# instructions per vector (+14% run time under `LIGHT_PASSES`).
-# `enable-x86vector`: lowers the `x86vector.avx512.mask.scalef` ops of `ldexp.rewrite` (AVX-512 hosts).
-# `reassociate-fp-reductions`: a float `vector.reduction` becomes a tree of adds (pairwise) instead
-# of LLVM's default ordered chain of one add per lane (softmax's sum: 16 dependent adds per row and
-# a third more machine code). `_check_lowered` reports any op left over. The closing
-# `canonicalize,cse` folds the conversions' memref-descriptor and n-d-vector
-# `llvm.insertvalue`/`extractvalue` chains in MLIR, where that is cheap: left to LLVM, one
-# InstCombine run took 12-20 ms on the layer norm's raw LLVM IR, 1.6 ms after (1431 -> 671 lines;
-# its O3 16 -> 13.5 ms, the whole compile 3-7% less CPU on the benchmark workloads).
-LLVM_PIPELINE = (
-    "func.func(scf-forall-to-parallel),convert-scf-to-openmp,convert-linalg-to-loops,lower-affine,"
-    "convert-vector-to-scf{full-unroll=true},expand-strided-metadata,lower-affine,arith-unsigned-when-equivalent,"
-    "finalize-memref-to-llvm,"
-    "convert-scf-to-cf,convert-math-to-llvm,convert-math-to-libm,"
-    "convert-vector-to-llvm{enable-x86vector=true reassociate-fp-reductions=true},"
-    "convert-arith-to-llvm,convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,"
-    "convert-ub-to-llvm,reconcile-unrealized-casts,canonicalize,cse"
-)
-
-_lock = pipeline.lock()
+_lock = mlir_pipeline.lock()
 
 
 def lock() -> threading.RLock:
-    """The lock held around this module's MLIR and LLVM calls (`pipeline.lock`)."""
+    """The lock held around this module's MLIR and LLVM calls (`mlir_pipeline.lock`)."""
     return _lock
 
 
@@ -198,11 +133,11 @@ def target_machine(reloc: str = "default", opt: int = 3):
 
 
 def _apply_schedule(module) -> bool:
-    """Run the module's transform schedule, if it has one, and erase it (`pipeline.apply_schedule`);
+    """Run the module's transform schedule, if it has one, and erase it (`mlir_pipeline.apply_schedule`);
     then rewrite the float max/min reductions across vector lanes, the schedules' and the lowerings'
     own (`lane_extremes`), and exp's vectorized power-of-two scaling (`ldexp`). True if there was a
     schedule."""
-    scheduled = pipeline.apply_schedule(module)
+    scheduled = mlir_pipeline.apply_schedule(module)
     lane_extremes.rewrite(module)
     ldexp.rewrite(module)
     return scheduled
@@ -212,8 +147,8 @@ def apply_transform_schedule(text: str) -> str:
     """Run the transform-dialect schedule embedded in the module (`transform.named_sequence
     @__transform_main` inside a module carrying `transform.with_named_sequence`), then erase the
     schedule so the payload is an ordinary module again."""
-    with _lock, pipeline.mlir_context():
-        module = pipeline.parse(text)
+    with _lock, mlir_pipeline.mlir_context():
+        module = mlir_pipeline.parse(text)
         _apply_schedule(module)
         return str(module)
 
@@ -230,31 +165,35 @@ class LLVMLowering(NamedTuple):
     streamed: tuple = ()  # the arguments given non-temporal stores (`nontemporal.Streamed`)
 
 
-def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False) -> LLVMLowering:
+def lower_to_llvm_ir(
+    text: str, options: pipeline.CompileOptions | None = None, keep_text: bool = False
+) -> LLVMLowering:
     """The backend's MLIR half on one in-memory module: parse the lowering's text, run its transform
-    schedule, bufferization and `llvm_pipeline`, translate to LLVM IR. The LLVM-dialect text is
+    schedule and the stages "bufferize" and "llvm-dialect" (`pipeline.mlir_stages` for `options`),
+    translate to LLVM IR. The LLVM-dialect text is
     made only when `keep_text` asks for it: printing and re-parsing the module between steps cost a
     fifth of this function's time."""
-    with _lock, pipeline.mlir_context():
-        module = pipeline.parse(text)
-        passes = f"builtin.module({BUFFERIZE_PIPELINE},{llvm_pipeline})"
+    with _lock, mlir_pipeline.mlir_context():
+        module = mlir_pipeline.parse(text)
+        passes = pipeline.stage_pipeline("bufferize", "llvm-dialect", options=options)
         scheduled = _apply_schedule(module)
-        plain = pipeline.largest_plain_kernel(module)
+        plain = mlir_pipeline.largest_plain_kernel(module)
 
         def repro() -> str:  # a failure's reproducer starts after the schedule, as `run_mlir` takes it
             return apply_transform_schedule(text) if scheduled else text
 
-        pipeline.run_pipeline(module, passes, repro)
+        mlir_pipeline.run_pipeline(module, passes, repro)
         streamed = _streamed(module)
         llvm_ir = _translated(module)
-        if pipeline.COPY_CALL in llvm_ir:
-            module = pipeline.parse(text)
+        if mlir_pipeline.COPY_CALL in llvm_ir:
+            module = mlir_pipeline.parse(text)
             _apply_schedule(module)
-            pipeline.run_pipeline(module, f"builtin.module({BUFFERIZE_PIPELINE})", repro)
-            bufferized = pipeline.copies_as_loops(str(module))
-            module = pipeline.parse(bufferized)
-            plain = max(plain, pipeline.largest_plain_kernel(module))  # the copies, now plain loops
-            pipeline.run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
+            mlir_pipeline.run_pipeline(module, pipeline.stage_pipeline("bufferize", options=options), repro)
+            bufferized = mlir_pipeline.copies_as_loops(str(module))
+            module = mlir_pipeline.parse(bufferized)
+            plain = max(plain, mlir_pipeline.largest_plain_kernel(module))  # the copies, now plain loops
+            to_llvm = pipeline.stage_pipeline("llvm-dialect", options=options)
+            mlir_pipeline.run_pipeline(module, to_llvm, lambda: bufferized)
             streamed = _streamed(module)
             llvm_ir = _translated(module)
         return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain, streamed)
@@ -274,18 +213,18 @@ def _translated(module) -> str:
     and OpenMP ops (the translation would crash on any other); one-lane masked stores made scalar
     (`single_lane`: LLVM's x86 code generation wrote such a store at the width of the elements it
     was truncated from)."""
-    return single_lane.scalar_stores(pipeline.translate(module))
+    return single_lane.scalar_stores(mlir_pipeline.translate(module))
 
 
 def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
     """LLVM-dialect MLIR (with OpenMP ops) -> LLVM IR text. Ops of other dialects left behind by the
     pipeline are an internal error (the translation itself would crash on them)."""
-    with _lock, pipeline.mlir_context():
-        return _translated(pipeline.parse(llvm_dialect_text))
+    with _lock, mlir_pipeline.mlir_context():
+        return _translated(mlir_pipeline.parse(llvm_dialect_text))
 
 
 def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default", light: bool = False):
-    """Parse LLVM IR and run the O`opt` pipeline (`LIGHT_PASSES` when `light`) for the host CPU;
+    """Parse LLVM IR and run the O`opt` pipeline (`pipeline.LIGHT_PASSES` when `light`) for the host CPU;
     returns (module, target machine)."""
     binding = llvm()
     with _lock:
@@ -301,20 +240,8 @@ def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default", ligh
         return module, tm
 
 
-# The LLVM passes for a module whose every loop the lowering vectorized (`compiler.light_pipeline`):
-# scalar replacement of the conversions' allocas, instruction combining and CFG cleanup, loop
-# rotation and GVN. O3 adds ~100 passes (a third of its time InstCombine, run 8 times) that found
-# little in such modules: run time within noise on the benchmark workloads but the CNN (whose pad
-# is a plain copy loop), while O3 took 2.5-3.5x as long (softmax 14 -> 5 ms, matmul 13 -> 5 ms of
-# CPU time; docs/cpu-backend.md, "Compile time"). O1 and O2 cost as much as O3.
-# llvmlite's loop-unroll pass cannot be limited to the loops marked for full unrolling (it unrolls
-# by its own cost model too: the MLP step's IR 4165 -> 6637 lines), so marked modules keep O3
-# (`compiler.light_pipeline`).
-LIGHT_PASSES = ("sroa", "instruction_combine", "simplify_cfg", "loop_rotate", "new_gvn", "instruction_combine")
-
-
 def optimization_pipeline(tm, opt: int = 3, light: bool = False):
-    """LLVM's O`opt` module pipeline for target machine `tm`, or `LIGHT_PASSES` when `light`:
+    """LLVM's O`opt` module pipeline for target machine `tm`, or `pipeline.LIGHT_PASSES` when `light`:
     (module pass manager, pass builder). Loop unrolling is off (it doubled LLVM's time on the large
     workloads): only loops carrying forced unroll metadata would be unrolled; the lowering writes
     out its short loops instead (docs/cpu-backend.md, "Compile time")."""
@@ -325,7 +252,7 @@ def optimization_pipeline(tm, opt: int = 3, light: bool = False):
     if not light:
         return builder.getModulePassManager(), builder
     manager = binding.create_new_module_pass_manager()
-    for name in LIGHT_PASSES:
+    for name in pipeline.LIGHT_PASSES:
         getattr(manager, f"add_{name}_pass")()
     return manager, builder
 
@@ -506,7 +433,7 @@ def emit_object(
     llvm_ir: str, name: str, strength_reduction: bool = False, cmov_conversion: bool = True, light: bool = False
 ) -> bytes:
     """Position-independent object code for ahead-of-time shared libraries (and the matmul library);
-    `light`: `LIGHT_PASSES` instead of O3."""
+    `light`: `pipeline.LIGHT_PASSES` instead of O3."""
     module, tm = optimize(llvm_ir, name, reloc="pic", light=light)
     with _lock, codegen_options(strength_reduction, cmov_conversion):
         return tm.emit_object(module)
