@@ -31,6 +31,7 @@ import numpy as np
 
 from flowjit.backends.cpu import aot_c, library, toolchain
 from flowjit.backends.cpu.compiler import generate_mlir
+from flowjit.backends.cpu.pipeline import CompileOptions
 from flowjit.errors import CompileError, FlowjitValueError
 from flowjit.frontend.jit import PIPELINE, PLACEMENT_PIPELINE, VariableArg
 from flowjit.frontend.pytree import leaf_paths, tree_unflatten
@@ -55,9 +56,6 @@ RUNTIME_SYMBOLS = (
     "pthread_getspecific", "pthread_join", "pthread_key_create", "pthread_mutex_destroy", "pthread_mutex_init",
     "pthread_mutex_lock", "pthread_mutex_unlock", "pthread_once", "pthread_setspecific",
 )  # fmt: skip
-# The OpenMP pass turns the scf.parallel loops of the schedule into OpenMP regions; without it,
-# `convert-scf-to-cf` lowers them to sequential loops.
-_OPENMP_PASS = "convert-scf-to-openmp,"
 
 
 @dataclass(frozen=True)
@@ -84,22 +82,13 @@ class Library:
     manifest: str
 
 
-def llvm_pipeline(threads: str) -> str:
-    """The backend's lowering pipeline to the LLVM dialect, with or without OpenMP."""
-    if threads == "openmp":
-        return toolchain.LLVM_PIPELINE
-    if _OPENMP_PASS not in toolchain.LLVM_PIPELINE:
-        raise CompileError(f"internal error: the CPU pipeline no longer contains '{_OPENMP_PASS}'")
-    return toolchain.LLVM_PIPELINE.replace(_OPENMP_PASS, "")
-
-
 def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str = ""):
     """Compile `graph` to a position-independent object defining `kernel` (hidden visibility);
     returns (object bytes, the MlirModule, the external functions it calls). Its calls of the
     rendezvous (`flowjit_send`...) go to `runtime_prefix` + that name, defined by the library."""
     with library.disabled():  # a library stands alone: products and row functions get their own kernels
         mlir = generate_mlir(graph)
-    llvm_ir = toolchain.lower_to_llvm_ir(mlir.text, llvm_pipeline(threads)).llvm_ir
+    llvm_ir = toolchain.lower_to_llvm_ir(mlir.text, CompileOptions(openmp=threads == "openmp")).llvm_ir
     module = toolchain.llvm().parse_assembly(llvm_ir)
     # Two libraries from functions of the same name may be linked into one program: the kernel
     # gets the library's name and stays out of the dynamic symbol table.
@@ -111,7 +100,8 @@ def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str =
             function.name = runtime_prefix + function.name
             function.visibility = "hidden"
     externals = toolchain.undefined_symbols(module)
-    return toolchain.emit_object(str(module), kernel, mlir.strength_reduction, mlir.cmov_conversion), mlir, externals
+    lsr, cmov = toolchain.codegen_settings(mlir.kernel_kinds)
+    return toolchain.emit_object(str(module), kernel, lsr, cmov), mlir, externals
 
 
 def ports(lowered, graph: Graph, state_inputs: tuple[str, ...], state_outputs: tuple[str, ...]):

@@ -95,14 +95,14 @@ def test_variables_are_checked_and_left_unchanged(model, capsys):
 
 
 def test_a_missing_lowering_is_skipped_not_blamed(model, capsys, monkeypatch):
-    from flowjit.backends.cpu.lowering import no_lowering_error
+    from flowjit.backends.mlir.target import no_lowering_error
 
     class WithoutFor(backends.Backend):
         name = "cpu"
 
         def compile(self, graph, device=None, options=None, aliases=None):
             op = next(op for op in graph.ops if op.name != "constant")
-            raise no_lowering_error(op)
+            raise no_lowering_error(op, "cpu")
 
     monkeypatch.setitem(backends.BACKENDS, "cpu", WithoutFor())
     assert cli.main(["check", f"{model}:loop", "--arg", "f32[3]"]) == 0

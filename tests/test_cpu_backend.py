@@ -22,9 +22,12 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import cache, compiler, toolchain
+from flowjit.backends.cpu import cache, compiler, pipeline, toolchain
 from flowjit.backends.cpu.compiler import load_lowerings
-from flowjit.backends.cpu.lowering import BUFFER_LOWERINGS, LOWERINGS, plan_workspace
+from flowjit.backends.cpu.pipeline import CompileOptions
+from flowjit.backends.cpu.target import BUFFER_LOWERINGS, LOWERINGS
+from flowjit.backends.mlir import pipeline as mlir_pipeline
+from flowjit.backends.mlir.workspace import plan_workspace
 from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir.builder import emit
 from flowjit.ir.graph import Graph, Op
@@ -344,7 +347,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
     ],
 )
 def test_llvm_pipeline_is_light_only_when_every_kernel_is_vectorized_and_the_dump_says_which(fn, pipeline):
-    """LLVM runs `toolchain.LIGHT_PASSES` instead of O3 on functions whose kernels the lowering
+    """LLVM runs `pipeline.LIGHT_PASSES` instead of O3 on functions whose kernels the lowering
     vectorized; the first line of the "llvm" stage names the pipeline and why; results are the same
     bits as under O3."""
     lo = fj.jit(fn).lower(_X3)
@@ -394,6 +397,18 @@ def test_pooling_takes_the_light_pipeline(pool):
         o3 = fj.jit(pool).lower(x)
         assert o3.as_text("llvm").startswith("; LLVM pipeline: O3 (for the scalar loops of: ")
         np.testing.assert_array_equal(o3.compile()(x), got)
+
+
+def test_options_select_the_stages_passes_and_enter_the_cache_key():
+    """AOT's serial libraries drop the OpenMP conversion through `CompileOptions(openmp=False)`,
+    not by editing pass strings; every option field is part of the compile cache's key."""
+    serial = CompileOptions(openmp=False)
+    assert "convert-scf-to-openmp" in pipeline.mlir_stages(CompileOptions())["llvm-dialect"]
+    assert "convert-scf-to-openmp" not in pipeline.mlir_stages(serial)["llvm-dialect"]
+    assert pipeline.stage_pipeline("bufferize").startswith("builtin.module(func.func(linalg-fuse-elementwise-ops),")
+    assert cache.cache_key("graph", serial) != cache.cache_key("graph", CompileOptions())
+    with pytest.raises(ValueError, match="openmp"):
+        CompileOptions(openmp="serial")
 
 
 def test_llvm_pipeline_below_o2_is_the_o_level_and_marked_loops_keep_o3():
@@ -600,7 +615,7 @@ def test_failed_pipeline_saves_a_reproducer(tmp_path, monkeypatch):
     )
     pipelines = ["builtin.module(convert-scf-to-openmp)", "builtin.module(convert-scf-to-cf)"]
     with pytest.raises(CompileError, match="reproduce with: python -c") as info:
-        toolchain.run_mlir(text, pipelines)
+        mlir_pipeline.run_mlir(text, pipelines)
     (saved,) = tmp_path.iterdir()
     assert saved.read_text() == text and str(saved) in str(info.value)
 
@@ -626,7 +641,7 @@ def test_reshapes_are_views_of_their_operands_buffer(monkeypatch):
     reshape views the first), not a copy into a slot of its own, and that buffer stays allocated
     while any view of it is read: here the slots of %0 and %3 would otherwise be reused by later
     products. A reshape that is a graph result is still written to its output."""
-    from flowjit.backends.cpu import lowering
+    from flowjit.backends.mlir import lowering
 
     text = f"""func @f(%x: {TensorType((6, 8, 4), "f32")}, %w: tensor<32x32xf32>)
   -> (tensor<6x32xf32>, tensor<48x4xf32>) {{

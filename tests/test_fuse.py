@@ -935,9 +935,9 @@ def test_a_transpose_read_by_elementwise_ops_stays_a_copy_of_its_own():
 
 
 def _mlir(graph) -> str:
-    from flowjit.backends.cpu.lowering import lower_graph
+    from flowjit.backends.cpu.compiler import generate_mlir
 
-    return lower_graph(graph).text
+    return generate_mlir(graph).text
 
 
 def _conv_case(n, c, h, w, k, kernel, stride=1, padding=1, dilation=1, seed=0):

@@ -18,9 +18,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flowjit.backends.cpu import ldexp, toolchain
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder
+from flowjit.backends.cpu import ldexp, pipeline, toolchain
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
+from flowjit.backends.mlir import pipeline as mlir_pipeline
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder
 
 _MLIR_ELEM = {np.float16: "f16", ml_dtypes.bfloat16: "bf16", np.float32: "f32", np.float64: "f64"}
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -99,8 +100,8 @@ module {{
   }}
 }}
 """
-    llvm_dialect = toolchain.run_mlir(
-        text, [f"builtin.module({toolchain.BUFFERIZE_PIPELINE})", f"builtin.module({toolchain.LLVM_PIPELINE})"]
+    llvm_dialect = mlir_pipeline.run_mlir(
+        text, [pipeline.stage_pipeline("bufferize"), pipeline.stage_pipeline("llvm-dialect")]
     )
     module, tm = toolchain.optimize(toolchain.translate_to_llvm_ir(llvm_dialect), f"mathlib_{name}")
     assembly = toolchain.emit_assembly(module, tm)

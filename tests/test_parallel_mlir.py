@@ -1,4 +1,4 @@
-"""A large function's MLIR half in parts (`lowering.lower_graph(split=n)`, `parallel_mlir`): the parts
+"""A large function's MLIR half in parts (`lowering.lower_graph(split, CPU=n)`, `parallel_mlir`): the parts
 are valid modules that call each other, the split compile gives the same results as the whole one
 (variables updated in place included), and a failing, crashing or hanging part process becomes a
 clear CompileError instead of a hang."""
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import flowjit as fj
-from flowjit.backends.cpu import compiler, lowering, parallel_mlir, toolchain
+from flowjit.backends.cpu import compiler, parallel_mlir, toolchain
+from flowjit.backends.cpu.target import CPU
+from flowjit.backends.mlir import lowering, sharing
 from flowjit.errors import CompileError
 
 pytestmark = pytest.mark.skipif(parallel_mlir.processes() < 2, reason="needs os.fork and two cores")
@@ -56,7 +58,7 @@ def _graph(fn, *args):
 
 def test_parts_are_modules_that_chain(split_everything):
     graph = _graph(fj.grad(_loss, argnums=(0, 1)), *_inputs())
-    module = lowering.lower_graph(graph, split=2)
+    module = lowering.lower_graph(graph, CPU, split=2)
     assert len(module.parts) == 2
     first, second = module.parts
     assert first.startswith("// part 1 of 2 of flowjit function") and second.startswith("// part 2 of 2")
@@ -65,20 +67,20 @@ def test_parts_are_modules_that_chain(split_everything):
     assert f"func.call @{module.entry}" not in second  # the last part returns to the entry
     for part in module.parts:  # each parses, and lowers to LLVM IR on its own
         assert toolchain.lower_to_llvm_ir(part).llvm_ir
-    whole = lowering.lower_graph(graph)
+    whole = lowering.lower_graph(graph, CPU)
     assert not whole.parts and whole.workspace_bytes == module.workspace_bytes
 
 
 def test_small_or_one_op_functions_stay_whole(monkeypatch):
     graph = _graph(fj.grad(_loss, argnums=(0, 1)), *_inputs())
-    lines = lowering.lower_graph(graph).text.count("\n")
+    lines = lowering.lower_graph(graph, CPU).text.count("\n")
     monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", lines)  # more than the body's lines
-    assert not lowering.lower_graph(graph, split=2).parts
+    assert not lowering.lower_graph(graph, CPU, split=2).parts
     monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", lines // 2)
-    assert len(lowering.lower_graph(graph, split=2).parts) == 2
+    assert len(lowering.lower_graph(graph, CPU, split=2).parts) == 2
     monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", 0)
     one_op = _graph(lambda a: a * 2.0 + 1.0, np.ones(8, np.float32))
-    assert not lowering.lower_graph(one_op, split=2).parts
+    assert not lowering.lower_graph(one_op, CPU, split=2).parts
 
 
 def test_the_cut_balances_the_parts_compile_cost_not_their_lines():
@@ -88,7 +90,7 @@ def test_the_cut_balances_the_parts_compile_cost_not_their_lines():
     the parts, and where lines alone would put it when no piece has a schedule."""
 
     def piece(lines: int, scheduled: int = 0):
-        return lowering._Piece(["  %v = arith.constant 0 : index"] * lines, ["schedule"] * scheduled)
+        return sharing.Piece(["  %v = arith.constant 0 : index"] * lines, ["schedule"] * scheduled)
 
     def cut(pieces):
         starts = lowering._piece_starts(pieces, 0)

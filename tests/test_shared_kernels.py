@@ -1,6 +1,6 @@
 """Ops whose kernels are the same text (a deep network's identical layers) are compiled once: one
 private kernel function per distinct kernel, called from every op that runs it
-(`lowering._shared_kernels`). Results are the same bits as with every kernel inlined, ops that only
+(`sharing.shared_kernels`). Results are the same bits as with every kernel inlined, ops that only
 share types stay apart, and a split function defines each shared kernel in one part."""
 
 import numpy as np
@@ -8,7 +8,9 @@ import pytest
 from test_parallel_mlir import _graph  # the graph a jitted function compiles
 
 import flowjit as fj
-from flowjit.backends.cpu import lowering, parallel_mlir
+from flowjit.backends.cpu import parallel_mlir
+from flowjit.backends.cpu.target import CPU
+from flowjit.backends.mlir import lowering
 
 
 def _deep(x, ws):
@@ -32,7 +34,7 @@ def _inputs(layers=5, rows=24, width=40):
 def _inlined(monkeypatch, fn, *args):
     """`fn(*args)` compiled with every kernel inlined in the entry (sharing off)."""
     with monkeypatch.context() as m:
-        m.setattr(lowering, "_may_repeat", lambda graph: False)
+        m.setattr(lowering, "may_repeat", lambda graph: False)
         return fj.jit(fn)(*args)
 
 
@@ -103,7 +105,7 @@ def test_split_function_defines_each_shared_kernel_once(monkeypatch):
     monkeypatch.setattr(lowering, "SPLIT_MIN_LINES", 0)
     x, ws = _inputs(layers=6)
     graph = _graph(_deep, x, ws)
-    module = lowering.lower_graph(graph, split=2)
+    module = lowering.lower_graph(graph, CPU, split=2)
     assert len(module.parts) == 2
     first, second = module.parts
     # defined (exported, for the other part) where it is first called, declared where it is not

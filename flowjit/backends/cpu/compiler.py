@@ -1,10 +1,8 @@
 """The CPU compiler driver: optimized flowjit graph -> native code, through the disk cache.
 
-    lower_graph            flowjit IR -> MLIR (func on tensors + transform schedule)     stage "mlir"
-    transform-interpreter  tile, parallelize (scf.forall), vectorize each kernel
-    MLIR pipelines         hoisting, bufferization, lowering to the LLVM dialect         stage "mlir-llvm"
-    translate + llvmlite   LLVM IR, O3 (or `LIGHT_PASSES`) for the host CPU               stage "llvm"
-    MCJIT                  machine code in this process                                  stage "asm"
+The stages, their passes and the options that select them are one table in `pipeline.py`; the
+texts this driver keeps are those of the stages "mlir", "mlir-llvm" (after the "llvm-dialect"
+stage), "llvm" and "asm".
 
 A large module is optimized and compiled in parts, one per thread (`parallel_codegen`): the
 "llvm" and "asm" stages then show each part under a `---- part k of n` comment line. A function
@@ -24,13 +22,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, schedule, toolchain
+from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, pipeline, schedule, toolchain
 from flowjit.backends.cpu.communication import COMMUNICATION_OPS, link_native_symbols
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
+from flowjit.backends.cpu.pipeline import CompileOptions
 from flowjit.errors import CompileError
 from flowjit.ir.builder import single_value
 from flowjit.ir.graph import Graph, Value
@@ -38,7 +36,8 @@ from flowjit.ir.ops.contraction import conv_params
 from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
 
-# Modules that fill `LOWERINGS`, imported when compiling (not when loading from the cache).
+# Modules that fill the CPU's lowering table (`target.CPU`), imported when compiling (not when
+# loading from the cache); `target` itself adds the generic control-flow lowerings.
 LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_elementwise",
     "flowjit.backends.cpu.lower_layout",
@@ -47,12 +46,9 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_contraction",
     "flowjit.backends.cpu.lower_communication",
     "flowjit.backends.cpu.lower_fusion",
-    "flowjit.backends.cpu.lower_control",
     "flowjit.backends.cpu.lower_sort",
     "flowjit.backends.cpu.lower_scan",
 )
-
-OPT_LEVEL = 3
 
 # Ops whose lowerings vectorize every kernel they make with a schedule (or make only views and
 # constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
@@ -100,19 +96,6 @@ PLAIN_LOOP_MAX_ELEMENTS = schedule.PLAIN_LOOP_MAX_ELEMENTS
 FULL_UNROLL_METADATA = '!"llvm.loop.unroll.full"'
 
 
-@dataclass(frozen=True)
-class CompileOptions:
-    """Options that change the generated code (hashed into the cache key)."""
-
-    opt_level: int = OPT_LEVEL
-    # Outputs the caller may alias with an input (variables updated in place): written last.
-    late_outputs: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.opt_level not in (0, 1, 2, 3):
-            raise ValueError(f"opt_level must be 0..3; found {self.opt_level}")
-
-
 @functools.cache
 def load_lowerings() -> dict:
     """Import every lowering module once; returns the filled `LOWERINGS` table."""
@@ -124,7 +107,7 @@ def load_lowerings() -> dict:
         except ModuleNotFoundError as e:
             if e.name != name:  # a module that exists but fails to import is a bug: surface it
                 raise
-    from flowjit.backends.cpu.lowering import LOWERINGS
+    from flowjit.backends.cpu.target import LOWERINGS
 
     return LOWERINGS
 
@@ -132,9 +115,11 @@ def load_lowerings() -> dict:
 def generate_mlir(graph: Graph, options: CompileOptions | None = None, split: int = 1):
     """Stage 'mlir': the generated module and its calling layout (in up to `split` parts)."""
     load_lowerings()
-    from flowjit.backends.cpu.lowering import lower_graph
+    from flowjit.backends.cpu.target import CPU
+    from flowjit.backends.mlir.lowering import lower_graph
 
-    return lower_graph(graph, late_outputs=frozenset(options.late_outputs if options else ()), split=split)
+    late_outputs = frozenset(options.late_outputs if options else ())
+    return lower_graph(graph, CPU, late_outputs=late_outputs, split=split)
 
 
 class Stages:
@@ -163,7 +148,7 @@ class Stages:
         # Stage texts come from one module: a split function's parts would each show a piece.
         mlir = generate_mlir(graph, self.options, split=1 if keep_texts else parallel_mlir.processes())
         t1 = time.perf_counter()
-        lowerings = parallel_mlir.lower_parts(list(mlir.parts or [mlir.text]), keep_text=keep_texts)
+        lowerings = parallel_mlir.lower_parts(list(mlir.parts or [mlir.text]), self.options, keep_text=keep_texts)
         lowered = lowerings[0]
         if len(lowerings) > 1:  # one LLVM part per MLIR part, the first defining the entry
             pieces = [part.llvm_ir for part in lowerings]
@@ -217,7 +202,7 @@ class Stages:
 
     def native(self) -> toolchain.NativeModule:
         """Machine code for the built parts: MCJIT for one, objects made in parallel and linked for several."""
-        lsr, cmov = self.mlir.strength_reduction, self.mlir.cmov_conversion
+        lsr, cmov = toolchain.codegen_settings(self.mlir.kernel_kinds)
         if len(self.parts) == 1:
             return toolchain.jit_compile(*self.parts[0], strength_reduction=lsr, cmov_conversion=cmov)
         return toolchain.load_objects(tuple(parallel_codegen.emit_objects(self.parts, lsr, cmov)), self.mlir.entry)
@@ -231,7 +216,7 @@ class Stages:
             if "llvm" not in self.texts:  # a fresh module: the compiled one went through code generation
                 self.build(keep_texts=True)
             if stage == "asm":
-                lsr, cmov = self.mlir.strength_reduction, self.mlir.cmov_conversion
+                lsr, cmov = toolchain.codegen_settings(self.mlir.kernel_kinds)
                 how = "with" if lsr else "without"
                 header = f"# code generation: {how} loop strength reduction (toolchain.codegen_options)\n"
                 if not cmov:
@@ -271,12 +256,12 @@ def _light_op(op) -> bool:
 
 
 def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> tuple[bool, str]:
-    """Whether LLVM runs `toolchain.LIGHT_PASSES` instead of O`opt` on this function, and why (the
+    """Whether LLVM runs `pipeline.LIGHT_PASSES` instead of O`opt` on this function, and why (the
     "llvm" stage's first line says it): at O2 and O3, when every op (fusion bodies included) is of
     `LIGHT_PIPELINE_OPS` or the elementwise and reduction lowerings, no kernel above
     `PLAIN_LOOP_MAX_ELEMENTS` was left unvectorized, and no loop is marked for full unrolling (which
     only O3's unroll pass does without unrolling other loops too)."""
-    from flowjit.backends.cpu.lowering import LOWERINGS
+    from flowjit.backends.cpu.target import LOWERINGS
 
     if opt < 2:
         return False, f"O{opt}"
@@ -289,7 +274,7 @@ def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> t
         return False, f"O{opt} (a kernel of {elements} elements runs as plain loops, vectorized by no schedule)"
     if FULL_UNROLL_METADATA in lowered.llvm_ir:
         return False, f"O{opt} (loops marked for full unrolling)"
-    return True, f"light ({', '.join(toolchain.LIGHT_PASSES)}): every kernel vectorized by its schedule"
+    return True, f"light ({', '.join(pipeline.LIGHT_PASSES)}): every kernel vectorized by its schedule"
 
 
 # Constants of at least this many bytes (not of one value: those are fills) are passed to the

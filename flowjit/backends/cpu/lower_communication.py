@@ -19,8 +19,9 @@ Zero-size values carry no data: their send/recv are dropped.
 
 from __future__ import annotations
 
-from flowjit.backends.cpu.emitter import memory_elem_type, memref_type, tensor_type
-from flowjit.backends.cpu.lowering import BUFFER_LOWERINGS, bool_to_bytes
+from flowjit.backends.cpu.target import BUFFER_LOWERINGS
+from flowjit.backends.mlir.emitter import memory_elem_type, memref_type, tensor_type
+from flowjit.backends.mlir.lowering import bool_to_bytes
 from flowjit.ir.graph import Op
 
 SEND_DECL = "  func.func private @flowjit_send(i64, i64, i64)"

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.backends.cpu import library, matmul_kernel, matmul_library, schedule, transpose_library
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
 from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
-from flowjit.backends.cpu.lowering import CALL_LOWERINGS, SCRATCH, call_lowering, lowering
+from flowjit.backends.cpu.target import CALL_LOWERINGS, SCRATCH, lowering
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
+from flowjit.backends.mlir.lowering import call_lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import conv_params, dot_dims

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, elem_type, scalar_literal, tensor_type
-from flowjit.backends.cpu.lowering import INLINES_SPLATS, bool_from_bytes, bool_to_bytes, lowering, splat_value
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
+from flowjit.backends.cpu.target import INLINES_SPLATS, lowering
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, elem_type, scalar_literal, tensor_type
+from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.types import TensorType

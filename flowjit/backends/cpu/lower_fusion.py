@@ -32,14 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flowjit.backends.cpu import lower_contraction, lower_rows, row_library, schedule
-from flowjit.backends.cpu.emitter import (
-    KernelEmitter,
-    ScalarBuilder,
-    elem_type,
-    memory_elem_type,
-    scalar_literal,
-    tensor_type,
-)
 from flowjit.backends.cpu.lower_elementwise import (
     _BINARY,
     _BOOL_PREDICATE,
@@ -55,19 +47,18 @@ from flowjit.backends.cpu.lower_elementwise import (
     reshape_tensor,
 )
 from flowjit.backends.cpu.lower_reduction import _COMBINE
-from flowjit.backends.cpu.lowering import (
-    CALL_LOWERINGS,
-    LOWERINGS,
-    SCRATCH,
-    bool_from_bytes,
-    bool_to_bytes,
-    call_lowering,
-    dense_literal,
-    lowering,
-    no_lowering_error,
-    splat_value,
-)
 from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
+from flowjit.backends.cpu.target import CALL_LOWERINGS, LOWERINGS, SCRATCH, lowering
+from flowjit.backends.mlir.emitter import (
+    KernelEmitter,
+    ScalarBuilder,
+    elem_type,
+    memory_elem_type,
+    scalar_literal,
+    tensor_type,
+)
+from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, call_lowering, dense_literal, splat_value
+from flowjit.backends.mlir.target import no_lowering_error
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops.reduction import reduction_identity
@@ -255,7 +246,7 @@ class _FusionLowering:
     def _lower_member(self, op: Op) -> None:
         fn = LOWERINGS.get(op.name)
         if fn is None:
-            raise no_lowering_error(op)
+            raise no_lowering_error(op, self.em.lowerings.target)
         results = fn(self.em, op, [self.tensor(v) for v in op.operands])
         self.tensors.update(zip(op.results, results))
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.backends.cpu.lower_elementwise import filled, reshape_tensor
-from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, can_collapse, lowering, splat_value
+from flowjit.backends.cpu.target import lowering
+from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
+from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, can_collapse, splat_value
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 

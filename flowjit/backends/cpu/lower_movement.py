@@ -23,23 +23,17 @@ from typing import NamedTuple
 import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
-from flowjit.backends.cpu.emitter import (
+from flowjit.backends.cpu.lower_elementwise import filled, memory_scalar
+from flowjit.backends.cpu.lower_layout import row_copy, written_through
+from flowjit.backends.cpu.target import INLINES_SPLAT_OPERANDS, INLINES_SPLATS, lowering
+from flowjit.backends.mlir.emitter import (
     KernelEmitter,
     ScalarBuilder,
     elem_type,
     memory_elem_type,
     tensor_type,
 )
-from flowjit.backends.cpu.lower_elementwise import filled, memory_scalar
-from flowjit.backends.cpu.lower_layout import row_copy, written_through
-from flowjit.backends.cpu.lowering import (
-    INLINES_SPLAT_OPERANDS,
-    INLINES_SPLATS,
-    bool_from_bytes,
-    bool_to_bytes,
-    lowering,
-    splat_value,
-)
+from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType

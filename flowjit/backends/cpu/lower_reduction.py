@@ -16,9 +16,10 @@ import itertools
 import math
 
 from flowjit.backends.cpu import reduction_library, schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
 from flowjit.backends.cpu.lower_elementwise import compute_elem, extend, map_elementwise, reshape_tensor
-from flowjit.backends.cpu.lowering import CALL_LOWERINGS, call_lowering, lowering
+from flowjit.backends.cpu.target import CALL_LOWERINGS, lowering
+from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
+from flowjit.backends.mlir.lowering import call_lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.ops.reduction import reduction_identity

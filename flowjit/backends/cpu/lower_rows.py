@@ -49,9 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, memory_elem_type, tensor_type
 from flowjit.backends.cpu.lower_elementwise import reshape_tensor
-from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, splat_value
+from flowjit.backends.mlir.emitter import KernelEmitter, memory_elem_type, tensor_type
+from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
 
@@ -369,7 +369,7 @@ def emit(em: KernelEmitter, nest: RowNest, tensors: list[str], lower_tile: Lower
     `lower_tile(graph, operands, destinations)` lowers a tile graph on the tile operands, writing
     the results in `destinations` (tile result -> its slice of the output, 1-D and tile-shaped)
     into them."""
-    em.row_nests = True  # their tile loops run faster with loop strength reduction (`strength_reduction`)
+    em.kernel_kinds.add("row_nest")  # their tile loops run faster with loop strength reduction
     views = []
     for v, t in zip(nest.inputs, tensors):
         views.append(_grouped(em, bool_to_bytes(em, t, v.type) if v.dtype.is_bool else t, v, nest))

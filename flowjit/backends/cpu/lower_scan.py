@@ -28,10 +28,10 @@ import math
 from typing import NamedTuple
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.backends.cpu.lower_elementwise import reshape_tensor
-from flowjit.backends.cpu.lowering import lowering
 from flowjit.backends.cpu.matmul_kernel import LoopWriter
+from flowjit.backends.cpu.target import lowering
+from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 

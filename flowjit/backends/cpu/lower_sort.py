@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.emitter import KernelEmitter, ScalarBuilder, memory_elem_type
 from flowjit.backends.cpu.lower_elementwise import reshape_tensor
-from flowjit.backends.cpu.lowering import bool_from_bytes, bool_to_bytes, lowering
+from flowjit.backends.cpu.target import lowering
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type
+from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
@@ -67,7 +68,7 @@ def lower_sort(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     # One long row (or too few rows for the cores): each merge pass splits its pairs over the cores.
     split = schedule.threads() > 1 and chunks < schedule.threads() and n >= SPLIT_PASSES_MIN_ROW
     done = _SortKernel(em, types[0].dtype, elems, rows, n, split).emit(flat, chunks)
-    em.sort_kernels = True  # its merge loop stays branch-free (`KernelEmitter.cmov_conversion`)
+    em.kernel_kinds.add("sort")  # its merge loop stays branch-free (`toolchain.codegen_settings`)
     results = []
     inverse = [perm.index(d) for d in range(keys.rank)]
     for x, t, e in zip(done, types, elems):

@@ -9,7 +9,7 @@ calls. Special values are handled with `arith.cmpf` + `arith.select`, never with
 Contract: `MATH[name](b, x, elem) -> result` and `MATH_BINARY[name](b, x, y, elem) -> result` take a
 `ScalarBuilder`, the SSA name(s) of the operand(s) and their MLIR element type ("f16", "bf16", "f32",
 "f64"), emit the computation and return the SSA name of a result of the same element type. Every
-emitted op is lowered by `toolchain.LLVM_PIPELINE`. `truncate_to_bf16(b, x)` is the f32 -> bf16
+emitted op is lowered by the "llvm-dialect" stage (`pipeline.py`). `truncate_to_bf16(b, x)` is the f32 -> bf16
 rounding the backend should use everywhere (see below).
 
 - f32: own polynomials (below). f16 / bf16: `arith.extf` to f32, the f32 code, then one rounding
@@ -97,7 +97,7 @@ import math
 from collections.abc import Callable
 
 from flowjit.backends.cpu import ldexp
-from flowjit.backends.cpu.emitter import ScalarBuilder
+from flowjit.backends.mlir.emitter import ScalarBuilder
 
 _INT = {"f32": "i32", "f64": "i64"}
 # (exponent bias, mantissa bits) of the binary formats

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from flowjit.backends.cpu import toolchain
-from flowjit.backends.cpu.emitter import KernelEmitter
+from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.errors import CompileError
 
 # Below this many multiply-adds the product runs on one thread (an OpenMP fork costs microseconds).
@@ -670,7 +670,7 @@ def emit_matmul(
     returns the tile's window of C (`rows` x `columns` at C's `row`, `column`; of the batch's
     matrix when batched) computed in place. `out`: a tensor of C's type to compute C into instead of
     a new one (a view of the caller's destination: bufferization then writes it in place)."""
-    em.matmul_kernels = True
+    em.kernel_kinds.add("matmul")
     w = LoopWriter.with_scratch(em, scratch_bytes(s), tile_epilogue)
     c_type = s.tensor(s.m, s.n)
     if s.accumulate != (into is not None):

@@ -17,11 +17,11 @@ writes (to memory) go on side by side. Hence `MIN_READ_FRACTION`: the function's
 least 3/4 of the bytes its outputs do (a pad: 0.98, 0.83x the time; the conversions: 0.5).
 
 How: the lowering marks the output arguments `wants_streaming` picks with `ARG_ATTR`
-(`lowering._lower_function`; not late outputs, which may share an input's buffer); after the MLIR
-pipelines (`toolchain.lower_to_llvm_ir`), `stream_stores` finds, per LLVM-dialect function, the
-marked arguments that every use of (through address arithmetic) is the address of a store: the
-function never reads them. Each whole-line vector store into such an argument (64 bytes:
-`vector<16xf32>`, `vector<8xf64>`, ...) becomes
+(`target.CpuTarget.output_attribute`, which the shared lowering asks; not late outputs, which may
+share an input's buffer); after the MLIR pipelines (`toolchain.lower_to_llvm_ir`), `stream_stores`
+finds, per LLVM-dialect function, the marked arguments that every use of (through address
+arithmetic) is the address of a store: the function never reads them. Each whole-line vector store
+into such an argument (64 bytes: `vector<16xf32>`, `vector<8xf64>`, ...) becomes
 
     if (address % 64 == 0) store, non-temporal, align 64   // vmovntps
     else                   the original store

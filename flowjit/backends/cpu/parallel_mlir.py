@@ -62,7 +62,7 @@ def processes() -> int:
 class _Child:
     """A forked process lowering one part; `result()` collects its `LLVMLowering`."""
 
-    def __init__(self, text: str, index: int):
+    def __init__(self, text: str, index: int, options):
         self.index = index
         read, write = os.pipe()
         with warnings.catch_warnings():
@@ -76,7 +76,7 @@ class _Child:
             try:
                 os.close(read)
                 try:
-                    payload = ("ok", tuple(toolchain.lower_to_llvm_ir(text)))
+                    payload = ("ok", tuple(toolchain.lower_to_llvm_ir(text, options)))
                 except BaseException as e:  # reported to the parent, which raises it
                     payload = ("error", f"{type(e).__name__}: {e}")
                 with os.fdopen(write, "wb") as pipe:
@@ -138,7 +138,7 @@ def _exit_reason(status: int | None) -> str:
     return f"exit status {os.WEXITSTATUS(status)}"
 
 
-def _result_or_here(child: _Child, text: str, deadline: float) -> toolchain.LLVMLowering:
+def _result_or_here(child: _Child, text: str, deadline: float, options) -> toolchain.LLVMLowering:
     """The child's result; if it overran its deadline, the part lowered in this process, with a
     warning: a child can hang where this process would not (a lock held forever in its copy of the
     process). A hang of the pipelines themselves then hangs here, as for a function not split."""
@@ -151,28 +151,28 @@ def _result_or_here(child: _Child, text: str, deadline: float) -> toolchain.LLVM
             RuntimeWarning,
             stacklevel=2,
         )
-        return toolchain.lower_to_llvm_ir(text)
+        return toolchain.lower_to_llvm_ir(text, options)
 
 
-def lower_parts(texts: list[str], keep_text: bool = False) -> list[toolchain.LLVMLowering]:
-    """`toolchain.lower_to_llvm_ir` of each module text, the first here and the others in forked
-    processes at the same time (one text: just here)."""
+def lower_parts(texts: list[str], options=None, keep_text: bool = False) -> list[toolchain.LLVMLowering]:
+    """`toolchain.lower_to_llvm_ir` of each module text with `options` (`pipeline.CompileOptions`),
+    the first here and the others in forked processes at the same time (one text: just here)."""
     if len(texts) == 1:
-        return [toolchain.lower_to_llvm_ir(texts[0], keep_text=keep_text)]
+        return [toolchain.lower_to_llvm_ir(texts[0], options, keep_text=keep_text)]
     children: list[_Child] = []
     try:
         with toolchain.fork_lock():
             for k, text in enumerate(texts[1:], start=1):
                 try:
-                    children.append(_Child(text, k))
+                    children.append(_Child(text, k, options))
                 except OSError:  # no process to be had (memory, process limits): the rest here
                     break
         start = time.monotonic()
-        first = toolchain.lower_to_llvm_ir(texts[0], keep_text=keep_text)
+        first = toolchain.lower_to_llvm_ir(texts[0], options, keep_text=keep_text)
         now = time.monotonic()
         deadline = min(now + PART_GRACE_S + PART_SLACK * (now - start), start + PART_TIMEOUT_S)
-        rest = [_result_or_here(child, text, deadline) for child, text in zip(children, texts[1:])]
-        return [first, *rest, *(toolchain.lower_to_llvm_ir(text) for text in texts[1 + len(children) :])]
+        rest = [_result_or_here(child, text, deadline, options) for child, text in zip(children, texts[1:])]
+        return [first, *rest, *(toolchain.lower_to_llvm_ir(text, options) for text in texts[1 + len(children) :])]
     finally:
         for child in children:  # an error left them running
             child.kill()

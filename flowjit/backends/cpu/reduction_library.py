@@ -28,8 +28,8 @@ import functools
 from dataclasses import dataclass
 
 from flowjit.backends.cpu import library, matmul_kernel, schedule
-from flowjit.backends.cpu.emitter import elem_type, scalar_literal
 from flowjit.backends.cpu.library import Writer
+from flowjit.backends.mlir.emitter import elem_type, scalar_literal
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 

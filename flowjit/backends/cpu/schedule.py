@@ -16,7 +16,7 @@ import math
 import os
 
 from flowjit.backends.cpu import toolchain
-from flowjit.backends.cpu.emitter import HOIST_MARK
+from flowjit.backends.mlir.emitter import HOIST_MARK
 
 # Below this many elements a kernel stays on one thread. A fork/join costs 5-20 us and, on a
 # shared machine, waits for a descheduled worker; one core streams 256K f32 in ~60 us, so smaller

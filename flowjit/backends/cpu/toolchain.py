@@ -1,8 +1,9 @@
 """The CPU toolchain: MLIR text -> MLIR pass pipeline -> LLVM IR -> llvmlite (host CPU, O3) ->
 native code, in process (MCJIT) or as an object file for ahead-of-time builds.
 
-Everything that touches `mlir` or `llvmlite` directly lives here (and in `parallel_codegen`, which
-compiles a large module's parts on several threads), so the lowering code only deals in MLIR text.
+Everything that touches `llvmlite` directly lives here (and in `parallel_codegen`, which compiles
+a large module's parts on several threads); MLIR pipelines run through the shared runner
+(`backends/mlir/pipeline.py`), so the lowering code only deals in MLIR text.
 Recipes and their pitfalls are in shared/TOOLCHAIN.md; the ones that matter here:
 attribute aliases sit outside `module {}`; `eliminate-empty-tensors` precedes bufferization;
 `convert-ub-to-llvm` is required; the OpenMP runtime (`libiomp5` from the intel-openmp wheel) must
@@ -14,90 +15,22 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import functools
-import math
 import os
-import re
 import struct
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from flowjit.backends.cpu import lane_extremes, ldexp, single_lane
+from flowjit.backends.cpu import lane_extremes, ldexp, pipeline, single_lane
+from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.errors import CompileError
-from flowjit.passes import dump
 
-# Tensor-level cleanups, then bufferization and lowering to the LLVM dialect (TOOLCHAIN.md §1, §2).
-# The transform schedule before them ends with a function-wide canonicalization and hoists the
-# vector accumulators out of the reduction loops it marked (`emitter.HOIST_MARK`): the
-# `loop-invariant-subset-hoisting` pass over every loop cost a third of the MLIR pipelines' time
-# in a training step (its packed matmul loops hold many subsets). No `cse` before bufferization:
-# it merges the `tensor.empty`s of different kernels (e.g. two reductions' partial accumulators),
-# and the shared buffer then costs copies on every iteration.
-# `linalg-fuse-elementwise-ops` first folds the i8 <-> i1 conversions of bool tensors into their
-# neighbours: an i1 tensor that stays materialized between two kernels would be a memref<..xi1>,
-# whose loads and stores MLIR 22's MemRefToLLVM rejects (assertion on sub-byte element types).
-# Deallocation runs the passes of MLIR's `buffer-deallocation-pipeline` (expand-realloc, canonicalize,
-# ownership-based-buffer-deallocation, canonicalize, buffer-deallocation-simplification,
-# bufferization-lower-deallocations, cse, canonicalize) that change our modules: the lowering makes
-# no `memref.realloc`, and after the `canonicalize,cse` just before, the first two canonicalizations
-# and the cse found nothing to do (together 7-14% of the MLIR half's time, 13-16 ms of the training
-# step's). The last `canonicalize` stays: it folds the self-copies `cse` leaves of in-place updates
-# (`memref.copy %a, %a`) and the deallocations' ownership conditions. Identical LLVM IR on the
-# benchmark workloads and the 727 distinct functions the CPU tests compile.
-# `buffer-loop-hoisting` moves an allocation whose size is known outside a loop and which no
-# iteration hands to the next out of the loop (not out of an `scf.forall`: each thread keeps its
-# own): a row reduction's accumulator, stored when a partial chunk updates part of it, was
-# malloc'ed and freed once per row (max over (41943, 100) float32 0.80 -> 0.44 ms, logsumexp 2.3 ->
-# 1.6).
-BUFFERIZE_PIPELINE = (
-    "func.func(linalg-fuse-elementwise-ops),canonicalize,eliminate-empty-tensors,"
-    "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map},"
-    "canonicalize,cse,func.func(buffer-loop-hoisting),ownership-based-buffer-deallocation,buffer-deallocation-simplification,"
-    "bufferization-lower-deallocations,canonicalize,convert-bufferization-to-memref"
-)
-# `finalize-memref-to-llvm` must precede `convert-scf-to-cf`: scf-to-openmp wraps loop bodies in
-# `memref.alloca_scope`, which only accepts a single block (TOOLCHAIN.md §2). `convert-func-to-llvm`
-# must precede `convert-openmp-to-llvm`, which would otherwise convert the function signature itself
-# with memref descriptors instead of bare pointers. Math becomes LLVM intrinsics where LLVM has them
-# and libm calls otherwise (erf, atan2 in f64), before vector-to-llvm: the libm conversion unrolls
-# vector operands with `vector.extract`/`insert`, which must still be lowered afterwards.
-# `convert-vector-to-scf{full-unroll}`: masked n-d transfers otherwise go through `alloca` buffers
-# inside the loop, one per iteration (stack overflow on a 45000-row sum + max).
-# `convert-openmp-to-llvm` carries the cf, memref and func conversions (for the ops inside OpenMP
-# regions) and applies them to the whole module: it also lowers the cf ops and the memref ops that
-# vector-to-llvm leaves. Separate convert-cf-to-llvm, a second finalize-memref-to-llvm and
-# convert-index-to-llvm (the lowering makes no index-dialect ops) changed nothing in the LLVM IR.
-# convert-arith-to-llvm stays: it lowers ops the openmp conversion does not (`arith.floordivsi`).
-# `arith-unsigned-when-equivalent` after the affine lowering: the index arithmetic of coalesced and
-# tiled loops (`floordivsi`/`remsi` by a power of two) becomes unsigned where integer range analysis
-# proves the operands non-negative, i.e. shifts and masks; left signed, only LLVM's O3 (IndVars,
-# CorrelatedValuePropagation) found that, and without it softmax's exp loop did 15 more integer
-# instructions per vector (+14% run time under `LIGHT_PASSES`).
-# `enable-x86vector`: lowers the `x86vector.avx512.mask.scalef` ops of `ldexp.rewrite` (AVX-512 hosts).
-# `reassociate-fp-reductions`: a float `vector.reduction` becomes a tree of adds (pairwise) instead
-# of LLVM's default ordered chain of one add per lane (softmax's sum: 16 dependent adds per row and
-# a third more machine code). `_check_lowered` reports any op left over. The closing
-# `canonicalize,cse` folds the conversions' memref-descriptor and n-d-vector
-# `llvm.insertvalue`/`extractvalue` chains in MLIR, where that is cheap: left to LLVM, one
-# InstCombine run took 12-20 ms on the layer norm's raw LLVM IR, 1.6 ms after (1431 -> 671 lines;
-# its O3 16 -> 13.5 ms, the whole compile 3-7% less CPU on the benchmark workloads).
-LLVM_PIPELINE = (
-    "func.func(scf-forall-to-parallel),convert-scf-to-openmp,convert-linalg-to-loops,lower-affine,"
-    "convert-vector-to-scf{full-unroll=true},expand-strided-metadata,lower-affine,arith-unsigned-when-equivalent,"
-    "finalize-memref-to-llvm,"
-    "convert-scf-to-cf,convert-math-to-llvm,convert-math-to-libm,"
-    "convert-vector-to-llvm{enable-x86vector=true reassociate-fp-reductions=true},"
-    "convert-arith-to-llvm,convert-func-to-llvm{use-bare-ptr-memref-call-conv=1},convert-openmp-to-llvm,"
-    "convert-ub-to-llvm,reconcile-unrealized-casts,canonicalize,cse"
-)
-
-_lock = threading.RLock()
+_lock = mlir_pipeline.lock()
 
 
 def lock() -> threading.RLock:
-    """The lock held around this module's MLIR and LLVM calls."""
+    """The lock held around this module's MLIR and LLVM calls (`mlir_pipeline.lock`)."""
     return _lock
 
 
@@ -199,109 +132,12 @@ def target_machine(reloc: str = "default", opt: int = 3):
     return target.create_target_machine(cpu=cpu.name, features=cpu.features, opt=opt, reloc=reloc, codemodel=codemodel)
 
 
-@functools.cache
-def mlir_context():
-    """One MLIR context per process (creating one costs milliseconds; parsing is guarded by a lock).
-    Without MLIR's thread pool: our module is one function, so the pool never had work to share, and
-    a process forked after the pool started has none of its threads, so the child's first parse
-    (parallel verification) waited on them forever."""
-    from mlir import ir
-
-    context = ir.Context()
-    context.enable_multithreading(False)
-    return context
-
-
-def _pass_manager(pipeline: str):
-    """A pass manager for `pipeline`. The MLIR verifier runs after every pass only with
-    `FLOWJIT_VERIFY=1` (the test suite): it costs about a sixth of the pipelines' time. Without it
-    the input is still verified when parsed and the result once at the end (`_verified`)."""
-    return _reused_pass_manager(pipeline, dump.verify_enabled())
-
-
-@functools.lru_cache(maxsize=16)
-def _reused_pass_manager(pipeline: str, verify: bool):
-    """One pass manager per pipeline and process (used under `_lock`): a pass manager initializes
-    its passes on its first run only (each canonicalize collects the patterns of every loaded op,
-    conversions build theirs), which took 1.0-1.5 ms of every compile, most of a tiny function's
-    MLIR half."""
-    from mlir.passmanager import PassManager
-
-    pm = PassManager.parse(pipeline, context=mlir_context())
-    pm.enable_verifier(verify)
-    return pm
-
-
-def _parse(text: str):
-    from mlir import ir
-
-    try:
-        return ir.Module.parse(text)
-    except Exception as e:  # the bindings raise MLIRError with diagnostics
-        raise CompileError(f"internal error: generated MLIR does not parse:\n{e}\n--- MLIR ---\n{text}") from None
-
-
-def _join(pipelines: list[str]) -> str:
-    """One 'builtin.module(...)' pipeline from several."""
-    prefix = "builtin.module("
-    if not all(p.startswith(prefix) and p.endswith(")") for p in pipelines):
-        raise CompileError(f"internal error: pipelines must be '{prefix}...)' strings; found {pipelines}")
-    return prefix + ",".join(p[len(prefix) : -1] for p in pipelines) + ")"
-
-
-def _run_pipeline(module, pipeline: str, repro_text) -> None:
-    """Run `pipeline` on `module`; on failure save the input (`repro_text()`) and say how to rerun it."""
-    try:
-        _pass_manager(pipeline).run(module.operation)
-    except Exception as e:
-        repro = _repro(repro_text(), pipeline)
-        raise CompileError(f"internal error: MLIR pipeline failed: {pipeline}\n{e}\n{repro}") from None
-
-
-def _verified(module) -> None:
-    """Verify the final module once when the verifier did not run after every pass."""
-    if dump.verify_enabled():
-        return
-    try:
-        module.operation.verify()
-    except Exception as e:
-        raise CompileError(f"internal error: the MLIR pipelines produced invalid IR:\n{e}") from None
-
-
-def run_mlir(text: str, pipelines: list[str]) -> str:
-    """Parse MLIR text, run each pass pipeline (a 'builtin.module(...)' string), return MLIR text."""
-    with _lock, mlir_context():
-        module = _parse(text)
-        # One pass manager for all pipelines: the input text is then the reproducer of a failure.
-        _run_pipeline(module, _join(pipelines), lambda: text)
-        _verified(module)
-        return str(module)
-
-
-def _repro(text: str, pipeline: str) -> str:
-    """Save the input of a failed pipeline and say how to rerun it."""
-    fd, path = tempfile.mkstemp(prefix="flowjit-failed-", suffix=".mlir")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    command = f"from flowjit.backends.cpu import toolchain; toolchain.run_mlir(open({path!r}).read(), [{pipeline!r}])"
-    return f'input saved to {path}; reproduce with: python -c "{command}"'
-
-
 def _apply_schedule(module) -> bool:
-    """Run the module's transform schedule, if it has one, and erase it; then rewrite the float
-    max/min reductions across vector lanes, the schedules' and the lowerings' own
-    (`lane_extremes`), and exp's vectorized power-of-two scaling (`ldexp`). True if there was a
+    """Run the module's transform schedule, if it has one, and erase it (`mlir_pipeline.apply_schedule`);
+    then rewrite the float max/min reductions across vector lanes, the schedules' and the lowerings'
+    own (`lane_extremes`), and exp's vectorized power-of-two scaling (`ldexp`). True if there was a
     schedule."""
-    scheduled = "transform.with_named_sequence" in module.operation.attributes
-    if scheduled:
-        try:
-            _pass_manager("builtin.module(transform-interpreter)").run(module.operation)
-        except Exception as e:
-            raise CompileError(f"internal error: transform schedule failed:\n{e}") from None
-        for op in list(module.body.operations):
-            if op.operation.name == "transform.named_sequence":
-                op.operation.erase()
-        del module.operation.attributes["transform.with_named_sequence"]
+    scheduled = mlir_pipeline.apply_schedule(module)
     lane_extremes.rewrite(module)
     ldexp.rewrite(module)
     return scheduled
@@ -311,31 +147,10 @@ def apply_transform_schedule(text: str) -> str:
     """Run the transform-dialect schedule embedded in the module (`transform.named_sequence
     @__transform_main` inside a module carrying `transform.with_named_sequence`), then erase the
     schedule so the payload is an ordinary module again."""
-    with _lock, mlir_context():
-        module = _parse(text)
+    with _lock, mlir_pipeline.mlir_context():
+        module = mlir_pipeline.parse(text)
         _apply_schedule(module)
         return str(module)
-
-
-def _check_lowered(module) -> None:
-    """Ops of other dialects left behind by the pipeline are an internal error (the translation
-    itself would crash on them)."""
-    from mlir import ir
-
-    leftovers: set[str] = set()
-
-    def visit(op):
-        name = op.name
-        if not name.startswith(("llvm.", "omp.")) and name != "builtin.module":
-            leftovers.add(name)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    if leftovers:
-        raise CompileError(
-            f"internal error: ops not lowered to the LLVM dialect: {', '.join(sorted(leftovers))}"
-            f"\n--- MLIR ---\n{module}"
-        )
 
 
 class LLVMLowering(NamedTuple):
@@ -350,31 +165,35 @@ class LLVMLowering(NamedTuple):
     streamed: tuple = ()  # the arguments given non-temporal stores (`nontemporal.Streamed`)
 
 
-def lower_to_llvm_ir(text: str, llvm_pipeline: str = LLVM_PIPELINE, keep_text: bool = False) -> LLVMLowering:
+def lower_to_llvm_ir(
+    text: str, options: pipeline.CompileOptions | None = None, keep_text: bool = False
+) -> LLVMLowering:
     """The backend's MLIR half on one in-memory module: parse the lowering's text, run its transform
-    schedule, bufferization and `llvm_pipeline`, translate to LLVM IR. The LLVM-dialect text is
+    schedule and the stages "bufferize" and "llvm-dialect" (`pipeline.mlir_stages` for `options`),
+    translate to LLVM IR. The LLVM-dialect text is
     made only when `keep_text` asks for it: printing and re-parsing the module between steps cost a
     fifth of this function's time."""
-    with _lock, mlir_context():
-        module = _parse(text)
-        pipeline = f"builtin.module({BUFFERIZE_PIPELINE},{llvm_pipeline})"
+    with _lock, mlir_pipeline.mlir_context():
+        module = mlir_pipeline.parse(text)
+        passes = pipeline.stage_pipeline("bufferize", "llvm-dialect", options=options)
         scheduled = _apply_schedule(module)
-        plain = _largest_plain_kernel(module)
+        plain = mlir_pipeline.largest_plain_kernel(module)
 
         def repro() -> str:  # a failure's reproducer starts after the schedule, as `run_mlir` takes it
             return apply_transform_schedule(text) if scheduled else text
 
-        _run_pipeline(module, pipeline, repro)
+        mlir_pipeline.run_pipeline(module, passes, repro)
         streamed = _streamed(module)
         llvm_ir = _translated(module)
-        if _COPY_CALL in llvm_ir:
-            module = _parse(text)
+        if mlir_pipeline.COPY_CALL in llvm_ir:
+            module = mlir_pipeline.parse(text)
             _apply_schedule(module)
-            _run_pipeline(module, f"builtin.module({BUFFERIZE_PIPELINE})", repro)
-            bufferized = copies_as_loops(str(module))
-            module = _parse(bufferized)
-            plain = max(plain, _largest_plain_kernel(module))  # the copies, now plain loops
-            _run_pipeline(module, f"builtin.module({llvm_pipeline})", lambda: bufferized)
+            mlir_pipeline.run_pipeline(module, pipeline.stage_pipeline("bufferize", options=options), repro)
+            bufferized = mlir_pipeline.copies_as_loops(str(module))
+            module = mlir_pipeline.parse(bufferized)
+            plain = max(plain, mlir_pipeline.largest_plain_kernel(module))  # the copies, now plain loops
+            to_llvm = pipeline.stage_pipeline("llvm-dialect", options=options)
+            mlir_pipeline.run_pipeline(module, to_llvm, lambda: bufferized)
             streamed = _streamed(module)
             llvm_ir = _translated(module)
         return LLVMLowering(llvm_ir, str(module) if keep_text else None, plain, streamed)
@@ -389,68 +208,23 @@ def _streamed(module) -> tuple:
     return tuple(nontemporal.stream_stores(module))
 
 
-def _largest_plain_kernel(module) -> int:
-    """Elements of the largest linalg op (fills aside) left in `module` after its transform schedule:
-    the largest operand or result, a lower bound of its iteration space."""
-    from mlir import ir
-
-    largest = 0
-
-    def visit(op):
-        nonlocal largest
-        name = op.name
-        if name.startswith("linalg.") and name not in _NOT_KERNELS:
-            for value in (*op.operands, *op.results):
-                shaped = value.type
-                if isinstance(shaped, ir.ShapedType) and shaped.has_static_shape:
-                    largest = max(largest, math.prod(shaped.shape))
-            return ir.WalkResult.SKIP
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return largest
-
-
-# linalg ops that are not kernels of their own: fills (accumulator initializations a schedule did not
-# fold, memsets) and the body ops of a generic.
-_NOT_KERNELS = frozenset({"linalg.fill", "linalg.yield", "linalg.index"})
-
-
 def _translated(module) -> str:
     """LLVM IR of a module the pipelines lowered, once it is verified and holds only LLVM-dialect
     and OpenMP ops (the translation would crash on any other); one-lane masked stores made scalar
     (`single_lane`: LLVM's x86 code generation wrote such a store at the width of the elements it
     was truncated from)."""
-    from mlir.dialects import llvm as llvm_dialect
-
-    _verified(module)
-    _check_lowered(module)
-    return single_lane.scalar_stores(str(llvm_dialect.translate_module_to_llvmir(module.operation)))
-
-
-# MLIR lowers a `memref.copy` between memrefs that are not both contiguous to a call of its C runner
-# library's `memrefCopy`, which native code here cannot call. The lowerings avoid such copies, but
-# MLIR's folding can still make one (a fused kernel whose body folds to the identity, `x[::2] << 0`,
-# is erased and its strided input copied to the output). Such a module is lowered again with every
-# `memref.copy` after bufferization rewritten as `linalg.copy`, which becomes loops.
-_COPY_CALL = "@memrefCopy("
-_MEMREF_COPY = re.compile(r"^(\s*)memref\.copy (\S+), (\S+) : (.+) to (.+)$", re.MULTILINE)
-
-
-def copies_as_loops(bufferized: str) -> str:
-    """Bufferized MLIR text with each `memref.copy` replaced by the equivalent `linalg.copy`."""
-    return _MEMREF_COPY.sub(r"\1linalg.copy ins(\2 : \4) outs(\3 : \5)", bufferized)
+    return single_lane.scalar_stores(mlir_pipeline.translate(module))
 
 
 def translate_to_llvm_ir(llvm_dialect_text: str) -> str:
     """LLVM-dialect MLIR (with OpenMP ops) -> LLVM IR text. Ops of other dialects left behind by the
     pipeline are an internal error (the translation itself would crash on them)."""
-    with _lock, mlir_context():
-        return _translated(_parse(llvm_dialect_text))
+    with _lock, mlir_pipeline.mlir_context():
+        return _translated(mlir_pipeline.parse(llvm_dialect_text))
 
 
 def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default", light: bool = False):
-    """Parse LLVM IR and run the O`opt` pipeline (`LIGHT_PASSES` when `light`) for the host CPU;
+    """Parse LLVM IR and run the O`opt` pipeline (`pipeline.LIGHT_PASSES` when `light`) for the host CPU;
     returns (module, target machine)."""
     binding = llvm()
     with _lock:
@@ -466,20 +240,8 @@ def optimize(llvm_ir: str, name: str, opt: int = 3, reloc: str = "default", ligh
         return module, tm
 
 
-# The LLVM passes for a module whose every loop the lowering vectorized (`compiler.light_pipeline`):
-# scalar replacement of the conversions' allocas, instruction combining and CFG cleanup, loop
-# rotation and GVN. O3 adds ~100 passes (a third of its time InstCombine, run 8 times) that found
-# little in such modules: run time within noise on the benchmark workloads but the CNN (whose pad
-# is a plain copy loop), while O3 took 2.5-3.5x as long (softmax 14 -> 5 ms, matmul 13 -> 5 ms of
-# CPU time; docs/cpu-backend.md, "Compile time"). O1 and O2 cost as much as O3.
-# llvmlite's loop-unroll pass cannot be limited to the loops marked for full unrolling (it unrolls
-# by its own cost model too: the MLP step's IR 4165 -> 6637 lines), so marked modules keep O3
-# (`compiler.light_pipeline`).
-LIGHT_PASSES = ("sroa", "instruction_combine", "simplify_cfg", "loop_rotate", "new_gvn", "instruction_combine")
-
-
 def optimization_pipeline(tm, opt: int = 3, light: bool = False):
-    """LLVM's O`opt` module pipeline for target machine `tm`, or `LIGHT_PASSES` when `light`:
+    """LLVM's O`opt` module pipeline for target machine `tm`, or `pipeline.LIGHT_PASSES` when `light`:
     (module pass manager, pass builder). Loop unrolling is off (it doubled LLVM's time on the large
     workloads): only loops carrying forced unroll metadata would be unrolled; the lowering writes
     out its short loops instead (docs/cpu-backend.md, "Compile time")."""
@@ -490,7 +252,7 @@ def optimization_pipeline(tm, opt: int = 3, light: bool = False):
     if not light:
         return builder.getModulePassManager(), builder
     manager = binding.create_new_module_pass_manager()
-    for name in LIGHT_PASSES:
+    for name in pipeline.LIGHT_PASSES:
         getattr(manager, f"add_{name}_pass")()
     return manager, builder
 
@@ -565,13 +327,13 @@ class NativeModule:
 # 150 -> 107-114, matmul's 10.5 -> 7.5) for no speed (paired in one process: the MLP step, the
 # matmuls and the CNN within 1%, the elementwise chain 5% faster without it). Row-tile nests
 # (`lower_rows`: softmax, layer norm) run 2-2.5% faster with it, so functions whose main work they
-# are keep it (`KernelEmitter.strength_reduction`; docs/cpu-backend.md, "Compile time (first call)").
+# are keep it (`codegen_settings`; docs/cpu-backend.md, "Compile time (first call)").
 #
 # x86's cmov conversion (`X86CmovConversion`) turns conditional moves in loops back into branches
 # when it judges the branch predictable. In a merge sort's merge loop the choice between the two
 # runs' heads is a coin flip on random keys: converted, the loop mispredicted about every second
 # element (1M floats sorted in 82 ms; 37-40 ms with the conversion off, numpy 33). Functions with
-# sort kernels turn it off (`KernelEmitter.cmov_conversion`); the rest keep LLVM's default.
+# sort kernels turn it off (`codegen_settings`); the rest keep LLVM's default.
 _codegen = threading.Condition()
 _codegen_users = 0
 # LLVM's defaults (strength reduction, cmov conversion), and what the process has while none of
@@ -614,6 +376,17 @@ def codegen_options(strength_reduction: bool = False, cmov_conversion: bool = Tr
             if _codegen_users == 0:
                 _set_codegen_state(_DEFAULTS)
                 _codegen.notify_all()
+
+
+def codegen_settings(kernel_kinds) -> tuple[bool, bool]:
+    """(strength_reduction, cmov_conversion) of `codegen_options` for a function whose lowering made
+    kernels of `kernel_kinds` (`MlirModule.kernel_kinds`): loop strength reduction for functions
+    whose main work is row-tile nests (softmax, layer norm: 2-2.5% faster with it, for ~0.5 ms of
+    compile), not for those with packed matmul kernels (the MLP step: run time the same, code
+    generation 40 ms of CPU longer); x86's cmov conversion off for functions with sort kernels,
+    whose merge loop picks between two runs' heads unpredictably (a million floats sorted 2x
+    faster branch-free)."""
+    return "row_nest" in kernel_kinds and "matmul" not in kernel_kinds, "sort" not in kernel_kinds
 
 
 def jit_compile(module, tm, strength_reduction: bool = False, cmov_conversion: bool = True) -> NativeModule:
@@ -660,7 +433,7 @@ def emit_object(
     llvm_ir: str, name: str, strength_reduction: bool = False, cmov_conversion: bool = True, light: bool = False
 ) -> bytes:
     """Position-independent object code for ahead-of-time shared libraries (and the matmul library);
-    `light`: `LIGHT_PASSES` instead of O3."""
+    `light`: `pipeline.LIGHT_PASSES` instead of O3."""
     module, tm = optimize(llvm_ir, name, reloc="pic", light=light)
     with _lock, codegen_options(strength_reduction, cmov_conversion):
         return tm.emit_object(module)

@@ -1,9 +1,9 @@
-"""CPU lowering of structured control flow: `cond` -> `scf.if`, `for` -> `scf.for`, `while` ->
+"""Lowering of structured control flow, for any target: `cond` -> `scf.if`, `for` -> `scf.for`, `while` ->
 `scf.while`, compiled as real branches and loops (never unrolled).
 
 The op itself is one kernel of the function: its operands are read from their buffers and its
 results written to their destinations like any op's. Inside, region bodies are lowered on tensors
-with the ordinary `LOWERINGS` table (no per-op buffers: one-shot bufferization places the loop's
+with the target's own lowering table (`em.lowerings`; no per-op buffers: one-shot bufferization places the loop's
 intermediates), scalars cross between tensors and the scf control values with
 `tensor.extract`/`tensor.from_elements`, and region parameters beyond the carried values refer to the
 enclosing tensors directly.
@@ -11,21 +11,15 @@ enclosing tensors directly.
 bool values never cross a region boundary as `i1` tensors: a carried or yielded bool travels as
 bytes (`i8`, numpy's layout) and predicates are read as bytes, because bufferizing an `i1` tensor
 into memory is rejected by MLIR 22's MemRefToLLVM (an assertion, which would abort the process).
+
+A target adds these lowerings to its table with `register`.
 """
 
 from __future__ import annotations
 
-from flowjit.backends.cpu.emitter import KernelEmitter, tensor_type
-from flowjit.backends.cpu.lowering import (
-    BUFFER_LOWERINGS,
-    INLINE_CONSTANT_ELEMENTS,
-    LOWERINGS,
-    bool_from_bytes,
-    bool_to_bytes,
-    dense_literal,
-    lowering,
-    no_lowering_error,
-)
+from flowjit.backends.mlir.emitter import KernelEmitter, tensor_type
+from flowjit.backends.mlir.lowering import INLINE_CONSTANT_ELEMENTS, bool_from_bytes, bool_to_bytes, dense_literal
+from flowjit.backends.mlir.target import LoweringTable, no_lowering_error
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph, Op
 
@@ -78,11 +72,11 @@ def lower_region(em: KernelEmitter, region: Graph, args: list[str]) -> list[str]
         if op.name in CONTROL_OPS:
             outs = _EMITTERS[op.name](em, op, [env[v] for v in op.operands])
         else:
-            fn = LOWERINGS.get(op.name)
+            fn = em.lowerings.tensor.get(op.name)
             if fn is None:
-                if op.name in BUFFER_LOWERINGS:
+                if op.name in em.lowerings.buffer:
                     raise CompileError(f"{op.loc}: op '{op.name}' cannot run inside a compiled loop or branch")
-                raise no_lowering_error(op)
+                raise no_lowering_error(op, em.lowerings.target)
             outs = fn(em, op, [env[v] for v in op.operands])
         env.update(zip(op.results, outs))
     return [env[v] for v in region.results]
@@ -201,11 +195,11 @@ def emit_while(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 _EMITTERS = {"cond": emit_cond, "for": emit_for, "while": emit_while}
 
 
-def _check_nested(op: Op) -> None:
+def _check_nested(table: LoweringTable, op: Op) -> None:
     for region in op.regions:
         for inner in region.walk():
-            if inner.name not in ("constant", *CONTROL_OPS) and inner.name not in LOWERINGS:
-                raise no_lowering_error(inner)
+            if inner.name not in ("constant", *CONTROL_OPS) and inner.name not in table.tensor:
+                raise no_lowering_error(inner, table.target)
 
 
 def _large_constants(op: Op) -> list:
@@ -230,7 +224,7 @@ def _large_constants(op: Op) -> list:
 def _lower_control(fl, op: Op) -> None:
     if op.name == "while" and op.attrs["num_carry"] == 0:
         raise CompileError(f"{op.loc}: a while_loop needs at least one carried value")
-    _check_nested(op)
+    _check_nested(fl.lowerings, op)
     operands = [fl.read(v) for v in op.operands]
     fl.em.region_values = {v: fl.read(v) for v in _large_constants(op)}
     try:
@@ -241,10 +235,12 @@ def _lower_control(fl, op: Op) -> None:
         fl.write(tensor, value, fl.buffers[value])
 
 
-BUFFER_LOWERINGS.update({name: _lower_control for name in CONTROL_OPS})
-
-
-@lowering("custom_vjp_call")
 def _custom_vjp_call(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """An identity on its last operands (its backward rule matters only to the autodiff pass)."""
     return operands[op.attrs["num_inputs"] + op.attrs["num_residuals"] :]
+
+
+def register(table: LoweringTable) -> None:
+    """Add the control-flow lowerings (`cond`, `for`, `while`, `custom_vjp_call`) to `table`."""
+    table.buffer.update({name: _lower_control for name in CONTROL_OPS})
+    table.tensor["custom_vjp_call"] = _custom_vjp_call

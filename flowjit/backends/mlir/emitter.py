@@ -1,9 +1,10 @@
-"""Building MLIR text for the CPU backend.
+"""Building MLIR text, for any target.
 
 `KernelEmitter` accumulates the body of one `func.func` operating on tensors, plus the top-level
 attribute aliases it needs (which must sit outside `module {}`). `ScalarBuilder` writes the scalar
-body of a `linalg.generic` region; the vectorizable math library (`mathlib.py`) and elementwise
-lowerings emit through it. Lowerings are plain functions registered in `LOWERINGS`:
+body of a `linalg.generic` region; a target's math library (the CPU's `mathlib.py`) and the
+elementwise lowerings emit through it. Lowerings are plain functions registered in a target's
+lowering table (`LOWERINGS`):
 
     LOWERINGS[op_name] = fn(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
 
@@ -11,8 +12,8 @@ taking the MLIR SSA names of the op's operand tensors and returning those of its
 
 Note for lowering authors (stable API: `LOWERINGS`, `em.generic`, `em.op`, `ScalarBuilder.op/const`,
 `elem_type`, `tensor_type`). Added by the driver's owner:
-- `em.schedule(generic, steps)` attaches a transform-dialect schedule (see `schedule.py`) to a
-  `linalg.generic`; untagged kernels are lowered to plain loops (LLVM may still vectorize them).
+- `em.schedule(generic, steps)` attaches a transform-dialect schedule (the CPU's: `schedule.py`) to
+  a `linalg.generic`; untagged kernels are lowered to plain loops (LLVM may still vectorize them).
 - bool operands arrive as i1 tensors made by `lowering.bool_from_bytes`; `bool_to_bytes` on such a
   tensor returns the original bytes instead of emitting a conversion (`em.bool_bytes`), so a lowering
   that moves bool data as bytes never creates an i1 buffer (MLIR 22 cannot store those).
@@ -110,7 +111,9 @@ class ScalarBuilder:
 class KernelEmitter:
     """Accumulates one MLIR function on tensors and the module-level aliases it uses."""
 
-    def __init__(self):
+    def __init__(self, lowerings=None):
+        # The target's `LoweringTable`: lowerings of ops nested in others (region bodies) look theirs up.
+        self.lowerings = lowerings
         self._counter = 0
         self.aliases: dict[str, str] = {}  # text -> alias name
         self.body: list[str] = []
@@ -121,7 +124,7 @@ class KernelEmitter:
         self.bool_bytes: dict[str, str] = {}
         # n-d tensor -> (the tensor of fewer dims it expands, that tensor's shape): see `store_through`.
         self.flat_views: dict[str, tuple[str, tuple[int, ...]]] = {}
-        # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (lowering.SCRATCH)
+        # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (`LoweringTable.scratch`)
         self.scratch: tuple[str, int] | None = None
         # Module-level lines (globals, external function declarations) the function's kernels need.
         self.globals: list[str] = []
@@ -133,10 +136,9 @@ class KernelEmitter:
         # Operand position -> `lowering.SliceView`, while an op whose operands include slices that no
         # kernel computed is lowered: its lowering reads their blocks from the slices' sources.
         self.operand_slices: dict = {}
-        # Kinds of kernels made, for code generation's loop strength reduction (`strength_reduction`).
-        self.row_nests = False
-        self.matmul_kernels = False
-        self.sort_kernels = False
+        # Kinds of kernels made ("row_nest", "matmul", "sort"): a target's code generation may tune
+        # itself to them (`MlirModule.kernel_kinds`; the CPU's `toolchain.codegen_settings`).
+        self.kernel_kinds: set[str] = set()
         # Loops around the kernels being emitted (row-nest tile loops, `for`/`while` bodies): inside
         # one, a kernel runs many times per call (`schedule.reduction`'s `may_stay_plain`).
         self.loops = 0
@@ -148,21 +150,6 @@ class KernelEmitter:
         the `expand_shape`, empty-tensor elimination gives up and the kernel's tensor is a
         temporary copied out."""
         self.flat_views[result] = (kernel, shape)
-
-    @property
-    def strength_reduction(self) -> bool:
-        """Whether code generation keeps LLVM's loop strength reduction (`toolchain.codegen_options`):
-        for functions whose main work is row-tile nests (softmax, layer norm: 2-2.5% faster with
-        it, for ~0.5 ms of compile), not for those with packed matmul kernels (the MLP step: run
-        time the same, code generation 40 ms of CPU longer)."""
-        return self.row_nests and not self.matmul_kernels
-
-    @property
-    def cmov_conversion(self) -> bool:
-        """Whether code generation keeps x86's conversion of conditional moves in loops to branches
-        (`toolchain.codegen_options`): not for functions with sort kernels, whose merge loop picks
-        between two runs' heads unpredictably (a million floats sorted 2x faster branch-free)."""
-        return not self.sort_kernels
 
     def fresh(self, prefix: str = "v") -> str:
         self._counter += 1
@@ -246,7 +233,7 @@ class KernelEmitter:
         """Attach a transform-dialect schedule to the `linalg.generic` whose result is `generic`.
 
         The generic gets a unique `fj.kernel` attribute; `steps(handle)` returns the transform ops
-        applied to the handle that matches it (see `schedule.py`). `steps` None: the generic stays
+        applied to the handle that matches it (the CPU's: `schedule.py`). `steps` None: the generic stays
         plain loops (`schedule.stays_plain`).
         """
         if steps is None:

@@ -1,16 +1,16 @@
-"""flowjit IR -> MLIR text for the CPU: one `func.func` per compiled function.
+"""flowjit IR -> MLIR text: one `func.func` per compiled function, for any target.
 
 The function takes bare pointers to static memrefs (`use-bare-ptr-memref-call-conv`): the inputs,
 then the outputs, then one `i8` workspace buffer. Every flowjit op is one kernel on tensors:
 
     operands:  bufferization.to_tensor %buffer restrict          (params, outputs, workspace views)
-    compute:   LOWERINGS[op.name](em, op, operand tensors) -> result tensors   (linalg, tensor, arith, math)
+    compute:   lowerings.tensor[op.name](em, op, operand tensors) -> result tensors   (linalg, tensor, arith, math)
     result:    bufferization.materialize_in_destination %r in restrict writable %destination
 
 Destinations are the outputs for graph results and otherwise `memref.view`s into the workspace at
 offsets chosen by `plan_workspace` (liveness-based reuse, 64-byte alignment). A top-level reshape
 has no destination: its result is a view of its operand's buffer (`_reshape_aliases`). The workspace ends
-with a scratch area for kernel temporaries (`SCRATCH`: packed matmul panels), sized for the op that
+with a scratch area for kernel temporaries (`LoweringTable.scratch`: packed matmul panels), sized for the op that
 needs most and shared by all, since kernels run one after another. Kernels stay
 separate on purpose: a later fusion pass groups ops into one kernel by emitting several ops
 between one set of reads and one set of writes.
@@ -21,23 +21,22 @@ and module globals of bytes (`memref.global`, read through a typed `memref.view`
 call never re-materializes them.
 
 Ops whose kernels are the same text (a deep network's identical layers) become one private
-function of the module, called from each of them, so that it is compiled once (`_shared_kernels`).
+function of the module, called from each of them, so that it is compiled once (`shared_kernels`).
 
-Lowerings register in `LOWERINGS[op_name] = fn(em, op, operands) -> results`. The modules that
-fill the table are imported by `flowjit.backends.cpu.compiler`.
+Lowerings register in their target's table (`target.LoweringTable`), which `lower_graph` takes with
+the target; the CPU's modules that fill its table are imported by `flowjit.backends.cpu.compiler`.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from flowjit.backends.cpu.emitter import (
+from flowjit.backends.mlir.emitter import (
     KernelEmitter,
     elem_type,
     memory_elem_type,
@@ -45,42 +44,24 @@ from flowjit.backends.cpu.emitter import (
     scalar_literal,
     tensor_type,
 )
-from flowjit.backends.cpu.nontemporal import ARG_ATTR, wants_streaming
-from flowjit.errors import CompileError, op_error
+from flowjit.backends.mlir.sharing import (
+    INTERNAL_LINKAGE,
+    Piece,
+    may_repeat,
+    op_pieces,
+    shared_kernels,
+)
+from flowjit.backends.mlir.target import LoweringTable, Target, no_lowering_error
+from flowjit.backends.mlir.workspace import ALIGNMENT, aligned, plan_workspace
+from flowjit.errors import CompileError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import single_value
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
 
-LOWERINGS: dict[str, Callable[[KernelEmitter, Op, list[str]], list[str]]] = {}
-# Ops lowered on buffers rather than tensors (send/recv call the runtime with pointers): the
-# lowering gets the function's state (`_FunctionLowering`) and writes its results itself.
-BUFFER_LOWERINGS: dict[str, Callable] = {}
-# Ops that may run as a call into precompiled code (large products: `matmul_library`): fn(function
-# state, op) emits the call and writes the result's buffer, or returns False, and the op gets its
-# tensor lowering.
-CALL_LOWERINGS: dict[str, Callable[..., bool]] = {}
-
-# op name -> bytes of temporaries its kernel keeps in the scratch area (`KernelEmitter.scratch`).
-# The area is shared because kernels run one after another: code that lowers ops inside a parallel
-# loop (several kernels of one op at once) must not let them use it.
-SCRATCH: dict[str, Callable[[Op], int]] = {}
-
-ALIGNMENT = 64
 # Non-splat constants with at most this many elements are inlined in the kernels that use them;
 # larger ones become read-only module globals.
 INLINE_CONSTANT_ELEMENTS = 64
-
-
-def lowering(*names: str):
-    """Decorator: register a lowering for each op in `names`."""
-
-    def deco(fn):
-        for name in names:
-            LOWERINGS[name] = fn
-        return fn
-
-    return deco
 
 
 def unit_lead(shape: tuple[int, ...]) -> int:
@@ -123,9 +104,9 @@ def collapse_groups(shape: tuple[int, ...], collapsed: tuple[int, ...]) -> list[
 class MlirModule:
     """The generated MLIR and what the runtime needs to call it. `parts`: when the function was split
     (`lower_graph(split=...)`), the modules that together define it, the first holding the entry
-    (`text` then shows them one after the other); empty otherwise. `strength_reduction`: code
-    generation keeps LLVM's loop strength reduction, `cmov_conversion` x86's conversion of conditional
-    moves to branches (`toolchain.codegen_options`)."""
+    (`text` then shows them one after the other); empty otherwise. `kernel_kinds`: the kinds of
+    kernels the lowerings made (`KernelEmitter.kernel_kinds`), which a target's code generation may
+    tune itself to."""
 
     text: str
     entry: str
@@ -133,73 +114,10 @@ class MlirModule:
     inputs: tuple[TensorType, ...]
     outputs: tuple[TensorType, ...]
     parts: tuple[str, ...] = ()
-    strength_reduction: bool = False
-    cmov_conversion: bool = True
-
-
-# --- workspace planning ------------------------------------------------------------------------
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-def plan_workspace(
-    graph: Graph, needs_slot: Callable[[Value], bool], aliases: dict[Value, Value] | None = None
-) -> tuple[dict[Value, int], int]:
-    """Offsets in the workspace for every value that `needs_slot`, and the workspace size.
-    `aliases`: values that are views of another value's memory (reshapes), which lives as long as
-    they do.
-
-    Algorithm:
-    1. A value lives from the op that defines it to the last op that reads it (or one of its aliases).
-    2. Walk the ops in order; allocate each result first-fit among the live blocks (a result never
-       shares memory with the operands of its own op, which are still live while it is written).
-    3. After the op, release the blocks of values whose last reader it was.
-    """
-    last_use: dict[Value, int] = {}
-    for i, op in enumerate(graph.ops):
-        for v in op.operands:
-            last_use[v] = i
-    for v in graph.results:  # a result in a slot (a late output) is copied out after the last op
-        last_use[v] = len(graph.ops)
-    for alias, root in (aliases or {}).items():
-        last_use[root] = max(last_use.get(root, -1), last_use.get(alias, -1))
-    live: dict[Value, tuple[int, int]] = {}  # value -> (offset, size)
-    offsets: dict[Value, int] = {}
-    peak = 0
-    for i, op in enumerate(graph.ops):
-        for v in op.results:
-            if not needs_slot(v):
-                continue
-            size = _aligned(v.type.size * v.type.dtype.itemsize)
-            offset = _first_fit(sorted(live.values()), size)
-            offsets[v] = offset
-            live[v] = (offset, size)
-            peak = max(peak, offset + size)
-        for v in [v for v in live if last_use.get(v, -1) <= i]:
-            del live[v]
-    return offsets, peak
-
-
-def _first_fit(blocks: list[tuple[int, int]], size: int) -> int:
-    cursor = 0
-    for offset, block_size in blocks:
-        if offset - cursor >= size:
-            return cursor
-        cursor = max(cursor, offset + block_size)
-    return cursor
+    kernel_kinds: frozenset[str] = frozenset()
 
 
 # --- constants ---------------------------------------------------------------------------------
-
-
-# Ops whose lowerings use splat operands as scalars (filled by lower_elementwise): a splat value
-# read only by them is never stored.
-INLINES_SPLATS: set[str] = set()
-# Ops that use a splat as a scalar in some operand positions only (scatter_add's x: its lowering
-# fills the output instead of copying x), by position.
-INLINES_SPLAT_OPERANDS: dict[str, set[int]] = {}
 
 
 def splat_value(value: Value):
@@ -228,15 +146,17 @@ def dense_literal(array: np.ndarray, dtype: dt.DType) -> str:
 class _FunctionLowering:
     """State of one `lower_graph` call: where each value lives and how to read it."""
 
-    def __init__(self, graph: Graph, name: str):
+    def __init__(self, graph: Graph, name: str, target: Target):
         self.graph = graph
         self.name = name
-        self.em = KernelEmitter()
+        self.target = target
+        self.lowerings = target.lowerings
+        self.em = KernelEmitter(target.lowerings)
         self.globals: list[str] = self.em.globals
         self.buffers: dict[Value, str] = {}  # value -> memref SSA name holding it
         self.inline: dict[Value, str] = {}  # constant value -> tensor SSA name (emitted on first read)
         self.result_outputs: dict[Value, str] = {}  # op result that is a graph result -> its output arg
-        self.virtual = _virtual_splats(graph)  # splats only read as scalars: never computed or stored
+        self.virtual = _virtual_splats(graph, target.lowerings)  # splats only read as scalars: never computed or stored
         self.global_symbols: dict[Value, str] = {}  # large constant -> its module global
         self.op_local: set[Value] = set()  # values whose `buffers` entry is an SSA name of the current op
         self.lowered: list[Op] = []  # the top-level ops lowered, in order (each begins a `starts` entry)
@@ -364,14 +284,15 @@ class _FunctionLowering:
         return buffer
 
     def lower_op(self, op: Op) -> None:
-        if op.name in BUFFER_LOWERINGS:
-            BUFFER_LOWERINGS[op.name](self, op)
+        table = self.lowerings
+        if op.name in table.buffer:
+            table.buffer[op.name](self, op)
             return
-        if op.name in CALL_LOWERINGS and CALL_LOWERINGS[op.name](self, op):
+        if op.name in table.call and table.call[op.name](self, op):
             return
-        fn = LOWERINGS.get(op.name)
+        fn = table.tensor.get(op.name)
         if fn is None:
-            raise no_lowering_error(op)
+            raise no_lowering_error(op, table.target)
         operands = [self.read(v) for v in op.operands]
         self.em.operand_slices = {i: self.slice_views[v] for i, v in enumerate(op.operands) if v in self.slice_views}
         try:
@@ -380,14 +301,14 @@ class _FunctionLowering:
             self.em.operand_slices = {}
         if len(results) != len(op.results):
             raise CompileError(
-                f"internal error: the CPU lowering of '{op.name}' returned {len(results)} results, "
+                f"internal error: the {table.target} lowering of '{op.name}' returned {len(results)} results, "
                 f"expected {len(op.results)}"
             )
         for value, tensor in zip(op.results, results):
             self.write(tensor, value, self.buffers.get(value))  # zero-size values have no buffer
 
 
-def _virtual_splats(graph: Graph) -> set[Value]:
+def _virtual_splats(graph: Graph, table: LoweringTable) -> set[Value]:
     users = graph.uses()
     results = set(graph.results)
     return {
@@ -396,19 +317,19 @@ def _virtual_splats(graph: Graph) -> set[Value]:
         for v in op.results
         if v not in results
         and v in users
-        and all(_inlines_splat(u, v) for u in users[v])
+        and all(_inlines_splat(table, u, v) for u in users[v])
         and splat_value(v) is not None
     }
 
 
-def _inlines_splat(user: Op, v: Value) -> bool:
+def _inlines_splat(table: LoweringTable, user: Op, v: Value) -> bool:
     """Whether `user`'s lowering reads its operand `v` as a scalar when `v` is a splat."""
-    positions = INLINES_SPLAT_OPERANDS.get(user.name, set())
-    return user.name in INLINES_SPLATS or all(i in positions for i, o in enumerate(user.operands) if o is v)
+    positions = table.inlines_splat_operands.get(user.name, set())
+    return user.name in table.inlines_splats or all(i in positions for i, o in enumerate(user.operands) if o is v)
 
 
 def call_lowering(match: Callable, needs_scratch: bool = False) -> Callable[..., bool]:
-    """A `CALL_LOWERINGS` entry for a precompiled library: `match(op)` says how `op` calls it (an
+    """A `LoweringTable.call` entry for a precompiled library: `match(op)` says how `op` calls it (an
     object whose `emit(em, *buffers)` writes the call on its operands' and results' buffers) or
     None; the entry returns False, and the op gets its tensor lowering, when it does not, when a
     value has no buffer (`call_buffers`) or, with `needs_scratch`, when the function has no scratch
@@ -426,7 +347,7 @@ def call_lowering(match: Callable, needs_scratch: bool = False) -> Callable[...,
 
 
 def call_buffers(fl, op: Op) -> list[tuple[str, str]] | None:
-    """For a call into a precompiled library (`CALL_LOWERINGS`): the buffers (memref, type) of `op`'s
+    """For a call into a precompiled library (`LoweringTable.call`): the buffers (memref, type) of `op`'s
     operands, then its results, or None when one has none (a splat, a slice no kernel computes).
     A large constant operand is read first: a view of its module global."""
     for v in op.operands:
@@ -436,16 +357,6 @@ def call_buffers(fl, op: Op) -> list[tuple[str, str]] | None:
     if any(v not in fl.buffers for v in values):
         return None
     return [(fl.buffers[v], memref_type(v.type)) for v in values]
-
-
-def no_lowering_error(op: Op) -> CompileError:
-    """The error for an op the CPU backend cannot compile: names the op, its line and the target."""
-    return op_error(
-        CompileError,
-        op.loc,
-        op.name,
-        "has no lowering for target 'cpu'; use target='interpreter' to run this function without compiling it",
-    )
 
 
 def bool_from_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
@@ -493,13 +404,6 @@ def _arg_type(t: TensorType) -> str:
     return "memref<1xi8>" if t.size == 0 else memref_type(t)
 
 
-def check_lowerings(graph: Graph) -> None:
-    """Fail before emitting anything if some op has no CPU lowering."""
-    for op in graph.ops:
-        if op.name != "constant" and op.name not in LOWERINGS and op.name not in BUFFER_LOWERINGS:
-            raise no_lowering_error(op)
-
-
 # A function is split (`lower_graph(split=n)`) only when its body has at least this many lines: a
 # part's MLIR pipelines then run in a forked process (`parallel_mlir`), whose start costs 6-10 ms and
 # slows this process's own part by its copy-on-write faults. The MLP training step (2,750 lines)
@@ -508,23 +412,24 @@ def check_lowerings(graph: Graph) -> None:
 SPLIT_MIN_LINES = 1200
 
 
-def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op: bool):
+def _lower_function(graph: Graph, target: Target, name: str, late_outputs: frozenset[int], by_op: bool):
     """The function's lines: (lowering state, arguments, prologue length, where each op's lines and
     schedules begin, workspace bytes). `by_op`: each op's lines use only the arguments and the
     prologue (`start_op`), so that any run of ops can be a function of its own."""
-    fl = _FunctionLowering(graph, name)
+    fl = _FunctionLowering(graph, name, target)
     em = fl.em
     args = []
     for i, p in enumerate(graph.params):
         fl.buffers[p] = f"%in{i}"
         args.append(f"%in{i}: {_arg_type(p.type)}")
     outputs = [f"%out{i}" for i in range(len(graph.results))]
-    # Large outputs may get non-temporal stores (`nontemporal`); not late ones, which may be an input's buffer.
+    # Outputs may carry a target's attribute (the CPU's non-temporal stores); not late ones, which may
+    # be an input's buffer.
     read = sum(p.type.nbytes for p in graph.params)
     written = sum(r.type.nbytes for r in graph.results)
     for index, (out, result) in enumerate(zip(outputs, graph.results)):
-        streams = index not in late_outputs and wants_streaming(result.type.nbytes, read, written)
-        args.append(f"{out}: {_arg_type(result.type)}{f' {{{ARG_ATTR}}}' if streams else ''}")
+        attribute = None if index in late_outputs else target.output_attribute(result.type.nbytes, read, written)
+        args.append(f"{out}: {_arg_type(result.type)}{f' {{{attribute}}}' if attribute else ''}")
 
     # The first output holding a value produced by an op is that op's destination; other outputs
     # (params, constants, repeated results) get a copy at the end.
@@ -551,8 +456,9 @@ def _lower_function(graph: Graph, name: str, late_outputs: frozenset[int], by_op
     # A slice view's source lives as long as the view's readers (through a reshape alias, its root).
     viewed = {v: aliases.get(view.source, view.source) for v, view in fl.slice_views.items()}
     offsets, planned = plan_workspace(graph, needs_slot, {**aliases, **viewed})
-    planned = _aligned(planned)
-    scratch = _aligned(max((SCRATCH[op.name](op) for op in graph.walk() if op.name in SCRATCH), default=0))
+    planned = aligned(planned)
+    scratch_bytes = target.lowerings.scratch
+    scratch = aligned(max((scratch_bytes[op.name](op) for op in graph.walk() if op.name in scratch_bytes), default=0))
     workspace = planned + scratch
     ws_type = f"memref<{max(workspace, 1)}xi8>"
     args.append(f"%ws: {ws_type}")
@@ -661,9 +567,14 @@ def _reshape_aliases(graph: Graph, fl: _FunctionLowering, needs_slot: Callable[[
 
 
 def lower_graph(
-    graph: Graph, name: str | None = None, late_outputs: frozenset[int] = frozenset(), split: int = 1
+    graph: Graph,
+    target: Target,
+    name: str | None = None,
+    late_outputs: frozenset[int] = frozenset(),
+    split: int = 1,
 ) -> MlirModule:
-    """The MLIR module (text) computing `graph` in one function, plus its calling layout.
+    """The MLIR module (text) computing `graph` in one function with `target`'s lowerings, plus its
+    calling layout.
 
     Outputs in `late_outputs` are written only at the very end of the function (from a workspace
     slot), never as a kernel's destination: the caller may pass the same buffer as one of the
@@ -678,20 +589,20 @@ def lower_graph(
     estimate was wrong): a function that stays whole is the same text as with `split=1`. Graphs
     that send or receive (module-level runtime declarations) stay whole.
     """
-    check_lowerings(graph)
+    target.lowerings.check(graph)
     name = name or "fj_" + "".join(c if c.isalnum() or c == "_" else "_" for c in graph.name)
     whole_only = any(op.name in _UNSPLITTABLE for op in graph.walk())
     allowed = split > 1 and not whole_only
-    may_share = not whole_only and _may_repeat(graph)
+    may_share = not whole_only and may_repeat(graph)
     by_op = may_share or (allowed and _estimated_lines(graph) >= SPLIT_MIN_LINES)
-    fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, by_op)
-    pieces = _shared_kernels(fl, name, args, prologue, starts) if may_share else None
+    fl, args, prologue, starts, workspace = _lower_function(graph, target, name, late_outputs, by_op)
+    pieces = shared_kernels(fl.em, fl.lowered, name, args, prologue, starts) if may_share else None
     if pieces is None:
         splittable = allowed and len(fl.em.body) >= SPLIT_MIN_LINES and len(starts) >= 2
         if splittable != by_op:  # the estimate was wrong: lowered again, so that only split functions
             # have each op on its own (a function that stays whole keeps its shared constants)
-            fl, args, prologue, starts, workspace = _lower_function(graph, name, late_outputs, splittable)
-        pieces = _op_pieces(fl.em, prologue, starts)
+            fl, args, prologue, starts, workspace = _lower_function(graph, target, name, late_outputs, splittable)
+        pieces = op_pieces(fl.em, prologue, starts)
     else:
         splittable = allowed and sum(p.weight for p in pieces) >= SPLIT_MIN_LINES and len(pieces) >= 2
     em = fl.em
@@ -711,8 +622,7 @@ def lower_graph(
         return MlirModule(
             header + text,
             *layout,
-            strength_reduction=em.strength_reduction,
-            cmov_conversion=em.cmov_conversion,
+            kernel_kinds=frozenset(em.kernel_kinds),
         )
     bounds = [0, *(index for _, index in cuts), len(pieces)]
     defined_in = {p.callee: k for k in range(len(bounds) - 1) for p in pieces[bounds[k] : bounds[k + 1]] if p.function}
@@ -731,7 +641,7 @@ def lower_graph(
                 opening = (
                     p.function[0]
                     .replace("func.func private @", "func.func @", 1)
-                    .replace(f" attributes {{{_INTERNAL}}}", "")
+                    .replace(f" attributes {{{INTERNAL_LINKAGE}}}", "")
                 )
                 functions += [opening, *p.function[1:]]
             else:
@@ -754,42 +664,11 @@ def lower_graph(
         "\n".join(parts),
         *layout,
         parts=tuple(parts),
-        strength_reduction=em.strength_reduction,
-        cmov_conversion=em.cmov_conversion,
+        kernel_kinds=frozenset(em.kernel_kinds),
     )
 
 
-@dataclass
-class _Piece:
-    """One op's share of a function: its lines in the entry and its kernels' schedules; when the op
-    calls a shared kernel function (`_shared_kernels`), the function's name and parameter types,
-    and at its first call, the function's lines."""
-
-    lines: list[str]
-    schedules: list[str]
-    callee: str | None = None
-    types: str = ""
-    function: list[str] = ()
-
-    @property
-    def weight(self) -> int:
-        """Lines of MLIR it adds to a module (`SPLIT_MIN_LINES`)."""
-        return len(self.lines) + len(self.function)
-
-    @property
-    def cost(self) -> int:
-        """Its compile time in lines of MLIR, to balance the parts of a split function: a kernel that
-        its transform schedule vectorizes costs `SCHEDULED_KERNEL_COST` lines more."""
-        return self.weight + SCHEDULED_KERNEL_COST * len(self.schedules)
-
-
-def _op_pieces(em: KernelEmitter, prologue: int, starts: list[tuple[int, int]]) -> list[_Piece]:
-    """The body after the prologue, cut where each op begins (`_lower_function`'s `starts`)."""
-    bounds = [(prologue, 0), *starts[1:], (len(em.body), len(em.schedules))]
-    return [_Piece(em.body[l0:l1], em.schedules[s0:s1]) for (l0, s0), (l1, s1) in zip(bounds, bounds[1:])]
-
-
-def _piece_starts(pieces: list[_Piece], prologue: int) -> list[tuple[int, int]]:
+def _piece_starts(pieces: list[Piece], prologue: int) -> list[tuple[int, int]]:
     """(where the piece begins, in the cost of the pieces before it, its index): `_cuts`'s input."""
     starts, line = [], prologue
     for index, piece in enumerate(pieces):
@@ -798,11 +677,6 @@ def _piece_starts(pieces: list[_Piece], prologue: int) -> list[tuple[int, int]]:
     return starts
 
 
-# What vectorizing a kernel by its transform schedule adds to the compile, in lines of the lowering's
-# MLIR (`_Piece.cost`): each op of the MLP step, lowered as a module of its own, took 0.12-0.15 ms of
-# MLIR and LLVM per line, plus 2-4 ms per scheduled kernel (its loss, 241 lines and 14 scheduled
-# kernels, 108 ms; a matmul with its epilogue, 442 lines and one, 66 ms).
-SCHEDULED_KERNEL_COST = 20
 # Ops whose lowerings add module-level declarations and globals of their own (runtime calls).
 _UNSPLITTABLE = frozenset({"send", "recv", "send_done"})
 # Rough lines of MLIR per op (nested ones included), to lower a function op by op at once when it
@@ -810,126 +684,6 @@ _UNSPLITTABLE = frozenset({"send", "recv", "send_done"})
 # matmuls, 2,750 lines; the CNN: 14 ops, 650 lines).
 _LINES_PER_OP = {"dot_general": 150, "conv2d": 150}
 _LINES_PER_OTHER_OP = 12
-
-
-def _signature(op: Op) -> tuple:
-    return op.name, tuple(v.type for v in op.operands), tuple(v.type for v in op.results)
-
-
-def _may_repeat(graph: Graph) -> bool:
-    """Whether two top-level ops have the same name and types: their kernels may be the same text
-    (`_shared_kernels`)."""
-    seen = set()
-    for op in graph.ops:
-        if op.name == "constant":
-            continue
-        key = _signature(op)
-        if key in seen:
-            return True
-        seen.add(key)
-    return False
-
-
-# SSA names (`%v12`, `%in0`, `%ws`; `%v3#1` is a result of `%v3`) and kernel tags in the lowering's text.
-_SSA = re.compile(r"%[A-Za-z_][\w$]*")
-_TAG = re.compile(r"fj\.kernel = (\d+) : i64")
-# A shared kernel function of a module that is not split is internal to it (not exported by the
-# AOT library; `private` alone still gives LLVM's external linkage).
-_INTERNAL = "llvm.linkage = #llvm.linkage<internal>"
-_DEFINED = re.compile(r"^\s*(%[\w$]+) = (.*)$")
-
-
-def _shared_kernels(
-    fl: _FunctionLowering, name: str, args: list[str], prologue: int, starts: list[tuple[int, int]]
-) -> list[_Piece] | None:
-    """The function's pieces with the ops whose kernels are the same text (up to SSA names and kernel
-    tags: a deep network's identical layers, their gradients) made one private function each,
-    called from every op that runs it, so that MLIR and LLVM compile it once (`_may_repeat` found
-    candidates); None when no two are the same. The function was lowered op by op (`start_op`):
-    an op's lines use only the entry's arguments and prologue (workspace views), which become the
-    kernel function's parameters, in order of first use. Ops that occur once stay in the entry.
-    """
-    em = fl.em
-    if not starts or starts[0][0] != prologue:
-        return None
-    # The entry's arguments and prologue values: what an op's lines may take from outside.
-    outside: dict[str, str] = {}  # SSA name -> its type, argument attributes included
-    for arg in args:
-        arg_name, arg_type = arg.split(": ", 1)
-        outside[arg_name] = arg_type
-    for line in em.body[:prologue]:
-        m = _DEFINED.match(line)
-        if m is None:
-            return None
-        rhs = m.group(2)
-        if rhs.startswith("memref.view "):
-            outside[m.group(1)] = rhs.rsplit(" to ", 1)[1]
-        elif rhs.startswith("arith.constant "):
-            outside[m.group(1)] = rhs.rsplit(": ", 1)[1]
-        elif rhs.startswith(("memref.collapse_shape ", "memref.expand_shape ")):  # a reshape's view
-            outside[m.group(1)] = rhs.rsplit(" into ", 1)[1]
-        else:
-            return None
-    pieces = _op_pieces(em, prologue, starts)
-    # Only ops of the same name, types and numbers of lines and schedules can be the same text.
-    signatures = [(_signature(op), len(piece.lines), len(piece.schedules)) for op, piece in zip(fl.lowered, pieces)]
-    repeats = Counter(signatures)
-    candidates = {s for s, n in repeats.items() if n >= 2} if len(fl.lowered) == len(pieces) else set()
-    keyed = [
-        (piece, *_canonical(piece.lines, piece.schedules, outside))
-        for piece, signature in zip(pieces, signatures)
-        if signature in candidates
-    ]
-    counts: dict = {}
-    for _, _, key in keyed:
-        counts[key] = counts.get(key, 0) + 1
-    if not counts or max(counts.values()) < 2:
-        return None
-    shared: dict = {}  # key -> the first piece calling its function
-    for piece, params, key in keyed:
-        if counts[key] < 2:
-            continue
-        first = shared.get(key)
-        if first is None:
-            callee = f"{name}_kernel{len(shared)}"
-            # The parameters keep the first op's names for the buffers: its lines are the body as they are.
-            decls = ", ".join(f"{p}: {outside[p]}" for p in params)
-            piece.function = [
-                f"  func.func private @{callee}({decls}) attributes {{{_INTERNAL}}} {{",
-                f"    // the kernel of {counts[key]} ops, called from each (the same text up to SSA names)",
-                *piece.lines,
-                "    return",
-                "  }",
-            ]
-            piece.callee = callee
-            piece.types = ", ".join(outside[p].split(" {", 1)[0] for p in params)  # without argument attributes
-            first = shared[key] = piece
-        else:
-            piece.schedules = []  # the first piece's apply to the one function
-            piece.callee, piece.types = first.callee, first.types
-        piece.lines = [f"    func.call @{piece.callee}({', '.join(params)}) : ({piece.types}) -> ()"]
-    return pieces
-
-
-def _canonical(lines: list[str], schedules: list[str], outside: dict[str, str]) -> tuple[list[str], tuple]:
-    """An op's outside names (its kernel function's parameters, in order of first use) and a key
-    equal for ops whose lines and schedules are the same text up to SSA names and kernel tags: the
-    text without them, each name's and tag's rank among the distinct ones in order of first use,
-    and which names are parameters, with their types."""
-    text = "\n".join([*lines, *schedules])
-    tokens = _SSA.findall(text)
-    rank = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
-    tags = _TAG.findall(text)
-    tag_rank = {tag: i for i, tag in enumerate(dict.fromkeys(tags))}
-    params = [token for token in rank if token in outside]
-    key = (
-        _TAG.sub("fj.kernel", _SSA.sub("%", text)),
-        tuple(rank[t] for t in tokens),
-        tuple(tag_rank[t] for t in tags),
-        tuple(rank[p] for p in params),
-        tuple(outside[p] for p in params),
-    )
-    return params, key
 
 
 def _estimated_lines(graph: Graph) -> int:
@@ -991,4 +745,4 @@ def _module_text(
     return "\n".join(lines)
 
 
-__all__ = ["LOWERINGS", "MlirModule", "elem_type", "lower_graph", "lowering", "plan_workspace"]
+__all__ = ["MlirModule", "call_lowering", "lower_graph", "plan_workspace"]
