@@ -17,7 +17,7 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import lower_contraction, matmul_kernel, pipeline, schedule, toolchain
+from flowjit.backends.cpu import contraction, lower_contraction, matmul_kernel, pipeline, schedule, toolchain
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
@@ -507,7 +507,7 @@ def test_few_columns_take_dot_blocks(m, k, n, dtype):
         pytest.skip("the shapes are chosen for AVX-512's 16 float32 lanes")
     mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
     assert "dots along K (few columns)" in mlir
-    parallel = m * n * k >= lower_contraction.PARALLEL_MIN_WORK and (os.cpu_count() or 1) > 1
+    parallel = m * n * k >= contraction.PARALLEL_MIN_WORK and (os.cpu_count() or 1) > 1
     assert ("scf.forall" in mlir) == parallel
     assert "fj_matmul" not in mlir and "vector.reduction <add>" in mlir
     transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())

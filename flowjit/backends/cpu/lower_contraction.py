@@ -21,8 +21,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.backends.cpu import library, matmul_kernel, matmul_library, schedule, transpose_library
-from flowjit.backends.cpu.lower_layout import permute
+from flowjit.backends.cpu.contraction import (
+    PARALLEL_MIN_WORK,
+    Epilogue,
+    accumulator_elem,
+    combine,
+    const,
+    contraction_generic,
+    loop_dims,
+    narrow,
+    size_of,
+    widen,
+    widen_tensor,
+)
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
+from flowjit.backends.cpu.row_writers import (
+    close_loops,
+    over_cores,
+    per_row,
+    read_every_step,
+    row_major_strides,
+    row_of_vectors,
+    transpose,
+    window_rows,
+)
 from flowjit.backends.cpu.target import CALL_LOWERINGS, SCRATCH, lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, elem_type, memref_type, tensor_type
 from flowjit.backends.mlir.lowering import call_lowering
@@ -32,203 +54,6 @@ from flowjit.ir.ops.contraction import conv_params, dot_dims
 from flowjit.ir.ops.reduction import reduction_identity
 from flowjit.ir.types import TensorType
 
-HALF_ELEMS = ("f16", "bf16")
-
-
-def accumulator_elem(dtype: dt.DType) -> str:
-    """MLIR element type that sums of `dtype` accumulate in (f32 for the half types)."""
-    elem = elem_type(dtype)
-    return "f32" if elem in HALF_ELEMS else elem
-
-
-def widen(b: ScalarBuilder, value: str, elem: str, acc: str) -> str:
-    return value if elem == acc else b.op(f"arith.extf {value} : {elem} to {acc}")
-
-
-def multiply_add(b: ScalarBuilder, x: str, y: str, acc_value: str, acc: str) -> str:
-    """acc_value + x * y in the accumulator type (integers wrap, as numpy's do)."""
-    if acc.startswith("i"):
-        return b.op(f"arith.addi {acc_value}, {b.op(f'arith.muli {x}, {y} : {acc}')} : {acc}")
-    return b.op(f"arith.addf {acc_value}, {b.op(f'arith.mulf {x}, {y} : {acc}')} : {acc}")
-
-
-def const(em: KernelEmitter, value, dtype_or_elem) -> str:
-    """A function-level scalar constant; `dtype_or_elem` is a flowjit DType or an MLIR type name."""
-    b = ScalarBuilder(em, em.indent)
-    name = b.const(value, dtype_or_elem if isinstance(dtype_or_elem, str) else elem_type(dtype_or_elem))
-    em.body.extend(b.lines)
-    return name
-
-
-def narrow(em: KernelEmitter, x: str, t: TensorType, acc: str) -> str:
-    """The accumulator tensor `x` (of `t`'s shape, element `acc`) rounded to `t`'s dtype."""
-    elem = elem_type(t.dtype)
-    if elem == acc:
-        return x
-    ident = em.identity_map(t.rank)
-    return em.generic(
-        [(x, tensor_type(t, acc))],
-        (em.empty(t), tensor_type(t)),
-        [ident, ident],
-        ["parallel"] * t.rank,
-        lambda b, args: b.op(f"arith.truncf {args[0]} : {acc} to {elem}"),
-        [acc],
-        elem,
-    )
-
-
-def _dims(n: int, first: int = 0) -> list[str]:
-    return [f"d{i}" for i in range(first, first + n)]
-
-
-# Generic kernels with fewer scalar operations than this stay on one thread.
-PARALLEL_MIN_WORK = 1 << 18
-
-
-def split_over_cores(em: KernelEmitter, generic: str, first_dim: int, work: int) -> None:
-    """Run the `linalg.generic` named `generic` as one `scf.forall` chunk of its first (parallel)
-    loop per core, when its `work` (scalar operations) pays for an OpenMP fork."""
-    threads = matmul_kernel.cores()
-    if threads < 2 or work < PARALLEL_MIN_WORK or first_dim < 2:
-        return
-    chunk = -(-first_dim // threads)
-
-    def steps(h: str) -> list[str]:
-        any_op = "!transform.any_op"
-        return [
-            f"%par{h[1:]}, %forall{h[1:]} = transform.structured.tile_using_forall {h} tile_sizes [{chunk}] "
-            f": ({any_op}) -> ({any_op}, {any_op})"
-        ]
-
-    em.schedule(generic, steps)
-
-
-def contraction_generic(
-    em: KernelEmitter,
-    inputs: list[tuple[str, TensorType, str]],
-    result: TensorType,
-    iterators: list[str],
-    reduction_size: int,
-) -> str:
-    """sum over the "reduction" loop dims of lhs * rhs. `inputs` gives each operand with the
-    expressions of its indexing map over loop dims d0.. (in `iterators`' order, which is the loop
-    nest's order); the result is indexed by the leading loop dims. `reduction_size` (the product
-    of the reduction loops' bounds) sizes the work for threading."""
-    acc = accumulator_elem(result.dtype)
-    elem = elem_type(result.dtype)
-    domain = ", ".join(_dims(len(iterators)))
-    maps = [em.affine_map(f"({domain}) -> ({exprs})") for _, _, exprs in inputs]
-    maps.append(em.affine_map(f"({domain}) -> ({', '.join(_dims(result.rank))})"))
-    init = fill(em, const(em, 0, acc), result, acc)
-
-    def body(b: ScalarBuilder, args):
-        x, y = (widen(b, a, elem, acc) for a in args[:2])
-        return multiply_add(b, x, y, args[2], acc)
-
-    summed = em.generic(
-        [(name, tensor_type(t)) for name, t, _ in inputs],
-        (init, tensor_type(result, acc)),
-        maps,
-        iterators,
-        body,
-        [elem, elem],
-        acc,
-    )
-    if result.rank and iterators[0] == "parallel":
-        split_over_cores(em, summed, result.shape[0], result.size * reduction_size)
-    return narrow(em, summed, result, acc)
-
-
-def transpose(
-    em: KernelEmitter, x: str, t: TensorType, perm: list[int], elem: str, into: str | None = None
-) -> tuple[str, TensorType]:
-    """`x` with its dims permuted (a copy), unless `perm` is the identity; written into the tensor
-    `into` (of the permuted shape, contiguous: a run of whole images of a conv's output) when
-    given, else into a new one. When trailing dims stay in place (the conv output's (O, N, OH, OW)
-    -> (N, O, OH, OW)), a copy of contiguous blocks (`_copy_blocks`)."""
-    if perm == sorted(perm):
-        return x, t
-    out = TensorType(tuple(t.shape[p] for p in perm), t.dtype)
-    kept = 0  # trailing dims in place
-    while perm[t.rank - 1 - kept] == t.rank - 1 - kept:
-        kept += 1
-    block = _prod(range(t.rank - kept, t.rank), t.shape)
-    if kept and elem in ("f32", "f64", "i32", "i64") and block >= matmul_kernel.vector_bits() // int(elem[1:]):
-        return _copy_blocks(em, x, t, perm[: t.rank - kept], block, elem, into), out
-    if into is None:  # rows shorter than a vector (a 3x3 weight gradient): the transpose op's copies
-        return permute(em, x, TensorType(t.shape, elem), perm, elem), out
-    moved = em.op(
-        f"linalg.transpose ins({x} : {tensor_type(t, elem)}) outs({into} : {tensor_type(out, elem)}) "
-        f"permutation = [{', '.join(map(str, perm))}]"
-    )
-    return moved, out
-
-
-def _copy_blocks(
-    em: KernelEmitter, x: str, t: TensorType, outer: list[int], block: int, elem: str, into: str | None = None
-) -> str:
-    """`x` with its leading dims permuted by `outer`, the trailing ones (`block` elements, contiguous
-    on both sides) kept: loops over the leading output dims, vector copies along the block, into
-    `into` (contiguous, of the permuted shape) when given. (As a `linalg.transpose`, reshaped to
-    (leading dims, block) or not, the fusion pass expands it back and the inner loop ran over OW
-    only: 28-element rows, which LLVM vectorized behind a runtime alias check with a scalar
-    remainder loop.)"""
-    lanes = matmul_kernel.vector_bits() // int(elem[1:])
-    vec = f"vector<{lanes}x{elem}>"
-    flat = TensorType((t.size,), t.dtype)
-    flat_type = tensor_type(flat, elem)
-    source = reshape(em, x, t, flat.shape, elem)
-    in_strides = _row_major_strides(t.shape)
-    out_shape = [t.shape[p] for p in outer] + list(t.shape[len(outer) :])
-    out_strides = _row_major_strides(out_shape)
-    w = matmul_kernel.LoopWriter(em)
-    pad = em.op(f"arith.constant {'0.0' if elem.startswith('f') else '0'} : {elem}")
-    start = (
-        em.empty(flat, elem)
-        if into is None
-        else reshape(em, into, TensorType(tuple(out_shape), t.dtype), flat.shape, elem)
-    )
-    carried, loops, src, dst = start, [], w.index(0), w.index(0)
-    for d, p in enumerate(outer):
-        loop, iv, (carried,) = w.open_for(w.index(0), w.index(out_shape[d]), w.index(1), [(carried, flat_type)])
-        loops.append(loop)
-        src = w.add(src, w.mul(iv, w.index(in_strides[p])))
-        dst = w.add(dst, w.mul(iv, w.index(out_strides[d])))
-
-    def value_at(column: str, inside: bool) -> str:
-        return em.op(
-            f"vector.transfer_read {source}[{w.add(src, column)}], {pad} {{in_bounds = [{str(inside).lower()}]}} "
-            f": {flat_type}, {vec}"
-        )
-
-    moved = _close_loops(
-        w, _row_of_vectors(w, carried, flat_type, dst, (block, lanes, elem), value_at), flat_type, loops
-    )
-    result = reshape(em, moved, flat, tuple(out_shape), elem)
-    if into is None:
-        em.store_through(result, moved, flat.shape)
-    return result
-
-
-def widen_tensor(em: KernelEmitter, x: str, t: TensorType, acc: str) -> str:
-    elem = elem_type(t.dtype)
-    if elem == acc:
-        return x
-    ident = em.identity_map(t.rank)
-    return em.generic(
-        [(x, tensor_type(t))],
-        (em.empty(t, acc), tensor_type(t, acc)),
-        [ident, ident],
-        ["parallel"] * t.rank,
-        lambda b, args: b.op(f"arith.extf {args[0]} : {elem} to {acc}"),
-        [elem],
-        acc,
-    )
-
-
-def _prod(dims, shape) -> int:
-    return int(np.prod([shape[d] for d in dims], dtype=np.int64))
-
 
 def _dims_of_dot(op: Op):
     """(lhs free dims, rhs free dims, (batch, m, n, k)) of a dot_general, products of dim sizes."""
@@ -236,8 +61,8 @@ def _dims_of_dot(op: Op):
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
     lhs_free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
     rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
-    sizes = (_prod(lhs_batch, ta.shape), _prod(lhs_free, ta.shape), _prod(rhs_free, tb.shape))
-    return lhs_free, rhs_free, (*sizes, _prod(lhs_contract, ta.shape))
+    sizes = (size_of(lhs_batch, ta.shape), size_of(lhs_free, ta.shape), size_of(rhs_free, tb.shape))
+    return lhs_free, rhs_free, (*sizes, size_of(lhs_contract, ta.shape))
 
 
 def _kernel_shape(op: Op) -> matmul_kernel.MatmulShape | None:
@@ -484,8 +309,8 @@ def _dot_operands(em: KernelEmitter, op: Op, operands: list[str], acc: str, rhs_
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = dot_dims(op.attrs)
     lhs_free = [i for i in range(ta.rank) if i not in lhs_contract and i not in lhs_batch]
     rhs_free = [i for i in range(tb.rank) if i not in rhs_contract and i not in rhs_batch]
-    batch = _prod(lhs_batch, ta.shape)
-    m, k, n = _prod(lhs_free, ta.shape), _prod(lhs_contract, ta.shape), _prod(rhs_free, tb.shape)
+    batch = size_of(lhs_batch, ta.shape)
+    m, k, n = size_of(lhs_free, ta.shape), size_of(lhs_contract, ta.shape), size_of(rhs_free, tb.shape)
     a, b = widen_tensor(em, a, ta, acc), widen_tensor(em, b, tb, acc)
     lhs_order = list(lhs_contract) + lhs_free if lhs_cols else lhs_free + list(lhs_contract)
     a, ta = transpose(em, a, ta, list(lhs_batch) + lhs_order, acc)
@@ -761,8 +586,10 @@ def _rows_of(em: KernelEmitter, b: str, tb: TensorType, acc: str) -> str:
 # `_rows_of` splits B's rows over the cores from this size on: (6272, 10) 40 -> 23 us; the transpose
 # library (`_transposed_by_library`) its blocks.
 SHORT_ROWS_PARALLEL_MIN_ELEMENTS = 1 << 14
+
 # Products of at least this many vectors of contraction, and rows, take `_lower_with_dot_blocks`.
 DOT_BLOCK_MIN_VECTORS = 4
+
 DOT_BLOCK_MIN_ROWS = 4
 
 
@@ -799,69 +626,8 @@ def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str], epilogue: 
     lhs_exprs = ", ".join(f"d{lhs_loop[i]}" for i in range(ta.rank))
     rhs_exprs = ", ".join(f"d{rhs_loop[i]}" for i in range(tb.rank))
     iterators = ["parallel"] * n_out + ["reduction"] * len(lhs_contract)
-    reduction_size = _prod(lhs_contract, ta.shape)
+    reduction_size = size_of(lhs_contract, ta.shape)
     return [contraction_generic(em, [(a, ta, lhs_exprs), (b, tb, rhs_exprs)], result, iterators, reduction_size)]
-
-
-class Epilogue:
-    """The pointwise ops a fusion applies to a contraction's result (bias, activation), computed
-    window by window as the contraction makes its output (`lower_fusion` implements it): `elem`
-    is the storage element of what it returns.
-
-    `apply(em, product, onhw, window, origin, into, serial)` (conv2d) returns the epilogue of one
-    window of the output, a tensor of `window`'s (N, O, OH, OW) shape, from the product of that
-    window in the accumulator type, laid out (O, N, OH, OW) when `onhw` (the matmul form's
-    columns) else (N, O, OH, OW); `origin` = (first image, first output row) of the window (index
-    values; None: the whole output), `into` the tensor to compute it into (a slice of the output,
-    so that nothing is copied; None: a new one), `serial` whether it runs on the calling thread
-    (inside a parallel loop).
-
-    `window(em, product, window, offsets, into, serial)` (dot_general) is the same for a product
-    laid out as the window itself: `offsets` maps each dimension the window cuts to its first
-    index (an index value); `into` may be `product` itself (computed in place).
-
-    `reads_along(d)`: whether a tensor the epilogue reads besides the product varies along the
-    output's dimension `d` (a residual does along every one; a bias along columns only);
-    `columns_only()`: whether each such tensor is at most a vector along the last dimension (a
-    bias) or a scalar: then `window(.., flat_rows=True)` takes windows of the output viewed as a
-    matrix, its leading dimensions flattened; `as_matrix()`: whether each is that or a tensor of
-    the output's whole shape (a residual): then `window(.., flat_rows=True)` takes all of it.
-
-    `pool`: the attributes of a pooling that ends a conv's epilogue (`fuse._tiling_pool`: windows
-    that tile the image), else None. Then `apply` returns the pooled window, `out_shape(shape)` of
-    it, and fills `into` of that shape; a window's rows start at a multiple of the pool's height."""
-
-    elem: str
-    pool: dict | None = None
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of what `apply` makes of a conv output window of `shape`."""
-        if self.pool is None:
-            return tuple(shape)
-        _, _, height, width = self.pool["window"]
-        return (*shape[:2], shape[2] // height, shape[3] // width)
-
-    def reads_along(self, d: int) -> bool:
-        raise NotImplementedError
-
-    def columns_only(self) -> bool:
-        raise NotImplementedError
-
-    def as_matrix(self) -> bool:
-        raise NotImplementedError
-
-    def apply(self, em: KernelEmitter, product: str, onhw: bool, window: TensorType, origin, into, serial) -> str:
-        raise NotImplementedError
-
-    def window(self, em: KernelEmitter, product: str, window: TensorType, offsets: dict, into, serial, flat_rows=False):
-        raise NotImplementedError
-
-
-def streams_epilogue(op: Op) -> bool:
-    """Whether `lower_conv2d` / `lower_dot_general` take an epilogue for `op`: its product is in the
-    storage type (float32 or float64 accumulate in their own type; half types round the f32 sum
-    first)."""
-    return accumulator_elem(op.result.dtype) == elem_type(op.result.dtype)
 
 
 @lowering("conv2d")
@@ -901,6 +667,7 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str], epilogue: Epilo
 # even for a 3x3 window (CNN layer 1x28x28 -> 32: generic 0.81 ms, im2col + kernel 0.50 ms, one
 # core) and latency-bound for deep ones (32 -> 64 channels: 111 ms vs 3 ms).
 IM2COL_MIN_DEPTH = 8
+
 # The column matrix is a temporary of depth x (columns of the chunk) elements, made and consumed
 # per chunk: runs of whole images while they fit, else blocks of output rows of one image. At 16M
 # elements (64 MiB, the cap before session 7) a chunk was mapped fresh and page-faulted every call
@@ -913,11 +680,14 @@ IM2COL_MIN_DEPTH = 8
 # keep WIDE_CHUNK_ELEMENTS (8x256x14x14 1.08x at 98 columns a chunk, 8x512x7x7 1.22x when fewer,
 # larger chunks no longer split evenly over the cores). See docs/cpu-backend.md ("conv2d").
 IM2COL_MAX_ELEMENTS = 1 << 17
+
 IM2COL_MIN_COLUMNS = 112
+
 # The chunks of deeper convs, those that decide whether a conv is summed over taps (`over_taps`),
 # and those of a 1x1 conv (its columns are views of the input, so a chunk is only a share of the
 # work per core: 1.05x the time at 128K) keep the cap of session 7.
 WIDE_CHUNK_ELEMENTS = 1 << 19
+
 # A chunk's product (O x columns), which an epilogue reads back, stays under this many elements
 # (512 KiB of float32, half a Zen 4 core's L2) (`_epilogue_cap`).
 EPILOGUE_PRODUCT_ELEMENTS = 1 << 17
@@ -1190,6 +960,7 @@ def _conv_images(
 # columns for float32) mostly empty; convolutions with short output rows and long kernel rows are
 # then summed over chunks of their taps instead (`_conv_over_taps`).
 TAPS_FORM_MAX_COLUMNS = 128
+
 # ... while each thread's partial sum (O x N*OH*OW) stays under this many elements.
 TAPS_FORM_MAX_OUTPUT = 1 << 21
 
@@ -1264,7 +1035,7 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
             [ident] * (threads + 1),
             ["parallel", "parallel"],
             lambda b, args: functools.reduce(
-                lambda total, part: _combine(b, "sum", total, part, acc, acc.startswith("i")), args[1:threads], args[0]
+                lambda total, part: combine(b, "sum", total, part, acc, acc.startswith("i")), args[1:threads], args[0]
             ),
             [acc] * threads,
             acc,
@@ -1281,11 +1052,11 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
 def _im2row(em: KernelEmitter, source, out_dims, kernel, pairs, stride, dilation, acc) -> str:
     """rows[(n, oh, ow), (p, kw)] = x[n, c, oh*s0 + kh*d0, ow*s1 + kw*d1] for the `pairs` = (first,
     count) run of (c, kh) pairs (c = p // KH, kh = p % KH), as a (N*OH*OW, count*KW) tensor: per
-    output position and pair, the KW taps along one input row (`_window_rows`)."""
+    output position and pair, the KW taps along one input row (`window_rows`)."""
     n, oh, ow = out_dims
     kh, kw = kernel
     first, count = pairs
-    strides = _row_major_strides(source[1].shape)
+    strides = row_major_strides(source[1].shape)
     width = count * kw
 
     def pair_offsets(w, q: str) -> tuple[str, str]:
@@ -1301,7 +1072,7 @@ def _im2row(em: KernelEmitter, source, out_dims, kernel, pairs, stride, dilation
         (ow, (stride[1], width)),
         (count, pair_offsets),
     ]
-    rows = _window_rows(em, source, n * oh * ow * width, levels, (kw, dilation[1]), acc)
+    rows = window_rows(em, source, n * oh * ow * width, levels, (kw, dilation[1]), acc)
     return reshape(em, rows, TensorType((n * oh * ow * width,), source[1].dtype), (n * oh * ow, width), acc)
 
 
@@ -1334,10 +1105,10 @@ def _im2col(em: KernelEmitter, source, cols_type: TensorType, stride, dilation, 
     """cols[c, kh, kw, n, oh, ow] = x[n0 + n, c, (oh0 + oh)*s0 + kh*d0, ow*s1 + kw*d1] as a flat
     tensor, (n0, oh0) = `origin` (index values, or the first image and row), x = `source` (the
     padded input, (tensor, type)), one output row (fixed c, kh, kw, n, oh) at a time
-    (`_window_rows`). (A 6-D generic computed the same but LLVM spent 150-300 ms compiling its
+    (`window_rows`). (A 6-D generic computed the same but LLVM spent 150-300 ms compiling its
     unrolled small loops.)"""
     c, kh, kw, n, oh, ow = cols_type.shape
-    strides = _row_major_strides(source[1].shape)
+    strides = row_major_strides(source[1].shape)
 
     def base(w) -> str:  # the chunk's first image and output row
         return w.add(w.mul(origin[0], w.index(strides[0])), w.mul(origin[1], w.index(stride[0] * strides[2])))
@@ -1350,7 +1121,7 @@ def _im2col(em: KernelEmitter, source, cols_type: TensorType, stride, dilation, 
         (n, (strides[0], oh * ow)),
         (oh, (stride[0] * strides[2], ow)),
     ]
-    return _window_rows(em, source, cols_type.size, levels, (ow, stride[1]), acc, base if origin else None)
+    return window_rows(em, source, cols_type.size, levels, (ow, stride[1]), acc, base if origin else None)
 
 
 def _im2col_pads(tx: TensorType, tw: TensorType, result: TensorType, stride, padding) -> bool:
@@ -1386,7 +1157,7 @@ def _im2col_padding(em: KernelEmitter, source, cols_type: TensorType, conv, orig
     stride, dilation, acc = conv.stride, conv.dilation, conv.acc
     elem = elem_type(t.dtype)
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
-    strides = _row_major_strides(t.shape)
+    strides = row_major_strides(t.shape)
     flat_in = TensorType((t.size,), t.dtype)
     flat_source = reshape(em, x, t, flat_in.shape)
     flat_t = TensorType((cols_type.size,), cols_type.dtype)
@@ -1467,120 +1238,7 @@ def _im2col_padding(em: KernelEmitter, source, cols_type: TensorType, conv, orig
             )
             w.close_for([inner], [flat_type])
             cur = loop
-    return _close_loops(w, cur, flat_type, loops)
-
-
-def _window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, base=None) -> str:
-    """A flat tensor of `size` elements (in `acc`) made of rows copied out of the padded input
-    `source` = (tensor, type), the copy behind im2col and im2row: nested loops, one per `levels`
-    entry (bound, offsets), where offsets is (input, output) elements per step or, for a step that
-    is not linear, a function (LoopWriter, induction variable) -> (input, output) offsets; at the
-    innermost, `row` = (width, step) elements read every `step`-th from the input offset (`base(w)`
-    plus the levels' offsets) with vectors (a contiguous read on a 1-D view of the whole input, a
-    shuffle for step > 1) and stored masked to the width at the output offset."""
-    padded, padded_type = source
-    width, step = row
-    elem = elem_type(padded_type.dtype)
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
-    flat_in = TensorType((padded_type.size,), padded_type.dtype)
-    flat_source = reshape(em, padded, padded_type, flat_in.shape)
-    flat_t = TensorType((size,), padded_type.dtype)
-    flat_type = tensor_type(flat_t, acc)
-    w = matmul_kernel.LoopWriter(em)
-    pad = em.op(f"arith.constant 0.0 : {elem}")
-    carried, loops = em.empty(flat_t, acc), []
-    in_offset, out_offset = (base(w) if base else w.index(0)), w.index(0)
-    for bound, offsets in levels:
-        loop, iv, (carried,) = w.open_for(w.index(0), w.index(bound), w.index(1), [(carried, flat_type)])
-        loops.append(loop)
-        if callable(offsets):
-            read, write = offsets(w, iv)
-        else:
-            read, write = (w.mul(iv, w.index(k)) for k in offsets)
-        in_offset, out_offset = w.add(in_offset, read), w.add(out_offset, write)
-
-    def value_at(column: str, inside: bool) -> str:
-        where = w.add(in_offset, w.mul(column, w.index(step)))
-        return _read_every_step(em, flat_source, flat_in, where, pad, step, lanes, elem, acc, inside)
-
-    row_out = _row_of_vectors(w, carried, flat_type, out_offset, (width, lanes, acc), value_at)
-    return _close_loops(w, row_out, flat_type, loops)
-
-
-def _row_of_vectors(w, row_out: str, flat_type: str, out_offset: str, row, value_at) -> str:
-    """`row_out` with one output row of `width` elements written at `out_offset` as vectors of
-    `lanes` (`row` = (width, lanes, element)): `value_at(column, inside)` makes the vector of
-    columns [column, column + lanes), `inside` when all of them are in the row. A row of at least a
-    vector takes whole vectors only, the last one ending at the row's end (overlapping the one
-    before): no masks, and a unit-step read of them stays inside its input row. A shorter row is
-    stored masked. A short row's vectors (`schedule.short_row`) are written out here, constant
-    columns, rather than a loop marked for LLVM's unrolling, which only its O3 pipeline does (a
-    marked loop keeps the function off the light pipeline)."""
-    em = w.em
-    width, lanes, elem = row
-    vec = f"vector<{lanes}x{elem}>"
-    steps = -(-width // lanes)
-
-    def store(value: str, column: str, into: str) -> str:
-        if width >= lanes:
-            return em.op(
-                f"vector.transfer_write {value}, {into}[{w.add(out_offset, column)}] {{in_bounds = [true]}} "
-                f": {vec}, {flat_type}"
-            )
-        # Masked to the row, every lane written is in the tensor: in bounds, so no mask of the
-        # tensor's end is computed per store (the lanes masked off are not accessed).
-        mask = em.op(
-            f"vector.create_mask {em.op(f'arith.subi {w.index(width)}, {column} : index')} : vector<{lanes}xi1>"
-        )
-        return em.op(
-            f"vector.transfer_write {value}, {into}[{w.add(out_offset, column)}], {mask} {{in_bounds = [true]}} "
-            f": {vec}, {flat_type}"
-        )
-
-    if schedule.short_row(width, lanes):
-        for j in range(steps):
-            column = w.index(min(j * lanes, width - lanes) if width >= lanes else j * lanes)
-            row_out = store(value_at(column, width >= lanes), column, row_out)
-        return row_out
-    loop, j, (cur,) = w.open_for(w.index(0), w.index(steps), w.index(1), [(row_out, flat_type)])
-    column = w.mul(j, w.index(lanes))
-    if width >= lanes:
-        column = em.op(f"arith.minsi {column}, {w.index(width - lanes)} : index")
-    w.close_for([store(value_at(column, width >= lanes), column, cur)], [flat_type])
-    return loop
-
-
-def _read_every_step(
-    em, source: str, flat_in: TensorType, where: str, pad: str, step: int, lanes: int, elem, acc, inside=False
-):
-    """`lanes` elements of the 1-D `source` from `where` on, every `step`-th one, widened to `acc`;
-    `inside`: the caller knows that every element they take is in the tensor. One contiguous read
-    of `step * lanes` (out-of-bounds lanes read `pad`) and a shuffle; for step 2 with `inside`,
-    two reads of `lanes` that end at the last element taken (so both are in bounds: no masks) and
-    one two-source shuffle. The wide read past a row's last element had to be masked at the
-    tensor's end, its mask computed per read (max pooling 2x2/2 of 8x64x112x112: 2.8 -> 1.9 ms)."""
-    vec = f"vector<{lanes}x{elem}>"
-    if step == 2 and inside:
-        later = em.op(f"arith.addi {where}, {em.op(f'arith.constant {lanes - 1} : index')} : index")
-        first, second = (
-            em.op(f"vector.transfer_read {source}[{at}], {pad} {{in_bounds = [true]}} : {tensor_type(flat_in)}, {vec}")
-            for at in (where, later)
-        )
-        # Elements 0, 2, .., lanes - 2 from the first; lanes, .., 2 * lanes - 2 are the second's odd ones.
-        picks = [2 * i for i in range(lanes // 2)] + [lanes + 2 * i + 1 for i in range(lanes // 2)]
-        value = em.op(f"vector.shuffle {first}, {second} [{', '.join(map(str, picks))}] : {vec}, {vec}")
-    else:
-        wide = f"vector<{step * lanes}x{elem}>"
-        value = em.op(
-            f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [{str(inside and step == 1).lower()}]}} "
-            f": {tensor_type(flat_in)}, {wide}"
-        )
-        if step > 1:
-            picks = ", ".join(str(i * step) for i in range(lanes))
-            value = em.op(f"vector.shuffle {value}, {value} [{picks}] : {wide}, {wide}")
-    if elem != acc:
-        value = em.op(f"arith.extf {value} : {vec} to vector<{lanes}x{acc}>")
-    return value
+    return close_loops(w, cur, flat_type, loops)
 
 
 def _window_rows_then_columns(
@@ -1600,7 +1258,7 @@ def _window_rows_then_columns(
     windows tile the row): per window row one read of the `step * lanes` inputs they cover (in
     bounds: its last element is the last window's), the rows combined element by
     element, then each of the `step` columns picked out of that by a shuffle and combined. Tap by
-    tap (`_read_every_step`), 2x2 max pooling read every input twice, as four wide reads and four
+    tap (`read_every_step`), 2x2 max pooling read every input twice, as four wide reads and four
     shuffles per vector of outputs, the reads masked on short rows (14 outputs in a 16-lane vector).
     `used` (an index; a row shorter than a vector): how many of the read's elements feed outputs that
     are stored; the read is masked to them, in bounds, instead of to the tensor's end, whose mask
@@ -1621,22 +1279,13 @@ def _window_rows_then_columns(
         )
         if elem != acc:
             wide = em.op(f"arith.extf {wide} : {wide_type} to {wide_acc}")
-        rows = wide if rows is None else _combine(em, kind, rows, wide, wide_acc, is_int)
+        rows = wide if rows is None else combine(em, kind, rows, wide, wide_acc, is_int)
     total, vec = None, f"vector<{lanes}x{acc}>"
     for kw in range(window[-1]):
         picks = ", ".join(str(i * step + kw) for i in range(lanes))
         value = em.op(f"vector.shuffle {rows}, {rows} [{picks}] : {wide_acc}, {wide_acc}")
-        total = value if total is None else _combine(em, kind, total, value, vec, is_int)
+        total = value if total is None else combine(em, kind, total, value, vec, is_int)
     return total
-
-
-def _close_loops(w, done: str, flat_type: str, loops) -> str:
-    """Close the row loops `loops` (innermost last), each yielding the tensor `done` its body made;
-    returns the outermost loop's result."""
-    for loop in reversed(loops):
-        w.close_for([done], [flat_type])
-        done = loop
-    return done
 
 
 def _window_pad_value(kind: str, dtype: dt.DType):
@@ -1679,25 +1328,6 @@ def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[
 MAX_UNROLLED_TAPS = 16
 
 
-def _combine(b, kind: str, total: str, value: str, value_type: str, is_int: bool) -> str:
-    if kind == "max" and is_int:
-        return b.op(f"arith.maxsi {total}, {value} : {value_type}")
-    if kind == "max":
-        # NaN-propagating, but -0.0 and +0.0 unordered (`nsz`, as numpy's max leaves them): x86 then
-        # takes a max, a NaN test and a blend; ordering the zeros cost three more instructions per
-        # max, and a 2x2 max pool takes three maxima per vector of outputs.
-        return b.op(f"arith.maximumf {total}, {value} fastmath<nsz> : {value_type}")
-    return b.op(f"arith.{'addi' if is_int else 'addf'} {total}, {value} : {value_type}")
-
-
-def _row_major_strides(shape) -> list[int]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return strides[::-1]
-
-
 def pool_window(em: KernelEmitter, source, onhw: bool, result: TensorType, attrs, into, serial: bool) -> str:
     """The pooling `attrs` (windows that tile the image: `fuse._tiling_pool`) of a conv output window
     `source` = (tensor, type) in the accumulator type, laid out (O, N, H, W) when `onhw` else
@@ -1705,7 +1335,7 @@ def pool_window(em: KernelEmitter, source, onhw: bool, result: TensorType, attrs
     output; None: a new tensor); `serial`: on the calling thread. The end of a conv epilogue
     (`Epilogue.pool`)."""
     tensor, layout = source
-    strides = _row_major_strides(layout.shape)
+    strides = row_major_strides(layout.shape)
     if onhw:  # the result's (n, o) are the source's dimensions (1, 0)
         strides = [strides[1], strides[0], *strides[2:]]
     acc = accumulator_elem(result.dtype)
@@ -1743,8 +1373,8 @@ def _window_taps(
     flat_in = TensorType((padded_type.size,), result.dtype)
     flat_out = TensorType((result.size,), result.dtype)
     source = reshape(em, padded, padded_type, flat_in.shape)
-    in_strides = in_strides or _row_major_strides(padded_type.shape)
-    out_strides = _row_major_strides(result.shape)
+    in_strides = in_strides or row_major_strides(padded_type.shape)
+    out_strides = row_major_strides(result.shape)
     vec = f"vector<{lanes}x{acc}>"
     acc_dtype = dt.float32 if acc == "f32" else result.dtype
     pad = em.op(f"arith.constant {0 if is_int else 0.0} : {elem}")
@@ -1790,12 +1420,12 @@ def _window_taps(
             total = None
             for tap in itertools.product(*(range(n) for n in window)):
                 where = w.add(base, w.index(sum(t * st for t, st in zip(tap, in_strides))))
-                value = _read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc, inside)
-                total = value if total is None else _combine(em, kind, total, value, vec, is_int)
+                value = read_every_step(em, source, flat_in, where, pad, step, lanes, elem, acc, inside)
+                total = value if total is None else combine(em, kind, total, value, vec, is_int)
         return total if count is None else em.op(f"arith.divf {total}, {count} : {vec}")
 
-    row_out = _row_of_vectors(w, carried, out_type, out_offset, (width, lanes, acc), value_at)
-    result_flat = _close_loops(w, row_out, out_type, loops)
+    row_out = row_of_vectors(w, carried, out_type, out_offset, (width, lanes, acc), value_at)
+    result_flat = close_loops(w, row_out, out_type, loops)
     if parallel:
         w.close_forall(result_flat, shared, where, out_type, tensor_type(flat_out, acc))
         result_flat = done
@@ -1830,13 +1460,13 @@ def _window_loops(em: KernelEmitter, padded: str, padded_type: TensorType, resul
     their bounds, as linalg's pooling ops do."""
     kind, window, strides = attrs["kind"], attrs["window"], attrs["strides"]
     rank, elem = result.rank, elem_type(result.dtype)
-    domain = ", ".join(_dims(2 * rank))
+    domain = ", ".join(loop_dims(2 * rank))
     x_exprs = ", ".join(f"d{i} * {s} + d{rank + i}" for i, s in enumerate(strides))
     window_type = TensorType(window, result.dtype)
     maps = [
         em.affine_map(f"({domain}) -> ({x_exprs})"),
-        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank, rank))})"),
-        em.affine_map(f"({domain}) -> ({', '.join(_dims(rank))})"),
+        em.affine_map(f"({domain}) -> ({', '.join(loop_dims(rank, rank))})"),
+        em.affine_map(f"({domain}) -> ({', '.join(loop_dims(rank))})"),
     ]
     acc_dtype = dt.float32 if acc == "f32" else result.dtype
     init_value = reduction_identity("max", acc_dtype) if kind == "max" else 0
@@ -1846,7 +1476,7 @@ def _window_loops(em: KernelEmitter, padded: str, padded_type: TensorType, resul
         (init, tensor_type(result, acc)),
         maps,
         ["parallel"] * rank + ["reduction"] * rank,
-        lambda b, args: _combine(b, kind, args[2], widen(b, args[0], elem, acc), acc, acc.startswith("i")),
+        lambda b, args: combine(b, kind, args[2], widen(b, args[0], elem, acc), acc, acc.startswith("i")),
         [elem, elem],
         acc,
     )
@@ -2017,44 +1647,6 @@ def _arg_extreme_short_rows(em: KernelEmitter, kernel: _ArgRows, parallel: bool)
     return done
 
 
-def over_cores(em: KernelEmitter, rows: int, elem: str, units: int, unit_rows: int, fill, parallel: bool) -> str:
-    """A tensor<rows x elem> whose first `units * unit_rows` elements `fill(first_row, count, part,
-    part_type)` writes into `part`: `count` units from row `first_row` on (None: the whole tensor,
-    from row 0), in one `scf.forall` chunk of whole units per core when `parallel` (and there are
-    units), else in one piece."""
-    w = matmul_kernel.LoopWriter(em)
-    flat_type = f"tensor<{rows}x{elem}>"
-    out = em.op(f"tensor.empty() : {flat_type}")
-    if not (parallel and units):
-        return fill(None, w.index(units), out, flat_type) if units else out
-    chunk = -(-units // matmul_kernel.cores())
-    done, t, shared = w.open_forall(-(-units // chunk), out, flat_type)
-    first = w.mul(t, w.index(chunk))
-    count = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(units)}, {first} : index')}, {w.index(chunk)} : index")
-    first_row, part_rows = first, count
-    if unit_rows > 1:
-        first_row, part_rows = w.mul(first, w.index(unit_rows)), w.mul(count, w.index(unit_rows))
-    part_type = f"tensor<?x{elem}>"
-    part = em.op(f"tensor.extract_slice {shared}[{first_row}] [{part_rows}] [1] : {flat_type} to {part_type}")
-    filled = fill(first_row, count, part, part_type)
-    w.close_forall(filled, shared, f"[{first_row}] [{part_rows}] [1]", part_type, flat_type)
-    return done
-
-
-def per_row(em: KernelEmitter, rows: int, elem: str, answer, parallel: bool) -> str:
-    """A tensor<rows x elem> whose element r is the scalar `answer(r)` emits, rows split in one
-    `scf.forall` chunk per core when `parallel` (`over_cores`)."""
-    w = matmul_kernel.LoopWriter(em)
-
-    def each_row(first_row: str | None, count: str, out: str, out_type: str) -> str:
-        loop, local, (acc,) = w.open_for(w.index(0), count, w.index(1), [(out, out_type)])
-        value = answer(local if first_row is None else w.add(first_row, local))
-        w.close_for([em.op(f"tensor.insert {value} into {acc}[{local}] : {out_type}")], [out_type])
-        return loop
-
-    return over_cores(em, rows, elem, rows, 1, each_row, parallel)
-
-
 def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool) -> str:
     """argmax/argmin along the last axis (see `_ArgRows`), rows split over the cores when many."""
     kernel = _ArgRows(em, x, tx, result, largest)
@@ -2086,7 +1678,7 @@ def _lower_arg_extreme(em: KernelEmitter, op: Op, operands: list[str], largest: 
     start = reduction_identity("max" if largest else "min", tx.dtype)
     best = fill(em, const(em, start, tx.dtype), values_type)
     first = fill(em, em.op(f"arith.constant 0 : {index_elem}"), result)
-    domain = ", ".join(_dims(tx.rank))
+    domain = ", ".join(loop_dims(tx.rank))
     kept = ", ".join(f"d{i}" for i in range(tx.rank) if i != axis)
     x_map = em.identity_map(tx.rank)
     out_map = em.affine_map(f"({domain}) -> ({kept})")

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import lower_contraction, lower_rows, row_library, schedule
+from flowjit.backends.cpu import contraction, lower_contraction, lower_rows, row_library, schedule
 from flowjit.backends.cpu.lower_elementwise import (
     _BINARY,
     _BOOL_PREDICATE,
@@ -279,7 +279,7 @@ class _FusionLowering:
         """A conv2d or dot_general and the pointwise ops on its result (bias, activation: the
         `fuse` pass's epilogue group) lowered as one contraction whose chunks (conv) or register
         tiles (dot) go through the epilogue on their way to the output
-        (`lower_contraction.Epilogue`), so that the product is never stored whole; None when the
+        (`contraction.Epilogue`), so that the product is never stored whole; None when the
         group is not of that form (one result, not a bool, of the product's shape, that only
         pointwise ops compute from it, no value stored in between, no slice view)."""
         products = [op for op in self.body.ops if op.name in _STREAMED_CONTRACTIONS]
@@ -297,7 +297,7 @@ class _FusionLowering:
             or target.dtype.is_bool  # a fusion's bool results are i1 tensors; an epilogue writes bytes
             or not (self._inline(target) or (pool is not None and target is product.result))
             or not all(self._pointwise(u) or u is pool for u in users.get(product.result, ()))
-            or not lower_contraction.streams_epilogue(product)
+            or not contraction.streams_epilogue(product)
         ):
             return None
         ops, leaves, splats = self._collect([target])
@@ -851,9 +851,9 @@ def _bits(elem: str) -> int:
     return 1 if elem == "i1" else int(elem.lstrip("bfi"))
 
 
-class _Epilogue(lower_contraction.Epilogue):
+class _Epilogue(contraction.Epilogue):
     """A fusion's pointwise ops on its contraction's result (`_FusionLowering.
-    _contraction_with_epilogue`), as `lower_contraction.Epilogue`: one n-d generic per window of the
+    _contraction_with_epilogue`), as `contraction.Epilogue`: one n-d generic per window of the
     output, reading the window's product (in cache: a chunk of the im2col form's columns, a
     matmul's register tile just stored) and the window of each other leaf (bias and other
     broadcasts through their maps, full tensors sliced), writing the window of the result in
