@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import contraction, lower_contraction, lower_rows, row_library, schedule
+from flowjit.backends.cpu import contraction, lower_contraction, lower_pooling, lower_rows, row_library, schedule
 from flowjit.backends.cpu.lower_elementwise import (
     _BINARY,
     _BOOL_PREDICATE,
@@ -877,12 +877,12 @@ class _Epilogue(contraction.Epilogue):
             return self._generic(em, (product, product_t, product_map), window, offsets, into, serial)
         pooled = window.with_shape(self.out_shape(window.shape))
         if self.ops and self._commutes_with_max():  # pool first, then the ops on a quarter of the values
-            out = lower_contraction.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
+            out = lower_pooling.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
             images = {0: offsets[0]} if 0 in offsets else {}  # its leaves read no rows
             return self._in_place(em, (out, pooled, em.identity_map(4)), pooled, images, serial)
         if self.ops:  # the pointwise ops in place on the product (in cache), then the pool reads it
             product = self._in_place(em, (product, product_t, product_map), window, offsets, serial)
-        return lower_contraction.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
+        return lower_pooling.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
 
     def _commutes_with_max(self) -> bool:
         """Whether a max pool may run before the pointwise ops: they are a non-decreasing function of
