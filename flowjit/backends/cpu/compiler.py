@@ -44,6 +44,7 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_reduction",
     "flowjit.backends.cpu.lower_movement",
     "flowjit.backends.cpu.lower_contraction",
+    "flowjit.backends.cpu.lower_dot",
     "flowjit.backends.cpu.lower_pooling",
     "flowjit.backends.cpu.lower_arg_extreme",
     "flowjit.backends.cpu.lower_communication",

@@ -31,7 +31,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import contraction, lower_contraction, lower_pooling, lower_rows, row_library, schedule
+from flowjit.backends.cpu import (
+    contraction,
+    lower_contraction,
+    lower_dot,
+    lower_pooling,
+    lower_rows,
+    row_library,
+    schedule,
+)
 from flowjit.backends.cpu.lower_elementwise import (
     _BINARY,
     _BOOL_PREDICATE,
@@ -1057,11 +1065,11 @@ class _Epilogue(contraction.Epilogue):
         return em.op(f"tensor.extract_slice {tensor}{where} : {ttype} to {part}"), part
 
 
-_STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general": lower_contraction.lower_dot_general}
+_STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general": lower_dot.lower_dot_general}
 
 
 # A product of the fusion that calls the matmul library puts its result in the scratch area.
-SCRATCH["fusion"] = lower_contraction.fusion_scratch
+SCRATCH["fusion"] = lower_dot.fusion_scratch
 
 
 # A region that is exactly softmax, log-softmax, layer or RMS norm over rows (`row_library.match`)
