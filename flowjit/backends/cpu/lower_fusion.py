@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from flowjit.backends.cpu import (
     contraction,
-    lower_contraction,
+    lower_conv,
     lower_dot,
     lower_pooling,
     lower_rows,
@@ -1065,7 +1065,7 @@ class _Epilogue(contraction.Epilogue):
         return em.op(f"tensor.extract_slice {tensor}{where} : {ttype} to {part}"), part
 
 
-_STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general": lower_dot.lower_dot_general}
+_STREAMED_CONTRACTIONS = {"conv2d": lower_conv.lower_conv2d, "dot_general": lower_dot.lower_dot_general}
 
 
 # A product of the fusion that calls the matmul library puts its result in the scratch area.
