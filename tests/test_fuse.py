@@ -952,7 +952,7 @@ def _conv_case(n, c, h, w, k, kernel, stride=1, padding=1, dilation=1, seed=0):
     return conv, (x, wt, b)
 
 
-# Each shape takes one path of the CPU lowering's im2col form (lower_contraction._conv_as_matmul):
+# Each shape takes one path of the CPU lowering's im2col form (lower_conv._conv_as_matmul):
 _CONV_PATHS = {
     "chunks of whole images over the cores, then a tail chunk": (16, 16, 12, 12, 32, 3),
     "row blocks of one image over the cores": (2, 64, 40, 40, 16, 3),

@@ -251,7 +251,7 @@ def _rhs_in_row_order(op: Op) -> bool:
 def _rhs_contracts_last(op: Op) -> bool:
     """Whether the rhs contracts its last dims, in order, but its batch and free dims need moving
     (attention's `q @ k.T` on split heads: k (B, T, H, D) contracting D, batched over B and H): then
-    it goes to the kernel as (batch, N, K) rows, a copy of whole contiguous rows (`_copy_blocks`),
+    it goes to the kernel as (batch, N, K) rows, a copy of whole contiguous rows (`row_writers.transpose`),
     rather than transposed to (batch, K, N), which moves every element on its own (a
     `linalg.transpose`: plain loops, which also kept the function off LLVM's light pipeline)."""
     tb = op.operands[1].type

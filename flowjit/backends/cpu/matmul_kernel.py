@@ -442,7 +442,7 @@ def _restrides_a(s: MatmulShape) -> bool:
     """Whether A's rows are copied one cache line apart first (see `ALIASING_STRIDE`): a row-major A
     read in place by tall tiles, its rows a multiple of `ALIASING_STRIDE` bytes long. Not for
     serial products (inside another kernel's parallel loop, which has no scratch area of its own:
-    a convolution restrides its weights before its fork, `lower_contraction._conv_as_matmul`)."""
+    a convolution restrides its weights before its fork, `lower_conv._conv_as_matmul`)."""
     return not s.a_cols and not s.serial and s.m >= s.mr and aliases(s.k, s.elem)
 
 
