@@ -1727,7 +1727,7 @@ def test_full_reduction_streams_large_inputs(monkeypatch):
 
 def test_nd_kernels_with_math_keep_their_row_loop_rolled():
     """`copy_nd` unrolls a short row's vector loop for plain bodies only: with a math function the
-    unrolled copies ran no faster and doubled the compile (`lower_fusion._schedule`)."""
+    unrolled copies ran no faster and doubled the compile (`fusion_schedule.schedule_generic`)."""
     g = data((16, 256), dt.float32, 14)
     gates = fj.jit(lambda g: nn.sigmoid(g[:, :64]) * fnp.tanh(g[:, 128:192]))
     assert "transform.loop.unroll" not in gates.lower(g).as_text("mlir")
