@@ -10,6 +10,7 @@ import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.contraction import PARALLEL_MIN_WORK, accumulator_elem, const, loop_dims
+from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.lower_movement import fill, reshape
 from flowjit.backends.cpu.row_writers import over_cores, per_row
 from flowjit.backends.cpu.target import lowering
@@ -43,7 +44,7 @@ class _ArgRows:
     """
 
     def __init__(self, em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool):
-        self.em, self.w, self.largest = em, matmul_kernel.LoopWriter(em), largest
+        self.em, self.w, self.largest = em, LoopWriter(em), largest
         self.rows, self.length = tx.size // tx.shape[-1], tx.shape[-1]
         self.elem, self.index_elem = elem_type(tx.dtype), elem_type(result.dtype)
         self.compute = accumulator_elem(tx.dtype)

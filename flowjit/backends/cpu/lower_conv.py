@@ -23,6 +23,7 @@ from flowjit.backends.cpu.contraction import (
     narrow,
     widen_tensor,
 )
+from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
 from flowjit.backends.cpu.row_writers import close_loops, row_major_strides, transpose, window_rows
 from flowjit.backends.cpu.target import SCRATCH, lowering
@@ -219,7 +220,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
             images = _whole_images(n, images)
     if rows < oh:  # blocks of rows that pool on their own
         rows = max(conv.row_step, rows // conv.row_step * conv.row_step)
-    w_ = matmul_kernel.LoopWriter(em)
+    w_ = LoopWriter(em)
     whole = n // images if rows == oh else n * (oh // rows)  # whole chunks
     threads = matmul_kernel.cores()
     if threads < 2 or whole < threads or (whole < 2 * threads and whole % threads):
@@ -232,7 +233,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     if _restrides_weights(o, depth, acc):
         # Before the fork, for the chunks' products inside it: serial, they have no scratch area
         # of their own (the tail chunks after it are not, and restride the weights themselves).
-        copier = matmul_kernel.LoopWriter.with_scratch(em, matmul_kernel.restrided_bytes(o, depth, acc))
+        copier = LoopWriter.with_scratch(em, matmul_kernel.restrided_bytes(o, depth, acc))
         source = (conv.weights, f"tensor<{o}x{depth}x{acc}>", [])
         weights = matmul_kernel.restride(copier, source, o, depth, acc, copier.index(0), threads)
         in_fork = dataclasses.replace(conv, weights=weights)
@@ -305,7 +306,7 @@ def _conv_chunk_into(em: KernelEmitter, source, conv, result: TensorType, into: 
     part = result.with_shape((count, result.shape[1], height, result.shape[3]))
     if conv.out(part).size == 0:  # a tail shorter than a pooling window
         return into
-    where = conv.out_slice(matmul_kernel.LoopWriter(em), image, row, part)
+    where = conv.out_slice(LoopWriter(em), image, row, part)
     part_type, out_type = tensor_type(conv.out(part), conv.out_elem), tensor_type(conv.out(result), conv.out_elem)
     window = em.op(f"tensor.extract_slice {into}{where} : {out_type} to {part_type}")
     y = _conv_images(em, source, conv, part, (image, row), into=window)
@@ -396,7 +397,7 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
     threads = max(1, min(matmul_kernel.cores(), chunks))
     per = -(-chunks // threads)
     threads = -(-chunks // per)
-    w_ = matmul_kernel.LoopWriter(em)
+    w_ = LoopWriter(em)
     sum_t = TensorType((o, columns), result.dtype)
     sum_type = tensor_type(sum_t, acc)
 
@@ -564,7 +565,7 @@ def _im2col_padding(em: KernelEmitter, source, cols_type: TensorType, conv, orig
     flat_source = reshape(em, x, t, flat_in.shape)
     flat_t = TensorType((cols_type.size,), cols_type.dtype)
     flat_type = tensor_type(flat_t, acc)
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     vec, wide = f"vector<{lanes}x{elem}>", f"vector<{lanes}x{acc}>"
     zero_in = em.op(f"arith.constant dense<0.0> : {vec}")
     zero_out = em.op(f"arith.constant dense<0.0> : {wide}")

@@ -23,6 +23,7 @@ from flowjit.backends.cpu.contraction import (
     size_of,
     widen_tensor,
 )
+from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.lower_movement import reshape
 from flowjit.backends.cpu.row_writers import over_cores, per_row, transpose
 from flowjit.backends.cpu.target import CALL_LOWERINGS, SCRATCH, lowering
@@ -324,7 +325,7 @@ def _lower_with_row_dots(em: KernelEmitter, op: Op, operands: list[str]) -> str 
     if not narrow_enough or k < DOT_UNROLL * lanes or batch * m * n * k < matmul_kernel.KERNEL_MIN_FLOPS:
         return None
     a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=True)
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     vec = f"vector<{lanes}x{acc}>"
     a_type = tensor_type(TensorType(lead + (m, k), result.dtype), acc)
     b_type = tensor_type(TensorType(lead + (n, k), result.dtype), acc)
@@ -417,7 +418,7 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
     a, b, _ = _dot_operands(em, op, operands, acc, rhs_rows=rows_given)
     if not rows_given:
         b = _transposed_by_library(em, b, k, n, acc) or _rows_of(em, b, TensorType((k, n), result.dtype), acc)
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     vec = f"vector<{lanes}x{acc}>"
     a_type = tensor_type(TensorType((m, k), result.dtype), acc)
     b_type = tensor_type(TensorType((n, k), result.dtype), acc)
@@ -513,7 +514,7 @@ def _rows_of(em: KernelEmitter, b: str, tb: TensorType, acc: str) -> str:
     Where the transpose library is off (`_transposed_by_library`): AOT compiles."""
     k, n = tb.shape
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     flat_t = TensorType((k * n,), tb.dtype)
     flat = reshape(em, b, tb, flat_t.shape, acc)
     rows_t = TensorType((n, k), tb.dtype)

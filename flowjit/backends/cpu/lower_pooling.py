@@ -13,6 +13,7 @@ import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.contraction import accumulator_elem, combine, const, loop_dims, narrow, widen
+from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
 from flowjit.backends.cpu.row_writers import close_loops, read_every_step, row_major_strides, row_of_vectors
 from flowjit.backends.cpu.target import lowering
@@ -151,7 +152,7 @@ def _window_taps(
     is_int = acc.startswith("i")
     lanes = matmul_kernel.vector_bits() // int(acc[1:])
     width, step = result.shape[-1], strides[-1]
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     flat_in = TensorType((padded_type.size,), result.dtype)
     flat_out = TensorType((result.size,), result.dtype)
     source = reshape(em, padded, padded_type, flat_in.shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.contraction import size_of
+from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.lower_layout import permute
 from flowjit.backends.cpu.lower_movement import reshape
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
@@ -59,7 +60,7 @@ def _copy_blocks(
     in_strides = row_major_strides(t.shape)
     out_shape = [t.shape[p] for p in outer] + list(t.shape[len(outer) :])
     out_strides = row_major_strides(out_shape)
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     pad = em.op(f"arith.constant {'0.0' if elem.startswith('f') else '0'} : {elem}")
     start = (
         em.empty(flat, elem)
@@ -102,7 +103,7 @@ def window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, bas
     flat_source = reshape(em, padded, padded_type, flat_in.shape)
     flat_t = TensorType((size,), padded_type.dtype)
     flat_type = tensor_type(flat_t, acc)
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     pad = em.op(f"arith.constant 0.0 : {elem}")
     carried, loops = em.empty(flat_t, acc), []
     in_offset, out_offset = (base(w) if base else w.index(0)), w.index(0)
@@ -222,7 +223,7 @@ def over_cores(em: KernelEmitter, rows: int, elem: str, units: int, unit_rows: i
     part_type)` writes into `part`: `count` units from row `first_row` on (None: the whole tensor,
     from row 0), in one `scf.forall` chunk of whole units per core when `parallel` (and there are
     units), else in one piece."""
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     flat_type = f"tensor<{rows}x{elem}>"
     out = em.op(f"tensor.empty() : {flat_type}")
     if not (parallel and units):
@@ -244,7 +245,7 @@ def over_cores(em: KernelEmitter, rows: int, elem: str, units: int, unit_rows: i
 def per_row(em: KernelEmitter, rows: int, elem: str, answer, parallel: bool) -> str:
     """A tensor<rows x elem> whose element r is the scalar `answer(r)` emits, rows split in one
     `scf.forall` chunk per core when `parallel` (`over_cores`)."""
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
 
     def each_row(first_row: str | None, count: str, out: str, out_type: str) -> str:
         loop, local, (acc,) = w.open_for(w.index(0), count, w.index(1), [(out, out_type)])
