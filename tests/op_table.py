@@ -1061,7 +1061,7 @@ for _name, _sa, _sb, _dims in (
     ("library-rhs-rows", (150, 96), (300, 96), ((1,), (1,), (), ())),
     ("library-lhs-columns", (96, 150), (96, 300), ((0,), (0,), (), ())),
     ("library-narrow", (600, 256), (256, 20), ((1,), (0,), (), ())),
-    # Fewer columns than a vector (lower_contraction._lower_with_dot_blocks in f32/f64): blocks of
+    # Fewer columns than a vector (lower_dot._lower_with_dot_blocks in f32/f64): blocks of
     # rows with a last block of the rows left over, a masked last step of K, B given as (N, K).
     ("few-columns", (37, 300), (300, 10), ((1,), (0,), (), ())),
     ("few-columns-rhs-rows", (37, 300), (6, 300), ((1,), (1,), (), ())),

@@ -17,7 +17,7 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import lower_contraction, matmul_kernel, pipeline, schedule, toolchain
+from flowjit.backends.cpu import contraction, lower_conv, matmul_kernel, pipeline, schedule, toolchain
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
@@ -507,7 +507,7 @@ def test_few_columns_take_dot_blocks(m, k, n, dtype):
         pytest.skip("the shapes are chosen for AVX-512's 16 float32 lanes")
     mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
     assert "dots along K (few columns)" in mlir
-    parallel = m * n * k >= lower_contraction.PARALLEL_MIN_WORK and (os.cpu_count() or 1) > 1
+    parallel = m * n * k >= contraction.PARALLEL_MIN_WORK and (os.cpu_count() or 1) > 1
     assert ("scf.forall" in mlir) == parallel
     assert "fj_matmul" not in mlir and "vector.reduction <add>" in mlir
     transposed = dict(lhs_contract=(1,), rhs_contract=(1,), lhs_batch=(), rhs_batch=())
@@ -931,8 +931,8 @@ def test_conv2d_im2col_in_chunks_of_images(monkeypatch, cores):
     cores the whole chunks are split over them (a forall), on one they run in a loop. 11 images,
     4 fit: no divisor of 11 between 2 and 4, so chunks of 4 and a tail of 3."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")  # neither setting is part of the cache key
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
-    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
+    monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
+    monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
     x, w = data((11, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
@@ -946,8 +946,8 @@ def test_conv2d_chunks_of_images_divide_the_batch(monkeypatch, cores, images):
     fit (`_whole_images`): no tail chunk repeating the chunk's code. 12 images, 4 fit: chunks of 4
     on one core, of 3 on two (four chunks, two per core; 4 would make three)."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
-    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
+    monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
+    monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
     x, w = data((12, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
@@ -967,8 +967,8 @@ def test_conv2d_im2col_in_blocks_of_rows(monkeypatch, stride, dilation, padding,
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
     x, w = data((2, 3, 13, 8), dt.float32, 1), data((4, 3, 3, 2), dt.float32, 2)
     depth, out_cols = 3 * 3 * 2, (8 + sum(padding[1]) - dilation[1] * 1 - 1) // stride[1] + 1
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 3 * depth * out_cols)  # blocks of 3 rows
-    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
+    monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 3 * depth * out_cols)  # blocks of 3 rows
+    monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
     mlir = check("conv2d", [x, w], dict(stride=stride, padding=padding, dilation=dilation))
     assert f"tensor<1x4x3x{out_cols}xf32>" in mlir  # a block of 3 output rows of one image
 
@@ -999,7 +999,7 @@ def test_conv2d_mid_size_padded_input_is_vector_code(monkeypatch):
     A weight gradient (summed over its taps) keeps O3, which runs it faster."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     x, w = data((32, 8, 14, 14), dt.float32, 1), data((16, 8, 3, 3), dt.float32, 2)
-    monkeypatch.setattr(lower_contraction, "_im2col_pads", lambda *args: False)  # padded by a copy
+    monkeypatch.setattr(lower_conv, "_im2col_pads", lambda *args: False)  # padded by a copy
     lowered = fj.jit(lambda x, w: nn.conv2d(x, w, padding=1)).lower(x, w)
     assert "tensor<32x8x16x16xf32>" in lowered.as_text("mlir")
     assert lowered.as_text("llvm").startswith("; LLVM pipeline: light (")
@@ -1022,8 +1022,8 @@ def test_conv2d_chunks_of_images_are_transposed_into_the_output(monkeypatch, cor
     its own it was a temporary copied into a strided window of the output."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 18 * 8 * 8)
-    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
+    monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 2 * 18 * 8 * 8)
+    monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
     x, w = data((8, 2, 16, 16), dt.float32, 3), data((8, 2, 3, 3), dt.float32, 4)
     attrs = dict(stride=(stride, stride), padding=((1, 1), (1, 1)), dilation=(1, 1))
     mlir = check("conv2d", [x, w], attrs)
@@ -1038,8 +1038,8 @@ def test_conv2d_im2col_chunks_in_other_types(monkeypatch, dtype):
     """The chunked paths widen half types to float32 and keep float64 (blocks of rows, two cores)."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
-    monkeypatch.setattr(lower_contraction, "IM2COL_MAX_ELEMENTS", 2 * 27 * 9)
-    monkeypatch.setattr(lower_contraction, "IM2COL_MIN_COLUMNS", 1)
+    monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 2 * 27 * 9)
+    monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
     x, w = data((3, 3, 11, 9), dtype, 1), data((5, 3, 3, 3), dtype, 2)
     check("conv2d", [x, w], dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1)))
 
@@ -1051,7 +1051,7 @@ def test_conv2d_pointwise_reads_the_input_as_its_columns(monkeypatch, cap, cores
     with padding the view is of the padded input."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
-    monkeypatch.setattr(lower_contraction, "WIDE_CHUNK_ELEMENTS", cap)  # a 1x1 conv's chunks
+    monkeypatch.setattr(lower_conv, "WIDE_CHUNK_ELEMENTS", cap)  # a 1x1 conv's chunks
     x, w = data((3, 10, 9, 7), dt.float32, 1), data((6, 10, 1, 1), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
     columns = 63 if cap == 1 << 19 else 21  # a whole image, or blocks of 3 of its 9 rows
@@ -1074,7 +1074,7 @@ def test_conv2d_summed_over_chunks_of_taps(monkeypatch, cores, dtype, stride, di
     attrs = dict(stride=stride, padding=padding, dilation=dilation)
     oh = (24 + sum(padding[0]) - dilation[0] * 8 - 1) // stride[0] + 1
     ow = (15 + sum(padding[1]) - dilation[1] * 9 - 1) // stride[1] + 1
-    monkeypatch.setattr(lower_contraction, "WIDE_CHUNK_ELEMENTS", 3 * oh * ow * 10 * 6)  # 6 of the 36 pairs per chunk
+    monkeypatch.setattr(lower_conv, "WIDE_CHUNK_ELEMENTS", 3 * oh * ow * 10 * 6)  # 6 of the 36 pairs per chunk
     mlir = check("conv2d", [x, w], attrs)
     assert f"tensor<{3 * oh * ow}x60x" in mlir  # a chunk of rows: 6 (c, kh) pairs of 10 taps
     assert ("scf.forall" in mlir) == (cores == 2)
@@ -1087,9 +1087,9 @@ def test_conv2d_weight_gradient_through_the_taps_form(monkeypatch):
     w = np.random.default_rng(4).standard_normal((8, 6, 3, 3)).astype(np.float32)
     loss = lambda w, x: fnp.sum(nn.relu(nn.conv2d(x, w, stride=2, padding=1)) ** 2)
     calls = []
-    taps_form = lower_contraction._conv_over_taps
+    taps_form = lower_conv._conv_over_taps
     monkeypatch.setenv("FLOWJIT_CACHE", "0")  # a cached compile would skip the lowering
-    monkeypatch.setattr(lower_contraction, "_conv_over_taps", lambda *a: calls.append(a) or taps_form(*a))
+    monkeypatch.setattr(lower_conv, "_conv_over_taps", lambda *a: calls.append(a) or taps_form(*a))
     got = fj.jit(fj.grad(loss, argnums=(0, 1)))(w, x)
     assert len(calls) == 1  # the weight gradient's conv, and only it
     want = fj.jit(fj.grad(loss, argnums=(0, 1)), target="interpreter")(w, x)
@@ -1634,7 +1634,7 @@ def test_integer_abs_in_nd_kernels(shape, dtype):
 def test_im2col_pads_as_it_reads(monkeypatch, shape, kernel, stride, padding, dilation, dtype):
     """A padded stride-1 convolution makes no padded copy of its input: im2col reads the input
     clamped into it, zeroes rows outside it and moves each row's edge lanes into place with one
-    constant shuffle (`lower_contraction._im2col_padding`). Same bits as the padded form."""
+    constant shuffle (`lower_conv._im2col_padding`). Same bits as the padded form."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     x = data(shape, dtype, 1)
     w = data((8, shape[1], kernel, kernel), dtype, 2)
@@ -1646,7 +1646,7 @@ def test_im2col_pads_as_it_reads(monkeypatch, shape, kernel, stride, padding, di
     mlir = lowered.as_text("mlir")
     assert "vector.shuffle" in mlir and "linalg.fill" not in mlir  # no padded input filled with zeros
     got = lowered.compile()(x, w)
-    monkeypatch.setattr(lower_contraction, "_im2col_pads", lambda *args: False)
+    monkeypatch.setattr(lower_conv, "_im2col_pads", lambda *args: False)
     padded = fj.jit(conv).lower(x, w)
     pads = ((padding, padding),) * 2 if isinstance(padding, int) else padding
     padded_type = f"tensor<{shape[0]}x{shape[1]}x{shape[2] + sum(pads[0])}x{shape[3] + sum(pads[1])}x"
@@ -1727,7 +1727,7 @@ def test_full_reduction_streams_large_inputs(monkeypatch):
 
 def test_nd_kernels_with_math_keep_their_row_loop_rolled():
     """`copy_nd` unrolls a short row's vector loop for plain bodies only: with a math function the
-    unrolled copies ran no faster and doubled the compile (`lower_fusion._schedule`)."""
+    unrolled copies ran no faster and doubled the compile (`fusion_schedule.schedule_generic`)."""
     g = data((16, 256), dt.float32, 14)
     gates = fj.jit(lambda g: nn.sigmoid(g[:, :64]) * fnp.tanh(g[:, 128:192]))
     assert "transform.loop.unroll" not in gates.lower(g).as_text("mlir")

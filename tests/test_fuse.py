@@ -952,7 +952,7 @@ def _conv_case(n, c, h, w, k, kernel, stride=1, padding=1, dilation=1, seed=0):
     return conv, (x, wt, b)
 
 
-# Each shape takes one path of the CPU lowering's im2col form (lower_contraction._conv_as_matmul):
+# Each shape takes one path of the CPU lowering's im2col form (lower_conv._conv_as_matmul):
 _CONV_PATHS = {
     "chunks of whole images over the cores, then a tail chunk": (16, 16, 12, 12, 32, 3),
     "row blocks of one image over the cores": (2, 64, 40, 40, 16, 3),
@@ -1092,12 +1092,12 @@ def test_conv_max_pool_runs_first_only_under_non_decreasing_epilogues(monkeypatc
     of the results is the result on the max, bit for bit. Decreasing or non-monotone epilogues (a
     negative scale, b - x, a relu whose floor is above its threshold) and leaves varying along rows
     keep the epilogue first; every one equals the unfused program."""
-    from flowjit.backends.cpu import lower_fusion
+    from flowjit.backends.cpu import fusion_epilogue
 
     decided = []
-    commutes = lower_fusion._Epilogue._commutes_with_max
+    commutes = fusion_epilogue.FusedEpilogue._commutes_with_max
     monkeypatch.setattr(
-        lower_fusion._Epilogue, "_commutes_with_max", lambda self: decided.append(commutes(self)) or decided[-1]
+        fusion_epilogue.FusedEpilogue, "_commutes_with_max", lambda self: decided.append(commutes(self)) or decided[-1]
     )
     conv, (x, wt, b) = _conv_case(4, 16, 20, 20, 32, 3, seed=11)
     rows = np.random.default_rng(12).standard_normal((1, 1, 20, 1)).astype(np.float32)

@@ -36,7 +36,7 @@ What fuses (legality comes from op families):
   (window = stride along H and W, 1 along N and C, no padding, at most `MAX_POOL_TAPS` taps) whose
   operand is a streamed conv epilogue's one result, read by nothing else (conv + bias + relu +
   max pooling: one group whose result is the pooled tensor). Backends pool each chunk of the
-  conv's output as they make it (`lower_contraction.Epilogue.pool`), so the conv's output is never
+  conv's output as they make it (`contraction.Epilogue.pool`), so the conv's output is never
   stored whole; nothing else joins such a group after the pool (`_merged_kind`: kind "pooled").
 
 What never fuses: effectful ops (`read_variable`, `assign*`, `send`, `recv`), ops with regions,
@@ -185,11 +185,11 @@ def _streams_epilogue(product: Op) -> bool:
     """Whether a backend computes the epilogue (the pointwise ops on its result) of contraction
     `product` piece by piece as it computes the product, so that the product is never stored
     whole: a float32/float64 convolution summing over at least `CONV_EPILOGUE_MIN_DEPTH` taps (the
-    CPU backend's im2col + matmul form, `lower_contraction._conv_as_matmul`, applies the epilogue
+    CPU backend's im2col + matmul form, `lower_conv._conv_as_matmul`, applies the epilogue
     to each chunk's product in cache, in its copy to the output), or a float32/float64 matrix
     product (batch, M, K) x (batch, K, N) with at least `DOT_EPILOGUE_MIN_COLUMNS` columns, M
     the product of one or more free dimensions (the tiled kernel applies it to each register tile
-    just stored, `lower_contraction._dot_with_epilogue`).
+    just stored, `lower_dot._dot_with_epilogue`).
     The group must then also keep the shape `_epilogue_groups` checks."""
     if product.result.dtype not in (dt.float32, dt.float64):
         return False

@@ -43,7 +43,10 @@ LOWERING_MODULES = (
     "flowjit.backends.cpu.lower_layout",
     "flowjit.backends.cpu.lower_reduction",
     "flowjit.backends.cpu.lower_movement",
-    "flowjit.backends.cpu.lower_contraction",
+    "flowjit.backends.cpu.lower_conv",
+    "flowjit.backends.cpu.lower_dot",
+    "flowjit.backends.cpu.lower_pooling",
+    "flowjit.backends.cpu.lower_arg_extreme",
     "flowjit.backends.cpu.lower_communication",
     "flowjit.backends.cpu.lower_fusion",
     "flowjit.backends.cpu.lower_sort",
@@ -239,7 +242,7 @@ class Stages:
 
 def _light_op(op) -> bool:
     """Whether `op` is of `LIGHT_PIPELINE_OPS` (a conv2d only with stride 1 and not summed over its
-    taps: a weight gradient, `lower_contraction.over_taps`, ran 1.15-1.25x as long under the light
+    taps: a weight gradient, `lower_conv.over_taps`, ran 1.15-1.25x as long under the light
     list as under O3 once its pad and partial sums were vector code, 8x32x28x28 with 3x3 kernels),
     or a pad of edges (`lower_movement.pads_edges`: rows of vector copies and splat writes, like
     a concatenation; session 21)."""
@@ -248,7 +251,7 @@ def _light_op(op) -> bool:
 
         return pads_edges(op)
     if op.name == "conv2d":
-        from flowjit.backends.cpu.lower_contraction import over_taps
+        from flowjit.backends.cpu.lower_conv import over_taps
 
         if any(s != 1 for s in conv_params(op.attrs)[0]) or over_taps(op.operands[1].type, op.result.type):
             return False

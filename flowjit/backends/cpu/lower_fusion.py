@@ -23,31 +23,21 @@ is cheaper than a 16 MB round trip through memory); above it, it is computed onc
 Inside a row tile (`lower_rows`), where a stored tile stays in cache, a shared value with a math
 function in it is computed once into an output's tile instead (`_store_in_output`).
 Other members use their one-op lowerings on tensors, with their own schedules.
+
+A member op's scalar code and cost are in `fusion_ops`, the schedules of the generics written here
+in `fusion_schedule`, and a conv2d's or dot_general's epilogue group in `fusion_epilogue`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import lower_contraction, lower_rows, row_library, schedule
-from flowjit.backends.cpu.lower_elementwise import (
-    _BINARY,
-    _BOOL_PREDICATE,
-    _FLOAT_PREDICATE,
-    _FLOAT_UNARY,
-    _INT_PREDICATE,
-    _UNARY,
-    compute_elem,
-    convert_scalar,
-    extend,
-    iota_scalar,
-    narrow,
-    reshape_tensor,
-)
-from flowjit.backends.cpu.lower_reduction import _COMBINE
-from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
+from flowjit.backends.cpu import contraction, lower_conv, lower_dot, lower_rows, row_library
+from flowjit.backends.cpu.fusion_epilogue import FusedEpilogue
+from flowjit.backends.cpu.fusion_ops import generic_body, is_pointwise, op_weight
+from flowjit.backends.cpu.fusion_schedule import schedule_generic
+from flowjit.backends.cpu.lower_elementwise import reshape_tensor
 from flowjit.backends.cpu.target import CALL_LOWERINGS, LOWERINGS, SCRATCH, lowering
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
@@ -69,64 +59,7 @@ _MANY = object()  # `_shared_values`: a value computed in more than one generic
 # In a row tile, a value read by several ops that costs this much (a math function, or eight simple
 # ops) is stored in an output's tile when one reads it (`_store_in_output`).
 TILE_MATERIALIZE_COST = 8
-# A 1-D fused kernel whose longest chain of dependent ops is deeper than this (`_depth`) computes
-# two vectors per loop step (`_schedule`).
-LONG_CHAIN_DEPTH = 12
 _REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
-
-
-def _pointwise(op: Op) -> bool:
-    if op.name == "convert":
-        return True
-    if op.name in _UNARY or op.name in _FLOAT_UNARY or op.name in _BINARY or op.name == "select":
-        return True
-    return op.name in _FLOAT_PREDICATE
-
-
-def _scalar(b: ScalarBuilder, op: Op, args: list[str]) -> str:
-    """`op` on scalars in their compute types (see `compute_elem`; bool is i1); the result is in
-    the compute type of `op`'s result, rounded to its dtype first, as the one-op kernels do."""
-    out = op.result.type.dtype
-    if op.name == "convert":
-        src = op.operands[0].type.dtype
-        return extend(b, convert_scalar(b, args[0], src, out), out)
-    e = compute_elem(op.operands[-1].type.dtype)
-    if op.name in _FLOAT_PREDICATE:
-        x = op.operands[0].type.dtype
-        if x.is_float:
-            return b.op(f"arith.cmpf {_FLOAT_PREDICATE[op.name]}, {args[0]}, {args[1]} : {e}")
-        predicate = (_BOOL_PREDICATE if x.is_bool else _INT_PREDICATE)[op.name]
-        return b.op(f"arith.cmpi {predicate}, {args[0]}, {args[1]} : {e}")
-    if op.name == "select":
-        result = b.op(f"arith.select {args[0]}, {args[1]}, {args[2]} : {e}")
-    elif op.name in _BINARY:
-        result = _BINARY[op.name](b, args[0], args[1], e)
-    else:
-        result = (_UNARY.get(op.name) or _FLOAT_UNARY[op.name])(b, args[0], e)
-    return extend(b, narrow(b, result, out), out)
-
-
-def _storage(dtype: dt.DType) -> str:
-    return memory_elem_type(dtype)
-
-
-# `_weight` of a math function (exp, tanh, ...).
-MATH_WEIGHT = 8
-
-
-def _weight(op: Op) -> int:
-    """Rough cost of one element of `op`, in simple arithmetic instructions."""
-    if op.name in MATH or op.name in MATH_BINARY or op.name == "pow":
-        return MATH_WEIGHT
-    return 2 if op.name in ("div", "rem") else 1
-
-
-def _depth(ops: list[Op]) -> int:
-    """The longest chain of dependent ops among `ops` (in program order), each counted by `_weight`."""
-    depth: dict[Value, int] = {}
-    for op in ops:
-        depth[op.result] = _weight(op) + max((depth.get(v, 0) for v in op.operands), default=0)
-    return max(depth.values(), default=0)
 
 
 class _FusionLowering:
@@ -153,7 +86,7 @@ class _FusionLowering:
         for op in body.ops:
             if not self._pointwise(op):
                 continue
-            cost[op.result] = _weight(op) + sum(cost.get(v, 0) for v in op.operands if v not in self.materialized)
+            cost[op.result] = op_weight(op) + sum(cost.get(v, 0) for v in op.operands if v not in self.materialized)
             readers = len(set(users.get(op.result, ())))
             if readers > 1 and op.result in shared and cost[op.result] > RECOMPUTE_BUDGET:
                 self.materialized.add(op.result)
@@ -219,7 +152,7 @@ class _FusionLowering:
 
     @staticmethod
     def _pointwise(op: Op) -> bool:
-        return _pointwise(op) and op.result.type.size > 0
+        return is_pointwise(op) and op.result.type.size > 0
 
     def _inline(self, value: Value) -> bool:
         op = value.producer
@@ -279,7 +212,7 @@ class _FusionLowering:
         """A conv2d or dot_general and the pointwise ops on its result (bias, activation: the
         `fuse` pass's epilogue group) lowered as one contraction whose chunks (conv) or register
         tiles (dot) go through the epilogue on their way to the output
-        (`lower_contraction.Epilogue`), so that the product is never stored whole; None when the
+        (`contraction.Epilogue`), so that the product is never stored whole; None when the
         group is not of that form (one result, not a bool, of the product's shape, that only
         pointwise ops compute from it, no value stored in between, no slice view)."""
         products = [op for op in self.body.ops if op.name in _STREAMED_CONTRACTIONS]
@@ -297,7 +230,7 @@ class _FusionLowering:
             or target.dtype.is_bool  # a fusion's bool results are i1 tensors; an epilogue writes bytes
             or not (self._inline(target) or (pool is not None and target is product.result))
             or not all(self._pointwise(u) or u is pool for u in users.get(product.result, ()))
-            or not lower_contraction.streams_epilogue(product)
+            or not contraction.streams_epilogue(product)
         ):
             return None
         ops, leaves, splats = self._collect([target])
@@ -305,7 +238,10 @@ class _FusionLowering:
             return None
         if product.name == "conv2d" and product.result.type.rank != 4:
             return None
-        epilogue = _Epilogue(self, product.result, target, (ops, leaves, splats), pool)
+        leaves = [v for v in leaves if v is not product.result]
+        shape = product.result.type.shape
+        inputs = [(self._input(v, shape), self._read_dims(v, shape)) for v in leaves]
+        epilogue = FusedEpilogue(product.result, target, (ops, leaves, splats), inputs, pool)
         lower = _STREAMED_CONTRACTIONS[product.name]
         return lower(self.em, product, [self.tensor(v) for v in product.operands], epilogue)
 
@@ -373,17 +309,17 @@ class _FusionLowering:
         dims = [f"d{i}" for i in range(len(shape))]
         op = v.producer
         if self._view(v):
-            return self._slice_view(v), tensor_type(v.type, _storage(v.dtype)), em.identity_map(len(shape))
+            return self._slice_view(v), tensor_type(v.type, memory_elem_type(v.dtype)), em.identity_map(len(shape))
         if op is None or op.name != "broadcast" or v in self.tensors:
             tensor = self.tensor(v)
             if v.dtype.is_bool:
                 tensor = bool_to_bytes(em, tensor, v.type)
-            return tensor, tensor_type(v.type, _storage(v.dtype)), em.identity_map(len(shape))
+            return tensor, tensor_type(v.type, memory_elem_type(v.dtype)), em.identity_map(len(shape))
         source = op.operands[0]
         kept = self._read_dims(v, shape)
         squeezed = TensorType(tuple(extent for _, extent in kept), source.dtype)
         tensor = self.tensor(source)
-        elem = _storage(source.dtype)
+        elem = memory_elem_type(source.dtype)
         if source.dtype.is_bool:
             tensor = bool_to_bytes(em, tensor, source.type)
         tensor = reshape_tensor(em, tensor, source.type, squeezed, elem=elem)
@@ -443,8 +379,8 @@ class _FusionLowering:
         start, stride = op.attrs["start"], op.attrs["stride"]
         return self.em.op(
             f"tensor.extract_slice {tensor}[{', '.join(map(str, start))}] [{', '.join(map(str, v.type.shape))}] "
-            f"[{', '.join(map(str, stride))}] : {tensor_type(source.type, _storage(source.dtype))} "
-            f"to {tensor_type(v.type, _storage(v.dtype))}"
+            f"[{', '.join(map(str, stride))}] : {tensor_type(source.type, memory_elem_type(source.dtype))} "
+            f"to {tensor_type(v.type, memory_elem_type(v.dtype))}"
         )
 
     def _uncovered_dims(self, leaves: list[Value], shape: tuple[int, ...]) -> set[int]:
@@ -476,14 +412,14 @@ class _FusionLowering:
         if reduction is None:
             outputs = [
                 (
-                    self._destination(v, loop) or em.empty(loop.with_dtype(v.dtype), _storage(v.dtype)),
-                    tensor_type(loop.with_dtype(v.dtype), _storage(v.dtype)),
+                    self._destination(v, loop) or em.empty(loop.with_dtype(v.dtype), memory_elem_type(v.dtype)),
+                    tensor_type(loop.with_dtype(v.dtype), memory_elem_type(v.dtype)),
                     em.identity_map(loop.rank),
                 )
                 for v in targets
             ]
             iterators = ["parallel"] * loop.rank
-            out_elems = [_storage(v.dtype) for v in targets]
+            out_elems = [memory_elem_type(v.dtype) for v in targets]
         else:
             acc_type = TensorType(
                 tuple(d for i, d in enumerate(loop.shape) if i not in space.axes), reduction.result.dtype
@@ -495,12 +431,12 @@ class _FusionLowering:
         for k, v in enumerate(targets if reduction is None else ()):
             stored = self.in_place.get(v)
             if stored in leaves and loop.shape in (stored.type.shape, (stored.type.size,)):
-                tile = reshape_tensor(em, self.tensors[stored], stored.type, loop, elem=_storage(stored.dtype))
+                tile = reshape_tensor(em, self.tensors[stored], stored.type, loop, elem=memory_elem_type(stored.dtype))
                 outputs[k] = (tile, *outputs[k][1:])
                 overwritten[stored] = k
         inputs = [i for i, v in zip(space.inputs, leaves) if v not in overwritten]
         read = [v for v in leaves if v not in overwritten]
-        in_elems = [_storage(v.dtype) for v in read]
+        in_elems = [memory_elem_type(v.dtype) for v in read]
         result = em.fresh()
         name = result if len(outputs) == 1 else f"{result}:{len(outputs)}"
         maps = [m for _, _, m in inputs] + [m for _, _, m in outputs]
@@ -516,13 +452,14 @@ class _FusionLowering:
         em.line(f"^bb0({', '.join(f'{a}: {e}' for a, e in zip(args, in_elems + out_elems))}):")
         b = ScalarBuilder(em, em.indent + "  ")
         leaf_args = dict(zip(read, args)) | {v: args[len(inputs) + k] for v, k in overwritten.items()}
-        yielded = self._body(b, ops, leaf_args, splats + iotas, targets, reduction, args[-1])
+        yielded = generic_body(b, ops, leaf_args, splats + iotas, targets, reduction, args[-1])
         em.body.extend(b.lines)
         em.line(f"  linalg.yield {', '.join(yielded)} : {', '.join(out_elems)}")
         em.line(f"}} -> {result_types}" if len(outputs) == 1 else f"}} -> ({result_types})")
         stored = reduction is None and any(v in self.materialized or v in self.in_place for v in targets)
         views = any(map(self._view, read))
-        self._schedule(name, space, reduction, in_elems + out_elems, coalesce=stored, views=views, ops=ops)
+        loop_axes, elems = (space.loop, space.axes), in_elems + out_elems
+        schedule_generic(em, name, loop_axes, reduction, elems, coalesce=stored, views=views, ops=ops, tile=self.tile)
         if reduction is not None:
             self.tensors[reduction.result] = reshape_tensor(em, result, acc_type, reduction.result.type)
             return
@@ -622,7 +559,7 @@ class _FusionLowering:
                 extents.append(extent)
             old = TensorType(tuple(extent for _, extent in read), v.dtype)
             new = TensorType(tuple(extents), v.dtype)
-            elem = _storage(v.dtype)
+            elem = memory_elem_type(v.dtype)
             tensor = reshape_tensor(em, tensor, old, new, elem=elem)
             input_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(f'd{d}' for d in kept)})")
             inputs.append((tensor, tensor_type(new, elem), input_map))
@@ -669,37 +606,13 @@ class _FusionLowering:
             return _Space(inputs, targets[0].type, [], flat=False, normalized=False)
         reshaped = [
             (
-                reshape_tensor(em, t, v.type, loop.with_dtype(v.dtype), elem=_storage(v.dtype)),
-                tensor_type(loop.with_dtype(v.dtype), _storage(v.dtype)),
+                reshape_tensor(em, t, v.type, loop.with_dtype(v.dtype), elem=memory_elem_type(v.dtype)),
+                tensor_type(loop.with_dtype(v.dtype), memory_elem_type(v.dtype)),
                 em.identity_map(loop.rank),
             )
             for (t, _, _), v in zip(inputs, leaves)
         ]
         return _Space(reshaped, loop, axes, flat=reduction is None, normalized=reduction is not None)
-
-    @staticmethod
-    def _body(b: ScalarBuilder, ops, leaf_args: dict, splats, targets, reduction: Op | None, acc: str) -> list[str]:
-        """The scalar code of the generic: leaves in compute types, the ops, the yielded values."""
-        value: dict[Value, str] = {}
-        for v, arg in leaf_args.items():
-            if v.dtype.is_bool:
-                arg = b.op(f"arith.cmpi ne, {arg}, {b.const(0, 'i8')} : i8")
-            value[v] = extend(b, arg, v.dtype)
-        for v in splats:
-            if v.producer is not None and v.producer.name == "iota":  # a position (`_emit_generic`)
-                value[v] = extend(b, iota_scalar(b, v.producer.attrs["dimension"], v.dtype), v.dtype)
-            else:
-                value[v] = b.const(splat_value(v), compute_elem(v.dtype))
-        for op in ops:
-            value[op.result] = _scalar(b, op, [value[v] for v in op.operands])
-        if reduction is None:
-            return [
-                b.op(f"arith.extui {value[v]} : i1 to i8") if v.dtype.is_bool else narrow(b, value[v], v.dtype)
-                for v in targets
-            ]
-        combine = _COMBINE[reduction.name.removeprefix("reduce_")][0]
-        e = elem_type(reduction.result.dtype)
-        return [b.op(f"arith.{combine} {value[targets[0]]}, {acc} : {e}")]
 
     @staticmethod
     def _normal_form(op: Op, shape: tuple[int, ...]) -> tuple[TensorType, list[int]] | None:
@@ -732,57 +645,6 @@ class _FusionLowering:
         iterators = ["reduction" if i in axes else "parallel" for i in range(rank)]
         return [(init, tensor_type(acc), out_map)], iterators
 
-    def _schedule(
-        self,
-        name: str,
-        space: _Space,
-        reduction: Op | None,
-        elems: list[str],
-        coalesce: bool,
-        views: bool,
-        ops: Sequence[Op] = (),
-    ) -> None:
-        """Attach the schedule of generic `name`. Small n-d kernels with short rows (the CNN's bias +
-        relu at small batch) get `copy_nd` on one thread for its unrolled row loop: cnn forward at
-        batch 8 ~9% faster. Over strided views whose rows end in a part of a vector (pooling's
-        gradient, 14-wide rows) the same schedule was ~8% slower than LLVM's own vector loop, so
-        those keep none; views of whole vectors per row (an LSTM's gate columns z[:, 64:128]) take
-        it: LLVM's light pipeline leaves a plain loop scalar (that sigmoid 17 -> 3.4 us). Longer
-        rows take it too up to `PLAIN_LOOP_MAX_ELEMENTS` (tanh(x + b) on (16, 200) 26.6 -> 6.5 us,
-        JAX 6-9); above, a plain loop sends the function to O3, whose vector loop was as fast or
-        faster (x + b on (64, 256) 3.7 against 4.2 us with the schedule). A 1-D kernel whose body's
-        longest chain of dependent ops is deeper than `LONG_CHAIN_DEPTH` (`_depth`: a math
-        function counts 8) computes two vectors per step: one vector waiting on that chain's
-        latency left the cores idle (an unrolled `x = x + 0.01 * tanh(x * 0.5 + 0.1)` on 1024^2: 3
-        steps 1.4-2.1 -> 1.06 ms, 200 steps 150-160 -> 84; tanh-approximated GELU on 4M, depth 16,
-        0.85-0.93 of the time). Bodies of independent math functions side by side (the benchmark's
-        `tanh(x * 0.7 + 0.1) * sigmoid(x) + 0.5 * x`, depth 12) gained nothing (1.03-1.04). A small
-        reduction over short rows with no math function among `ops` (the kernel's body), outside
-        loops, stays plain loops (`schedule.stays_plain`). With a math function, `copy_nd` keeps the
-        row loop rolled: an LSTM's gates (two sigmoids and a tanh over 64-column views of the gate
-        matrix) unrolled 4 vectors a row for the same run time (16, 512, 8192 rows: 3.3, 38, 292 us
-        either way) and twice the compile (52-64 -> 27 ms of CPU at 16 rows)."""
-        widest, depth = max(_bits(e) for e in elems), _depth(ops)
-        math = max(map(_weight, ops), default=0) >= MATH_WEIGHT
-        unroll = 1 if math else schedule.MAX_UNROLLED_STEPS  # math bodies: no faster unrolled, 2x the code
-        loop, axes = space.loop, space.axes
-        masked_rows = loop.shape[-1] % schedule.lanes(widest) != 0 if loop.rank else False
-        if reduction is not None:
-            if loop.size >= 2 and len(axes) == 1:
-                plain = not self.em.loops and not math
-                self.em.schedule(name, schedule.reduction(loop.shape, axes[0], widest, may_stay_plain=plain))
-        elif loop.rank == 1 and loop.size > 1:
-            vectors = 2 if depth > LONG_CHAIN_DEPTH else 1
-            self.em.schedule(name, schedule.elementwise(loop.size, widest, vectors))
-        elif loop.rank > 1 and self.tile and loop.size > 1:
-            self.em.schedule(name, _vectorize_rows(loop.shape, widest, coalesce))
-        elif loop.rank > 1 and loop.size >= schedule.PARALLEL_MIN_ELEMENTS:
-            self.em.schedule(name, schedule.copy_nd(loop.shape, widest, unroll=unroll))
-        elif loop.size > 1 and schedule.short_rows(loop.shape, widest) and not (views and masked_rows):
-            self.em.schedule(name, schedule.copy_nd(loop.shape, widest, parallel=False, unroll=unroll))
-        elif 1 < loop.size <= schedule.PLAIN_LOOP_MAX_ELEMENTS and not (views and masked_rows):
-            self.em.schedule(name, schedule.copy_nd(loop.shape, widest, parallel=False, unroll=unroll))
-
 
 @dataclass(frozen=True)
 class _Space:
@@ -803,7 +665,7 @@ def _flat(t: TensorType) -> TensorType:
 
 def _expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     group = ", ".join(str(i) for i in range(t.rank))
-    e = _storage(t.dtype)
+    e = memory_elem_type(t.dtype)
     shape = ", ".join(str(d) for d in t.shape)
     into = f"{tensor_type(_flat(t), e)} into {tensor_type(t, e)}"
     result = em.op(f"tensor.expand_shape {tensor} [[{group}]] output_shape [{shape}] : {into}")
@@ -811,257 +673,11 @@ def _expand(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     return result
 
 
-def _vectorize_rows(shape: tuple[int, ...], elem_bits: int, coalesce: bool):
-    """An n-d kernel inside a row tile: one thread, vectors along the last dimension; with
-    `coalesce` (the kernels that store a value in an output tile or overwrite it there) the loops
-    coalesced into one. Measured while LLVM still unrolled loops on its own (it now unrolls only
-    loops marked for it): it fully unrolled a short loop over the tile's rows around
-    a small body (softmax's in-place division: 8 copies of the column loop, each unrolled again),
-    one loop it only unrolled (softmax's optimized LLVM IR 820 -> 518 lines, compile CPU time -25%,
-    same speed).
-    Layer norm's last kernel was not unrolled so and runs 1-3% slower coalesced (the row and column
-    indices recomputed from the one induction variable): not coalesced. Rows longer than one vector
-    but not a whole number of them peel the partial vector off the column loop (softmax over 1000
-    columns: every vector was masked), and stay uncoalesced."""
-    tiles = [1] * (len(shape) - 1) + [schedule.lanes(elem_bits)]
-    peel = shape[-1] % tiles[-1] != 0 and shape[-1] > tiles[-1]
-
-    def steps(h: str) -> list[str]:
-        n, any_ = h[1:], schedule.ANY
-        loops = ", ".join(f"%loop{i}{n}" for i in range(len(shape)))
-        types = ", ".join([any_] * (len(shape) + 1))
-        lines = [
-            f"%vec{n}, {loops} = transform.structured.tile_using_for {h} tile_sizes {tiles} : ({any_}) -> ({types})"
-        ]
-        if peel:
-            # The partial last vector of each row peeled off the column loop: with it inside, every
-            # vector was masked (softmax over 1000 columns). The two loops no longer coalesce.
-            peeled, main, rest = schedule.peel_last(f"%loop{len(shape) - 1}{n}", f"%c{n}")
-            vectorize = [f"transform.structured.vectorize {op} vector_sizes {tiles} : {any_}" for op in (main, rest)]
-            return [*lines, *peeled, *vectorize]
-        lines.append(f"transform.structured.vectorize %vec{n} vector_sizes {tiles} : {any_}")
-        if coalesce:
-            lines.append(f"%one{h[1:]} = transform.loop.coalesce %loop0{h[1:]} : ({schedule.ANY}) -> ({schedule.ANY})")
-        return lines
-
-    return steps
-
-
-def _bits(elem: str) -> int:
-    return 1 if elem == "i1" else int(elem.lstrip("bfi"))
-
-
-class _Epilogue(lower_contraction.Epilogue):
-    """A fusion's pointwise ops on its contraction's result (`_FusionLowering.
-    _contraction_with_epilogue`), as `lower_contraction.Epilogue`: one n-d generic per window of the
-    output, reading the window's product (in cache: a chunk of the im2col form's columns, a
-    matmul's register tile just stored) and the window of each other leaf (bias and other
-    broadcasts through their maps, full tensors sliced), writing the window of the result in
-    place in the output. Its leaves are made before the contraction's loops."""
-
-    def __init__(self, fusion: _FusionLowering, product: Value, target: Value, collected, pool: Op | None = None):
-        self.fusion, self.product, self.target = fusion, product, target
-        self.ops, leaves, self.splats = collected
-        self.leaves = [v for v in leaves if v is not product]
-        shape = product.type.shape
-        self.inputs = [(fusion._input(v, shape), fusion._read_dims(v, shape)) for v in self.leaves]
-        self.elem = _storage(target.dtype)
-        self.pool = pool.attrs if pool is not None else None
-
-    def apply(self, em, product, onhw, window, origin, into, serial) -> str:
-        loop = ", ".join(f"d{i}" for i in range(window.rank))
-        product_t = window.with_shape((window.shape[1], window.shape[0], *window.shape[2:])) if onhw else window
-        product_map = em.affine_map(f"({loop}) -> ({'d1, d0' if onhw else 'd0, d1'}, {loop.split(', ', 2)[2]})")
-        offsets = {0: origin[0], 2: origin[1]} if origin is not None else {}
-        if self.pool is None:
-            return self._generic(em, (product, product_t, product_map), window, offsets, into, serial)
-        pooled = window.with_shape(self.out_shape(window.shape))
-        if self.ops and self._commutes_with_max():  # pool first, then the ops on a quarter of the values
-            out = lower_contraction.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
-            images = {0: offsets[0]} if 0 in offsets else {}  # its leaves read no rows
-            return self._in_place(em, (out, pooled, em.identity_map(4)), pooled, images, serial)
-        if self.ops:  # the pointwise ops in place on the product (in cache), then the pool reads it
-            product = self._in_place(em, (product, product_t, product_map), window, offsets, serial)
-        return lower_contraction.pool_window(em, (product, product_t), onhw, pooled, self.pool, into, serial)
-
-    def _commutes_with_max(self) -> bool:
-        """Whether a max pool may run before the pointwise ops: they are a non-decreasing function of
-        the product, exactly, rounding included, whose other operands do not vary within a window
-        (a bias, scalars), so the max of their results is their result on the max: additions,
-        subtractions of constants, products and quotients by positive scalars, max and min, and
-        relu's `select(x <= k, c, x)` with c <= k. (Math functions are left out: their polynomials
-        need not be monotone to the last bit.) The CNN's bias + relu then run on a quarter of the
-        conv's outputs."""
-        if self.pool["kind"] != "max" or any(d >= 2 for _, dims in self.inputs for d, _ in dims):
-            return False
-        rising, predicates = {self.product}, set()
-
-        def scalar(v: Value) -> float | None:
-            value = splat_value(v)
-            return None if value is None else float(value)
-
-        for op in self.ops:
-            args, name = op.operands, op.name
-            up = [v in rising for v in args]
-            if name == "select" and self._relu(op, rising, scalar):
-                rising.add(op.result)
-            elif any(v in predicates for v in args):
-                return False  # a predicate on the product read other than by a relu's select
-            elif not any(up):
-                continue  # a value of the leaves alone: constant within a window
-            elif name in ("add", "max", "min") or (name == "sub" and not up[1]):
-                rising.add(op.result)
-            elif name in ("mul", "div") and not up[1] and (scalar(args[1]) or 0) > 0:
-                rising.add(op.result)
-            elif name == "mul" and not up[0] and (scalar(args[0]) or 0) > 0:
-                rising.add(op.result)
-            elif name in ("le", "lt") and up == [True, False] and scalar(args[1]) is not None:
-                predicates.add(op.result)  # a relu's, if only its select reads it
-            else:
-                return False
-        return self.target in rising
-
-    @staticmethod
-    def _relu(op: Op, rising: set, scalar) -> bool:
-        """`select(x <= k, c, x)` (or `<`) with x rising and c <= k: non-decreasing in x, NaN kept."""
-        predicate, low, x = op.operands
-        compare = predicate.producer
-        if compare is None or compare.name not in ("le", "lt") or x not in rising or compare.operands[0] is not x:
-            return False
-        k, c = scalar(compare.operands[1]), scalar(low)
-        return k is not None and c is not None and c <= k
-
-    def _in_place(self, em, product, window: TensorType, offsets: dict, serial: bool) -> str:
-        """The epilogue computed in place in the conv's product (before its pool), over its planes
-        (H x W collapsed, one contiguous row each) when every leaf reads both H and W, as its last
-        two dimensions, or neither (a bias): over rows of W, each row's last vector, masked when W is
-        not a multiple of the vector, made the next row's first read wait for that store (a partial
-        overlap, which store forwarding does not serve): the CNN's 28-wide rows ran 0.26 ms slower."""
-        tensor, product_t, product_map = product
-        if not all(all(d < 2 for d, _ in dims) or [d for d, _ in dims[-2:]] == [2, 3] for _, dims in self.inputs):
-            return self._generic(em, product, window, offsets, tensor, serial)
-        n, o, h, w = window.shape
-        lead = product_t.shape[:2]
-        flat_t = product_t.with_shape((*lead, h * w))
-        acc = elem_type(self.product.dtype)
-        collapse = f"[[0], [1], [2, 3]] : {tensor_type(product_t, acc)} into {tensor_type(flat_t, acc)}"
-        flat = em.op(f"tensor.collapse_shape {tensor} {collapse}")
-        flat_map = em.affine_map("(d0, d1, d2) -> (d1, d0, d2)" if lead != (n, o) else "(d0, d1, d2) -> (d0, d1, d2)")
-        planes = window.with_shape((n, o, h * w))
-        if 2 in offsets:
-            offsets = {**offsets, 2: em.op(f"arith.muli {offsets[2]}, {em.op(f'arith.constant {w} : index')} : index")}
-        done = self._generic(em, (flat, flat_t, flat_map), planes, offsets, flat, serial, planes=(h, w))
-        expand = f"[[0], [1], [2, 3]] output_shape [{lead[0]}, {lead[1]}, {h}, {w}]"
-        types = f"{tensor_type(flat_t, acc)} into {tensor_type(product_t, acc)}"
-        return em.op(f"tensor.expand_shape {done} {expand} : {types}")
-
-    def reads_along(self, d: int) -> bool:
-        return any(dim == d and extent != 1 for _, dims in self.inputs for dim, extent in dims)
-
-    def columns_only(self) -> bool:
-        return all(self._columns(dims) for _, dims in self.inputs)
-
-    def as_matrix(self) -> bool:
-        full = list(range(self.product.type.rank))
-        return all(self._columns(dims) or [d for d, _ in dims] == full for _, dims in self.inputs)
-
-    def _columns(self, dims) -> bool:
-        """Whether a leaf read through `dims` is at most a vector along the last dimension."""
-        return len(dims) <= 1 and all(d == self.product.type.rank - 1 for d, _ in dims)
-
-    def window(self, em, product, window, offsets, into, serial, flat_rows=False) -> str:
-        whole = (product, window, em.identity_map(window.rank))
-        return self._generic(em, whole, window, offsets, into, serial, flat_rows)
-
-    def _generic(
-        self, em, product, window: TensorType, offsets: dict, into, serial: bool, flat_rows=False, planes=None
-    ) -> str:
-        """The generic computing `window` of the result from `product` = (tensor, its shape as a
-        TensorType, its indexing map) and the leaves' windows (`offsets`: `Epilogue.window`). When
-        `into` is the product itself, the generic reads it as its output operand only (an input
-        too would make the tiled loops read the tile's old value while they write it: a copy).
-        `flat_rows`: `window` is (rows, columns) of the result viewed as a matrix (its leading
-        dimensions flattened), which leaves reading columns at most allow (`columns_only`), and
-        tensors of the result's whole shape when the window is all of it (`as_matrix`). `planes` =
-        (H, W): `window` is (N, O, H x W), each leaf reading H and W read with them collapsed too
-        (`_in_place`)."""
-        rank = window.rank
-        acc = elem_type(self.product.dtype)
-        tensor, product_t, product_map = product
-        in_place = into is tensor  # then written through the product's own map
-        inputs = [] if in_place else [(tensor, tensor_type(product_t, acc), product_map)]
-        for v, ((leaf, ttype, in_map), dims) in zip(self.leaves, self.inputs):
-            if flat_rows and len(dims) > 1:  # a tensor of the result's shape, viewed as a matrix too
-                leaf, ttype = self._as_matrix(em, leaf, v, window)
-                dims, in_map = [(0, window.shape[0]), (1, window.shape[1])], em.identity_map(2)
-            elif flat_rows:  # a bias along the columns, or a scalar
-                dims = [(1, extent) for _, extent in dims]
-                in_map = em.affine_map(f"(d0, d1) -> ({'d1' if dims else ''})")
-            elif planes is not None:
-                if dims and dims[-1][0] == 3:  # its last two dimensions are H and W: collapsed
-                    leaf, ttype = self._planes(em, leaf, v, [e for _, e in dims])
-                    dims = [*dims[:-2], (2, planes[0] * planes[1])]
-                in_map = em.affine_map(f"(d0, d1, d2) -> ({', '.join(f'd{d}' for d, _ in dims)})")
-            inputs.append((*self._window(em, leaf, ttype, v, dims, window, offsets), in_map))
-        out_t = window.with_dtype(self.target.dtype)
-        out_type = tensor_type(product_t, acc) if in_place else tensor_type(out_t, self.elem)
-        into = into if into is not None else em.empty(out_t, self.elem)
-        in_elems = ([] if in_place else [acc]) + [_storage(v.dtype) for v in self.leaves]
-
-        def body(b: ScalarBuilder, args: list[str]) -> list[str]:
-            product_arg = [args[-1]] if in_place else []
-            leaf_args = dict(zip([self.product, *self.leaves], product_arg + args[: len(in_elems)]))
-            return self.fusion._body(b, self.ops, leaf_args, self.splats, [self.target], None, args[-1])
-
-        maps = [m for _, _, m in inputs] + [product_map if in_place else em.identity_map(rank)]
-        inputs = [(t, tt) for t, tt, _ in inputs]
-        name = em.generic(inputs, (into, out_type), maps, ["parallel"] * rank, body, in_elems, self.elem)
-        widest = max(_bits(e) for e in in_elems + [acc, self.elem])
-        em.schedule(name, schedule.copy_nd(window.shape, widest, parallel=not serial))
-        return name
-
-    @staticmethod
-    def _planes(em, leaf: str, v: Value, shape: list[int]) -> tuple[str, str]:
-        """Leaf `v` (as `leaf`, of `shape`) with its last two dimensions collapsed."""
-        elem, rank = _storage(v.dtype), len(shape)
-        flat = TensorType((*shape[:-2], shape[-2] * shape[-1]), v.dtype)
-        groups = ", ".join([f"[{d}]" for d in range(rank - 2)] + [f"[{rank - 2}, {rank - 1}]"])
-        flat_type = tensor_type(flat, elem)
-        source = tensor_type(TensorType(tuple(shape), v.dtype), elem)
-        return em.op(f"tensor.collapse_shape {leaf} [{groups}] : {source} into {flat_type}"), flat_type
-
-    @staticmethod
-    def _as_matrix(em, leaf: str, v: Value, matrix: TensorType) -> tuple[str, str]:
-        """Leaf `v` (as `leaf`), of the result's shape, collapsed to the (rows, columns) `matrix`."""
-        rank, elem = v.type.rank, _storage(v.dtype)
-        rows = ", ".join(str(d) for d in range(rank - 1))
-        matrix_type = tensor_type(matrix.with_dtype(v.dtype), elem)
-        into = f"{tensor_type(v.type, elem)} into {matrix_type}"
-        return em.op(f"tensor.collapse_shape {leaf} [[{rows}], [{rank - 1}]] : {into}"), matrix_type
-
-    @staticmethod
-    def _window(em, tensor: str, ttype: str, v: Value, dims, window: TensorType, offsets) -> tuple[str, str]:
-        """(tensor, type) of the part of leaf `v` (read as `tensor` of type `ttype` through `dims`,
-        `_FusionLowering._read_dims`) that `window` reads: along each loop dimension that the
-        window cuts (images, output rows) and the leaf does not broadcast, the window's offset and
-        extent; the rest whole."""
-        starts, sizes = [], []
-        for d, extent in dims:
-            cut = extent != 1 and window.shape[d] != extent
-            starts.append(offsets[d] if cut else "0")
-            sizes.append(window.shape[d] if cut else extent)
-        if [e for _, e in dims] == sizes:
-            return tensor, ttype
-        part = tensor_type(TensorType(tuple(sizes), v.dtype), _storage(v.dtype))
-        where = f"[{', '.join(map(str, starts))}] [{', '.join(map(str, sizes))}] [{', '.join(['1'] * len(sizes))}]"
-        return em.op(f"tensor.extract_slice {tensor}{where} : {ttype} to {part}"), part
-
-
-_STREAMED_CONTRACTIONS = {"conv2d": lower_contraction.lower_conv2d, "dot_general": lower_contraction.lower_dot_general}
+_STREAMED_CONTRACTIONS = {"conv2d": lower_conv.lower_conv2d, "dot_general": lower_dot.lower_dot_general}
 
 
 # A product of the fusion that calls the matmul library puts its result in the scratch area.
-SCRATCH["fusion"] = lower_contraction.fusion_scratch
+SCRATCH["fusion"] = lower_dot.fusion_scratch
 
 
 # A region that is exactly softmax, log-softmax, layer or RMS norm over rows (`row_library.match`)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
+from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.lower_elementwise import filled, memory_scalar
 from flowjit.backends.cpu.lower_layout import row_copy, written_through
 from flowjit.backends.cpu.target import INLINES_SPLAT_OPERANDS, INLINES_SPLATS, lowering
@@ -302,7 +303,7 @@ def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
     x = reshape(em, x, source, blocks.shape, elem)
     idx = reshape(em, idx, indices, (count,))
     out_type = TensorType((outer, count, inner), source.dtype)
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
     carried = em.empty(out_type, elem)
     threads = matmul_kernel.cores()
@@ -346,7 +347,7 @@ def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int,
     x = reshape(em, x, source, rows.shape, elem)
     lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
 
     def reversed_row(row: str, into: str, into_type: str, out_row: str) -> str:
@@ -537,7 +538,7 @@ def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -
     updates = reshape(em, updates, op.operands[2].type, update_blocks.shape, elem)
     idx = reshape(em, idx, indices, (count,))
     add = "ori" if source.dtype.is_bool else "addi" if elem.startswith("i") else "addf"
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
     out_type = _tensor(blocks)
     outer_loop, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(out, out_type)])
@@ -685,7 +686,7 @@ def _rows_of_blocks(em: KernelEmitter, blocks: list, result: TensorType, axis: i
     lanes = matmul_kernel.vector_bits() // max(8, result.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
     out_type = TensorType((outer, total), result.dtype)
-    w = matmul_kernel.LoopWriter(em)
+    w = LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
 
     def splats(items) -> set[str]:

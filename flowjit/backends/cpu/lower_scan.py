@@ -28,8 +28,8 @@ import math
 from typing import NamedTuple
 
 from flowjit.backends.cpu import schedule
+from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.lower_elementwise import reshape_tensor
-from flowjit.backends.cpu.matmul_kernel import LoopWriter
 from flowjit.backends.cpu.target import lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
 from flowjit.ir.graph import Op

@@ -24,7 +24,7 @@ measurements.
 
 Which products call it: `call_shape` (f32/f64 products the specialized kernel would split over the
 cores and not stream, K >= 64; and, since session 24, every small one (`SMALL_FLOPS`), on one core
-when the kernel would not fork: `call_threads`) and `lower_contraction.library_call` (no batch, not
+when the kernel would not fork: `call_threads`) and `lower_dot.library_call` (no batch, not
 both operands transposed); in JIT-compiled code only (`library.disabled` for AOT). With one thread
 a call runs in place (`library.Writer.chunks`: no OpenMP parallel region, whose fork cost a small
 product ~1.5 us): (128, 64) @ (64, 128) 22.0 us against the kernel's 22.3, (16, 32) @ (32, 256) 6.1

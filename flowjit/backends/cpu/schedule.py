@@ -39,7 +39,7 @@ STREAMING_REDUCTION_MIN_BYTES = 128 << 20
 ANY = "!transform.any_op"
 # LLVM's pipeline does not unroll loops on its own (`toolchain.optimization_pipeline`): a loop with
 # a short constant trip count is unrolled by its schedule (`copy_nd`) or written out by the lowering
-# (`lower_contraction._row_of_vectors`, the matmul kernel's pack and row blocks). Until session 8
+# (`row_writers.row_of_vectors`, the matmul kernel's pack and row blocks). Until session 8
 # such loops were marked for LLVM's full unrolling instead, which kept their functions on O3.
 # Vector steps up to which a row's loop is unrolled.
 MAX_UNROLLED_STEPS = 4

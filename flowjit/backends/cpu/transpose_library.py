@@ -1,6 +1,6 @@
 """The JIT's transpose library: a (K, N) float32/float64 matrix with fewer columns than a vector
 transposed to (N, K), for any K and N, compiled once per machine (`library.py`), which products
-with few columns (`lower_contraction._lower_with_dot_blocks`: the CNN's dense layer, a classifier's
+with few columns (`lower_dot._lower_with_dot_blocks`: the CNN's dense layer, a classifier's
 logits) call to make B^T instead of compiling the transpose into the program.
 
     void fj_transpose_narrow_f32(const float *b, float *out, int64_t k, int64_t n, int64_t threads);
