@@ -1,15 +1,18 @@
 """The on-disk compile cache for CPU code: a second process running the same program loads object
 code instead of running MLIR and LLVM (it never imports `mlir`).
 
-- Location: `$FLOWJIT_CACHE_DIR`, else `~/.cache/flowjit`; `FLOWJIT_CACHE=0` disables it.
+- Location, switch and trust: `backends/cache_folder.py` (`$FLOWJIT_CACHE_DIR`, else
+  `~/.cache/flowjit`; `FLOWJIT_CACHE=0` disables it: no entry read or written). An entry, or the
+  folder holding it, that another user owns or could have written is refused with a warning and
+  never loaded: the function is compiled instead.
 - Key: sha256 of the optimized IR text, the compile options, the flowjit, MLIR and LLVM versions,
   the CPU backend's own source, the host CPU (name, features) and its core count.
 - Entry file `<key>.fjo`: magic, header length + JSON header (entry symbol, workspace size, I/O
   layout, the length of each object), payload length + the objects (one per part the function was
   compiled in, `parallel_codegen`), then the sha256 of everything before it. A file that is
   truncated, corrupt or of another format is deleted and rebuilt, never loaded.
-- Writes go to a unique temporary file in the same folder, then `os.replace`: readers see the old
-  entry or the new one, and concurrent writers of one key never interleave.
+- Writes go to a unique temporary file in the same folder, then `os.replace` (`cache_folder.write`):
+  readers see the old entry or the new one, and concurrent writers of one key never interleave.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 
+from flowjit.backends import cache_folder
 from flowjit.backends.cpu import toolchain
 from flowjit.backends.cpu.executable import Buffer, Layout
 
@@ -40,16 +43,6 @@ class Entry:
     inputs: Layout
     outputs: Layout
     streamed_outputs: tuple[int, ...] = ()  # written with non-temporal stores: allocated on a line
-
-
-def enabled() -> bool:
-    """False when `FLOWJIT_CACHE=0` (or false/off) turns the disk cache off."""
-    return os.environ.get("FLOWJIT_CACHE", "1") not in ("0", "false", "off", "")
-
-
-def cache_dir() -> str:
-    """`$FLOWJIT_CACHE_DIR`, else `~/.cache/flowjit`."""
-    return os.environ.get("FLOWJIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flowjit")
 
 
 @functools.cache
@@ -88,7 +81,7 @@ def cache_key(graph_text: str, options) -> str:
 
 def entry_path(key: str) -> str:
     """Where the entry for `key` lives."""
-    return os.path.join(cache_dir(), f"{key}.fjo")
+    return os.path.join(cache_folder.location(), f"{key}.fjo")
 
 
 def encode(entry: Entry) -> bytes:
@@ -116,21 +109,6 @@ def unsealed(data: bytes) -> bytes | None:
     """The body of `sealed` data, or None when the data is truncated or damaged."""
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
     return body if len(data) > _DIGEST and hashlib.sha256(body).digest() == digest else None
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Write `data` to `path` through a unique temporary file in the same folder and `os.replace`:
-    readers see the old file or the new one, concurrent writers never interleave. Raises OSError."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)[:16]}-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def decode(data: bytes) -> Entry | None:
@@ -166,14 +144,13 @@ def decode(data: bytes) -> Entry | None:
 
 
 def load(key: str) -> Entry | None:
-    """The cached entry for `key`; a damaged entry is deleted (and None returned)."""
-    if not enabled():
+    """The cached entry for `key`; a damaged entry is deleted (and None returned), one that may not
+    be trusted is refused (`cache_folder.read`)."""
+    if not cache_folder.enabled():
         return None
     path = entry_path(key)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
+    data = cache_folder.read(path)
+    if data is None:
         return None
     entry = decode(data)
     if entry is None:
@@ -185,11 +162,12 @@ def load(key: str) -> Entry | None:
 
 
 def store(key: str, entry: Entry) -> None:
-    """Write the entry atomically; a cache that cannot be written is skipped silently (the code
-    is already compiled in this process)."""
-    if not enabled() or not entry.objects:
+    """Write the entry atomically, unless the cache is off or refused (`cache_folder.write`); a
+    cache that cannot be written is skipped silently (the code is already compiled in this
+    process)."""
+    if not entry.objects:
         return
     try:
-        write_atomically(entry_path(key), encode(entry))
+        cache_folder.write(entry_path(key), encode(entry))
     except OSError:
         return

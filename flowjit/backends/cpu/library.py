@@ -8,16 +8,20 @@ kernel for their shapes (a function's first call is mostly compile time).
     transpose_library.py    fj_transpose_narrow_*: (K, N) -> (N, K) for N shorter than a vector
 
 `Library` is what they share: where the object lives, its build, its check, its loading.
-`$FLOWJIT_CACHE_DIR` (else `~/.cache/flowjit`)`/library/<name>-<key>.o`, the key a hash of the
+The cache folder's (`cache_folder.location()`) `library/<name>-<key>.o`, the key a hash of the
 backend's fingerprint (flowjit, MLIR and LLVM versions, the backend's source, the library's writer
 included, host CPU and cores; `cache._backend_fingerprint`), followed by its sha256 (a file that
 fails it is rebuilt: `cache.sealed`). `make` builds them when it sets up the environment (`python -m
 flowjit.backends.cpu.library`, a few seconds on two cores); otherwise the first program that calls one
-does, once per machine. `FLOWJIT_CACHE=0` does not apply: this is installed code, not a cache of
-the user's programs. A process loads a library (a few ms) when it links code that calls it
-(`resolve`, from `toolchain`). AOT libraries (`aot.py`) must stand alone: they compile inside
-`disabled()`, and each library's own switch (`FLOWJIT_MATMUL_LIBRARY=0`, `FLOWJIT_ROW_LIBRARY=0`,
-`FLOWJIT_REDUCTION_LIBRARY=0`, `FLOWJIT_TRANSPOSE_LIBRARY=0`) turns it off.
+does, once per machine. The cache folder's rule applies (`cache_folder`): an object, or a folder
+holding it, that another user owns or could have written is refused with a warning and never
+loaded; the process builds the library in memory instead. With `FLOWJIT_CACHE=0` flowjit writes
+nothing there: libraries already installed are read (installed code, not a cache of the user's
+programs), missing ones are built in memory for the process, each time. A process loads a library
+(a few ms) when it links code that calls it (`resolve`, from `toolchain`). AOT libraries (`aot.py`)
+must stand alone: they compile inside `disabled()`, and each library's own switch
+(`FLOWJIT_MATMUL_LIBRARY=0`, `FLOWJIT_ROW_LIBRARY=0`, `FLOWJIT_REDUCTION_LIBRARY=0`,
+`FLOWJIT_TRANSPOSE_LIBRARY=0`) turns it off.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import threading
 from collections.abc import Callable
 
+from flowjit.backends import cache_folder
 from flowjit.backends.cpu import toolchain
 
 _local = threading.local()
@@ -200,7 +205,7 @@ class Library:
         from flowjit.backends.cpu import cache
 
         digest = hashlib.sha256(cache._backend_fingerprint().encode()).hexdigest()
-        return os.path.join(cache.cache_dir(), "library", f"{self.name}-{digest[:32]}.o")
+        return os.path.join(cache_folder.location(), "library", f"{self.name}-{digest[:32]}.o")
 
     def build(self) -> bytes:
         """The object code, compiled now (position independent; LLVM's light pipeline, as the
@@ -212,20 +217,18 @@ class Library:
 
     def object_code(self) -> bytes:
         """Read from its file, else built and written there (sealed with its sha256). A damaged file
-        is rebuilt; an unwritable folder only costs the write."""
+        is rebuilt; a refused one (`cache_folder.read`) is neither read nor replaced; with the
+        cache off, or an unwritable folder, the build is not written."""
         from flowjit.backends.cpu import cache
 
         path = self.path()
-        try:
-            with open(path, "rb") as f:
-                body = cache.unsealed(f.read())
-            if body is not None:
-                return body
-        except OSError:
-            pass
+        data = cache_folder.read(path)
+        body = cache.unsealed(data) if data is not None else None
+        if body is not None:
+            return body
         body = self.build()
         try:
-            cache.write_atomically(path, cache.sealed(body))
+            cache_folder.write(path, cache.sealed(body))
         except OSError:
             pass
         return body
@@ -273,7 +276,11 @@ def resolve(names) -> None:
 if __name__ == "__main__":  # `make` builds the libraries when it sets up the environment
     import time
 
-    for library in libraries():
+    if not cache_folder.enabled():
+        print("flowjit: the cache is off (FLOWJIT_CACHE=0): no library installed; processes build those they call")
+    for library in libraries() if cache_folder.enabled() else ():
         start = time.perf_counter()
         library.object_code()
-        print(f"flowjit: {library.name} library ready ({library.path()}, {time.perf_counter() - start:.1f} s)")
+        installed = cache_folder.read(library.path()) is not None
+        state = "ready" if installed else "built, not installed (the folder cannot be written or was refused)"
+        print(f"flowjit: {library.name} library {state} ({library.path()}, {time.perf_counter() - start:.1f} s)")

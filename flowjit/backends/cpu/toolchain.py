@@ -1,5 +1,6 @@
 """The CPU toolchain: MLIR text -> MLIR pass pipeline -> LLVM IR -> llvmlite (host CPU, O3) ->
-native code, in process (MCJIT) or as an object file for ahead-of-time builds.
+native code, in process (MCJIT; object code from the cache or the libraries linked by JITLink:
+`load_objects`) or as an object file for ahead-of-time builds.
 
 Everything that touches `llvmlite` directly lives here (and in `parallel_codegen`, which compiles
 a large module's parts on several threads); MLIR pipelines run through the shared runner
@@ -15,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import functools
+import itertools
 import os
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -123,12 +126,23 @@ def host_cpu() -> HostCPU:
     return HostCPU(binding.get_process_triple(), binding.get_host_cpu_name(), binding.get_host_cpu_features().flatten())
 
 
+# The code model of the code compiled for this process (`jit_compile`, `parallel_codegen`'s parts).
+# MCJIT's loader, RuntimeDyld, maps an object's code, read-only data and writable data with separate
+# mmaps, each wherever the kernel finds room: more than 2 GiB apart in a process whose address space
+# other native libraries fragmented (JAX's XLA). In the large code model every reference to another
+# section or symbol is a 64-bit address, which no placement overflows. The same code as llvmlite's
+# "jitdefault" on x86-64, named because it is load-bearing (`load_objects` links either model).
+JIT_CODE_MODEL = "large"
+
+
 def target_machine(reloc: str = "default", opt: int = 3):
-    """An llvmlite target machine for the host CPU (`reloc="pic"` for shared objects)."""
+    """An llvmlite target machine for the host CPU: for MCJIT (`JIT_CODE_MODEL`), or with
+    `reloc="pic"` for position-independent objects of the small code model, which a linker that
+    keeps an object's sections together must load (`emit_object`)."""
     binding = llvm()
     cpu = host_cpu()
     target = binding.Target.from_triple(cpu.triple)
-    codemodel = "jitdefault" if reloc == "default" else "default"
+    codemodel = JIT_CODE_MODEL if reloc == "default" else "default"
     return target.create_target_machine(cpu=cpu.name, features=cpu.features, opt=opt, reloc=reloc, codemodel=codemodel)
 
 
@@ -266,16 +280,24 @@ def object_externals(object_code: bytes) -> tuple[set[str], set[str]]:
     """(symbols the ELF object refers to without defining them, symbols it defines): its IR's
     external calls and the helpers its code generation called for operations the CPU lacks, which
     no IR declaration shows."""
+    undefined, defined = set(), set()
+    for symbol, _, section in _elf_symbols(object_code):
+        (undefined if section == 0 else defined).add(symbol)
+    return undefined, defined
+
+
+def _elf_symbols(object_code: bytes) -> list[tuple[str, int, int]]:
+    """(name, binding: 0 local / 1 global / 2 weak, section index: 0 undefined) of each named
+    symbol of an ELF object."""
     binding = llvm()
     sections = {s.name(): s.data() for s in binding.ObjectFileRef.from_data(object_code).sections()}
     table, names = sections.get(b".symtab", b""), sections.get(b".strtab", b"")
-    undefined, defined = set(), set()
+    symbols = []
     for offset in range(0, len(table) - _ELF64_SYMBOL.size + 1, _ELF64_SYMBOL.size):
-        name, _, _, section, _, _ = _ELF64_SYMBOL.unpack_from(table, offset)
+        name, info, _, section, _, _ = _ELF64_SYMBOL.unpack_from(table, offset)
         if name:
-            symbol = names[name : names.index(b"\0", name)].decode()
-            (undefined if section == 0 else defined).add(symbol)
-    return undefined, defined
+            symbols.append((names[name : names.index(b"\0", name)].decode(), info >> 4, section))
+    return symbols
 
 
 _ELF64_SYMBOL = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx (0: undefined), st_value, st_size
@@ -306,15 +328,18 @@ def _resolve_libraries(names) -> None:
 
 
 class NativeModule:
-    """Machine code loaded in this process; keeps the engine alive as long as functions are used.
-    `objects`: the object code it was loaded from (one object per part, `parallel_codegen`)."""
+    """Machine code loaded in this process; keeps it loaded as long as functions are used (`owner`:
+    the MCJIT engine of `jit_compile`, or the linked library of `load_objects`, whose symbols
+    `lookup` finds). `objects`: the object code it was loaded from (one object per part,
+    `parallel_codegen`)."""
 
-    def __init__(self, engine, objects: tuple[bytes, ...]):
-        self.engine = engine
+    def __init__(self, owner, objects: tuple[bytes, ...], lookup: Callable[[str], int]):
+        self.owner = owner
         self.objects = objects
+        self._lookup = lookup
 
     def address(self, symbol: str) -> int:
-        address = self.engine.get_function_address(symbol)
+        address = self._lookup(symbol)
         if not address:
             raise CompileError(f"internal error: symbol '{symbol}' not found in the compiled module")
         return address
@@ -402,25 +427,60 @@ def jit_compile(module, tm, strength_reduction: bool = False, cmov_conversion: b
         objects = (captured["obj"],) if "obj" in captured else ()
         check_objects(objects)  # before anything runs: static constructors, the function
         engine.run_static_constructors()
-    return NativeModule(engine, objects)
+    return NativeModule(engine, objects, engine.get_function_address)
+
+
+@functools.cache
+def _object_linker():
+    """This process's linker of object code (`load_objects`): ORC's LLJIT on JITLink."""
+    return llvm().create_lljit_compiler(target_machine(), use_jit_link=True)
+
+
+_linked = itertools.count()  # each link is a library of its own, named uniquely in the process
 
 
 def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
-    """Load object code (from the disk cache, or the parts `parallel_codegen` compiled) into one
-    engine, which links the objects' references to each other, without MLIR or LLVM optimization."""
+    """Link object code (from the disk cache, the precompiled libraries, or the parts
+    `parallel_codegen` compiled) into this process as one library, without MLIR or LLVM
+    optimization: its objects' references to each other and to the process's symbols resolved.
+
+    Through JITLink, not MCJIT's RuntimeDyld: JITLink maps all sections of an object in one
+    allocation and builds the GOT entries and call stubs of its external references inside it, so
+    an object's 32-bit pc-relative references (the small code model of the precompiled
+    libraries) cannot overflow wherever the allocation lands; a reference that still cannot
+    reach is an error, not an abort. RuntimeDyld maps each section apart: after JAX had compiled in
+    the process, the matmul library's code and data landed more than 2 GiB apart, and its
+    assertion on the overflowing relocation aborted the process."""
     binding = llvm()
     with _lock:
-        empty = binding.parse_assembly("")
-        empty.name = name
-        empty.triple = host_cpu().triple
-        engine = binding.create_mcjit_compiler(empty, target_machine())
+        undefined, exported = set(), set()
         for object_code in objects:
-            _resolve_libraries(object_externals(object_code)[0])
+            for symbol, scope, section in _elf_symbols(object_code):
+                if section == 0:
+                    undefined.add(symbol)
+                elif scope in (_ELF_GLOBAL, _ELF_WEAK):
+                    exported.add(symbol)
+        _resolve_libraries(undefined)
         check_objects(objects)
+        builder = binding.JITLibraryBuilder()
         for object_code in objects:
-            engine.add_object_file(binding.ObjectFileRef.from_data(object_code))
-        engine.finalize_object()
-    return NativeModule(engine, tuple(objects))
+            builder.add_object_img(object_code)
+        for symbol in undefined - exported:
+            builder.import_symbol(symbol, binding.address_of_symbol(symbol))
+        for symbol in exported:
+            builder.export_symbol(symbol)
+        try:
+            library = builder.link(_object_linker(), f"{name}.{next(_linked)}")
+        except RuntimeError as e:
+            raise CompileError(
+                f"internal error: linking the object code of '{name}' failed: {e} (the JIT session error printed "
+                f"before says why)"
+            ) from None
+    addresses = {symbol: library[symbol] for symbol in exported}
+    return NativeModule(library, tuple(objects), lambda symbol: addresses.get(symbol, 0))
+
+
+_ELF_GLOBAL, _ELF_WEAK = 1, 2  # symbol bindings (`_elf_symbols`)
 
 
 def emit_assembly(module, tm, strength_reduction: bool = False, cmov_conversion: bool = True) -> str:
@@ -432,8 +492,9 @@ def emit_assembly(module, tm, strength_reduction: bool = False, cmov_conversion:
 def emit_object(
     llvm_ir: str, name: str, strength_reduction: bool = False, cmov_conversion: bool = True, light: bool = False
 ) -> bytes:
-    """Position-independent object code for ahead-of-time shared libraries (and the matmul library);
-    `light`: `pipeline.LIGHT_PASSES` instead of O3."""
+    """Position-independent object code (small code model) for ahead-of-time shared libraries and
+    the precompiled libraries, which `load_objects` links; `light`: `pipeline.LIGHT_PASSES` instead
+    of O3."""
     module, tm = optimize(llvm_ir, name, reloc="pic", light=light)
     with _lock, codegen_options(strength_reduction, cmov_conversion):
         return tm.emit_object(module)
