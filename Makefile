@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,examples]"
-	$(PY) -m flowjit.backends.cpu.library
+	$(PY) -m flowjit.backends.cpu.libraries
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import aot_c, library, toolchain
+from flowjit.backends.cpu import aot_c, host, library, toolchain
 from flowjit.backends.cpu.compiler import generate_mlir
 from flowjit.backends.cpu.pipeline import CompileOptions
 from flowjit.errors import CompileError, FlowjitValueError
@@ -89,7 +89,7 @@ def kernel_object(graph: Graph, kernel: str, threads: str, runtime_prefix: str =
     with library.disabled():  # a library stands alone: products and row functions get their own kernels
         mlir = generate_mlir(graph)
     llvm_ir = toolchain.lower_to_llvm_ir(mlir.text, CompileOptions(openmp=threads == "openmp")).llvm_ir
-    module = toolchain.llvm().parse_assembly(llvm_ir)
+    module = host.llvm().parse_assembly(llvm_ir)
     # Two libraries from functions of the same name may be linked into one program: the kernel
     # gets the library's name and stays out of the dynamic symbol table.
     entry = module.get_function(mlir.entry)
@@ -237,7 +237,7 @@ def link(
     argv = [*cc, "-shared", "-O2", "-fPIC", *threads, f"-Wl,-soname,{name}.so", "-Wl,-z,noexecstack", "-o", out_path]
     argv += [c_path, *object_paths, "-lm"]
     if openmp:
-        lib_dir = os.path.dirname(toolchain.openmp_library())
+        lib_dir = os.path.dirname(host.openmp_library())
         argv += [f"-L{lib_dir}", "-liomp5", f"-Wl,-rpath,$ORIGIN:{lib_dir}"]
     _run(argv)
 
@@ -341,7 +341,7 @@ def _port_json(port: aot_c.Port) -> dict:
 def _manifest(
     lowered, options: AotOptions, source: str, inputs, outputs, workspace: int, externals, partitions
 ) -> dict:
-    cpu = toolchain.host_cpu()
+    cpu = host.host_cpu()
     runtime = ["libc", "libm"] + (["libpthread"] if partitions else [])
     runtime += ["libiomp5"] if any(s.startswith("__kmpc") for s in externals) else []
     manifest = {

@@ -48,9 +48,9 @@ def loads(monkeypatch):
     names = []
     load_objects = toolchain.load_objects
 
-    def counting(objects, name):
+    def counting(objects, name, resolve=None):
         names.append(name)
-        return load_objects(objects, name)
+        return load_objects(objects, name, resolve)
 
     monkeypatch.setattr(toolchain, "load_objects", counting)
     return names
@@ -225,7 +225,7 @@ def test_cache_off_process_writes_nothing(tmp_path):
     env = {**os.environ, "FLOWJIT_CACHE": "0", "FLOWJIT_CACHE_DIR": str(tmp_path), "FLOWJIT_REDUCTION_LIBRARY": "1"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    install = [sys.executable, "-m", "flowjit.backends.cpu.library"]
+    install = [sys.executable, "-m", "flowjit.backends.cpu.libraries"]
     run = subprocess.run(install, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "the cache is off" in run.stdout, run.stdout + run.stderr
     assert list(tmp_path.iterdir()) == []

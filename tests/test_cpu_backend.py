@@ -22,7 +22,7 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import cache, compiler, pipeline, toolchain
+from flowjit.backends.cpu import cache, compiler, host, pipeline, toolchain
 from flowjit.backends.cpu.compiler import load_lowerings
 from flowjit.backends.cpu.pipeline import CompileOptions
 from flowjit.backends.cpu.target import BUFFER_LOWERINGS, LOWERINGS
@@ -443,9 +443,9 @@ exit:
 
 def _host_assembly(llvm_ir: str) -> str:
     """LLVM IR text compiled for the host with whatever code generation options are set now."""
-    module = toolchain.llvm().parse_assembly(llvm_ir)
+    module = host.llvm().parse_assembly(llvm_ir)
     tm = toolchain.target_machine()
-    module.triple, module.data_layout = toolchain.host_cpu().triple, str(tm.target_data)
+    module.triple, module.data_layout = host.host_cpu().triple, str(tm.target_data)
     return tm.emit_assembly(module)
 
 
@@ -516,7 +516,7 @@ def test_sort_kernels_are_generated_without_cmov_conversion():
     """x86's cmov conversion (branches for conditional moves in loops) is off while a function with
     a sort kernel is generated, whose merges pick between two runs' heads unpredictably, and LLVM's
     default is back afterwards; the "asm" stage says so."""
-    if not toolchain.host_cpu().triple.startswith("x86_64"):
+    if not host.host_cpu().triple.startswith("x86_64"):
         pytest.skip("an x86 code generation option")
 
     def assembly() -> str:

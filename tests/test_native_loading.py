@@ -27,10 +27,10 @@ import textwrap
 
 import pytest
 
-from flowjit.backends.cpu import cache, matmul_library, row_library, toolchain
+from flowjit.backends.cpu import fingerprint, host, matmul_library, row_library
 
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not toolchain.host_cpu().triple.startswith("x86_64"),
+    not sys.platform.startswith("linux") or not host.host_cpu().triple.startswith("x86_64"),
     reason="the placement trap reads /proc/self/maps; the out-of-reach reference is x86-64 code",
 )
 
@@ -115,10 +115,10 @@ _CHILD = textwrap.dedent(
     load_objects = toolchain.load_objects
 
 
-    def spying(objects, name):
+    def spying(objects, name, resolve=None):
         if not name.endswith("_library"):
             entry_loads.append(name)
-        return load_objects(objects, name)
+        return load_objects(objects, name, resolve)
 
 
     toolchain.load_objects = spying
@@ -171,7 +171,7 @@ def _cache_with_libraries(folder):
     (folder / "library").mkdir(mode=0o700)
     for lib in (matmul_library.LIBRARY, row_library.LIBRARY):
         path = folder / "library" / os.path.basename(lib.path())
-        path.write_bytes(cache.sealed(lib.object_code()))
+        path.write_bytes(fingerprint.sealed(lib.object_code()))
         path.chmod(0o600)
     return folder
 
@@ -203,10 +203,10 @@ def test_far_apart_sections_load_and_run(tmp_path):
 _FAR_REFERENCE = textwrap.dedent(
     """
     import ctypes
-    from flowjit.backends.cpu import toolchain
+    from flowjit.backends.cpu import host, toolchain
     from flowjit.errors import CompileError
 
-    binding = toolchain.llvm()
+    binding = host.llvm()
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     far = libc.malloc(64)  # in the heap after the executable, terabytes from the mmap area
@@ -216,7 +216,7 @@ _FAR_REFERENCE = textwrap.dedent(
         "@flowjit_test_far_value = external dso_local global i64\\n"
         "define i64 @read_far() {\\n  %v = load i64, ptr @flowjit_test_far_value\\n  ret i64 %v\\n}\\n"
     )
-    module.triple = toolchain.host_cpu().triple
+    module.triple = host.host_cpu().triple
     code = toolchain.target_machine(reloc="static").emit_object(module)  # small code model
     print("apart", abs(far - ctypes.cast(libc.malloc, ctypes.c_void_p).value))
     try:

@@ -10,7 +10,7 @@ import pytest
 import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit import aot, nn
-from flowjit.backends.cpu import library, row_library
+from flowjit.backends.cpu import libraries, row_library
 
 CALL = "calls the row library's @fj_"
 
@@ -175,12 +175,12 @@ def test_aot_libraries_keep_their_own_kernels():
 
 def test_library_is_loaded_only_by_code_calling_it(monkeypatch):
     loads = []
-    for each in library.libraries():
+    for each in libraries.libraries():
         monkeypatch.setattr(each, "loaded", [])
         monkeypatch.setattr(each, "load", lambda name=each.name: loads.append(name))
-    library.resolve(["fj_matmul_f32", "memcpy"])
+    libraries.resolve(["fj_matmul_f32", "memcpy"])
     assert loads == ["matmul"]
-    library.resolve(["fj_layer_norm_affine_f64", "fj_reduce_max_f32"])
+    libraries.resolve(["fj_layer_norm_affine_f64", "fj_reduce_max_f32"])
     assert loads == ["matmul", "row", "reduction"]
 
 

@@ -17,7 +17,6 @@ code instead of running MLIR and LLVM (it never imports `mlir`).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -25,8 +24,8 @@ import struct
 from dataclasses import dataclass
 
 from flowjit.backends import cache_folder
-from flowjit.backends.cpu import toolchain
 from flowjit.backends.cpu.executable import Buffer, Layout
+from flowjit.backends.cpu.fingerprint import backend_fingerprint, sealed, unsealed
 
 MAGIC = b"FLOWJIT-CPU-OBJECT-2\n"
 _LENGTH = struct.Struct("<Q")
@@ -45,35 +44,13 @@ class Entry:
     streamed_outputs: tuple[int, ...] = ()  # written with non-temporal stores: allocated on a line
 
 
-@functools.cache
-def _backend_fingerprint() -> str:
-    """Versions, host and the backend's source: anything that changes generated code."""
-    from flowjit.version import __version__
-
-    source = hashlib.sha256()
-    folder = os.path.dirname(os.path.abspath(__file__))
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                source.update(name.encode() + b"\0" + f.read())
-    cpu = toolchain.host_cpu()
-    parts = {
-        "flowjit": __version__,
-        **toolchain.versions(),
-        "backend-source": source.hexdigest(),
-        "cpu": f"{cpu.triple} {cpu.name} {cpu.features}",
-        "cores": os.cpu_count(),
-    }
-    return json.dumps(parts, sort_keys=True)
-
-
 def cache_key(graph_text: str, options) -> str:
     """sha256 of the optimized IR, the options and everything else that changes the code (the
     precompiled libraries it may call included)."""
-    from flowjit.backends.cpu import library
+    from flowjit.backends.cpu import libraries
 
     digest = hashlib.sha256()
-    for part in (graph_text, repr(options), _backend_fingerprint(), library.state()):
+    for part in (graph_text, repr(options), backend_fingerprint(), libraries.state()):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
@@ -98,17 +75,6 @@ def encode(entry: Entry) -> bytes:
     ).encode()
     payload = b"".join(entry.objects)
     return sealed(MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(payload)) + payload)
-
-
-def sealed(body: bytes) -> bytes:
-    """`body` followed by its sha256 (`unsealed` checks it)."""
-    return body + hashlib.sha256(body).digest()
-
-
-def unsealed(data: bytes) -> bytes | None:
-    """The body of `sealed` data, or None when the data is truncated or damaged."""
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    return body if len(data) > _DIGEST and hashlib.sha256(body).digest() == digest else None
 
 
 def decode(data: bytes) -> Entry | None:

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from flowjit.backends.cpu import cache, parallel_codegen, parallel_mlir, pipeline, schedule, toolchain
+from flowjit.backends.cpu import cache, libraries, parallel_codegen, parallel_mlir, pipeline, schedule, toolchain
 from flowjit.backends.cpu.communication import COMMUNICATION_OPS, link_native_symbols
 from flowjit.backends.cpu.executable import CpuExecutable, Layout
 from flowjit.backends.cpu.pipeline import CompileOptions
@@ -207,8 +207,11 @@ class Stages:
         """Machine code for the built parts: MCJIT for one, objects made in parallel and linked for several."""
         lsr, cmov = toolchain.codegen_settings(self.mlir.kernel_kinds)
         if len(self.parts) == 1:
-            return toolchain.jit_compile(*self.parts[0], strength_reduction=lsr, cmov_conversion=cmov)
-        return toolchain.load_objects(tuple(parallel_codegen.emit_objects(self.parts, lsr, cmov)), self.mlir.entry)
+            return toolchain.jit_compile(
+                *self.parts[0], strength_reduction=lsr, cmov_conversion=cmov, resolve=libraries.resolve
+            )
+        objects = tuple(parallel_codegen.emit_objects(self.parts, lsr, cmov))
+        return toolchain.load_objects(objects, self.mlir.entry, resolve=libraries.resolve)
 
     def __getitem__(self, stage: str) -> str:
         if stage not in self.NAMES:
@@ -338,7 +341,7 @@ def compile_cpu(graph: Graph, options: CompileOptions | None = None):
         entry = cache.Entry(native.objects, mlir.entry, mlir.workspace_bytes, inputs, outputs, stages.streamed_outputs)
         cache.store(key, entry)
     else:
-        native = toolchain.load_objects(entry.objects, entry.symbol)
+        native = toolchain.load_objects(entry.objects, entry.symbol, resolve=libraries.resolve)
     executable = CpuExecutable(native, entry, stages, constants)
     if dump.dump_dir() is not None:
         for stage in Stages.NAMES:

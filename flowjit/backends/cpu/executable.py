@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.backends.base import Executable
-from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu import host, toolchain
 from flowjit.backends.cpu.communication import run_in_step
 from flowjit.errors import CompileError, FlowjitTypeError
 from flowjit.ir import dtypes as dt
@@ -32,7 +32,7 @@ from flowjit.ir.types import TensorType
 
 WORKSPACE_ALIGNMENT = 64
 # Outputs of at least this many bytes are recycled (`OutputRecycler`). glibc's malloc maps blocks
-# from its mmap threshold up (32 MiB, set by `toolchain.keep_kernel_temporaries`) fresh on every
+# from its mmap threshold up (32 MiB, set by `host.keep_kernel_temporaries`) fresh on every
 # allocation and unmaps them on free, so each call page-faults such an output in (the kernel zeroes
 # every page first): 3.8 of the 8.9 ms the elementwise benchmark's call took back to back (64 MiB out).
 # Smaller blocks come back from malloc's heap already faulted in, and recycling them gains nothing.
@@ -217,7 +217,7 @@ def trampoline(num_arrays: int):
         with _trampolines_lock:
             found = _trampolines.get(num_arrays)
             if found is None:
-                module = toolchain.llvm().parse_assembly(_trampoline_ir(num_arrays, _data_pointer_offset()))
+                module = host.llvm().parse_assembly(_trampoline_ir(num_arrays, _data_pointer_offset()))
                 native = toolchain.jit_compile(module, toolchain.target_machine())
                 prototype = ctypes.CFUNCTYPE(None, ctypes.c_void_p, *([ctypes.py_object] * num_arrays), ctypes.c_void_p)
                 found = _trampolines[num_arrays] = native, prototype(native.address(f"fj_call_{num_arrays}"))
@@ -245,7 +245,7 @@ class CpuExecutable(Executable):
         self.native = native  # keeps the machine code alive
         self.entry = entry
         self.stages = stages
-        self.backend = f"cpu (MLIR -> LLVM, {toolchain.host_cpu().name})"
+        self.backend = f"cpu (MLIR -> LLVM, {host.host_cpu().name})"
         own = len(entry.inputs) - len(constants)
         if own < 0 or [(c.shape, c.dtype) for c in constants] != [(b.shape, b.np_dtype) for b in entry.inputs[own:]]:
             raise CompileError("internal error: the lifted constants do not match the function's last inputs")

@@ -37,9 +37,9 @@ TAG = "fj.ldexp"
 @functools.cache
 def enabled() -> bool:
     """Whether the host's vector units scale by powers of two in one instruction (AVX-512F)."""
-    from flowjit.backends.cpu import toolchain
+    from flowjit.backends.cpu.host import host_cpu
 
-    return "+avx512f" in toolchain.host_cpu().features
+    return "+avx512f" in host_cpu().features
 
 
 def rewrite(module) -> int:

@@ -10,9 +10,9 @@ kernel for their shapes (a function's first call is mostly compile time).
 `Library` is what they share: where the object lives, its build, its check, its loading.
 The cache folder's (`cache_folder.location()`) `library/<name>-<key>.o`, the key a hash of the
 backend's fingerprint (flowjit, MLIR and LLVM versions, the backend's source, the library's writer
-included, host CPU and cores; `cache._backend_fingerprint`), followed by its sha256 (a file that
-fails it is rebuilt: `cache.sealed`). `make` builds them when it sets up the environment (`python -m
-flowjit.backends.cpu.library`, a few seconds on two cores); otherwise the first program that calls one
+included, host CPU and cores; `fingerprint.backend_fingerprint`), followed by its sha256 (a file that
+fails it is rebuilt: `fingerprint.sealed`). `make` builds them when it sets up the environment (`python -m
+flowjit.backends.cpu.libraries`, a few seconds on two cores); otherwise the first program that calls one
 does, once per machine. The cache folder's rule applies (`cache_folder`): an object, or a folder
 holding it, that another user owns or could have written is refused with a warning and never
 loaded; the process builds the library in memory instead. With `FLOWJIT_CACHE=0` flowjit writes
@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 
 from flowjit.backends import cache_folder
-from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu import fingerprint, host, toolchain
 
 _local = threading.local()
 
@@ -202,9 +202,7 @@ class Library:
         return enabled(self.switch)
 
     def path(self) -> str:
-        from flowjit.backends.cpu import cache
-
-        digest = hashlib.sha256(cache._backend_fingerprint().encode()).hexdigest()
+        digest = hashlib.sha256(fingerprint.backend_fingerprint().encode()).hexdigest()
         return os.path.join(cache_folder.location(), "library", f"{self.name}-{digest[:32]}.o")
 
     def build(self) -> bytes:
@@ -219,16 +217,14 @@ class Library:
         """Read from its file, else built and written there (sealed with its sha256). A damaged file
         is rebuilt; a refused one (`cache_folder.read`) is neither read nor replaced; with the
         cache off, or an unwritable folder, the build is not written."""
-        from flowjit.backends.cpu import cache
-
         path = self.path()
         data = cache_folder.read(path)
-        body = cache.unsealed(data) if data is not None else None
+        body = fingerprint.unsealed(data) if data is not None else None
         if body is not None:
             return body
         body = self.build()
         try:
-            cache_folder.write(path, cache.sealed(body))
+            cache_folder.write(path, fingerprint.sealed(body))
         except OSError:
             pass
         return body
@@ -242,7 +238,7 @@ class Library:
             if self.loaded:
                 return
             native = toolchain.load_objects((self.object_code(),), f"fj_{self.name}_library")
-            binding = toolchain.llvm()
+            binding = host.llvm()
             for name in self.symbols():
                 binding.add_symbol(name, native.address(name))
             self.loaded.append(native)
@@ -252,35 +248,3 @@ class Library:
         code's undefined symbols)."""
         if not self.loaded and not set(names).isdisjoint(self.symbols()):
             self.load()
-
-
-def libraries() -> list[Library]:
-    from flowjit.backends.cpu import matmul_library, reduction_library, row_library, transpose_library
-
-    return [matmul_library.LIBRARY, row_library.LIBRARY, reduction_library.LIBRARY, transpose_library.LIBRARY]
-
-
-def state() -> str:
-    """Which libraries code compiled now may call, for the compile cache's key (`cache.cache_key`):
-    a program compiled with a library switched off must not be served one that calls it."""
-    return ",".join(str(library.enabled()) for library in libraries())
-
-
-def resolve(names) -> None:
-    """Load the libraries that code about to be linked calls."""
-    names = list(names)
-    for library in libraries():
-        library.resolve(names)
-
-
-if __name__ == "__main__":  # `make` builds the libraries when it sets up the environment
-    import time
-
-    if not cache_folder.enabled():
-        print("flowjit: the cache is off (FLOWJIT_CACHE=0): no library installed; processes build those they call")
-    for library in libraries() if cache_folder.enabled() else ():
-        start = time.perf_counter()
-        library.object_code()
-        installed = cache_folder.read(library.path()) is not None
-        state = "ready" if installed else "built, not installed (the folder cannot be written or was refused)"
-        print(f"flowjit: {library.name} library {state} ({library.path()}, {time.perf_counter() - start:.1f} s)")

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu import host
 from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.errors import CompileError
@@ -47,7 +47,7 @@ def worth_it(batch: int, m: int, n: int, k: int) -> bool:
 @functools.cache
 def vector_bits() -> int:
     """Width of the host's vector registers (512 with AVX-512, 256 with AVX2, else 128)."""
-    features = toolchain.host_cpu().features
+    features = host.host_cpu().features
     if "+avx512f" in features:
         return 512
     return 256 if "+avx2" in features else 128

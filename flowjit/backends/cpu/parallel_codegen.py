@@ -33,7 +33,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_char_p, string_at
 
-from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu import host, toolchain
 from flowjit.errors import CompileError
 
 # Below this many lines of unoptimized IR the split costs more than it saves (thread hand-off,
@@ -181,7 +181,7 @@ def _optimize_part(job: tuple[str, str, int, bool]):
     from llvmlite.binding import ffi
 
     text, name, opt, light = job
-    binding = toolchain.llvm()
+    binding = host.llvm()
     context = binding.create_context()
     context._owned = True  # disposed by its module (`PartModule`), never on its own
     with ffi.OutputString() as error:
@@ -191,7 +191,7 @@ def _optimize_part(job: tuple[str, str, int, bool]):
             raise CompileError(f"internal error: LLVM IR of part '{name}' does not parse: {error}")
     module = _part_module_class()(pointer, context)
     module.name = name
-    module.triple = toolchain.host_cpu().triple
+    module.triple = host.host_cpu().triple
     tm = toolchain.target_machine()
     module.data_layout = str(tm.target_data)
     module.verify()

@@ -15,7 +15,7 @@ import functools
 import math
 import os
 
-from flowjit.backends.cpu import toolchain
+from flowjit.backends.cpu import host
 from flowjit.backends.mlir.emitter import HOIST_MARK
 
 # Below this many elements a kernel stays on one thread. A fork/join costs 5-20 us and, on a
@@ -51,7 +51,7 @@ SHORT_ROW_MAX = 15
 @functools.cache
 def vector_bits() -> int:
     """Width of the host's vector registers (512 with AVX-512, 256 with AVX2, else 128)."""
-    features = toolchain.host_cpu().features
+    features = host.host_cpu().features
     if "+avx512f" in features:
         return 512
     if "+avx2" in features or "+avx" in features:

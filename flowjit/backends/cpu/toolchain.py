@@ -14,18 +14,16 @@ be loaded before any module that calls `__kmpc_*` is finalized, or MCJIT segfaul
 from __future__ import annotations
 
 import contextlib
-import ctypes.util
 import functools
 import itertools
 import os
 import struct
-import sys
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from flowjit.backends.cpu import lane_extremes, ldexp, pipeline, single_lane
+from flowjit.backends.cpu.host import host_cpu, llvm
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.errors import CompileError
 
@@ -51,79 +49,6 @@ def fork_lock():
 
     with _lock, ffi.lib._lock:
         yield
-
-
-def openmp_library() -> str:
-    """Path of `libiomp5.so` shipped by the intel-openmp wheel in this environment."""
-    for root in (sys.prefix, os.path.dirname(os.path.dirname(sys.executable))):
-        path = os.path.join(root, "lib", "libiomp5.so")
-        if os.path.exists(path):
-            return path
-    raise CompileError("libiomp5.so not found: the intel-openmp package is missing from this environment")
-
-
-@functools.cache
-def llvm():
-    """llvmlite.binding, initialized once, with the OpenMP runtime loaded into the process."""
-    import llvmlite.binding as binding
-
-    binding.initialize_native_target()
-    binding.initialize_native_asmprinter()
-    # Idle OpenMP workers spin for KMP_BLOCKTIME before sleeping (default 200 ms). Kernels of one
-    # call follow each other within microseconds, so 1 ms keeps the team hot inside a call, while
-    # between calls the workers stop taking a core from the Python thread and other processes.
-    os.environ.setdefault("KMP_BLOCKTIME", "1")
-    binding.load_library_permanently(openmp_library())
-    # libm: math without a vector implementation (erf, atan2 in f64) calls it. The soname first:
-    # `find_library` runs a subprocess, a noticeable part of a warm start.
-    try:
-        binding.load_library_permanently("libm.so.6")
-    except RuntimeError:
-        binding.load_library_permanently(ctypes.util.find_library("m"))
-    # libgcc_s: the helpers LLVM's code generation calls for conversions the CPU has no instruction
-    # for (`__truncdfhf2`, double -> half, on a CPU without AVX512-FP16: a Zen 4). Without it such
-    # code stops with `check_objects`'s error (it used to crash on the call).
-    try:
-        binding.load_library_permanently("libgcc_s.so.1")
-    except RuntimeError:
-        found = ctypes.util.find_library("gcc_s")
-        if found:
-            binding.load_library_permanently(found)
-    keep_kernel_temporaries()
-    return binding
-
-
-def keep_kernel_temporaries() -> None:
-    """Let glibc's malloc keep blocks up to 32 MiB in its heap instead of mmap-ing them per call.
-
-    Kernels allocate temporaries (packed matmul panels, im2col columns) with malloc. By default
-    glibc maps big blocks fresh and unmaps them on free, so every call page-faults them in again:
-    a 64->32-channel conv spent 9 of its 11.3 ms in page faults, 2.9 ms with this setting. Blocks
-    stay in the process for reuse, as PyTorch's caching allocator keeps them.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its defaults stand
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 << 20)
-    libc.mallopt(m_trim_threshold, 512 << 20)
-
-
-@dataclass(frozen=True)
-class HostCPU:
-    """The CPU code is generated for; part of every cache key."""
-
-    triple: str
-    name: str
-    features: str
-
-
-@functools.cache
-def host_cpu() -> HostCPU:
-    """This machine's triple, CPU name and features (what code is generated for)."""
-    binding = llvm()
-    return HostCPU(binding.get_process_triple(), binding.get_host_cpu_name(), binding.get_host_cpu_features().flatten())
 
 
 # The code model of the code compiled for this process (`jit_compile`, `parallel_codegen`'s parts).
@@ -320,13 +245,6 @@ def check_objects(objects: tuple[bytes, ...]) -> None:
         )
 
 
-def _resolve_libraries(names) -> None:
-    """Load the precompiled libraries (`library.py`) whose functions code about to be linked calls."""
-    from flowjit.backends.cpu import library
-
-    library.resolve(names)
-
-
 class NativeModule:
     """Machine code loaded in this process; keeps it loaded as long as functions are used (`owner`:
     the MCJIT engine of `jit_compile`, or the linked library of `load_objects`, whose symbols
@@ -414,12 +332,20 @@ def codegen_settings(kernel_kinds) -> tuple[bool, bool]:
     return "row_nest" in kernel_kinds and "matmul" not in kernel_kinds, "sort" not in kernel_kinds
 
 
-def jit_compile(module, tm, strength_reduction: bool = False, cmov_conversion: bool = True) -> NativeModule:
+# Loads whatever defines the given symbols (the precompiled libraries) before code calling them is linked.
+Resolver = Callable[[Iterable[str]], None]
+
+
+def jit_compile(
+    module, tm, strength_reduction: bool = False, cmov_conversion: bool = True, resolve: Resolver | None = None
+) -> NativeModule:
     """MCJIT-compile an optimized llvmlite module; also captures its object code for the disk cache.
-    `strength_reduction`, `cmov_conversion`: see `codegen_options`."""
+    `strength_reduction`, `cmov_conversion`: see `codegen_options`; `resolve`: called with the
+    module's undefined symbols before linking, to load what defines them (`libraries.resolve`)."""
     binding = llvm()
     captured: dict[str, bytes] = {}
-    _resolve_libraries(undefined_symbols(module))
+    if resolve is not None:
+        resolve(undefined_symbols(module))
     with _lock, codegen_options(strength_reduction, cmov_conversion):
         engine = binding.create_mcjit_compiler(module, tm)
         engine.set_object_cache(lambda mod, buf: captured.setdefault("obj", bytes(buf)), lambda mod: None)
@@ -439,10 +365,11 @@ def _object_linker():
 _linked = itertools.count()  # each link is a library of its own, named uniquely in the process
 
 
-def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
+def load_objects(objects: tuple[bytes, ...], name: str, resolve: Resolver | None = None) -> NativeModule:
     """Link object code (from the disk cache, the precompiled libraries, or the parts
     `parallel_codegen` compiled) into this process as one library, without MLIR or LLVM
-    optimization: its objects' references to each other and to the process's symbols resolved.
+    optimization: its objects' references to each other and to the process's symbols resolved
+    (`resolve`, as for `jit_compile`, first loads what defines them).
 
     Through JITLink, not MCJIT's RuntimeDyld: JITLink maps all sections of an object in one
     allocation and builds the GOT entries and call stubs of its external references inside it, so
@@ -460,7 +387,8 @@ def load_objects(objects: tuple[bytes, ...], name: str) -> NativeModule:
                     undefined.add(symbol)
                 elif scope in (_ELF_GLOBAL, _ELF_WEAK):
                     exported.add(symbol)
-        _resolve_libraries(undefined)
+        if resolve is not None:
+            resolve(undefined)
         check_objects(objects)
         builder = binding.JITLibraryBuilder()
         for object_code in objects:
