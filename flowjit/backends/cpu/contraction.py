@@ -52,18 +52,22 @@ def const(em: KernelEmitter, value, dtype_or_elem) -> str:
 
 def narrow(em: KernelEmitter, x: str, t: TensorType, acc: str) -> str:
     """The accumulator tensor `x` (of `t`'s shape, element `acc`) rounded to `t`'s dtype."""
-    elem = elem_type(t.dtype)
-    if elem == acc:
+    return _cast_elements(em, x, t, acc, elem_type(t.dtype), "truncf")
+
+
+def _cast_elements(em: KernelEmitter, x: str, t: TensorType, source: str, target: str, cast: str) -> str:
+    """`x` (of `t`'s shape, element `source`) with each element cast (`arith.<cast>`) to `target`."""
+    if source == target:
         return x
     ident = em.identity_map(t.rank)
     return em.generic(
-        [(x, tensor_type(t, acc))],
-        (em.empty(t), tensor_type(t)),
+        [(x, tensor_type(t, source))],
+        (em.empty(t, target), tensor_type(t, target)),
         [ident, ident],
         ["parallel"] * t.rank,
-        lambda b, args: b.op(f"arith.truncf {args[0]} : {acc} to {elem}"),
-        [acc],
-        elem,
+        lambda b, args: b.op(f"arith.{cast} {args[0]} : {source} to {target}"),
+        [source],
+        target,
     )
 
 
@@ -132,19 +136,7 @@ def contraction_generic(
 
 def widen_tensor(em: KernelEmitter, x: str, t: TensorType, acc: str) -> str:
     """The tensor `x` (of `t`) extended to the accumulator type `acc`."""
-    elem = elem_type(t.dtype)
-    if elem == acc:
-        return x
-    ident = em.identity_map(t.rank)
-    return em.generic(
-        [(x, tensor_type(t))],
-        (em.empty(t, acc), tensor_type(t, acc)),
-        [ident, ident],
-        ["parallel"] * t.rank,
-        lambda b, args: b.op(f"arith.extf {args[0]} : {elem} to {acc}"),
-        [elem],
-        acc,
-    )
+    return _cast_elements(em, x, t, elem_type(t.dtype), acc, "extf")
 
 
 def size_of(dims, shape) -> int:
