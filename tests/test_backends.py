@@ -108,3 +108,29 @@ def test_placement_uses_the_devices_it_is_given():
     assert [op.device for op in graph.ops] == ["/job:worker/task:3/device:cpu:0"]
     with pytest.raises(fj.FlowjitError, match="has no device set to place on"):
         place_pass(parse_graph(text))  # the registered pass places on graph.devices, set by its caller
+
+
+def test_fusion_fits_the_limits_of_every_device_type_the_graph_may_run_on(ref_device):
+    from flowjit.passes import fuse
+
+    def dense(x, w):
+        return fnp.maximum(x @ w, 0.0)  # a 16 KiB product and its epilogue
+
+    def product_fused_with_its_epilogue() -> bool:
+        graph = fj.jit(dense).lower(x, w).graph("optimized")
+        return any(
+            inner.name == "dot_general" for op in graph.ops if op.name == "fusion" for inner in op.regions[0].ops
+        )
+
+    x = w = np.ones((64, 64), np.float32)
+    assert product_fused_with_its_epilogue()  # the CPU's limits (ref:0 registered none): one kernel
+    tight = fuse.FusionLimits(
+        max_internal_bytes=1024, conv_epilogue_min_depth=8, dot_epilogue_min_columns=1000, max_pool_taps=4
+    )
+    fuse.register_fusion_limits("ref", tight)
+    try:
+        assert not product_fused_with_its_epilogue()  # a ref device could not hold the product: two kernels
+    finally:
+        del fuse.FUSION_LIMITS["ref"]
+    with pytest.raises(ValueError, match="max_pool_taps must be a non-negative int"):
+        fuse.FusionLimits(1, 1, 1, -1)

@@ -613,10 +613,10 @@ class Lowered:
         if stage == "optimized" and stage not in self._graphs:
             # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
             copy = self._graphs["traced"].copy()
+            copy.devices = tuple(d.name for d in devices())  # fusion and placement fit every local device
             self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
         if stage == "placement" and stage not in self._graphs:
             copy = self.graph("optimized").copy()
-            copy.devices = tuple(d.name for d in devices())  # placement may use every local device
             self._graphs["placement"] = run_pipeline(copy, PLACEMENT_PIPELINE, dump_name=self.name)
         if stage not in self._graphs:
             raise FlowjitValueError(f"no IR stage '{stage}'; IR stages are 'traced', 'optimized' and 'placement'")

@@ -25,7 +25,7 @@ What fuses (legality comes from op families):
   blocks transposed in registers, an elementwise kernel was measured 0.8-1.5x the time of the
   transposed copy and the kernel after it, slower with math functions.)
 - a value a kernel would have to store between two members (a contraction's result, an
-  elementwise value read by a reshape) stays inside a group only up to `MAX_INTERNAL_BYTES`;
+  elementwise value read by a reshape) stays inside a group only up to `max_internal_bytes`;
   larger ones are group boundaries (see `_streamable`). Except a float contraction's product read
   by its epilogue (`_streams_epilogue`): backends apply the epilogue to each chunk of the output
   as the conv computes it, or to each register tile of a matrix product, so a group of a
@@ -33,7 +33,7 @@ What fuses (legality comes from op families):
   group of another form is split before the contraction (`_epilogue_groups`).
 
 - pooling after a convolution's epilogue: a `reduce_window` with windows that tile the image
-  (window = stride along H and W, 1 along N and C, no padding, at most `MAX_POOL_TAPS` taps) whose
+  (window = stride along H and W, 1 along N and C, no padding, at most `max_pool_taps` taps) whose
   operand is a streamed conv epilogue's one result, read by nothing else (conv + bias + relu +
   max pooling: one group whose result is the pooled tensor). Backends pool each chunk of the
   conv's output as they make it (`contraction.Epilogue.pool`), so the conv's output is never
@@ -67,12 +67,14 @@ Regions of control-flow ops are fused recursively, each on its own.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
 from flowjit.errors import CompileError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op
+from flowjit.ir.devices import DeviceSpec
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.ops import (
     CONTRACTION,
@@ -89,25 +91,74 @@ from flowjit.passes.registry import register
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 # Constants this small are copied into every group that reads them instead of being read from memory.
 CLONE_CONSTANT_ELEMENTS = 64
-# A value a kernel cannot stream from producer to consumer (see `_streamable`) stays inside a group
-# only up to this size: below glibc's mmap threshold (128 KiB) a temporary is a cheap heap block;
-# above it every call maps fresh pages, which cost more than the fusion saves.
-MAX_INTERNAL_BYTES = 64 * 1024
-# ... except a convolution's product summed over at least this many taps, read by pointwise ops
-# (bias, activation): backends compute those in the conv's own loops (`_streams_epilogue`) ...
-CONV_EPILOGUE_MIN_DEPTH = 8
-# ... and a matrix product (batch, .., M, K) x (batch, K, N) with at least this many columns (the CPU
-# backend's tiled kernel takes N of half a vector and more: 8 float32 with AVX-512).
-DOT_EPILOGUE_MIN_COLUMNS = 16
 _STREAMING = ("conv2d", "dot_general")  # the contractions whose epilogues can stream
-# Pooling windows of at most this many taps join a conv's epilogue (the CPU backend unrolls them).
-MAX_POOL_TAPS = 16
+
+
+@dataclass(frozen=True)
+class FusionLimits:
+    """What one kernel of a target can hold: properties of the backend that compiles the kernels,
+    which each backend registers for its device types (`register_fusion_limits`).
+
+    max_internal_bytes: a value a kernel cannot stream from producer to consumer (`_streamable`)
+        stays inside a group only up to this size (a temporary of the kernel).
+    conv_epilogue_min_depth: ... except a convolution's product summed over at least this many
+        taps, read by pointwise ops (bias, activation), which the backend computes in the conv's
+        own loops (`_streams_epilogue`) ...
+    dot_epilogue_min_columns: ... and a matrix product (batch, .., M, K) x (batch, K, N) with at
+        least this many columns, whose epilogue the backend applies to each tile it computes.
+    max_pool_taps: pooling windows of at most this many taps join a conv's epilogue.
+    """
+
+    max_internal_bytes: int
+    conv_epilogue_min_depth: int
+    dot_epilogue_min_columns: int
+    max_pool_taps: int
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"FusionLimits.{name} must be a non-negative int; found {value!r}")
+
+    def tightest(self, other: FusionLimits) -> FusionLimits:
+        """Limits both targets can take: each field's smaller value, the minimum depth and column
+        count of a streamed epilogue the larger."""
+        return FusionLimits(
+            min(self.max_internal_bytes, other.max_internal_bytes),
+            max(self.conv_epilogue_min_depth, other.conv_epilogue_min_depth),
+            max(self.dot_epilogue_min_columns, other.dot_epilogue_min_columns),
+            min(self.max_pool_taps, other.max_pool_taps),
+        )
+
+
+# device type -> the fusion limits of the backend that compiles for it
+FUSION_LIMITS: dict[str, FusionLimits] = {}
+
+
+def register_fusion_limits(device_type: str, limits: FusionLimits) -> None:
+    """The limits of the kernels that devices of `device_type` run (called by their backend)."""
+    FUSION_LIMITS[device_type] = limits
+
+
+def fusion_limits(graph: Graph) -> FusionLimits:
+    """The limits every device the graph may run on can take (`graph.devices`; when unset, every
+    device type a backend registered limits for): kernels are formed before placement."""
+    types = {DeviceSpec.parse(d).device_type for d in graph.devices} if graph.devices else set(FUSION_LIMITS)
+    known = [FUSION_LIMITS[t] for t in sorted(types) if t in FUSION_LIMITS]
+    if not known:
+        raise CompileError(
+            f"graph '{graph.name}': no backend registered fusion limits for its device types "
+            f"({', '.join(sorted(types)) or 'none'}); registered: {', '.join(sorted(FUSION_LIMITS)) or 'none'}"
+        )
+    limits = known[0]
+    for other in known[1:]:
+        limits = limits.tightest(other)
+    return limits
 # Movement ops a kernel reads as views of a group input (a strided subview, a permuted indexing map).
 VIEWS = frozenset({"slice", "transpose"})
 
 
-def op_kind(op: Op) -> str | None:
-    """'loop', 'reduction' or 'output' for an op the pass may fuse; None for one it never fuses."""
+def op_kind(op: Op, limits: FusionLimits) -> str | None:
+    """'loop', 'reduction', 'output' or 'pool' for an op the pass may fuse; None for one it never fuses."""
     if op.regions or get_opdef(op.name).effectful:
         return None
     if op.name in _pointwise_ops() | {"broadcast", "reshape", "iota"} | VIEWS:
@@ -116,14 +167,14 @@ def op_kind(op: Op) -> str | None:
         return "reduction"
     if op.name in ops_in(CONTRACTION):
         return "output"
-    if _tiling_pool(op):
+    if _tiling_pool(op, limits):
         return "pool"
     return None
 
 
-def _tiling_pool(op: Op) -> bool:
+def _tiling_pool(op: Op, limits: FusionLimits) -> bool:
     """A float32/float64 pooling of NCHW images whose windows tile them (window = stride along H
-    and W, 1 along N and C, no padding) with at most `MAX_POOL_TAPS` taps: it may end a conv's
+    and W, 1 along N and C, no padding) with at most `max_pool_taps` taps: it may end a conv's
     epilogue group (each chunk of conv output rows pools on its own)."""
     if op.name != "reduce_window" or op.result.dtype not in (dt.float32, dt.float64) or op.result.type.size == 0:
         return False
@@ -133,7 +184,7 @@ def _tiling_pool(op: Op) -> bool:
         and tuple(window[:2]) == (1, 1)
         and tuple(strides) == tuple(window)
         and not any(lo or hi for lo, hi in padding)
-        and window[2] * window[3] <= MAX_POOL_TAPS
+        and window[2] * window[3] <= limits.max_pool_taps
     )
 
 
@@ -157,7 +208,7 @@ def _merged_kind(producer: str, consumer: str, consumer_op: Op) -> str | None:
     return None  # two contractions, or a contraction with a reduction
 
 
-def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
+def _streamable(producer: Op, consumer: Op, value: Value, limits: FusionLimits) -> bool:
     """Whether a kernel can pass `value` from `producer` to `consumer` without storing it: an
     elementwise value read by elementwise ops or reductions (computed in their loop), a broadcast
     or reshape read by elementwise ops (an indexing map, a view), an iota read by elementwise ops
@@ -165,29 +216,29 @@ def _streamable(producer: Op, consumer: Op, value: Value) -> bool:
     read by elementwise ops (a strided view of a group input), a transpose read by a reduction
     (which reduces the input along the permuted axes) and by nothing else. Anything
     else (a contraction's result, an elementwise value read by a reshape) is a temporary inside the
-    kernel, allowed up to `MAX_INTERNAL_BYTES`: above that the value is better a group boundary,
+    kernel, allowed up to `max_internal_bytes`: above that the value is better a group boundary,
     stored in the planned workspace, than a per-call allocation."""
     if producer.name == "transpose":
         return consumer.name in REDUCTIONS
     if consumer.name == "reduce_window":  # a pool reads its chunk of the conv's output in cache
-        return producer.name in _pointwise_ops() or (producer.name == "conv2d" and _streams_epilogue(producer))
-    if value.type.size * value.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
+        return producer.name in _pointwise_ops() or (producer.name == "conv2d" and _streams_epilogue(producer, limits))
+    if value.type.size * value.type.dtype.itemsize <= limits.max_internal_bytes:
         return True
     pointwise = _pointwise_ops()
     if producer.name in _STREAMING:
-        return consumer.name in pointwise and _streams_epilogue(producer)
+        return consumer.name in pointwise and _streams_epilogue(producer, limits)
     if producer.name in pointwise:
         return consumer.name in pointwise or consumer.name in REDUCTIONS
     return producer.name in ("broadcast", "reshape", "iota", "slice") and consumer.name in pointwise
 
 
-def _streams_epilogue(product: Op) -> bool:
+def _streams_epilogue(product: Op, limits: FusionLimits) -> bool:
     """Whether a backend computes the epilogue (the pointwise ops on its result) of contraction
     `product` piece by piece as it computes the product, so that the product is never stored
-    whole: a float32/float64 convolution summing over at least `CONV_EPILOGUE_MIN_DEPTH` taps (the
+    whole: a float32/float64 convolution summing over at least `conv_epilogue_min_depth` taps (the
     CPU backend's im2col + matmul form, `lower_conv._conv_as_matmul`, applies the epilogue
     to each chunk's product in cache, in its copy to the output), or a float32/float64 matrix
-    product (batch, M, K) x (batch, K, N) with at least `DOT_EPILOGUE_MIN_COLUMNS` columns, M
+    product (batch, M, K) x (batch, K, N) with at least `dot_epilogue_min_columns` columns, M
     the product of one or more free dimensions (the tiled kernel applies it to each register tile
     just stored, `lower_dot._dot_with_epilogue`).
     The group must then also keep the shape `_epilogue_groups` checks."""
@@ -197,15 +248,15 @@ def _streams_epilogue(product: Op) -> bool:
         lhs, rhs = product.operands[0].type, product.operands[1].type
         contract, rhs_contract, batch, rhs_batch = dot_dims(product.attrs)
         plain = lhs.rank > len(contract) + len(batch) and rhs.rank - len(rhs_contract) - len(rhs_batch) == 1
-        return plain and product.result.type.shape[-1] >= DOT_EPILOGUE_MIN_COLUMNS
+        return plain and product.result.type.shape[-1] >= limits.dot_epilogue_min_columns
     weights = product.operands[1].type
     depth = weights.size // max(weights.shape[0], 1)
-    return depth >= CONV_EPILOGUE_MIN_DEPTH
+    return depth >= limits.conv_epilogue_min_depth
 
 
-def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
+def _epilogue_groups(graph: Graph, members: list[Op], limits: FusionLimits) -> list[list[Op]]:
     """`members` as one group, or split in two ([the contraction], the rest) when the group holds a
-    conv or dot product too large for a temporary (`MAX_INTERNAL_BYTES`) but is not of the form
+    conv or dot product too large for a temporary (`max_internal_bytes`) but is not of the form
     whose product a backend streams (`_streams_epilogue`): the group returns exactly one value, of
     the product's shape, not a bool (and, for a matrix product, whose tiles are computed in place,
     of its dtype), made by a pointwise op, and holds no view. The split is always legal: the
@@ -223,10 +274,10 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
     if pool is not None:
         if contraction.name != "conv2d" or outside != [pool.result] or any(op.name in VIEWS for op in members):
             rest = [op for op in members if op is not pool]  # the pool on its own, after the rest's group
-            return [*_epilogue_groups(graph, rest), [pool]]
+            return [*_epilogue_groups(graph, rest, limits), [pool]]
         outside = list(pool.operands)  # the epilogue's result, which the pool reads chunk by chunk
     product = contraction.result
-    if product.type.size * product.type.dtype.itemsize <= MAX_INTERNAL_BYTES:
+    if product.type.size * product.type.dtype.itemsize <= limits.max_internal_bytes:
         return [members]
     made_by = outside[0].producer.name if len(outside) == 1 else None
     streams = (
@@ -236,10 +287,10 @@ def _epilogue_groups(graph: Graph, members: list[Op]) -> list[list[Op]]:
         and (contraction.name == "conv2d" or outside[0].type.dtype == product.type.dtype)
         and (made_by in _pointwise_ops() or (pool is not None and made_by == "conv2d"))
         and all(op.name not in VIEWS for op in members)
-        and _streams_epilogue(contraction)
+        and _streams_epilogue(contraction, limits)
     )
     if pool is not None and not streams:
-        return [*_epilogue_groups(graph, [op for op in members if op is not pool]), [pool]]
+        return [*_epilogue_groups(graph, [op for op in members if op is not pool], limits), [pool]]
     computed = {v for op in members for v in op.results}
     if streams or any(v in computed for v in contraction.operands):
         return [members]
@@ -261,8 +312,9 @@ class _Grouping:
     and the smaller group joins the larger, so a chain of n ops groups in about n steps, not n^2
     (an unrolled 200-step `x = x + 0.01 * tanh(x * 0.5 + 0.1)`, 1,600 ops: the pass 2.5 s -> 86 ms)."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, limits: FusionLimits):
         self.graph = graph
+        self.limits = limits
         self.index = {op: i for i, op in enumerate(graph.ops)}
         self.users = graph.uses()
         self.group_of: dict[Op, int] = {}
@@ -273,7 +325,7 @@ class _Grouping:
 
     def run(self) -> list[list[Op]]:
         for op in self.graph.ops:
-            kind = op_kind(op)
+            kind = op_kind(op, self.limits)
             if kind is None:
                 continue
             gid = self.index[op]
@@ -317,11 +369,11 @@ class _Grouping:
         for op in self.members[small]:
             for value in op.operands:
                 producer = value.producer
-                if self.group_of.get(producer) == large and not _streamable(producer, op, value):
+                if self.group_of.get(producer) == large and not _streamable(producer, op, value, self.limits):
                     return False
             for value in op.results:
                 for user in self.users.get(value, ()):
-                    if self.group_of.get(user) == large and not _streamable(op, user, value):
+                    if self.group_of.get(user) == large and not _streamable(op, user, value, self.limits):
                         return False
         return True
 
@@ -372,8 +424,8 @@ class _Grouping:
         return True
 
 
-def _fusion_kind(members: list[Op]) -> str:
-    kinds = {op_kind(op) for op in members}
+def _fusion_kind(members: list[Op], limits: FusionLimits) -> str:
+    kinds = {op_kind(op, limits) for op in members}
     return "output" if "output" in kinds else "reduction" if "reduction" in kinds else "loop"
 
 
@@ -391,7 +443,7 @@ def _clonable_constant(value: Value) -> bool:
     return bool(np.all(array == first))
 
 
-def _build_fusion(members: list[Op], used_outside: set[Value]) -> tuple[Op, list[Value]]:
+def _build_fusion(members: list[Op], used_outside: set[Value], limits: FusionLimits) -> tuple[Op, list[Value]]:
     """The fusion op for `members` (in program order) and the outer values its results replace."""
     inside = set(members)
     body = Graph("fused")
@@ -416,7 +468,7 @@ def _build_fusion(members: list[Op], used_outside: set[Value]) -> tuple[Op, list
     outputs = [r for op in members for r in op.results if r in used_outside]
     body.results = [inner[v] for v in outputs]
     last = members[-1]
-    fusion = make_op("fusion", operands, {"kind": _fusion_kind(members)}, last.loc, [body], last.device)
+    fusion = make_op("fusion", operands, {"kind": _fusion_kind(members, limits)}, last.loc, [body], last.device)
     return fusion, outputs
 
 
@@ -458,7 +510,7 @@ def _stable_topological_order(ops: list[Op], position: dict[Op, int]) -> list[Op
     return order
 
 
-def _copy_broadcast_constants(graph: Graph) -> None:
+def _copy_broadcast_constants(graph: Graph, limits: FusionLimits) -> None:
     """A broadcast of a clonable constant read by several ops: every fusible reader after the first
     gets its own copy, placed right before it. Shared, the broadcast joined the first reader's group and
     became one of its results: in the MLP training step, relu's zeros were a 1 MiB tensor written
@@ -470,7 +522,7 @@ def _copy_broadcast_constants(graph: Graph) -> None:
         if op.name != "broadcast" or not _clonable_constant(op.operands[0]):
             continue
         for user in list(dict.fromkeys(users.get(op.result, ())))[1:]:
-            if op_kind(user) is None:
+            if op_kind(user, limits) is None:
                 continue  # a reader that never fuses keeps the shared value (one copy in memory)
             copy = Op(op.name, list(op.operands), [op.result.type], op.attrs, op.loc, op.device)
             copy_for.setdefault(user, []).append((op.result, copy))
@@ -482,20 +534,20 @@ def _copy_broadcast_constants(graph: Graph) -> None:
     graph.ops = ops
 
 
-def fuse_graph(graph: Graph) -> Graph:
-    """Fuse `graph` in place (and the regions of its control-flow ops); returns it."""
+def fuse_graph(graph: Graph, limits: FusionLimits) -> Graph:
+    """Fuse `graph` in place (and the regions of its control-flow ops) within `limits`; returns it."""
     for op in graph.ops:
         if op.regions and op.name != "fusion":
-            op.regions = [fuse_graph(region) for region in op.regions]
-    _copy_broadcast_constants(graph)
-    groups = [g for m in _Grouping(graph).run() for g in _epilogue_groups(graph, m) if len(g) >= 2]
+            op.regions = [fuse_graph(region, limits) for region in op.regions]
+    _copy_broadcast_constants(graph, limits)
+    groups = [g for m in _Grouping(graph, limits).run() for g in _epilogue_groups(graph, m, limits) if len(g) >= 2]
     if not groups:
         return graph
     replace: dict[Value, Value] = {}
     fusion_at: dict[Op, Op] = {}  # last member -> its fusion op
     fused: set[Op] = set()
     for members in groups:
-        fusion, outputs = _build_fusion(members, _used_outside(graph, members))
+        fusion, outputs = _build_fusion(members, _used_outside(graph, members), limits)
         replace.update(zip(outputs, fusion.results))
         fusion_at[members[-1]] = fusion
         fused.update(members)
@@ -518,8 +570,9 @@ def fuse_graph(graph: Graph) -> Graph:
 @register("fuse")
 def fuse(graph: Graph) -> Graph:
     """Group elementwise chains, reductions with their elementwise neighbours, and contraction
-    epilogues into `fusion` ops (see the module docstring for the rules)."""
-    return fuse_graph(graph)
+    epilogues into `fusion` ops (see the module docstring for the rules), within the fusion limits
+    of the devices the graph may run on (`fusion_limits`)."""
+    return fuse_graph(graph, fusion_limits(graph))
 
 
 def kernel_count(graph: Graph) -> int:

@@ -6,6 +6,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flowjit.backends.base import Backend, Executable
+from flowjit.passes.fuse import FusionLimits, register_fusion_limits
+
+# What one CPU kernel holds (`passes/fuse.py`).
+FUSION_LIMITS = FusionLimits(
+    # A temporary inside a kernel is a heap block only below glibc's mmap threshold (128 KiB); above
+    # it every call maps fresh pages, which cost more than the fusion saves.
+    max_internal_bytes=64 * 1024,
+    # The im2col + matmul conv applies an epilogue to each chunk's product in cache (`lower_conv`).
+    conv_epilogue_min_depth=8,
+    # The tiled matmul kernel takes N of half a vector and more (8 float32 with AVX-512) and applies
+    # an epilogue to each register tile (`lower_dot`).
+    dot_epilogue_min_columns=16,
+    # Pooling windows the conv epilogue unrolls (`lower_pooling`).
+    max_pool_taps=16,
+)
 
 
 class CpuBackend(Backend):
@@ -26,3 +41,6 @@ class CpuBackend(Backend):
         executable.aliases = aliases
         executable.recv_locations = {op.attrs["key"]: str(op.loc) for op in graph.ops if op.name == "recv"}
         return executable
+
+
+register_fusion_limits("cpu", FUSION_LIMITS)
