@@ -153,6 +153,8 @@ def fusion_limits(graph: Graph) -> FusionLimits:
     for other in known[1:]:
         limits = limits.tightest(other)
     return limits
+
+
 # Movement ops a kernel reads as views of a group input (a strided subview, a permuted indexing map).
 VIEWS = frozenset({"slice", "transpose"})
 
