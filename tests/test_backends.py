@@ -54,6 +54,8 @@ def ref_device():
         transports.unregister_transport("ref", "cpu")
         registry.unregister_backend("ref")
         unregister()
+    with pytest.raises(fj.FlowjitError, match="unknown device type 'ref'"):
+        fj.device("ref:0").__enter__()
 
 
 def two_device_types(x, w):

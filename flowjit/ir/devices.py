@@ -146,6 +146,12 @@ def register_device_type(device_type: str) -> None:
         DEVICE_TYPES.append(device_type)
 
 
+def unregister_device_type(device_type: str) -> None:
+    """Forget a registered device type (the built-in 'cpu' and 'gpu' stay)."""
+    if device_type not in ("cpu", "gpu") and device_type in DEVICE_TYPES:
+        DEVICE_TYPES.remove(device_type)
+
+
 def resolve(spec: str | DeviceSpec, candidates: list[Device]) -> list[Device]:
     """The devices of `candidates` matching `spec`, in order."""
     spec = DeviceSpec.parse(spec)

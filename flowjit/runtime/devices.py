@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 
 from flowjit.errors import FlowjitValueError
-from flowjit.ir.devices import LOCAL_JOB, Device, DeviceSpec, register_device_type
+from flowjit.ir.devices import DEVICE_TYPES, LOCAL_JOB, Device, DeviceSpec, register_device_type, unregister_device_type
 from flowjit.ir.devices import resolve as resolve_among
 
 __all__ = ["LOCAL_JOB", "Device", "DeviceSpec", "current_device_spec", "device", "devices", "resolve"]
@@ -35,15 +35,19 @@ def cpu_device_count() -> int:
 
 def register_device_provider(device_type: str, count: Callable[[], int]) -> Callable[[], None]:
     """Make `count()` devices of `device_type` local devices (asked on every `devices()` call, so
-    the count may follow the environment). Returns a function that removes the provider again."""
+    the count may follow the environment). Returns a function that removes the provider again (and
+    the device type, if this call registered it)."""
     if device_type == "cpu":
         raise FlowjitValueError("CPU devices are counted by FLOWJIT_CPU_DEVICES; register another device type")
+    new_type = device_type not in DEVICE_TYPES
     register_device_type(device_type)
     _providers[device_type] = count
 
     def unregister() -> None:
         if _providers.get(device_type) is count:
             del _providers[device_type]
+            if new_type:
+                unregister_device_type(device_type)
 
     return unregister
 
