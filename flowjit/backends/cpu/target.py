@@ -7,9 +7,9 @@ through the names below, which are the parts of `CPU.lowerings`.
 
 from __future__ import annotations
 
-from flowjit.backends.cpu import nontemporal
+from flowjit.backends.cpu import mathlib, nontemporal, schedule
 from flowjit.backends.mlir import lower_control
-from flowjit.backends.mlir.target import Target
+from flowjit.backends.mlir.target import MathLibrary, Target
 
 
 class CpuTarget(Target):
@@ -20,7 +20,13 @@ class CpuTarget(Target):
         return nontemporal.ARG_ATTR if nontemporal.wants_streaming(nbytes, read_bytes, written_bytes) else None
 
 
-CPU = CpuTarget("cpu")
+# The shared lowerings' schedules are `schedule.py` itself (its functions and constants, read at
+# each call, so tests that patch them reach every kernel); their float math is `mathlib.py`'s.
+CPU = CpuTarget(
+    "cpu",
+    schedules=schedule,
+    math=MathLibrary(unary=mathlib.MATH, binary=mathlib.MATH_BINARY, truncate_to_bf16=mathlib.truncate_to_bf16),
+)
 lower_control.register(CPU.lowerings)
 
 lowering = CPU.lowerings.lowering
