@@ -24,8 +24,6 @@ import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_elementwise import filled, memory_scalar
-from flowjit.backends.cpu.lower_layout import row_copy, written_through
 from flowjit.backends.cpu.target import INLINES_SPLAT_OPERANDS, INLINES_SPLATS, lowering
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
@@ -34,6 +32,8 @@ from flowjit.backends.mlir.emitter import (
     memory_elem_type,
     tensor_type,
 )
+from flowjit.backends.mlir.lower_elementwise import filled, memory_scalar
+from flowjit.backends.mlir.lower_layout import row_copy, written_through
 from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op

@@ -1,14 +1,16 @@
 """The CPU as a target of the shared lowering (`backends/mlir`): its lowering table and its policies.
 
-The table is filled by the `lower_*` modules of this folder (imported by `compiler.load_lowerings`)
-and by the generic control-flow lowerings (`mlir/lower_control.py`). The lowering modules register
-through the names below, which are the parts of `CPU.lowerings`.
+The CPU's kernel schedules are `schedule.py` and its float math `mathlib.py`: the shared lowerings
+(`backends/mlir/lower_*.py`: control flow, elementwise, reductions, layout) write them into
+their kernels, registered below. The CPU's own lowerings (the `lower_*` modules of this folder,
+imported by `compiler.load_lowerings`) register on top through the names below, which are the
+parts of `CPU.lowerings`.
 """
 
 from __future__ import annotations
 
 from flowjit.backends.cpu import mathlib, nontemporal, schedule
-from flowjit.backends.mlir import lower_control
+from flowjit.backends.mlir import lower_control, lower_elementwise, lower_layout, lower_reduction
 from flowjit.backends.mlir.target import MathLibrary, Target
 
 
@@ -28,6 +30,9 @@ CPU = CpuTarget(
     math=MathLibrary(unary=mathlib.MATH, binary=mathlib.MATH_BINARY, truncate_to_bf16=mathlib.truncate_to_bf16),
 )
 lower_control.register(CPU.lowerings)
+lower_elementwise.register(CPU.lowerings, CPU.math)
+lower_reduction.register(CPU.lowerings)
+lower_layout.register(CPU.lowerings)
 
 lowering = CPU.lowerings.lowering
 LOWERINGS = CPU.lowerings.tensor
