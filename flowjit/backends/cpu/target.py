@@ -1,7 +1,7 @@
 """The CPU as a target of the shared lowering (`backends/mlir`): its lowering table and its policies.
 
 The CPU's kernel schedules are `schedule.py` and its float math `mathlib.py`: the shared lowerings
-(`backends/mlir/lower_*.py`: control flow, elementwise, reductions, layout) write them into
+(`backends/mlir/lower_*.py`: control flow, elementwise, reductions, layout, slices) write them into
 their kernels, registered below. The CPU's own lowerings (the `lower_*` modules of this folder,
 imported by `compiler.load_lowerings`) register on top through the names below, which are the
 parts of `CPU.lowerings`.
@@ -10,7 +10,7 @@ parts of `CPU.lowerings`.
 from __future__ import annotations
 
 from flowjit.backends.cpu import mathlib, nontemporal, schedule
-from flowjit.backends.mlir import lower_control, lower_elementwise, lower_layout, lower_reduction
+from flowjit.backends.mlir import lower_control, lower_elementwise, lower_layout, lower_movement, lower_reduction
 from flowjit.backends.mlir.target import MathLibrary, Target
 
 
@@ -33,6 +33,7 @@ lower_control.register(CPU.lowerings)
 lower_elementwise.register(CPU.lowerings, CPU.math)
 lower_reduction.register(CPU.lowerings)
 lower_layout.register(CPU.lowerings)
+lower_movement.register(CPU.lowerings)
 
 lowering = CPU.lowerings.lowering
 LOWERINGS = CPU.lowerings.tensor
