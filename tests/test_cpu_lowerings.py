@@ -279,7 +279,7 @@ def test_column_reductions_over_few_positions_and_several_axes(dtype, kind):
     """Not over the last axis: at most `VIEWS_MAX` positions are one elementwise kernel over strided
     views of x (no reduction loop, no filled accumulator); more, over several groups of axes, one
     column-reduction kernel over all of them (`schedule.reduction` with a tuple of axes)."""
-    from flowjit.backends.cpu import lower_reduction
+    from flowjit.backends.mlir import lower_reduction
 
     x = data((3, 4, 2, 5, 2, 32), dtype, 3)  # an average pool's (n, h, 2, w, 2, c), as in a reshape
     mlir = check(f"reduce_{kind}", [x], dict(axes=(2, 4)))

@@ -37,11 +37,9 @@ from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
 
 # Modules that fill the CPU's lowering table (`target.CPU`), imported when compiling (not when
-# loading from the cache); `target` itself adds the generic control-flow lowerings.
+# loading from the cache); `target` itself adds the shared lowerings (`backends/mlir/lower_*.py`).
 LOWERING_MODULES = (
-    "flowjit.backends.cpu.lower_elementwise",
-    "flowjit.backends.cpu.lower_layout",
-    "flowjit.backends.cpu.lower_reduction",
+    "flowjit.backends.cpu.reduction_library",
     "flowjit.backends.cpu.lower_movement",
     "flowjit.backends.cpu.lower_conv",
     "flowjit.backends.cpu.lower_dot",
@@ -90,7 +88,7 @@ LIGHT_PIPELINE_OPS = frozenset(
         "concatenate",
     }
 )
-LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.cpu.lower_elementwise", "flowjit.backends.cpu.lower_reduction")
+LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.mlir.lower_elementwise", "flowjit.backends.mlir.lower_reduction")
 # A kernel the transform schedules left as a linalg op (plain loops) up to this many elements does
 # not need LLVM's vectorizers (`schedule.PLAIN_LOOP_MAX_ELEMENTS`).
 PLAIN_LOOP_MAX_ELEMENTS = schedule.PLAIN_LOOP_MAX_ELEMENTS

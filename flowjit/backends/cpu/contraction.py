@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel
-from flowjit.backends.cpu.lower_movement import fill
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.backends.mlir.lower_movement import fill
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType

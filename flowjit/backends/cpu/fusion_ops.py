@@ -9,7 +9,9 @@ generic from them, for `lower_fusion`'s generics and for a contraction's epilogu
 
 from __future__ import annotations
 
-from flowjit.backends.cpu.lower_elementwise import (
+from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
+from flowjit.backends.mlir.emitter import ScalarBuilder, elem_type
+from flowjit.backends.mlir.lower_elementwise import (
     _BINARY,
     _BOOL_PREDICATE,
     _FLOAT_PREDICATE,
@@ -21,10 +23,9 @@ from flowjit.backends.cpu.lower_elementwise import (
     extend,
     iota_scalar,
     narrow,
+    unary_scalar,
 )
-from flowjit.backends.cpu.lower_reduction import _COMBINE
-from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
-from flowjit.backends.mlir.emitter import ScalarBuilder, elem_type
+from flowjit.backends.mlir.lower_reduction import _COMBINE
 from flowjit.backends.mlir.lowering import splat_value
 from flowjit.ir.graph import Op, Value
 
@@ -33,7 +34,7 @@ def is_pointwise(op: Op) -> bool:
     """Whether `op` is elementwise (a convert, a unary or binary op, a comparison, a select)."""
     if op.name == "convert":
         return True
-    if op.name in _UNARY or op.name in _FLOAT_UNARY or op.name in _BINARY or op.name == "select":
+    if op.name in _UNARY or op.name in _FLOAT_UNARY or op.name in MATH or op.name in _BINARY or op.name == "select":
         return True
     return op.name in _FLOAT_PREDICATE
 
@@ -57,7 +58,7 @@ def scalar_code(b: ScalarBuilder, op: Op, args: list[str]) -> str:
     elif op.name in _BINARY:
         result = _BINARY[op.name](b, args[0], args[1], e)
     else:
-        result = (_UNARY.get(op.name) or _FLOAT_UNARY[op.name])(b, args[0], e)
+        result = unary_scalar(b.emitter.target.math, op.name)(b, args[0], e)
     return extend(b, narrow(b, result, out), out)
 
 

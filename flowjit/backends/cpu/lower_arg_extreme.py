@@ -11,10 +11,10 @@ import numpy as np
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.contraction import PARALLEL_MIN_WORK, accumulator_elem, const, loop_dims
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_movement import fill, reshape
 from flowjit.backends.cpu.row_writers import over_cores, per_row
 from flowjit.backends.cpu.target import lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
+from flowjit.backends.mlir.lower_movement import fill, reshape
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.reduction import reduction_identity

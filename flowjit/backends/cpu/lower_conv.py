@@ -24,10 +24,10 @@ from flowjit.backends.cpu.contraction import (
     widen_tensor,
 )
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
 from flowjit.backends.cpu.row_writers import close_loops, row_major_strides, transpose, window_rows
 from flowjit.backends.cpu.target import SCRATCH, lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
+from flowjit.backends.mlir.lower_movement import fill, pad_tensor, reshape
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import conv_params
 from flowjit.ir.types import TensorType

@@ -24,10 +24,10 @@ from flowjit.backends.cpu.contraction import (
     widen_tensor,
 )
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_movement import reshape
 from flowjit.backends.cpu.row_writers import over_cores, per_row, transpose
 from flowjit.backends.cpu.target import CALL_LOWERINGS, SCRATCH, lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, memref_type, tensor_type
+from flowjit.backends.mlir.lower_movement import reshape
 from flowjit.backends.mlir.lowering import call_lowering
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.contraction import dot_dims

@@ -37,7 +37,6 @@ from flowjit.backends.cpu import contraction, lower_conv, lower_dot, lower_rows,
 from flowjit.backends.cpu.fusion_epilogue import FusedEpilogue
 from flowjit.backends.cpu.fusion_ops import generic_body, is_pointwise, op_weight
 from flowjit.backends.cpu.fusion_schedule import schedule_generic
-from flowjit.backends.cpu.lower_elementwise import reshape_tensor
 from flowjit.backends.cpu.target import CALL_LOWERINGS, LOWERINGS, SCRATCH, lowering
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
@@ -47,6 +46,7 @@ from flowjit.backends.mlir.emitter import (
     scalar_literal,
     tensor_type,
 )
+from flowjit.backends.mlir.lower_elementwise import reshape_tensor
 from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, call_lowering, dense_literal, splat_value
 from flowjit.backends.mlir.target import no_lowering_error
 from flowjit.ir import dtypes as dt

@@ -1,22 +1,23 @@
-"""CPU lowerings of the data-movement ops: slice, dynamic_slice, pad, concatenate, gather, scatter_add.
+"""The CPU's lowerings of the data-movement ops pad, concatenate, gather and scatter_add, registered on
+top of the shared movement lowerings (`backends/mlir/lower_movement.py`: slice, dynamic_slice and
+the helpers). Their vector copy loops are written here, sized by the host's vector width and core
+count (`matmul_kernel.vector_bits`, `matmul_kernel.cores`) with `LoopWriter`.
 
 Each function has the `LOWERINGS` signature `fn(em, op, operands) -> [result tensor]` and works on
-tensors: slices are `tensor.extract_slice` views copied with `linalg.copy`; pads (and
-concatenations of small blocks) are a fill followed by strided inserts; gather is a generic
+tensors: pads are a fill followed by strided inserts (the shared `pad_tensor`); gather is a generic
 reading the operand with `tensor.extract`, and scatter_add a loop nest over the updates. When the
 block an index (or a concatenated operand) moves is at least a vector long, gather, scatter_add
 and concatenate are vector copy loops instead. A gather of constant, descending columns (reversed
 columns: `x[..., ::-1]`, `flip`) reads vectors backwards and reverses their lanes, and so does the
-scatter_add into zeros that is its gradient. bool data moves as bytes (`_on_bytes`).
+scatter_add into zeros that is its gradient. bool data moves as bytes (`on_bytes`).
 
-Indices are clamped in the generated code, as in the reference implementations: dynamic_slice
-starts into `[0, dim - size]`, gather/scatter_add indices into `[0, dim - 1]`. No generated load or
-store can leave its buffer, whatever the index values are.
+Indices are clamped in the generated code, as in the reference implementations: gather/scatter_add
+indices into `[0, dim - 1]`. No generated load or store can leave its buffer, whatever the index
+values are.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -24,196 +25,30 @@ import numpy as np
 
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_elementwise import filled, memory_scalar
-from flowjit.backends.cpu.lower_layout import row_copy, written_through
 from flowjit.backends.cpu.target import INLINES_SPLAT_OPERANDS, INLINES_SPLATS, lowering
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
     ScalarBuilder,
-    elem_type,
     memory_elem_type,
-    tensor_type,
 )
-from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
+from flowjit.backends.mlir.lower_elementwise import filled, memory_scalar
+from flowjit.backends.mlir.lower_layout import written_through
+from flowjit.backends.mlir.lower_movement import (
+    clamp_index,
+    copy_tensor,
+    moved_type,
+    on_bytes,
+    pad_tensor,
+    reshape,
+)
+from flowjit.backends.mlir.lowering import splat_value
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 
 
-def _tensor(t) -> str:
-    """Tensor type of a moved value: bool data moves as numpy's bytes (see `_on_bytes`)."""
-    return tensor_type(t, memory_elem_type(t.dtype))
-
-
-def _on_bytes(fn):
-    """Run a movement lowering on numpy's bool bytes (i8) instead of i1 tensors.
-
-    Movement ops materialize their data in buffers, and MLIR 22 cannot load or store i1 memrefs
-    (MemRefToLLVM asserts), so bool operands are widened to bytes first and results narrowed back.
-    """
-
-    @functools.wraps(fn)
-    def wrapped(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-        operands = [bool_to_bytes(em, x, v.type) if v.dtype.is_bool else x for x, v in zip(operands, op.operands)]
-        results = fn(em, op, operands)
-        return [bool_from_bytes(em, r, v.type) if v.dtype.is_bool else r for r, v in zip(results, op.results)]
-
-    return wrapped
-
-
-def _index_list(values) -> str:
-    return ", ".join(str(v) for v in values)
-
-
-def clamp_index(b: ScalarBuilder | KernelEmitter, value: str, int_elem: str, low: int, high: int) -> str:
-    """`value` (an integer of MLIR type `int_elem`) as an `index` clamped into [low, high]."""
-    index = b.op(f"arith.index_cast {value} : {int_elem} to index")
-    low_c = b.op(f"arith.constant {low} : index")
-    high_c = b.op(f"arith.constant {high} : index")
-    above = b.op(f"arith.maxsi {index}, {low_c} : index")
-    return b.op(f"arith.minsi {above}, {high_c} : index")
-
-
-def copy_tensor(em: KernelEmitter, x: str, t) -> str:
-    """A fresh copy of `x` as a `linalg.copy` (lowered to loops): a strided view stored with
-    `memref.copy` would need the MLIR C runner's `memrefCopy`, which native code cannot call."""
-    ttype = _tensor(t)
-    return em.op(f"linalg.copy ins({x} : {ttype}) outs({em.empty(t, memory_elem_type(t.dtype))} : {ttype}) -> {ttype}")
-
-
-@lowering("slice")
-@_on_bytes
-def lower_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """x[start:limit:stride]: a strided `tensor.extract_slice`, copied."""
-    (x,) = operands
-    source, result = op.operands[0].type, op.result.type
-    if source.rank == 0:
-        return [x]
-    if result.size == 0:
-        return [em.empty(result, memory_elem_type(result.dtype))]
-    start, stride = op.attrs["start"], op.attrs["stride"]
-    view = em.op(
-        f"tensor.extract_slice {x}[{_index_list(start)}] [{_index_list(result.shape)}] "
-        f"[{_index_list(stride)}] : {_tensor(source)} to {_tensor(result)}"
-    )
-    if stride[-1] == 1:  # whole runs of rows
-        return [row_copy(em, view, result, result, em.identity_map(result.rank))]
-    return [copy_tensor(em, view, result)]
-
-
-@lowering("dynamic_slice")
-@_on_bytes
-def lower_dynamic_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """A window at runtime starts, each clamped into [0, dim - size] so the window always fits."""
-    x, *starts = operands
-    source, result = op.operands[0].type, op.result.type
-    if source.rank == 0:
-        return [x]
-    if result.size == 0:
-        return [em.empty(result, memory_elem_type(result.dtype))]
-    offsets = []
-    for start, start_value, dim, size in zip(starts, op.operands[1:], source.shape, result.shape):
-        int_elem = memory_elem_type(start_value.dtype)
-        scalar = em.op(f"tensor.extract {start}[] : tensor<{int_elem}>")
-        offsets.append(clamp_index(em, scalar, int_elem, 0, dim - size))
-    view = em.op(
-        f"tensor.extract_slice {x}[{', '.join(offsets)}] [{_index_list(result.shape)}] "
-        f"[{_index_list([1] * source.rank)}] : {_tensor(source)} to {_tensor(result)}"
-    )
-    return [copy_tensor(em, view, result)]
-
-
-def reshape(em: KernelEmitter, x: str, t: TensorType, shape: tuple[int, ...], elem: str | None = None) -> str:
-    """Row-major reshape of `x` as views: collapse to 1-D, then expand to `shape` (rank 0 <-> (1,))."""
-    if tuple(t.shape) == tuple(shape):
-        return x
-    elem = elem or elem_type(t.dtype)
-    flat = TensorType((t.size,), t.dtype)
-    if t.rank == 0:
-        x = em.op(
-            f"tensor.expand_shape {x} [] output_shape [1] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}"
-        )
-    elif t.rank > 1:
-        groups = ", ".join(str(i) for i in range(t.rank))
-        x = em.op(f"tensor.collapse_shape {x} [[{groups}]] : {tensor_type(t, elem)} into {tensor_type(flat, elem)}")
-    target = TensorType(shape, t.dtype)
-    if len(shape) == 0:
-        return em.op(f"tensor.collapse_shape {x} [] : {tensor_type(flat, elem)} into {tensor_type(target, elem)}")
-    if len(shape) == 1:
-        return x
-    groups = ", ".join(str(i) for i in range(len(shape)))
-    return em.op(
-        f"tensor.expand_shape {x} [[{groups}]] output_shape [{', '.join(map(str, shape))}] "
-        f": {tensor_type(flat, elem)} into {tensor_type(target, elem)}"
-    )
-
-
-def fill(em: KernelEmitter, scalar: str, t, elem: str | None = None) -> str:
-    """A new tensor of type `t` filled with the scalar SSA value `scalar`."""
-    elem = elem or memory_elem_type(t.dtype)
-    empty = em.empty(t, elem)
-    ttype = tensor_type(t, elem)
-    return em.op(f"linalg.fill ins({scalar} : {elem}) outs({empty} : {ttype}) -> {ttype}")
-
-
-def insert_into(em: KernelEmitter, x: str, source, dest: str, dest_type, offsets, strides) -> str:
-    """`dest` with `x` (type `source`) written at `offsets` with `strides`.
-
-    Written as extract_slice -> linalg.copy -> insert_slice of the same slice, which bufferizes to
-    an in-place copy loop; a bare insert_slice into a strided view would become a `memref.copy`
-    that needs the C runner's `memrefCopy`. MLIR folds the copy of a literal (`em.literal`) into
-    just such a `memref.copy` from its global, so a literal is first copied into a buffer of its own
-    (concatenate([x, x - x]), conv2d of a constant input with padding)."""
-    where = f"[{_index_list(offsets)}] [{_index_list(source.shape)}] [{_index_list(strides)}]"
-    view_types = f"{_tensor(dest_type)} to {_tensor(source)}"
-    view = em.op(f"tensor.extract_slice {dest}{where} : {view_types}")
-    ttype = _tensor(source)
-    if x in em.literals:
-        x = em.op(f"bufferization.alloc_tensor() copy({x}) : {ttype}")
-    copied = em.op(f"linalg.copy ins({x} : {ttype}) outs({view} : {ttype}) -> {ttype}")
-    return em.op(f"tensor.insert_slice {copied} into {dest}{where} : {ttype} into {_tensor(dest_type)}")
-
-
-def pad_tensor(em: KernelEmitter, x: str, source, result, scalar: str, low, interior) -> str:
-    """`x` (type `source`) placed at offsets `low` with steps `interior + 1` in a `result` tensor
-    filled with `scalar`: edge and interior padding in one strided insert. A pad without interior
-    padding (a convolution's input) above `schedule.PLAIN_LOOP_MAX_ELEMENTS` fills and copies with
-    vector loops, split over the cores when large (`_vector_pad`)."""
-    if source.rank > 1 and not any(interior) and source.size > schedule.PLAIN_LOOP_MAX_ELEMENTS:
-        return _vector_pad(em, x, source, result, scalar, low)
-    filled = fill(em, scalar, result)
-    if source.size == 0:
-        return filled
-    return insert_into(em, x, source, filled, result, low, [i + 1 for i in interior])
-
-
-def _vector_pad(em: KernelEmitter, x: str, source, result, scalar: str, low) -> str:
-    """`pad_tensor` as two n-d generics with `schedule.copy_nd`: the fill, then the copy into the
-    interior view (in place), over the cores from `schedule.PARALLEL_MIN_ELEMENTS` on. As a fill and
-    a strided insert they were a memset and a copy loop on one thread: 8x64x56x56 float32 padded
-    by 1, 0.4 ms of a 5.5 ms convolution; and below the parallel size (until session 19) a scalar
-    copy loop that kept the whole function on LLVM's O3 pipeline (a conv weight gradient's
-    32x8x28x28 input padded to 30x30: `compiler.light_pipeline`)."""
-    elem = memory_elem_type(result.dtype)
-    bits = max(8, result.dtype.bits)
-    parallel = source.size >= schedule.PARALLEL_MIN_ELEMENTS
-    ttype = tensor_type(result, elem)
-    ident = em.identity_map(result.rank)
-    iterators = ["parallel"] * result.rank
-    filled = em.generic([], (em.empty(result, elem), ttype), [ident], iterators, lambda b, args: scalar, [], elem)
-    em.schedule(filled, schedule.copy_nd(result.shape, bits, parallel))
-    where = f"[{_index_list(low)}] [{_index_list(source.shape)}] [{_index_list([1] * source.rank)}]"
-    view_type = _tensor(source)
-    view = em.op(f"tensor.extract_slice {filled}{where} : {ttype} to {view_type}")
-    copied = em.generic(
-        [(x, view_type)], (view, view_type), [ident, ident], iterators, lambda b, args: args[0], [elem], elem
-    )
-    em.schedule(copied, schedule.copy_nd(source.shape, bits, parallel))
-    return em.op(f"tensor.insert_slice {copied} into {filled}{where} : {view_type} into {ttype}")
-
-
 @lowering("pad")
-@_on_bytes
+@on_bytes
 def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Fill with the padding value, then insert x with `low` offsets and `interior + 1` strides."""
     x, value = operands
@@ -228,7 +63,7 @@ def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 
 
 @lowering("concatenate")
-@_on_bytes
+@on_bytes
 def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Copy each operand's blocks to their offset along `axis` in one new tensor with vector loops
     (`_concatenate_blocks`); an empty result is just that."""
@@ -248,7 +83,7 @@ def _check_nonempty_axis(op: Op, what: str) -> None:
 
 
 @lowering("gather")
-@_on_bytes
+@on_bytes
 def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """numpy.take with clamped indices: a vector copy per index for blocks of a vector or more,
     reversed vectors for constant, descending columns, else a generic over the result reading x
@@ -274,13 +109,13 @@ def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         loop = [b.op(f"linalg.index {i} : index") for i in range(result.rank)]
         picked = clamp_index(b, args[0], int_elem, 0, source.shape[axis] - 1)
         where = loop[:axis] + [picked] + loop[axis + indices.rank :]
-        return b.op(f"tensor.extract {x}[{', '.join(where)}] : {_tensor(source)}")
+        return b.op(f"tensor.extract {x}[{', '.join(where)}] : {moved_type(source)}")
 
     out = em.empty(result, memory_elem_type(result.dtype))
     return [
         em.generic(
-            [(idx, _tensor(indices))],
-            (out, _tensor(result)),
+            [(idx, moved_type(indices))],
+            (out, moved_type(result)),
             [idx_map, em.identity_map(result.rank)],
             ["parallel"] * result.rank,
             body,
@@ -310,13 +145,13 @@ def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
     if outer == 1 and threads > 1 and count >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
         gathered = _gather_rows_in_parallel(em, w, (x, blocks, idx, int_elem), carried, out_type, threads, pad)
     else:
-        gathered, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
-        index_loop, i, (t2,) = w.open_for(w.index(0), w.index(count), w.index(1), [(t1, _tensor(out_type))])
+        gathered, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, moved_type(out_type))])
+        index_loop, i, (t2,) = w.open_for(w.index(0), w.index(count), w.index(1), [(t1, moved_type(out_type))])
         raw = em.op(f"tensor.extract {idx}[{i}] : tensor<{count}x{int_elem}>")
         row = clamp_index(em, raw, int_elem, 0, dim - 1)
-        done = _copy_block(em, w, (x, blocks, o, row), (t2, _tensor(out_type), o, i), pad)
-        w.close_for([done], [_tensor(out_type)])
-        w.close_for([index_loop], [_tensor(out_type)])
+        done = _copy_block(em, w, (x, blocks, o, row), (t2, moved_type(out_type), o, i), pad)
+        w.close_for([done], [moved_type(out_type)])
+        w.close_for([index_loop], [moved_type(out_type)])
     return written_through(em, gathered, out_type, result.shape, elem)
 
 
@@ -355,7 +190,7 @@ def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int,
             in_bounds = "true" if size == lanes else "false"
             value = em.op(
                 f"vector.transfer_read {x}[{row}, {source_column}], {pad} {{in_bounds = [{in_bounds}]}} "
-                f": {_tensor(rows)}, {vec}"
+                f": {moved_type(rows)}, {vec}"
             )
             mask = ", ".join(str(max(size - 1 - k, 0)) for k in range(lanes))
             flipped = em.op(f"vector.shuffle {value}, {value} [{mask}] : {vec}, {vec}")
@@ -389,7 +224,7 @@ def _copy_block(em: KernelEmitter, w, source, dest, pad: str) -> str:
     def copy(column: str, in_bounds: str, into: str) -> str:
         value = em.op(
             f"vector.transfer_read {x}[{o}, {row}, {column}], {pad} {{in_bounds = [{in_bounds}]}} "
-            f": {_tensor(blocks)}, {vec}"
+            f": {moved_type(blocks)}, {vec}"
         )
         return em.op(
             f"vector.transfer_write {value}, {into}[{o_out}, {i}, {column}] {{in_bounds = [{in_bounds}]}} "
@@ -426,8 +261,8 @@ def _each_row(em: KernelEmitter, w, out_type: TensorType, shape: tuple[int, ...]
     if threads > 1 and outer >= 2 * threads and out_type.size >= schedule.PARALLEL_MIN_ELEMENTS:
         done = _rows_per_core(em, w, carried, out_type, 0, threads, row)
     else:
-        done, o, (cur,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, _tensor(out_type))])
-        w.close_for([row(o, cur, _tensor(out_type), o)], [_tensor(out_type)])
+        done, o, (cur,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(carried, moved_type(out_type))])
+        w.close_for([row(o, cur, moved_type(out_type), o)], [moved_type(out_type)])
     return written_through(em, done, out_type, shape, elem)
 
 
@@ -440,16 +275,16 @@ def _rows_per_core(em: KernelEmitter, w, carried: str, out_type: TensorType, axi
     elem = memory_elem_type(out_type.dtype)
     dims = ["?" if d == axis else str(n) for d, n in enumerate(out_type.shape)]
     tile_type = f"tensor<{'x'.join(dims)}x{elem}>"
-    done, t, shared = w.open_forall(-(-count // per), carried, _tensor(out_type))
+    done, t, shared = w.open_forall(-(-count // per), carried, moved_type(out_type))
     first = w.mul(t, w.index(per))
     rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(count)}, {first} : index')}, {w.index(per)} : index")
     offsets = ", ".join(first if d == axis else "0" for d in range(out_type.rank))
     sizes = ", ".join(rows if d == axis else str(n) for d, n in enumerate(out_type.shape))
     where = f"[{offsets}] [{sizes}] [{', '.join(['1'] * out_type.rank)}]"
-    tile = em.op(f"tensor.extract_slice {shared}{where} : {_tensor(out_type)} to {tile_type}")
+    tile = em.op(f"tensor.extract_slice {shared}{where} : {moved_type(out_type)} to {tile_type}")
     loop, i, (cur,) = w.open_for(w.index(0), rows, w.index(1), [(tile, tile_type)])
     w.close_for([row(w.add(first, i), cur, tile_type, i)], [tile_type])
-    w.close_forall(loop, shared, where, tile_type, _tensor(out_type))
+    w.close_forall(loop, shared, where, tile_type, moved_type(out_type))
     return done
 
 
@@ -465,7 +300,7 @@ INLINES_SPLAT_OPERANDS["scatter_add"] = {0}
 
 
 @lowering("scatter_add")
-@_on_bytes
+@on_bytes
 def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A copy of x, then a sequential loop nest over the updates adding each one at its clamped
     index (sequential, so duplicate indices accumulate); whole blocks with vectors when the
@@ -474,7 +309,7 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     source, indices, upd = op.operands[0].type, op.operands[1].type, op.operands[2].type
     axis = op.attrs["axis"]
     _check_nonempty_axis(op, "scatter into")
-    ttype = _tensor(source)
+    ttype = moved_type(source)
     splat = splat_value(op.operands[0])
     dim = source.shape[axis]
     if splat == 0 and axis == source.rank - 1 and upd.shape[axis] == dim and _reversal_start(op) == dim - 1:
@@ -502,10 +337,10 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         results.append(res)
         carried = acc
     position = ", ".join(ivs[axis : axis + indices.rank])
-    raw = em.op(f"tensor.extract {idx}[{position}] : {_tensor(indices)}")
+    raw = em.op(f"tensor.extract {idx}[{position}] : {moved_type(indices)}")
     picked = clamp_index(em, raw, int_elem, 0, source.shape[axis] - 1)
     target = ", ".join(ivs[:axis] + [picked] + ivs[axis + indices.rank :])
-    update = em.op(f"tensor.extract {updates}[{', '.join(ivs)}] : {_tensor(upd)}")
+    update = em.op(f"tensor.extract {updates}[{', '.join(ivs)}] : {moved_type(upd)}")
     current = em.op(f"tensor.extract {carried}[{target}] : {ttype}")
     total = _add(em, current, update, elem, source.dtype.is_bool)
     inserted = em.op(f"tensor.insert {total} into {carried}[{target}] : {ttype}")
@@ -540,7 +375,7 @@ def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -
     add = "ori" if source.dtype.is_bool else "addi" if elem.startswith("i") else "addf"
     w = LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
-    out_type = _tensor(blocks)
+    out_type = moved_type(blocks)
     outer_loop, o, (t1,) = w.open_for(w.index(0), w.index(outer), w.index(1), [(out, out_type)])
     index_loop, i, (t2,) = w.open_for(w.index(0), w.index(count), w.index(1), [(t1, out_type)])
     raw = em.op(f"tensor.extract {idx}[{i}] : tensor<{count}x{int_elem}>")
@@ -550,7 +385,7 @@ def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -
         flags = f"{{in_bounds = [{in_bounds}]}}"
         current = em.op(f"vector.transfer_read {into}[{o}, {row}, {column}], {pad} {flags} : {out_type}, {vec}")
         update = em.op(
-            f"vector.transfer_read {updates}[{o}, {i}, {column}], {pad} {flags} : {_tensor(update_blocks)}, {vec}"
+            f"vector.transfer_read {updates}[{o}, {i}, {column}], {pad} {flags} : {moved_type(update_blocks)}, {vec}"
         )
         total = em.op(f"arith.{add} {current}, {update} : {vec}")
         return em.op(f"vector.transfer_write {total}, {into}[{o}, {row}, {column}] {flags} : {vec}, {out_type}")
@@ -723,7 +558,7 @@ def _rows_of_blocks(em: KernelEmitter, blocks: list, result: TensorType, axis: i
                     got = broadcast[block.splat]
                 else:
                     where = f"{block.tensor}[{o}, {at(source_base, block.skip, column)}]"
-                    got = em.op(f"vector.transfer_read {where}, {pad} {flags} : {_tensor(block.type)}, {vec}")
+                    got = em.op(f"vector.transfer_read {where}, {pad} {flags} : {moved_type(block.type)}, {vec}")
                 write_at = at(out_base, offset, column)
                 return em.op(f"vector.transfer_write {got}, {into}[{at_row}, {write_at}] {flags} : {vec}, {out_tensor}")
 

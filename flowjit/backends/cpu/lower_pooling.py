@@ -14,10 +14,10 @@ import numpy as np
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.contraction import accumulator_elem, combine, const, loop_dims, narrow, widen
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_movement import fill, pad_tensor, reshape
 from flowjit.backends.cpu.row_writers import close_loops, read_every_step, row_major_strides, row_of_vectors
 from flowjit.backends.cpu.target import lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
+from flowjit.backends.mlir.lower_movement import fill, pad_tensor, reshape
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 from flowjit.ir.ops.reduction import reduction_identity

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.lower_elementwise import reshape_tensor
 from flowjit.backends.mlir.emitter import KernelEmitter, memory_elem_type, tensor_type
+from flowjit.backends.mlir.lower_elementwise import reshape_tensor
 from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType

@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 from flowjit.backends.cpu import schedule
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_elementwise import reshape_tensor
 from flowjit.backends.cpu.target import lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
+from flowjit.backends.mlir.lower_elementwise import reshape_tensor
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 
 from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.lower_elementwise import reshape_tensor
 from flowjit.backends.cpu.target import lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type
+from flowjit.backends.mlir.lower_elementwise import reshape_tensor
 from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op

@@ -18,7 +18,7 @@ above, `chunks` equal contiguous pieces (the last ones shorter or empty), each r
 the pieces' results combined a vector at a time in order.
 
 Which reductions call it: `match` (reduce_sum, reduce_max, reduce_min over every axis of a float32
-or float64 operand with a buffer), through `lower_reduction`'s call lowering.
+or float64 operand with a buffer), through the call lowering this module registers for them.
 `FLOWJIT_REDUCTION_LIBRARY=0` turns it off; AOT libraries keep their kernels (`library.disabled`).
 """
 
@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 from flowjit.backends.cpu import library, matmul_kernel, schedule
 from flowjit.backends.cpu.library import Writer
+from flowjit.backends.cpu.target import CALL_LOWERINGS
 from flowjit.backends.mlir.emitter import elem_type, scalar_literal
+from flowjit.backends.mlir.lowering import call_lowering
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 
@@ -214,3 +216,9 @@ def match(op: Op) -> ReductionCall | None:
     if axes != list(range(source.rank)):
         return None
     return ReductionCall(kind, elem, source.size)
+
+
+# A float32/float64 reduction of a whole array as a call of this library on its operand's and
+# result's buffers; compiled otherwise (the shared `mlir/lower_reduction.py`).
+for _name in ("reduce_sum", "reduce_max", "reduce_min"):
+    CALL_LOWERINGS[_name] = call_lowering(match)

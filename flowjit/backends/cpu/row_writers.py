@@ -12,9 +12,9 @@ from __future__ import annotations
 from flowjit.backends.cpu import matmul_kernel, schedule
 from flowjit.backends.cpu.contraction import size_of
 from flowjit.backends.cpu.loop_writer import LoopWriter
-from flowjit.backends.cpu.lower_layout import permute
-from flowjit.backends.cpu.lower_movement import reshape
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
+from flowjit.backends.mlir.lower_layout import permute
+from flowjit.backends.mlir.lower_movement import reshape
 from flowjit.ir.types import TensorType
 
 

@@ -25,11 +25,15 @@ Note for lowering authors (stable API: `LOWERINGS`, `em.generic`, `em.op`, `Scal
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flowjit.ir import dtypes as dt
 from flowjit.ir.types import TensorType
+
+if TYPE_CHECKING:
+    from flowjit.backends.mlir.target import Target
 
 # flowjit dtype -> MLIR element type. bool is i1 in registers and i8 in memory (numpy's layout);
 # loads/stores of bool buffers go through `memory_elem_type`.
@@ -111,9 +115,11 @@ class ScalarBuilder:
 class KernelEmitter:
     """Accumulates one MLIR function on tensors and the module-level aliases it uses."""
 
-    def __init__(self, lowerings=None):
-        # The target's `LoweringTable`: lowerings of ops nested in others (region bodies) look theirs up.
-        self.lowerings = lowerings
+    def __init__(self, target: Target | None = None):
+        # The target lowered for: its schedules and math library, and its `LoweringTable`, where
+        # lowerings of ops nested in others (region bodies) look theirs up.
+        self.target = target
+        self.lowerings = target.lowerings if target is not None else None
         self._counter = 0
         self.aliases: dict[str, str] = {}  # text -> alias name
         self.body: list[str] = []

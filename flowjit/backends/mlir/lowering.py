@@ -151,7 +151,7 @@ class _FunctionLowering:
         self.name = name
         self.target = target
         self.lowerings = target.lowerings
-        self.em = KernelEmitter(target.lowerings)
+        self.em = KernelEmitter(target)
         self.globals: list[str] = self.em.globals
         self.buffers: dict[Value, str] = {}  # value -> memref SSA name holding it
         self.inline: dict[Value, str] = {}  # constant value -> tensor SSA name (emitted on first read)

@@ -1,13 +1,17 @@
 """What a target gives the shared lowering: its table of op lowerings and its policies.
 
-A backend makes one `Target` (the CPU's: `backends/cpu/target.py`), registers its lowerings into
-`target.lowerings`, the generic ones included (`lower_control.register`), and passes the target to
-`lowering.lower_graph`. Two targets hold two tables, so each may lower the same op its own way.
+A backend makes one `Target` (the CPU's: `backends/cpu/target.py`) with its kernel schedules
+(`KernelSchedules`) and its math library (`MathLibrary`), registers its lowerings into
+`target.lowerings`, the shared ones included (`lower_control.register`, `lower_elementwise.register`,
+...), and passes the target to `lowering.lower_graph`. Two targets hold two tables, so each may lower
+the same op its own way. The shared lowerings reach the target they lower for as `em.target`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 from flowjit.errors import CompileError, op_error
 from flowjit.ir.graph import Graph, Op
@@ -73,13 +77,74 @@ def no_lowering_error(op: Op, target: str) -> CompileError:
     )
 
 
-class Target:
-    """A target of the shared lowering: its name, its lowering table and the policies the driver
-    asks it about. Backends subclass it to override the policies."""
+class KernelSchedules(Protocol):
+    """How a target schedules the kernels the shared lowerings write (`lower_elementwise`,
+    `lower_reduction`, `lower_layout`, `lower_movement`). Each method returns a schedule for
+    `KernelEmitter.schedule` (the tag's transform-dialect lines) or None for plain loops; the CPU's
+    is its `schedule.py`."""
 
-    def __init__(self, name: str):
+    # Kernels of at least this many elements are split over the cores.
+    PARALLEL_MIN_ELEMENTS: int
+    # Kernels up to this many elements may stay plain loops (a pad's scalar copy).
+    PLAIN_LOOP_MAX_ELEMENTS: int
+
+    def lanes(self, elem_bits: int) -> int:
+        """Vector length in elements for the widest element type of a kernel."""
+
+    def elementwise(self, n: int, elem_bits: int, vectors: int = 1):
+        """A 1-d elementwise kernel of `n` elements."""
+
+    def reduction(
+        self, shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: int, may_stay_plain: bool = False
+    ):
+        """A reduction of `shape` over `axis` into accumulators of `acc_bits`; `may_stay_plain`:
+        the kernel runs once per call (no loop around it), so a small one may stay plain loops."""
+
+    def copy_nd(self, shape: tuple[int, ...], elem_bits: int, parallel: bool = True):
+        """An n-d copy (or elementwise kernel) along its rows, over the cores when `parallel`."""
+
+    def transpose_block(self, elem_bits: int) -> int:
+        """The side of the square blocks a transpose moves."""
+
+    def transpose_blocks(self, shape: tuple[int, ...], source_last: int, elem_bits: int, parallel: bool = True):
+        """A permuted copy of `shape` in `transpose_block` blocks, `source_last` the output dim
+        that was the input's last."""
+
+    def transpose_short_rows(self, shape: tuple[int, int], elem_bits: int):
+        """A transpose of fewer rows than a block, all of them in each tile."""
+
+
+# fn(b: ScalarBuilder, x, elem) -> result; fn(b, x, y, elem) -> result (MLIR SSA names)
+ScalarUnary = Callable[..., str]
+ScalarBinary = Callable[..., str]
+
+
+@dataclass(frozen=True)
+class MathLibrary:
+    """A target's scalar float math, written into the shared lowerings' kernel bodies (the CPU's:
+    `mathlib.py`, vectorizable polynomials).
+
+    - `unary`: op name -> `fn(b, x, elem)` for the float math ops (exp, log, tanh, ...): the
+      elementwise lowering registers these names.
+    - `binary`: op name -> `fn(b, x, y, elem)`; must hold "pow" (float operands) and "atan2".
+    - `truncate_to_bf16`: `fn(b, x) -> bf16 scalar` rounding an f32 to bfloat16.
+    """
+
+    unary: Mapping[str, ScalarUnary]
+    binary: Mapping[str, ScalarBinary]
+    truncate_to_bf16: Callable[..., str]
+
+
+class Target:
+    """A target of the shared lowering: its name, its lowering table, the schedules and math its
+    shared lowerings write, and the policies the driver asks it about. Backends subclass it to
+    override the policies."""
+
+    def __init__(self, name: str, schedules: KernelSchedules, math: MathLibrary):
         self.name = name
         self.lowerings = LoweringTable(name)
+        self.schedules = schedules
+        self.math = math
 
     def output_attribute(self, nbytes: int, read_bytes: int, written_bytes: int) -> str | None:
         """An attribute for the function argument of an output of `nbytes` in a function that reads

@@ -1,8 +1,11 @@
-"""CPU lowerings of elementwise ops (unary, binary, comparisons, logical, select, convert) and iota.
+"""Lowerings of elementwise ops (unary, binary, comparisons, logical, select, convert) and iota, for
+any target: a target adds them to its table with `register`.
 
 Every elementwise op becomes one 1-D `linalg.generic`: operands of rank > 1 are collapsed (free on
-contiguous buffers), so the kernel's schedule is the same for every shape: vectors of the host
-width and, when large, one chunk per core. Splat constant operands become scalars in the body.
+contiguous buffers), so the kernel's schedule is the same for every shape: the target's
+(`em.target.schedules.elementwise`; on the CPU vectors of the host width and, when large, one chunk
+per core). Float math (exp, log, tanh, pow, atan2, ...) is the target's math library
+(`em.target.math`; the CPU's `mathlib.py`). Splat constant operands become scalars in the body.
 Half types (f16, bf16) compute in f32 and round once at the end, as the reference does.
 
 Semantics follow `flowjit/ir/ops/elementwise.py` exactly: integer division truncates toward zero,
@@ -14,11 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
-from flowjit.backends.cpu.target import INLINES_SPLATS, lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, elem_type, scalar_literal, tensor_type
 from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
+from flowjit.backends.mlir.target import LoweringTable, MathLibrary
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.types import TensorType
@@ -81,7 +82,7 @@ def filled(em: KernelEmitter, value, t: TensorType, elem: str) -> str:
         fill = em.op(f"linalg.fill ins({scalar} : {elem}) outs({init} : {flat_type}) -> {flat_type}")
         return expand(em, fill, t, elem)
     out = em.generic([], (init, flat_type), [em.identity_map(1)], ["parallel"], lambda b, args: scalar, [], elem)
-    em.schedule(out, schedule.elementwise(t.size, _bits(elem)))
+    em.schedule(out, em.target.schedules.elementwise(t.size, _bits(elem)))
     return expand(em, out, t, elem)
 
 
@@ -158,7 +159,7 @@ def map_elementwise(
     )
     if rank1.rank == 1 and out.size > 1:
         widest = max([_bits(out_elem), *(_bits(_storage(v.dtype)) for _, v in tensors)])
-        em.schedule(result, schedule.elementwise(out.size, widest))
+        em.schedule(result, em.target.schedules.elementwise(out.size, widest))
     result = expand(em, result, out, out_elem)
     return bool_from_bytes(em, result, out) if out.dtype.is_bool else result
 
@@ -177,7 +178,7 @@ def narrow(b: ScalarBuilder, x: str, dtype: dt.DType) -> str:
     """A compute-type scalar rounded back to `dtype` (bf16 without `arith.truncf`, which flushes
     denormals on AVX512-BF16 hosts)."""
     if dtype is dt.bfloat16:
-        return truncate_to_bf16(b, x)
+        return b.emitter.target.math.truncate_to_bf16(b, x)
     return b.op(f"arith.truncf {x} : f32 to {elem_type(dtype)}") if dtype is dt.float16 else x
 
 
@@ -188,9 +189,8 @@ def _math(name: str) -> Callable[[ScalarBuilder, str, str], str]:
     return lambda b, x, e: b.op(f"math.{name} {x} : {e}")
 
 
-# Float math comes from the vectorizable library (mathlib.py); these are plain instructions.
+# Plain float instructions; the other float unary ops are the target's math (`MathLibrary.unary`).
 _FLOAT_UNARY: dict[str, Callable[[ScalarBuilder, str, str], str]] = {
-    **MATH,
     "floor": _math("floor"),
     "ceil": _math("ceil"),
     "round": _math("roundeven"),
@@ -236,11 +236,15 @@ _UNARY = {
 }
 
 
-@lowering(*_FLOAT_UNARY, *_UNARY)
+def unary_scalar(math: MathLibrary, name: str) -> Callable[[ScalarBuilder, str, str], str]:
+    """The scalar code `fn(b, x, elem)` of unary op `name`: plain instructions or `math`'s."""
+    return _UNARY.get(name) or _FLOAT_UNARY.get(name) or math.unary[name]
+
+
 def lower_unary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Unary math, neg/abs/sign, logical and bitwise not."""
     (x,) = op.operands
-    fn = _UNARY.get(op.name) or _FLOAT_UNARY[op.name]
+    fn = unary_scalar(em.target.math, op.name)
     e = compute_elem(x.dtype)
     return [map_elementwise(em, op.result.type, [(operands[0], x)], lambda b, a: fn(b, a[0], e))]
 
@@ -310,16 +314,21 @@ def _by_kind(float_fn, int_fn):
     return lambda b, x, y, e: (int_fn if e.startswith("i") else float_fn)(b, x, y, e)
 
 
+def _math_binary(name: str):
+    """The target's `MathLibrary.binary[name]`, looked up when the body is written."""
+    return lambda b, x, y, e: b.emitter.target.math.binary[name](b, x, y, e)
+
+
 _BINARY = {
     "add": _arith("addf", "addi"),
     "sub": _arith("subf", "subi"),
     "mul": _arith("mulf", "muli"),
     "div": _by_kind(_arith("divf", ""), _int_div),
     "rem": _by_kind(_arith("remf", ""), _int_rem),
-    "pow": _by_kind(MATH_BINARY["pow"], _int_pow),
+    "pow": _by_kind(_math_binary("pow"), _int_pow),
     "max": _arith("maximumf", "maxsi"),
     "min": _arith("minimumf", "minsi"),
-    "atan2": MATH_BINARY["atan2"],
+    "atan2": _math_binary("atan2"),
     "logical_and": _arith("", "andi"),
     "logical_or": _arith("", "ori"),
     "logical_xor": _arith("", "xori"),
@@ -358,13 +367,11 @@ _BINARY.update(
 )
 
 
-@lowering("stop_gradient")
 def lower_identity(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """An autodiff marker: the value itself."""
     return [operands[0]]
 
 
-@lowering(*_BINARY)
 def lower_binary(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Arithmetic, min/max, pow, atan2, logical, bitwise and shift ops."""
     x, y = op.operands
@@ -380,7 +387,6 @@ _INT_PREDICATE = {"eq": "eq", "ne": "ne", "lt": "slt", "le": "sle", "gt": "sgt",
 _BOOL_PREDICATE = {"eq": "eq", "ne": "ne", "lt": "ult", "le": "ule", "gt": "ugt", "ge": "uge"}
 
 
-@lowering(*_FLOAT_PREDICATE)
 def lower_compare(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """eq/ne/lt/le/gt/ge with numpy's nan rules; bools compare as unsigned."""
     x, _ = op.operands
@@ -394,7 +400,6 @@ def lower_compare(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     return [map_elementwise(em, op.result.type, inputs, body, compute_result=False)]
 
 
-@lowering("select")
 def lower_select(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """p ? a : b elementwise."""
     e = compute_elem(op.result.type.dtype)
@@ -450,12 +455,11 @@ def convert_scalar(b: ScalarBuilder, x: str, src: dt.DType, dst: dt.DType) -> st
     if s == "f64" and dst.bits == 16:
         x, s = b.op(f"arith.truncf {x} : f64 to f32"), "f32"
     if dst is dt.bfloat16:
-        return truncate_to_bf16(b, x)
+        return b.emitter.target.math.truncate_to_bf16(b, x)
     widen = dst.bits > (32 if s == "f32" else 64)
     return b.op(f"arith.{'extf' if widen else 'truncf'} {x} : {s} to {d}")
 
 
-@lowering("convert")
 def lower_convert(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """dtype conversion with flowjit's semantics (see `convert_scalar`)."""
     (x,) = op.operands
@@ -464,9 +468,6 @@ def lower_convert(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         return [operands[0]]
     body = lambda b, a: convert_scalar(b, a[0], src, dst)  # noqa: E731
     return [map_elementwise(em, op.result.type, [(operands[0], x)], body, compute_result=False)]
-
-
-INLINES_SPLATS.update(_FLOAT_UNARY, _UNARY, _BINARY, _FLOAT_PREDICATE, ["select", "convert"])
 
 
 # --- iota ----------------------------------------------------------------------------------------
@@ -480,7 +481,6 @@ def iota_scalar(b: ScalarBuilder, dimension: int, dtype: dt.DType) -> str:
     return convert_scalar(b, as_int, dt.int64, dtype)
 
 
-@lowering("iota")
 def lower_iota(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """0, 1, 2, ... along `dimension` from `linalg.index`."""
     t = op.result.type
@@ -494,3 +494,15 @@ def lower_iota(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         [], (em.empty(t), tensor_type(t)), [identity], ["parallel"] * t.rank, body, [], elem_type(t.dtype)
     )
     return [result]
+
+
+def register(table: LoweringTable, math: MathLibrary) -> None:
+    """Add the elementwise and iota lowerings to `table`, the float unary ops being those `math`
+    provides; their splat operands become scalars in the body."""
+    unary = [*math.unary, *_FLOAT_UNARY, *_UNARY]
+    table.tensor.update({name: lower_unary for name in unary})
+    table.tensor.update({name: lower_binary for name in _BINARY})
+    table.tensor.update({name: lower_compare for name in _FLOAT_PREDICATE})
+    table.tensor.update({"stop_gradient": lower_identity, "select": lower_select, "convert": lower_convert})
+    table.tensor["iota"] = lower_iota
+    table.inlines_splats.update(unary, _BINARY, _FLOAT_PREDICATE, ["select", "convert"])

@@ -1,4 +1,5 @@
-"""CPU lowerings of the layout ops: broadcast, reshape, transpose.
+"""Lowerings of the layout ops, for any target: broadcast, reshape, transpose. A target adds them to
+its table with `register`; their copies take the target's schedules (`em.target.schedules`).
 
 reshape is a view (collapse to 1-D, expand to the new shape): it costs nothing unless its result
 must be stored. broadcast and transpose are `linalg.generic` copies with a non-identity input map;
@@ -9,11 +10,10 @@ from __future__ import annotations
 
 import math
 
-from flowjit.backends.cpu import schedule
-from flowjit.backends.cpu.lower_elementwise import filled, reshape_tensor
-from flowjit.backends.cpu.target import lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
+from flowjit.backends.mlir.lower_elementwise import filled, reshape_tensor
 from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, can_collapse, splat_value
+from flowjit.backends.mlir.target import LoweringTable
 from flowjit.ir.graph import Op
 from flowjit.ir.types import TensorType
 
@@ -56,17 +56,16 @@ def row_copy(
 ) -> str:
     """A copy reading whole rows of `x` (its last dim maps to the result's: a broadcast, a transpose
     keeping rows, a slice of unit last stride): above ROW_COPY_MIN_ELEMENTS a vector copy of rows
-    (`schedule.copy_nd`), split over the cores from `parallel_min` elements (default
+    (`copy_nd`), split over the cores from `parallel_min` elements (default
     ROW_COPY_PARALLEL_MIN_ELEMENTS). As plain loops only LLVM's O3 vectorized such copies, which held
     their whole function off the light pipeline."""
     out = _copy_with_map(em, x, source, result, input_map)
     if result.rank >= 1 and result.size > ROW_COPY_MIN_ELEMENTS:
         parallel = result.size >= (ROW_COPY_PARALLEL_MIN_ELEMENTS if parallel_min is None else parallel_min)
-        em.schedule(out, schedule.copy_nd(result.shape, result.dtype.bits, parallel))
+        em.schedule(out, em.target.schedules.copy_nd(result.shape, result.dtype.bits, parallel))
     return out
 
 
-@lowering("broadcast")
 @_on_bytes
 def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A copy with a broadcasting input map (size-1 operand dims read at index 0); a fill for splats."""
@@ -82,10 +81,9 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
         source_dims.append("0" if x.type.shape[i] == 1 and result.shape[d] != 1 else f"d{d}")
     input_map = em.affine_map(f"({dims}) -> ({', '.join(source_dims)})")
     # Large broadcasts keep the threads they had before small ones were scheduled too (not measured apart).
-    return [row_copy(em, operands[0], x.type, result, input_map, schedule.PARALLEL_MIN_ELEMENTS)]
+    return [row_copy(em, operands[0], x.type, result, input_map, em.target.schedules.PARALLEL_MIN_ELEMENTS)]
 
 
-@lowering("reshape")
 @_on_bytes
 def lower_reshape(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A view: collapse to 1-D, expand to the new shape."""
@@ -93,7 +91,6 @@ def lower_reshape(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     return [reshape_tensor(em, operands[0], source, result, _storage(result))]
 
 
-@lowering("transpose")
 @_on_bytes
 def lower_transpose(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A copy with a permuted input map, on the fewest dims: input dims that stay next to each other
@@ -121,31 +118,33 @@ def permute(em: KernelEmitter, tensor: str, t: TensorType, perm, e: str) -> str:
     input_map = em.affine_map(f"({dims}) -> ({', '.join(reads)})")
     source_last = list(perm).index(moved.rank - 1)  # the output dim reading the input's last dim
     bits = moved.dtype.bits
+    schedules = em.target.schedules
     if source_last == moved.rank - 1:  # rows stay rows (split heads: (B, T, H, D) -> (B, H, T, D))
         out = row_copy(em, operand, source, moved, input_map)
-    elif _in_blocks(moved, source_last) and moved.rank == 2 and moved.shape[0] % schedule.transpose_block(bits):
+    elif _in_blocks(em, moved, source_last) and moved.rank == 2 and moved.shape[0] % schedules.transpose_block(bits):
         out = _transposed_in_two(em, operand, source, moved, e, bits)
     else:
         out = _copy_with_map(em, operand, source, moved, input_map)
-        if _in_blocks(moved, source_last):
-            em.schedule(out, schedule.transpose_blocks(moved.shape, source_last, moved.dtype.bits))
+        if _in_blocks(em, moved, source_last):
+            em.schedule(out, schedules.transpose_blocks(moved.shape, source_last, moved.dtype.bits))
     return written_through(em, out, moved, result.shape, e)
 
 
 def _transposed_in_two(em: KernelEmitter, x: str, source: TensorType, moved: TensorType, e: str, bits: int) -> str:
     """A 2-D transpose (K, R) -> (R, K) whose R is no multiple of the block side: the whole blocks
-    of rows (`schedule.transpose_blocks`), then the R % side rows left in tiles of all of them
-    (`schedule.transpose_short_rows`), each into its rows of the output. As one kernel, the last
+    of rows (`transpose_blocks`), then the R % side rows left in tiles of all of them
+    (`transpose_short_rows`), each into its rows of the output. As one kernel, the last
     block of rows stored its rows past R under all-false masks, into pages past the output's end
     (a large output is a mapping of its own): AVX-512's masked stores took a microcode assist each
     on the Zen 4, and (6272, 10) -> (10, 6272) ran 0.67 ms (numpy 24 us), (100000, 10) 9.6 ms (0.46)."""
     rows, k = moved.shape
-    main = rows - rows % schedule.transpose_block(bits)
+    schedules = em.target.schedules
+    main = rows - rows % schedules.transpose_block(bits)
     out_type = tensor_type(moved, e)
     out = em.empty(moved, e)
     for first, count, steps in (
-        (0, main, lambda t: schedule.transpose_blocks(t.shape, 0, bits)),
-        (main, rows - main, lambda t: schedule.transpose_short_rows(t.shape, bits)),
+        (0, main, lambda t: schedules.transpose_blocks(t.shape, 0, bits)),
+        (main, rows - main, lambda t: schedules.transpose_short_rows(t.shape, bits)),
     ):
         if not count:
             continue
@@ -195,16 +194,21 @@ def _merged_dims(shape: tuple[int, ...], perm) -> tuple[tuple[int, ...], tuple[i
     return merged, tuple(order.index(r) for r in range(len(runs)))
 
 
-# Permuted copies of at least this many elements move in blocks (`schedule.transpose_blocks`).
+# Permuted copies of at least this many elements move in blocks (`transpose_blocks`).
 TRANSPOSE_BLOCKS_MIN_ELEMENTS = 1 << 14
 
 
-def _in_blocks(result: TensorType, source_last: int) -> bool:
+def _in_blocks(em: KernelEmitter, result: TensorType, source_last: int) -> bool:
     """Whether a permuted copy moves in blocks: when the input's last dim is not the output's, and
     the copy is large enough. Above rank 2 only when both blocked dims are whole multiples of the
     block side: masked edge blocks of rank 4 (an NCHW -> NHWC copy of 56x56 images) came out
     wrong from MLIR's masked, permuted transfers, while rank 2 is right with any edges (tested)."""
     if source_last == result.rank - 1 or result.size < TRANSPOSE_BLOCKS_MIN_ELEMENTS:
         return False
-    vl = schedule.transpose_block(result.dtype.bits)  # lanes() counts bools as bytes
+    vl = em.target.schedules.transpose_block(result.dtype.bits)  # lanes() counts bools as bytes
     return result.rank == 2 or (result.shape[source_last] % vl == 0 and result.shape[-1] % vl == 0)
+
+
+def register(table: LoweringTable) -> None:
+    """Add the broadcast, reshape and transpose lowerings to `table`."""
+    table.tensor.update({"broadcast": lower_broadcast, "reshape": lower_reshape, "transpose": lower_transpose})

@@ -1,9 +1,11 @@
-"""CPU lowerings of reduce_sum, reduce_max, reduce_min and reduce_prod.
+"""Lowerings of reduce_sum, reduce_max, reduce_min and reduce_prod, for any target: a target adds
+them to its table with `register`.
 
 A reduction over a contiguous group of axes is normalized to one of three shapes by collapsing
 (free on contiguous buffers): a full reduction `(R) -> ()`, rows `(A, R) -> (A)` or columns
-`(A, R, B) -> (A, B)` with B the contiguous trailing extent; each has a schedule in `schedule.py`
-(vector accumulators, both cores when large). Other axis sets reduce one contiguous group at a
+`(A, R, B) -> (A, B)` with B the contiguous trailing extent; each has the target's schedule
+(`em.target.schedules.reduction`; the CPU's `schedule.py`: vector accumulators, both cores when
+large). Other axis sets reduce one contiguous group at a
 time, in the accumulator type.
 
 max/min propagate nan like numpy (`arith.maximumf`/`minimumf`); half types accumulate in f32 and
@@ -15,11 +17,9 @@ from __future__ import annotations
 import itertools
 import math
 
-from flowjit.backends.cpu import reduction_library, schedule
-from flowjit.backends.cpu.lower_elementwise import compute_elem, extend, map_elementwise, reshape_tensor
-from flowjit.backends.cpu.target import CALL_LOWERINGS, lowering
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, scalar_literal, tensor_type
-from flowjit.backends.mlir.lowering import call_lowering
+from flowjit.backends.mlir.lower_elementwise import compute_elem, extend, map_elementwise, reshape_tensor
+from flowjit.backends.mlir.target import LoweringTable
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.ops.reduction import reduction_identity
@@ -39,7 +39,6 @@ def _normal_form(shape: tuple[int, ...], axes: list[int]) -> tuple[int, int, int
     return math.prod(shape[: axes[0]]), math.prod(shape[axes[0] : axes[-1] + 1]), math.prod(shape[axes[-1] + 1 :])
 
 
-@lowering("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """reduce_sum/max/min/prod over `axes` (see the module docstring)."""
     (x,) = op.operands
@@ -52,7 +51,7 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     if source.size == 0:  # nothing to read: the identity, from one plain generic
         acc_type = TensorType(result.shape, acc_dtype)
         acc = _reduce(em, kind, operands[0], source, axes, acc_type)
-    elif axes[-1] != source.rank - 1 and _as_views(source, axes, acc_dtype):
+    elif axes[-1] != source.rank - 1 and _as_views(em, source, axes, acc_dtype):
         acc, acc_type = _combine_views(em, kind, operands[0], source, axes, acc_dtype)
     elif len(_contiguous_groups(axes)) > 1 and axes[-1] != source.rank - 1:
         acc, acc_type = _reduce_columns_at_once(em, kind, operands[0], source, axes, acc_dtype)
@@ -65,12 +64,6 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     if acc_dtype != result.dtype:
         acc = map_elementwise(em, acc_type.with_dtype(result.dtype), [(acc, Value(acc_type))], lambda b, v: v[0])
     return [reshape_tensor(em, acc, acc_type.with_dtype(result.dtype), result)]
-
-
-# A float32/float64 reduction of a whole array as a call of the reduction library
-# (`reduction_library.match`) on its operand's and result's buffers; compiled otherwise.
-for _name in ("reduce_sum", "reduce_max", "reduce_min"):
-    CALL_LOWERINGS[_name] = call_lowering(reduction_library.match)
 
 
 def _contiguous_groups(axes: list[int]) -> list[list[int]]:
@@ -93,7 +86,7 @@ def _reduce_group(em: KernelEmitter, kind: str, x: str, source: TensorType, grou
     flat_acc = TensorType(tuple(d for i, d in enumerate(in_shape) if i != reduced), acc_dtype)
     acc = _reduce(em, kind, reshape_tensor(em, x, source, in_type), in_type, [reduced], flat_acc)
     if in_type.size >= 2:
-        em.schedule(acc, schedule.reduction(in_shape, reduced, acc_dtype.bits, may_stay_plain=not em.loops))
+        em.schedule(acc, em.target.schedules.reduction(in_shape, reduced, acc_dtype.bits, may_stay_plain=not em.loops))
     kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in group), acc_dtype)
     return reshape_tensor(em, acc, flat_acc, kept), kept
 
@@ -114,10 +107,10 @@ def _runs(source: TensorType, axes: list[int]) -> tuple[TensorType, list[int]]:
     return source.with_shape(tuple(d for d, _ in runs)), [i for i, (_, r) in enumerate(runs) if r]
 
 
-def _as_views(source: TensorType, axes: list[int], acc_dtype) -> bool:
+def _as_views(em: KernelEmitter, source: TensorType, axes: list[int], acc_dtype) -> bool:
     """Whether the reduction (not over the last axis) is `_combine_views`' few views of whole vectors."""
     positions = math.prod(source.shape[a] for a in axes)
-    width, vl = source.shape[-1], schedule.lanes(acc_dtype.bits)
+    width, vl = source.shape[-1], em.target.schedules.lanes(acc_dtype.bits)
     return 2 <= positions <= VIEWS_MAX and (width % vl == 0 or width >= 4 * vl) and source.size >= 2 * vl
 
 
@@ -159,9 +152,10 @@ def _combine_views(em: KernelEmitter, kind: str, x: str, source: TensorType, axe
         e,
     )
     if kept.rank == 1:
-        em.schedule(result, schedule.elementwise(kept.size, acc_dtype.bits))
+        em.schedule(result, em.target.schedules.elementwise(kept.size, acc_dtype.bits))
     else:
-        em.schedule(result, schedule.copy_nd(kept.shape, acc_dtype.bits, kept.size >= schedule.PARALLEL_MIN_ELEMENTS))
+        schedules = em.target.schedules
+        em.schedule(result, schedules.copy_nd(kept.shape, acc_dtype.bits, kept.size >= schedules.PARALLEL_MIN_ELEMENTS))
     shape = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in axes), acc_dtype)
     return reshape_tensor(em, result, acc, shape), shape
 
@@ -174,7 +168,7 @@ def _reduce_columns_at_once(em: KernelEmitter, kind: str, x: str, source: Tensor
     in_type, reduced = _runs(source, axes)
     flat_acc = TensorType(tuple(d for i, d in enumerate(in_type.shape) if i not in reduced), acc_dtype)
     acc = _reduce(em, kind, reshape_tensor(em, x, source, in_type), in_type, reduced, flat_acc)
-    em.schedule(acc, schedule.reduction(in_type.shape, tuple(reduced), acc_dtype.bits))
+    em.schedule(acc, em.target.schedules.reduction(in_type.shape, tuple(reduced), acc_dtype.bits))
     kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in axes), acc_dtype)
     return reshape_tensor(em, acc, flat_acc, kept), kept
 
@@ -198,3 +192,8 @@ def _reduce(em: KernelEmitter, kind: str, x: str, source: TensorType, reduced: l
     return em.generic(
         inputs, (init, tensor_type(acc)), [in_map, out_map], iterators, body, [elem_type(source.dtype)], e
     )
+
+
+def register(table: LoweringTable) -> None:
+    """Add the reduction lowerings to `table`."""
+    table.tensor.update({name: lower_reduce for name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")})
