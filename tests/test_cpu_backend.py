@@ -312,7 +312,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         # ... along two, too, when the rows before the first padded axis can split over the cores ...
         (lambda x: fnp.pad(x * 2.0, ((0, 0), (3, 1), (0, 2))), "light ("),
         # ... but a large one whose first padded axis is the first is one row: a fill and a copy
-        # into its interior (on every core), kept on O3 (session 19: 1.12-1.23x as long under light)
+        # into its interior (on every core), kept on O3 (1.12-1.23x as long under light)
         (
             lambda x: fnp.pad(fnp.concatenate([x] * 5, axis=0), ((1, 1), (2, 0), (0, 0))),
             "O3 (for the scalar loops of: pad)",

@@ -703,7 +703,7 @@ def test_short_loops_are_written_out_not_marked(monkeypatch):
     vector steps, the pack's 9 steps; the bias + relu epilogue's row by the transform schedule), so
     nothing reaches LLVM marked `llvm.loop.unroll.full`, which only its O3 pipeline honours: the
     function takes the light pipeline. The kernel's 4 row blocks are a loop (unmarked) around one
-    copy of the register tile (written out until session 19: 4 copies, first call 1.3x as long, run
+    copy of the register tile (written out, 4 copies made the first call 1.3x as long, run
     time the same). The conv output goes to NCHW through the epilogue's generic (no
     `linalg.transpose`, whose 28-element rows LLVM vectorized behind an alias check). One thread."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")

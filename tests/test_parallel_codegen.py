@@ -166,7 +166,7 @@ def test_threads_compiling_with_and_without_loop_strength_reduction(monkeypatch)
             failures.append(e)
 
     threads = [threading.Thread(target=compile_many, args=(k,)) for k in range(4)]
-    # Seen once (session 20, a slow machine): one thread not done at its join, no error. Should it
+    # Seen once (a slow machine): one thread not done at its join, no error. Should it
     # happen again, every thread's stack goes to stderr first, to show where it waits.
     faulthandler.dump_traceback_later(110)
     try:

@@ -55,7 +55,7 @@ LOWERING_MODULES = (
 # constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
 # elementwise and reduction ops (`lower_elementwise`, `lower_reduction`). The others write scalar
 # loops that LLVM's O3 vectorizes or speeds up (sort, gather, scatter, control flow, argmax,
-# pad copies, communication). transpose (session 14): a large copy moves in 8x8
+# pad copies, communication). transpose: a large copy moves in 8x8
 # blocks or, when the input's rows stay rows, as vector row copies, both scheduled; any other
 # (rank 3+ with ragged blocks) is plain loops, which `PLAIN_LOOP_MAX_ELEMENTS` sends to O3. Paired
 # with O3 in one process over six shapes, the same run time; a transformer block's forward, held on
@@ -67,7 +67,7 @@ LOWERING_MODULES = (
 # (`reduce_window`) once its rows were written out rather than marked for unrolling, paired the
 # same way over seven shapes (2x2, 3x3/2 padded, 3x3/1 average; 14 to 112 wide): 0.975-1.017x, first
 # calls 10-40% shorter. Large windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
-# `cumsum` (session 18) writes its vector loops itself (`lower_scan`): paired with O3 in one process
+# `cumsum` writes its vector loops itself (`lower_scan`): paired with O3 in one process
 # over seven shapes, 0.996-1.013x the run time, first calls 1-3 ms shorter. `concatenate` (session
 # 20) once every block, short ones too, was a masked vector copy (`_concatenate_blocks`; an empty
 # result makes no loop): paired call by call with O3 over three shapes, two runs, 0.93-1.03x the
@@ -93,7 +93,7 @@ LIGHT_PIPELINE_LOWERINGS = ("flowjit.backends.mlir.lower_elementwise", "flowjit.
 # not need LLVM's vectorizers (`schedule.PLAIN_LOOP_MAX_ELEMENTS`).
 PLAIN_LOOP_MAX_ELEMENTS = schedule.PLAIN_LOOP_MAX_ELEMENTS
 # The LLVM metadata of a loop marked for full unrolling, which only LLVM's O3 pipeline honours (no
-# lowering marks one since session 8: short loops are written out; the check guards any that would).
+# lowering marks one: short loops are written out; the check guards any that would).
 FULL_UNROLL_METADATA = '!"llvm.loop.unroll.full"'
 
 
@@ -246,7 +246,7 @@ def _light_op(op) -> bool:
     taps: a weight gradient, `lower_conv.over_taps`, ran 1.15-1.25x as long under the light
     list as under O3 once its pad and partial sums were vector code, 8x32x28x28 with 3x3 kernels),
     or a pad of edges (`lower_movement.pads_edges`: rows of vector copies and splat writes, like
-    a concatenation; session 21)."""
+    a concatenation)."""
     if op.name == "pad":
         from flowjit.backends.cpu.lower_movement import pads_edges
 

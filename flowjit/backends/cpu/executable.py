@@ -39,7 +39,7 @@ WORKSPACE_ALIGNMENT = 64
 RECYCLE_MIN_BYTES = 32 << 20
 # Recycled outputs start on a 64-byte line (`OutputRecycler`): numpy's (malloc's) large blocks start
 # 16 bytes past one, so every 64-byte vector store of a kernel writing such an output straddled two
-# lines. On a 2-core Xeon (AVX-512), paired in one process (session 10): the elementwise benchmark's
+# lines. On a 2-core Xeon (AVX-512), paired in one process: the elementwise benchmark's
 # chain into a 64 MiB output 28.6 -> 22.9 ms, tanh 8.6 -> 7.5, x * 0.7 + 0.1 6.2 -> 5.9. Aligning
 # smaller, non-recycled outputs the same way (a view into a 64-byte longer block) gained nothing
 # measurable (softmax, matmul, conv layer within 1%; layer norm and the MLP step 2-4% slower).

@@ -73,11 +73,11 @@ IM2COL_MIN_DEPTH = 8
 
 # The column matrix is a temporary of depth x (columns of the chunk) elements, made and consumed
 # per chunk: runs of whole images while they fit, else blocks of output rows of one image. At 16M
-# elements (64 MiB, the cap before session 7) a chunk was mapped fresh and page-faulted every call
+# elements (64 MiB, an earlier cap) a chunk was mapped fresh and page-faulted every call
 # and went through memory three times (im2col, packing, product): 8x64x56x56 * 64x64x3x3 took 33 ms
 # against 7.4 ms at 512K and PyTorch's 5-9; one image above the cap fell back to the generic
 # (1x64x224x224: 956 ms against PyTorch's 10). At 128K elements (512 KiB of float32) a chunk stays
-# in a core's L2 (1 MiB) while the kernel packs it (session 8, paired against 512K in one process:
+# in a core's L2 (1 MiB) while the kernel packs it (paired against 512K in one process:
 # 8x64x56x56 3x3 0.96-0.97x the time, 32x32x32x32 0.93x, 8x128x28x28 0.97x, the 7x7/2 stem 0.98x,
 # 1x64x224x224 0.97x), but only when that is at least IM2COL_MIN_COLUMNS columns: deeper convs
 # keep WIDE_CHUNK_ELEMENTS (8x256x14x14 1.08x at 98 columns a chunk, 8x512x7x7 1.22x when fewer,
@@ -88,7 +88,7 @@ IM2COL_MIN_COLUMNS = 112
 
 # The chunks of deeper convs, those that decide whether a conv is summed over taps (`over_taps`),
 # and those of a 1x1 conv (its columns are views of the input, so a chunk is only a share of the
-# work per core: 1.05x the time at 128K) keep the cap of session 7.
+# work per core: 1.05x the time at 128K) keep the wider cap.
 WIDE_CHUNK_ELEMENTS = 1 << 19
 
 # A chunk's product (O x columns), which an epilogue reads back, stays under this many elements

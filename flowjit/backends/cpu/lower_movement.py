@@ -420,7 +420,7 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     did, overwritten by the next block or past the row's end. A splat operand (zeros, a constant
     edge: `autodiff._shifted`'s) is written as its scalar, never read; read only by concatenates
     (`INLINES_SPLATS`) it is never stored either: `concatenate([zeros((1024, 3)), x], 1)` 0.076 ->
-    0.066 ms, cumprod's gradient on 1024 x 1024 11.8 -> 11.2 ms (session 21)."""
+    0.066 ms, cumprod's gradient on 1024 x 1024 11.8 -> 11.2 ms."""
     result, axis = op.result.type, op.attrs["axis"]
     outer = math.prod(result.shape[:axis])
     elem = memory_elem_type(result.dtype)
@@ -478,8 +478,8 @@ def _pad_blocks(em: KernelEmitter, x: str, op: Op, scalar: str) -> str:
     """A pad of edges (`pads_edges`) as rows of blocks: for the first padded axis `low` runs of the
     padding value, the operand's part, `high` runs of the value; the operand's part is one block
     when no later axis is padded, else one `_Repeat` of the same per index of the axes up to the
-    next padded one. Until session 21 a fill and a copy into its interior view, plain loops below
-    `schedule.PLAIN_LOOP_MAX_ELEMENTS`, which kept the function on LLVM's O3 pipeline (every
+    next padded one. A fill and a copy into its interior view would be plain loops below
+    `schedule.PLAIN_LOOP_MAX_ELEMENTS`, which keep the function on LLVM's O3 pipeline (every
     gradient of a slice)."""
     source, result = op.operands[0].type, op.result.type
     low, high = op.attrs["low"], op.attrs["high"]
@@ -510,7 +510,7 @@ def _rows_of_blocks(em: KernelEmitter, blocks: list, result: TensorType, axis: i
     columns further on from one run to the next. The
     loops write every element once, so the result needs no fill. Large results split their rows over
     the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one (JAX 0.30-0.32 at its
-    fastest). A block shorter than a vector is one masked copy per row (session 20; it was a fill of
+    fastest). A block shorter than a vector is one masked copy per row (it was a fill of
     the result and strided copies, plain loops): its masked write may set the columns after its
     block to the read's padding, which the blocks after it overwrite (in order, in the same row) and
     the row's end bounds; roll by 3 along the rows of 1024 x 1024 float32 0.26 -> 0.20 ms, two

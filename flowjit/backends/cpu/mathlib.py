@@ -594,7 +594,7 @@ def _libm(name: str) -> Callable[[_Arith, str], str]:
 
 def _atan2_f64(m: _Arith, y: str, x: str) -> str:
     """libm's atan2, with both zeros by selects: MLIR folds `math.atan2` of two constant zeros to
-    nan (C and numpy: atan2(+-0, +0) = +-0, atan2(+-0, -0) = +-pi; fuzzer, session 11)."""
+    nan (C and numpy: atan2(+-0, +0) = +-0, atan2(+-0, -0) = +-pi; found by the fuzzer)."""
     r = m.b.op(f"math.atan2 {y}, {x} : f64")
     zeros = m.both(m.cmp("oeq", y, m.c(0.0)), m.cmp("oeq", x, m.c(0.0)))
     x_negative = m.b.op(f"arith.cmpi slt, {m.bits(x)}, {m.ci(0)} : i64")

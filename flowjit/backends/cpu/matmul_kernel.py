@@ -161,11 +161,11 @@ COLUMN_SPLIT_MIN_K = 64
 # becomes `!llvm.loop` metadata; it must be named `loop_annotation` (`llvm.br`'s own attribute):
 # named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
-# Packing loops over k up to this long are written out (the CNN conv's K = 9), unrolled as LLVM's
-# marked loops were until session 8, without marks (which keep a function on LLVM's O3 pipeline;
-# docs/cpu-backend.md, "Compile time"). The loop over a panel's blocks of MR rows was written out
-# too, up to 4 blocks of constant rows when K is short (the CNN conv's 32 rows, K = 9), until
-# session 19: as a loop, run times the same within 1.6% (alternated in one process: the CNN forward
+# Packing loops over k up to this long are written out (the CNN conv's K = 9), unrolled without
+# LLVM's unroll marks (which keep a function on LLVM's O3 pipeline; docs/cpu-backend.md, "Compile
+# time"). The loop over a panel's blocks of MR rows stays a loop: against up to 4 blocks of constant
+# rows written out when K is short (the CNN conv's 32 rows, K = 9), run times are the same within
+# 1.6% (alternated in one process: the CNN forward
 # 0.80 -> 0.82 ms, 3x3 convs on 1 and 3 channels and K = 16-32 products -1% to +1%) and first calls
 # 20-50% shorter (the CNN 90 -> 71 ms, 16x3x32x32 -> 32 channels 99 -> 50 ms): one copy of the
 # register tile's code instead of four.

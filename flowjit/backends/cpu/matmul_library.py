@@ -23,7 +23,7 @@ when given as (K, M) and re-read by 4 or more panels. docs/cpu-backend.md ("Matm
 measurements.
 
 Which products call it: `call_shape` (f32/f64 products the specialized kernel would split over the
-cores and not stream, K >= 64; and, since session 24, every small one (`SMALL_FLOPS`), on one core
+cores and not stream, K >= 64; and every small one (`SMALL_FLOPS`), on one core
 when the kernel would not fork: `call_threads`) and `lower_dot.library_call` (no batch, not
 both operands transposed); in JIT-compiled code only (`library.disabled` for AOT). With one thread
 a call runs in place (`library.Writer.chunks`: no OpenMP parallel region, whose fork cost a small

@@ -71,7 +71,7 @@ ACCUMULATORS = 4
 # norm 0.45 vs 0.82). Rows longer than `lower_rows.MAX_ROW_BYTES` (no longer cache-resident between
 # the sweeps) keep theirs too: 256 x 32000 log-softmax 2.6 vs 2.3 ms, layer norm 2.0 vs 1.8.
 MIN_ROW_BYTES = 2048
-# ... unless the whole input is at most this many bytes (session 24): then the library's run time is
+# ... unless the whole input is at most this many bytes: then the library's run time is
 # at most a few microseconds more, and the kernel's compile 20-40 ms. Paired (min of 7 x 200 calls),
 # library vs kernel: softmax 128 x 128 9.5 vs 9.0 us, 64 x 64 4.4 vs 4.1, 256 x 64 11.7 vs 8.6; layer
 # norm 128 x 128 6.4 vs 6.0, 256 x 64 7.7 vs 6.5; first calls 11-17 ms against 32-58.

@@ -30,7 +30,7 @@ PLAIN_LOOP_MAX_ELEMENTS = 4096
 # A full reduction over the cores: this many partial results, each with this many vector
 # accumulators (`_full_reduction`). Inputs of at least `STREAMING_REDUCTION_MIN_BYTES` (streamed from
 # memory, not held in any cache) take one accumulator per partial and 4x the partials, so that each
-# lane adds as many elements in sequence: 2-core Xeon (session 10), sum of 256 MiB of float32 8.7 ->
+# lane adds as many elements in sequence: 2-core Xeon, sum of 256 MiB of float32 8.7 ->
 # 7.1 ms (PyTorch 8.5, torch.compile 7.5, whose loop adds one vector at a time too), while from
 # cache (64 MiB, still in this VM's L3) one accumulator was 7% slower and at 1-16 MiB the same.
 FULL_REDUCTION_CHUNKS = 64
@@ -39,8 +39,8 @@ STREAMING_REDUCTION_MIN_BYTES = 128 << 20
 ANY = "!transform.any_op"
 # LLVM's pipeline does not unroll loops on its own (`toolchain.optimization_pipeline`): a loop with
 # a short constant trip count is unrolled by its schedule (`copy_nd`) or written out by the lowering
-# (`row_writers.row_of_vectors`, the matmul kernel's pack and row blocks). Until session 8
-# such loops were marked for LLVM's full unrolling instead, which kept their functions on O3.
+# (`row_writers.row_of_vectors`, the matmul kernel's pack and row blocks), not marked for LLVM's
+# full unrolling, which would keep their functions on the O3 pipeline.
 # Vector steps up to which a row's loop is unrolled.
 MAX_UNROLLED_STEPS = 4
 # Rows shorter than a vector and at most this long reduce whole rows per tile (`_short_row_reduction`):
@@ -321,7 +321,7 @@ def _full_reduction(vl: int, parallel: bool, streams: bool):
         ]
         if parallel:
             # The partials are combined a vector at a time: vectorized whole, the streaming sum's 256
-            # were one <256 x float> add tree, ~1 ms of LLVM's instruction selection (session 21).
+            # were one <256 x float> add tree, ~1 ms of LLVM's instruction selection.
             lines += [
                 f"%cfill{n}, %csplit{n}, %ccomb{n}, %cloop{n} = transform.structured.tile_reduction_using_for "
                 f"%pcomb{n} by tile_sizes = [{vl}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",

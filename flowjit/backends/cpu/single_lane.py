@@ -6,7 +6,7 @@ with one lane on (`llvm.masked.store` with a constant mask). When the stored vec
 from wider elements (a bool row of comparisons of int64 values: `argmax(x, 0) < 0` on (40, 9)),
 the x86 back end of llvmlite 0.50's LLVM first makes it a truncating masked store, then, seeing one
 lane, a scalar store of the wide element: 8 bytes written for one, the last row's 7 past the end of
-the output (heap corruption, found by the fuzzer in session 17; the generated assembly has
+the output (heap corruption, found by the fuzzer; the generated assembly has
 `movq %rdi, 8(%r14,%rsi)` where one byte was due). Such stores are rewritten in the LLVM IR, before
 LLVM's passes, as the lane's `extractelement`, its address and a plain store of one element, which
 LLVM compiles at the element's width. Stores of more lanes (a `vpmovqb` under a mask) are right and

@@ -165,7 +165,7 @@ def written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tu
     (`em.store_through`): through the reshape empty-tensor elimination gave up, and each call
     filled a temporary of the result's size and copied it out (a stack of three 16 MiB arrays
     took 37 ms, 9.5 so; a (8, 32, 28, 28) -> (32, 8, 28, 28) transpose, moved as (32, 8, 784),
-    copied 800 KB more until session 19)."""
+    copied 800 KB more)."""
     shaped = reshape_tensor(em, loops, kernel, kernel.with_shape(shape), elem)
     if shaped != loops and can_collapse(shape, kernel.shape):
         em.store_through(shaped, loops, kernel.shape)

@@ -173,8 +173,8 @@ def _vector_pad(em: KernelEmitter, x: str, source, result, scalar: str, low) -> 
     """`pad_tensor` as two n-d generics with the target's `copy_nd`: the fill, then the copy into the
     interior view (in place), over the cores from `PARALLEL_MIN_ELEMENTS` on. As a fill and
     a strided insert they were a memset and a copy loop on one thread: 8x64x56x56 float32 padded
-    by 1, 0.4 ms of a 5.5 ms convolution; and below the parallel size (until session 19) a scalar
-    copy loop that kept the whole function on LLVM's O3 pipeline (a conv weight gradient's
+    by 1, 0.4 ms of a 5.5 ms convolution; and below the parallel size a scalar
+    copy loop would keep the whole function on LLVM's O3 pipeline (a conv weight gradient's
     32x8x28x28 input padded to 30x30: `compiler.light_pipeline`)."""
     schedules = em.target.schedules
     elem = memory_elem_type(result.dtype)

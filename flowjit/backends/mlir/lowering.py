@@ -503,7 +503,7 @@ def _slice_views(graph: Graph, fl: _FunctionLowering) -> dict[Value, SliceView]:
     other axis whole: `fnp.roll`'s two pieces, `concatenate([x[..., h:], x[..., :h]])`): each such
     slice is a run of contiguous blocks of its source, which the concatenate copies from the source
     directly (`lower_movement._concatenate_blocks`) instead of from a copy of the slice made by a
-    kernel of its own (session 21, 10th percentiles of 300 calls, float32): roll by 3 along the rows
+    kernel of its own (10th percentiles of 300 calls, float32): roll by 3 along the rows
     of 1024 x 1024 0.216 -> 0.063 ms (torch 0.07), by 100 along its columns 0.198 -> 0.095, halves of
     (8, 512, 128) swapped 0.099 -> 0.030, a roll along both axes 0.46 -> 0.19; first calls 6-20 ms
     shorter (one kernel instead of three). The source then lives until the concatenate (its

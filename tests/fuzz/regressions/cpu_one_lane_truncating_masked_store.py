@@ -1,4 +1,4 @@
-"""Fuzzer regression: the process died (exit status -6): corrupted size vs. prev_size in fastbins. A bool row of int64 comparisons ending one element past a vector: LLVM stored that one-lane masked store 8 bytes wide (fixed by single_lane.py, session 17).
+"""Fuzzer regression: the process died (exit status -6): corrupted size vs. prev_size in fastbins. A bool row of int64 comparisons ending one element past a vector: LLVM stored that one-lane masked store 8 bytes wide (fixed by single_lane.py).
 
 Written by tests/fuzz (see docs/fuzzing.md); run by tests/test_fuzz.py forever after.
 """
