@@ -47,7 +47,7 @@ from flowjit.passes import dump
 from flowjit.passes.fuse import fusion_summary
 from flowjit.passes.partition import graph_devices, placement_report, split_partitions
 from flowjit.passes.registry import run_pipeline
-from flowjit.runtime.devices import DeviceSpec, devices
+from flowjit.runtime.devices import DeviceSpec, placement_devices
 from flowjit.runtime.executor import PartitionedExecutable
 
 # The optimization pipeline for every target, top to bottom.
@@ -613,7 +613,7 @@ class Lowered:
         if stage == "optimized" and stage not in self._graphs:
             # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
             copy = self._graphs["traced"].copy()
-            copy.devices = tuple(d.name for d in devices())  # fusion and placement fit every local device
+            copy.devices = tuple(d.name for d in placement_devices())  # local devices and a cluster's tasks'
             self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
         if stage == "placement" and stage not in self._graphs:
             copy = self.graph("optimized").copy()

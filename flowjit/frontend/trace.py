@@ -172,10 +172,13 @@ def _innermost(tracers: Sequence[Tracer]) -> Trace:
     return trace
 
 
-def bind(name: str, operands: Sequence, attrs: dict | None = None, loc: Location | None = None):
+def bind(
+    name: str, operands: Sequence, attrs: dict | None = None, loc: Location | None = None, device: str | None = None
+):
     """Apply op `name`: trace it if any operand is a Tracer, else evaluate it eagerly.
 
-    Returns one Tracer/array for one-result ops, else a list.
+    A traced op is constrained to `device` when given (a variable's ops go where it lives), else
+    to the device scope it is traced in. Returns one Tracer/array for one-result ops, else a list.
     """
     attrs = {k: normalize_attr(v) for k, v in (attrs or {}).items()}
     tracers = [x for x in operands if isinstance(x, Tracer)]
@@ -184,7 +187,7 @@ def bind(name: str, operands: Sequence, attrs: dict | None = None, loc: Location
         return _eval_eager(name, operands, attrs, loc)
     trace = _innermost(tracers) if tracers else current_trace()
     values = [trace.lift(x) for x in operands]
-    op = make_op(name, values, attrs, loc, device=trace.device)
+    op = make_op(name, values, attrs, loc, device=device or trace.device)
     trace.graph.append(op)
     outs = [Tracer(r, trace) for r in op.results]
     return outs[0] if len(outs) == 1 else outs

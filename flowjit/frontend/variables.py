@@ -6,6 +6,12 @@
 Inside a traced function these become ordered `read_variable`/`assign*` ops; compiled code reads and
 updates the variable's own buffer in place. Each variable has a lock: a compiled call holds the
 locks of every variable it touches, so concurrent calls never tear a variable.
+
+A variable created inside `with fj.device(spec):` (or with `device=spec`) lives there: every op
+that reads or updates it is placed on that device, whatever scope it is traced in (TensorFlow's
+colocation of a variable's ops). When that device belongs to another task of a cluster, the value
+lives in that task's process, and `.value`/`assign` outside jit go there
+(`flowjit.runtime.tasks.variable_home`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from flowjit.frontend.trace import Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
 from flowjit.ir.types import TensorType
+from flowjit.runtime.devices import DeviceSpec, current_device_spec
+from flowjit.runtime.tasks import variable_home
 
 _names_lock = threading.Lock()
 _counter = itertools.count()
@@ -59,7 +67,9 @@ def _as_host_array(value, dtype=None) -> np.ndarray:
 class Variable:
     """A named, typed buffer that outlives calls; read and updated by ordered ops in traced code."""
 
-    def __init__(self, value, name: str | None = None, dtype=None):
+    def __init__(self, value, name: str | None = None, dtype=None, device=None):
+        spec = DeviceSpec.parse(device) if device is not None else current_device_spec()
+        self.device = None if spec is None else str(spec)  # where its ops are placed (None: anywhere)
         self._buffer = np.array(_as_host_array(value, dtype), order="C")
         self.type = TensorType(self._buffer.shape, dt.dtype(self._buffer.dtype))
         self.name = _unique_name(name)
@@ -95,9 +105,8 @@ class Variable:
         """The current value: a traced read inside jit, a copy of the buffer outside."""
         if current_trace() is not None:
             self._register()
-            return bind("read_variable", [], self._attrs())
-        with self.lock:
-            return self._buffer.copy()
+            return bind("read_variable", [], self._attrs(), device=self.device)
+        return self.numpy()
 
     def __array__(self, dtype=None, copy=None):
         value = self.value
@@ -119,7 +128,7 @@ class Variable:
                 x = fnp.broadcast_to(x, self.shape)
             x = fnp.astype(x, self.type.dtype)
             self._register()
-            bind(op, [x], self._attrs())
+            bind(op, [x], self._attrs(), device=self.device)
             return self
         array = np.asarray(x)
         try:
@@ -127,12 +136,18 @@ class Variable:
         except ValueError:
             raise self._shape_error(FlowjitValueError, op, array.shape) from None  # as numpy reports them
         with self.lock, np.errstate(over="ignore"):
+            home = variable_home(self.name)
+            current = self._buffer if home is None else home.read()
             if op == "assign":
-                np.copyto(self._buffer, array, casting="unsafe")
+                new = array
             elif op == "assign_add":
-                np.copyto(self._buffer, self._buffer + array, casting="unsafe")
+                new = current + array
             else:
-                np.copyto(self._buffer, self._buffer - array, casting="unsafe")
+                new = current - array
+            if home is None:
+                np.copyto(self._buffer, new, casting="unsafe")
+            else:
+                home.write(np.array(np.broadcast_to(new, self.shape), dtype=self.dtype))
         return self
 
     def _shape_error(self, kind: type[FlowjitError], op: str, shape) -> FlowjitError:
@@ -154,6 +169,7 @@ class Variable:
         return self._update("assign_sub", x)
 
     def numpy(self) -> np.ndarray:
-        """A copy of the current value (outside traced code)."""
+        """A copy of the current value (outside traced code), fetched from the task it lives in."""
         with self.lock:
-            return self._buffer.copy()
+            home = variable_home(self.name)
+            return self._buffer.copy() if home is None else home.read()

@@ -38,6 +38,9 @@ ELEMENTS_PER_US = 1000.0  # elementwise/movement work: ~1 ns per element touched
 FLOPS_PER_US = 4000.0  # contractions: multiply-adds per microsecond on one core
 TRANSFER_LATENCY_US = 30.0  # one send/recv between CPU devices (rendezvous hand-off, thread wake-up)
 TRANSFER_BYTES_PER_US = 4000.0  # ~4 GB/s: one memcpy between host buffers
+# Between tasks (processes, maybe machines): a Ray call and the object store or the network.
+TASK_TRANSFER_LATENCY_US = 1000.0
+TASK_TRANSFER_BYTES_PER_US = 1000.0  # ~1 GB/s
 
 # Ops with no operands that are cheaper to recreate than to move: placed with their first consumer,
 # and duplicated by `partition` for consumers on other devices.
@@ -133,9 +136,17 @@ def op_cost_us(op: Op) -> float:
     return (sum(sizes) + out) / ELEMENTS_PER_US
 
 
-def transfer_us(value: Value) -> float:
-    """Estimated cost of moving `value` between two CPU devices, in microseconds."""
+def transfer_us(value: Value, source: str | None = None, dest: str | None = None) -> float:
+    """Estimated cost of moving `value` from device `source` to device `dest` in microseconds:
+    between two CPU devices of one process, or (when the names' tasks differ) between tasks."""
+    if source is not None and dest is not None and _task(source) != _task(dest):
+        return TASK_TRANSFER_LATENCY_US + value.type.nbytes / TASK_TRANSFER_BYTES_PER_US
     return TRANSFER_LATENCY_US + value.type.nbytes / TRANSFER_BYTES_PER_US
+
+
+def _task(device: str) -> tuple[str | None, int | None]:
+    spec = DeviceSpec.parse(device)
+    return spec.job, spec.task
 
 
 class _Scheduler:
@@ -155,7 +166,7 @@ class _Scheduler:
             return 0.0, 0
         if (value, device) in self.ready:
             return self.ready[(value, device)], 0
-        return self.ready[(value, home)] + transfer_us(value), value.type.nbytes
+        return self.ready[(value, home)] + transfer_us(value, home, device), value.type.nbytes
 
     def estimate(self, op: Op, device: str) -> tuple[float, int]:
         start, moved = self.free_at[device], 0
@@ -183,7 +194,7 @@ class _Scheduler:
         for d in candidates:
             finish, moved = self.estimate(op, d.name)
             if bound_for is not None and d.name != bound_for:
-                finish += sum(transfer_us(r) for r in op.results)
+                finish += sum(transfer_us(r, d.name, bound_for) for r in op.results)
             scored[d.name] = (finish, moved)
         best = min(scored, key=lambda d: (*scored[d], self.order[d]))
         home = self.affinity(op, bound_for)

@@ -20,10 +20,22 @@ from flowjit.errors import FlowjitValueError
 from flowjit.ir.devices import DEVICE_TYPES, LOCAL_JOB, Device, DeviceSpec, register_device_type, unregister_device_type
 from flowjit.ir.devices import resolve as resolve_among
 
-__all__ = ["LOCAL_JOB", "Device", "DeviceSpec", "current_device_spec", "device", "devices", "resolve"]
+__all__ = [
+    "LOCAL_JOB",
+    "Device",
+    "DeviceSpec",
+    "current_device_spec",
+    "device",
+    "devices",
+    "placement_devices",
+    "register_task_devices",
+    "resolve",
+]
 
 # device type -> a function returning how many devices of that type this process has
 _providers: dict[str, Callable[[], int]] = {}
+# functions returning the devices of other tasks (processes) a running cluster offers to placement
+_task_devices: list[Callable[[], list[Device]]] = []
 
 
 def cpu_device_count() -> int:
@@ -58,6 +70,27 @@ def devices(device_type: str | None = None) -> list[Device]:
     counts = {"cpu": cpu_device_count(), **{t: count() for t, count in _providers.items()}}
     found = [Device(DeviceSpec(LOCAL_JOB, 0, t, i)) for t, n in counts.items() for i in range(n)]
     return [d for d in found if device_type is None or d.device_type == device_type]
+
+
+def register_task_devices(provider: Callable[[], list[Device]]) -> Callable[[], None]:
+    """Offer the devices `provider()` returns (those of other tasks: a cluster's) to placement,
+    beside the local ones, until the returned function is called."""
+    _task_devices.append(provider)
+
+    def unregister() -> None:
+        if provider in _task_devices:
+            _task_devices.remove(provider)
+
+    return unregister
+
+
+def placement_devices() -> list[Device]:
+    """The devices placement may use: this process's own, then those of the tasks of running
+    clusters (`flowjit.distributed.Cluster`)."""
+    found = devices()
+    for provider in list(_task_devices):
+        found += [d for d in provider() if d not in found]
+    return found
 
 
 def resolve(spec: str | DeviceSpec, candidates: list[Device] | None = None) -> list[Device]:

@@ -17,6 +17,7 @@ notes. A recv whose send can no longer come
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -30,9 +31,10 @@ from flowjit.backends.registry import backend_for_device, get_backend
 from flowjit.ir.graph import Graph
 from flowjit.passes.partition import PartitionPlan, short_device_name
 from flowjit.runtime.rendezvous import Rendezvous, TransferError
+from flowjit.runtime.tasks import TaskStep, is_local, remote_runner, task_name
 from flowjit.runtime.transports import Transport, transport_for
 
-__all__ = ["PartitionError", "PartitionedExecutable", "routes"]
+__all__ = ["PartitionError", "PartitionedExecutable", "crossings", "routes", "routes_between", "run_partitions"]
 
 
 class Partition:
@@ -47,30 +49,105 @@ class Partition:
         return self.executable.run_step(args, variables, rendezvous)
 
 
-def routes(plan: PartitionPlan) -> dict[str, Transport]:
-    """Each rendezvous key's transport, from the devices of its send and its recv."""
+def _endpoints(graphs: Sequence[Graph], devices: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Each rendezvous key's (sending device, receiving device), among these partitions."""
     senders, receivers = {}, {}
-    for partition in plan.partitions:
-        for op in partition.graph.ops:
+    for graph, device in zip(graphs, devices):
+        for op in graph.ops:
             if op.name == "send":
-                senders[op.attrs["key"]] = partition.device
+                senders[op.attrs["key"]] = device
             elif op.name == "recv":
-                receivers[op.attrs["key"]] = partition.device
-    return {key: transport_for(senders[key], receivers[key]) for key in receivers if key in senders}
+                receivers[op.attrs["key"]] = device
+    return {key: (senders[key], receivers[key]) for key in receivers if key in senders}
+
+
+def routes_between(graphs: Sequence[Graph], devices: Sequence[str]) -> dict[str, Transport]:
+    """The transport of each key sent and received among these partitions (on `devices`) whose
+    send and recv are in one task."""
+    return {
+        key: transport_for(src, dst)
+        for key, (src, dst) in _endpoints(graphs, devices).items()
+        if task_name(src) == task_name(dst)
+    }
+
+
+def routes(plan: PartitionPlan) -> dict[str, Transport]:
+    """The transport of each key of `plan` whose send and recv are in one task."""
+    return routes_between([p.graph for p in plan.partitions], [p.device for p in plan.partitions])
+
+
+def crossings(plan: PartitionPlan) -> dict[str, tuple[str, str]]:
+    """The keys whose send and recv are in different tasks, with their (sending, receiving) device."""
+    ends = _endpoints([p.graph for p in plan.partitions], [p.device for p in plan.partitions])
+    return {key: pair for key, pair in ends.items() if task_name(pair[0]) != task_name(pair[1])}
+
+
+def run_partitions(
+    parts: Sequence[Partition],
+    inputs: Sequence[Sequence[int]],
+    args: Sequence[np.ndarray],
+    variables: dict,
+    rendezvous: Rendezvous,
+) -> list[list[np.ndarray]]:
+    """Run one step of `parts` (partition n reads `args[i]` for i in `inputs[n]`) on `rendezvous`,
+    each on its own thread (the first on the caller's). A failure cancels the step and is raised
+    once every partition has stopped: the root failure, noting the others."""
+    outs: list[list | None] = [None] * len(parts)
+    errors: list[BaseException | None] = [None] * len(parts)
+
+    def work(n: int) -> None:
+        part_args = [args[i] for i in inputs[n]]
+        try:
+            outs[n] = parts[n].run(part_args, variables, rendezvous)
+        except BaseException as e:  # noqa: BLE001 (any failure must cancel the step, then reach the caller)
+            errors[n] = e
+            rendezvous.cancel(e)
+        finally:
+            rendezvous.leave()
+
+    finished = [WORKERS.submit(functools.partial(work, n)) for n in range(1, len(parts))]
+    if parts:
+        work(0)
+    for event in finished:
+        event.wait()
+    if any(e is not None for e in errors):
+        raise step_error([(parts[n].device, e) for n, e in enumerate(errors) if e is not None])
+    return outs
+
+
+def step_error(failed: list[tuple[str, BaseException]]) -> BaseException:
+    """The root failure of a step (not a recv woken by the cancellation), noting the others."""
+    roots = [(d, e) for d, e in failed if not (isinstance(e, TransferError) and "cancelled" in str(e))]
+    _, root = (roots or failed)[0]
+    for other_device, other in failed:
+        if other is not root:
+            root.add_note(f"partition on {other_device} stopped: {other}")
+    return root
 
 
 class PartitionedExecutable(Executable):
     """All partitions of one function, run together per call. Each is compiled by the backend of
     its device's type, or by the backend `target` names for all (e.g. 'interpreter'); each value
-    crossing devices moves through the transport of its device pair."""
+    crossing devices moves through the transport of its device pair. Partitions on devices of
+    other tasks are loaded into those tasks by the running cluster (`flowjit.runtime.tasks`) and
+    run there, joined to this process's partitions by one message per (step, task pair)."""
 
     def __init__(self, plan: PartitionPlan, target: str | None = None):
         self.plan = plan
         self.routes = routes(plan)
-        self.parts = [Partition(p.graph, p.device, target) for p in plan.partitions]
-        names = ", ".join(p.device for p in self.parts)
-        inner = sorted({p.executable.backend for p in self.parts})
-        self.backend = f"{len(self.parts)} partitions on {names}, each {' / '.join(inner)}"
+        self.local = [n for n, p in enumerate(plan.partitions) if is_local(p.device)]
+        self.parts = [Partition(plan.partitions[n].graph, plan.partitions[n].device, target) for n in self.local]
+        self.inputs = [plan.partitions[n].inputs for n in self.local]
+        remote = {n: (p.graph, p.device, p.inputs) for n, p in enumerate(plan.partitions) if not is_local(p.device)}
+        self.remote = None
+        if remote:
+            cut = crossings(plan)
+            self.outgoing = {k: task_name(dst) for k, (src, dst) in cut.items() if is_local(src)}
+            self.incoming = {k for k, (src, dst) in cut.items() if is_local(dst)}
+            self.remote = remote_runner([p.device for p in plan.partitions]).load(remote, cut, target)
+        names = ", ".join(short_device_name(p.device) for p in plan.partitions)
+        inner = sorted({p.executable.backend for p in self.parts} | ({"remote tasks"} if remote else set()))
+        self.backend = f"{len(plan.partitions)} partitions on {names}, each {' / '.join(inner)}"
         self.stages = _PartitionStages(self.parts)
 
     def run(
@@ -79,40 +156,38 @@ class PartitionedExecutable(Executable):
         """One step: every partition on its own thread, results gathered in the original order.
         Partitioned functions do not take donated buffers (`aliases` is empty): results are fresh."""
         variables = variables or {}
-        rendezvous = Rendezvous(parties=len(self.parts), routes=self.routes)
-        outs: list[list | None] = [None] * len(self.parts)
-        errors: list[BaseException | None] = [None] * len(self.parts)
-
-        def work(n: int) -> None:
-            part_args = [args[i] for i in self.plan.partitions[n].inputs]
-            try:
-                outs[n] = self.parts[n].run(part_args, variables, rendezvous)
-            except BaseException as e:  # noqa: BLE001 (any failure must cancel the step, then reach the caller)
-                errors[n] = e
-                rendezvous.cancel(e)
-            finally:
-                rendezvous.leave()
-
-        finished = [WORKERS.submit(functools.partial(work, n)) for n in range(1, len(self.parts))]
-        work(0)
-        for event in finished:
-            event.wait()
-        if any(e is not None for e in errors):
-            raise self._step_error(errors)
+        if self.remote is None:
+            rendezvous = Rendezvous(parties=len(self.parts), routes=self.routes)
+            local = run_partitions(self.parts, self.inputs, args, variables, rendezvous)
+            outs = dict(zip(self.local, local))
+        else:
+            outs = self._run_across_tasks(args, variables)
         return [
             args[source[1]] if source[0] == "param" else outs[source[1]][source[2]]
             for source in self.plan.result_sources
         ]
 
-    def _step_error(self, errors: list[BaseException | None]) -> BaseException:
-        """The root failure of a step (not a recv woken by the cancellation), noting the others."""
-        failed = [(self.parts[n].device, e) for n, e in enumerate(errors) if e is not None]
-        roots = [(d, e) for d, e in failed if not (isinstance(e, TransferError) and "cancelled" in str(e))]
-        device, root = (roots or failed)[0]
-        for other_device, other in failed:
-            if other is not root:
-                root.add_note(f"partition on {other_device} stopped: {other}")
-        return root
+    def _run_across_tasks(self, args, variables) -> dict[int, list[np.ndarray]]:
+        step_key = self.remote.new_step_key()
+        rendezvous = TaskStep(
+            step_key,
+            parties=len(self.parts),
+            routes=self.routes,
+            incoming=self.incoming,
+            outgoing=self.outgoing,
+            post=functools.partial(self.remote.post, step_key),
+        )
+        remote = self.remote.start(step_key, args, variables, rendezvous)
+        try:
+            local = run_partitions(self.parts, self.inputs, args, variables, rendezvous)
+        except BaseException as e:
+            remote.cancel(e)
+            with contextlib.suppress(Exception):  # the root failure is the local one
+                remote.join()
+            raise
+        outs = remote.join()
+        outs.update(zip(self.local, local))
+        return outs
 
 
 class _WorkerPool:

@@ -172,7 +172,7 @@ class Rendezvous:
         what = f"recv '{key}'" if key is not None else "send_done"
         if self._cancelled is not None:
             raise TransferError(f"{where}{what} of step {self.step_id} cancelled: another partition failed")
-        if self._parties is not None and self._stuck(len(self._blocked) + 1):
+        if self._parties is not None and self._stuck(len(self._blocked) + 1, key):
             raise TransferError(
                 f"{where}{what} of step {self.step_id} can never complete: every other partition has "
                 "finished or waits too, with nothing to receive (a compiler bug: please report it)"
@@ -189,9 +189,10 @@ class Rendezvous:
         finally:
             self._blocked.remove(key)
 
-    def _stuck(self, waiting: int) -> bool:
-        """True when `waiting` recvs are all the partitions still running and none of the keys
-        they wait for has arrived (a woken waiter still counts until it runs: check its key)."""
+    def _stuck(self, waiting: int, key: str | None) -> bool:
+        """True when `waiting` recvs (those blocked, and one about to wait for `key`) are all the
+        partitions still running and none of the keys they wait for has arrived (a woken waiter
+        still counts until it runs: check its key)."""
         if waiting < self._parties - self._finished:
             return False
         return not any(
