@@ -128,14 +128,25 @@ class Cluster:
         return self
 
     def _start_actors(self, ray) -> None:
-        total = ray.cluster_resources().get("CPU", 1.0)
-        share = self.cpus_per_task if self.cpus_per_task is not None else min(1.0, total / len(self.tasks))
-        share = max(math.floor(share * 100) / 100, 0.01)  # rounded down: the bundles must fit
+        available = ray.available_resources().get("CPU", 0.0)
+        share = self.cpus_per_task if self.cpus_per_task is not None else min(1.0, available / len(self.tasks))
+        share = math.floor(share * 100) / 100  # rounded down: the bundles must fit
+        if share < 0.01:
+            raise TaskError(
+                f"the Ray cluster has {available:g} CPUs free for the {len(self.tasks)} tasks of {self.spec}: "
+                "pass cpus_per_task= (a fraction is fine) or free some"
+            )
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._placement_group = placement_group([{"CPU": share} for _ in self.tasks], strategy="SPREAD")
-        ray_support.get(self._placement_group.ready(), "placing the cluster's tasks on Ray's nodes")
+        try:
+            ray_support.get(self._placement_group.ready(), "placing the cluster's tasks on Ray's nodes", timeout=60)
+        except TaskError:
+            raise TaskError(
+                f"Ray could not place the {len(self.tasks)} tasks of {self.spec} with {share:g} CPUs each within 60 s "
+                f"(free CPUs: {ray.available_resources().get('CPU', 0.0):g}); pass a smaller cpus_per_task="
+            ) from None
         environment = {k: v for k, v in os.environ.items() if k.startswith("FLOWJIT_")}
         actor_class = ray.remote(max_concurrency=64)(TaskActor)
         for i, task in enumerate(self.tasks):
@@ -189,6 +200,11 @@ class Cluster:
     def devices(self) -> list[Device]:
         """The devices of the cluster's tasks (one CPU device each)."""
         return [Device(DeviceSpec(*_job_task(t), "cpu", 0)) for t in self.tasks]
+
+    def where(self) -> dict[str, tuple[str, int]]:
+        """Each task's (Ray node id, process id), asked now (a restarted task has a new process)."""
+        refs = [self.actor(t).where.remote() for t in self.tasks]
+        return dict(zip(self.tasks, ray_support.get(refs, "asking the tasks where they run")))
 
     def actor(self, task: str):
         """The Ray actor of `task` ('/job:ps/task:0')."""

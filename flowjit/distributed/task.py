@@ -58,6 +58,12 @@ class TaskActor:
     def ping(self) -> int:
         return os.getpid()
 
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id) of this task."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     # --- roles: library objects living in this task (a parameter shard, a training replica) -------
     def host(self, role: str, factory, *args, **kwargs) -> None:
         """Create `factory(*args, **kwargs)` in this process under the name `role`."""

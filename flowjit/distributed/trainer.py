@@ -100,6 +100,7 @@ class ParameterShard:
         self.mode = mode
         self.compress = compress
         self.step = 0
+        self._delays: dict[int, float] = {}
         self.dropped = 0
         self._deposits: dict[tuple[int, int], dict] = {}
         self._cond = threading.Condition()
@@ -184,10 +185,12 @@ class Replica:
         self.timeout_s = timeout_s
         self._grad = jit(value_and_grad(loss_fn))
 
-    def compute(self, step: int, batch, sync: bool) -> tuple[int, float, float]:
+    def compute(self, step: int, batch, sync: bool, delay_s: float = 0.0) -> tuple[int, float, float]:
         """Pull the parameters of `step` (sync) or the latest (async), compute on `batch`, deposit
         each shard's gradient on its PS. Returns (step, loss, seconds)."""
         start = time.perf_counter()
+        if delay_s:
+            time.sleep(delay_s)  # a simulated straggler
         pulls = [ps.call.remote(_PS_ROLE, "pull", step if sync else 0, self.timeout_s) for ps in self.ps]
         pulled = ray_support.get(pulls, f"worker {self.index} pulling parameters", timeout=self.timeout_s)
         values = {}
@@ -291,6 +294,7 @@ class Trainer:
             self.sparse.append(self.names[matches[0]])
         self.shards = shard_by_size({n: v.nbytes for n, v in self.initial.items()}, len(self.ps_tasks))
         self.step = 0
+        self._delays: dict[int, float] = {}
         self.dropped = 0  # gradients computed but not applied (sync: stragglers and extra backups)
         _register_by_value(loss_fn)
         for k in range(len(self.ps_tasks)):
@@ -327,7 +331,8 @@ class Trainer:
 
     def _compute(self, i: int, step: int, batch):
         actor = self.cluster.actor(self.worker_tasks[i])
-        return actor.call.remote(_REPLICA_ROLE, "compute", step, batch, self.mode == "sync")
+        delay = self._delays.get(i, 0.0)
+        return actor.call.remote(_REPLICA_ROLE, "compute", step, batch, self.mode == "sync", delay)
 
     # --- training -----------------------------------------------------------------------------------
     def fit(
@@ -338,9 +343,14 @@ class Trainer:
         checkpoint_every: int = 0,
         progress: bool | None = None,
         log: Callable[[int, dict], None] | None = None,
+        worker_delay: dict[int, float] | None = None,
     ) -> History:
         """Train for `steps` applied updates. `batches` is an iterable of batches (each handed to
-        one worker) or a function `batches(step, worker) -> batch`. Returns the History."""
+        one worker) or a function `batches(step, worker) -> batch`. `log(step, metrics)` is called
+        after each step; `progress` prints a progress line (default: when stderr is a terminal).
+        `worker_delay` ({worker index: seconds}) makes workers straggle on purpose, to see backup
+        workers at work. Returns the History."""
+        self._delays = dict(worker_delay or {})
         if steps < 1:
             raise FlowjitValueError(f"{user_location()}: steps must be a positive number; found {steps!r}")
         source = _batch_source(batches)
@@ -355,7 +365,7 @@ class Trainer:
         while self.step < target:
             started = time.perf_counter()
             try:
-                chosen, losses = self._one_step(source, outstanding, ray)
+                chosen, losses = self._one_step(source, outstanding, ray, history)
             except TaskError as e:
                 self._recover(e, outstanding, history)
                 continue
@@ -375,26 +385,27 @@ class Trainer:
                     end="" if done < steps else "\n",
                     file=sys.stderr,
                 )
-        for _, ref in outstanding.values():  # stragglers still computing: their gradients are dropped
+        for i, (_, ref) in outstanding.items():  # stragglers still computing: their gradients are dropped
             try:
-                ray_support.get(ref, "a late worker", timeout=ray_support.timeout_s())
+                ray_support.get(ref, f"worker {self.worker_tasks[i]}")
                 self.dropped += self.mode == "sync"
-            except TaskError:
-                pass
+            except TaskError as e:
+                self._revive_worker(i, e, history)
         history.dropped = self.dropped - dropped_before
         return history
 
-    def _one_step(self, source, outstanding: dict, ray) -> tuple[list[int], list[float]]:
-        """Give every idle worker a batch for this step; wait for the first N (sync) or one
-        (async) to finish; apply. Returns the workers aggregated and their losses."""
+    def _one_step(self, source, outstanding: dict, ray, history: History) -> tuple[list[int], list[float]]:
+        """Keep every idle worker busy on this step; wait for the first N (sync) or one (async) to
+        finish; apply. A worker whose process died is given its replica again and goes on.
+        Returns the workers aggregated and their losses."""
         step = self.step
-        for i in range(len(self.worker_tasks)):
-            if i not in outstanding:
-                outstanding[i] = (step, self._compute(i, step, source(step, i)))
         need = self.replicas_to_aggregate if self.mode == "sync" else 1
         finished: list[tuple[int, float]] = []
         deadline = time.monotonic() + ray_support.timeout_s()
         while len(finished) < need:
+            for i in range(len(self.worker_tasks)):
+                if i not in outstanding and (self.mode == "async" or i not in dict(finished)):
+                    outstanding[i] = (step, self._compute(i, step, source(step, i)))
             current = {ref: i for i, (s, ref) in outstanding.items()}
             left = deadline - time.monotonic()
             if left <= 0:
@@ -403,7 +414,11 @@ class Trainer:
             for ref in ready:
                 i = current[ref]
                 done_step, _ = outstanding.pop(i)
-                _, loss, _ = ray_support.get(ref, f"worker {self.worker_tasks[i]}")
+                try:
+                    _, loss, _ = ray_support.get(ref, f"worker {self.worker_tasks[i]}")
+                except TaskError as e:
+                    self._revive_worker(i, e, history)
+                    continue
                 if self.mode == "async" or (done_step == step and len(finished) < need):
                     finished.append((i, loss))
                 else:
@@ -419,6 +434,16 @@ class Trainer:
         else:
             self.step += len(finished)
         return chosen, [loss for _, loss in finished]
+
+    def _revive_worker(self, i: int, error: TaskError, history: History) -> None:
+        """Worker i's step failed: if its process died (Ray restarts it), give it its replica
+        again; if a PS died, raise for `_recover`; any other failure is the user's: raise it."""
+        if not all(self._alive(t, _PS_ROLE) for t in self.ps_tasks):
+            raise error
+        if self._alive(self.worker_tasks[i], _REPLICA_ROLE):
+            raise error
+        self._host_replica(i)
+        history.recoveries.append(f"worker {self.worker_tasks[i]} restarted and rejoined at step {self.step}")
 
     def _recover(self, error: TaskError, outstanding: dict, history: History) -> None:
         """A task died or timed out: wait for Ray to restart dead tasks, give each its role again
@@ -440,7 +465,7 @@ class Trainer:
                     self._host_shard(k, {n: self.initial[n] for n in self.shards[k]})
                 actor = self.cluster.actor(self.ps_tasks[k])
                 ray_support.get(actor.call.remote(_PS_ROLE, "restore", state[k]), f"restoring {self.ps_tasks[k]}")
-            self.step = state[0]["step"]
+            self.step = int(state[0]["step"])
             history.recoveries.append(
                 f"parameter servers {[self.ps_tasks[k] for k in dead_ps]} restarted; "
                 f"all shards restored to step {self.step}"

@@ -49,6 +49,7 @@ from flowjit.passes.partition import graph_devices, placement_report, split_part
 from flowjit.passes.registry import run_pipeline
 from flowjit.runtime.devices import DeviceSpec, placement_devices
 from flowjit.runtime.executor import PartitionedExecutable
+from flowjit.runtime.tasks import is_local
 
 # The optimization pipeline for every target, top to bottom.
 PIPELINE = (
@@ -632,7 +633,7 @@ class Lowered:
         if self._executable is None:
             placed = self.graph("placement")
             used = graph_devices(placed)
-            if len(used) > 1:
+            if len(used) > 1 or (used and not is_local(used[0])):  # another task's device: run there
                 self._executable = PartitionedExecutable(split_partitions(placed), self.target)
             else:  # one device: the optimized graph as is, by that device's backend (or the target's)
                 graph = self.graph("optimized")
