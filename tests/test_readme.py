@@ -22,7 +22,7 @@ README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 RUNNABLE = {"python", "sh", "c"}
 
-RUNNER = r'''
+RUNNER = r"""
 import json, os, re, subprocess, sys
 
 blocks = json.load(open(sys.argv[1]))
@@ -38,7 +38,8 @@ for lang, body in blocks:
         with open(name, "w") as f:
             f.write(body)
 
-shell_prelude = 'flowjit() { "$FLOWJIT_PYTHON" -c "import sys; from flowjit.cli import main; sys.exit(main())" "$@"; }\n'
+cli = "import sys; from flowjit.cli import main; sys.exit(main())"
+shell_prelude = 'flowjit() { "$FLOWJIT_PYTHON" -c "' + cli + '" "$@"; }\n'
 namespace = {"__name__": "__readme__"}
 for n, (lang, body) in enumerate(blocks, 1):
     print(f"==== block {n} ({lang})", flush=True)
@@ -52,7 +53,7 @@ for n, (lang, body) in enumerate(blocks, 1):
             sys.exit(f"README.md, sh block {n} failed with status {proc.returncode}:\n{body}")
     sys.stdout.flush()
 print("==== all blocks ran", flush=True)
-'''
+"""
 
 
 def readme_blocks() -> list[tuple[str, str]]:
