@@ -1,6 +1,6 @@
 """Transform-dialect schedules for the CPU kernels: how a `linalg.generic` is split over threads,
 tiled and vectorized. Each function returns `steps(handle) -> [transform ops]` for
-`KernelEmitter.schedule`. The choices and their measurements are in docs/cpu-backend.md.
+`KernelEmitter.schedule`. The choices and their reasons are in docs/cpu-kernels.md.
 
 - Elementwise kernels are 1-D (the lowering collapses operands): vectors of the host width, and
   above `PARALLEL_MIN_ELEMENTS` one `scf.forall` chunk per core (lowered to OpenMP).
@@ -290,7 +290,7 @@ def stays_plain(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: i
     `PLAIN_LOOP_MAX_ELEMENTS` elements in all. Their tile's transpose (a 16 x 10 tile is a
     160-element shuffle) cost ~20 ms of compile each, mostly LLVM's lowering of the shuffles, for
     2-3 us of run time: cross-entropy's gradient over 256 x 10 (three such reductions), first-call
-    CPU 126 -> 61 ms, a call 6.9 -> 14.6 us (docs/cpu-backend.md, "Compile time")."""
+    CPU 126 -> 61 ms, a call 6.9 -> 14.6 us (docs/cpu-compile-time.md)."""
     last = len(shape) - 1
     short = last > 0 and axis in (last, (last,)) and shape[-1] < min(lanes(acc_bits), SHORT_ROW_MAX + 1)
     return short and math.prod(shape) <= PLAIN_LOOP_MAX_ELEMENTS
