@@ -32,7 +32,7 @@ PLAIN_LOOP_MAX_ELEMENTS = 4096
 # memory, not held in any cache) take one accumulator per partial and 4x the partials, so that each
 # lane adds as many elements in sequence: 2-core Xeon, sum of 256 MiB of float32 8.7 ->
 # 7.1 ms (PyTorch 8.5, torch.compile 7.5, whose loop adds one vector at a time too), while from
-# cache (64 MiB, still in this VM's L3) one accumulator was 7% slower and at 1-16 MiB the same.
+# cache (64 MiB, inside that VM's L3) one accumulator was 7% slower and at 1-16 MiB the same.
 FULL_REDUCTION_CHUNKS = 64
 FULL_REDUCTION_VECTORS = 4
 STREAMING_REDUCTION_MIN_BYTES = 128 << 20
