@@ -14,7 +14,7 @@ Printed per workload, each the minimum over the N first calls:
 - `llvm-wall`: the wall time of the two LLVM phases (less than their CPU time when split);
 - `parts`: how many parts LLVM compiled in parallel (in the "llvm" stage, which is lowered whole);
 - `lines`: the size of the optimized LLVM IR, which the two LLVM phases scale with.
-docs/cpu-backend.md ("Compile time") has a run and what it shows.
+docs/cpu-compile-time.md says what the phases are and what keeps them short.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def summary_table(runs: list[WorkloadRun], limits: Limits) -> list[str]:
     return lines
 
 
-# Why a target can be missed, as measured during development (docs/cpu-backend.md has the figures).
+# Why a target can be missed, as measured (docs/cpu-backend.md and the pages it links have the figures).
 # Minima within this much of the peer's count as equal (run-to-run noise of the minima on this VM).
 EQUAL_MINIMA = 1.05
 WHY_SLOWER_AT_MEDIAN = (
@@ -166,7 +166,7 @@ MATMUL_GAP = (
     "line longer: read in place, a tile's 14 rows all fell in one L1 set and the 1024^3 product ran at 111-114 "
     "GFLOP/s on a 2-core Zen 4 (206-210 with the copy, numpy's OpenBLAS 187-197). Medians within a "
     "few percent of the fastest peer's move with this shared VM's noise; MKL and OpenBLAS also block K with A "
-    "packed (GotoBLAS), which we do not (docs/cpu-backend.md, 'Matmul kernel')."
+    "packed (GotoBLAS), which we do not (docs/cpu-kernels.md, 'Matmul kernel')."
 )
 WHY_SLOWER: dict[str, str] = {
     "conv_layer": "flowjit's conv is im2col in 512 KiB chunks (split over the cores, padding the input as it reads "
@@ -175,8 +175,8 @@ WHY_SLOWER: dict[str, str] = {
     "first. perf (cpu-clock) on the AOT library of this layer, 2-core Zen 4: the micro-kernel's "
     "k loops 87% of the samples (211 GFLOP/s for the whole call puts them at ~240, about two Zen 4 cores' "
     "512-bit FMA peak at a 3.7 GHz boost; this VM exposes no cycle counters), im2col 9%, the bias + relu "
-    "epilogue 3.3%, OpenMP's wait 2%; our median was 0.99-1.02x torch's over this session's runs "
-    "(docs/cpu-backend.md, 'conv2d' and 'Conv epilogues', has the measurements and what is left).",
+    "epilogue 3.3%, OpenMP's wait 2%; our median was 0.99-1.02x torch's over several runs "
+    "(docs/cpu-kernels.md, 'conv2d', and docs/cpu-fusion.md, 'Conv epilogues', say what is left).",
     "matmul1024": MATMUL_GAP,
     "matmul2048": MATMUL_GAP,
     "mlp_train_step": MATMUL_GAP,
@@ -185,7 +185,7 @@ WHY_SLOWER: dict[str, str] = {
     "vector accumulator per partial result (on a Xeon 15-19% faster from memory than four). "
     "numpy's large arrays start 16 bytes past a 64-byte line, so every such load "
     "spans two lines: an aligned view of the same buffer sums 2-3.5% faster; a loop peeled to an aligned start "
-    "won 1-2.4% at 3 ms more compile time and was dropped (docs/cpu-backend.md, 'Calls, cache, measurements'). "
+    "won 1-2.4% at 3 ms more compile time and was dropped (docs/cpu-kernels.md, 'Reduction library'). "
     "Paired with torch call by call in one process the medians differ by 1-4%; on a 2-core Zen 4, 30 "
     "alternated samples each after a pause: flowjit 8.20 ms, flowjit on a 64-byte aligned copy 8.36, torch (on "
     "the same numpy buffer, 16 bytes past a line) 8.14 (minima 7.55, 7.48, 7.43): 33 GB/s, the measured limit. "
@@ -198,34 +198,25 @@ WHY_SLOWER: dict[str, str] = {
     "and the medians of both peers move with this shared VM: on a 2-core Zen 4 flowjit's median "
     "was 0.83-1.08 of the fastest peer's over four full runs and 0.92-0.94 in two runs of layer norm and "
     "softmax alone, torch.compile's fastest calls 0.78-1.0 ms against our 1.0-1.2 in some of them "
-    "(docs/cpu-backend.md, 'Row loop nests'). Its output (written once, never read back) is "
+    "(docs/cpu-fusion.md, 'Row loop nests'). Its output (written once, never read back) is "
     "stored with non-temporal stores, which skip reading each output line first: 0.70-0.90 of the time, paired "
     "(docs/cpu-backend.md, 'Non-temporal stores into large write-only outputs').",
     "call_overhead": "a call crosses Python frames, the signature lookup and a ctypes call into native code "
-    "(docs/cpu-backend.md, 'Calls, cache, measurements', has the microseconds per step).",
+    "(docs/cpu-backend.md, 'Calls and memory', describes the call path).",
 }
 WHY_LIMIT: dict[str, str] = {
-    "elementwise": "On the 2-core Zen 4: 4.6-5.4 ms, 61-71% of the limit (JAX 25-30 ms): "
-    "float32 tanh is expm1(2|x|) / (expm1(2|x|) + 2) with exp's polynomial of degree 4 and its 2^n one "
-    "`vscalefps` (45 vector instructions per 16 floats of the chain, 64 before; 7.6 -> 5.3 ms), and large "
-    "outputs start half a page from the call's large inputs, since loads and stores 4 KiB apart alias in the "
-    "store buffer (5.3 -> 4.6-4.7 ms; docs/cpu-backend.md, 'Math library' and 'Large outputs'). Before: "
-    "compute-bound: on a 2-core Zen 4 (AVX-512 on 256-bit units) 8.8-10.4 ms, "
-    "29-46% of the limit (JAX 29-34 ms), 46% once tanh's exp scaled by one power of two instead of two "
-    "(5 vector instructions fewer per element, 7% faster); each exp's scaling is now one "
-    "`vscalefps` (`ldexp.py`), 0.95x the time again, and its two divisions cost only 3-5% (replaced by "
-    "multiplies for a test). On the 2-core Xeon it takes "
-    "20-21 ms (JAX 31, torch.compile 41; 23-26 ms before recycled outputs were 64-byte aligned): the two "
-    "exp polynomials and two divisions per element, not the memory, set its time there (a "
-    "reciprocal estimate for the divisions was slower there too). On the Zen 5 VM: since large outputs are "
-    "recycled (page-faulting a fresh 64 MiB output in took "
-    "0.53-0.55 ns per element) the full size runs back to back at the cache-resident rate, 0.30 ns per "
-    "element (two exp polynomials and two divisions per element for tanh and sigmoid; 63-67% of the traffic "
-    "limit at 38-41 GB/s, `python benchmarks/bound.py elementwise`), and the limit moves with the bandwidth "
-    "probe (36-49 GB/s between runs: 44-55% for the same 6.2 ms median). Streaming stores gain nothing on this "
-    "chain on the Zen 5 and made it 1.5-1.9x slower on the Zen 4, so it keeps ordinary ones "
-    "(`nontemporal.MAX_ARITHMETIC`; docs/cpu-backend.md), nor does a reciprocal estimate for the divisions (vrcp14ps "
-    "and a Newton step, LLVM's form of `fdiv ninf arcp`: 6.3 vs 5.0 ms, the FMA ports are the bound).",
+    "elementwise": "On the 2-core Zen 4: 4.6-5.4 ms, 61-71% of the limit (JAX 25-30 ms). The chain is "
+    "compute-bound there (AVX-512 on 256-bit units): float32 tanh is expm1(2|x|) / (expm1(2|x|) + 2) with exp's "
+    "degree-4 polynomial and its 2^n one `vscalefps` (45 vector instructions per 16 floats of the chain), and "
+    "large outputs start half a page from the call's large inputs, since loads and stores 4 KiB apart alias in "
+    "the store buffer (docs/cpu-kernels.md, 'Math library'; docs/cpu-backend.md, 'Calls and memory'). On a "
+    "2-core Xeon it takes 20-21 ms (JAX 31, torch.compile 41): the two exp polynomials and two divisions per "
+    "element, not the memory, set its time there. On a Zen 5 VM recycled outputs let the full size run at the "
+    "cache-resident rate, 0.30 ns per element (63-67% of the traffic limit at 38-41 GB/s, `python "
+    "benchmarks/bound.py elementwise`), and the limit moves with the bandwidth probe (36-49 GB/s between runs). "
+    "Streaming stores gain nothing on this chain on the Zen 5 and made it 1.5-1.9x slower on the Zen 4, so it "
+    "keeps ordinary ones (`nontemporal.MAX_ARITHMETIC`), nor does a reciprocal estimate for the divisions "
+    "(vrcp14ps and a Newton step: 6.3 vs 5.0 ms, the FMA ports are the bound).",
     "softmax": "In the suite its median was 1.5-1.6 ms with the other peers run between its samples; alone, "
     "back to back, 0.94-1.18 ms, 78-100% of the traffic limit that `python benchmarks/bound.py softmax` "
     "measures against numpy's copy/triad rate (the suite's limit is the best probe of the run, often torch's "
@@ -240,13 +231,13 @@ WHY_LIMIT: dict[str, str] = {
     "conv + bias + relu + 2x2 max pooling ~250-280 us, each chunk of 4 images pooled in L2 (0.9M vector "
     "multiply-adds, ~145 us at one per cycle per core, plus im2col, the epilogue's and the pool's passes "
     "over the product), and the dense layer 74 us as dot blocks along K (109 us through the matmul "
-    "library, whose 32-column panels held 10 used ones); the whole forward 421 -> ~345 us (~310 with the max "
+    "library, whose 32-column panels held 10 used ones); the whole forward ~345 us (~310 with the max "
     "pool before bias + relu), against a limit (37 MFLOP at sgemm's rate) of ~180 us. Applying the epilogue "
     "in the conv's register tiles instead of "
     "a pass over the chunk's product measured the same (357 vs 356 us). With short pooling rows "
     "read under their windows' mask and B^T from the transpose library: medians of 283-293 us (62-64% of "
     "the limit) in this VM's quiet phases and 335-410 in its slow ones, minutes apart, the minimum "
-    "~280 in both (docs/cpu-backend.md, 'reduce_window' and 'Dot blocks').",
+    "~280 in both (docs/cpu-kernels.md, 'reduce_window' and 'Narrow and small products').",
 }
 WHY_FIRST_CALL = (
     "The reason is compile time, which scales with the generated code: the MLIR pipelines (15-17 ms for a "
@@ -255,12 +246,12 @@ WHY_FIRST_CALL = (
     "function; softmax's 525 lines of assembly take 14 ms; the LLVM in every llvmlite wheel from 0.47 to 0.50 "
     "is built with assertions too; a large module's parts on threads, `parallel_codegen`), and the harness "
     "takes each first call after a pause, which on this VM slows CPU-bound work for tens of milliseconds; `python "
-    "benchmarks/compile_time.py` prints each phase's CPU time per workload back to back and docs/cpu-backend.md "
-    "('Compile time (first call)') what was cut and what is left (on a cache hit in a new process a first call "
+    "benchmarks/compile_time.py` prints each phase's CPU time per workload back to back and docs/cpu-compile-time.md "
+    "what keeps it short and what is left (on a cache hit in a new process a first call "
     "costs tens of milliseconds). Large matrix products, softmax/log-softmax/layer norm regions over long rows "
     "and whole-array sums, maxima and minima compile no kernel: they call precompiled libraries "
-    "(docs/cpu-backend.md, 'Matmul library', 'Row library', 'Reduction library'); where they still trail JAX "
-    "(matmul 2048, the sum), the run itself is most of the first call."
+    "(docs/cpu-kernels.md, 'Matmul library', 'Reduction library'; docs/cpu-fusion.md, 'Row library'); "
+    "where they still trail JAX (matmul 2048, the sum), the run itself is most of the first call."
 )
 
 
@@ -314,7 +305,7 @@ def memory_section(mem: dict | None) -> list[str]:
         f"Elementwise chain on {mem['n']:,} f32 elements, fresh process (`benchmarks/memory.py`). Input + "
         f"output = {ideal:.0f} MiB; the input is live before the call, so the ideal extra peak is the "
         f"output alone ({ideal / 2:.0f} MiB), and none in flowjit's steady state, whose result reuses the "
-        "memory of the dropped earlier one (docs/cpu-backend.md, 'Large outputs').",
+        "memory of the dropped earlier one (docs/cpu-backend.md, 'Calls and memory').",
         "",
         "| call | extra peak, tracemalloc | extra peak, RSS high-water delta | time |",
         "|---|---|---|---|",

@@ -1,9 +1,9 @@
 """numpy-compatible functions that work on traced values and on plain arrays alike.
 
-Broadcasting and dtype promotion follow numpy, with two deliberate ML-friendly differences (as in
-JAX): Python scalars are *weak* (`float32 * 2.0` stays float32), and a lone Python float becomes
-float32 (a lone int becomes int64, as in numpy). On plain numpy arrays these functions compute with
-flowjit's reference implementations, so results match what compiled code returns.
+Broadcasting follows numpy; dtype promotion follows JAX (`int32 + float32` is float32, Python
+scalars are *weak*: `float32 * 2.0` stays float32, a lone Python float is float32). On plain numpy
+arrays these functions compute with flowjit's reference implementations: the dtypes and shapes of
+compiled code, numpy's values. Every difference from numpy: docs/numpy-differences.md.
 """
 
 from __future__ import annotations

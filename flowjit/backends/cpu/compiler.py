@@ -68,8 +68,8 @@ LOWERING_MODULES = (
 # same way over seven shapes (2x2, 3x3/2 padded, 3x3/1 average; 14 to 112 wide): 0.975-1.017x, first
 # calls 10-40% shorter. Large windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
 # `cumsum` writes its vector loops itself (`lower_scan`): paired with O3 in one process
-# over seven shapes, 0.996-1.013x the run time, first calls 1-3 ms shorter. `concatenate` (session
-# 20) once every block, short ones too, was a masked vector copy (`_concatenate_blocks`; an empty
+# over seven shapes, 0.996-1.013x the run time, first calls 1-3 ms shorter. `concatenate` once every
+# block, short ones too, was a masked vector copy (`_concatenate_blocks`; an empty
 # result makes no loop): paired call by call with O3 over three shapes, two runs, 0.93-1.03x the
 # run time (noise both ways), first calls 3-10 ms shorter over five (26 -> 21 ms for (65536, 3) x 2).
 LIGHT_PIPELINE_OPS = frozenset(

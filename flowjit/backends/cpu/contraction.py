@@ -7,7 +7,7 @@ Sums accumulate in `accumulator_elem`: half types (f16, bf16) in f32, rounded on
 (dot_general's batch/contracting dims, conv2d's stride and dilation), correct for every shape and
 dtype, split over the cores when large (`split_over_cores`). `Epilogue` is the pointwise ops of a
 fusion that a conv2d or dot_general applies to its output window by window (`lower_fusion`
-implements it). Choices and measurements: docs/cpu-backend.md, section Contractions.
+implements it). Choices and measurements: docs/cpu-kernels.md, section Contractions.
 """
 
 from __future__ import annotations

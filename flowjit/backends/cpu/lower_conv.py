@@ -4,7 +4,7 @@ matmul kernel (`_conv_as_matmul`), over chunks of the column matrix split over t
 padding the input as it reads where it can (`_im2col_pads`); weight gradients (short output rows,
 long kernel rows) are summed over chunks of their taps (`_conv_over_taps`). A fusion's epilogue
 goes through each chunk's product as it is copied out (`contraction.Epilogue`). Choices and
-measurements: docs/cpu-backend.md, section Contractions ("conv2d").
+measurements: docs/cpu-kernels.md ("conv2d").
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ IM2COL_MIN_DEPTH = 8
 # 8x64x56x56 3x3 0.96-0.97x the time, 32x32x32x32 0.93x, 8x128x28x28 0.97x, the 7x7/2 stem 0.98x,
 # 1x64x224x224 0.97x), but only when that is at least IM2COL_MIN_COLUMNS columns: deeper convs
 # keep WIDE_CHUNK_ELEMENTS (8x256x14x14 1.08x at 98 columns a chunk, 8x512x7x7 1.22x when fewer,
-# larger chunks no longer split evenly over the cores). See docs/cpu-backend.md ("conv2d").
+# larger chunks no longer split evenly over the cores). See docs/cpu-kernels.md ("conv2d").
 IM2COL_MAX_ELEMENTS = 1 << 17
 
 IM2COL_MIN_COLUMNS = 112
@@ -139,7 +139,7 @@ def _restrides_weights(o: int, depth: int, acc: str) -> bool:
     """Whether the weights' rows are copied one cache line apart before the chunks' fork: rows a
     multiple of 4 KiB long (`matmul_kernel.ALIASING_STRIDE`; 1x1 convs over 1024 or 2048 channels),
     which the products of the chunks, serial, would read in place. 8 x 1024 x 14 x 14 -> 256
-    channels on two Zen 4 cores: 101 -> 182 GFLOP/s (docs/cpu-backend.md, "conv2d")."""
+    channels on two Zen 4 cores: 101 -> 182 GFLOP/s (docs/cpu-kernels.md, "conv2d")."""
     return o >= matmul_kernel.SHORT_TILE_ROWS and matmul_kernel.aliases(depth, acc)
 
 
@@ -386,7 +386,7 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
     its own partial sum (one fork), and the partial sums are added at the end. The weight gradient
     of a 3x3 conv over 8x64x56x56 (O x N*OH*OW = 64 x 576, 25,088 taps) took 14.5 ms as chunks of
     images (two images, 18 columns each), about 8 this way (fj.grad w.r.t. w with its forward:
-    21.4 -> 14.9 ms; docs/cpu-backend.md, "conv2d")."""
+    21.4 -> 14.9 ms; docs/cpu-kernels.md, "conv2d")."""
     weights, tw, stride, dilation, acc = conv.weights, conv.tw, conv.stride, conv.dilation, conv.acc
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]

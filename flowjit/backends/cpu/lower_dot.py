@@ -6,7 +6,7 @@ register-blocked kernel in `matmul_kernel.py` (with a fusion's epilogue applied 
 tile as it is stored: `_dot_with_epilogue`), a call of the precompiled matmul library
 (`library_call`), blocks of dots for products with fewer columns than a vector
 (`_lower_with_dot_blocks`) and row dots for narrower ones (`_lower_with_row_dots`). Choices and
-measurements: docs/cpu-backend.md, section Contractions.
+measurements: docs/cpu-kernels.md, section Contractions.
 """
 
 from __future__ import annotations

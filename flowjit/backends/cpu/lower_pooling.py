@@ -2,7 +2,7 @@
 identity, windows of at most `MAX_UNROLLED_TAPS` taps as vector code along the output rows
 (`_window_taps`), larger ones as one generic over (output dims, window dims). `pool_window` is the
 pooling that ends a fused conv epilogue (`contraction.Epilogue.pool`). Choices and measurements:
-docs/cpu-backend.md, section Contractions.
+docs/cpu-kernels.md, "reduce_window".
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class MatmulShape:
 # AVX2's 16) when the contraction is at least `TALL_TILE_MIN_K` long: 28 FMAs per k against 2 + 14
 # loads instead of 16 against 2 + 8. Two cores (Xeon, AVX-512), 8 -> 14 rows: the conv layer 3-8%
 # faster, the MLP training step 2-3%, matmul 1024 and 2048 the same within noise
-# (docs/cpu-backend.md, "Matmul kernel").
+# (docs/cpu-kernels.md, "Matmul kernel").
 # Shorter contractions keep `SHORT_TILE_ROWS`: the CNN's K = 9 conv ran 10-15% slower with 14-row
 # tiles (its time goes to the tiles' stores and epilogue, not the k loop).
 TALL_TILE_MIN_K = 64
@@ -157,12 +157,12 @@ COLUMN_SPLIT_MIN_K = 64
 # On the micro-kernel's k loop: LLVM must not unroll it. It fully unrolled short contractions (the
 # CNN's K = 9: 144 FMAs where the loop has 16) for no speed (one core: 3-9% faster without), and
 # left long ones rolled anyway. Without it the CNN's optimized IR was 18% larger (see
-# docs/cpu-backend.md, "Compile time"). scf-to-cf copies the attribute to the loop's branch, which
+# docs/cpu-compile-time.md). scf-to-cf copies the attribute to the loop's branch, which
 # becomes `!llvm.loop` metadata; it must be named `loop_annotation` (`llvm.br`'s own attribute):
 # named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
 # Packing loops over k up to this long are written out (the CNN conv's K = 9), unrolled without
-# LLVM's unroll marks (which keep a function on LLVM's O3 pipeline; docs/cpu-backend.md, "Compile
+# LLVM's unroll marks (which keep a function on LLVM's O3 pipeline; docs/cpu-compile-time.md, "Emit less
 # time"). The loop over a panel's blocks of MR rows stays a loop: against up to 4 blocks of constant
 # rows written out when K is short (the CNN conv's 32 rows, K = 9), run times are the same within
 # 1.6% (alternated in one process: the CNN forward
@@ -814,7 +814,7 @@ def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
 def _panels_just_in_time(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
     """A serial product (inside another kernel's parallel loop: a conv chunk) packing each panel just
     before its row blocks use it, so the panel stays in L1/L2, instead of packing all of B first:
-    relu(conv2d + bias) 2-7% faster over six layer shapes (one process, alternated; docs/cpu-backend.md).
+    relu(conv2d + bias) 2-7% faster over six layer shapes (one process, alternated; docs/cpu-kernels.md).
     With `s.b_in_place` no panel is packed: the row blocks read B's columns where they are (a conv
     chunk's column matrix, just written and in L2: relu(conv2d + bias) 5-10% faster over five layer
     shapes, paired in one process; a chunk larger than L2 ran 8% slower, so the caller decides)."""

@@ -19,7 +19,7 @@ split over the cores, packed just in time (`matmul_kernel._columns_in_parallel`)
 too narrow or too short for that, C's rows split over the cores after every panel is packed
 (`_rows_in_parallel`); MR-row register tiles, leftover rows as tiles of 8, 4, 2 and 1 rows; the
 partial last panel masked; A restrided when its rows alias in L1, packed in blocks of MR columns
-when given as (K, M) and re-read by 4 or more panels. docs/cpu-backend.md ("Matmul library") has the
+when given as (K, M) and re-read by 4 or more panels. docs/cpu-kernels.md ("Matmul library") has the
 measurements.
 
 Which products call it: `call_shape` (f32/f64 products the specialized kernel would split over the

@@ -7,7 +7,7 @@ one thread. A training step's module is one entry function (the kernels that run
 plus the OpenMP-outlined bodies of the parallel kernels (`@f..omp_par.N`), which are only called
 through `__kmpc_fork_call`: no call site to inline or specialize, so each can be compiled apart
 from the entry with no loss. The MLP training step splits 5,300 / 5,200 lines: LLVM's wall time
-623 -> 377 ms on two cores (docs/cpu-backend.md, "Compile time (first call)").
+623 -> 377 ms on two cores (docs/cpu-compile-time.md).
 
 How:
 - `split_llvm_ir` cuts the LLVM IR text (as `mlir-translate` prints it: globals, declarations,

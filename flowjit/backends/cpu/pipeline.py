@@ -132,7 +132,7 @@ def stage_pipeline(*names: str, options: CompileOptions | None = None) -> str:
 # rotation and GVN. O3 adds ~100 passes (a third of its time InstCombine, run 8 times) that found
 # little in such modules: run time within noise on the benchmark workloads but the CNN (whose pad
 # is a plain copy loop), while O3 took 2.5-3.5x as long (softmax 14 -> 5 ms, matmul 13 -> 5 ms of
-# CPU time; docs/cpu-backend.md, "Compile time"). O1 and O2 cost as much as O3.
+# CPU time; docs/cpu-compile-time.md, "LLVM's light pipeline"). O1 and O2 cost as much as O3.
 # llvmlite's loop-unroll pass cannot be limited to the loops marked for full unrolling (it unrolls
 # by its own cost model too: the MLP step's IR 4165 -> 6637 lines), so marked modules keep O3
 # (`compiler.light_pipeline`).

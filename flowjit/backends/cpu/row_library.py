@@ -29,7 +29,7 @@ Which regions call it: `match` (a fusion whose body is, op for op, what `flowjit
 to for the same types, registered as a composite in `flowjit.ir.composites`; rows of `MIN_ROW_BYTES`
 to `lower_rows.MAX_ROW_BYTES`, of any length in inputs of at most `SMALL_INPUT_BYTES`), through
 `lower_fusion`'s `CALL_LOWERINGS` entry (`lowering.call_lowering`). `FLOWJIT_ROW_LIBRARY=0` turns it
-off; AOT libraries keep their kernels (`library.disabled`). docs/cpu-backend.md ("Row library") has the measurements.
+off; AOT libraries keep their kernels (`library.disabled`). docs/cpu-fusion.md ("Row library") has the measurements.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Transform-dialect schedules for the CPU kernels: how a `linalg.generic` is split over threads,
 tiled and vectorized. Each function returns `steps(handle) -> [transform ops]` for
-`KernelEmitter.schedule`. The choices and their measurements are in docs/cpu-backend.md.
+`KernelEmitter.schedule`. The choices and their reasons are in docs/cpu-kernels.md.
 
 - Elementwise kernels are 1-D (the lowering collapses operands): vectors of the host width, and
   above `PARALLEL_MIN_ELEMENTS` one `scf.forall` chunk per core (lowered to OpenMP).
@@ -32,7 +32,7 @@ PLAIN_LOOP_MAX_ELEMENTS = 4096
 # memory, not held in any cache) take one accumulator per partial and 4x the partials, so that each
 # lane adds as many elements in sequence: 2-core Xeon, sum of 256 MiB of float32 8.7 ->
 # 7.1 ms (PyTorch 8.5, torch.compile 7.5, whose loop adds one vector at a time too), while from
-# cache (64 MiB, still in this VM's L3) one accumulator was 7% slower and at 1-16 MiB the same.
+# cache (64 MiB, inside that VM's L3) one accumulator was 7% slower and at 1-16 MiB the same.
 FULL_REDUCTION_CHUNKS = 64
 FULL_REDUCTION_VECTORS = 4
 STREAMING_REDUCTION_MIN_BYTES = 128 << 20
@@ -290,7 +290,7 @@ def stays_plain(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: i
     `PLAIN_LOOP_MAX_ELEMENTS` elements in all. Their tile's transpose (a 16 x 10 tile is a
     160-element shuffle) cost ~20 ms of compile each, mostly LLVM's lowering of the shuffles, for
     2-3 us of run time: cross-entropy's gradient over 256 x 10 (three such reductions), first-call
-    CPU 126 -> 61 ms, a call 6.9 -> 14.6 us (docs/cpu-backend.md, "Compile time")."""
+    CPU 126 -> 61 ms, a call 6.9 -> 14.6 us (docs/cpu-compile-time.md)."""
     last = len(shape) - 1
     short = last > 0 and axis in (last, (last,)) and shape[-1] < min(lanes(acc_bits), SHORT_ROW_MAX + 1)
     return short and math.prod(shape) <= PLAIN_LOOP_MAX_ELEMENTS

@@ -183,7 +183,7 @@ def optimization_pipeline(tm, opt: int = 3, light: bool = False):
     """LLVM's O`opt` module pipeline for target machine `tm`, or `pipeline.LIGHT_PASSES` when `light`:
     (module pass manager, pass builder). Loop unrolling is off (it doubled LLVM's time on the large
     workloads): only loops carrying forced unroll metadata would be unrolled; the lowering writes
-    out its short loops instead (docs/cpu-backend.md, "Compile time")."""
+    out its short loops instead (docs/cpu-compile-time.md)."""
     binding = llvm()
     tuning = binding.create_pipeline_tuning_options(speed_level=opt)
     tuning.loop_unrolling = False
@@ -270,7 +270,7 @@ class NativeModule:
 # 150 -> 107-114, matmul's 10.5 -> 7.5) for no speed (paired in one process: the MLP step, the
 # matmuls and the CNN within 1%, the elementwise chain 5% faster without it). Row-tile nests
 # (`lower_rows`: softmax, layer norm) run 2-2.5% faster with it, so functions whose main work they
-# are keep it (`codegen_settings`; docs/cpu-backend.md, "Compile time (first call)").
+# are keep it (`codegen_settings`; docs/cpu-compile-time.md, "Code generation options").
 #
 # x86's cmov conversion (`X86CmovConversion`) turns conditional moves in loops back into branches
 # when it judges the branch predictable. In a merge sort's merge loop the choice between the two
