@@ -49,6 +49,11 @@ def test_remote_partitions_need_a_running_cluster():
         f(np.ones(3, np.float32))  # no cluster yet (this test runs first): the task's devices do not exist
 
 
+def test_a_local_cluster_stays_on_the_loopback_interface(cluster):
+    assert ray._private.worker.global_worker.node.node_ip_address == "127.0.0.1"
+    assert all(len(node) > 0 for node, _ in cluster.where().values())
+
+
 # --- in-graph replication: variables on PS tasks, gradients on workers -------------------------------
 def test_in_graph_ps_step_equals_one_process(cluster):
     xs, ys = _data()

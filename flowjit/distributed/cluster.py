@@ -103,14 +103,15 @@ class Cluster:
         """Start Ray (or join it) and one actor per task; returns once every task answers."""
         if self.running:
             return self
+        if not self.address:  # read by Ray when it is imported: before the first import
+            for key, value in ray_support.LOCAL_ENV.items():
+                os.environ.setdefault(key, value)
         ray = ray_support.ray()
         try:
             if not ray.is_initialized():
                 if self.address:
                     ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
                 else:
-                    for key, value in ray_support.LOCAL_ENV.items():
-                        os.environ.setdefault(key, value)
                     ray.init(
                         address="local",
                         num_cpus=self.num_cpus or os.cpu_count(),
