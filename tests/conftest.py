@@ -6,6 +6,15 @@ import pytest
 
 os.environ.setdefault("FLOWJIT_VERIFY", "1")
 
+# Ray (tests/test_distributed*.py) on loopback only, without usage reports or a login token: set
+# before any test module imports Ray, which reads them then.
+for _key, _value in {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}.items():
+    os.environ.setdefault(_key, _value)
+
 # The CPU backend's disk cache goes to a fresh folder per test session, never the user's ~/.cache.
 # The folder goes when the session ends (each held ~9 MiB, and every run used to leave one in /tmp).
 import atexit  # noqa: E402

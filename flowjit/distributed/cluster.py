@@ -109,6 +109,8 @@ class Cluster:
         ray = ray_support.ray()
         try:
             if not ray.is_initialized():
+                if not self.address:
+                    ray_support.loopback_only(ray)
                 if self.address:
                     ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
                 else:

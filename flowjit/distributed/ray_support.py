@@ -33,6 +33,15 @@ def ray():
     return module
 
 
+def loopback_only(module) -> None:
+    """Keep a local Ray on 127.0.0.1 even when Ray was imported before LOCAL_ENV was set (Ray reads
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER into this constant on import; when it is set, a local node
+    takes the machine's address and listens on it)."""
+    constants = getattr(getattr(module, "_private", None), "ray_constants", None)
+    if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def timeout_s() -> float:
     """Seconds any wait on a task may take (`FLOWJIT_RAY_TIMEOUT`, default 300)."""
     raw = os.environ.get("FLOWJIT_RAY_TIMEOUT")

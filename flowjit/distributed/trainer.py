@@ -76,6 +76,15 @@ def _decode(values: dict) -> dict[str, np.ndarray]:
     return {k: from_bf16(v[1]) if isinstance(v, tuple) and v[0] == "bf16" else v for k, v in values.items()}
 
 
+def wire_gradient(g: np.ndarray, sparse: bool, compress: str | None):
+    """What crosses the network for gradient `g`: the array (bf16 bits with compress="bf16"), or
+    for a sparse parameter ("rows", indices, rows) of the rows that are not all zero."""
+    if not sparse:
+        return _encode({"g": g}, compress)["g"]
+    rows = np.flatnonzero(np.any(g.reshape(g.shape[0], -1) != 0, axis=1))
+    return ("rows", rows, _encode({"g": g[rows]}, compress)["g"])
+
+
 def shard_by_size(sizes: dict[str, int], shards: int) -> list[list[str]]:
     """Leaf names per shard: largest first onto the least loaded shard (ties: the lower shard)."""
     load = [0] * shards
@@ -203,12 +212,7 @@ class Replica:
         for k, names in enumerate(self.shards):
             part = {}
             for n in names:
-                g = np.asarray(flat[n])
-                if n in self.sparse:
-                    rows = np.flatnonzero(np.any(g.reshape(g.shape[0], -1) != 0, axis=1))
-                    part[n] = ("rows", rows, _encode({n: g[rows]}, self.compress)[n])
-                else:
-                    part[n] = _encode({n: g}, self.compress)[n]
+                part[n] = wire_gradient(np.asarray(flat[n]), n in self.sparse, self.compress)
             deposits.append(self.ps[k].call.remote(_PS_ROLE, "deposit", step, self.index, part))
         if not sync:  # applied when this returns, so the driver's count of applied steps is right
             ray_support.get(deposits, f"worker {self.index} pushing gradients", timeout=self.timeout_s)
