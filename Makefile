@@ -17,6 +17,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 	$(PY) examples/train_digits.py --epochs 20
 	FLOWJIT_CPU_DEVICES=2 $(PY) examples/model_parallel.py --epochs 3
+	$(PY) examples/ps_train.py
 	$(PY) examples/aot_demo.py
 
 test: $(STAMP)

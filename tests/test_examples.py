@@ -29,3 +29,11 @@ def test_mlp_reaches_95_percent(train_digits):
 def test_cnn_learns(train_digits):
     results = train_digits.main(["--epochs", "4", "--model", "cnn"])
     assert results["cnn"] >= 0.90
+
+
+def test_ps_training_reaches_the_one_process_accuracy_without_the_straggler():
+    pytest.importorskip("sklearn")
+    pytest.importorskip("ray", reason="the `distributed` extra (Ray) is not installed")
+    results = _load("ps_train").main(["--steps", "120", "--slow", "0.3"])
+    assert results["distributed"] >= 0.9 and results["distributed"] >= results["one_process"] - 0.02
+    assert results["dropped"] > 0 and results["slow_used"] == 0

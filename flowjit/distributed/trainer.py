@@ -236,17 +236,23 @@ class History:
         return len(self.loss)
 
 
-def _register_by_value(fn) -> None:
-    """Ship `fn` to tasks by value when its module is not importable there (a script, a test)."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    path = getattr(module, "__file__", None)
-    if module is None or path is None or module.__name__ == "__main__":
-        return
-    installed = os.path.abspath(path).startswith(
-        (os.path.abspath(sys.prefix), os.path.dirname(os.path.dirname(__file__)))
+def _ship_user_code_by_value() -> None:
+    """Functions and classes of the user's own modules (files outside the Python installation and
+    outside flowjit: a script, an example, a test) travel to tasks by value, as tasks may not be
+    able to import them (their folder is not on the tasks' path)."""
+    cloudpickle = ray_support.ray().cloudpickle
+    installed = tuple(
+        os.path.abspath(p) + os.sep
+        for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(__file__))}
     )
-    if not installed:
-        ray_support.ray().cloudpickle.register_pickle_by_value(module)
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name == "__main__" or not path or os.path.abspath(path).startswith(installed):
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(module)
+        except (ValueError, TypeError):
+            pass  # a module cloudpickle cannot take by value (a namespace package) stays by reference
 
 
 class Trainer:
@@ -300,7 +306,7 @@ class Trainer:
         self.step = 0
         self._delays: dict[int, float] = {}
         self.dropped = 0  # gradients computed but not applied (sync: stragglers and extra backups)
-        _register_by_value(loss_fn)
+        _ship_user_code_by_value()
         for k in range(len(self.ps_tasks)):
             self._host_shard(k, {n: self.initial[n] for n in self.shards[k]})
         for i in range(n_workers):
