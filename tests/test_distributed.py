@@ -87,6 +87,29 @@ def test_in_graph_ps_step_equals_one_process(cluster):
     np.testing.assert_array_equal(w.numpy(), np.ones((8, 4), np.float32))
 
 
+def test_variables_sharded_over_the_ps_tasks_by_size(cluster):
+    sizes = {"big": (64, 64), "small1": (4,), "mid": (32, 32), "small2": (8,)}
+    with cluster.shard_variables():
+        variables = {k: fj.Variable(np.ones(shape, np.float32), name=f"shard_{k}") for k, shape in sizes.items()}
+    devices = {k: v.device for k, v in variables.items()}
+    assert devices == {
+        "big": "/job:ps/task:0",
+        "small1": "/job:ps/task:1",
+        "mid": "/job:ps/task:1",
+        "small2": "/job:ps/task:1",
+    }
+
+    @fj.jit
+    def scale_all():
+        for v in variables.values():
+            v.assign(v.value * 2.0)
+
+    scale_all()
+    report = scale_all.lower().as_text("placement")
+    assert "/job:ps/task:0/device:cpu:0" in report and "/job:ps/task:1/device:cpu:0" in report
+    assert all(np.all(v.numpy() == 2.0) for v in variables.values())
+
+
 def test_values_flow_both_ways_between_driver_and_tasks(cluster):
     """The driver computes, a worker uses it, the driver uses the worker's value again."""
 

@@ -33,7 +33,7 @@ from flowjit.errors import FlowjitValueError
 from flowjit.ir.devices import Device, DeviceSpec
 from flowjit.ir.location import user_location
 from flowjit.runtime import tasks as task_runtime
-from flowjit.runtime.devices import register_task_devices
+from flowjit.runtime.devices import register_task_devices, variable_placement
 from flowjit.runtime.tasks import LOCAL_TASK, TaskError, TaskStep, task_name
 
 __all__ = ["Cluster"]
@@ -203,6 +203,25 @@ class Cluster:
     def devices(self) -> list[Device]:
         """The devices of the cluster's tasks (one CPU device each)."""
         return [Device(DeviceSpec(*_job_task(t), "cpu", 0)) for t in self.tasks]
+
+    def shard_variables(self, job: str = "ps"):
+        """A block in which each Variable created without a device goes to a task of `job`: the
+        least loaded one by bytes so far (TensorFlow's replica_device_setter with its greedy
+        strategy). Use it around the model's variables:
+
+            with cluster.shard_variables():
+                params = {k: fj.Variable(v, name=k) for k, v in init.items()}
+        """
+        if job not in self.spec:
+            raise FlowjitValueError(f"{user_location()}: the cluster {self.spec} has no job '{job}'")
+        load = [0] * self.spec[job]
+
+        def placer(nbytes: int) -> str:
+            k = min(range(len(load)), key=lambda i: (load[i], i))
+            load[k] += nbytes
+            return f"/job:{job}/task:{k}"
+
+        return variable_placement(placer)
 
     def where(self) -> dict[str, tuple[str, int]]:
         """Each task's (Ray node id, process id), asked now (a restarted task has a new process)."""

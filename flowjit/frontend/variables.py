@@ -7,7 +7,8 @@ Inside a traced function these become ordered `read_variable`/`assign*` ops; com
 updates the variable's own buffer in place. Each variable has a lock: a compiled call holds the
 locks of every variable it touches, so concurrent calls never tear a variable.
 
-A variable created inside `with fj.device(spec):` (or with `device=spec`) lives there: every op
+A variable created inside `with fj.device(spec):` (or with `device=spec`, or inside a cluster's
+`shard_variables()`, which spreads variables over the PS tasks) lives there: every op
 that reads or updates it is placed on that device, whatever scope it is traced in (TensorFlow's
 colocation of a variable's ops). When that device belongs to another task of a cluster, the value
 lives in that task's process, and `.value`/`assign` outside jit go there
@@ -27,7 +28,7 @@ from flowjit.frontend.trace import Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
 from flowjit.ir.types import TensorType
-from flowjit.runtime.devices import DeviceSpec, current_device_spec
+from flowjit.runtime.devices import DeviceSpec, current_device_spec, variable_device
 from flowjit.runtime.tasks import variable_home
 
 _names_lock = threading.Lock()
@@ -68,9 +69,12 @@ class Variable:
     """A named, typed buffer that outlives calls; read and updated by ordered ops in traced code."""
 
     def __init__(self, value, name: str | None = None, dtype=None, device=None):
-        spec = DeviceSpec.parse(device) if device is not None else current_device_spec()
-        self.device = None if spec is None else str(spec)  # where its ops are placed (None: anywhere)
         self._buffer = np.array(_as_host_array(value, dtype), order="C")
+        spec = DeviceSpec.parse(device) if device is not None else current_device_spec()
+        if spec is None:  # a sharding scope (`cluster.shard_variables()`) may choose
+            chosen = variable_device(self._buffer.nbytes)
+            spec = None if chosen is None else DeviceSpec.parse(chosen)
+        self.device = None if spec is None else str(spec)  # where its ops are placed (None: anywhere)
         self.type = TensorType(self._buffer.shape, dt.dtype(self._buffer.dtype))
         self.name = _unique_name(name)
         self.lock = threading.RLock()

@@ -28,6 +28,8 @@ __all__ = [
     "device",
     "devices",
     "placement_devices",
+    "variable_device",
+    "variable_placement",
     "register_task_devices",
     "resolve",
 ]
@@ -121,3 +123,26 @@ def device(spec):
         yield parsed
     finally:
         stack.pop()
+
+
+# --- where new Variables go when nothing says (`with cluster.shard_variables():`) -----------------
+
+
+@contextlib.contextmanager
+def variable_placement(placer: Callable[[int], str]):
+    """Inside the block, a Variable created without a device (and outside any `fj.device` scope)
+    goes to the device `placer(nbytes)` names: TensorFlow's `replica_device_setter`."""
+    stack = getattr(_scope, "placers", None)
+    if stack is None:
+        stack = _scope.placers = []
+    stack.append(placer)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def variable_device(nbytes: int) -> str | None:
+    """The device the innermost `variable_placement` picks for a new variable of `nbytes`, if any."""
+    stack = getattr(_scope, "placers", None)
+    return stack[-1](nbytes) if stack else None
