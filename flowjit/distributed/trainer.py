@@ -384,14 +384,19 @@ class Trainer:
             history.workers.append(chosen)
             if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
                 history.checkpoints.append(self.save(checkpoint_dir))
-            metrics = {"loss": history.loss[-1], "step_time": history.step_time[-1], "workers": chosen}
+            metrics = {
+                "loss": history.loss[-1],
+                "step_time": history.step_time[-1],
+                "workers": chosen,
+                "dropped": self.dropped - dropped_before,
+            }
             if log is not None:
                 log(self.step, metrics)
             if show:
                 done = steps - (target - self.step)
                 print(
                     f"\rstep {self.step} [{done}/{steps}] loss {history.loss[-1]:.4f} "
-                    f"{history.step_time[-1] * 1e3:.1f} ms/step",
+                    f"{history.step_time[-1] * 1e3:.1f} ms/step, {metrics['dropped']} gradients dropped",
                     end="" if done < steps else "\n",
                     file=sys.stderr,
                 )
