@@ -110,6 +110,16 @@ def test_variables_sharded_over_the_ps_tasks_by_size(cluster):
     assert all(np.all(v.numpy() == 2.0) for v in variables.values())
 
 
+def test_unconstrained_work_stays_in_this_process(cluster):
+    @fj.jit
+    def f(xs):
+        return fnp.tanh(xs[0] @ xs[1]) + fnp.tanh(xs[1] @ xs[0])  # two independent products
+
+    xs = np.ones((2, 64, 64), np.float32)
+    placed = f.lower(xs).graph("placement")
+    assert {op.device for op in placed.ops} == {"/job:localhost/task:0/device:cpu:0"}
+
+
 def test_values_flow_both_ways_between_driver_and_tasks(cluster):
     """The driver computes, a worker uses it, the driver uses the worker's value again."""
 

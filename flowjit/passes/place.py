@@ -8,6 +8,10 @@ Guarantees: every op, nested ones included, has `op.device` set to the full name
 devices; ops that touch one variable share a device; a region op (cond/while/for) and its
 body share a device; `graph.placement` maps each top-level op to a one-line reason.
 
+Ops without a constraint are placed among the devices of the first device's task (the calling
+process, when the frontend lists the local devices first): devices of other tasks (a cluster's)
+only take the ops the program puts there.
+
 Cost model (deterministic, in estimated microseconds; constants below, measured by
 `benchmarks/multidevice.py`): an op costs its elements touched (operands + results) at
 `ELEMENTS_PER_US`, a contraction its multiply-adds at `FLOPS_PER_US`; moving a value to another
@@ -222,9 +226,12 @@ class _Scheduler:
 
 
 def _candidates(op: Op, constraint: DeviceSpec | None, source: Op | None, local: list[Device]) -> list[Device]:
-    """The devices fitting `constraint` (which `source` set on `op`'s unit); an error when none does."""
+    """The devices fitting `constraint` (which `source` set on `op`'s unit); an error when none does.
+    An op without a constraint stays in the task of the first device (this process): work goes to
+    another task only where the program says so."""
     if constraint is None:
-        return local
+        home = (local[0].spec.job, local[0].spec.task)
+        return [d for d in local if (d.spec.job, d.spec.task) == home]
     found = [d for d in local if constraint.matches(d)]
     if not found:
         op = source or op
