@@ -39,6 +39,7 @@ def parse_args(argv):
     p.add_argument("--peers", default=",".join(peers.available()), help="comma-separated peers to run")
     p.add_argument("--sizes", choices=("full", "tiny"), default="full", help="'tiny' is for smoke tests only")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")
+    p.add_argument("--no-distributed", action="store_true", help="skip the distributed runtime's costs (Ray)")
     args = p.parse_args(argv)
     only = {n for item in args.only for n in item.split(",") if n}
     unknown = only - set(names)
@@ -124,6 +125,28 @@ def measure_memory(n: int) -> dict:
     return answer if answer is not None else {"error": error}
 
 
+def measure_distributed(quick: bool) -> str:
+    """The Markdown section of `distributed.py` (Ray on loopback), run in a fresh process."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "## Distributed (Ray)\n\nNot measured: the `distributed` extra (Ray) is not installed.\n"
+    print("measuring the distributed runtime (a local Ray cluster) ...", flush=True)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "distributed.py"), *(["--quick"] if quick else [])],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=HERE,
+        )
+    except subprocess.TimeoutExpired:
+        return "## Distributed (Ray)\n\nNot measured: distributed.py did not finish in 900 s.\n"
+    if proc.returncode != 0:
+        return f"## Distributed (Ray)\n\nNot measured: {_how_it_died(proc.returncode, proc.stderr)}\n"
+    return proc.stdout[proc.stdout.index("## Distributed") :]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # flowjit's on-disk compile cache would turn first calls (and the preflight's compiles) into loads.
@@ -163,6 +186,8 @@ def main(argv=None) -> int:
     description["CPU time stolen by the VM host during the run"] = machine.steal_share(cpu_before, machine.cpu_times())
     missing = [n for n in peers.PEER_NAMES if n not in peers.available()]
     text = render(command, date, mode, description, startup, limits, runs, memory, missing)
+    if not args.no_distributed:
+        text += "\n" + measure_distributed(args.quick)
     args.out.write_text(text)
     print(f"wrote {args.out}")
     return 0

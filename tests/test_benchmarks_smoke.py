@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("elementwise", "matmul1024", "softmax", "sum", "call_overhead", "mlp_train_step")
 
@@ -14,7 +16,7 @@ WORKLOADS = ("elementwise", "matmul1024", "softmax", "sum", "call_overhead", "ml
 def test_runner_on_tiny_sizes(tmp_path):
     out = tmp_path / "RESULTS.md"
     command = [sys.executable, "benchmarks/run.py", "--quick", "--sizes", "tiny", "--peers", "numpy,flowjit"]
-    command += ["--only", ",".join(WORKLOADS), "--out", str(out)]
+    command += ["--only", ",".join(WORKLOADS), "--out", str(out), "--no-distributed"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = out.read_text()
@@ -34,3 +36,13 @@ def test_runner_on_tiny_sizes(tmp_path):
     # column 4: the call after each settling pause, timed apart from the steady-state samples
     assert all(re.fullmatch(r"[\d.]+ [nµm]?s", cells[4]) for cells in rows["numpy"] + ran), ran
     assert "## Memory" in report and "flowjit first call" in report
+
+
+def test_distributed_benchmark_runs():
+    pytest.importorskip("ray", reason="the `distributed` extra (Ray) is not installed")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/distributed.py", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 6 and "4 MiB cross-task transfer" in proc.stdout  # the header and five measures

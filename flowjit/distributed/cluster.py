@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flowjit.distributed import ray_support
-from flowjit.distributed.task import Inbox, TaskActor
+from flowjit.distributed.task import Inbox, TaskActor, fetch_staged, stage_for_ray
 from flowjit.errors import FlowjitValueError
 from flowjit.ir.devices import Device, DeviceSpec
 from flowjit.ir.location import user_location
@@ -298,6 +298,10 @@ class _Program:
     def new_step_key(self) -> str:
         return f"{self.program_id}:{next(self._steps)}"
 
+    @staticmethod
+    def stage(address: int, nbytes: int):
+        return stage_for_ray(address, nbytes)
+
     def post(self, step_key: str, task: str, batch: dict[str, np.ndarray]) -> None:
         self.cluster.actor(task).deliver.remote(self.program_id, step_key, batch)
 
@@ -353,7 +357,7 @@ class _Step:
                 for ref in ready:
                     if ref is take:
                         batch = ray_support.get(take, f"taking the values tasks sent in step {self.step_key}")
-                        self.local.deliver(batch)
+                        self.local.deliver(fetch_staged(batch, f"values tasks sent in step {self.step_key}"))
                         expected -= set(batch)
                         take = inbox.take.remote(self.step_key, 0.5) if expected else None
                         continue

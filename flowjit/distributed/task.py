@@ -16,13 +16,15 @@ bound for it there, and the driver takes them.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import threading
 
 import numpy as np
 
+from flowjit.distributed import ray_support
 from flowjit.runtime.executor import Partition, routes_between, run_partitions
-from flowjit.runtime.tasks import TaskError, TaskStep, task_name
+from flowjit.runtime.tasks import TaskError, TaskStep, snapshot, task_name
 
 _FINISHED_KEPT = 4096  # finished step keys remembered, to drop their late messages
 
@@ -116,10 +118,10 @@ class TaskActor:
                 lock.release()
             self._finish(step_key)
 
-    def deliver(self, program_id: str, step_key: str, batch: dict[str, np.ndarray]) -> None:
+    def deliver(self, program_id: str, step_key: str, batch: dict) -> None:
         step = self._step(program_id, step_key)
         if step is not None:
-            step.deliver(batch)
+            step.deliver(fetch_staged(batch, f"{self.task}: values of step {step_key}"))
 
     def cancel(self, step_key: str, why: str) -> None:
         with self._lock:
@@ -158,7 +160,15 @@ class TaskActor:
             step = self._steps.get(step_key)
             if step is None:
                 post = _Poster(program_id, step_key, program.peers)
-                step = TaskStep(step_key, len(program.parts), program.routes, program.incoming, program.outgoing, post)
+                step = TaskStep(
+                    step_key,
+                    len(program.parts),
+                    program.routes,
+                    program.incoming,
+                    program.outgoing,
+                    post,
+                    stage=stage_for_ray,
+                )
                 self._steps[step_key] = step
             return step
 
@@ -171,6 +181,33 @@ class TaskActor:
         self._finished[step_key] = None
         while len(self._finished) > _FINISHED_KEPT:
             self._finished.popitem(last=False)
+
+
+# Values from this size up cross tasks through the object store: put there straight from the
+# sender's buffer (one copy, no snapshot), read zero-copy by a receiver on the same node. Smaller
+# ones travel inside the message (Ray inlines arguments up to 100 KiB).
+PUT_MIN_BYTES = 100 * 1024
+
+
+def stage_for_ray(address: int, nbytes: int):
+    """What a send to another task posts: an object-store reference for a large value, else a copy."""
+    if nbytes < PUT_MIN_BYTES:
+        return snapshot(address, nbytes)
+    import ray
+
+    view = np.frombuffer((ctypes.c_char * nbytes).from_address(address), np.uint8)
+    return ray.put(view)
+
+
+def fetch_staged(batch: dict, what: str) -> dict[str, np.ndarray]:
+    """A message's values, with object-store references fetched (within the timeout)."""
+    import ray
+
+    refs = {k: v for k, v in batch.items() if isinstance(v, ray.ObjectRef)}
+    if not refs:
+        return batch
+    fetched = ray_support.get(list(refs.values()), what)
+    return {**batch, **dict(zip(refs, fetched))}
 
 
 class _Poster:

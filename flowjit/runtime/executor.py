@@ -176,6 +176,7 @@ class PartitionedExecutable(Executable):
             incoming=self.incoming,
             outgoing=self.outgoing,
             post=functools.partial(self.remote.post, step_key),
+            stage=self.remote.stage,
         )
         remote = self.remote.start(step_key, args, variables, rendezvous)
         try:

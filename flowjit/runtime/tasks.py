@@ -60,8 +60,9 @@ class TaskStep(Rendezvous):
     """The rendezvous of one step inside one task.
 
     Keys between this task's own partitions behave as in `Rendezvous`. A key in `outgoing` (key ->
-    receiving task) is snapshotted when sent (the sender's buffer is free at once) and gathered
-    into the outbox of its task; `post(task, {key: array})` sends an outbox as one message when
+    receiving task) is staged when sent (`stage(address, nbytes)`: by default a snapshot copy; the
+    sender's buffer is free once it returns) and gathered into the outbox of its task;
+    `post(task, {key: staged})` sends an outbox as one message when
     every partition of this task has finished or waits. A key in `incoming` comes from another
     task: `deliver` deposits it, and a recv waiting for one is never taken for a stuck step."""
 
@@ -74,13 +75,15 @@ class TaskStep(Rendezvous):
         outgoing: dict[str, str],
         post: Callable[[str, dict[str, np.ndarray]], None],
         timeout_s: float | None = None,
+        stage: Callable[[int, int], object] | None = None,
     ):
         super().__init__(timeout_s=timeout_s, parties=parties, routes=routes)
         self.step_id = self.step_key = step_key  # errors name the step as every task knows it
         self._incoming = incoming
         self._outgoing = outgoing
         self._post = post
-        self._outbox: dict[str, dict[str, np.ndarray]] = {}
+        self._stage = stage or snapshot
+        self._outbox: dict[str, dict[str, object]] = {}
 
     def send(self, key: str, value: np.ndarray) -> None:
         task = self._outgoing.get(key)
@@ -95,10 +98,9 @@ class TaskStep(Rendezvous):
         task = self._outgoing.get(key)
         if task is None:
             return super().send_bytes(key, address, nbytes)
-        snapshot = np.empty(nbytes, np.uint8)
-        ctypes.memmove(snapshot.ctypes.data, address, nbytes)
+        staged = self._stage(address, nbytes)  # the buffer is free again once this returns
         with self._cond:
-            self._outbox.setdefault(task, {})[key] = snapshot
+            self._outbox.setdefault(task, {})[key] = staged
             self._flush_if_idle(waiting=len(self._blocked))
         return False
 
@@ -137,6 +139,13 @@ class TaskStep(Rendezvous):
         return super()._stuck(waiting, key)
 
 
+def snapshot(address: int, nbytes: int) -> np.ndarray:
+    """A copy of the `nbytes` at `address`, as bytes."""
+    copy = np.empty(nbytes, np.uint8)
+    ctypes.memmove(copy.ctypes.data, address, nbytes)
+    return copy
+
+
 class RemoteStep(Protocol):
     """One step's work on the other tasks, started by `RemoteProgram.start`."""
 
@@ -154,8 +163,12 @@ class RemoteProgram(Protocol):
     def new_step_key(self) -> str:
         """A key naming one new step on every task."""
 
-    def post(self, step_key: str, task: str, batch: dict[str, np.ndarray]) -> None:
+    def post(self, step_key: str, task: str, batch: dict[str, object]) -> None:
         """Send values of this process's partitions to `task` (one message)."""
+
+    def stage(self, address: int, nbytes: int) -> object:
+        """What a send of `nbytes` at `address` to another task puts in the outbox (the buffer
+        is reused once this returns): a copy, or a handle the receiving task can fetch."""
 
     def start(
         self, step_key: str, args: Sequence[np.ndarray], variables: dict[str, np.ndarray], local: TaskStep
