@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flowjit.distributed import ray_support
-from flowjit.distributed.task import Inbox, TaskActor, fetch_staged, stage_for_ray
+from flowjit.distributed.task import PUT_MIN_BYTES, Inbox, TaskActor, fetch_staged, stage_for_ray
 from flowjit.errors import FlowjitValueError
 from flowjit.ir.devices import Device, DeviceSpec
 from flowjit.ir.location import user_location
@@ -309,11 +309,26 @@ class _Program:
         self, step_key: str, args: Sequence[np.ndarray], variables: dict[str, np.ndarray], local: TaskStep
     ) -> _Step:
         runs = {}
+        shared = self._shared_inputs(args)
         for task, parts in self.by_task.items():
             first = self._move_variables(task, variables)
-            task_args = {n: [args[i] for i in part[2]] for n, part in parts.items()}
+            task_args = {n: [shared.get(i, args[i]) for i in part[2]] for n, part in parts.items()}
             runs[task] = self.cluster.actor(task).run.remote(self.program_id, step_key, task_args, first)
         return _Step(self, step_key, runs, local)
+
+    def _shared_inputs(self, args: Sequence[np.ndarray]) -> dict:
+        """Large inputs read by several tasks go into the object store once (each task fetches the
+        same object) instead of once per run call."""
+        readers: dict[int, int] = {}
+        for parts in self.by_task.values():
+            for i in {i for part in parts.values() for i in part[2]}:
+                readers[i] = readers.get(i, 0) + 1
+        ray = ray_support.ray()
+        return {
+            i: ray.put(args[i])
+            for i, count in readers.items()
+            if count > 1 and np.asarray(args[i]).nbytes >= PUT_MIN_BYTES
+        }
 
     def _move_variables(self, task: str, variables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The values of the variables that start living in `task` with this step (taken from where

@@ -111,6 +111,7 @@ class TaskActor:
             for n in program.indices:
                 inputs.append(list(range(len(flat), len(flat) + len(args[n]))))
                 flat.extend(args[n])
+            flat = _fetch_inputs(flat, f"{self.task}: the inputs of step {step_key}")
             outs = run_partitions(program.parts, inputs, flat, self.variables, step)
             return dict(zip(program.indices, outs))
         finally:
@@ -208,6 +209,20 @@ def fetch_staged(batch: dict, what: str) -> dict[str, np.ndarray]:
         return batch
     fetched = ray_support.get(list(refs.values()), what)
     return {**batch, **dict(zip(refs, fetched))}
+
+
+def _fetch_inputs(values: list, what: str) -> list:
+    """The step's inputs, with the ones shared through the object store fetched."""
+    import ray
+
+    at = [i for i, v in enumerate(values) if isinstance(v, ray.ObjectRef)]
+    if not at:
+        return values
+    fetched = ray_support.get([values[i] for i in at], what)
+    values = list(values)
+    for i, value in zip(at, fetched):
+        values[i] = value
+    return values
 
 
 class _Poster:
