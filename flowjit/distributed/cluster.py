@@ -231,7 +231,10 @@ class Cluster:
     def actor(self, task: str):
         """The Ray actor of `task` ('/job:ps/task:0')."""
         if not self.running:
-            raise TaskError(f"the cluster {self.spec} is not running (it was shut down): create a new one")
+            raise TaskError(
+                f"the cluster {self.spec} is not running (it was shut down): start a new one, and call "
+                "clear_cache() on jitted functions compiled for this one"
+            )
         actor = self._actors.get(task)
         if actor is None:
             raise FlowjitValueError(f"no task {task} in the cluster {self.spec}; its tasks are {', '.join(self.tasks)}")

@@ -7,9 +7,8 @@ default 300 s), and a failure of a task reaches the caller as a `TaskError` nami
 
 from __future__ import annotations
 
-import os
-
 from flowjit.errors import FlowjitError
+from flowjit.runtime.rendezvous import seconds_setting
 from flowjit.runtime.tasks import TaskError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -44,13 +43,7 @@ def loopback_only(module) -> None:
 
 def timeout_s() -> float:
     """Seconds any wait on a task may take (`FLOWJIT_RAY_TIMEOUT`, default 300)."""
-    raw = os.environ.get("FLOWJIT_RAY_TIMEOUT")
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        return float(raw)
-    except ValueError:
-        raise FlowjitError(f"FLOWJIT_RAY_TIMEOUT must be a number of seconds; found {raw!r}") from None
+    return seconds_setting("FLOWJIT_RAY_TIMEOUT", DEFAULT_TIMEOUT_S)
 
 
 def get(refs, what: str, timeout: float | None = None):

@@ -28,21 +28,26 @@ from flowjit.errors import FlowjitError
 from flowjit.ir.channel import TransferError
 from flowjit.runtime.transports import HOST_COPY, Transport
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "TransferError", "recv_timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "TransferError", "recv_timeout_s", "seconds_setting"]
 
 DEFAULT_TIMEOUT_S = 600.0
+
+
+def seconds_setting(variable: str, default: float) -> float:
+    """A number of seconds from the environment variable `variable`, else `default`."""
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise FlowjitError(f"{variable} must be a number of seconds; found {raw!r}") from None
 
 
 def recv_timeout_s() -> float:
     """Seconds a recv waits for its send (`FLOWJIT_RECV_TIMEOUT`, default 600): the last resort
     against a partition stuck in native code; missing sends are detected without waiting."""
-    raw = os.environ.get("FLOWJIT_RECV_TIMEOUT")
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        return float(raw)
-    except ValueError:
-        raise FlowjitError(f"FLOWJIT_RECV_TIMEOUT must be a number of seconds; found {raw!r}") from None
+    return seconds_setting("FLOWJIT_RECV_TIMEOUT", DEFAULT_TIMEOUT_S)
 
 
 _step_ids = itertools.count(1)
