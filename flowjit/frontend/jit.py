@@ -9,7 +9,9 @@
     lo.compile()(x, w)
 
 A call's signature is the pytree structure of its arguments, each leaf's shape and dtype, and the
-type and value of each static argument; a new signature retraces. `FLOWJIT_LOG_COMPILES=1` prints
+type and value of each static argument; a new signature retraces. The cache belongs to the
+function and the jit options, not the wrapper: `fj.jit(f)(x)` in a loop traces once. As in JAX, a
+trace reads globals and closures once (see docs/transforms.md). `FLOWJIT_LOG_COMPILES=1` prints
 why. Arguments are pytrees (tuples, lists, dicts, namedtuples, None) whose leaves are numpy arrays of
 a flowjit dtype or Python scalars (bool -> bool, int -> i64, float -> f32). Arrays of other dtypes
 (uint8, int16, complex64, ...) are rejected with a FlowjitTypeError, not converted: convert them yourself
