@@ -264,6 +264,7 @@ def test_static_argument_keyed_by_identity_is_refused():
     with pytest.raises(fj.FlowjitTypeError, match="hashes by identity.*stale"):
         f(X, Config())
     np.testing.assert_allclose(fj.jit(lambda x, act: act(x), static_argnums=1)(X, fnp.tanh), np.tanh(X), rtol=1e-6)
+    np.testing.assert_allclose(fj.jit(lambda x, k: x if k is None else x * k, static_argnums=1)(X, None), X)
 
 
 def test_wrappers_of_one_function_with_equal_options_share_one_cache():

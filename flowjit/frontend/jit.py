@@ -219,6 +219,8 @@ def _keyed_by_identity(value) -> bool:
     """Whether `value` hashes by identity (or not at all), so a cache keyed by it would miss every
     change of its attributes. Functions, classes, modules and ufuncs are code, not state: they key
     by identity, as the jitted function itself does."""
+    if value is None or value is Ellipsis or value is NotImplemented:  # singletons: identity is their value
+        return False
     if isinstance(value, types.FunctionType | types.BuiltinFunctionType | type | types.ModuleType | np.ufunc):
         return False
     if isinstance(value, types.MethodType):

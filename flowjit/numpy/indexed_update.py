@@ -84,7 +84,7 @@ class IndexUpdateHelper:
         return IndexUpdateRef(self.array, index)
 
     def __repr__(self) -> str:
-        return f"_IndexUpdateHelper({self.array!r})"
+        return f"IndexUpdateHelper({self.array!r})"
 
 
 class IndexUpdateRef:
@@ -135,7 +135,7 @@ class IndexUpdateRef:
         return _update(self.array, self.index, values, "max", mode, unique_indices)
 
     def __repr__(self) -> str:
-        return f"_IndexUpdateRef({self.array!r}, {self.index!r})"
+        return f"IndexUpdateRef({self.array!r}, {self.index!r})"
 
 
 def at(x) -> IndexUpdateHelper:
