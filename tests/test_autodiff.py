@@ -125,6 +125,16 @@ def test_vjp_outside_jit_compiles_and_runs():
     np.testing.assert_allclose(g, np.exp(X) * 2.0, rtol=1e-6)
 
 
+def test_eager_vjp_function_can_be_jitted():
+    # The program: this failed with "lambda.lower() called while tracing".
+    y, f_vjp = fj.vjp(fnp.sin, 4.0)
+    np.testing.assert_allclose(y, np.sin(4.0), rtol=1e-6)
+    (g,) = fj.jit(f_vjp)(1.0)
+    np.testing.assert_allclose(g, np.cos(4.0), rtol=1e-6)
+    (g,) = fj.jit(f_vjp)(np.float32(2.0))
+    np.testing.assert_allclose(g, 2 * np.cos(4.0), rtol=1e-6)
+
+
 def test_vjp_rejects_a_cotangent_of_the_wrong_type():
     _, vjp_fn = fj.vjp(lambda x: x * 2.0, X)
     with pytest.raises(FlowjitTypeError, match="cotangent leaf 0 must be tensor<3x4xf32>"):
@@ -256,6 +266,18 @@ def test_custom_vjp_outside_differentiation_calls_the_function():
     np.testing.assert_allclose(safe_log1pexp(np.float32(0.0)), np.log(2.0), rtol=1e-6)
     assert "custom_vjp_call" not in interp(lambda x: safe_log1pexp(x)).lower(X).as_text("traced")
     assert "custom_vjp_call" not in interp(fj.grad(lambda x: fnp.sum(safe_log1pexp(x)))).lower(X).as_text("optimized")
+
+
+def test_custom_vjp_whose_forward_calls_the_function_itself():
+    # The pattern of JAX's docs; it recursed until Python's RecursionError.
+    @fj.custom_vjp
+    def f(x):
+        return fnp.sin(x)
+
+    f.defvjp(lambda x: (f(x), fnp.cos(x)), lambda cos_x, g: (2.0 * cos_x * g,))  # 2x the true gradient
+    np.testing.assert_allclose(fj.grad(f)(1.0), 2 * np.cos(1.0), rtol=1e-6)
+    np.testing.assert_allclose(fj.jit(fj.grad(lambda x: fnp.sum(f(x))))(X), 2 * np.cos(X), rtol=1e-6)
+    np.testing.assert_allclose(f(np.float32(1.0)), np.sin(1.0), rtol=1e-6)
 
 
 def test_custom_vjp_backward_must_return_one_cotangent_per_argument():

@@ -319,7 +319,7 @@ def test_assigning_into_a_traced_value():
 
     with pytest.raises(fj.FlowjitTypeError) as e:
         f(np.ones(3, np.float32))
-    check(e, fj.FlowjitTypeError, "err-setitem", "immutable", "fnp.where")
+    check(e, fj.FlowjitTypeError, "err-setitem", "immutable", "x = x.at[...].set(v)")
 
 
 def test_unknown_attribute_of_a_traced_value():

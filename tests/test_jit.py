@@ -5,7 +5,7 @@ import os
 import re
 import threading
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -184,33 +184,104 @@ def test_a_large_array_read_twice_is_one_constant_unless_changed_between():
     np.testing.assert_array_equal(fj.jit(g)(np.zeros(2000, np.float32))[:3], [100.0, 2.0, 4.0])
 
 
-def test_method_binds_self_as_static():
-    traces = Counter()
-
-    class Layer:
-        def __init__(self, w):
-            self.w = w
+def test_method_on_an_object_keyed_by_identity_is_refused_never_stale():
+    # The program: c.calc(3) gave 6, then c.mul = False, and c.calc(3) still gave 6.
+    class Calc:
+        def __init__(self):
+            self.mul = True
 
         @fj.jit
-        def __call__(self, x):
-            traces()
-            return x @ self.w
+        def calc(self, x):
+            return x * 2 if self.mul else x
 
     @dataclass
-    class Unhashable:  # eq=True without frozen: __hash__ is None, keyed by identity
+    class Unhashable:  # eq=True without frozen: __hash__ is None
         w: np.ndarray
 
         @fj.jit
         def apply(self, x):
             return x @ self.w
 
-    a, b = Layer(W), Layer(2 * W)
-    np.testing.assert_allclose(a(X), X @ W, rtol=1e-5)
-    np.testing.assert_allclose(a(X), X @ W, rtol=1e-5)
-    np.testing.assert_allclose(b(X), X @ (2 * W), rtol=1e-5)
-    assert traces.n == 2  # once per instance
-    np.testing.assert_allclose(Unhashable(W).apply(X), X @ W, rtol=1e-5)
-    assert "dot_general" in a.__call__.lower(X).as_text("traced")
+    c = Calc()
+    with pytest.raises(fj.FlowjitTypeError) as e:
+        c.calc(3.0)  # identity-keyed self
+    message = str(e.value)
+    assert f"test_jit.py:{line_of('identity-keyed self')}:" in message
+    assert "stale" in message and "register_dataclass" in message and "__hash__" in message
+    with pytest.raises(fj.FlowjitTypeError, match="neither an array pytree nor hashable by value"):
+        Unhashable(W).apply(X)
+
+
+def test_method_on_a_pytree_self_traces_its_arrays_and_keys_its_static_fields_by_value():
+    traces = Counter()
+
+    @fj.tree_util.register_dataclass
+    @dataclass
+    class Layer:
+        w: np.ndarray
+        mul: bool = field(default=True, metadata={"static": True})
+
+        @fj.jit
+        def __call__(self, x):
+            traces()
+            return x @ self.w * 2 if self.mul else x @ self.w
+
+    layer = Layer(W)
+    np.testing.assert_allclose(layer(X), X @ W * 2, rtol=1e-5)
+    layer.mul = False  # a static field: a new signature, traced again
+    np.testing.assert_allclose(layer(X), X @ W, rtol=1e-5)
+    layer.w = 3 * W  # an array: an argument of the compiled code, not a constant
+    np.testing.assert_allclose(layer(X), X @ (3 * W), rtol=1e-5)
+    np.testing.assert_allclose(Layer(-W, False)(X), -(X @ W), rtol=1e-5)
+    assert traces.n == 2
+    assert "%self.w: tensor<8x3xf32>" in layer.__call__.lower(X).as_text("traced")
+
+
+def test_method_on_a_self_hashed_by_value_is_static_and_retraced_per_value():
+    traces = Counter()
+
+    @dataclass(frozen=True)
+    class Scale:
+        factor: float
+
+        @fj.jit
+        def apply(self, x):
+            traces()
+            return x * self.factor
+
+    np.testing.assert_allclose(Scale(2.0).apply(X), 2 * X)
+    np.testing.assert_allclose(Scale(2.0).apply(X), 2 * X)  # an equal value: cached
+    np.testing.assert_allclose(Scale(3.0).apply(X), 3 * X)
+    assert traces.n == 2
+
+
+def test_static_argument_keyed_by_identity_is_refused():
+    class Config:
+        def __init__(self):
+            self.scale = 2.0
+
+    f = fj.jit(lambda x, cfg: x * cfg.scale, static_argnums=1)
+    with pytest.raises(fj.FlowjitTypeError, match="hashes by identity.*stale"):
+        f(X, Config())
+    np.testing.assert_allclose(fj.jit(lambda x, act: act(x), static_argnums=1)(X, fnp.tanh), np.tanh(X), rtol=1e-6)
+    np.testing.assert_allclose(fj.jit(lambda x, k: x if k is None else x * k, static_argnums=1)(X, None), X)
+
+
+def test_wrappers_of_one_function_with_equal_options_share_one_cache():
+    traces = Counter()
+
+    def f(x, n):
+        traces()
+        return x * n
+
+    for _ in range(3):  # the common `fj.jit(f)(x)` inside a loop
+        np.testing.assert_allclose(fj.jit(f, static_argnums=1)(X, 2), 2 * X)
+    assert traces.n == 1
+    np.testing.assert_allclose(fj.jit(f)(X, 2), 2 * X)  # other options: another cache
+    assert traces.n == 2
+    fj.jit(f, static_argnums=1).clear_cache()
+    fj.jit(f, static_argnums=1)(X, 2)
+    assert traces.n == 3
 
 
 def test_decorator_forms_and_static_arguments_hashed_by_value():

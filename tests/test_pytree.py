@@ -1,6 +1,7 @@
 """Pytrees: flatten/unflatten round trips, leaf order, paths, and structure equality."""
 
 from collections import namedtuple
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flowjit as fj
+import flowjit.numpy as fnp
 from flowjit.frontend.pytree import leaf_paths
 
 Point = namedtuple("Point", ["x", "y"])
@@ -148,3 +150,109 @@ def test_flatten_and_unflatten_leave_no_reference_cycle():
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+# --- custom pytree classes (fj.tree_util) ---------------------------------------------------------------
+
+
+class Box:
+    """A class registered with register_pytree_node: two children and a hashable aux (its label)."""
+
+    def __init__(self, a, b, label="box"):
+        self.a, self.b, self.label = a, b, label
+
+
+fj.tree_util.register_pytree_node(Box, lambda box: ((box.a, box.b), box.label), lambda label, ab: Box(*ab, label))
+
+
+@fj.tree_util.register_pytree_node_class
+class Affine:
+    def __init__(self, w, b, activation="tanh"):
+        self.w, self.b, self.activation = w, b, activation
+
+    def tree_flatten(self):
+        return (self.w, self.b), self.activation
+
+    @classmethod
+    def tree_unflatten(cls, activation, children):
+        return cls(*children, activation)
+
+    def __call__(self, x):
+        y = x @ self.w + self.b
+        return fnp.tanh(y) if self.activation == "tanh" else y
+
+
+@fj.tree_util.register_dataclass
+@dataclass
+class Params:
+    w: np.ndarray
+    b: np.ndarray
+    scale: float = field(default=1.0, metadata={"static": True})
+
+
+RNG = np.random.default_rng(3)
+XS = RNG.standard_normal((5, 3)).astype(np.float32)
+WS = RNG.standard_normal((3, 2)).astype(np.float32)
+BS = RNG.standard_normal(2).astype(np.float32)
+
+
+def test_custom_nodes_flatten_and_rebuild_with_their_aux_data():
+    leaves, treedef = fj.tree_flatten([Box(1, (2, 3), "x"), Params(4, 5, 2.0)])
+    assert leaves == [1, 2, 3, 4, 5]
+    rebuilt = fj.tree_unflatten(treedef, [10, 20, 30, 40, 50])
+    assert (rebuilt[0].a, rebuilt[0].b, rebuilt[0].label) == (10, (20, 30), "x")
+    assert rebuilt[1] == Params(40, 50, 2.0)
+    assert fj.tree_util.tree_structure(Box(1, 2, "x")) != fj.tree_util.tree_structure(Box(1, 2, "y"))
+    assert str(fj.tree_util.tree_structure(Params(1, 2))) == "Params(w=*, b=*)"
+    assert leaf_paths({"p": Params(1, 2), "box": Box(3, 4)}) == ["['box'][0]", "['box'][1]", "['p'].w", "['p'].b"]
+    assert fj.tree_map(lambda v: v * 2, Params(1, 2, 3.0)) == Params(2, 4, 3.0)
+
+
+def test_custom_nodes_are_jit_arguments_and_results_whose_aux_keys_the_cache():
+    traces = []
+
+    @fj.jit
+    def apply(layer, x):
+        traces.append(1)
+        return Box(layer(x), x.sum(), layer.activation)
+
+    out = apply(Affine(WS, BS), XS)
+    assert isinstance(out, Box) and out.label == "tanh"
+    np.testing.assert_allclose(out.a, np.tanh(XS @ WS + BS), rtol=1e-5)
+    np.testing.assert_allclose(apply(Affine(2 * WS, BS), XS).a, np.tanh(XS @ (2 * WS) + BS), rtol=1e-5)
+    assert len(traces) == 1  # new arrays, same structure: cached
+    np.testing.assert_allclose(apply(Affine(WS, BS, "linear"), XS).a, XS @ WS + BS, rtol=1e-5)
+    assert len(traces) == 2  # new aux data: traced again
+
+
+def test_grad_with_respect_to_a_registered_dataclass():
+    def loss(p, x):
+        return fnp.sum((x @ p.w + p.b) ** 2) * p.scale
+
+    g = fj.grad(loss)(Params(WS, BS, 0.5), XS)
+    assert isinstance(g, Params) and g.scale == 0.5
+    y = XS @ WS + BS
+    np.testing.assert_allclose(g.w, XS.T @ (2 * y * 0.5), rtol=1e-4)
+    np.testing.assert_allclose(g.b, (2 * y * 0.5).sum(0), rtol=1e-4)
+    gj = fj.jit(fj.grad(loss))(Params(WS, BS, 0.5), XS)
+    np.testing.assert_allclose(gj.w, g.w, rtol=1e-5)
+
+
+def test_registration_errors_say_what_to_do():
+    class NotADataclass:
+        pass
+
+    with pytest.raises(fj.FlowjitTypeError, match="not a dataclass"):
+        fj.tree_util.register_dataclass(NotADataclass)
+    with pytest.raises(fj.FlowjitValueError, match="already a pytree node"):
+        fj.tree_util.register_pytree_node(Box, lambda b: ((), None), lambda aux, c: Box(0, 0))
+    with pytest.raises(fj.FlowjitTypeError, match="has no tree_flatten"):
+        fj.tree_util.register_pytree_node_class(NotADataclass)
+
+    class Listy:
+        def __init__(self, x):
+            self.x = x
+
+    fj.tree_util.register_pytree_node(Listy, lambda n: ([n.x], ["unhashable"]), lambda aux, c: Listy(*c))
+    with pytest.raises(fj.FlowjitTypeError, match="aux data .* not hashable"):
+        fj.tree_flatten(Listy(1))

@@ -297,6 +297,8 @@ def vjp(fun: Callable, *primals):
         out = _run_compiled(fun, primals)
 
         def eager_vjp_fn(cotangent):
+            if not _needs_eager_run(cotangent):  # under fj.jit (or grad): trace it into the caller's graph
+                return vjp(fun, *primals)[1](cotangent)
             return _run_compiled(lambda p, c: vjp(fun, *p)[1](c), (primals, cotangent))
 
         return out, eager_vjp_fn
@@ -350,7 +352,8 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
 
     Outside differentiation it calls the function itself. While a caller is being differentiated it
     runs `fwd` and records a `custom_vjp_call` op whose gradient is `bwd` (traced when the autodiff
-    pass reaches it), so the function's own ops are never differentiated.
+    pass reaches it), so the function's own ops are never differentiated. Inside `fwd`, calling the
+    function runs the function itself (`f.defvjp(lambda x: (f(x), fnp.cos(x)), bwd)`, as in JAX's docs).
     """
 
     def __init__(self, fun: Callable):
@@ -359,6 +362,7 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
         self.fwd: Callable | None = None
         self.bwd: Callable | None = None
         self._rule_ids: dict = {}
+        self._in_fwd = threading.local()  # set while this thread runs `fwd`
 
     def defvjp(self, fwd: Callable, bwd: Callable) -> None:
         """Set the forward function `fwd(*args) -> (out, residuals)` and the backward function
@@ -371,9 +375,13 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
                 f"{user_location()}: custom_vjp function {self.__name__} has no rule; call "
                 f"{self.__name__}.defvjp(fwd, bwd) first"
             )
-        if not under_differentiation():
+        if not under_differentiation() or getattr(self._in_fwd, "active", False):
             return self.fun(*args)
-        pair = self.fwd(*args)
+        self._in_fwd.active = True
+        try:
+            pair = self.fwd(*args)
+        finally:
+            self._in_fwd.active = False
         if not (isinstance(pair, tuple) and len(pair) == 2):
             raise FlowjitTypeError(
                 f"{user_location()}: the fwd of custom_vjp {self.__name__} must return (output, residuals)"

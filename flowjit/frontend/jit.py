@@ -9,7 +9,9 @@
     lo.compile()(x, w)
 
 A call's signature is the pytree structure of its arguments, each leaf's shape and dtype, and the
-type and value of each static argument; a new signature retraces. `FLOWJIT_LOG_COMPILES=1` prints
+type and value of each static argument; a new signature retraces. The cache belongs to the
+function and the jit options, not the wrapper: `fj.jit(f)(x)` in a loop traces once. As in JAX, a
+trace reads globals and closures once (see docs/transforms.md). `FLOWJIT_LOG_COMPILES=1` prints
 why. Arguments are pytrees (tuples, lists, dicts, namedtuples, None) whose leaves are numpy arrays of
 a flowjit dtype or Python scalars (bool -> bool, int -> i64, float -> f32). Arrays of other dtypes
 (uint8, int16, complex64, ...) are rejected with a FlowjitTypeError, not converted: convert them yourself
@@ -28,6 +30,7 @@ import re
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +38,7 @@ import numpy as np
 
 from flowjit.backends import Executable, backend_for_device, default_target, get_backend
 from flowjit.errors import FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError
-from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
+from flowjit.frontend.pytree import TreeDef, is_pytree_node, leaf_paths, tree_flatten, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, array_library, current_trace, escaped_tracer_error
 from flowjit.frontend.variables import Variable
 from flowjit.ir import dtypes as dt
@@ -213,31 +216,49 @@ def _to_host(leaf, ttype: TensorType) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes 0-d arrays 1-d)
 
 
-def _self_key(obj):
-    """A bound method's `self` keys the cache by value when hashable, else by identity."""
+def _keyed_by_identity(value) -> bool:
+    """Whether `value` hashes by identity (or not at all), so a cache keyed by it would miss every
+    change of its attributes. Functions, classes, modules and ufuncs are code, not state: they key
+    by identity, as the jitted function itself does."""
+    if value is None or value is Ellipsis or value is NotImplemented:  # singletons: identity is their value
+        return False
+    if isinstance(value, types.FunctionType | types.BuiltinFunctionType | type | types.ModuleType | np.ufunc):
+        return False
+    if isinstance(value, types.MethodType):
+        return _keyed_by_identity(value.__self__)
+    if isinstance(value, functools.partial) or hasattr(value, "__wrapped__"):  # partial, fj.jit, custom_vjp
+        return False
+    hash_fn = type(value).__hash__
+    return hash_fn is None or hash_fn is object.__hash__
+
+
+# Jitted wrappers of one function with equal options share one cache, as JAX's do, so `fj.jit(f)(x)`
+# written inside a loop traces once: function -> {options: its cache}. Weak: a cache lives as long as
+# its function.
+_shared_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_shared_caches_lock = threading.Lock()
+
+
+class JitCache:
+    """The compiled entries of one (function, options): signature -> Compiled, the array-key fast
+    path, the last signature traced (for FLOWJIT_LOG_COMPILES), and the lock tracing holds."""
+
+    def __init__(self):
+        self.entries: dict[Signature, Compiled] = {}
+        self.fast_calls: dict[tuple, Callable] = {}  # _array_key -> that signature's Compiled.call_arrays
+        self.last: Signature | None = None
+        # Reentrant: a jitted function may call itself on concrete values while being traced.
+        self.lock = threading.RLock()
+
+
+def _cache_for(fun, options: tuple) -> JitCache:
+    """The cache shared by every wrapper of `fun` with these options; a private one when `fun`
+    cannot be weakly referenced or hashed."""
     try:
-        hash(obj)
+        with _shared_caches_lock:
+            return _shared_caches.setdefault(fun, {}).setdefault(options, JitCache())
     except TypeError:
-        return _Identity(obj)
-    return obj
-
-
-class _Identity:
-    """Keys a bound method's `self` by identity when it has no hash of its own."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __repr__(self) -> str:
-        return f"<{type(self.obj).__name__} instance at {id(self.obj):#x}>"
+        return JitCache()
 
 
 @dataclass(frozen=True)
@@ -289,9 +310,14 @@ class Jitted:
     """A function compiled on first call per signature. Created by `fj.jit`.
 
     Calls with tracers (inside another jit, grad, cond, ...) inline the function into the caller's
-    graph. As a method (`@fj.jit` on a `def` in a class), `self` is a static argument: keyed by its
-    `__hash__`/`__eq__` when it has them, else by identity. Arrays read from `self` become constants
-    of the compiled code: after replacing them on the same object, call `clear_cache()`.
+    graph. As a method (`@fj.jit` on a `def` in a class), `self` is either a pytree (a class
+    registered with `fj.tree_util`: its arrays are traced arguments, its other fields key the cache
+    by value) or a static argument keyed by its own `__hash__`/`__eq__`; an object that hashes by
+    identity is refused, since its attributes could change behind the cache's back.
+
+    Wrappers of one function with equal options share one cache (`fj.jit(f)(x)` in a loop traces
+    once). As in JAX, a trace reads globals and closed-over values once: rebinding them later does
+    not retrace; pass such values as arguments, or call `clear_cache()`.
     """
 
     def __init__(
@@ -319,11 +345,17 @@ class Jitted:
         self.donate_argnums = _as_tuple(donate_argnums)
         self.donate_argnames = _as_tuple(donate_argnames)
         self.target = target
-        self._cache: dict[Signature, Compiled] = {}
-        self._fast_calls: dict[tuple, Callable] = {}  # _array_key -> that signature's Compiled.call_arrays
-        self._last: Signature | None = None
-        # Reentrant: a jitted function may call itself on concrete values while being traced.
-        self._lock = threading.RLock()
+        options = (
+            self.static_argnums,
+            self.static_argnames,
+            None if device is None else str(device),
+            self.donate_argnums,
+            self.donate_argnames,
+            target,
+            tuple(d.name for d in devices()),  # compiled code is placed on the local devices of its time
+        )
+        self._shared = _cache_for(fun, options)
+        self._cache, self._fast_calls, self._lock = self._shared.entries, self._shared.fast_calls, self._shared.lock
         params = list(self.signature.parameters.values())
         for i in self.static_argnums:
             if not isinstance(i, int) or not -len(params) <= i < len(params):
@@ -388,8 +420,8 @@ class Jitted:
                 bound.arguments[name] = param.default
         statics, dynamic, names = [], [], []
         for name, value in bound.arguments.items():
-            if bound_self and name == self._self_name:
-                statics.append((name, type(value), _self_key(value)))
+            if bound_self and name == self._self_name and not is_pytree_node(value):
+                statics.append((name, type(value), self._static_self(name, value)))
             elif name in self._static_names:
                 statics.append((name, type(value), self._static_value(name, value)))
             else:
@@ -400,7 +432,8 @@ class Jitted:
         return bound, tuple(names), tuple(statics), leaves, treedef, paths
 
     def _static_value(self, name: str, value):
-        """A static argument's cache key: its value, which must be hashable (never its identity)."""
+        """A static argument's cache key: its value, which must be hashable by value (never by
+        identity: a changed attribute would reuse a stale trace)."""
         try:
             hash(value)
         except TypeError:
@@ -409,7 +442,34 @@ class Jitted:
                 f"the compile cache); found {type(value).__name__}. Use a tuple instead of a list, or a frozen "
                 "dataclass."
             ) from None
+        if _keyed_by_identity(value):
+            raise FlowjitTypeError(
+                f"{user_location()}: static argument '{name}' of {self.name} is a {type(value).__name__}, which "
+                "hashes by identity: the compiled code would be reused after its attributes change (a stale "
+                "result). Give its class __eq__ and __hash__ by value (e.g. @dataclass(frozen=True)), or pass "
+                "its arrays as dynamic arguments (register the class with fj.tree_util.register_dataclass)"
+            )
         return value
+
+    def _static_self(self, name: str, obj):
+        """A bound method's `self` that is not a pytree: static, keyed by its value's hash, never by
+        identity (`c.calc(3)`, then `c.mul = False`, must not reuse the trace of `c.calc`)."""
+        cls = type(obj).__name__
+        try:
+            by_value = hash(obj) is not None and not _keyed_by_identity(obj)
+        except TypeError:  # a frozen dataclass holding an array, say
+            by_value = False
+        if not by_value:
+            raise FlowjitTypeError(
+                f"{user_location()}: the jitted method {self.name} of {cls}: '{name}' is neither an array pytree "
+                f"nor hashable by value, so the compiled code could not tell when its attributes change and "
+                f"would return stale results. Either register {cls} as a pytree "
+                f"(@fj.tree_util.register_dataclass, or fj.tree_util.register_pytree_node_class with "
+                f"tree_flatten/tree_unflatten): its arrays are then traced and its other fields key the cache "
+                f"by value; or give {cls} __eq__ and __hash__ by value over every field the method reads "
+                f"(e.g. @dataclass(frozen=True)); or jit a function that takes the arrays as arguments"
+            )
+        return obj
 
     def _signature_of(self, args, kwargs, bound_self: bool = False):
         bound, names, statics, leaves, treedef, paths = self._split(args, kwargs, bound_self)
@@ -461,10 +521,10 @@ class Jitted:
             return
         if for_lower:
             reason = "lower() was called"
-        elif self._last is None:
+        elif self._shared.last is None:
             reason = "first call"
         else:
-            reason = sig.explain_change(self._last, paths)
+            reason = sig.explain_change(self._shared.last, paths)
         print(f"flowjit: tracing {self.name} ({self._where()}) because {reason}", file=sys.stderr)
 
     def _lower(self, args, kwargs, bound_self: bool) -> Lowered:
@@ -496,7 +556,7 @@ class Jitted:
                     lowered = Lowered(graph, sig, out_tree, paths, target, binder, variables, donated)
                     compiled = lowered.compile()
                     self._cache[sig] = compiled
-                    self._last = sig
+                    self._shared.last = sig
         # Positional arrays that are exactly the dynamic leaves (no statics, pytrees or defaults
         # among them) determine the signature by their shapes and dtypes alone: remember that.
         if array_key is not None and len(leaves) == len(args) and all(a is b for a, b in zip(leaves, args)):
@@ -524,11 +584,12 @@ class Jitted:
             raise FlowjitMemoryError(f"{user_location()}: {self.name}: out of memory for this call: {e}") from None
 
     def clear_cache(self) -> None:
-        """Forget every compiled signature; the next call traces again."""
+        """Forget every compiled signature (of every wrapper of this function with these options);
+        the next call traces again."""
         with self._lock:
             self._cache.clear()
             self._fast_calls.clear()
-            self._last = None
+            self._shared.last = None
 
 
 class BoundJitted:

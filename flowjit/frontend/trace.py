@@ -299,8 +299,8 @@ class Tracer:
 
     def __setitem__(self, index, value):
         raise FlowjitTypeError(
-            f"{user_location()}: traced values are immutable, so x[...] = v cannot update one; build a new "
-            "array instead, e.g. fnp.where(mask, v, x) or fnp.concatenate"
+            f"{user_location()}: traced values are immutable, so x[...] = v cannot update one; write "
+            "x = x.at[...].set(v) (or .add, .multiply, .min, .max), which returns the updated array"
         )
 
     def __getattr__(self, name: str):

@@ -111,6 +111,7 @@ from flowjit.numpy.elementwise import (  # noqa: F401 (the public namespace)
     trunc,
     where,
 )
+from flowjit.numpy.indexed_update import IndexUpdateHelper, IndexUpdateRef, at  # noqa: F401 (the public namespace)
 from flowjit.numpy.linalg import (  # noqa: F401 (the public namespace)
     dot,
     einsum,
@@ -322,6 +323,7 @@ TRACER_METHODS = {
     "__gt__": greater,
     "__ge__": greater_equal,
     "__getitem__": getitem,
+    "at": property(IndexUpdateHelper),
     "T": property(lambda self: transpose(self)),
     "mT": property(lambda self: swapaxes(self, -1, -2)),
     "reshape": _reshape_method,
