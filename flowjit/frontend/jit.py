@@ -352,7 +352,7 @@ class Jitted:
             self.donate_argnums,
             self.donate_argnames,
             target,
-            tuple(d.name for d in devices()),  # compiled code is placed on the local devices of its time
+            tuple(d.name for d in placement_devices()),  # the devices (local, a cluster's) code was placed on
         )
         self._shared = _cache_for(fun, options)
         self._cache, self._fast_calls, self._lock = self._shared.entries, self._shared.fast_calls, self._shared.lock
