@@ -38,3 +38,44 @@ def compiled_rows(monkeypatch):
     """Softmax and layer norm regions get their compiled row nest (`lower_rows.py`), not a row
     library call (`row_library.py`, tested in test_row_library.py): for tests of the nest's code."""
     monkeypatch.setenv("FLOWJIT_ROW_LIBRARY", "0")
+
+
+def _ray_processes_of_this_session() -> list[str]:
+    """Ray processes (raylet, gcs_server, workers, actors) descended from this pytest process."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                names[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        if "ray" in names.get(pid, "") or "raylet" in names.get(pid, "") or "gcs_server" in names.get(pid, ""):
+            found.append(f"{pid} {names[pid]}")
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite leaves no Ray process behind (tests/test_distributed*.py start and stop Ray)."""
+    if not os.path.isdir("/proc"):
+        return
+    import time
+
+    deadline = time.monotonic() + 20
+    left = _ray_processes_of_this_session()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _ray_processes_of_this_session()
+    if left:
+        print("\nRay processes left behind by the test session:\n  " + "\n  ".join(left))
+        session.exitstatus = 1
