@@ -6,33 +6,30 @@ frequency changes) hits all of them alike instead of whichever happened to run d
 
 Peers disturb each other too: after a call, a library's worker threads keep spinning for a while
 (OpenBLAS about 0.1 s, Intel OpenMP's KMP_BLOCKTIME 0.2 s), taking the cores from the next peer; on
-this machine numpy's BLAS spinning doubled the time of a flowjit call right after it. So each round
-runs the peers in a fresh random order (no peer always follows the same one), and a sample starts
-only after a pause of `settle_s`, long enough for the previous peer's threads to go to sleep.
+the suite's 2-core AMD EPYC Zen 4 VM numpy's BLAS spinning doubles the time of a flowjit call right
+after it. So each round runs the peers in a fresh random order (no peer always follows the same
+one), and a sample starts only after a pause of `settle_s`, long enough for the previous peer's
+threads to go to sleep.
 
-The pause also puts the timed peer's own threads to sleep, and on this VM a sleeping core takes
-milliseconds to wake: the call right after it ran a threaded kernel at about one core's speed
-(flowjit's softmax 2.6 ms instead of 1.1; JAX's and PyTorch's threaded calls alike), and for a few
-calls more: with one untimed call after the pause, medians stayed up to 1.6x their minima. Timed
-that way every sample measured waking from idle, not the steady state of a program that calls its
-function in a loop. So after each pause one call runs first, timed on its own (`after_pause_s`,
-reported next to the steady state), then calls for `warm_s` more, untimed, and only then the
-sample (`samples_s`). With the warm-up, flowjit's matmul 1024 median went from 1.6x its minimum
-to 1.06x (7.82 -> 5.56 ms, two full runs of 2026-11-23).
+The pause also puts the timed peer's own threads to sleep, and on a VM a sleeping core takes
+milliseconds to wake: the call right after it runs a threaded kernel at about one core's speed
+(JAX's and PyTorch's threaded calls alike), and so do a few calls more. Timed that way every sample
+would measure waking from idle, not the steady state of a program that calls its function in a
+loop. So after each pause one call runs first, timed on its own (`after_pause_s`, reported next to
+the steady state), then calls for `warm_s` more, untimed, and only then the sample (`samples_s`),
+which brings the medians close to the minima.
 
 First calls are the median of `first_calls` fresh functions per peer (3 in full and quick runs),
-taken in rounds of one per peer in a rotated order: single first calls, each after a pause, moved
-by half their value from run to run on this VM (flowjit's elementwise chain 0.32-1.01x JAX's over
-four runs of the same code; five alternated pairs later measured 1.7x), and a slow phase of the
-machine fell on whichever peer it met.
+taken in rounds of one per peer in a rotated order: a single first call after a pause moves by up
+to half its value from run to run on a VM, and a slow phase of the machine would fall on whichever
+peer it met.
 
 Peers also leave garbage: torch.compile's graphs and tensors sit in reference cycles that only
-Python's cyclic collector frees, and it ran inside whichever call next allocated enough, freeing
-another peer's tensors on that peer's clock (flowjit's layer-norm first call measured ~400 ms in
-the full suite, 65-90 ms alone: its compile triggered the collection of softmax's torch.compile
-garbage). So garbage is collected before every first call and once before the steady state,
-outside the timing. Not before every sample: freeing memory there made the next big output land on
-fresh pages, which this VM faults in slowly (the elementwise chain's median went from ~10 to 58 ms).
+Python's cyclic collector frees, and it runs inside whichever call next allocates enough, freeing
+another peer's tensors on that peer's clock (a flowjit first call whose compile triggers the
+collection of torch.compile's garbage takes several times as long). So garbage is collected before
+every first call and once before the steady state, outside the timing. Not before every sample:
+freeing memory there makes the next big output land on fresh pages, which a VM faults in slowly.
 """
 
 from __future__ import annotations
@@ -216,9 +213,9 @@ def _bind_call(fn, args, block):
 def _calibrate(call, min_sample_s: float) -> int:
     """Calls per sample so that one sample lasts at least `min_sample_s`, from the fastest of a few
     calls (at least 3, for at least `CALIBRATION_S`; a warm-up too). From one call, right after the
-    first calls and a collection, threaded peers measured waking their threads: the CNN's 0.4 ms
-    call took over 5 ms, so each of its samples was a single call, whose median ran 1.4x the
-    minimum (516 vs 363 us), where samples of 13 calls average the steady loop."""
+    first calls and a collection, threaded peers would measure waking their threads (a call of
+    under a millisecond can take ten times as long), and samples of a single call would have medians
+    well above the minimum, where samples of many calls average the steady loop."""
     times: list[float] = []
     deadline = time.perf_counter() + CALIBRATION_S
     while len(times) < 3 or time.perf_counter() < deadline:

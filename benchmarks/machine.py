@@ -63,9 +63,9 @@ def cpu_times() -> tuple[float, float] | None:
 
 def steal_share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> str:
     """The share of CPU time between two `cpu_times` readings that a VM's host reports giving to other
-    guests (0% on bare metal). It does not catch every slow phase: runs on this suite's VM whose
-    sgemm probe found half the usual rate reported 0%, so the machine-limit probes in the same
-    report are the better sign of a disturbed run."""
+    guests (0% on bare metal). It does not catch every slow phase: a run whose sgemm probe finds
+    half the usual rate can report 0%, so the machine-limit probes in the same report are the
+    better sign of a disturbed run."""
     if before is None or after is None or after[0] <= before[0]:
         return "unknown"
     return f"{100 * (after[1] - before[1]) / (after[0] - before[0]):.1f}%"
@@ -84,7 +84,7 @@ def describe() -> dict[str, str]:
     }
     desc.update({f"{name} version": v for name, v in versions().items()})
     desc.update({f"threads: {k}": v for k, v in thread_settings().items()})
-    # OpenBLAS core-type overrides make numpy's BLAS pick slower kernels on this machine; record them.
+    # OpenBLAS core-type overrides can make numpy's BLAS pick slower kernels; record them.
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         desc[var] = os.environ.get(var, "(unset)")
     desc["numpy BLAS"] = _numpy_blas()

@@ -152,7 +152,8 @@ def summary_table(runs: list[WorkloadRun], limits: Limits) -> list[str]:
 
 
 # Why a target can be missed, as measured (docs/cpu-backend.md and the pages it links have the figures).
-# Minima within this much of the peer's count as equal (run-to-run noise of the minima on this VM).
+# Minima within this much of the peer's count as equal (run-to-run noise of the minima on the suite's
+# shared 2-core VM).
 EQUAL_MINIMA = 1.05
 WHY_SLOWER_AT_MEDIAN = (
     "flowjit's fastest calls are within {margin} of the peer's (ratio of minima {min_ratio}), so the gap is "

@@ -16,7 +16,7 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 # The CPU backend's disk cache goes to a fresh folder per test session, never the user's ~/.cache.
-# The folder goes when the session ends (each held ~9 MiB, and every run used to leave one in /tmp).
+# The folder goes when the session ends (each holds several MiB, and a run must not leave one in /tmp).
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402

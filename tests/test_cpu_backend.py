@@ -202,8 +202,8 @@ def test_results_that_are_params_constants_or_repeated_are_copied():
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64", "bool"])
 def test_large_constant_is_a_module_global_of_bytes(dtype):
     """A large constant is a module global held as bytes and viewed with its type: MLIR translates an
-    i8 array as one string, a float array element by element (a closed-over (2048, 2048) f32
-    weight took 25 s to compile)."""
+    i8 array as one string, a float array element by element (seconds of compile for a large
+    closed-over weight)."""
     rng = np.random.default_rng(0)
     table = (rng.random((50, 40)) < 0.5) if dtype == "bool" else (rng.standard_normal((50, 40)) * 50).astype(dtype)
     x = np.ones((50, 40), table.dtype)
@@ -312,7 +312,7 @@ _X3 = np.random.default_rng(3).standard_normal((32, 48, 40)).astype(np.float32)
         # ... along two, too, when the rows before the first padded axis can split over the cores ...
         (lambda x: fnp.pad(x * 2.0, ((0, 0), (3, 1), (0, 2))), "light ("),
         # ... but a large one whose first padded axis is the first is one row: a fill and a copy
-        # into its interior (on every core), kept on O3 (1.12-1.23x as long under light)
+        # into its interior (on every core), kept on O3 (slower under the light pipeline)
         (
             lambda x: fnp.pad(fnp.concatenate([x] * 5, axis=0), ((1, 1), (2, 0), (0, 0))),
             "O3 (for the scalar loops of: pad)",
@@ -365,7 +365,7 @@ def test_llvm_pipeline_is_light_only_when_every_kernel_is_vectorized_and_the_dum
 @pytest.mark.parametrize("stride, pipeline", [(1, "light ("), (2, "O3 (for the scalar loops of: conv2d)")])
 def test_conv_layers_take_the_light_pipeline_with_stride_1_only(stride, pipeline):
     """A conv layer's im2col, matmul kernel and streamed epilogue are vector code: LLVM's light
-    pipeline at stride 1 (the same bits as O3); strided im2col reads keep O3 (4% faster there)."""
+    pipeline at stride 1 (the same bits as O3); strided im2col reads keep O3 (faster there)."""
     rng = np.random.default_rng(5)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 16, 20, 20), (8, 16, 3, 3), (8,)))
 
@@ -823,7 +823,7 @@ def test_machine_code_calling_a_missing_function_is_an_error_not_a_crash():
     """A symbol only code generation introduces (a helper for an operation the CPU lacks) shows in
     no IR declaration; the object's symbol table is checked before anything runs: MCJIT links an
     unresolved one to address 0. libgcc_s is loaded for the helpers LLVM calls (`__truncdfhf2`,
-    double -> half without AVX512-FP16: tanh of float64 converted to float16 crashed on a Zen 4)."""
+    double -> half without AVX512-FP16, as on Zen 4: tanh of float64 converted to float16)."""
     ir = textwrap.dedent(
         """
         declare void @flowjit_no_such_function()

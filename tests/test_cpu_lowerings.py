@@ -178,8 +178,8 @@ def test_concatenate_along_first_and_last_axes():
 )
 def test_concatenate_writes_its_blocks_into_the_output_buffer(fn):
     """The vector copy loops write the result's buffer (viewed as (outer, total), or flat along
-    axis 0) directly: no temporary of the result's size is allocated per call and copied out (a
-    stack of three 16 MiB arrays took 37 ms that way, 9.5 now)."""
+    axis 0) directly: no temporary of the result's size is allocated per call and copied out (for
+    a stack of three 16 MiB arrays that copy would take most of the call)."""
     x = data((512, 64), dt.float32)
     f = fj.jit(fn)
     llvm = f.lower(x).as_text("llvm")
@@ -199,8 +199,8 @@ def test_concatenate_writes_its_blocks_into_the_output_buffer(fn):
 )
 def test_gather_of_rows_writes_the_output_buffer(fn, idx):
     """Row gathers (embedding lookups) write the result's buffer, viewed as (outer, count, inner)
-    (unit leading dims added back by an expand): no per-call temporary of the result's size (64
-    MiB of gathered rows took 30 ms that way, 5.8 now)."""
+    (unit leading dims added back by an expand): no per-call temporary of the result's size, whose
+    copy would be most of a large gather's time."""
     table = data((500, 64), dt.float32)
     f = fj.jit(fn)
     assert "@malloc(" not in f.lower(table, idx).as_text("llvm")
@@ -402,7 +402,7 @@ def test_scatter_add_scalar_index():
 @pytest.mark.parametrize("fill", [0, 3])
 def test_scatter_add_into_a_splat_fills_the_output(dtype, fill):
     """scatter_add into zeros (a gather's gradient) or another splat: the output is filled with the
-    scalar, the splat never stored and copied (an embedding gradient 5.0-5.6 -> 2.1-2.7 ms)."""
+    scalar, the splat never stored and copied (half an embedding gradient's time)."""
     rows, width = 3000, 40
     idx = np.random.default_rng(1).integers(-rows, rows, (50, 7)).astype(np.int32)
     upd = data((50, 7, width), dtype, 2)
@@ -646,7 +646,7 @@ def test_matmul_tile_is_stored_by_one_write():
 @pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_restrides_rows_that_alias_in_l1():
     """A whose rows are a multiple of 4 KiB apart is copied to rows one cache line longer before the
-    tiles read it (all of a tile's rows in one L1 set ran the 1024^3 product at 58% of the speed);
+    tiles read it (with all of a tile's rows in one L1 set, every broadcast of A misses L1);
     results match for whole and leftover row blocks, a partial panel, f32/f64/i32, batched, split
     over the cores or not."""
     shape = matmul_kernel.MatmulShape
@@ -687,10 +687,10 @@ def test_conv_restrides_weights_that_alias_in_l1(monkeypatch):
 
 @pytest.mark.usefixtures("specialized_matmul")
 def test_matmul_kernel_k_loop_is_not_unrolled_by_llvm():
-    """The micro-kernel's k loop reaches LLVM with `llvm.loop.unroll.disable`: O3 fully unrolled a
-    short contraction (the CNN conv's K = 9) into 9x the FMAs. A block of 8 rows has a loop of 16
-    FMAs (2 vectors x 8 rows) at any vector width, 144 unrolled; LLVM may still unroll the loop
-    over the 4 blocks (64 FMAs, against 576 before)."""
+    """The micro-kernel's k loop reaches LLVM with `llvm.loop.unroll.disable`: otherwise O3 fully
+    unrolls a short contraction (the CNN conv's K = 9) into 9x the FMAs. A block of 8 rows has a
+    loop of 16 FMAs (2 vectors x 8 rows) at any vector width, 144 unrolled; LLVM may still unroll
+    the loop over the 4 blocks (64 FMAs, against 576 with the k loop unrolled too)."""
     a, b = data((32, 9), dt.float32, 1), data((9, 256), dt.float32, 2)
     fn = fj.jit(lambda a, b: a @ b)
     fmas = len(re.findall(r"call .*@llvm\.fmuladd", fn.lower(a, b).as_text("llvm")))
@@ -703,9 +703,9 @@ def test_short_loops_are_written_out_not_marked(monkeypatch):
     vector steps, the pack's 9 steps; the bias + relu epilogue's row by the transform schedule), so
     nothing reaches LLVM marked `llvm.loop.unroll.full`, which only its O3 pipeline honours: the
     function takes the light pipeline. The kernel's 4 row blocks are a loop (unmarked) around one
-    copy of the register tile (written out, 4 copies made the first call 1.3x as long, run
-    time the same). The conv output goes to NCHW through the epilogue's generic (no
-    `linalg.transpose`, whose 28-element rows LLVM vectorized behind an alias check). One thread."""
+    copy of the register tile (written out, 4 copies lengthen the first call for the same run
+    time). The conv output goes to NCHW through the epilogue's generic (no `linalg.transpose`,
+    whose 28-element rows LLVM vectorizes behind an alias check). One thread."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     x, w, b = data((12, 1, 28, 28), dt.float32, 1), data((32, 1, 3, 3), dt.float32, 2), data((32,), dt.float32, 3)
@@ -724,11 +724,11 @@ def test_short_loops_are_written_out_not_marked(monkeypatch):
 def test_small_nd_kernels_with_short_rows_are_unrolled(monkeypatch):
     """A fused n-d kernel below `schedule.PARALLEL_MIN_ELEMENTS` with rows of a few vectors (the
     CNN's bias + relu at batch 4) gets the one-thread `copy_nd` schedule, whose row loop the
-    transform schedule unrolls (without a schedule LLVM made each 28-element row a vector loop plus
+    transform schedule unrolls (without a schedule LLVM makes each 28-element row a vector loop plus
     a scalar remainder loop; marked for LLVM's unrolling instead, the function would need O3).
     Strided views keep no schedule when their rows end in a part of a vector (14-wide rows: LLVM's
-    own vector loop was faster); views of whole vectors per row (an LSTM's gate columns) take it,
-    since under LLVM's light pipeline a plain loop stays scalar (a sigmoid 5x slower)."""
+    own vector loop is faster); views of whole vectors per row (an LSTM's gate columns) take it,
+    since under LLVM's light pipeline a plain loop stays scalar."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     x, b = data((4, 32, 28, 28), dt.float32, 1), data((32,), dt.float32, 2)
@@ -754,8 +754,8 @@ def test_small_nd_kernels_with_short_rows_are_unrolled(monkeypatch):
 @pytest.mark.parametrize("shape", [(16, 200), (8, 512), (30, 100)])
 def test_small_nd_kernels_with_long_rows_are_vectorized(monkeypatch, shape):
     """Up to `schedule.PLAIN_LOOP_MAX_ELEMENTS`, an n-d kernel with long rows (a bias and an
-    activation on a small batch) gets `copy_nd`'s one-thread schedule: left as plain loops it kept
-    the function on LLVM's light pipeline as scalar code (tanh(x + b) on (16, 200) 4x slower)."""
+    activation on a small batch) gets `copy_nd`'s one-thread schedule: left as plain loops it would
+    run under LLVM's light pipeline as scalar code, several times slower."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     x, b = data(shape, dt.float32, 1), data(shape[-1:], dt.float32, 2)
     lowered = fj.jit(lambda x, b: fnp.tanh(x + b)).lower(x, b)
@@ -883,7 +883,7 @@ def test_transpose_rows_past_whole_blocks_are_a_kernel_of_their_own(shape, dtype
     """A 2-D transpose whose output rows are no multiple of the block side: the whole blocks of rows,
     then the rows left in tiles of all of them (`lower_layout._transposed_in_two`), so that no block
     stores rows past the output's end under all-false masks (each a microcode assist on a page never
-    mapped: (6272, 10) took 0.67 ms)."""
+    mapped)."""
     mlir = check("transpose", [data(shape, dtype, 4)], dict(perm=(1, 0)))
     side = schedule.transpose_block(32 if dtype == dt.float32 else 64 if dtype == dt.float64 else 8)
     rest = shape[1] % side
@@ -895,7 +895,7 @@ def test_transpose_rows_past_whole_blocks_are_a_kernel_of_their_own(shape, dtype
 def test_transpose_of_merged_dims_is_written_in_its_output(shape, perm):
     """A transpose moved on merged dims ((8, 32, 784) -> (32, 8, 784) for NCHW's N <-> C) writes
     its output through a view of that shape (`lower_layout.written_through`): stored through a
-    1-D view it filled a temporary copied out (200704 floats in every conv weight gradient). (A
+    1-D view it would fill a temporary copied out (200704 floats in every conv weight gradient). (A
     transpose too small for a schedule still copies: MLIR's elementwise fusion expands its plain
     generic back to the result's dims, which no longer match the view.)"""
     mlir = check("transpose", [data(shape, dt.float32, 3)], dict(perm=perm))
@@ -976,8 +976,8 @@ def test_conv2d_im2col_in_blocks_of_rows(monkeypatch, stride, dilation, padding,
 def test_conv2d_blocks_of_rows_are_computed_in_the_output(monkeypatch):
     """A convolution without an epilogue whose chunks are blocks of one image's output rows computes
     each block's product in its window of the output. As a product of its own reshaped to the
-    window it was a temporary copied out, a strided copy: plain loops, which put the whole function
-    on LLVM's O3 (first call 2x as long; 8x64x56x56 3x3 115 -> 55 ms, run time the same or less)."""
+    window it would be a temporary copied out, a strided copy: plain loops, which put the whole
+    function on LLVM's O3 and double its first call."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     x, w = data((2, 8, 48, 48), dt.float32, 3), data((8, 8, 3, 3), dt.float32, 4)
     attrs = dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1))
@@ -994,8 +994,8 @@ def test_conv2d_blocks_of_rows_are_computed_in_the_output(monkeypatch):
 
 def test_conv2d_mid_size_padded_input_is_vector_code(monkeypatch):
     """A padded copy of the input above `schedule.PLAIN_LOOP_MAX_ELEMENTS` but below the parallel
-    size is vector code too (`lower_movement._vector_pad`): as a scalar copy loop it kept the whole
-    function on LLVM's O3 (32x8x14x14 padded by 1: first call 95 -> 54 ms, run 0.125 -> 0.115 ms).
+    size is vector code too (`lower_movement._vector_pad`): as a scalar copy loop it would keep the
+    whole function on LLVM's O3, nearly doubling its first call.
     A weight gradient (summed over its taps) keeps O3, which runs it faster."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     x, w = data((32, 8, 14, 14), dt.float32, 1), data((16, 8, 3, 3), dt.float32, 2)
@@ -1287,7 +1287,8 @@ def test_row_tiles_peel_the_partial_last_tile_of_rows():
 def test_row_chunks_over_the_cores_are_whole_when_they_can_be():
     """Chunks of a row reduction's rows over the cores divide the rows when some chunk near the
     target does, in a number the cores share evenly: no tile is peeled off for the last chunk (half
-    the kernel's code). 20000 rows of 50 took chunks of 1248 rows, the last 32 rows peeled."""
+    the kernel's code): on two cores, 20000 rows of 50 take chunks of 1000 rows, not 1248 and a
+    peeled last 32."""
     for a in (20000, 30000, 50000, 4096):
         chunk = schedule._row_chunk(a, 8)
         assert chunk % 8 == 0 and a % chunk == 0 and (a // chunk) % schedule.threads() == 0, (a, chunk)
@@ -1535,9 +1536,9 @@ def test_slices_read_elsewhere_are_still_computed():
 
 def test_one_lane_masked_stores_stay_inside_the_output():
     """A bool row of int64 comparisons whose last element is one past a whole vector ends in a
-    masked store of one lane; LLVM's x86 code generation wrote it 8 bytes wide, 7 past the output's
-    end on the last row (heap corruption found by the fuzzer). `single_lane` makes such stores
-    scalar: with the output flush against a protected page the call no longer faults."""
+    masked store of one lane, which LLVM's x86 code generation writes 8 bytes wide, 7 past the
+    output's end on the last row (heap corruption). `single_lane` makes such stores scalar: with the
+    output flush against a protected page the call does not fault."""
     import flowjit as fj
     from flowjit.ir.parser import parse_graph
 

@@ -1,11 +1,11 @@
 """Loading native code never aborts the process, wherever the loader places it.
 
-MCJIT's RuntimeDyld mapped an object's code, read-only data and writable data (and the GOT it made
-for external calls) with separate mmaps, each wherever the kernel found room. In a process whose
-address space other native libraries fragmented (JAX's XLA: threads, arenas, reservations), the
-precompiled matmul library's code landed more than 2 GiB from its data: its 32-bit pc-relative
-references (small code model) overflowed, and RuntimeDyld's assertion aborted the process. Object
-code is now linked by JITLink (`toolchain.load_objects`: one allocation per object, stubs inside
+MCJIT's RuntimeDyld maps an object's code, read-only data and writable data (and the GOT it makes
+for external calls) with separate mmaps, each wherever the kernel finds room. In a process whose
+address space other native libraries fragment (JAX's XLA: threads, arenas, reservations), the
+precompiled matmul library's code can land more than 2 GiB from its data: its 32-bit pc-relative
+references (small code model) overflow, and RuntimeDyld's assertion aborts the process. So object
+code is linked by JITLink (`toolchain.load_objects`: one allocation per object, stubs inside
 it, an error where a reference cannot reach), and MCJIT's own compiles use the large code model
 (`toolchain.JIT_CODE_MODEL`).
 

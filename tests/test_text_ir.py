@@ -257,7 +257,7 @@ def test_splat_constants_print_as_one_value(dtype, count):
 @pytest.mark.parametrize("dtype", [dt.int32, dt.int64], ids=lambda d: d.name)
 def test_integer_progressions_print_as_iota(dtype):
     """A large integer constant stepping evenly prints as `iota(start, step)` (`fnp.flip`'s 1024
-    indices were 16 KiB of hex in the dumps) and reads back bit for bit, at the ends of the dtype's
+    indices would be 16 KiB of hex in the dumps) and reads back bit for bit, at the ends of the dtype's
     range too; anything else keeps the list or hex form."""
     info = np.iinfo(dtype.np_dtype)
     progressions = [

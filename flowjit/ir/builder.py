@@ -17,7 +17,7 @@ from flowjit.ir.types import TensorType
 
 def single_value(array: np.ndarray) -> bool:
     """Whether every element of a non-empty `array` has the bits of its first: -0.0 is not 0.0, and
-    nan payloads count (a value-equality test took [-0.0, 0.0] for a splat of -0.0). Checked a block
+    nan payloads count (a value-equality test would take [-0.0, 0.0] for a splat of -0.0). Checked a block
     at a time, so an array of varied values fails on its first block."""
     if array.size == 0 or array.dtype.itemsize not in (1, 2, 4, 8):
         return False

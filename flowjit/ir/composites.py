@@ -41,7 +41,7 @@ def register_composite(name: str, arity: int, build: Callable[[tuple[TensorType,
 
 @functools.lru_cache(maxsize=64)
 def composite_graph(name: str, types: tuple[TensorType, ...]) -> Graph | None:
-    """The optimized graph of composite `name` for operands of `types` (cached: tracing costs 1-3 ms);
+    """The optimized graph of composite `name` for operands of `types` (cached: tracing costs milliseconds);
     None when no composite of that name and arity is registered."""
     composite = COMPOSITES.get(name)
     if composite is None or composite.arity != len(types):

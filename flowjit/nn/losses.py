@@ -47,7 +47,7 @@ def _safe_log(p):
 
 def one_hot(labels, num_classes: int, dtype="float32"):
     """labels[..., None] == arange(num_classes), as `dtype`. Compared in int32 (half the vector
-    work of int64 per class: cross-entropy's pick over 1000 classes took as long as its
+    work of int64 per class: in int64, cross-entropy's pick over 1000 classes costs as much as its
     log-softmax), each label outside [0, num_classes) first made -1, which matches no class, as it
     would in int64."""
     labels = fnp.asarray(labels)

@@ -55,23 +55,20 @@ LOWERING_MODULES = (
 # constants), so that LLVM's light pipeline loses nothing on them (`light_pipeline`): these and the
 # elementwise and reduction ops (`lower_elementwise`, `lower_reduction`). The others write scalar
 # loops that LLVM's O3 vectorizes or speeds up (sort, gather, scatter, control flow, argmax,
-# pad copies, communication). transpose: a large copy moves in 8x8
-# blocks or, when the input's rows stay rows, as vector row copies, both scheduled; any other
-# (rank 3+ with ragged blocks) is plain loops, which `PLAIN_LOOP_MAX_ELEMENTS` sends to O3. Paired
-# with O3 in one process over six shapes, the same run time; a transformer block's forward, held on
-# O3 by its head splits, compiles in 440 instead of 535 ms. conv2d with stride 1
-# only (`_light_op`): its im2col, pad and matmul kernel are vector code (a small pad's copy or the
-# generic conv of a few taps are plain loops, which `PLAIN_LOOP_MAX_ELEMENTS` catches); paired
-# with O3 in one process, relu(conv + b) ran 0.998-1.005x as long over four layer shapes, its first
-# call 25-35% shorter, while the 7x7/2 stem ran 4% slower (its im2col's strided reads). Pooling
-# (`reduce_window`) once its rows were written out rather than marked for unrolling, paired the
-# same way over seven shapes (2x2, 3x3/2 padded, 3x3/1 average; 14 to 112 wide): 0.975-1.017x, first
-# calls 10-40% shorter. Large windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
-# `cumsum` writes its vector loops itself (`lower_scan`): paired with O3 in one process
-# over seven shapes, 0.996-1.013x the run time, first calls 1-3 ms shorter. `concatenate` once every
-# block, short ones too, was a masked vector copy (`_concatenate_blocks`; an empty
-# result makes no loop): paired call by call with O3 over three shapes, two runs, 0.93-1.03x the
-# run time (noise both ways), first calls 3-10 ms shorter over five (26 -> 21 ms for (65536, 3) x 2).
+# pad copies, communication). Each op below runs as fast under the light pipeline as under O3 and
+# compiles faster (docs/cpu-compile-time.md):
+# - transpose: a large copy moves in 8x8 blocks or, when the input's rows stay rows, as vector row
+#   copies, both scheduled; any other (rank 3+ with ragged blocks) is plain loops, which
+#   `PLAIN_LOOP_MAX_ELEMENTS` sends to O3.
+# - conv2d with stride 1 only (`_light_op`): its im2col, pad and matmul kernel are vector code (a
+#   small pad's copy or the generic conv of a few taps are plain loops, which
+#   `PLAIN_LOOP_MAX_ELEMENTS` catches); a strided conv such as the 7x7/2 stem runs slower (its
+#   im2col's strided reads).
+# - pooling (`reduce_window`): its rows are written out rather than marked for unrolling. Large
+#   windows are plain generics, which `PLAIN_LOOP_MAX_ELEMENTS` catches.
+# - `cumsum` writes its vector loops itself (`lower_scan`).
+# - `concatenate`: every block, short ones too, is a masked vector copy (`_concatenate_blocks`; an
+#   empty result makes no loop).
 LIGHT_PIPELINE_OPS = frozenset(
     {
         "constant",
@@ -243,8 +240,8 @@ class Stages:
 
 def _light_op(op) -> bool:
     """Whether `op` is of `LIGHT_PIPELINE_OPS` (a conv2d only with stride 1 and not summed over its
-    taps: a weight gradient, `lower_conv.over_taps`, ran 1.15-1.25x as long under the light
-    list as under O3 once its pad and partial sums were vector code, 8x32x28x28 with 3x3 kernels),
+    taps: a weight gradient, `lower_conv.over_taps`, runs slower under the light pipeline than
+    under O3, even with its pad and partial sums in vector code),
     or a pad of edges (`lower_movement.pads_edges`: rows of vector copies and splat writes, like
     a concatenation)."""
     if op.name == "pad":
@@ -283,9 +280,9 @@ def light_pipeline(graph: Graph, lowered: toolchain.LLVMLowering, opt: int) -> t
 
 # Constants of at least this many bytes (not of one value: those are fills) are passed to the
 # native code as extra inputs after the function's own, not built into the module
-# (`lift_constants`). Built in, each byte went through MLIR's translation to LLVM IR text and
-# llvmlite's parser (~90 ms per MiB): a function closing over a (2048, 2048) f32 weight took 1.8 s
-# to compile (25 s before constants became byte arrays), JAX 0.24 s.
+# (`lift_constants`). Built in, each byte goes through MLIR's translation to LLVM IR text and
+# llvmlite's parser, about 90 ms per MiB on a 2-core AMD EPYC Zen 4 VM: seconds for one large
+# weight, against a fixed cost per module for a small one.
 LIFT_MIN_BYTES = 64 << 10
 
 

@@ -8,7 +8,8 @@ the same memory.
 
 The call goes through a trampoline (one per argument count, compiled once per process): ctypes hands
 it the array *objects* and native code reads each one's data pointer, so Python never computes an
-address (`array.ctypes.data` costs ~1 us per array, the buffer protocol ~0.3 us; this ~0.02 us).
+address (`array.ctypes.data` costs about 1 us per array, fifty times the trampoline's read, on a
+2-core AMD EPYC Zen 4 VM).
 """
 
 from __future__ import annotations
@@ -34,22 +35,21 @@ WORKSPACE_ALIGNMENT = 64
 # Outputs of at least this many bytes are recycled (`OutputRecycler`). glibc's malloc maps blocks
 # from its mmap threshold up (32 MiB, set by `host.keep_kernel_temporaries`) fresh on every
 # allocation and unmaps them on free, so each call page-faults such an output in (the kernel zeroes
-# every page first): 3.8 of the 8.9 ms the elementwise benchmark's call took back to back (64 MiB out).
-# Smaller blocks come back from malloc's heap already faulted in, and recycling them gains nothing.
+# every page first): 40% of the elementwise benchmark's call (64 MiB out) on a 2-core AMD EPYC Zen 4
+# VM. Smaller blocks come back from malloc's heap already faulted in, and recycling them gains nothing.
 RECYCLE_MIN_BYTES = 32 << 20
 # Recycled outputs start on a 64-byte line (`OutputRecycler`): numpy's (malloc's) large blocks start
-# 16 bytes past one, so every 64-byte vector store of a kernel writing such an output straddled two
-# lines. On a 2-core Xeon (AVX-512), paired in one process: the elementwise benchmark's
-# chain into a 64 MiB output 28.6 -> 22.9 ms, tanh 8.6 -> 7.5, x * 0.7 + 0.1 6.2 -> 5.9. Aligning
-# smaller, non-recycled outputs the same way (a view into a 64-byte longer block) gained nothing
-# measurable (softmax, matmul, conv layer within 1%; layer norm and the MLP step 2-4% slower).
+# 16 bytes past one, so every 64-byte vector store of a kernel writing such an output would straddle
+# two lines: aligned, the elementwise benchmark's chain into a 64 MiB output runs 20% faster on a
+# 2-core Xeon VM (AVX-512). Aligning smaller, non-recycled outputs the same way (a view into a
+# 64-byte longer block) gains nothing measurable, so they are left as numpy makes them.
 OUTPUT_ALIGNMENT = 64
 # Recycled outputs also start far, within a 4 KiB page, from where the call's large inputs start
 # (`placement_in_page`): a load whose address matches an earlier, still pending store's in its low
-# 12 bits waits for it ("4K aliasing"). numpy's large arrays start 16 bytes into a page and a
-# recycled output did 64 bytes in, so the elementwise chain's loads of x ran 48 bytes behind its
-# stores to y: 16M floats took 5.25 ms so, 4.6-4.7 with the output 256 bytes or more from the
-# input's place (2-core Zen 4, one process; docs/cpu-backend.md). Streamed outputs are placed alike.
+# 12 bits waits for it ("4K aliasing"). numpy's large arrays start 16 bytes into a page, so an output
+# 64 bytes in would have the elementwise chain's loads of x run 48 bytes behind its stores to y:
+# 12% slower over 16M floats than with the output 256 bytes or more from the input's place (2-core
+# AMD EPYC Zen 4 VM; docs/cpu-backend.md). Streamed outputs are placed alike.
 PAGE_BYTES = 4096
 # Inputs from this size on count as streams that an output should not alias.
 STREAM_MIN_BYTES = 1 << 20
@@ -139,7 +139,8 @@ def _farthest_in_page(taken: tuple[int, ...]) -> int:
 def placement_in_page(arrays: Sequence[np.ndarray]) -> int:
     """Where in a page a large output of a call on `arrays` should start (`PAGE_BYTES`): as far as
     it can from where each of them of `STREAM_MIN_BYTES` or more starts; on a line (0) if none is
-    that large. ~1 us per large array (its address), for outputs of `RECYCLE_MIN_BYTES` or more."""
+    that large. About a microsecond per large array (its address), so only for outputs of
+    `RECYCLE_MIN_BYTES` or more."""
     taken = tuple(sorted({_address(a) % PAGE_BYTES for a in arrays if a.nbytes >= STREAM_MIN_BYTES}))
     return _farthest_in_page(taken) if taken else 0
 
@@ -164,8 +165,8 @@ def _allocators(shapes, dtypes, streamed: Sequence[int] = ()) -> list[Callable[[
     """How each output nobody provides is made, given where in a page it should start
     (`placement_in_page`, a multiple of 64): by a recycler from `RECYCLE_MIN_BYTES` on; in a block of
     its own if the code writes it with non-temporal stores (`streamed`, output indices: their fast
-    branch needs whole aligned lines; placed so without them, the outputs of softmax and layer norm
-    ran 2-6% slower); by `np.empty` (None) otherwise."""
+    branch needs whole aligned lines, and softmax's and layer norm's outputs run slower on the
+    other); by `np.empty` (None) otherwise."""
     allocators: list[Callable[[int], np.ndarray] | None] = []
     for index, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _nbytes(shape, dtype)

@@ -38,26 +38,22 @@ def schedule_generic(
     tile: bool = False,
 ) -> None:
     """Attach the schedule of fused generic `name`, iterating `space` = (loop, reduced axes) (`tile`: in
-    a row tile, `lower_rows`). Small n-d kernels with short rows (the CNN's bias +
-    relu at small batch) get `copy_nd` on one thread for its unrolled row loop: cnn forward at
-    batch 8 ~9% faster. Over strided views whose rows end in a part of a vector (pooling's
-    gradient, 14-wide rows) the same schedule was ~8% slower than LLVM's own vector loop, so
-    those keep none; views of whole vectors per row (an LSTM's gate columns z[:, 64:128]) take
-    it: LLVM's light pipeline leaves a plain loop scalar (that sigmoid 17 -> 3.4 us). Longer
-    rows take it too up to `PLAIN_LOOP_MAX_ELEMENTS` (tanh(x + b) on (16, 200) 26.6 -> 6.5 us,
-    JAX 6-9); above, a plain loop sends the function to O3, whose vector loop was as fast or
-    faster (x + b on (64, 256) 3.7 against 4.2 us with the schedule). A 1-D kernel whose body's
-    longest chain of dependent ops is deeper than `LONG_CHAIN_DEPTH` (`chain_depth`: a math
-    function counts 8) computes two vectors per step: one vector waiting on that chain's
-    latency left the cores idle (an unrolled `x = x + 0.01 * tanh(x * 0.5 + 0.1)` on 1024^2: 3
-    steps 1.4-2.1 -> 1.06 ms, 200 steps 150-160 -> 84; tanh-approximated GELU on 4M, depth 16,
-    0.85-0.93 of the time). Bodies of independent math functions side by side (the benchmark's
-    `tanh(x * 0.7 + 0.1) * sigmoid(x) + 0.5 * x`, depth 12) gained nothing (1.03-1.04). A small
-    reduction over short rows with no math function among `ops` (the kernel's body), outside
-    loops, stays plain loops (`schedule.stays_plain`). With a math function, `copy_nd` keeps the
-    row loop rolled: an LSTM's gates (two sigmoids and a tanh over 64-column views of the gate
-    matrix) unrolled 4 vectors a row for the same run time (16, 512, 8192 rows: 3.3, 38, 292 us
-    either way) and twice the compile (52-64 -> 27 ms of CPU at 16 rows)."""
+    a row tile, `lower_rows`). Small n-d kernels with short rows (the CNN's bias + relu at small
+    batch) get `copy_nd` on one thread for its unrolled row loop. Over strided views whose rows end
+    in a part of a vector (pooling's gradient, 14-wide rows) that schedule is slower than LLVM's own
+    vector loop, so those keep none; views of whole vectors per row (an LSTM's gate columns
+    z[:, 64:128]) take it, since LLVM's light pipeline leaves a plain loop scalar. Longer rows take
+    it too up to `PLAIN_LOOP_MAX_ELEMENTS`; above, a plain loop sends the function to O3, whose
+    vector loop is as fast or faster. A 1-D kernel whose body's longest chain of dependent ops is
+    deeper than `LONG_CHAIN_DEPTH` (`chain_depth`: a math function counts 8) computes two vectors
+    per step, since one vector waiting on that chain's latency leaves the cores idle: on a 2-core
+    AMD EPYC Zen 4 VM that makes tanh-approximated GELU (depth 16) 7-15% faster, while bodies of
+    independent math functions side by side (the benchmark's `tanh(x * 0.7 + 0.1) * sigmoid(x) +
+    0.5 * x`, depth 12) gain nothing. A small reduction over short rows with no math function
+    among `ops` (the kernel's body), outside loops, stays plain loops (`schedule.stays_plain`).
+    With a math function, `copy_nd` keeps the row loop rolled: unrolled 4 vectors a row, an LSTM's
+    gates (two sigmoids and a tanh over 64-column views of the gate matrix) run no faster and take
+    twice the compile."""
     widest, depth = max(elem_bits(e) for e in elems), chain_depth(ops)
     math = max(map(op_weight, ops), default=0) >= MATH_WEIGHT
     unroll = 1 if math else schedule.MAX_UNROLLED_STEPS  # math bodies: no faster unrolled, 2x the code
@@ -83,15 +79,13 @@ def schedule_generic(
 def _vectorize_rows(shape: tuple[int, ...], elem_bits: int, coalesce: bool):
     """An n-d kernel inside a row tile: one thread, vectors along the last dimension; with
     `coalesce` (the kernels that store a value in an output tile or overwrite it there) the loops
-    coalesced into one. Measured while LLVM still unrolled loops on its own (it now unrolls only
-    loops marked for it): it fully unrolled a short loop over the tile's rows around
-    a small body (softmax's in-place division: 8 copies of the column loop, each unrolled again),
-    one loop it only unrolled (softmax's optimized LLVM IR 820 -> 518 lines, compile CPU time -25%,
-    same speed).
-    Layer norm's last kernel was not unrolled so and runs 1-3% slower coalesced (the row and column
-    indices recomputed from the one induction variable): not coalesced. Rows longer than one vector
-    but not a whole number of them peel the partial vector off the column loop (softmax over 1000
-    columns: every vector was masked), and stay uncoalesced."""
+    coalesced into one: a short loop over the tile's rows around a small body (softmax's in-place
+    division) then becomes one loop, which an unroller cannot copy once per row with the column
+    loop inside each copy. Layer norm's last kernel has no such loop and runs slightly slower
+    coalesced (the row and column indices recomputed from the one induction variable): not
+    coalesced. Rows longer than one vector but not a whole number of them peel the partial vector
+    off the column loop (otherwise every vector is masked: softmax over 1000 columns), and stay
+    uncoalesced."""
     tiles = [1] * (len(shape) - 1) + [schedule.lanes(elem_bits)]
     peel = shape[-1] % tiles[-1] != 0 and shape[-1] > tiles[-1]
 
@@ -104,7 +98,7 @@ def _vectorize_rows(shape: tuple[int, ...], elem_bits: int, coalesce: bool):
         ]
         if peel:
             # The partial last vector of each row peeled off the column loop: with it inside, every
-            # vector was masked (softmax over 1000 columns). The two loops no longer coalesce.
+            # vector is masked (softmax over 1000 columns). The two loops then do not coalesce.
             peeled, main, rest = schedule.peel_last(f"%loop{len(shape) - 1}{n}", f"%c{n}")
             vectorize = [f"transform.structured.vectorize {op} vector_sizes {tiles} : {any_}" for op in (main, rest)]
             return [*lines, *peeled, *vectorize]

@@ -43,7 +43,7 @@ def llvm():
         binding.load_library_permanently(ctypes.util.find_library("m"))
     # libgcc_s: the helpers LLVM's code generation calls for conversions the CPU has no instruction
     # for (`__truncdfhf2`, double -> half, on a CPU without AVX512-FP16: a Zen 4). Without it such
-    # code stops with `check_objects`'s error (it used to crash on the call).
+    # code stops with `check_objects`'s error rather than crash on the call.
     try:
         binding.load_library_permanently("libgcc_s.so.1")
     except RuntimeError:
@@ -58,9 +58,9 @@ def keep_kernel_temporaries() -> None:
     """Let glibc's malloc keep blocks up to 32 MiB in its heap instead of mmap-ing them per call.
 
     Kernels allocate temporaries (packed matmul panels, im2col columns) with malloc. By default
-    glibc maps big blocks fresh and unmaps them on free, so every call page-faults them in again:
-    a 64->32-channel conv spent 9 of its 11.3 ms in page faults, 2.9 ms with this setting. Blocks
-    stay in the process for reuse, as PyTorch's caching allocator keeps them.
+    glibc maps big blocks fresh and unmaps them on free, so every call page-faults them in again,
+    which can be most of a conv layer's time. Blocks stay in the process for reuse, as PyTorch's
+    caching allocator keeps them.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

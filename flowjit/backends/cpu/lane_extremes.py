@@ -3,8 +3,8 @@
 `vector.reduction <maximumf>` (a row's max once its vector accumulator is full, argmax's extreme of
 its lanes) becomes LLVM's `llvm.vector.reduce.fmaximum`, which x86 lowers as a tree whose every step
 checks for nan and orders -0 below +0 with a sign test and blends, the last three steps on scalars:
-about 60 instructions for 16 lanes. A max over rows of 16 float32 spent most of its time there:
-(262144, 16) 1.35 ms against JAX's 0.64, and argmax 1.7 ms.
+about 60 instructions for 16 lanes. A max or argmax over rows of 16 float32 spends most of its
+time there.
 
 Here each such reduction whose lanes all count (not under a `vector.mask`) becomes
 
@@ -15,8 +15,8 @@ Here each such reduction whose lanes all count (not under a `vector.mask`) becom
 and, with an accumulator operand, `arith.maximumf(max, acc)` on the scalar. The result is the same
 (nan when any lane is nan; under `nnan` the tree's value is poison then, which the select does not
 pick), except for the sign of a zero max/min of -0 and +0 lanes, which is either: numpy's own
-maximum does not order them either (`np.maximum(-0.0, 0.0)` is -0.0, its first operand). The rows
-above: max 1.35 -> 0.38 ms, argmax 1.7 -> 0.76 ms.
+maximum does not order them either (`np.maximum(-0.0, 0.0)` is -0.0, its first operand). It makes
+the max over rows of 16 float32 above 3.5x faster on a 2-core AMD EPYC Zen 4 VM.
 """
 
 from __future__ import annotations

@@ -146,9 +146,9 @@ class Writer:
 
     def chunks(self, count: str, chunk: str) -> tuple[str, str, str]:
         """Opens an `scf.forall` over the function's `%threads` cores when there are several, else
-        the same body run once in place (`close`): a fork with one thread left idle cost a small
-        matrix product ~1.5 us (OpenMP's parallel region). Returns (the core's index, the first and
-        the end of its `chunk` of [0, count)) (close it)."""
+        the same body run once in place (`close`): a fork with one thread left idle (OpenMP's
+        parallel region) only adds its cost to a small matrix product. Returns (the core's index,
+        the first and the end of its `chunk` of [0, count)) (close it)."""
         t = self.fresh("t")
         several = self.entry(f"arith.cmpi ugt, %threads, {self.entry('arith.constant 1 : index')} : index")
         self.line(f"scf.if {several} {{")

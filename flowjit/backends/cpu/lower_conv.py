@@ -56,8 +56,8 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str], epilogue: Epilo
     if depth >= IM2COL_MIN_DEPTH:
         return [_conv_as_matmul(em, padded, padded_type, (w, tw, stride, dilation, None), result, epilogue)]
     # Loops (n, o, oh, ow, c, kh, kw), reductions innermost: LLVM unrolls the small window into
-    # one register accumulator per output and vectorizes across outputs. (Putting `ow` innermost
-    # instead measured 10x slower: the output row goes through memory once per tap.)
+    # one register accumulator per output and vectorizes across outputs. (With `ow` innermost the
+    # output row goes through memory once per tap, an order of magnitude slower.)
     x_exprs = f"d0, d4, d2 * {stride[0]} + d5 * {dilation[0]}, d3 * {stride[1]} + d6 * {dilation[1]}"
     iterators = ["parallel"] * 4 + ["reduction"] * 3
     inputs = [(padded, padded_type, x_exprs), (w, tw, "d1, d4, d5, d6")]
@@ -67,28 +67,25 @@ def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str], epilogue: Epilo
 
 # Convolutions summing over at least this many (c, kh, kw) taps go through im2col + the matmul
 # kernel: the generic's reduction is one scalar add chain per output (no reassociation), slower
-# even for a 3x3 window (CNN layer 1x28x28 -> 32: generic 0.81 ms, im2col + kernel 0.50 ms, one
-# core) and latency-bound for deep ones (32 -> 64 channels: 111 ms vs 3 ms).
+# even for a 3x3 window (the CNN's 1x28x28 -> 32 layer takes 1.6x the time on one core of a 2-core
+# AMD EPYC Zen 4 VM) and latency-bound for deep ones.
 IM2COL_MIN_DEPTH = 8
 
 # The column matrix is a temporary of depth x (columns of the chunk) elements, made and consumed
-# per chunk: runs of whole images while they fit, else blocks of output rows of one image. At 16M
-# elements (64 MiB, an earlier cap) a chunk was mapped fresh and page-faulted every call
-# and went through memory three times (im2col, packing, product): 8x64x56x56 * 64x64x3x3 took 33 ms
-# against 7.4 ms at 512K and PyTorch's 5-9; one image above the cap fell back to the generic
-# (1x64x224x224: 956 ms against PyTorch's 10). At 128K elements (512 KiB of float32) a chunk stays
-# in a core's L2 (1 MiB) while the kernel packs it (paired against 512K in one process:
-# 8x64x56x56 3x3 0.96-0.97x the time, 32x32x32x32 0.93x, 8x128x28x28 0.97x, the 7x7/2 stem 0.98x,
-# 1x64x224x224 0.97x), but only when that is at least IM2COL_MIN_COLUMNS columns: deeper convs
-# keep WIDE_CHUNK_ELEMENTS (8x256x14x14 1.08x at 98 columns a chunk, 8x512x7x7 1.22x when fewer,
-# larger chunks no longer split evenly over the cores). See docs/cpu-kernels.md ("conv2d").
+# per chunk: runs of whole images while they fit, else blocks of output rows of one image. A chunk
+# larger than the caches goes through memory three times (im2col, packing, product), and one too
+# large to reuse is mapped fresh and page-faulted every call. At 128K elements (512 KiB of
+# float32) a chunk stays in a core's L2 (1 MiB) while the kernel packs it: 2-7% faster than 512K
+# over five conv shapes (2-core AMD EPYC Zen 4 VM). But only when that is at least
+# IM2COL_MIN_COLUMNS columns: deeper convs keep WIDE_CHUNK_ELEMENTS, since narrower chunks run
+# slower and larger ones no longer split evenly over the cores. See docs/cpu-kernels.md ("conv2d").
 IM2COL_MAX_ELEMENTS = 1 << 17
 
 IM2COL_MIN_COLUMNS = 112
 
 # The chunks of deeper convs, those that decide whether a conv is summed over taps (`over_taps`),
 # and those of a 1x1 conv (its columns are views of the input, so a chunk is only a share of the
-# work per core: 1.05x the time at 128K) keep the wider cap.
+# work per core, and smaller chunks only add overhead) keep the wider cap.
 WIDE_CHUNK_ELEMENTS = 1 << 19
 
 # A chunk's product (O x columns), which an epilogue reads back, stays under this many elements
@@ -138,8 +135,8 @@ class _Conv:
 def _restrides_weights(o: int, depth: int, acc: str) -> bool:
     """Whether the weights' rows are copied one cache line apart before the chunks' fork: rows a
     multiple of 4 KiB long (`matmul_kernel.ALIASING_STRIDE`; 1x1 convs over 1024 or 2048 channels),
-    which the products of the chunks, serial, would read in place. 8 x 1024 x 14 x 14 -> 256
-    channels on two Zen 4 cores: 101 -> 182 GFLOP/s (docs/cpu-kernels.md, "conv2d")."""
+    which the products of the chunks, serial, would read in place at about half the speed
+    (`matmul_kernel.ALIASING_STRIDE` says why; docs/cpu-kernels.md, "conv2d")."""
     return o >= matmul_kernel.SHORT_TILE_ROWS and matmul_kernel.aliases(depth, acc)
 
 
@@ -162,8 +159,8 @@ def _epilogue_cap(cap: int, conv: _Conv, o: int) -> int:
     """`cap` for the chunks of a conv with an epilogue, lowered so that a chunk's product (O x its
     columns) also stays under EPILOGUE_PRODUCT_ELEMENTS: the epilogue (and its pool) reads it back
     from L2. A shallow conv's product is the larger: 1 -> 32 channels 3x3 makes 32 outputs from 9
-    taps. The CNN's conv + bias + relu + 2x2 max pooling, 64 x 1 x 28 x 28: 16 images a chunk
-    (1.6 MB of product) 386 us, 4 (400 KB) 366 us, paired in one process."""
+    taps; the CNN's conv + bias + relu + 2x2 max pooling (64 x 1 x 28 x 28) runs faster in chunks of
+    4 images, whose product stays in L2, than of 16."""
     if conv.epilogue is None:
         return cap
     depth = conv.tw.size // o
@@ -186,9 +183,9 @@ def _whole_images(n: int, fit: int) -> int:
     """Images per chunk when `fit` of the `n` fit in one: a divisor of `n` of at least half `fit`
     when there is one, so that no tail chunk repeats the chunk's code (im2col, packing, product,
     epilogue) for the images left over, and of those one giving a number of chunks the cores share
-    evenly (then they run in one fork), the largest. The CNN's 64 x 1 x 28 x 28 3x3 conv: 18 images
-    a chunk, three chunks in turn and a tail of 10 (1050 lines of MLIR), now 16, four chunks on two
-    cores."""
+    evenly (then they run in one fork), the largest. The CNN's 64 x 1 x 28 x 28 3x3 conv, for
+    instance, takes chunks of 16 images, four chunks on two cores, rather than three chunks of 18
+    and a tail of 10 whose code is a second copy of the chunk's."""
     whole = [d for d in range(max(1, fit // 2), fit + 1) if n % d == 0]
     shared = [d for d in whole if (n // d) % matmul_kernel.cores() == 0]
     return max(shared or whole, default=fit)
@@ -383,10 +380,10 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
     ow*s1 + kw*d1] (`_im2row`: along kernel rows, which are long here, unlike the output rows) and
     a chunk is a run of (c, kh) pairs. The matmul kernel adds each chunk's product to the running
     sum (`MatmulShape.accumulate`). On several cores each thread sums its share of the chunks into
-    its own partial sum (one fork), and the partial sums are added at the end. The weight gradient
-    of a 3x3 conv over 8x64x56x56 (O x N*OH*OW = 64 x 576, 25,088 taps) took 14.5 ms as chunks of
-    images (two images, 18 columns each), about 8 this way (fj.grad w.r.t. w with its forward:
-    21.4 -> 14.9 ms; docs/cpu-kernels.md, "conv2d")."""
+    its own partial sum (one fork), and the partial sums are added at the end. This suits a conv
+    with many taps and few outputs, such as the weight gradient of a 3x3 conv over 8x64x56x56
+    (O x N*OH*OW = 64 x 576, 25,088 taps), where chunks of images would be narrow (two images, 18
+    columns each) and nearly twice as slow (docs/cpu-kernels.md, "conv2d")."""
     weights, tw, stride, dilation, acc = conv.weights, conv.tw, conv.stride, conv.dilation, conv.acc
     n, o, oh, ow = result.shape
     c, kh, kw = tw.shape[1:]
@@ -508,7 +505,7 @@ def _im2col(em: KernelEmitter, source, cols_type: TensorType, stride, dilation, 
     """cols[c, kh, kw, n, oh, ow] = x[n0 + n, c, (oh0 + oh)*s0 + kh*d0, ow*s1 + kw*d1] as a flat
     tensor, (n0, oh0) = `origin` (index values, or the first image and row), x = `source` (the
     padded input, (tensor, type)), one output row (fixed c, kh, kw, n, oh) at a time
-    (`window_rows`). (A 6-D generic computed the same but LLVM spent 150-300 ms compiling its
+    (`window_rows`). (A 6-D generic computes the same, but LLVM spends far longer compiling its
     unrolled small loops.)"""
     c, kh, kw, n, oh, ow = cols_type.shape
     strides = row_major_strides(source[1].shape)

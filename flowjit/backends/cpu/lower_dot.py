@@ -152,8 +152,8 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
 
 def _as_result(em: KernelEmitter, product: str, lead: tuple, shape: matmul_kernel.MatmulShape, result: TensorType):
     """The kernel's C (lead + (M, N)) viewed with `result`'s shape; when that takes an expand_shape, the
-    result is stored through a view of the output of C's shape (`em.store_through`; C was a
-    temporary copied out: 6 MiB for (8, 128, 512) @ (512, 1536), 11% of the call)."""
+    result is stored through a view of the output of C's shape (`em.store_through`; otherwise C is
+    a temporary copied out, a tenth of the call for (8, 128, 512) @ (512, 1536))."""
     c_shape = lead + (shape.m, shape.n)
     viewed = reshape(em, product, TensorType(c_shape, result.dtype), result.shape, shape.elem)
     if viewed != product and result.rank > len(c_shape):
@@ -168,10 +168,9 @@ def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue:
     the left (x (B, T, D) @ w (D, F)) are M = B * T rows, and batched products are matrices one
     after the other, when the epilogue reads at most a bias along the columns
     (`Epilogue.columns_only`). The epilogue's other operands must not vary along the rows: a
-    residual or a mask of C's shape, read 8 rows x 128 bytes per tile down the columns, made the
-    product 2% slower than computing the epilogue after it (1024 x 1024 x 1024 and 256 x 1024 x
-    1024, paired in one process), and so do products too small for the kernel: the product, then
-    the epilogue over it in place (the dump says so)."""
+    residual or a mask of C's shape, read 8 rows x 128 bytes per tile down the columns, makes the
+    product slower than computing the epilogue after it, and so do products too small for the
+    kernel: the product, then the epilogue over it in place (the dump says so)."""
     shape = _kernel_shape(op)
     lhs_free, rhs_free, _ = _dims_of_dot(op)
     result = op.result.type
@@ -304,8 +303,8 @@ def _dot_operands(em: KernelEmitter, op: Op, operands: list[str], acc: str, rhs_
 def _row_against_rows(op: Op) -> bool:
     """A product of one row with B laid out as (.., N, K) and a long contraction (`x @ w.T` of a
     single x, PyTorch's layout of a linear layer): N dots of contiguous rows, B read once in its
-    own order (`_lower_with_row_dots`). Through the tiled kernel, which packs B's rows into panels
-    for the one row block, (1, 4096) @ (4096, 4096).T f32 took 5.0-5.6 ms."""
+    own order (`_lower_with_row_dots`). The tiled kernel would pack B's rows into panels used by
+    the one row block only, reading all of B twice."""
     acc = accumulator_elem(op.result.type.dtype)
     _, _, (_, m, _, k) = _dims_of_dot(op)
     return m == 1 and k >= DOT_UNROLL * matmul_kernel.vector_bits() // int(acc[1:]) and _rhs_in_row_order(op)
@@ -403,10 +402,10 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
     the block's rows x N vector accumulators in registers, so that each vector of A is loaded once
     per block and each of B^T once per row block; a masked last step when K is no multiple of the
     vector; blocks split over the cores, a last block of the rows left over on the calling thread.
-    The CNN's dense layer, (64, 6272) @ (6272, 10) float32 + bias on two Zen 4 cores, paired in one
-    process: the library's kernel 109 us (its panels 10/32 used, a broadcast of A per multiply-add),
-    this way 74 (51 with B given as (N, K); `_rows_of` gathers the rest), relative error 3.6e-6 ->
-    4.9e-7 (sixteen partial sums per output); the CNN forward 366 -> 345 us."""
+    The CNN's dense layer, (64, 6272) @ (6272, 10) float32 + bias, runs a third faster this way than
+    in the library's kernel (which uses 10 of a panel's 32 columns and broadcasts A per
+    multiply-add) on a 2-core AMD EPYC Zen 4 VM, faster still with B given as (N, K) (`_rows_of`
+    gathers the rest), and with sixteen partial sums per output its rounding error is smaller."""
     if not _few_columns(op):
         return None
     result = op.result.type
@@ -562,8 +561,9 @@ def _rows_of(em: KernelEmitter, b: str, tb: TensorType, acc: str) -> str:
     return done_all
 
 
-# `_rows_of` splits B's rows over the cores from this size on: (6272, 10) 40 -> 23 us; the transpose
-# library (`_transposed_by_library`) its blocks.
+# `_rows_of` splits B's rows over the cores from this size on (two cores take (6272, 10) in 23 us
+# against 40 on one, on a 2-core AMD EPYC Zen 4 VM); the transpose library
+# (`_transposed_by_library`) its blocks.
 SHORT_ROWS_PARALLEL_MIN_ELEMENTS = 1 << 14
 
 # Products of at least this many vectors of contraction, and rows, take `_lower_with_dot_blocks`.

@@ -171,9 +171,9 @@ def _reversal_start(op: Op) -> int | None:
 def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int, start: int) -> str:
     """The `count` columns `start, start - 1, ...` of `x` (of type `source`) along its last axis:
     per row, whole vectors read backwards from `start` and their lanes reversed (`vector.shuffle`),
-    then one masked tail; rows split over the cores when large. As a generic reading one element
-    at a time, reversing the columns of a 1024 x 1024 float32 took 0.62 ms (JAX 0.06, reversing
-    its rows 0.06)."""
+    then one masked tail; rows split over the cores when large. A generic reading one element at a
+    time is ten times slower, where reversing the columns should cost as much as reversing the
+    rows."""
     dim = source.shape[-1]
     result = TensorType((*source.shape[:-1], count), source.dtype)
     outer = result.size // count
@@ -238,8 +238,8 @@ def _copy_block(em: KernelEmitter, w, source, dest, pad: str) -> str:
 
 
 def _gather_rows_in_parallel(em: KernelEmitter, w, source, carried: str, out_type: TensorType, threads: int, pad: str):
-    """`_gather_rows` with one `scf.forall` chunk of the indices per core (outer == 1): a gather of
-    8,192 rows of 256 float32 from a 50,000-row table took 0.82 ms on one core (PyTorch 0.18)."""
+    """`_gather_rows` with one `scf.forall` chunk of the indices per core (outer == 1): a large
+    gather is bound by memory latency, which more cores hide."""
     x, blocks, idx, int_elem = source
     count = out_type.shape[1]
 
@@ -314,7 +314,7 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     dim = source.shape[axis]
     if splat == 0 and axis == source.rank - 1 and upd.shape[axis] == dim and _reversal_start(op) == dim - 1:
         # the gradient of reversed columns (`x[..., ::-1]`, `flip`): the updates' columns reversed
-        # (1550 -> 105 us on 1024 x 1024 float32, JAX 120; an update of -0.0 stays -0.0, as in JAX)
+        # (an update of -0.0 stays -0.0, as in JAX)
         return [_reversed_columns(em, updates, upd, dim, dim - 1)]
     if splat is not None and source.size > 0:  # zeros (a gather's gradient): filled, not copied
         copy = filled(em, splat, source, memory_elem_type(source.dtype))
@@ -419,8 +419,8 @@ def _concatenate_blocks(em: KernelEmitter, operands: list[str], op: Op) -> str:
     tail read there may take the source's elements after the slice, which land where the padding
     did, overwritten by the next block or past the row's end. A splat operand (zeros, a constant
     edge: `autodiff._shifted`'s) is written as its scalar, never read; read only by concatenates
-    (`INLINES_SPLATS`) it is never stored either: `concatenate([zeros((1024, 3)), x], 1)` 0.076 ->
-    0.066 ms, cumprod's gradient on 1024 x 1024 11.8 -> 11.2 ms."""
+    (`INLINES_SPLATS`) it is never stored either (`concatenate([zeros((1024, 3)), x], 1)`,
+    cumprod's gradient)."""
     result, axis = op.result.type, op.attrs["axis"]
     outer = math.prod(result.shape[:axis])
     elem = memory_elem_type(result.dtype)
@@ -509,12 +509,11 @@ def _rows_of_blocks(em: KernelEmitter, blocks: list, result: TensorType, axis: i
     masked tail; a `_Repeat` is a loop over runs of its blocks, whose reads start `source_step`
     columns further on from one run to the next. The
     loops write every element once, so the result needs no fill. Large results split their rows over
-    the cores: three 1024 x 1024 float32 side by side took 0.47-0.48 ms on one (JAX 0.30-0.32 at its
-    fastest). A block shorter than a vector is one masked copy per row (it was a fill of
-    the result and strided copies, plain loops): its masked write may set the columns after its
-    block to the read's padding, which the blocks after it overwrite (in order, in the same row) and
-    the row's end bounds; roll by 3 along the rows of 1024 x 1024 float32 0.26 -> 0.20 ms, two
-    (65536, 3) side by side 0.28 -> 0.12, sixteen (65536, 1) 1.01 -> 0.84."""
+    the cores: one core does not reach the memory bandwidth of several. A block shorter than a
+    vector is one masked copy per row, not a fill of the result and strided copies: its masked
+    write may set the columns after its block to the read's padding, which the blocks after it
+    overwrite (in order, in the same row) and the row's end bounds (`roll` by 3 along the rows,
+    narrow columns side by side)."""
     outer = math.prod(result.shape[:axis])
     total = result.size // max(outer, 1)
     elem = memory_elem_type(result.dtype)

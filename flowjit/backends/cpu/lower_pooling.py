@@ -45,7 +45,7 @@ def _window_rows_then_columns(
     shuffles per vector of outputs, the reads masked on short rows (14 outputs in a 16-lane vector).
     `used` (an index; a row shorter than a vector): how many of the read's elements feed outputs that
     are stored; the read is masked to them, in bounds, instead of to the tensor's end, whose mask
-    took a compare per read (the CNN's 28-wide rows)."""
+    would take a compare per read (the CNN's 28-wide rows)."""
     em = w.em
     kind, window, step = attrs["kind"], attrs["window"], attrs["strides"][-1]
     is_int = acc.startswith("i")

@@ -56,7 +56,8 @@ from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
 
 # Rows per tile: about this many bytes of the widest full value, so a tile stays in L1 between the
-# sweeps (8 KiB tiles measured 15% slower on one core, 128 KiB the same: docs/cpu-fusion.md).
+# sweeps (8 KiB tiles run 15% slower on one core of a 2-core AMD EPYC Zen 4 VM, 128 KiB no faster:
+# docs/cpu-fusion.md).
 TILE_BYTES = 32 * 1024
 # Longer rows are not tiled: one row would not stay in cache between the sweeps.
 MAX_ROW_BYTES = 64 * 1024

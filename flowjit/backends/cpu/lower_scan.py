@@ -17,9 +17,9 @@ Rows that do not fill a group and columns that do not fill a block form their ow
 blocks: every access is in bounds, no masks. The blocks of one shape are spread over the cores
 (`scf.forall`, OpenMP) when there are enough elements, one block per iteration.
 
-Before this op `flowjit.numpy.cumsum` was matmuls with a triangular constant, under a
-`cond` that took a log-step scan when a value was not finite: 3,300 lines of LLVM IR, a 1024x1024
-cumsum's first call 335 ms (JAX 92).
+As one op, a running sum compiles to a few small loops; as matmuls with a triangular constant
+(under a `cond` that takes a log-step scan when a value is not finite) it would be thousands of
+lines of LLVM IR and several times the first call.
 """
 
 from __future__ import annotations

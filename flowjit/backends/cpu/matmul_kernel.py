@@ -132,43 +132,42 @@ class MatmulShape:
 # MR, the rows of the register tile (`MatmulShape.mr`): its 2 x MR accumulators, the two panel vectors
 # and the broadcast of A fill the vector registers (`tile_rows`: 14 rows with AVX-512's 32, 6 with
 # AVX2's 16) when the contraction is at least `TALL_TILE_MIN_K` long: 28 FMAs per k against 2 + 14
-# loads instead of 16 against 2 + 8. Two cores (Xeon, AVX-512), 8 -> 14 rows: the conv layer 3-8%
-# faster, the MLP training step 2-3%, matmul 1024 and 2048 the same within noise
-# (docs/cpu-kernels.md, "Matmul kernel").
-# Shorter contractions keep `SHORT_TILE_ROWS`: the CNN's K = 9 conv ran 10-15% slower with 14-row
-# tiles (its time goes to the tiles' stores and epilogue, not the k loop).
+# loads instead of 16 against 2 + 8: the conv layer runs 3-8% faster with 14 rows than with 8 on a
+# 2-core Xeon VM with AVX-512 (docs/cpu-kernels.md, "Matmul kernel").
+# Shorter contractions keep `SHORT_TILE_ROWS`: with 14-row tiles they run slower, their time going
+# to the tiles' stores and epilogue, not the k loop (the CNN's K = 9 conv).
 TALL_TILE_MIN_K = 64
 SHORT_TILE_ROWS = 8
 SINGLE_ROWS_MAX_SHARE = 64  # see `_row_ranges`
 # A given as (K, M) is packed (see `_pack_a_columns`) when this many panels re-read it; a product
-# with fewer (a narrow N) reads its columns in place (packing a.T @ dz with N = 10 cost 3x).
+# with fewer (a narrow N) reads its columns in place (packing for a.T @ dz with N = 10 triples its
+# time).
 PACK_A_MIN_PANELS = 4
 # A whose rows are a multiple of this many bytes apart is first copied to rows padded by one cache
 # line (`restride`). The micro-kernel reads MR rows of A at once, one line of each per 16 k: at
 # such a stride all MR lines fall in the same L1 set (sets x line = 4 KiB on the Zen 4, Zen 5 and
-# Xeon cores measured), which holds 8 or 12 lines, so with 14 rows every broadcast missed L1.
-# 1024^3 f32 on two Zen 4 cores ran at 111-114 GFLOP/s against 193-197 for K = 1008 or 1040.
+# Xeon cores measured), which holds 8 or 12 lines, so with 14 rows every broadcast misses L1: on a
+# 2-core AMD EPYC Zen 4 VM a 1024^3 float32 product unpadded runs at about 60% of the speed of
+# K = 1008 or 1040.
 ALIASING_STRIDE = 4096
 CACHE_LINE = 64
 # Cores split C's columns (each packing its panels just in time) only for contractions at least this
-# long: the CNN's 3x3 conv on one channel (K = 9, 1568 panels) ran 7% slower that way (CPU time
-# 2.24-2.35 -> 2.44-2.53 ms), a deep one (K = 288) 13% faster (2.78-3.10 -> 2.67-2.68 ms).
+# long: split that way, the CNN's 3x3 conv on one channel (K = 9) runs 7% slower and a deep one
+# (K = 288) faster (2-core AMD EPYC Zen 4 VM).
 COLUMN_SPLIT_MIN_K = 64
-# On the micro-kernel's k loop: LLVM must not unroll it. It fully unrolled short contractions (the
-# CNN's K = 9: 144 FMAs where the loop has 16) for no speed (one core: 3-9% faster without), and
-# left long ones rolled anyway. Without it the CNN's optimized IR was 18% larger (see
-# docs/cpu-compile-time.md). scf-to-cf copies the attribute to the loop's branch, which
-# becomes `!llvm.loop` metadata; it must be named `loop_annotation` (`llvm.br`'s own attribute):
-# named `llvm.loop_annotation` it stays in the LLVM dialect and is dropped by the translation.
+# On the micro-kernel's k loop: LLVM must not unroll it. It fully unrolls short contractions (the
+# CNN's K = 9: 144 FMAs where the loop has 16), which runs no faster and grows the optimized IR,
+# and leaves long ones rolled anyway (docs/cpu-compile-time.md). scf-to-cf copies the attribute to
+# the loop's branch, which becomes `!llvm.loop` metadata; it must be named `loop_annotation`
+# (`llvm.br`'s own attribute): named `llvm.loop_annotation` it stays in the LLVM dialect and is
+# dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
 # Packing loops over k up to this long are written out (the CNN conv's K = 9), unrolled without
 # LLVM's unroll marks (which keep a function on LLVM's O3 pipeline; docs/cpu-compile-time.md, "Emit less
 # time"). The loop over a panel's blocks of MR rows stays a loop: against up to 4 blocks of constant
-# rows written out when K is short (the CNN conv's 32 rows, K = 9), run times are the same within
-# 1.6% (alternated in one process: the CNN forward
-# 0.80 -> 0.82 ms, 3x3 convs on 1 and 3 channels and K = 16-32 products -1% to +1%) and first calls
-# 20-50% shorter (the CNN 90 -> 71 ms, 16x3x32x32 -> 32 channels 99 -> 50 ms): one copy of the
-# register tile's code instead of four.
+# rows written out when K is short (the CNN conv's 32 rows, K = 9), it runs as fast (within 2%) and
+# its first call compiles 20-50% faster (2-core AMD EPYC Zen 4 VM): one copy of the register
+# tile's code instead of four.
 MAX_UNROLLED_PACK = 16
 MAX_UNROLLED_ROW_BLOCKS = 1
 
@@ -261,8 +260,8 @@ def _pack_panel_from_rows(
         # Writes packed rows k .. k + count - 1 (count < vl only for the tail past the last whole vector of k).
         if live == nr and nr > vl:
             # A whole panel: its squares of vl rows one after the other in an `scf.for`, one copy of
-            # the transpose's code. Written out, (256, 1024) @ (1024, 1024).T had 620 lines of MLIR
-            # (278 with B in columns), first call 89 -> 64 ms, run time the same.
+            # the transpose's code. Written out, the squares run no faster and more than double the
+            # kernel's MLIR and lengthen its compile.
             loop, c, (into,) = w.open_for(w.index(0), w.index(nr), w.index(vl), [(cur, dest_type)])
             first = w.add(row0, c)
             square = _transpose_square(em, [read(w.add(first, w.index(j)), k, k_in_bounds) for j in range(vl)], vec)
@@ -289,8 +288,8 @@ def _transpose_square(em: KernelEmitter, rows: list[str], vec: str) -> list[str]
     A butterfly of log2(lanes) stages, each `lanes` two-source `vector.shuffle`s (one instruction
     each with AVX-512: vshufps, vpermt2pd, vshuff64x2): stage `bit` swaps that bit between the row
     and column index of every element where they differ. A `vector.transpose` of the block, which
-    canonicalization folds into one extract and insert per element, compiled to ~1000 shuffles and
-    ~3x the LLVM time.
+    canonicalization folds into one extract and insert per element, compiles to about 1000
+    shuffles and three times the LLVM time.
     """
     n = len(rows)
     bit = 1
@@ -471,8 +470,8 @@ def _row_loop(w: LoopWriter, s: MatmulShape, read_a, panel, c_tile, c_type, col,
     few = isinstance(lo, int) and isinstance(hi, int) and -(-(hi - lo) // mr) <= MAX_UNROLLED_ROW_BLOCKS
     if few and s.k < TALL_TILE_MIN_K:
         # A single block of constant rows over a short k loop: no loop around it (see
-        # MAX_UNROLLED_ROW_BLOCKS; copies of a tile cost compile time: the conv layer's 64 rows as
-        # four written-out 14-row tiles took one-shot bufferization 0.4 s).
+        # MAX_UNROLLED_ROW_BLOCKS; copies of a tile cost compile time, most of it in one-shot
+        # bufferization).
         for start in range(lo, hi, mr):
             c_tile = _row_block(w, s, read_a, panel, (c_tile, c_type, col), w.index(start), mr, states)
         return c_tile
@@ -632,17 +631,16 @@ def emit_matmul(
 
 # Products of at most FEW_ROWS_MAX rows (a batch-1 or small-batch layer, `v @ W`) are streamed
 # (`_rows_streamed`): nothing is packed, and B is read once, row after row, in the order it lies in
-# memory. Packed into K x NR panels, each B row was read 128 bytes at a time, 16 KiB apart, and the
-# panels were used by one row block only: (1, 4096) @ (4096, 4096) f32 ran at 10-12 GB/s against
-# JAX's 23-25. FEW_ROWS_K_STEP rows of B go through each pass over C's block (fewer loads and
+# memory. Packed into K x NR panels, each B row would be read 128 bytes at a time, 16 KiB apart,
+# and the panels used by one row block only, at half the memory bandwidth JAX reaches on such
+# products. FEW_ROWS_K_STEP rows of B go through each pass over C's block (fewer loads and
 # stores of C per multiply-add), and a block of C is at most FEW_ROWS_BLOCK_BYTES, to stay in L1.
 FEW_ROWS_MAX = 4
 FEW_ROWS_K_STEP = 4
 FEW_ROWS_BLOCK_BYTES = 16 << 10
 # Up to this many rows, a product whose B is larger than the last-level cache is streamed too:
-# memory-bound either way, and the tiled kernel's panels read B 128 bytes at a time. Paired in one
-# process: (6, 4096) @ (4096, 4096) f32 5.5 -> 3.5 ms (min), 8 rows 5.7 -> 4.7; with B in L3
-# ((8, 1024) @ (1024, 1024), (8, 4096) @ (4096, 1024)) tiling was faster (0.18 vs 0.37 ms).
+# memory-bound either way, and the tiled kernel's panels read B 128 bytes at a time, so streaming
+# is faster there (by a third at 6 rows); with B in L3 tiling is faster, hence the size condition.
 FEW_ROWS_MAX_LARGE_B = 8
 
 
@@ -786,10 +784,10 @@ def _splits_columns(s: MatmulShape, threads: int) -> bool:
 
 def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str, threads: int) -> str:
     """C's whole panels in one `scf.forall` chunk per core; each thread packs every panel of its
-    chunk into its own K x NR buffer just before using it. Packing all of B first ran on the
-    calling thread alone (0.4 ms for 4 MiB on one core, while the other waited) and sent 4 MiB of
-    packed panels through memory; this way nothing runs before the fork and a packed panel stays in
-    L2 while every row block reads it. The partial last panel, if any, follows on the calling thread."""
+    chunk into its own K x NR buffer just before using it. Packing all of B first would run on the
+    calling thread alone, while the other cores wait, and send all the packed panels through
+    memory; this way nothing runs before the fork and a packed panel stays in L2 while every row
+    block reads it. The partial last panel, if any, follows on the calling thread."""
     em = w.em
     whole = s.n // s.nr
     per = _ceil_div(whole, threads)
@@ -813,11 +811,10 @@ def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
 
 def _panels_just_in_time(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
     """A serial product (inside another kernel's parallel loop: a conv chunk) packing each panel just
-    before its row blocks use it, so the panel stays in L1/L2, instead of packing all of B first:
-    relu(conv2d + bias) 2-7% faster over six layer shapes (one process, alternated; docs/cpu-kernels.md).
-    With `s.b_in_place` no panel is packed: the row blocks read B's columns where they are (a conv
-    chunk's column matrix, just written and in L2: relu(conv2d + bias) 5-10% faster over five layer
-    shapes, paired in one process; a chunk larger than L2 ran 8% slower, so the caller decides)."""
+    before its row blocks use it, so the panel stays in L1/L2, instead of packing all of B first
+    (docs/cpu-kernels.md). With `s.b_in_place` no panel is packed: the row blocks read B's columns
+    where they are (a conv chunk's column matrix, just written and in L2); that is faster while the
+    chunk fits in L2 and slower beyond, so the caller decides."""
     if s.b_in_place:
         return _panels_in_place(w, s, a, b, c_all)
     c_type, whole = s.tensor(s.m, s.n), s.n // s.nr

@@ -8,10 +8,10 @@ shapes.
     the _bt functions take B as (n, k) (`a @ w.T`), the _at ones A as (k, m) (`x.T @ dz`).
 
 Why: a function's first call is almost all compile time, and a product's specialized kernel
-(`matmul_kernel.py`, static shapes throughout) was most of its module: matmul 1024's first call
-spent ~45 of its 55-70 ms in MLIR and LLVM (`benchmarks/compile_time.py`), against JAX's whole
-first call of ~33 ms, whose XLA calls a precompiled Eigen kernel for the product. With the library
-the program's module holds a call, which compiles in a few milliseconds.
+(`matmul_kernel.py`, static shapes throughout) is most of its module: matmul 1024's first call
+spends about 45 of its 55-70 ms in MLIR and LLVM on a 2-core AMD EPYC Zen 4 VM
+(`benchmarks/compile_time.py`), while JAX's XLA calls a precompiled Eigen kernel for the product.
+With the library the program's module holds a call, which compiles in a few milliseconds.
 
 The functions run the specialized kernel's algorithm with loop bounds in registers (`_Kernel`), so
 each element is the same chain of multiply-adds and the results are bit-identical: C's whole panels
@@ -26,11 +26,11 @@ Which products call it: `call_shape` (f32/f64 products the specialized kernel wo
 cores and not stream, K >= 64; and every small one (`SMALL_FLOPS`), on one core
 when the kernel would not fork: `call_threads`) and `lower_dot.library_call` (no batch, not
 both operands transposed); in JIT-compiled code only (`library.disabled` for AOT). With one thread
-a call runs in place (`library.Writer.chunks`: no OpenMP parallel region, whose fork cost a small
-product ~1.5 us): (128, 64) @ (64, 128) 22.0 us against the kernel's 22.3, (16, 32) @ (32, 256) 6.1
-against 6.0, (256, 256) @ (256, 128) 83 against 90; first calls 6-14 ms against 21-39.
-`FLOWJIT_MATMUL_LIBRARY=0` turns it off. Where it lives, when it is built and loaded: `library.py`
-(`matmul-<key>.o`; ~6 s to build on two cores, ~7 ms to load).
+a call runs in place (`library.Writer.chunks`: no OpenMP parallel region, whose fork would cost a
+small product more than its arithmetic), as fast as the specialized kernel, with a first call a
+third to half as long. `FLOWJIT_MATMUL_LIBRARY=0` turns it off. Where it lives, when it is built
+and loaded: `library.py` (`matmul-<key>.o`, built once per machine in seconds, loaded in
+milliseconds).
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ LAYOUTS = ("", "bt", "at")
 
 # Products of at most this many multiply-adds (tens of microseconds on two cores) take the library
 # even where the specialized kernel runs a little faster: short contractions (K < 64, where its
-# shorter tiles ran 10-15% faster) and fused epilogues it would apply tile by tile (the library's
+# shorter tiles are faster) and fused epilogues it would apply tile by tile (the library's
 # product is written, then the epilogue makes the result), and those of one core's work (run in
-# place: `call_threads`). Their specialized code costs 20-40 ms of compile each (the MLP step's
-# logits and the gradient of its last layer's input; attention's q @ k.T over 128 x 64).
+# place: `call_threads`). Their specialized code costs 20-40 ms of compile each on a 2-core AMD
+# EPYC Zen 4 VM (the MLP step's logits and the gradient of its last layer's input; attention's
+# q @ k.T over 128 x 64), far more than it saves.
 SMALL_FLOPS = 1 << 23
 
 
@@ -318,8 +319,8 @@ class _Kernel(_Geometry):
     def row_chunks(self, read_a, b: str, c: str, panels: tuple[str, str, str]) -> None:
         """C's rows split over the cores in equal chunks (narrow or short products: too few panels
         or too short a contraction to split by columns), after every panel is packed on this thread
-        (as the specialized kernel does: few panels, and a second fork cost more than packing them:
-        (256, 1024) @ (1024, 10) 0.074 against 0.068 ms)."""
+        (as the specialized kernel does: for few panels a second fork costs more than packing
+        them)."""
         w = self.w
         whole = w.arith("divui", "%n", self.nr)
         p = w.fresh()
@@ -329,8 +330,8 @@ class _Kernel(_Geometry):
         panel, col = self.panel_at(panels, whole), w.arith("muli", whole, self.nr)
         self.partial_panel(lambda states: self.pack(b, panel, col, states))
         # Equal chunks (a multiple of MR rows only for A's packed blocks, which a tile must not
-        # straddle): in multiples of MR, (256, 1024) @ (1024, 10) gave one core 140 rows, the
-        # other 116, and ran 1.18x the specialized kernel's time (which picks a tile height that
+        # straddle): in multiples of MR, (256, 1024) @ (1024, 10) would give one core 140 rows and
+        # the other 116, slower than the specialized kernel (which picks a tile height that
         # divides 128).
         chunk = w.arith("ceildivui", "%m", "%threads")
         if self.packs_a:
@@ -363,7 +364,7 @@ class _Kernel(_Geometry):
         body([self.partial(left), NONE])
         w.otherwise()
         w.open(f"scf.if {w.op(f'arith.cmpi eq, {left}, {w.index(self.vl)} : index')}")
-        body([WHOLE, NONE])  # one whole vector: no masks (N = 784: 1.17x the kernel's time with them)
+        body([WHOLE, NONE])  # one whole vector: no masks, which would slow N = 784 down
         w.otherwise()
         body([WHOLE, self.partial(w.arith("subi", left, self.vl))])
         w.close()
@@ -498,7 +499,7 @@ def symbols() -> list[str]:
 
 
 # Built with loop strength reduction (`toolchain.codegen_options`): a tile's rows of A are a run-time
-# stride apart, and without it LLVM kept 14 row pointers, spilled two and the loop bound, and
-# reloaded them every k; in the benchmark's pattern (a pause, 50 ms of calls, timed calls) 1024^3
-# ran at a median of 12.7 ms against the kernel's 10.8 (minima equal); with it 10.1 against 10.7.
+# stride apart, and without it LLVM keeps 14 row pointers, spills two and the loop bound, and
+# reloads them every k, which makes the library slower than the specialized kernel; with it, 1024^3
+# runs as fast.
 LIBRARY = library.Library("matmul", library_mlir, symbols, strength_reduction=True, switch="FLOWJIT_MATMUL_LIBRARY")

@@ -4,17 +4,16 @@ A kernel's ordinary store first reads the line it writes into the cache (a read 
 leaves it there, evicting what the program reads next. A non-temporal store (`vmovntps`) writes a
 whole 64-byte line to memory without reading it and without caching it: an output written once
 and never read back by the function costs its size in memory traffic instead of twice its size,
-and the inputs stay cached. For a layer norm of 4096 x 1024 f32 (16 MiB in, 16 MiB out) called
-repeatedly on a 2-core Zen 4 (32 MiB of L3), paired in one process: 0.64-0.84x the time of
-ordinary stores; 8 MiB outputs 0.79-0.84x, 32 MiB 0.70-0.76x, but 1-4 MiB outputs 1.26-1.34x (the
-whole working set stays in the cache, and a non-temporal store evicts the line). Hence
-`NONTEMPORAL_MIN_BYTES`.
-A function that writes much more than it reads loses too: broadcasting a row into a 16 MiB output
-1.7x, float16 -> float32 1.3x, float32 -> float64 1.08x the time: with ordinary stores their output
-stays in the cache from call to call and is written there, while streaming stores send all of it to
-memory; the gains come when the reads (from the cache, kept there by the streaming stores) and the
-writes (to memory) go on side by side. Hence `MIN_READ_FRACTION`: the function's inputs hold at
-least 3/4 of the bytes its outputs do (a pad: 0.98, 0.83x the time; the conversions: 0.5).
+and the inputs stay cached. Small outputs lose: a layer norm called repeatedly on a 2-core AMD
+EPYC Zen 4 VM (32 MiB of L3) runs about 0.8x the time of ordinary stores from 8 MiB outputs up,
+but 1.3x with 1-4 MiB outputs, whose whole working set stays in the cache while a non-temporal
+store evicts the line. Hence `NONTEMPORAL_MIN_BYTES`.
+A function that writes much more than it reads loses too (broadcasting a row into a large output,
+widening conversions): with ordinary stores their output stays in the cache from call to call and
+is written there, while streaming stores send all of it to memory; the gains come when the reads
+(from the cache, kept there by the streaming stores) and the writes (to memory) go on side by
+side. Hence `MIN_READ_FRACTION`: the function's inputs hold at least 3/4 of the bytes its outputs
+do (a pad qualifies, a float32 -> float64 conversion, reading half, does not).
 
 How: the lowering marks the output arguments `wants_streaming` picks with `ARG_ATTR`
 (`target.CpuTarget.output_attribute`, which the shared lowering asks; not late outputs, which may
@@ -27,16 +26,16 @@ into such an argument (64 bytes: `vector<16xf32>`, `vector<8xf64>`, ...) becomes
     else                   the original store
 
 There is no unaligned non-temporal vector store; LLVM splits one into eight 8-byte `movnti`
-(Intel) or `movntsd` (AMD) stores, which measured slower than ordinary stores (the layer norm
-1.06-2.5x from 32 down to 4 MiB). The executable allocates the outputs a function's code streams
+(Intel) or `movntsd` (AMD) stores, which are slower than ordinary stores. The executable
+allocates the outputs a function's code streams
 into (`Streamed`, kept in the compile cache's entry) on a 64-byte line, so their rows of a multiple
 of 64 bytes take the first branch; a caller's buffer (donated, AOT) takes whichever its address
 gives. Functions that read an output back (softmax stores exp(x - max) into its output and divides
-it in place: 1.5x slower with streaming stores) keep ordinary stores, as do partial-line stores (a
+it in place, slower with streaming stores) keep ordinary stores, as do partial-line stores (a
 line written in pieces would leave the write-combining buffer in pieces too) and stores computed by
-more than `MAX_ARITHMETIC` vector ops in their block: on the Zen 4, streaming stores made `exp`
-2-2.8x and a polynomial of degree 4 1.3x slower (not compute-bound kernels: their ordinary versions
-ran at the speed of `x * 0.7 + 0.1`), while the cheap kernels gained 0.75-0.82x
+more than `MAX_ARITHMETIC` vector ops in their block: streaming stores make a polynomial of degree
+4 1.3x slower on the same Zen 4 VM (not a compute-bound kernel: with ordinary stores it runs at
+the speed of `x * 0.7 + 0.1`), and `exp` slower still, while cheap kernels gain
 (docs/cpu-backend.md).
 
 Non-temporal stores are weakly ordered: a store fence (`sfence`) closes every region that made them

@@ -2,14 +2,13 @@
 go through the MLIR pipelines at once, the first in this process and each other one in a forked
 child process, which sends back its LLVM IR.
 
-Why: the MLIR pipelines are most of a large function's first call (the MLP training step: ~190 of
-~330 ms) and run on one thread: the bindings hold the GIL for a whole pass pipeline, so threads run
-them one after the other (two threads on two modules: wall 370 ms = CPU 370 ms). Processes do not
-share a GIL. A fork costs 6-10 ms in the benchmark suite's process (0.5 GB, with JAX's and
-PyTorch's fork handlers; 1-2 ms for a bare process holding 1-4 GB of arrays) and copies no memory
-up front; the child already has MLIR loaded, its context and its pass managers. The training step
-in two parts: 104 + 78 ms of MLIR against 193 ms whole; its first call 343 -> 270 ms (minima of 5,
-alternated in one process).
+Why: the MLIR pipelines are most of a large function's first call (the MLP training step: over half
+of it) and run on one thread: the bindings hold the GIL for a whole pass pipeline, so threads run
+them one after the other (two threads on two modules take as much wall time as CPU time).
+Processes do not share a GIL. A fork costs a few milliseconds, even in the benchmark suite's
+process with JAX's and PyTorch's fork handlers, and copies no memory up front; the child already
+has MLIR loaded, its context and its pass managers. Split in two, the training step's first call
+is about a fifth shorter on a 2-core AMD EPYC Zen 4 VM.
 
 How: `lower_parts` forks one child per extra part while holding `toolchain.fork_lock`, so no other
 thread of this process is inside MLIR or llvmlite when the child's copy of the process is taken; the
@@ -17,7 +16,7 @@ child only runs `toolchain.lower_to_llvm_ir` on its text, writes the pickled res
 text) to a pipe and leaves with `os._exit`, running none of the parent's exit handlers. The parent
 lowers the first part meanwhile, then reads each pipe with a deadline (`PART_GRACE_S` plus
 `PART_SLACK` times its own part's time); a child that fails or dies fails the compile with its reason
-(a crash in MLIR, e.g. an assertion, now costs one compile instead of the whole process), one that
+(a crash in MLIR, e.g. an assertion, costs one compile, not the whole process), one that
 overruns is stopped and its part lowered here, with a warning. Where no process can be forked (memory or
 process limits), the parts left are lowered here, one after the other. `processes()` is 1 (no
 split) where there is no `os.fork`, with `FLOWJIT_COMPILE_THREADS=1`, or on one core.

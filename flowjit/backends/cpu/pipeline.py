@@ -61,11 +61,11 @@ def mlir_stages(options: CompileOptions) -> dict[str, tuple[str, ...]]:
             "canonicalize",
             "cse",
             # An allocation of known size that no iteration hands to the next leaves its loop (not an
-            # `scf.forall`: each thread keeps its own): a row reduction's accumulator was malloc'ed
-            # and freed once per row (max over (41943, 100) float32 0.80 -> 0.44 ms).
+            # `scf.forall`: each thread keeps its own); otherwise a row reduction's accumulator is
+            # malloc'ed and freed once per row, nearly doubling its time.
             "func.func(buffer-loop-hoisting)",
             # The passes of `buffer-deallocation-pipeline` that change our modules (it also runs
-            # expand-realloc, two canonicalizations and a cse that found nothing here: 7-14% of the
+            # expand-realloc, two canonicalizations and a cse that find nothing here, a tenth of the
             # MLIR half's time).
             "ownership-based-buffer-deallocation",
             "buffer-deallocation-simplification",
@@ -90,7 +90,7 @@ def mlir_stages(options: CompileOptions) -> dict[str, tuple[str, ...]]:
             "lower-affine",  # the affine ops `expand-strided-metadata` makes
             # The index arithmetic of coalesced and tiled loops (`floordivsi`/`remsi` by a power of two)
             # becomes shifts and masks where its operands are provably non-negative; left signed,
-            # only LLVM's O3 found that (softmax's exp loop +14% under `LIGHT_PASSES`).
+            # only LLVM's O3 finds that, and softmax's exp loop runs slower under `LIGHT_PASSES`.
             "arith-unsigned-when-equivalent",
             # Before `convert-scf-to-cf`: scf-to-openmp wraps loop bodies in `memref.alloca_scope`,
             # which only accepts a single block.
@@ -114,7 +114,7 @@ def mlir_stages(options: CompileOptions) -> dict[str, tuple[str, ...]]:
             "convert-ub-to-llvm",  # the `ub.poison` vectorization leaves (TOOLCHAIN.md)
             "reconcile-unrealized-casts",
             # Fold the conversions' `llvm.insertvalue`/`extractvalue` chains in MLIR, where it is
-            # cheap: left to LLVM, one InstCombine run took 12-20 ms on the layer norm's LLVM IR.
+            # cheap: left to LLVM, each InstCombine run pays for them again.
             "canonicalize",
             "cse",
         ),
@@ -129,11 +129,11 @@ def stage_pipeline(*names: str, options: CompileOptions | None = None) -> str:
 
 # The LLVM passes for a module whose every loop the lowering vectorized (`compiler.light_pipeline`):
 # scalar replacement of the conversions' allocas, instruction combining and CFG cleanup, loop
-# rotation and GVN. O3 adds ~100 passes (a third of its time InstCombine, run 8 times) that found
-# little in such modules: run time within noise on the benchmark workloads but the CNN (whose pad
-# is a plain copy loop), while O3 took 2.5-3.5x as long (softmax 14 -> 5 ms, matmul 13 -> 5 ms of
-# CPU time; docs/cpu-compile-time.md, "LLVM's light pipeline"). O1 and O2 cost as much as O3.
-# llvmlite's loop-unroll pass cannot be limited to the loops marked for full unrolling (it unrolls
-# by its own cost model too: the MLP step's IR 4165 -> 6637 lines), so marked modules keep O3
-# (`compiler.light_pipeline`).
+# rotation and GVN. O3 adds about 100 passes (a third of its time InstCombine, run 8 times) that
+# find little in such modules: the same run time on the benchmark workloads but the CNN (whose pad
+# is a plain copy loop), while O3 takes
+# 2.5-3.5x as long on a 2-core AMD EPYC Zen 4 VM (docs/cpu-compile-time.md, "LLVM's light
+# pipeline"). O1 and O2 cost as much as O3. llvmlite's loop-unroll pass cannot be limited to the
+# loops marked for full unrolling (it unrolls by its own cost model too, growing the MLP step's IR
+# by half), so marked modules keep O3 (`compiler.light_pipeline`).
 LIGHT_PASSES = ("sroa", "instruction_combine", "simplify_cfg", "loop_rotate", "new_gvn", "instruction_combine")

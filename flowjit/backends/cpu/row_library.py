@@ -12,9 +12,9 @@ when it is exactly one of them, instead of compiling a row kernel for its shapes
     fj_softmax_divided_f32, fj_layer_norm_divided[_affine]_f32: the forms that divide by the sum or root;
     and the _f64 functions alike. Rows are contiguous (cols apart); y may be x.
 
-Why: such a function's first call was almost all compile time (softmax over 4096 x 1024: 42-44 ms,
-of which MLIR ~20 and LLVM ~18 for one fused row kernel; JAX's whole first call ~20 ms). With the
-library the program's module holds a call, which compiles in a few milliseconds.
+Why: such a function's first call is almost all compile time (softmax over 4096 x 1024: about 38
+of its 42-44 ms go to MLIR and LLVM for one fused row kernel, on a 2-core AMD EPYC Zen 4 VM). With
+the library the program's module holds a call, which compiles in a few milliseconds.
 
 What they compute: the row nest's code (`lower_rows`) for the same graph, a row at a time: the same
 scalar math (`mathlib`'s exp, log, rsqrt, written on vectors here), sweeps and order of operations,
@@ -64,17 +64,14 @@ FUNCTIONS = {
 }
 ACCUMULATORS = 4
 # Rows shorter than this keep their compiled kernel, which works on tiles of 8 rows and runs faster
-# there (per row the library pays its horizontal reductions and scalar math alone): paired in one
-# process on the 2-core Zen 4, 2048 x 256 float32 softmax 0.112 vs 0.109 ms, log-softmax 0.135 vs
-# 0.113, 4096 x 64 log-softmax 0.107 vs 0.066; from 512 floats on the library is as fast or faster
-# (512 x 512: 0.056 vs 0.055; 4096 x 1024 softmax 0.81 vs 1.06, log-softmax 0.84 vs 1.25, layer
-# norm 0.45 vs 0.82). Rows longer than `lower_rows.MAX_ROW_BYTES` (no longer cache-resident between
-# the sweeps) keep theirs too: 256 x 32000 log-softmax 2.6 vs 2.3 ms, layer norm 2.0 vs 1.8.
+# there (per row the library pays its horizontal reductions and scalar math alone): on a 2-core AMD
+# EPYC Zen 4 VM, log-softmax over rows of 64 float32 takes 1.6x the kernel's time, while from 512
+# floats on the library is as fast or faster. Rows longer than `lower_rows.MAX_ROW_BYTES` (not
+# cache-resident between the sweeps) keep theirs too: the library runs them slightly slower.
 MIN_ROW_BYTES = 2048
 # ... unless the whole input is at most this many bytes: then the library's run time is
-# at most a few microseconds more, and the kernel's compile 20-40 ms. Paired (min of 7 x 200 calls),
-# library vs kernel: softmax 128 x 128 9.5 vs 9.0 us, 64 x 64 4.4 vs 4.1, 256 x 64 11.7 vs 8.6; layer
-# norm 128 x 128 6.4 vs 6.0, 256 x 64 7.7 vs 6.5; first calls 11-17 ms against 32-58.
+# at most a few microseconds more, and the kernel's compile 20-40 ms (both on a 2-core AMD EPYC
+# Zen 4 VM).
 SMALL_INPUT_BYTES = 128 << 10
 
 
@@ -344,8 +341,9 @@ def library_mlir() -> str:
 
 # --- which fused regions call it ------------------------------------------------------------------
 
-# Ops each function's region holds: a test that costs nothing before its reference is traced (1-3 ms
-# per function and operand types), so that other regions (elementwise chains) pay none of it.
+# Ops each function's region holds: a test that costs nothing before its reference is traced
+# (milliseconds per function and operand types), so that other regions (elementwise chains) pay
+# none of it.
 _HOLDS = {
     "softmax": {"reduce_max", "exp", "reduce_sum"},
     "softmax_divided": {"reduce_max", "exp", "reduce_sum", "div"},

@@ -18,9 +18,9 @@ import os
 from flowjit.backends.cpu import host
 from flowjit.backends.mlir.emitter import HOIST_MARK
 
-# Below this many elements a kernel stays on one thread. A fork/join costs 5-20 us and, on a
-# shared machine, waits for a descheduled worker; one core streams 256K f32 in ~60 us, so smaller
-# kernels cannot win (docs/cpu-backend.md has the measurements).
+# Below this many elements a kernel stays on one thread: a fork/join costs 5-20 us and, on a shared
+# machine, waits for a descheduled worker, while one core streams 256K float32 in about 60 us (both
+# on a 2-core AMD EPYC Zen 4 VM), so smaller kernels cannot win (docs/cpu-backend.md, "Threads").
 PARALLEL_MIN_ELEMENTS = 1 << 18
 # A kernel left without a schedule (plain loops) up to this many elements does not need LLVM's
 # vectorizers: the function may still take LLVM's light pipeline (`compiler.light_pipeline`), which
@@ -30,9 +30,9 @@ PLAIN_LOOP_MAX_ELEMENTS = 4096
 # A full reduction over the cores: this many partial results, each with this many vector
 # accumulators (`_full_reduction`). Inputs of at least `STREAMING_REDUCTION_MIN_BYTES` (streamed from
 # memory, not held in any cache) take one accumulator per partial and 4x the partials, so that each
-# lane adds as many elements in sequence: 2-core Xeon, sum of 256 MiB of float32 8.7 ->
-# 7.1 ms (PyTorch 8.5, torch.compile 7.5, whose loop adds one vector at a time too), while from
-# cache (64 MiB, inside that VM's L3) one accumulator was 7% slower and at 1-16 MiB the same.
+# lane adds as many elements in sequence: memory then bounds the sum, and more partials keep more
+# loads in flight. From cache one accumulator per partial is no faster, and up to 7% slower (sums of
+# 1-64 MiB of float32 on a 2-core Xeon VM, whose L3 holds 64 MiB), hence the threshold.
 FULL_REDUCTION_CHUNKS = 64
 FULL_REDUCTION_VECTORS = 4
 STREAMING_REDUCTION_MIN_BYTES = 128 << 20
@@ -151,9 +151,10 @@ def copy_nd(shape: tuple[int, ...], elem_bits: int, parallel: bool = True, unrol
     return steps
 
 
-# The largest side of a transpose block. 4096x1024 float32, first call / steady state: 16x16
-# blocks 86 / 1.44 ms, 8x8 34 / 2.0, 4x4 28 / 3.3 (plain loops 42 / 27.6, PyTorch's copy 3.4): a
-# 16x16 block's shuffle network cost LLVM's instruction selection ~50 ms per kernel.
+# The largest side of a transpose block. 8x8 balances compile and run time: a 16x16 block's shuffle
+# network costs LLVM's instruction selection about 50 ms per kernel (a 4096x1024 float32 transpose,
+# 2-core AMD EPYC Zen 4 VM) to save about a quarter of the run time, and 4x4 blocks run markedly
+# slower than 8x8.
 TRANSPOSE_BLOCK_MAX = 8
 
 
@@ -166,9 +167,9 @@ def transpose_blocks(shape: tuple[int, ...], source_last: int, elem_bits: int, p
     """A permuted copy whose input's contiguous (last) dim is output dim `source_last` (not the
     last): blocks of lanes x lanes elements, read as `lanes` contiguous input rows and written as
     `lanes` contiguous output rows, transposed in registers; rows of blocks split over the cores.
-    (As plain loops every element was a strided read: a 4096x1024 float32 transpose took 28-32 ms;
-    in 8x8 blocks 2.0.) Blocks are at most TRANSPOSE_BLOCK_MAX a side: 64 x 64 bytes in one vector
-    made LLVM's instruction selection run for minutes."""
+    (As plain loops every element is a strided read, an order of magnitude slower.) Blocks are at
+    most TRANSPOSE_BLOCK_MAX a side: 64 x 64 bytes in one vector makes LLVM's instruction selection
+    run for minutes."""
     vl = transpose_block(elem_bits)
     rank = len(shape)
 
@@ -189,10 +190,9 @@ def transpose_blocks(shape: tuple[int, ...], source_last: int, elem_bits: int, p
 def transpose_short_rows(shape: tuple[int, int], elem_bits: int):
     """A (K, R) -> (R, K) copy of fewer rows R than `transpose_block`: tiles of all R output rows x
     `transpose_block` columns, each read as that many input rows of R, transposed in registers
-    and stored as R rows; on one thread. A square block there stored its rows past R under
-    all-false masks: past the output's end, in pages never mapped, AVX-512's masked stores took a
-    microcode assist each on the Zen 4, and (6272, 10) -> (10, 6272) ran 0.67 ms against 15 us
-    (`lower_layout._transposed_in_two`)."""
+    and stored as R rows; on one thread. A square block would store its rows past R under
+    all-false masks: past the output's end, in pages never mapped, where AVX-512's masked stores
+    take a microcode assist each on Zen 4, about 40x the run time (`lower_layout._transposed_in_two`)."""
     vl = transpose_block(elem_bits)
     tiles = f"[{shape[0]}, {vl}]"
 
@@ -288,9 +288,9 @@ def stays_plain(shape: tuple[int, ...], axis: int | tuple[int, ...], acc_bits: i
     """Whether a reduction of `shape` over `axis`, run once per call with no math function in its
     body, is left as plain loops: rows shorter than a vector (`_short_row_reduction`), at most
     `PLAIN_LOOP_MAX_ELEMENTS` elements in all. Their tile's transpose (a 16 x 10 tile is a
-    160-element shuffle) cost ~20 ms of compile each, mostly LLVM's lowering of the shuffles, for
-    2-3 us of run time: cross-entropy's gradient over 256 x 10 (three such reductions), first-call
-    CPU 126 -> 61 ms, a call 6.9 -> 14.6 us (docs/cpu-compile-time.md)."""
+    160-element shuffle) costs about 20 ms of compile each, mostly LLVM's lowering of the shuffles,
+    to save 2-3 us of run time (cross-entropy's gradient over 256 x 10 on a 2-core AMD EPYC Zen 4
+    VM; docs/cpu-compile-time.md)."""
     last = len(shape) - 1
     short = last > 0 and axis in (last, (last,)) and shape[-1] < min(lanes(acc_bits), SHORT_ROW_MAX + 1)
     return short and math.prod(shape) <= PLAIN_LOOP_MAX_ELEMENTS
@@ -321,7 +321,7 @@ def _full_reduction(vl: int, parallel: bool, streams: bool):
         ]
         if parallel:
             # The partials are combined a vector at a time: vectorized whole, the streaming sum's 256
-            # were one <256 x float> add tree, ~1 ms of LLVM's instruction selection.
+            # would be one <256 x float> add tree, slow in LLVM's instruction selection.
             lines += [
                 f"%cfill{n}, %csplit{n}, %ccomb{n}, %cloop{n} = transform.structured.tile_reduction_using_for "
                 f"%pcomb{n} by tile_sizes = [{vl}] : ({ANY}) -> ({ANY}, {ANY}, {ANY}, {ANY})",
@@ -343,15 +343,14 @@ def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
         return _short_row_reduction(shape, vl, parallel)
     # Rows of at least four vectors: one row at a time, four vector accumulators (independent chains)
     # and one horizontal reduction per row. Shorter rows: eight rows at a time, one vector each. Eight
-    # rows of one vector on long rows ran no faster (softmax, layer norm 4096 x 1024) and their eight
-    # horizontal reductions per tile were most of the kernel's machine code (softmax 1173 -> 488
-    # assembly lines): LLVM's compile time.
+    # rows of one vector on long rows run no faster (softmax, layer norm) and their eight horizontal
+    # reductions per tile are most of the kernel's machine code, so LLVM's compile time.
     rows, width = (1, 4 * vl) if r >= 4 * vl else (8 if a >= 8 else a, vl)
     if width < r < 2 * width and r % width:
         # One whole chunk and a partial one: the whole chunk's reduction folds into its input (the
         # accumulator starts as the identity), and the partial chunk, combined into that input's
-        # slice, became a copy of the tile per step (max over (174762, 24) float32 1.8 ms, (41943,
-        # 100) 0.58 ms, JAX 0.58 and 0.18-0.40). Narrower chunks make a loop of at least two.
+        # slice, becomes a copy of the tile per step, several times slower than JAX. Narrower chunks
+        # make a loop of at least two.
         width = vl if width > vl else vl // 2
 
     def steps(h: str) -> list[str]:
@@ -363,9 +362,9 @@ def _row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
             ]
             loop = f"%rloop{n}"
             if r % width and r > width:
-                # The last, partial chunk peeled off: with it in the loop every chunk was masked (each
-                # load, and the accumulator stored and reloaded each step): logsumexp over 4096 x 1000
-                # 1.51 -> 1.08 ms, as fast as over 1024 columns (JAX 1.36, PyTorch 3.9).
+                # The last, partial chunk peeled off: with it in the loop every chunk is masked (each
+                # load, and the accumulator stored and reloaded each step); peeled, rows of 1000 run
+                # as fast as rows of 1024.
                 peeled, split, rest = peel_last(f"%rloop{n}", f"%r{n}")
                 lines += [*peeled, _vectorize(rest, lead + [rows, r % width])]
                 loop = f"%r{n}main"
@@ -387,9 +386,9 @@ def _row_chunk(a: int, rows: int) -> int:
     of tiles, and one that divides `a` when some number of tiles between half and twice that does:
     then every chunk is whole and no tile is peeled off (`_row_tiles`), half the kernel's code. Of
     those, a number of chunks that the cores share evenly (OpenMP's static schedule gives each core
-    as many), if there is one. Max over 20000 rows of 50 float32: chunks of 1248 rows left 32 in a
-    last one, peeled (576 lines of LLVM IR, first call 65 ms); now 20 chunks of 1000 (330 lines, 35
-    ms)."""
+    as many), if there is one. Max over 20000 rows of 50 float32 on two cores, for instance, takes
+    20 chunks of 1000 rather than chunks of 1248 and a peeled last one of 32, which would nearly
+    double the LLVM IR and the first call's compile time."""
     target = max(1, -(-a // (threads() * 8)) // rows)
     if a % rows:
         return target * rows
@@ -404,8 +403,9 @@ def _row_tiles(h: str, shape: tuple[int, ...], rows: int, parallel: bool, chunk:
     the rank is above 2), each in tiles of `rows` rows (the dims before them one at a time): the
     transform lines and the (linalg op, unique name, loop) of each kind of tile. When the tiles may not
     fill a chunk (the rows, or the chunks, not a whole number of them), the last tile of each chunk
-    is peeled off: otherwise every tile has a run-time size and is masked. Sums of 87381 rows of
-    48 float32 took 1.1 ms, now 0.18, as 131072 rows of 32 (JAX 0.32 and 0.67)."""
+    is peeled off: otherwise every tile has a run-time size and is masked, and a sum over rows whose
+    count the tiles do not divide runs several times slower than one over the same elements in rows
+    they do."""
     n = h[1:]
     a, lead = shape[-2], [1] * (len(shape) - 2)
     lines = []
@@ -429,13 +429,11 @@ def _short_row_reduction(shape: tuple[int, ...], vl: int, parallel: bool):
     `vl` whole rows is one 2-d vector, reduced with the inner-parallel strategy, which transposes
     it (the tile's columns become vectors of one element of `vl` rows) and combines the columns
     elementwise: `vl` results per step, no horizontal reduction and no mask along the row. The
-    general schedule reduced eight rows per step, each row a masked vector with its own
-    horizontal reduction: max over (1M, 3) float32 6.6 -> 0.61 ms (JAX 1.2), sum 3.1 -> 0.55 (JAX
-    2.9), softmax over (1M, 4) 13.7 -> 5.5 (JAX 7.9). The transpose is one shuffle of the tile's
-    elements (`shuffle_1d`; element by element, the default, made 2.5-5x the machine code: max over
-    10 columns 2,075 -> 427 lines of assembly, logsumexp 5,171 -> 2,096, and ran no faster). From a
-    full vector on, the transposes cost more than they save (max over 20-48 columns 1.3-2.8x
-    slower), and those rows keep the general schedule, as do rows of more than `SHORT_ROW_MAX`
+    general schedule reduces eight rows per step, each row a masked vector with its own
+    horizontal reduction, several times slower on such rows. The transpose is one shuffle of the
+    tile's elements (`shuffle_1d`; element by element, the default, makes 2.5-5x the machine code
+    and runs no faster). From a full vector on, the transposes cost more than they save, and
+    those rows keep the general schedule, as do rows of more than `SHORT_ROW_MAX`
     narrow elements (a tile of 64 rows of bools is 64 x r bytes, r vector registers). Tiles as in
     `_row_tiles`."""
     a, r = shape[-2], shape[-1]
@@ -475,16 +473,16 @@ def _column_reduction(shape: tuple[int, ...], axis: int | tuple[int, ...], vl: i
             h = f"%par{n}"
         # The dims before and after R by 1 (the last by 4 vectors), R whole; then R by 1 inside: the
         # accumulator stays in registers.
-        # Columns narrower than 4 vectors: whole vectors of them (32 float32 columns were two
-        # vectors' work in a masked 64-lane one).
+        # Columns narrower than 4 vectors: whole vectors of them (otherwise 32 float32 columns would
+        # be two vectors' work in a masked 64-lane one).
         width = min(4 * vl, _round_up(shape[-1], vl))
         outer = [0 if d in axes else width if d == rank - 1 else 1 for d in range(rank)]
         inner = [1 if d in axes else 0 for d in range(rank)]
         lines.append(_tile_for(h, outer, f"%cols{n}"))
         targets = [(f"%cols{n}", f"%red{n}")]
         if shape[-1] % width and shape[-1] > width:
-            # The partial last column tile peeled off: with it in the loop every tile was masked
-            # (a column sum over 4096 x 1000 took 1.9x its 1024-column time).
+            # The partial last column tile peeled off: with it in the loop every tile is masked, and
+            # a column sum over 1000 columns runs nearly twice as long as over 1024.
             loops = sum(1 for size in outer if size)
             peeled, main, rest = peel_last(f"%cols{n}_l{loops - 1}", f"%col{n}")
             lines += peeled

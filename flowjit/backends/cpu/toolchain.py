@@ -265,18 +265,17 @@ class NativeModule:
 
 # Loop strength reduction (LSR) in LLVM's code generation, per function (`codegen_options`). LSR
 # rewrites loop address arithmetic into pointer increments; most of our loops are vector loops over
-# unit-stride views whose `base + index * scale` addresses x86 takes as they are, and there it cost
-# a fifth to a half of code generation (the CNN's 45-51 -> 25-29 ms of CPU, the MLP step's
-# 150 -> 107-114, matmul's 10.5 -> 7.5) for no speed (paired in one process: the MLP step, the
-# matmuls and the CNN within 1%, the elementwise chain 5% faster without it). Row-tile nests
-# (`lower_rows`: softmax, layer norm) run 2-2.5% faster with it, so functions whose main work they
-# are keep it (`codegen_settings`; docs/cpu-compile-time.md, "Code generation options").
+# unit-stride views whose `base + index * scale` addresses x86 takes as they are, and there it costs
+# a fifth to a half of code generation for no speed (the CNN, the MLP step and matmul on a 2-core
+# AMD EPYC Zen 4 VM). Row-tile nests (`lower_rows`: softmax, layer norm) run slightly faster with
+# it, so functions whose main work they are keep it (`codegen_settings`; docs/cpu-compile-time.md,
+# "Code generation options").
 #
 # x86's cmov conversion (`X86CmovConversion`) turns conditional moves in loops back into branches
 # when it judges the branch predictable. In a merge sort's merge loop the choice between the two
-# runs' heads is a coin flip on random keys: converted, the loop mispredicted about every second
-# element (1M floats sorted in 82 ms; 37-40 ms with the conversion off, numpy 33). Functions with
-# sort kernels turn it off (`codegen_settings`); the rest keep LLVM's default.
+# runs' heads is a coin flip on random keys: converted, the loop mispredicts about every second
+# element and sorts twice as slowly. Functions with sort kernels turn it off (`codegen_settings`);
+# the rest keep LLVM's default.
 _codegen = threading.Condition()
 _codegen_users = 0
 # LLVM's defaults (strength reduction, cmov conversion), and what the process has while none of
@@ -302,8 +301,9 @@ def codegen_options(strength_reduction: bool = False, cmov_conversion: bool = Tr
     """LLVM's code generation with loop strength reduction and x86's cmov conversion on or off.
     They are LLVM command-line options, global to the process: code generations wanting other
     settings wait for the running ones, and LLVM's defaults come back when the last one ends, so
-    that another llvmlite user in the process (numba) keeps them. Setting one costs ~0.2 ms. Not to
-    be nested with other settings on one thread (it would wait for itself until `CODEGEN_WAIT_S`)."""
+    that another llvmlite user in the process (numba) keeps them. Setting one costs a fraction of a
+    millisecond. Not to be nested with other settings on one thread (it would wait for itself until
+    `CODEGEN_WAIT_S`)."""
     global _codegen_users
     state = (strength_reduction, cmov_conversion)
     with _codegen:
@@ -324,11 +324,10 @@ def codegen_options(strength_reduction: bool = False, cmov_conversion: bool = Tr
 def codegen_settings(kernel_kinds) -> tuple[bool, bool]:
     """(strength_reduction, cmov_conversion) of `codegen_options` for a function whose lowering made
     kernels of `kernel_kinds` (`MlirModule.kernel_kinds`): loop strength reduction for functions
-    whose main work is row-tile nests (softmax, layer norm: 2-2.5% faster with it, for ~0.5 ms of
-    compile), not for those with packed matmul kernels (the MLP step: run time the same, code
-    generation 40 ms of CPU longer); x86's cmov conversion off for functions with sort kernels,
-    whose merge loop picks between two runs' heads unpredictably (a million floats sorted 2x
-    faster branch-free)."""
+    whose main work is row-tile nests (softmax, layer norm: slightly faster with it, for little
+    compile time), not for those with packed matmul kernels (no faster, and a longer code
+    generation); x86's cmov conversion off for functions with sort kernels, whose merge loop picks
+    between two runs' heads unpredictably (see the comment above `_codegen`)."""
     return "row_nest" in kernel_kinds and "matmul" not in kernel_kinds, "sort" not in kernel_kinds
 
 
@@ -441,7 +440,7 @@ def versions() -> dict[str, str]:
 
 def _mlir_version() -> str:
     """The MLIR bindings' distribution version, read from its dist-info folder name:
-    `importlib.metadata` scans every installed distribution (~20 ms, a fifth of a warm start)."""
+    `importlib.metadata` scans every installed distribution, a fifth of a warm start."""
     import importlib.util
 
     spec = importlib.util.find_spec("mlir")  # locates the package without importing it

@@ -12,10 +12,10 @@ shuffles) and written as n vectors of the output's rows; whole blocks split over
 the rows left over (K no multiple of the vector) read and written under masks on the calling
 thread. Nothing is read or written outside either matrix.
 
-Why: compiled into the program, the gathers down B's columns it replaced (two 8-lane `vgatherqps`
-per vector on the Zen 4, ~13 cycles each) were 4.6% of the CNN forward's samples, and the block
-transpose as compiled code added 15 ms to the CNN's first call (MLIR 34.8 -> 42.2 ms, LLVM
-codegen 27.4 -> 35.2). docs/cpu-kernels.md ("Narrow and small products") has the measurements.
+Why: without it the program gathers down B's columns (two 8-lane `vgatherqps` per vector, about 13
+cycles each on Zen 4), a visible share of the CNN forward's time, or compiles the block transpose
+itself, which adds about 15 ms to the CNN's first call on a 2-core AMD EPYC Zen 4 VM.
+docs/cpu-kernels.md ("Narrow and small products") has the measurements.
 
 `FLOWJIT_TRANSPOSE_LIBRARY=0` turns it off (the program then gathers); AOT libraries keep the
 compiled gathers (`library.disabled`).

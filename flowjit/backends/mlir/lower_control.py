@@ -205,7 +205,8 @@ def _check_nested(table: LoweringTable, op: Op) -> None:
 def _large_constants(op: Op) -> list:
     """The constants of more than `INLINE_CONSTANT_ELEMENTS` in `op`'s control-flow regions (nested
     ones included, not fusion bodies), to be read once before the op. As literals inside a loop
-    body, a (1024, 1024) f32 went through MLIR's translation element by element (4.2 s to compile)."""
+    body, a (1024, 1024) f32 goes through MLIR's translation element by element, seconds of
+    compile."""
     found = []
 
     def visit(region: Graph) -> None:

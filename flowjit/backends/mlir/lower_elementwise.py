@@ -72,8 +72,8 @@ def filled(em: KernelEmitter, value, t: TensorType, elem: str) -> str:
     """A new tensor of type `t` (stored as `elem`, bools as bytes) holding the Python or numpy scalar
     `value` everywhere, made 1-D. From
     FILL_KERNEL_MIN_ELEMENTS elements a generic with the elementwise schedule (vector stores, both
-    cores when large): a `linalg.fill` is left as scalar loops, which wrote a (30000, 128) f32 at
-    ~3.5 G stores/s on one core, 1.1-3.5 ms (`fnp.zeros_like(t) + 1`, the zeros of a scatter_add)."""
+    cores when large): a `linalg.fill` is left as scalar loops, one store per element on one core
+    (`fnp.zeros_like(t) + 1`, the zeros of a scatter_add)."""
     scalar = memory_scalar(em, value, t.dtype, elem)
     flat = TensorType((t.size,), t.dtype)
     init = collapse(em, em.empty(t, elem), t, elem)

@@ -80,7 +80,8 @@ def lower_broadcast(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]
     for i, d in enumerate(op.attrs["dims"]):
         source_dims.append("0" if x.type.shape[i] == 1 and result.shape[d] != 1 else f"d{d}")
     input_map = em.affine_map(f"({dims}) -> ({', '.join(source_dims)})")
-    # Large broadcasts keep the threads they had before small ones were scheduled too (not measured apart).
+    # Large broadcasts split over the cores from PARALLEL_MIN_ELEMENTS, as elementwise kernels do (not
+    # tuned for broadcasts on their own).
     return [row_copy(em, operands[0], x.type, result, input_map, em.target.schedules.PARALLEL_MIN_ELEMENTS)]
 
 
@@ -134,9 +135,9 @@ def _transposed_in_two(em: KernelEmitter, x: str, source: TensorType, moved: Ten
     """A 2-D transpose (K, R) -> (R, K) whose R is no multiple of the block side: the whole blocks
     of rows (`transpose_blocks`), then the R % side rows left in tiles of all of them
     (`transpose_short_rows`), each into its rows of the output. As one kernel, the last
-    block of rows stored its rows past R under all-false masks, into pages past the output's end
-    (a large output is a mapping of its own): AVX-512's masked stores took a microcode assist each
-    on the Zen 4, and (6272, 10) -> (10, 6272) ran 0.67 ms (numpy 24 us), (100000, 10) 9.6 ms (0.46)."""
+    block of rows would store its rows past R under all-false masks, into pages past the output's
+    end (a large output is a mapping of its own), where AVX-512's masked stores take a microcode
+    assist each on Zen 4: twenty to thirty times numpy's time."""
     rows, k = moved.shape
     schedules = em.target.schedules
     main = rows - rows % schedules.transpose_block(bits)
@@ -162,10 +163,9 @@ def _transposed_in_two(em: KernelEmitter, x: str, source: TensorType, moved: Ten
 def written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tuple[int, ...], elem: str) -> str:
     """The tensor `loops` (of type `kernel`) that copy loops filled, reshaped to the result's
     `shape`, and stored through a view of the result's buffer with `kernel`'s shape
-    (`em.store_through`): through the reshape empty-tensor elimination gave up, and each call
-    filled a temporary of the result's size and copied it out (a stack of three 16 MiB arrays
-    took 37 ms, 9.5 so; a (8, 32, 28, 28) -> (32, 8, 28, 28) transpose, moved as (32, 8, 784),
-    copied 800 KB more)."""
+    (`em.store_through`): through the reshape empty-tensor elimination gives up, and each call
+    would fill a temporary of the result's size and copy it out (a stack of three 16 MiB arrays
+    runs four times as fast through the view)."""
     shaped = reshape_tensor(em, loops, kernel, kernel.with_shape(shape), elem)
     if shaped != loops and can_collapse(shape, kernel.shape):
         em.store_through(shaped, loops, kernel.shape)
@@ -175,8 +175,8 @@ def written_through(em: KernelEmitter, loops: str, kernel: TensorType, shape: tu
 # Copies of whole rows (`row_copy`) are vector copies from this size on (smaller ones stay plain
 # loops, which `compiler.PLAIN_LOOP_MAX_ELEMENTS` lets LLVM's light pipeline take)...
 ROW_COPY_MIN_ELEMENTS = 4096
-# ... split over the cores from this size on: a copy is memory-bound, and two threads ran it no
-# faster on 2 cores up to 8M f32 elements, 3.5x slower at 256K ((8, 128, 4, 64): 0.030 -> 0.107 ms).
+# ... split over the cores from this size on: a copy is memory-bound, and on a 2-core AMD EPYC Zen 4
+# VM two threads run it no faster up to 8M float32 elements, and 3.5x slower at 256K.
 ROW_COPY_PARALLEL_MIN_ELEMENTS = 1 << 23
 
 

@@ -172,8 +172,8 @@ def pad_tensor(em: KernelEmitter, x: str, source, result, scalar: str, low, inte
 def _vector_pad(em: KernelEmitter, x: str, source, result, scalar: str, low) -> str:
     """`pad_tensor` as two n-d generics with the target's `copy_nd`: the fill, then the copy into the
     interior view (in place), over the cores from `PARALLEL_MIN_ELEMENTS` on. As a fill and
-    a strided insert they were a memset and a copy loop on one thread: 8x64x56x56 float32 padded
-    by 1, 0.4 ms of a 5.5 ms convolution; and below the parallel size a scalar
+    a strided insert they would be a memset and a copy loop on one thread, a noticeable part of a
+    convolution's time; and below the parallel size a scalar
     copy loop would keep the whole function on LLVM's O3 pipeline (a conv weight gradient's
     32x8x28x28 input padded to 30x30: `compiler.light_pipeline`)."""
     schedules = em.target.schedules

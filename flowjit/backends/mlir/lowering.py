@@ -212,8 +212,8 @@ class _FunctionLowering:
             self.inline[value] = tensor
             return tensor
         # Held as bytes and viewed with its type: MLIR's translation writes an array of i8 as one
-        # string (c"..."), but an array of floats element by element, 4 us each, and llvmlite then
-        # parses them back: a closed-over (512, 512) f32 took 1.0 + 0.3 s, (2048, 2048) 25 s.
+        # string (c"..."), but an array of floats element by element, and llvmlite then parses them
+        # back: seconds for a closed-over (512, 512) float32.
         data = np.ascontiguousarray(array, dtype=t.dtype.np_dtype)
         bytes_type = f"memref<{max(data.nbytes, 1)}xi8>"
         symbol = self.global_symbols.get(value)
@@ -405,10 +405,10 @@ def _arg_type(t: TensorType) -> str:
 
 
 # A function is split (`lower_graph(split=n)`) only when its body has at least this many lines: a
-# part's MLIR pipelines then run in a forked process (`parallel_mlir`), whose start costs 6-10 ms and
-# slows this process's own part by its copy-on-write faults. The MLP training step (2,750 lines)
-# gains a fifth of its first call; the CNN forward (650 lines: 20 + 28 ms of MLIR in two parts
-# against 48 whole) gained nothing.
+# part's MLIR pipelines then run in a forked process (`parallel_mlir`), whose start costs a few
+# milliseconds and slows this process's own part by its copy-on-write faults. On a 2-core AMD EPYC
+# Zen 4 VM the MLP training step (2,750 lines) gains a fifth of its first call, while the CNN
+# forward (650 lines) gains nothing.
 SPLIT_MIN_LINES = 1200
 
 
@@ -503,10 +503,8 @@ def _slice_views(graph: Graph, fl: _FunctionLowering) -> dict[Value, SliceView]:
     other axis whole: `fnp.roll`'s two pieces, `concatenate([x[..., h:], x[..., :h]])`): each such
     slice is a run of contiguous blocks of its source, which the concatenate copies from the source
     directly (`lower_movement._concatenate_blocks`) instead of from a copy of the slice made by a
-    kernel of its own (10th percentiles of 300 calls, float32): roll by 3 along the rows
-    of 1024 x 1024 0.216 -> 0.063 ms (torch 0.07), by 100 along its columns 0.198 -> 0.095, halves of
-    (8, 512, 128) swapped 0.099 -> 0.030, a roll along both axes 0.46 -> 0.19; first calls 6-20 ms
-    shorter (one kernel instead of three). The source then lives until the concatenate (its
+    kernel of its own: one kernel instead of three, two to three times faster, and a shorter first
+    call. The source then lives until the concatenate (its
     workspace slot is not reused before). Not for bool slices (moved as bytes) or a graph result
     (it has an output to fill)."""
     users = graph.uses()

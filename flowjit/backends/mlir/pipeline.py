@@ -54,8 +54,8 @@ def pass_manager(pipeline: str):
 def _reused_pass_manager(pipeline: str, verify: bool):
     """One pass manager per pipeline and process (used under `_lock`): a pass manager initializes
     its passes on its first run only (each canonicalize collects the patterns of every loaded op,
-    conversions build theirs), which took 1.0-1.5 ms of every compile, most of a tiny function's
-    MLIR half."""
+    conversions build theirs), which costs about a millisecond per compile, most of a tiny
+    function's MLIR half."""
     from mlir.passmanager import PassManager
 
     pm = PassManager.parse(pipeline, context=mlir_context())

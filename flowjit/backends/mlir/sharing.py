@@ -13,9 +13,9 @@ from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.ir.graph import Graph, Op
 
 # What vectorizing a kernel by its transform schedule adds to the compile, in lines of the lowering's
-# MLIR (`_Piece.cost`): each op of the MLP step, lowered as a module of its own, took 0.12-0.15 ms of
-# MLIR and LLVM per line, plus 2-4 ms per scheduled kernel (its loss, 241 lines and 14 scheduled
-# kernels, 108 ms; a matmul with its epilogue, 442 lines and one, 66 ms).
+# MLIR (`_Piece.cost`): each op of the MLP step, lowered as a module of its own, costs about 0.14 ms
+# of MLIR and LLVM per line plus 2-4 ms per scheduled kernel on a 2-core AMD EPYC Zen 4 VM, so a
+# schedule costs about as much as 20 lines.
 SCHEDULED_KERNEL_COST = 20
 
 
