@@ -245,10 +245,10 @@ def main(argv=None) -> None:
     misses = []
     if t["ratio"] > 1.2:
         misses.append(
-            f"- The transfer costs {t['ratio']:.2f}x the bare call (target 1.2x). Besides the Ray call "
-            "itself, it copies the value out of the native buffer when it is sent (the sender must not "
-            "wait) and into the receiving partition's buffer, and the difference of two programs also "
-            "holds the second task's run call and the wake-up of its waiting recv."
+            f"- The transfer costs {t['ratio']:.2f}x the bare call (target 1.2x). Like the bare call it puts "
+            "the array into the object store (from the sender's buffer); the receiver then copies it into "
+            "the partition's buffer, and the difference of the two programs also holds the second task's "
+            "run call and the wake-up of its waiting recv."
         )
     if over > 2.0:
         hops = 4 * t["empty_call_ms"]
