@@ -262,6 +262,20 @@ def test_trainer_checks_its_arguments(cluster):
         fd.Cluster({"worker": 0})
 
 
+def _broken_loss(p, batch):
+    x, y = batch
+    return fnp.mean((x @ p["w2"] - y) ** 2)  # w2 is (16, 3): x is (32, 8)
+
+
+def test_an_error_in_the_loss_reaches_the_driver_with_its_line(cluster):
+    params, batches = _mlp_setup()
+    trainer = fd.Trainer(cluster, _broken_loss, params, fj.optim.SGD(0.1))
+    started = time.monotonic()
+    with pytest.raises(FlowjitError, match=r"test_distributed.py:\d+"):
+        trainer.fit(batches, steps=2, progress=False)
+    assert time.monotonic() - started < 60
+
+
 def test_checkpoints_are_written_atomically(cluster, tmp_path):
     params, batches = _mlp_setup()
     trainer = fd.Trainer(cluster, _mlp_loss, params, fj.optim.Adam(0.01), replicas_to_aggregate=3)
