@@ -191,7 +191,7 @@ class Cluster:
         self._owns_ray = False
 
     def _bring_variables_home(self) -> None:
-        for name, home in list(task_runtime._homes.items()):
+        for name, home in task_runtime.variable_homes().items():
             if isinstance(home, ActorHome) and home.cluster is self:
                 try:
                     np.copyto(home.buffer, home.read(), casting="unsafe")
@@ -282,10 +282,10 @@ class _Runner:
         for task, parts in by_task.items():
             loads.append(self.cluster.actor(task).load.remote(program_id, parts, crossings, target, peers))
         ray_support.get(loads, f"compiling partitions on {', '.join(sorted(by_task))}")
-        return _Program(self.cluster, program_id, by_task)
+        return _ClusterProgram(self.cluster, program_id, by_task)
 
 
-class _Program:
+class _ClusterProgram:
     """A program's partitions in the cluster's tasks; `start` runs one step on all of them."""
 
     def __init__(self, cluster: Cluster, program_id: str, by_task: dict[str, dict[int, tuple]]):
@@ -353,19 +353,19 @@ class _Step:
     values from tasks) takes those values from the inbox and cancels the local step as soon as a
     task fails, so no local recv waits for a value that cannot come."""
 
-    def __init__(self, program: _Program, step_key: str, runs: dict, local: TaskStep):
+    def __init__(self, program: _ClusterProgram, step_key: str, runs: dict, local: TaskStep):
         self.program, self.step_key, self.runs, self.local = program, step_key, runs, local
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         self._supervisor = None
-        if local._incoming:
+        if local.incoming:
             self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="flowjit-step")
             self._supervisor.start()
 
     def _supervise(self) -> None:
         ray = ray_support.ray()
         inbox = self.program.cluster._inbox
-        expected = set(self.local._incoming)
+        expected = set(self.local.incoming)
         pending = dict(self.runs)
         take = inbox.take.remote(self.step_key, 0.5) if expected else None
         try:
@@ -401,7 +401,7 @@ class _Step:
                 errors.append((task, e))
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        if self.program.cluster._inbox is not None and self.local._incoming:
+        if self.program.cluster._inbox is not None and self.local.incoming:
             self.program.cluster._inbox.discard.remote(self.step_key)
         if errors:
             roots = [(t, e) for t, e in errors if "cancelled" not in str(e)] or errors

@@ -29,7 +29,7 @@ from flowjit.runtime.tasks import TaskError, TaskStep, snapshot, task_name
 _FINISHED_KEPT = 4096  # finished step keys remembered, to drop their late messages
 
 
-class _Program:
+class _LoadedProgram:
     def __init__(self, task: str, partitions: dict, crossings: dict, target: str | None, peers: dict):
         self.indices = sorted(partitions)
         self.parts = [Partition(partitions[n][0], partitions[n][1], target) for n in self.indices]
@@ -50,7 +50,7 @@ class TaskActor:
         os.environ.update(environment)  # the driver's FLOWJIT_* settings (cache folder, timeouts)
         self.task = task
         self._lock = threading.Lock()
-        self._programs: dict[str, _Program] = {}
+        self._programs: dict[str, _LoadedProgram] = {}
         self._steps: dict[str, TaskStep] = {}
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.variables: dict[str, np.ndarray] = {}
@@ -82,7 +82,7 @@ class TaskActor:
         return getattr(target, method)(*args, **kwargs)
 
     def load(self, program_id: str, partitions: dict, crossings: dict, target: str | None, peers: dict) -> None:
-        program = _Program(self.task, partitions, crossings, target, peers)
+        program = _LoadedProgram(self.task, partitions, crossings, target, peers)
         with self._lock:
             self._programs[program_id] = program
 
@@ -146,7 +146,7 @@ class TaskActor:
         return {name: self.read_variable(name) for name in list(self.variables)}
 
     # --- steps ------------------------------------------------------------------------------------
-    def _program(self, program_id: str) -> _Program:
+    def _program(self, program_id: str) -> _LoadedProgram:
         with self._lock:
             program = self._programs.get(program_id)
         if program is None:

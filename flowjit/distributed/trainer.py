@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -101,8 +102,6 @@ class ParameterShard:
     """Some of the parameters, their optimizer state and the step count, on one PS task."""
 
     def __init__(self, params: dict[str, np.ndarray], optimizer, mode: str, compress: str | None):
-        import threading
-
         self.params = {k: np.array(v) for k, v in params.items()}
         self.optimizer = optimizer
         self.opt_state = optimizer.init(self.params)

@@ -40,6 +40,7 @@ __all__ = [
     "set_variable_home",
     "task_name",
     "variable_home",
+    "variable_homes",
 ]
 
 LOCAL_TASK = f"/job:{LOCAL_JOB}/task:0"
@@ -103,6 +104,11 @@ class TaskStep(Rendezvous):
             self._outbox.setdefault(task, {})[key] = staged
             self._flush_if_idle(waiting=len(self._blocked))
         return False
+
+    @property
+    def incoming(self) -> frozenset[str]:
+        """The keys this task's partitions receive from other tasks in this step."""
+        return frozenset(self._incoming)
 
     def deliver(self, batch: dict[str, np.ndarray]) -> None:
         """Values another task sent to this one in this step."""
@@ -239,6 +245,11 @@ def set_variable_home(name: str, home: VariableHome | None) -> None:
 def variable_home(name: str) -> VariableHome | None:
     """The home of variable `name` when it lives in another task, else None."""
     return _homes.get(name)
+
+
+def variable_homes() -> dict[str, VariableHome]:
+    """Every variable living in another task, by name (a copy)."""
+    return dict(_homes)
 
 
 class TaskError(FlowjitError):
