@@ -13,10 +13,10 @@ from flowjit.runtime.tasks import TaskError
 
 DEFAULT_TIMEOUT_S = 300.0
 
-# A local cluster stays on the loopback interface, without usage reports or a login token.
+# A local cluster stays on the loopback interface and sends no usage reports. Ray's token
+# authentication keeps its default (on for local clusters: Ray makes the token itself).
 LOCAL_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
 
