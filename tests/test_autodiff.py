@@ -3,6 +3,8 @@ autodiff pass, and the errors users can cause. Numerics of each op's rule are in
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -333,6 +335,58 @@ def test_grad_through_fori_loop_matches_finite_differences():
     first = interp(fj.grad(lambda w: _rnn(x, w, 4)))
     np.testing.assert_allclose(second, (first(w + 1e-5) - first(w - 1e-5)) / 2e-5, rtol=1e-6)
     assert interp(fj.grad(_rnn, argnums=1), static_argnums=2)(x, w, 0) == 0.0  # no iterations: w unused
+
+
+SEQ = RNG.uniform(-1, 1, (6, 2, 3))  # (T, B, D): the closed-over sequence of the loop tests below
+SEQ_W = RNG.uniform(-1, 1, (3, 3))
+
+
+def _seq_rnn(w, xs, whole_read):
+    def body(i, h):
+        step = xs[i] + 0.5 * xs[(i + 2) % xs.shape[0]]  # two rows of the invariant per iteration
+        if whole_read:
+            step = step + 0.1 * fnp.mean(xs, axis=0)  # and all of it: a dense cotangent every iteration
+        return fnp.tanh(step @ w + h)
+
+    return fnp.sum(fj.fori_loop(0, xs.shape[0], body, fnp.zeros(xs.shape[1:], xs.dtype)) ** 2)
+
+
+def _numeric_grad(f, x, eps=1e-6):
+    grad = np.zeros_like(x)
+    for k in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[k] = eps
+        grad[k] = (f(x + e) - f(x - e)) / (2 * eps)
+    return grad
+
+
+def _backward_loop_text(text: str) -> str:
+    return text[text.index("^body_vjp") :]
+
+
+@pytest.mark.parametrize("whole_read", [False, True], ids=["rows", "rows-and-whole"])
+@pytest.mark.parametrize("target", ["interpreter", "cpu"])
+def test_grad_of_fori_loop_reading_rows_of_a_closed_over_sequence(target, whole_read):
+    loss = fj.jit(lambda w, xs: _seq_rnn(w, xs, whole_read), target=target)
+    grad = fj.jit(fj.grad(lambda w, xs: _seq_rnn(w, xs, whole_read), argnums=(0, 1)), target=target)
+    gw, gxs = grad(SEQ_W, SEQ)
+    np.testing.assert_allclose(gw, _numeric_grad(lambda w: float(loss(w, SEQ)), SEQ_W), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(gxs, _numeric_grad(lambda xs: float(loss(SEQ_W, xs)), SEQ), rtol=1e-6, atol=1e-9)
+    backward = _backward_loop_text(grad.lower(SEQ_W, SEQ).as_text("optimized"))
+    # rows only: each iteration adds its rows into the carried cotangent of xs (scatter_add into the
+    # loop's parameter), never a dense (T, B, D) zeros + scatter_add + add; read whole, the dense add stays
+    dense_add = re.search(r"= add %\S+, %\S+ .*: tensor<6x2x3xf64>", backward)
+    assert (dense_add is not None) == whole_read
+    assert (re.search(r"= scatter_add %a\d+_\d+, ", backward) is not None) != whole_read
+
+
+def test_fori_loop_gradient_accumulates_rows_in_place_on_the_cpu():
+    # The carried (T, B, D) buffers (the forward loop's tape of h, the reverse loop's cotangent of xs) are
+    # updated in place: besides each loop's initial copy, no copy of a whole (T, ...) buffer per iteration.
+    grad = fj.jit(fj.grad(lambda w, xs: _seq_rnn(w, xs, False), argnums=(0, 1)))
+    mlir = grad.lower(SEQ_W, SEQ).as_text("mlir")
+    assert not re.search(r"linalg.copy ins\(%c\d+ : tensor<6x2x3xf64>\)", mlir)  # scatter_add's copy of its x
+    assert len(re.findall(r"alloc_tensor\(\) copy\(%\w+\) : tensor<6x2x3xf64>", mlir)) == 2  # one per loop
 
 
 def test_grad_through_fori_loop_with_traced_bounds_is_an_error():

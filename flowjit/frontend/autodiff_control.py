@@ -2,7 +2,8 @@
 
 cond   one cond over the two branches' VJP graphs
 for    (fori_loop) a forward loop that tapes the carry of every iteration (a `FORWARD_RULES` entry,
-       replacing the primal loop), then a reverse loop applying the body's VJP graph
+       replacing the primal loop), then a reverse loop applying the body's VJP graph; the rows an
+       iteration reads of an invariant (`xs[i]`) get their cotangent added into the carried sum
 while  an error naming fj.fori_loop: reverse mode needs the trip count while tracing
 """
 
@@ -16,7 +17,7 @@ from flowjit.errors import FlowjitTypeError, op_error
 from flowjit.frontend.autodiff import FORWARD_RULES, VJP_RULES, VJPSpec, emit_traced, replay, vjp_graph, zeros
 from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
-from flowjit.ir.graph import Graph, Op
+from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
 
 
@@ -94,6 +95,42 @@ def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants) -> li
     return emit_traced(trace, "for", operands, {"num_carry": 2 * num_carry}, op.loc, [taped], op.device)
 
 
+def _is_zeros(value: Value) -> bool:
+    """Whether `value` is `zeros(...)`: a zero scalar constant, broadcast or not."""
+    producer = value.producer
+    if producer is not None and producer.name == "broadcast":
+        producer = producer.operands[0].producer
+    return producer is not None and producer.name == "constant" and not np.any(producer.attrs["value"])
+
+
+def _row_updates(value: Value) -> list[Op] | None:
+    """The `scatter_add`s into zeros that sum to `value` (the VJP of `gather`: one per read of rows
+    of an invariant, summed by `add`s), or None when `value` is anything else (a dense cotangent)."""
+    producer = value.producer
+    if producer is None:
+        return None
+    if producer.name == "scatter_add" and _is_zeros(producer.operands[0]):
+        return [producer]
+    if producer.name != "add":
+        return None
+    lhs, rhs = (_row_updates(x) for x in producer.operands)
+    return None if lhs is None or rhs is None else lhs + rhs
+
+
+def _add_into(acc: Tracer, ct: Tracer) -> Tracer:
+    """acc + ct, for the running sum of an invariant's cotangent. When ct only has rows read by the
+    iteration (`scatter_add(zeros, idx, rows)`), the rows are added into acc in place of a dense
+    zeros + scatter_add + add: O(rows) work per iteration, not O(the whole invariant)."""
+    updates = _row_updates(ct.value)
+    if updates is None:
+        return acc + ct
+    trace = current_trace()
+    for op in updates:  # acc + scatter_add(0, idx, rows) -> scatter_add(acc, idx, rows)
+        idx, rows = (Tracer(x, trace) for x in op.operands[1:])
+        acc = bind("scatter_add", [acc, idx, rows], dict(op.attrs))
+    return acc
+
+
 def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, float_carry, float_inv) -> list[Tracer]:
     """A loop over i = hi-1 ... lo applying the body's VJP graph to the taped carry_i. It carries the
     float carries' cotangents and the running sum of the float invariants' cotangents; returns both."""
@@ -112,7 +149,7 @@ def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, floa
         rows = [bind("gather", [tape, _tape_position(i, lo)], {"axis": 0}) for tape in tapes_]
         xs = [bind("reshape", [row], {"shape": t.shape}) for row, t in zip(rows, carry_types)]
         grads = replay(current_trace(), body_vjp, [i, *xs, *inv, *ct_carry])
-        return [*grads[:nc], *(acc + g for acc, g in zip(ct_inv, grads[nc:]))]
+        return [*grads[:nc], *(_add_into(acc, g) for acc, g in zip(ct_inv, grads[nc:]))]
 
     ct_types = [carry_types[k] for k in float_carry] + [inv_types[m] for m in float_inv]
     tape_types = [t.value.type for t in tapes]

@@ -316,7 +316,9 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         # the gradient of reversed columns (`x[..., ::-1]`, `flip`): the updates' columns reversed
         # (an update of -0.0 stays -0.0, as in JAX)
         return [_reversed_columns(em, updates, upd, dim, dim - 1)]
-    if splat is not None and source.size > 0:  # zeros (a gather's gradient): filled, not copied
+    if op in em.updated_in_place:  # a loop's carried buffer (`lower_control.in_place_updates`)
+        copy = x
+    elif splat is not None and source.size > 0:  # zeros (a gather's gradient): filled, not copied
         copy = filled(em, splat, source, memory_elem_type(source.dtype))
     else:
         copy = copy_tensor(em, x, source)

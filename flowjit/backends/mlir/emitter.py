@@ -34,6 +34,7 @@ from flowjit.ir.types import TensorType
 
 if TYPE_CHECKING:
     from flowjit.backends.mlir.target import Target
+    from flowjit.ir.graph import Op
 
 # flowjit dtype -> MLIR element type. bool is i1 in registers and i8 in memory (numpy's layout);
 # loads/stores of bool buffers go through `memory_elem_type`.
@@ -136,6 +137,9 @@ class KernelEmitter:
         self.globals: list[str] = []
         # Tensors that are `arith.constant` literals (`literal`): strided inserts copy them first.
         self.literals: set[str] = set()
+        # scatter_add ops that update a loop's carried buffer in place (`lower_control.in_place_updates`):
+        # their lowering writes into their operand x instead of a copy of it.
+        self.updated_in_place: set[Op] = set()
         # The large constants of a control-flow op's regions, as tensors emitted before the op
         # (`lower_control._large_constants`): `lower_region` starts from these.
         self.region_values: dict = {}

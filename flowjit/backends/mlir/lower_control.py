@@ -17,11 +17,13 @@ A target adds these lowerings to its table with `register`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from flowjit.backends.mlir.emitter import KernelEmitter, tensor_type
 from flowjit.backends.mlir.lowering import INLINE_CONSTANT_ELEMENTS, bool_from_bytes, bool_to_bytes, dense_literal
 from flowjit.backends.mlir.target import LoweringTable, no_lowering_error
 from flowjit.errors import CompileError
-from flowjit.ir.graph import Graph, Op
+from flowjit.ir.graph import Graph, Op, Value
 
 CONTROL_OPS = ("cond", "for", "while")
 
@@ -87,33 +89,63 @@ def _scalar(em: KernelEmitter, tensor: str, elem: str) -> str:
 
 
 def _yield(
-    em: KernelEmitter, values: list[str], region: Graph, into: list[str] | None = None, copy: bool = False
+    em: KernelEmitter,
+    values: list[str],
+    region: Graph,
+    into: list[str] | None = None,
+    copy: bool = False,
+    in_place: Collection[int] = (),
 ) -> None:
     """`scf.yield` the region's results. In loops (`into` = the loop's carried block arguments), each
     value is first written into its carried buffer, so the loop updates its state in place: no
     allocation escapes an iteration, which keeps buffer deallocation static (its dynamic ownership
     flags are i1 memrefs, which MLIR 22 cannot lower). With `copy` (the body has tiled kernels), each
     value goes through a copy first: a tiled kernel writing its result into the carried buffer it
-    is still reading is a read-after-write conflict that bufferization rejects."""
+    is still reading is a read-after-write conflict that bufferization rejects. The values at the
+    positions `in_place` (`in_place_updates`) were written into their carried buffers already and
+    are yielded as they are."""
     if not values:
         em.line("scf.yield")
         return
     carried = [_to_carrier(em, t, v) for t, v in zip(values, region.results)]
     if into is not None:
         types = [_carrier_type(v) for v in region.results]
-        if copy:
-            carried = [em.op(f"bufferization.alloc_tensor() copy({c}) : {t}") for c, t in zip(carried, types)]
         carried = [
-            em.op(f"bufferization.materialize_in_destination {c} in {d} : ({t}, {t}) -> {t}")
-            for c, d, t in zip(carried, into, types)
+            c if k in in_place else _into_carried(em, c, d, t, copy)
+            for k, (c, d, t) in enumerate(zip(carried, into, types))
         ]
     em.line(f"scf.yield {', '.join(carried)} : {_types(region.results)}")
+
+
+def _into_carried(em: KernelEmitter, value: str, carried: str, ttype: str, copy: bool) -> str:
+    if copy:
+        value = em.op(f"bufferization.alloc_tensor() copy({value}) : {ttype}")
+    return em.op(f"bufferization.materialize_in_destination {value} in {carried} : ({ttype}, {ttype}) -> {ttype}")
 
 
 def _writable_copies(em: KernelEmitter, tensors: list[str], values) -> list[str]:
     """The loop's initial carried values in fresh buffers: the loop updates them in place, and an
     initial value may be a read-only function input (bufferization would refuse the write)."""
     return [em.op(f"bufferization.alloc_tensor() copy({t}) : {_carrier_type(v)}") for t, v in zip(tensors, values)]
+
+
+def in_place_updates(body: Graph, num_carry: int) -> dict[int, list[Op]]:
+    """The `for` body's carries updated in place, by carry index: carry k whose result is a chain of
+    scatter_adds starting from its own parameter, each link read by nothing else (a tape row, or
+    rows of a gradient accumulated into a (T, ...) buffer). Their scatter_adds write into the
+    carried buffer itself, so an iteration costs O(rows), not a copy of the whole carry."""
+    reads: dict[Value, int] = {}
+    for value in [*(x for op in body.ops for x in op.operands), *body.results]:
+        reads[value] = reads.get(value, 0) + 1
+    chains = {}
+    for k in range(num_carry):
+        value, chain = body.results[k], []
+        while value.producer is not None and value.producer.name == "scatter_add" and reads[value] == 1:
+            chain.append(value.producer)
+            value = value.producer.operands[0]
+        if chain and value is body.params[1 + k] and reads.get(value) == 1 and not value.dtype.is_bool:
+            chains[k] = chain
+    return chains
 
 
 def _unpack(em: KernelEmitter, names: list[str], values) -> list[str]:
@@ -159,11 +191,13 @@ def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     index_scalar = em.op(f"arith.index_cast {iv} : index to {elem}")
     index_tensor = em.op(f"tensor.from_elements {index_scalar} : tensor<{elem}>")
     scheduled = len(em.schedules)
+    in_place = in_place_updates(body, num_carry)
+    em.updated_in_place.update(x for chain in in_place.values() for x in chain)
     em.loops += 1
     outs = lower_region(em, body, [index_tensor, *_unpack(em, carried, op.results), *invariants])
     em.loops -= 1
     if carry:
-        _yield(em, outs, body, into=carried, copy=len(em.schedules) > scheduled)
+        _yield(em, outs, body, into=carried, copy=len(em.schedules) > scheduled, in_place=in_place)
     em.line("}")
     return _unpack(em, names, op.results) if carry else []
 
