@@ -340,6 +340,18 @@ def test_a_step_fails_clearly_when_its_task_dies(cluster):
     assert time.monotonic() - started < 60
 
 
+def _scaled_on_a_worker(x):
+    with fj.device("/job:worker/task:0"):
+        return x * 3.0
+
+
+def test_a_function_compiled_for_a_stopped_cluster_runs_on_the_next_one():
+    x = np.ones(4, np.float32)
+    for _ in range(2):  # jit wrappers of one function share their compiled code
+        with fd.Cluster({"worker": 1}):
+            np.testing.assert_array_equal(fj.jit(_scaled_on_a_worker)(x), 3 * x)
+
+
 def test_leaving_the_cluster_leaves_no_process_behind():
     with fd.Cluster({"worker": 1}) as small:  # joins the module's Ray when it runs, else starts one
         pids = [pid for _, pid in small.where().values()]

@@ -231,10 +231,7 @@ class Cluster:
     def actor(self, task: str):
         """The Ray actor of `task` ('/job:ps/task:0')."""
         if not self.running:
-            raise TaskError(
-                f"the cluster {self.spec} is not running (it was shut down): start a new one, and call "
-                "clear_cache() on jitted functions compiled for this one"
-            )
+            raise TaskError(f"the cluster {self.spec} is not running (it was shut down): start a new one")
         actor = self._actors.get(task)
         if actor is None:
             raise FlowjitValueError(f"no task {task} in the cluster {self.spec}; its tasks are {', '.join(self.tasks)}")
@@ -300,6 +297,9 @@ class _ClusterProgram:
 
     def new_step_key(self) -> str:
         return f"{self.program_id}:{next(self._steps)}"
+
+    def usable(self) -> bool:
+        return self.cluster.running
 
     @staticmethod
     def stage(address: int, nbytes: int):

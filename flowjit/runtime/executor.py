@@ -144,7 +144,8 @@ class PartitionedExecutable(Executable):
             cut = crossings(plan)
             self.outgoing = {k: task_name(dst) for k, (src, dst) in cut.items() if is_local(src)}
             self.incoming = {k for k, (src, dst) in cut.items() if is_local(dst)}
-            self.remote = remote_runner([p.device for p in plan.partitions]).load(remote, cut, target)
+            self._load_remote = functools.partial(self._load, remote, cut, target)
+            self.remote = self._load_remote()
         names = ", ".join(short_device_name(p.device) for p in plan.partitions)
         inner = sorted({p.executable.backend for p in self.parts} | ({"remote tasks"} if remote else set()))
         self.backend = f"{len(plan.partitions)} partitions on {names}, each {' / '.join(inner)}"
@@ -167,7 +168,12 @@ class PartitionedExecutable(Executable):
             for source in self.plan.result_sources
         ]
 
+    def _load(self, remote: dict, cut: dict, target: str | None):
+        return remote_runner([p.device for p in self.plan.partitions]).load(remote, cut, target)
+
     def _run_across_tasks(self, args, variables) -> dict[int, list[np.ndarray]]:
+        if not self.remote.usable():  # its cluster stopped: load the partitions into the running one
+            self.remote = self._load_remote()
         step_key = self.remote.new_step_key()
         rendezvous = TaskStep(
             step_key,

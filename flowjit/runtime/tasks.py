@@ -169,6 +169,9 @@ class RemoteProgram(Protocol):
     def new_step_key(self) -> str:
         """A key naming one new step on every task."""
 
+    def usable(self) -> bool:
+        """False once the tasks it was loaded into are gone (its cluster stopped)."""
+
     def post(self, step_key: str, task: str, batch: dict[str, object]) -> None:
         """Send values of this process's partitions to `task` (one message)."""
 
