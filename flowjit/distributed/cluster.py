@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -131,7 +132,7 @@ class Cluster:
         return self
 
     def _start_actors(self, ray) -> None:
-        available = ray.available_resources().get("CPU", 0.0)
+        available = _free_cpus(ray, at_least=0.01 * len(self.tasks) if self.cpus_per_task is None else 0.0)
         share = self.cpus_per_task if self.cpus_per_task is not None else min(1.0, available / len(self.tasks))
         share = math.floor(share * 100) / 100  # rounded down: the bundles must fit
         if share < 0.01:
@@ -178,12 +179,7 @@ class Cluster:
                     except Exception:  # noqa: BLE001 (an actor already gone is fine)
                         pass
             if self._placement_group is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                try:
-                    remove_placement_group(self._placement_group)
-                except Exception:  # noqa: BLE001
-                    pass
+                _remove_placement_group(self._placement_group)
         self._actors.clear()
         self._inbox = self._placement_group = None
         if self._owns_ray and ray.is_initialized():
@@ -240,6 +236,31 @@ class Cluster:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"Cluster({self.spec}, {state})"
+
+
+def _free_cpus(ray, at_least: float, wait_s: float = 10.0) -> float:
+    """The CPUs Ray has free, waiting (bounded) for `at_least` of them: resources a stopped
+    cluster gave back reach Ray's accounting a moment later."""
+    deadline = time.monotonic() + wait_s
+    free = ray.available_resources().get("CPU", 0.0)
+    while free < at_least and time.monotonic() < deadline:
+        time.sleep(0.1)
+        free = ray.available_resources().get("CPU", 0.0)
+    return free
+
+
+def _remove_placement_group(group, timeout_s: float = 10.0) -> None:
+    """Remove `group` and wait (bounded) until Ray has taken it back, so its CPUs are free for the
+    next cluster when this call returns."""
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    try:
+        remove_placement_group(group)
+        deadline = time.monotonic() + timeout_s
+        while placement_group_table(group).get("state") != "REMOVED" and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 (a group already gone is fine)
+        pass
 
 
 def _job_task(task: str) -> tuple[str, int]:
