@@ -45,7 +45,7 @@ class GpuModule:
         """Stage 'ptx': every kernel's PTX under a header naming its members."""
         parts = []
         for k in self.kernels:
-            members = ", ".join(k.members) or "<unknown>"
+            members = ", ".join(k.members) or "<no op's line: a copy or fill that bufferization added>"
             parts.append(f"// ---- kernel {k.name}: {members}\n{k.ptx}")
         return "\n".join(parts)
 
@@ -113,12 +113,13 @@ def generate_mlir(graph: Graph) -> MlirModule:
 
 
 # Ops the host function may keep once every loop nest became a kernel: launches, constants, index
-# arithmetic, buffer allocation and views. Any other (a load, a store, a copy, a loop) would touch
+# arithmetic, buffer allocation and views, and serial loops around launches (a reduction over
+# outer axes launches its inner parallel loop once per step). Any other (a load, a store, a copy, a loop) would touch
 # device memory from the host.
 _HOST_OPS = re.compile(
     r"^(gpu\.launch_func|gpu\.module|gpu\.binary|arith\.\w+|func\.\w+|builtin\.module|memref\.(alloc|dealloc|"
     r"collapse_shape|expand_shape|subview|reinterpret_cast|cast|view|extract_strided_metadata)|"
-    r"affine\.apply|ub\.poison)$"
+    r"affine\.apply|ub\.poison|scf\.for|scf\.yield)$"
 )
 
 

@@ -28,6 +28,7 @@ from flowjit.backends.mlir import (
 )
 from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.backends.mlir.lower_elementwise import map_elementwise, reshape_tensor
+from flowjit.backends.mlir.lowering import splat_value
 from flowjit.backends.mlir.target import MathLibrary, Target, no_lowering_error
 from flowjit.errors import CompileError, op_error
 from flowjit.ir import dtypes as dt
@@ -74,6 +75,12 @@ lower_reduction.register(GPU.lowerings)
 lower_layout.register(GPU.lowerings)
 lower_movement.register(GPU.lowerings)
 
+# Ops that read a value on the host (a dynamic index, a loop's predicate) or write code the GPU
+# runtime must handle first: refused until it exists.
+NOT_YET = {
+    "dynamic_slice": "reads its start indices on the host",
+}
+
 # Float64 math that the shared library writes as `math.*` ops (libm calls on the CPU), which would
 # be unresolved libdevice calls (`__nv_sin`) in PTX: op name -> the dtypes it is refused for.
 UNSUPPORTED_MATH = {name: (dt.float64,) for name in ("sin", "cos", "tan", "erf", "atan2", "pow", "arctan2", "power")}
@@ -83,8 +90,20 @@ def check_graph(graph: Graph) -> None:
     """Fail before lowering on the first op (fused bodies included) the GPU cannot compile yet,
     naming it and its line."""
     for op in graph.walk():
+        if op.name == "constant" and splat_value(op.result) is None and op.result.type.size > 1:
+            raise op_error(
+                CompileError,
+                op.loc,
+                op.name,
+                "of several values is not supported on target 'cuda' yet (it would be a host global the "
+                "kernels cannot read); only constants of one value are",
+            )
         if op.name in ("constant", "fusion"):
             continue
+        if op.name in NOT_YET:
+            raise op_error(
+                CompileError, op.loc, op.name, f"is not supported on target 'cuda' yet: it {NOT_YET[op.name]}"
+            )
         if not GPU.lowerings.has(op.name):
             raise no_lowering_error(op, GPU.name)
         refused = UNSUPPORTED_MATH.get(op.name, ())
@@ -118,22 +137,56 @@ def partial_rows(n: int) -> int:
 @GPU.lowerings.lowering("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """A reduction to one element in two kernels (x as (P, n / P) rows -> P partials -> (1, P) ->
-    1); any other by the shared lowering (rows and columns have a parallel dimension)."""
+    1), or one of a single row when x has at most one element; any other by the shared lowering
+    (rows and columns have a parallel dimension)."""
     (x,) = op.operands
     source, result = x.type, op.result.type
-    if result.size != 1 or source.size <= 1 or not op.attrs["axes"]:
+    if result.size != 1 or not op.attrs["axes"]:
         return lower_reduction.lower_reduce(em, op, operands)
     kind = op.name.removeprefix("reduce_")
     acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
-    rows = partial_rows(source.size)
-    grid = source.with_shape((rows, source.size // rows))
-    partials = TensorType((rows,), acc_dtype)
-    acc = lower_reduction._reduce(em, kind, reshape_tensor(em, operands[0], source, grid), grid, [1], partials)
-    one_row = TensorType((1, rows), acc_dtype)
     total_type = TensorType((1,), acc_dtype)
-    total = lower_reduction._reduce(em, kind, reshape_tensor(em, acc, partials, one_row), one_row, [1], total_type)
+    if source.size <= 1:  # one row of at most one element (an empty one: the identity)
+        row = source.with_shape((1, source.size))
+        total = lower_reduction._reduce(em, kind, reshape_tensor(em, operands[0], source, row), row, [1], total_type)
+    else:
+        rows = partial_rows(source.size)
+        grid = source.with_shape((rows, source.size // rows))
+        partials = TensorType((rows,), acc_dtype)
+        acc = lower_reduction._reduce(em, kind, reshape_tensor(em, operands[0], source, grid), grid, [1], partials)
+        one_row = TensorType((1, rows), acc_dtype)
+        acc = reshape_tensor(em, acc, partials, one_row)
+        total = lower_reduction._reduce(em, kind, acc, one_row, [1], total_type)
     if acc_dtype != result.dtype:
         total = map_elementwise(
             em, total_type.with_dtype(result.dtype), [(total, Value(total_type))], lambda b, v: v[0]
         )
     return [reshape_tensor(em, total, total_type.with_dtype(result.dtype), result)]
+
+
+def scalars_as_vectors(fn):
+    """A tensor lowering that computes an op of rank-0 operands and results on tensors of one
+    element: a kernel of rank 0 has no parallel loop to map to a thread, and would run on the host."""
+
+    def lower(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        if op.regions or not op.results or any(v.type.rank for v in (*op.operands, *op.results)):
+            return fn(em, op, operands)
+        vectors, tensors = [], []
+        for v, x in zip(op.operands, operands):
+            if splat_value(v) is not None:  # a constant the lowering writes into the kernel's body
+                vectors.append(v)
+                tensors.append(x)
+                continue
+            vectors.append(Value(v.type.with_shape((1,))))
+            tensors.append(reshape_tensor(em, x, v.type, vectors[-1].type))
+        results = [r.type.with_shape((1,)) for r in op.results]
+        promoted = Op(op.name, vectors, results, op.attrs, op.loc, op.device)
+        outs = fn(em, promoted, tensors)
+        return [reshape_tensor(em, x, t, r.type) for x, t, r in zip(outs, results, op.results)]
+
+    return lower
+
+
+for _name, _fn in list(GPU.lowerings.tensor.items()):
+    if _name != "fusion":
+        GPU.lowerings.tensor[_name] = scalars_as_vectors(_fn)
