@@ -29,7 +29,7 @@ from flowjit.backends.mlir import (
 from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.backends.mlir.lower_elementwise import map_elementwise, reshape_tensor
 from flowjit.backends.mlir.lowering import splat_value
-from flowjit.backends.mlir.target import MathLibrary, Target, no_lowering_error
+from flowjit.backends.mlir.target import MathLibrary, Target
 from flowjit.errors import CompileError, op_error
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
@@ -105,7 +105,13 @@ def check_graph(graph: Graph) -> None:
                 CompileError, op.loc, op.name, f"is not supported on target 'cuda' yet: it {NOT_YET[op.name]}"
             )
         if not GPU.lowerings.has(op.name):
-            raise no_lowering_error(op, GPU.name)
+            raise op_error(
+                CompileError,
+                op.loc,
+                op.name,
+                "has no lowering for target 'cuda' yet (docs/gpu-backend.md lists what lowers); "
+                "use target='cpu' for this function",
+            )
         refused = UNSUPPORTED_MATH.get(op.name, ())
         if any(v.type.dtype in refused for v in (*op.operands, *op.results)):
             raise op_error(
