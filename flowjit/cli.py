@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 import flowjit
-from flowjit.backends import default_target
+from flowjit.backends import default_target, get_backend
 from flowjit.errors import FlowjitError
 from flowjit.ir import dtypes as dt
 
@@ -151,7 +151,16 @@ def _add_dump(sub) -> None:
     p.add_argument(
         "--stage",
         default="optimized",
-        help="traced, optimized, placement, a backend stage (mlir, llvm, asm, ...) or all (default: optimized)",
+        help="traced, optimized, placement, a backend stage (mlir, llvm, asm, ...; ptx with a cuda target) or all "
+        "(default: optimized)",
+    )
+    p.add_argument(
+        "--target",
+        dest="backend",
+        default=None,
+        metavar="TARGET",
+        help="the backend to compile with: cpu, interpreter, cuda (PTX for sm_80, no GPU needed), cuda-sm_90, ... "
+        "(default: the function's own, else each device's)",
     )
 
 
@@ -162,7 +171,7 @@ def _run_dump(args) -> int:
     path, fn_name = _split_target(args.target)
     fn = _load_function(path, fn_name)
     positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
-    jitted = _jit_with_statics(fn, tuple(statics))
+    jitted = _jit_with_statics(fn, tuple(statics), args.backend)
     lowered = _trace(path, fn_name, lambda: jitted.lower(*positional, **keywords))
     stages = [args.stage]
     if args.stage not in ("traced", "optimized"):
@@ -185,17 +194,20 @@ def _run_dump(args) -> int:
     return 0
 
 
-def _jit_with_statics(fn, static_names: tuple[str, ...]) -> flowjit.Jitted:
-    """`fn` under jit with `static_names` static; a function already under `@jit` keeps its options."""
+def _jit_with_statics(fn, static_names: tuple[str, ...], target: str | None = None) -> flowjit.Jitted:
+    """`fn` under jit with `static_names` static; a function already under `@jit` keeps its options
+    (its target too, unless `target` names one)."""
+    if target is not None:
+        get_backend(target)  # an unknown target fails here, naming the known ones
     if not isinstance(fn, flowjit.Jitted):
-        return flowjit.jit(fn, static_argnames=static_names)
+        return flowjit.jit(fn, static_argnames=static_names, target=target)
     return flowjit.jit(
         fn.fun,
         static_argnums=fn.static_argnums,
         static_argnames=tuple(dict.fromkeys(fn.static_argnames + static_names)),
         device=fn.device,
         donate_argnums=fn.donate_argnums,
-        target=fn.target,
+        target=target or fn.target,
         donate_argnames=fn.donate_argnames,
     )
 

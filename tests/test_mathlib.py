@@ -1,4 +1,4 @@
-"""The vectorizable math library (flowjit/backends/cpu/mathlib.py) against numpy float64.
+"""The vectorizable math library (flowjit/backends/mlir/mathlib.py) against numpy float64.
 
 Each function is compiled once into a kernel over a large array (a `linalg.generic` whose body is
 the emitter's scalar code, through the production pipelines) and checked on a sweep of float32 bit
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from flowjit.backends.cpu import ldexp, pipeline, toolchain
-from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY, truncate_to_bf16
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder
+from flowjit.backends.mlir.mathlib import MATH, MATH_BINARY, truncate_to_bf16
 
 _MLIR_ELEM = {np.float16: "f16", ml_dtypes.bfloat16: "bf16", np.float32: "f32", np.float64: "f64"}
 _erf = np.vectorize(math.erf, otypes=[np.float64])

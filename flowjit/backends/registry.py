@@ -1,7 +1,8 @@
 """Which backend serves which target name and device type.
 
-    BACKENDS            target name -> Backend ('cpu', 'interpreter', and any registered one)
-    DEVICE_BACKENDS     device type -> target name ('cpu' -> 'cpu')
+    BACKENDS            target name -> Backend ('cpu', 'interpreter', 'cuda' and 'cuda-<chip>'
+                        (compile-only: PTX), and any registered one)
+    DEVICE_BACKENDS     device type -> target name ('cpu' -> 'cpu', 'gpu' -> 'cuda')
 
 `fj.jit(f, target=...)` names a backend for every partition; by default each partition is compiled
 by the backend of its device's type (`backend_for_device`). A new backend registers itself with the
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 from flowjit.backends.base import Backend, Executable
 from flowjit.backends.cpu.backend import CpuBackend
+from flowjit.backends.gpu import backend as gpu_backend
 from flowjit.backends.interpreter import InterpreterBackend
 from flowjit.errors import FlowjitValueError
 from flowjit.ir.devices import DeviceSpec, register_device_type
 from flowjit.ir.graph import Graph
 
-BACKENDS: dict[str, Backend] = {"interpreter": InterpreterBackend(), "cpu": CpuBackend()}
-DEVICE_BACKENDS: dict[str, str] = {"cpu": "cpu"}
+BACKENDS: dict[str, Backend] = {"interpreter": InterpreterBackend(), "cpu": CpuBackend(), **gpu_backend.BACKENDS}
+DEVICE_BACKENDS: dict[str, str] = {"cpu": "cpu", "gpu": "cuda"}
 
 
 def register_backend(backend: Backend, device_types: tuple[str, ...] = ()) -> None:
@@ -35,7 +37,7 @@ def register_backend(backend: Backend, device_types: tuple[str, ...] = ()) -> No
 
 def unregister_backend(name: str) -> None:
     """Remove a registered backend and the device types it served (the built-in ones stay)."""
-    if name in ("cpu", "interpreter"):
+    if name in ("cpu", "interpreter") or name in gpu_backend.BACKENDS:
         raise FlowjitValueError(f"the built-in backend '{name}' cannot be removed")
     BACKENDS.pop(name, None)
     for device_type in [t for t, n in DEVICE_BACKENDS.items() if n == name]:

@@ -9,7 +9,6 @@ generic from them, for `lower_fusion`'s generics and for a contraction's epilogu
 
 from __future__ import annotations
 
-from flowjit.backends.cpu.mathlib import MATH, MATH_BINARY
 from flowjit.backends.mlir.emitter import ScalarBuilder, elem_type
 from flowjit.backends.mlir.lower_elementwise import (
     _BINARY,
@@ -27,6 +26,7 @@ from flowjit.backends.mlir.lower_elementwise import (
 )
 from flowjit.backends.mlir.lower_reduction import _COMBINE
 from flowjit.backends.mlir.lowering import splat_value
+from flowjit.backends.mlir.mathlib import MATH, MATH_BINARY
 from flowjit.ir.graph import Op, Value
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 
-TAG = "fj.ldexp"
+from flowjit.backends.mlir.mathlib import LDEXP_TAG as TAG
 
 
 @functools.cache

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import library, mathlib, matmul_kernel, schedule
+from flowjit.backends.cpu import library, matmul_kernel, schedule
 from flowjit.backends.cpu.library import Writer
+from flowjit.backends.mlir import mathlib
 from flowjit.backends.mlir.emitter import scalar_literal
 from flowjit.ir import dtypes as dt
 from flowjit.ir.composites import COMPOSITES, EPS_MARKER, composite_graph

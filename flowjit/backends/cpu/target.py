@@ -9,8 +9,15 @@ parts of `CPU.lowerings`.
 
 from __future__ import annotations
 
-from flowjit.backends.cpu import mathlib, nontemporal, schedule
-from flowjit.backends.mlir import lower_control, lower_elementwise, lower_layout, lower_movement, lower_reduction
+from flowjit.backends.cpu import nontemporal, schedule
+from flowjit.backends.mlir import (
+    lower_control,
+    lower_elementwise,
+    lower_layout,
+    lower_movement,
+    lower_reduction,
+    mathlib,
+)
 from flowjit.backends.mlir.target import MathLibrary, Target
 
 

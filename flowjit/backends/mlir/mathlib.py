@@ -1,4 +1,5 @@
-"""Vectorizable math functions for the CPU backend, emitted as scalar MLIR in `linalg.generic` bodies.
+"""Vectorizable math functions, emitted as scalar MLIR in `linalg.generic` bodies (the CPU's and the
+GPU's `MathLibrary`: they make no calls, so PTX has no unresolved externals either).
 
 MLIR 22 lowers `math.exp`, `math.tanh`, ... to LLVM intrinsics that the x86 backend scalarizes into
 libm calls (`expf`, `tanhf`: up to 30x slower than vector code, see TOOLCHAIN.md §1). For float32 we
@@ -97,8 +98,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from flowjit.backends.cpu import ldexp
 from flowjit.backends.mlir.emitter import ScalarBuilder
+
+# The attribute marking exp's power-of-two factors, which the CPU rewrites into `vscalef` on AVX-512
+# hosts (`backends/cpu/ldexp.py`); other targets ignore it.
+LDEXP_TAG = "fj.ldexp"
 
 _INT = {"f32": "i32", "f64": "i64"}
 # (exponent bias, mantissa bits) of the binary formats
@@ -381,7 +385,7 @@ def _to_int_exponent(m: _Arith, n: str) -> str:
 def _scaled(m: _Arith, y: str, power: str) -> str:
     """y * power, the second of exp's two power-of-two factors of 2^n, tagged for `ldexp.rewrite`
     (one `vscalef` on AVX-512 once vectorized)."""
-    return m.b.op(f"arith.mulf {y}, {power} {{{ldexp.TAG} = 2 : i64}} : {m.t}")
+    return m.b.op(f"arith.mulf {y}, {power} {{{LDEXP_TAG} = 2 : i64}} : {m.t}")
 
 
 def _power_of_two(m: _Arith, n: str) -> str:
@@ -390,7 +394,7 @@ def _power_of_two(m: _Arith, n: str) -> str:
     guard's compare and select, the conversion, the addition and the shift."""
     bias, mantissa_bits = _FORMAT[m.t]
     exponent = m.iop("shli", m.iop("addi", _to_int_exponent(m, n), m.ci(bias)), m.ci(mantissa_bits))
-    return m.b.op(f"arith.bitcast {exponent} {{{ldexp.TAG} = 0 : i64}} : {m.it} to {m.t}")
+    return m.b.op(f"arith.bitcast {exponent} {{{LDEXP_TAG} = 0 : i64}} : {m.it} to {m.t}")
 
 
 def _log_core_f32(m: _Arith, x: str) -> str:

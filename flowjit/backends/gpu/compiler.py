@@ -1,0 +1,229 @@
+"""The GPU compiler driver: optimized flowjit graph -> one PTX text per kernel.
+
+The stages and their passes are one table in `pipeline.py`. The texts this driver keeps are the
+stages "mlir" (the lowering), "gpu-mlir" (after "gpu-kernels": host code launching outlined
+`gpu.func` kernels) and "ptx" (each kernel's PTX under a header naming the `file:line` of the
+ops it computes).
+
+Where each kernel comes from: every line the GPU's lowerings write carries the MLIR location of
+the flowjit op it lowers (`located`), which MLIR keeps through fusion, bufferization and
+outlining; the kernel's header lists the locations of the ops inside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
+from flowjit.backends.gpu.target import GPU, check_graph
+from flowjit.backends.mlir import pipeline as mlir_pipeline
+from flowjit.backends.mlir.lowering import MlirModule, lower_graph
+from flowjit.errors import CompileError
+from flowjit.ir.graph import Graph, Op
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One outlined kernel: its symbol, the `file:line`s of the ops it computes, and its PTX."""
+
+    name: str
+    members: tuple[str, ...]
+    ptx: str
+
+
+@dataclass(frozen=True)
+class GpuModule:
+    """What compiling a graph for the GPU produced: the stage texts and the kernels."""
+
+    mlir: MlirModule
+    gpu_mlir: str
+    kernels: tuple[Kernel, ...]
+
+    def ptx_text(self) -> str:
+        """Stage 'ptx': every kernel's PTX under a header naming its members."""
+        parts = []
+        for k in self.kernels:
+            members = ", ".join(k.members) or "<no op's line: a copy or fill that bufferization added>"
+            parts.append(f"// ---- kernel {k.name}: {members}\n{k.ptx}")
+        return "\n".join(parts)
+
+
+# --- locations ---------------------------------------------------------------------------------
+
+_SINGLE_LINE_OP = re.compile(r"^\s*(%\S+ = |linalg\.yield |bufferization\.materialize_in_destination )[^{]*$")
+_REGION_END = re.compile(r"^\s*\} -> ")
+
+
+def _mlir_location(op: Op) -> str:
+    file = op.loc.file.replace("\\", "\\\\").replace('"', '\\"')
+    return f'loc("{file}":{op.loc.line}:0)' if op.loc.file else ""
+
+
+def located(fn):
+    """A tensor lowering whose emitted ops carry `op`'s location (those an inner lowering located
+    already keep theirs: a fused body's ops name their own lines)."""
+
+    @functools.wraps(fn)
+    def lower(em, op, operands):
+        start = len(em.body)
+        results = fn(em, op, operands)
+        loc = _mlir_location(op)
+        if loc:
+            for i in range(start, len(em.body)):
+                line = em.body[i]
+                if "loc(" not in line and "//" not in line and (_SINGLE_LINE_OP.match(line) or _REGION_END.match(line)):
+                    em.body[i] = f"{line} {loc}"
+        return results
+
+    return lower
+
+
+for _name, _fn in list(GPU.lowerings.tensor.items()):
+    GPU.lowerings.tensor[_name] = located(_fn)
+
+_FILE_LINE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):\d+')
+
+
+def _members(kernel_module) -> tuple[str, ...]:
+    """The `file:line`s of the ops in a `gpu.module`, in order of first appearance."""
+    from mlir import ir
+
+    seen: dict[str, None] = {}
+
+    def visit(op):
+        for file, line in _FILE_LINE.findall(str(op.location)):
+            if file == "-":  # where the parser read an op the lowering gave no location (`copies_as_kernels`)
+                continue
+            seen.setdefault(f"{file}:{line}", None)
+        return ir.WalkResult.ADVANCE
+
+    kernel_module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return tuple(seen)
+
+
+# --- stages ------------------------------------------------------------------------------------
+
+
+def generate_mlir(graph: Graph) -> MlirModule:
+    """Stage 'mlir': the graph on tensors with the GPU's lowerings, after `check_graph`."""
+    check_graph(graph)
+    return lower_graph(graph, GPU)
+
+
+# Ops the host function may keep once every loop nest became a kernel: launches, constants, index
+# arithmetic, buffer allocation and views, and serial loops around launches (a reduction over
+# outer axes launches its inner parallel loop once per step). Any other (a load, a store, a copy, a loop) would touch
+# device memory from the host.
+_HOST_OPS = re.compile(
+    r"^(gpu\.launch_func|gpu\.module|gpu\.binary|arith\.\w+|func\.\w+|builtin\.module|memref\.(alloc|dealloc|"
+    r"collapse_shape|expand_shape|subview|reinterpret_cast|cast|view|extract_strided_metadata)|"
+    r"affine\.apply|ub\.poison|scf\.for|scf\.yield)$"
+)
+
+
+def _host_leftovers(module) -> list[str]:
+    """Ops outside the kernels that would run on the host on device buffers."""
+    from mlir import ir
+
+    found: dict[str, None] = {}
+
+    def visit(op):
+        name = op.name
+        if name == "gpu.module":
+            return ir.WalkResult.SKIP
+        if not _HOST_OPS.match(name):
+            found.setdefault(f"{name} at {op.location}", None)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return list(found)
+
+
+_MEMREF_COPY = re.compile(r"^(\s*)memref\.copy (\S+), (\S+) : (.+?) to (.+?)( loc\([^()]*\))?$", re.MULTILINE)
+_SCALAR_MEMREF = re.compile(r"^memref<([a-z]+\d*)>$")
+
+
+def copies_as_kernels(bufferized: str) -> str:
+    """Bufferized MLIR text (with locations) with each `memref.copy` written as a `linalg.copy`,
+    which becomes a kernel; a copy of one element (rank 0) through views of rank 1, since a copy
+    with no parallel dimension would stay on the host."""
+    count = 0
+
+    def rewrite(m: re.Match) -> str:
+        nonlocal count
+        indent, source, dest, source_type, dest_type, loc = m.groups()
+        loc = loc or ""
+        scalar = _SCALAR_MEMREF.match(source_type)
+        if scalar is None or _SCALAR_MEMREF.match(dest_type) is None:
+            return f"{indent}linalg.copy ins({source} : {source_type}) outs({dest} : {dest_type}){loc}"
+        count += 1
+        one = f"memref<1x{scalar.group(1)}>"
+        a, b = f"%fj_copy{count}_in", f"%fj_copy{count}_out"
+        return (
+            f"{indent}{a} = memref.expand_shape {source} [] output_shape [1] : {source_type} into {one}{loc}\n"
+            f"{indent}{b} = memref.expand_shape {dest} [] output_shape [1] : {dest_type} into {one}{loc}\n"
+            f"{indent}linalg.copy ins({a} : {one}) outs({b} : {one}){loc}"
+        )
+
+    return _MEMREF_COPY.sub(rewrite, bufferized)
+
+
+_ASSEMBLY = re.compile(r'assembly = "((?:[^"\\]|\\.)*)"')
+
+
+def _unescape(text: str) -> str:
+    """An MLIR string attribute's text (`\\XX` hex escapes, `\\\\`, `\\"`) as Python text."""
+    return re.sub(
+        r"\\([0-9A-Fa-f]{2}|\\|\")", lambda m: m.group(1) if len(m.group(1)) == 1 else chr(int(m.group(1), 16)), text
+    )
+
+
+def _ptx_of(binary_op) -> str:
+    match = _ASSEMBLY.search(str(binary_op))
+    if match is None:
+        raise CompileError(f"internal error: no PTX in {str(binary_op)[:200]}")
+    return _unescape(match.group(1))
+
+
+_EXTERN = re.compile(r"^\.extern \.func.*?(\w+)\s*\(", re.MULTILINE)
+
+
+def lower_to_ptx(graph: Graph, options: GpuOptions) -> GpuModule:
+    """Run the stage table on `graph`: the 'mlir' and 'gpu-mlir' texts and each kernel's PTX."""
+    mlir = generate_mlir(graph)
+    with mlir_pipeline.lock(), mlir_pipeline.mlir_context():
+        module = mlir_pipeline.parse(mlir.text)
+        mlir_pipeline.run_pipeline(module, stage_pipeline("bufferize", options=options), lambda: mlir.text)
+        # A copy MLIR's folding left between buffers would run on the host: as a linalg.copy, it
+        # becomes a kernel like the others.
+        bufferized = module.operation.get_asm(enable_debug_info=True)  # the ops' locations too
+        if "memref.copy" in bufferized:
+            bufferized = copies_as_kernels(bufferized)
+            module = mlir_pipeline.parse(bufferized)
+        mlir_pipeline.run_pipeline(module, stage_pipeline("gpu-kernels", options=options), lambda: bufferized)
+        leftovers = _host_leftovers(module)
+        if leftovers:
+            raise CompileError(
+                "internal error: the GPU pipeline left ops on the host that would read or write device "
+                f"memory there: {'; '.join(leftovers)}"
+            )
+        gpu_mlir = str(module)
+        members = {
+            op.sym_name.value: _members(op) for op in module.body.operations if op.operation.name == "gpu.module"
+        }
+        mlir_pipeline.run_pipeline(module, stage_pipeline("nvvm", options=options), lambda: gpu_mlir)
+        kernels = tuple(
+            Kernel(op.sym_name.value, members.get(op.sym_name.value, ()), _ptx_of(op))
+            for op in module.body.operations
+            if op.operation.name == "gpu.binary"
+        )
+    for kernel in kernels:
+        externs = _EXTERN.findall(kernel.ptx)
+        if externs:
+            raise CompileError(
+                f"internal error: kernel {kernel.name} ({', '.join(kernel.members)}) calls functions no PTX "
+                f"defines: {', '.join(externs)}"
+            )
+    return GpuModule(mlir, gpu_mlir, kernels)

@@ -1,0 +1,198 @@
+"""The NVIDIA GPU as a target of the shared lowering (`backends/mlir`): its lowering table.
+
+The shared lowerings write plain `linalg` kernels here (every schedule is None: the GPU stage
+table maps loops to blocks and threads after bufferization, `pipeline.py`) and the shared,
+call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them:
+
+- `fusion`: the fused body's ops one after another on tensors (`lower_control.lower_region`);
+  the "bufferize" stage's `linalg-fuse-elementwise-ops` merges elementwise chains and broadcasts
+  into one kernel.
+- reductions to one element: two kernels (partials of `P` rows, then one thread over them), since a
+  reduction with no parallel dimension would otherwise stay a loop on the host.
+- not registered yet: control flow (`lower_control`: a loop's predicate would be read on the host
+  from device memory), dot, conv, pooling, sort, scan, gather/scatter, pad, concatenate (the CPU
+  writes them with its own kernels), send/recv.
+- ops in `UNSUPPORTED_MATH`, which the shared math writes as calls (`math.sin` in float64), and ops
+  the table has no lowering for: a `CompileError` naming the op and its line (`check_graph`).
+"""
+
+from __future__ import annotations
+
+from flowjit.backends.mlir import (
+    lower_control,
+    lower_elementwise,
+    lower_layout,
+    lower_movement,
+    lower_reduction,
+    mathlib,
+)
+from flowjit.backends.mlir.emitter import KernelEmitter
+from flowjit.backends.mlir.lower_elementwise import map_elementwise, reshape_tensor
+from flowjit.backends.mlir.lowering import splat_value
+from flowjit.backends.mlir.target import MathLibrary, Target
+from flowjit.errors import CompileError, op_error
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Graph, Op, Value
+from flowjit.ir.types import TensorType
+
+
+class PlainLoops:
+    """The GPU's `KernelSchedules`: no transform schedule (kernels stay plain `linalg`, mapped to
+    blocks and threads by the stage table), one lane per thread."""
+
+    PARALLEL_MIN_ELEMENTS = 1 << 62
+    PLAIN_LOOP_MAX_ELEMENTS = 1 << 62
+
+    def lanes(self, elem_bits: int) -> int:
+        return 1
+
+    def elementwise(self, n: int, elem_bits: int, vectors: int = 1):
+        return None
+
+    def reduction(self, shape, axis, acc_bits: int, may_stay_plain: bool = False):
+        return None
+
+    def copy_nd(self, shape, elem_bits: int, parallel: bool = True):
+        return None
+
+    def transpose_block(self, elem_bits: int) -> int:
+        return 8
+
+    def transpose_blocks(self, shape, source_last: int, elem_bits: int, parallel: bool = True):
+        return None
+
+    def transpose_short_rows(self, shape, elem_bits: int):
+        return None
+
+
+GPU = Target(
+    "cuda",
+    schedules=PlainLoops(),
+    math=MathLibrary(unary=mathlib.MATH, binary=mathlib.MATH_BINARY, truncate_to_bf16=mathlib.truncate_to_bf16),
+)
+lower_elementwise.register(GPU.lowerings, GPU.math)
+lower_reduction.register(GPU.lowerings)
+lower_layout.register(GPU.lowerings)
+lower_movement.register(GPU.lowerings)
+
+# Ops that read a value on the host (a dynamic index, a loop's predicate) or write code the GPU
+# runtime must handle first: refused until it exists.
+NOT_YET = {
+    "dynamic_slice": "reads its start indices on the host",
+}
+
+# Float64 math that the shared library writes as `math.*` ops (libm calls on the CPU), which would
+# be unresolved libdevice calls (`__nv_sin`) in PTX: op name -> the dtypes it is refused for.
+UNSUPPORTED_MATH = {name: (dt.float64,) for name in ("sin", "cos", "tan", "erf", "atan2", "pow", "arctan2", "power")}
+
+
+def check_graph(graph: Graph) -> None:
+    """Fail before lowering on the first op (fused bodies included) the GPU cannot compile yet,
+    naming it and its line."""
+    for op in graph.walk():
+        if op.name == "constant" and splat_value(op.result) is None and op.result.type.size > 1:
+            raise op_error(
+                CompileError,
+                op.loc,
+                op.name,
+                "of several values is not supported on target 'cuda' yet (it would be a host global the "
+                "kernels cannot read); only constants of one value are",
+            )
+        if op.name in ("constant", "fusion"):
+            continue
+        if op.name in NOT_YET:
+            raise op_error(
+                CompileError, op.loc, op.name, f"is not supported on target 'cuda' yet: it {NOT_YET[op.name]}"
+            )
+        if not GPU.lowerings.has(op.name):
+            raise op_error(
+                CompileError,
+                op.loc,
+                op.name,
+                "has no lowering for target 'cuda' yet (docs/gpu-backend.md lists what lowers); "
+                "use target='cpu' for this function",
+            )
+        refused = UNSUPPORTED_MATH.get(op.name, ())
+        if any(v.type.dtype in refused for v in (*op.operands, *op.results)):
+            raise op_error(
+                CompileError,
+                op.loc,
+                op.name,
+                "in float64 has no call-free lowering for target 'cuda' yet (it would call libdevice); "
+                "use float32, or target='cpu'",
+            )
+
+
+@GPU.lowerings.lowering("fusion")
+def lower_fusion(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """The fused body op by op on tensors; `linalg-fuse-elementwise-ops` ("bufferize" stage)
+    merges its elementwise kernels."""
+    return lower_control.lower_region(em, op.regions[0], operands)
+
+
+# Threads that compute a whole-array reduction's partials at most.
+PARTIALS_MAX = 1024
+
+
+def partial_rows(n: int) -> int:
+    """The rows P of a reduction of `n` elements in two stages: the largest divisor of n up to
+    `PARTIALS_MAX` (1 when n is prime: one thread then reduces it all)."""
+    return max(p for p in range(1, min(n, PARTIALS_MAX) + 1) if n % p == 0)
+
+
+@GPU.lowerings.lowering("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A reduction to one element in two kernels (x as (P, n / P) rows -> P partials -> (1, P) ->
+    1), or one of a single row when x has at most one element; any other by the shared lowering
+    (rows and columns have a parallel dimension)."""
+    (x,) = op.operands
+    source, result = x.type, op.result.type
+    if result.size != 1 or not op.attrs["axes"]:
+        return lower_reduction.lower_reduce(em, op, operands)
+    kind = op.name.removeprefix("reduce_")
+    acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
+    total_type = TensorType((1,), acc_dtype)
+    if source.size <= 1:  # one row of at most one element (an empty one: the identity)
+        row = source.with_shape((1, source.size))
+        total = lower_reduction._reduce(em, kind, reshape_tensor(em, operands[0], source, row), row, [1], total_type)
+    else:
+        rows = partial_rows(source.size)
+        grid = source.with_shape((rows, source.size // rows))
+        partials = TensorType((rows,), acc_dtype)
+        acc = lower_reduction._reduce(em, kind, reshape_tensor(em, operands[0], source, grid), grid, [1], partials)
+        one_row = TensorType((1, rows), acc_dtype)
+        acc = reshape_tensor(em, acc, partials, one_row)
+        total = lower_reduction._reduce(em, kind, acc, one_row, [1], total_type)
+    if acc_dtype != result.dtype:
+        total = map_elementwise(
+            em, total_type.with_dtype(result.dtype), [(total, Value(total_type))], lambda b, v: v[0]
+        )
+    return [reshape_tensor(em, total, total_type.with_dtype(result.dtype), result)]
+
+
+def scalars_as_vectors(fn):
+    """A tensor lowering that computes an op of rank-0 operands and results on tensors of one
+    element: a kernel of rank 0 has no parallel loop to map to a thread, and would run on the host."""
+
+    def lower(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        if op.regions or not op.results or any(v.type.rank for v in (*op.operands, *op.results)):
+            return fn(em, op, operands)
+        vectors, tensors = [], []
+        for v, x in zip(op.operands, operands):
+            if splat_value(v) is not None:  # a constant the lowering writes into the kernel's body
+                vectors.append(v)
+                tensors.append(x)
+                continue
+            vectors.append(Value(v.type.with_shape((1,))))
+            tensors.append(reshape_tensor(em, x, v.type, vectors[-1].type))
+        results = [r.type.with_shape((1,)) for r in op.results]
+        promoted = Op(op.name, vectors, results, op.attrs, op.loc, op.device)
+        outs = fn(em, promoted, tensors)
+        return [reshape_tensor(em, x, t, r.type) for x, t, r in zip(outs, results, op.results)]
+
+    return lower
+
+
+for _name, _fn in list(GPU.lowerings.tensor.items()):
+    if _name != "fusion":
+        GPU.lowerings.tensor[_name] = scalars_as_vectors(_fn)
