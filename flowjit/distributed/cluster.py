@@ -315,6 +315,7 @@ class _ClusterProgram:
             for task, parts in by_task.items()
         }
         self._steps = itertools.count(1)
+        self._start_order: list[str] | None = None  # planned on the first step (`_plan_inputs`)
 
     def new_step_key(self) -> str:
         return f"{self.program_id}:{next(self._steps)}"
@@ -332,27 +333,35 @@ class _ClusterProgram:
     def start(
         self, step_key: str, args: Sequence[np.ndarray], variables: dict[str, np.ndarray], local: TaskStep
     ) -> _Step:
+        if self._start_order is None:
+            self._plan_inputs(args)
         runs = {}
-        shared = self._shared_inputs(args)
-        for task, parts in self.by_task.items():
+        shared: dict[int, object] = {}
+        for task in self._start_order:  # tasks reading fewer input bytes start first
+            parts = self.by_task[task]
             first = self._move_variables(task, variables)
+            for i in self._task_inputs[task]:
+                if i in self._shared and i not in shared:
+                    shared[i] = ray_support.ray().put(args[i])
             task_args = {n: [shared.get(i, args[i]) for i in part[2]] for n, part in parts.items()}
             runs[task] = self.cluster.actor(task).run.remote(self.program_id, step_key, task_args, first)
         return _Step(self, step_key, runs, local)
 
-    def _shared_inputs(self, args: Sequence[np.ndarray]) -> dict:
-        """Large inputs read by several tasks go into the object store once (each task fetches the
-        same object) instead of once per run call."""
-        readers: dict[int, int] = {}
-        for parts in self.by_task.values():
-            for i in {i for part in parts.values() for i in part[2]}:
-                readers[i] = readers.get(i, 0) + 1
-        ray = ray_support.ray()
-        return {
-            i: ray.put(args[i])
-            for i, count in readers.items()
-            if count > 1 and np.asarray(args[i]).nbytes >= PUT_MIN_BYTES
+    def _plan_inputs(self, args: Sequence[np.ndarray]) -> None:
+        """Once per program: which inputs each task reads; the large ones read by several tasks go
+        into the object store once per step (each task fetches the same object) instead of once per
+        run call; and the tasks reading the fewest input bytes start first (a parameter server
+        that only sends variables is not held back by the workers' inputs)."""
+        self._task_inputs = {
+            t: sorted({i for part in parts.values() for i in part[2]}) for t, parts in self.by_task.items()
         }
+        readers: dict[int, int] = {}
+        for inputs in self._task_inputs.values():
+            for i in inputs:
+                readers[i] = readers.get(i, 0) + 1
+        size = {i: np.asarray(args[i]).nbytes for i in readers}
+        self._shared = {i for i, count in readers.items() if count > 1 and size[i] >= PUT_MIN_BYTES}
+        self._start_order = sorted(self.by_task, key=lambda t: sum(size[i] for i in self._task_inputs[t]))
 
     def _move_variables(self, task: str, variables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The values of the variables that start living in `task` with this step (taken from where
