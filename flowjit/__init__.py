@@ -19,8 +19,10 @@ from flowjit.frontend.checkpoint import load_checkpoint, save_checkpoint  # noqa
 from flowjit.frontend.control_flow import cond, fori_loop, while_loop  # noqa: F401
 from flowjit.frontend.forward import hessian, jacfwd, jacobian, jacrev, jvp, linearize  # noqa: F401
 from flowjit.frontend.grad import custom_vjp, grad, stop_gradient, value_and_grad, vjp  # noqa: F401
-from flowjit.frontend.jit import Compiled, Jitted, Lowered, ShapeDtype, jit  # noqa: F401
+from flowjit.frontend.jit import Jitted, jit  # noqa: F401
+from flowjit.frontend.lowered import Compiled, Lowered  # noqa: F401
 from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
+from flowjit.frontend.signature import ShapeDtype  # noqa: F401
 from flowjit.frontend.variables import Variable  # noqa: F401
 from flowjit.runtime.devices import Device, DeviceSpec, device, devices  # noqa: F401
 from flowjit.version import __version__  # noqa: F401

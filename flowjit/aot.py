@@ -33,8 +33,9 @@ from flowjit.backends.cpu import aot_c, host, library, toolchain
 from flowjit.backends.cpu.compiler import generate_mlir
 from flowjit.backends.cpu.pipeline import CompileOptions
 from flowjit.errors import CompileError, FlowjitValueError
-from flowjit.frontend.jit import PIPELINE, PLACEMENT_PIPELINE, VariableArg
+from flowjit.frontend.lowered import PIPELINE, PLACEMENT_PIPELINE
 from flowjit.frontend.pytree import leaf_paths, tree_unflatten
+from flowjit.frontend.signature import VariableArg
 from flowjit.ir.builder import make_op
 from flowjit.ir.graph import Graph, Value
 from flowjit.passes.partition import PartitionPlan, graph_devices, short_device_name, split_partitions

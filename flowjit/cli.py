@@ -421,7 +421,7 @@ def _run_check(args) -> int:
     on random arguments, and compare each with the reference interpreter. Exit 0 when all agree; 1
     naming the first stage (pass or backend) that changes the result, the op and its source line."""
     from flowjit.check import check_lowered, random_arguments
-    from flowjit.frontend.jit import PIPELINE
+    from flowjit.frontend.lowered import PIPELINE
 
     arg_specs = [parse_arg_spec(s) for s in args.arg]
     statics = dict(parse_static(s) for s in args.static)

@@ -1324,7 +1324,8 @@ def _nn_graph(fn):
     small inputs: row_library.py)."""
 
     def build(inputs, attrs):
-        from flowjit.frontend.jit import ShapeDtype, optimized_graph
+        from flowjit.frontend.jit import optimized_graph
+        from flowjit.frontend.signature import ShapeDtype
 
         return optimized_graph(fn, *[ShapeDtype(a.shape, a.dtype) for a in inputs])
 

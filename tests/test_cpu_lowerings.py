@@ -17,7 +17,16 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends import compile_graph
-from flowjit.backends.cpu import contraction, lower_conv, matmul_kernel, pipeline, schedule, toolchain
+from flowjit.backends.cpu import (
+    contraction,
+    host,
+    lower_conv,
+    matmul_kernel,
+    matmul_plan,
+    pipeline,
+    schedule,
+    toolchain,
+)
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
@@ -135,7 +144,7 @@ def test_concatenate_rows_split_over_cores(monkeypatch, dtype):
     """A large concatenation of blocks: one forall chunk of the rows per core (an uneven last chunk,
     blocks with a masked tail vector)."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(host, "cores", lambda: 2)
     monkeypatch.setattr(schedule, "PARALLEL_MIN_ELEMENTS", 1000)
     a, b = data((33, 70), dtype, 1), data((33, 75), dtype, 2)  # blocks of a vector or more
     mlir = check("concatenate", [a, b, a], dict(axis=1))
@@ -238,7 +247,7 @@ def test_gather_rows_split_over_cores(monkeypatch, dtype):
     """A large row gather: one forall chunk of the indices per core (an uneven last chunk, clamped
     and negative indices, rows with a masked tail vector)."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(host, "cores", lambda: 2)
     monkeypatch.setattr(schedule, "PARALLEL_MIN_ELEMENTS", 1000)
     idx = np.random.default_rng(4).integers(-50, 350, (7, 9))
     mlir = check("gather", [data((300, 70), dtype, 2), idx], dict(axis=0))
@@ -253,7 +262,7 @@ def test_reversed_columns(monkeypatch, dtype, parallel):
     the gradient of a whole reversal is the reversed cotangent (no scatter loop)."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     if parallel:
-        monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+        monkeypatch.setattr(host, "cores", lambda: 2)
         monkeypatch.setattr(schedule, "PARALLEL_MIN_ELEMENTS", 100)
     for shape in [(3,), (5, 16), (4, 3, 37), (9, 70)]:
         x = data(shape, dtype, 5)
@@ -474,7 +483,7 @@ def test_dot_general_degenerate_shapes():
 def test_matmul_kernel(m, k, n, dtype):
     mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
     assert "vector.fma" in mlir if dtype.is_float else "arith.muli" in mlir and "vector.broadcast" in mlir
-    assert ("scf.forall" in mlir) == (m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
+    assert ("scf.forall" in mlir) == (m * n * k >= matmul_plan.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
 
 
 @pytest.mark.parametrize("dtype", NUMERIC, ids=ids(NUMERIC))
@@ -503,7 +512,7 @@ def test_few_columns_take_dot_blocks(m, k, n, dtype):
     """Products with half a vector to a vector of columns: blocks of rows x N dots along K (not the
     tiled kernel, whose two-vector panels were mostly padding), B as (N, K) rows given or transposed,
     fused with a bias and relu."""
-    if matmul_kernel.vector_bits() != 512:
+    if host.vector_bits() != 512:
         pytest.skip("the shapes are chosen for AVX-512's 16 float32 lanes")
     mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
     assert "dots along K (few columns)" in mlir
@@ -536,10 +545,10 @@ def test_matmul_few_rows_are_streamed(m, k, n, dtype):
     packed panels, masked past N, C's vectors split over the cores when large."""
     mlir = check("dot_general", [data((m, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
     assert "streamed against B's rows, nothing packed" in mlir
-    assert ("scf.forall" in mlir) == (m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
+    assert ("scf.forall" in mlir) == (m * n * k >= matmul_plan.PARALLEL_MIN_FLOPS and (os.cpu_count() or 1) > 1)
     mlir = check("dot_general", [data((k,), dtype, 1), data((k, n), dtype, 2)], dict(MATMUL, lhs_contract=(0,)))
-    assert ("streamed against B's rows" in mlir) == (k * n >= matmul_kernel.KERNEL_MIN_FLOPS)  # vector @ matrix
-    more = matmul_kernel.FEW_ROWS_MAX + 1
+    assert ("streamed against B's rows" in mlir) == (k * n >= matmul_plan.KERNEL_MIN_FLOPS)  # vector @ matrix
+    more = matmul_plan.FEW_ROWS_MAX + 1
     assert "streamed" not in check("dot_general", [data((more, k), dtype, 1), data((k, n), dtype, 2)], MATMUL)
 
 
@@ -549,7 +558,7 @@ def test_matmul_up_to_8_rows_stream_a_b_larger_than_the_last_cache(monkeypatch, 
     monkeypatch.setenv("FLOWJIT_CACHE", "0")  # the same graph compiles to other code
     a, b = data((m, 40), dt.float32, 1), data((40, 72), dt.float32, 2)
     assert "streamed" not in check("dot_general", [a, b], MATMUL)
-    monkeypatch.setattr(matmul_kernel, "last_level_cache_bytes", lambda: 4096)
+    monkeypatch.setattr(host, "last_level_cache_bytes", lambda: 4096)
     assert "streamed against B's rows" in check("dot_general", [a, b], MATMUL)
     assert "streamed" not in check("dot_general", [data((9, 40), dt.float32, 3), b], MATMUL)
 
@@ -612,24 +621,24 @@ def test_matmul_tile_rows(monkeypatch, bits):
     32, 6 with AVX2's 16) for K >= TALL_TILE_MIN_K; short contractions keep 8 rows (at most the
     tall height); a product split by rows over the cores takes the height that pads a core's rows
     least; leftover rows run as one shorter tile unless they are a tiny share of M."""
-    monkeypatch.setattr(matmul_kernel, "vector_bits", lambda: bits)
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
-    matmul_kernel.tile_rows.cache_clear()
+    monkeypatch.setattr(host, "vector_bits", lambda: bits)
+    monkeypatch.setattr(host, "cores", lambda: 2)
+    matmul_plan.tile_rows.cache_clear()
     try:
         tall = 14 if bits == 512 else 6
-        assert matmul_kernel.tile_rows(2) == tall
-        shape = matmul_kernel.MatmulShape
+        assert matmul_plan.tile_rows(2) == tall
+        shape = matmul_plan.MatmulShape
         assert shape(0, 1024, 1024, 1024, "f32").mr == tall  # columns split: any height
         assert shape(0, 32, 256, 9, "f32").mr == min(8, tall)  # short K
         assert shape(0, 1024, 1024, 1024, "f32", serial=True).mr == tall
         if bits == 512:
             # one panel of columns (N = 10): split by rows, 32 rows per core: 8-row tiles, not 14
             assert shape(0, 64, 10, 6272, "f32").mr == 8
-            ranges = matmul_kernel._row_ranges
+            ranges = matmul_plan._row_ranges
             assert ranges(shape(0, 100, 64, 128, "f32", serial=True)) == [((0, 98), 14), ((98, 100), 2)]
             assert ranges(shape(0, 1024, 64, 128, "f32", serial=True)) == [((0, 1022), 14), ((1022, 1024), 1)]
     finally:
-        matmul_kernel.tile_rows.cache_clear()
+        matmul_plan.tile_rows.cache_clear()
 
 
 @pytest.mark.usefixtures("specialized_matmul")
@@ -637,8 +646,8 @@ def test_matmul_tile_is_stored_by_one_write():
     """A whole panel's register tile is stored by one 2-D transfer_write (one tensor value for
     bufferization per tile, not one per vector); the partial panel's masked vectors one by one."""
     mlir = check("dot_general", [data((100, 128), dt.float32, 1), data((128, 70), dt.float32, 2)], MATMUL)
-    lanes = matmul_kernel.vector_bits() // 32
-    mr = matmul_kernel.MatmulShape(0, 100, 70, 128, "f32").mr
+    lanes = host.vector_bits() // 32
+    mr = matmul_plan.MatmulShape(0, 100, 70, 128, "f32").mr
     assert re.search(rf"vector.transfer_write [^\n]*in_bounds = \[true, true\][^\n]*vector<{mr}x{2 * lanes}xf32>", mlir)
     assert re.search(r"vector.transfer_write [^\n]*in_bounds = \[false\]", mlir)
 
@@ -649,14 +658,14 @@ def test_matmul_restrides_rows_that_alias_in_l1():
     tiles read it (with all of a tile's rows in one L1 set, every broadcast of A misses L1);
     results match for whole and leftover row blocks, a partial panel, f32/f64/i32, batched, split
     over the cores or not."""
-    shape = matmul_kernel.MatmulShape
-    restrides = matmul_kernel._restrides_a
+    shape = matmul_plan.MatmulShape
+    restrides = matmul_plan._restrides_a
     assert restrides(shape(0, 100, 70, 1024, "f32")) and restrides(shape(0, 100, 70, 512, "f64"))
     assert not restrides(shape(0, 100, 70, 1008, "f32")) and not restrides(shape(0, 100, 70, 512, "f32"))
     assert not restrides(shape(0, 100, 70, 1024, "f32", a_cols=True))  # packed or read by columns
     assert not restrides(shape(0, 100, 70, 1024, "f32", serial=True))  # no scratch of its own
-    plain = matmul_kernel.scratch_bytes(shape(0, 100, 70, 1008, "f32"))
-    assert matmul_kernel.scratch_bytes(shape(0, 100, 70, 1024, "f32")) >= plain + 100 * 1040 * 4
+    plain = matmul_plan.scratch_bytes(shape(0, 100, 70, 1008, "f32"))
+    assert matmul_plan.scratch_bytes(shape(0, 100, 70, 1024, "f32")) >= plain + 100 * 1040 * 4
     mlir = check("dot_general", [data((100, 1024), dt.float32, 1), data((1024, 70), dt.float32, 2)], MATMUL)
     assert "tensor<100x1040xf32>" in mlir
     check("dot_general", [data((300, 512), dt.float64, 1), data((512, 200), dt.float64, 2)], MATMUL)
@@ -669,7 +678,7 @@ def test_conv_restrides_weights_that_alias_in_l1(monkeypatch):
     """A convolution whose weight rows are a multiple of 4 KiB long (a 1x1 conv over 1024 channels)
     copies them one cache line apart before its chunks' fork (the chunks' products are serial and
     would read them in place), from the function's scratch area; results match."""
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(host, "cores", lambda: 2)
     x, w = data((4, 1024, 10, 10), dt.float32, 1), data((40, 1024, 1, 1), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
     assert "tensor<40x1040xf32>" in mlir and "tensor.empty() : tensor<40x1040xf32>" not in mlir
@@ -808,12 +817,12 @@ def test_matmul_kernel_splits_columns_over_cores(m, n, k, dtype, rhs_rows):
     panels into its own buffer just before using it (no serial packing of all of B)."""
     dims = MATMUL | (dict(rhs_contract=(1,)) if rhs_rows else {})
     mlir = check("dot_general", [data((m, k), dtype, 1), data((n, k) if rhs_rows else (k, n), dtype, 2)], dims)
-    lanes = matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)
-    threads = matmul_kernel.cores()
-    splits = threads > 1 and n // (2 * lanes) >= 2 * threads and m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS
-    splits = splits and k >= matmul_kernel.COLUMN_SPLIT_MIN_K
+    lanes = host.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)
+    threads = host.cores()
+    splits = threads > 1 and n // (2 * lanes) >= 2 * threads and m * n * k >= matmul_plan.PARALLEL_MIN_FLOPS
+    splits = splits and k >= matmul_plan.COLUMN_SPLIT_MIN_K
     assert (f"tensor<1x{k}x{2 * lanes}x" in mlir) == splits
-    assert ("scf.forall" in mlir) == (threads > 1 and m * n * k >= matmul_kernel.PARALLEL_MIN_FLOPS)
+    assert ("scf.forall" in mlir) == (threads > 1 and m * n * k >= matmul_plan.PARALLEL_MIN_FLOPS)
 
 
 @pytest.mark.parametrize(
@@ -837,11 +846,11 @@ def test_matmul_kernel_lhs_columns(lead, m, n, k, dtype):
     dims = dict(lhs_contract=(b,), rhs_contract=(b,), lhs_batch=tuple(range(b)), rhs_batch=tuple(range(b)))
     mlir = check("dot_general", [data(lead + (k, m), dtype, 1), data(lead + (k, n), dtype, 2)], dims)
     assert "linalg.transpose" not in mlir and ("vector.fma" in mlir or dtype.is_int)
-    panels = -(-n // (2 * matmul_kernel.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)))
+    panels = -(-n // (2 * host.vector_bits() // (64 if dtype in (dt.float64, dt.int64) else 32)))
     elem = {dt.float64: "f64", dt.int32: "i32", dt.int64: "i64"}.get(dtype, "f32")
-    mr = matmul_kernel.MatmulShape(lead[0] if lead else 0, m, n, k, elem, a_cols=True).mr
+    mr = matmul_plan.MatmulShape(lead[0] if lead else 0, m, n, k, elem, a_cols=True).mr
     packs = re.search(rf"tensor<{''.join(f'{d}x' for d in lead)}{k}x{m}x\w+>, vector<{mr}x", mlir) is not None
-    assert packs == (panels >= matmul_kernel.PACK_A_MIN_PANELS)
+    assert packs == (panels >= matmul_plan.PACK_A_MIN_PANELS)
     # both operands transposed: `a.T @ b.T`
     check(
         "dot_general",
@@ -933,7 +942,7 @@ def test_conv2d_im2col_in_chunks_of_images(monkeypatch, cores):
     monkeypatch.setenv("FLOWJIT_CACHE", "0")  # neither setting is part of the cache key
     monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
     monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(host, "cores", lambda: cores)
     x, w = data((11, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
     assert "tensor<4x3x7x4xf32>" in mlir and "tensor<3x3x7x4xf32>" in mlir  # chunks of 4, tail of 3
@@ -948,7 +957,7 @@ def test_conv2d_chunks_of_images_divide_the_batch(monkeypatch, cores, images):
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
     monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 4 * 18 * 7 * 4)
     monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(host, "cores", lambda: cores)
     x, w = data((12, 2, 9, 8), dt.float32, 1), data((3, 2, 3, 3), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 2), padding=((0, 0), (1, 1)), dilation=(1, 1)))
     chunks = {int(m) for m in re.findall(r"tensor<(\d+)x3x7x4xf32>", mlir)} - {12}
@@ -964,7 +973,7 @@ def test_conv2d_im2col_in_blocks_of_rows(monkeypatch, stride, dilation, padding,
     """One image's column matrix above the cap: each image in blocks of output rows (whole blocks,
     split over the cores or in a loop, then each image's tail block), reading the rows under them."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(host, "cores", lambda: cores)
     x, w = data((2, 3, 13, 8), dt.float32, 1), data((4, 3, 3, 2), dt.float32, 2)
     depth, out_cols = 3 * 3 * 2, (8 + sum(padding[1]) - dilation[1] * 1 - 1) // stride[1] + 1
     monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 3 * depth * out_cols)  # blocks of 3 rows
@@ -1021,7 +1030,7 @@ def test_conv2d_chunks_of_images_are_transposed_into_the_output(monkeypatch, cor
     chunk's product (O, N, OH, OW) straight into its images of the output (NCHW): as a transpose of
     its own it was a temporary copied into a strided window of the output."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(host, "cores", lambda: cores)
     monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 2 * 18 * 8 * 8)
     monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
     x, w = data((8, 2, 16, 16), dt.float32, 3), data((8, 2, 3, 3), dt.float32, 4)
@@ -1037,7 +1046,7 @@ def test_conv2d_chunks_of_images_are_transposed_into_the_output(monkeypatch, cor
 def test_conv2d_im2col_chunks_in_other_types(monkeypatch, dtype):
     """The chunked paths widen half types to float32 and keep float64 (blocks of rows, two cores)."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(host, "cores", lambda: 2)
     monkeypatch.setattr(lower_conv, "IM2COL_MAX_ELEMENTS", 2 * 27 * 9)
     monkeypatch.setattr(lower_conv, "IM2COL_MIN_COLUMNS", 1)
     x, w = data((3, 3, 11, 9), dtype, 1), data((5, 3, 3, 3), dtype, 2)
@@ -1050,7 +1059,7 @@ def test_conv2d_pointwise_reads_the_input_as_its_columns(monkeypatch, cap, cores
     """1x1, stride 1: each image's (C, H*W) view (or a block of its rows) is the column matrix;
     with padding the view is of the padded input."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(host, "cores", lambda: cores)
     monkeypatch.setattr(lower_conv, "WIDE_CHUNK_ELEMENTS", cap)  # a 1x1 conv's chunks
     x, w = data((3, 10, 9, 7), dt.float32, 1), data((6, 10, 1, 1), dt.float32, 2)
     mlir = check("conv2d", [x, w], dict(stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1)))
@@ -1069,7 +1078,7 @@ def test_conv2d_summed_over_chunks_of_taps(monkeypatch, cores, dtype, stride, di
     """Output rows shorter than the kernel's (a weight gradient's shape): the sum over chunks of
     (c, kh) pairs, split over the cores with a partial sum each, or in one loop."""
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: cores)
+    monkeypatch.setattr(host, "cores", lambda: cores)
     x, w = data((3, 4, 24, 15), dtype, 1), data((5, 4, 9, 10), dtype, 2)
     attrs = dict(stride=stride, padding=padding, dilation=dilation)
     oh = (24 + sum(padding[0]) - dilation[0] * 8 - 1) // stride[0] + 1
@@ -1145,7 +1154,7 @@ def test_pooling_over_the_cores_with_stride_two_rows(shape, dtype, kind, window,
     """Large poolings split their output planes over the cores; rows of at least a vector read
     their inputs by in-bounds vector reads (no masked read past the row): a window as wide as its
     step, one read of the inputs under a vector of outputs per window row."""
-    from flowjit.backends.cpu import matmul_kernel, schedule
+    from flowjit.backends.cpu import host, schedule
 
     x = data(shape, dtype)
     if dtype.is_float:
@@ -1157,7 +1166,7 @@ def test_pooling_over_the_cores_with_stride_two_rows(shape, dtype, kind, window,
     out = [(n + 2 * pad - window) // 2 + 1 for n in shape[2:]]
     work = shape[0] * shape[1] * out[0] * out[1] * window * window
     assert ("scf.forall" in mlir) == (schedule.threads() > 1 and work >= schedule.PARALLEL_MIN_ELEMENTS)
-    lanes = matmul_kernel.vector_bits() // (64 if dtype == dt.int64 else 32)
+    lanes = host.vector_bits() // (64 if dtype == dt.int64 else 32)
     if out[1] >= lanes:  # every row whole vectors: no wide masked read
         wide = [line for line in mlir.splitlines() if "transfer_read" in line and f"vector<{2 * lanes}x" in line]
         assert all("in_bounds = [true]" in line for line in wide)
@@ -1194,7 +1203,7 @@ def test_pooling_short_rows_read_only_their_windows(dtype, window):
     in bounds: no mask of the tensor's end per read or store. Columns no window covers (a width
     one past the windows) hold NaN and infinities that must not reach an output, the last row's
     among them, whose full-width read would run past the tensor's end."""
-    lanes = matmul_kernel.vector_bits() // (64 if dtype == dt.float64 else 32)
+    lanes = host.vector_bits() // (64 if dtype == dt.float64 else 32)
     outputs = lanes - 2
     width = outputs * window + 1
     x = data((2, 3, 2 * window, width), dtype)
@@ -1583,10 +1592,10 @@ def test_matmul_temporaries_live_in_the_workspace_scratch_area():
     np.testing.assert_allclose(got[0], a @ b, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got[1], a.T @ c, rtol=1e-5, atol=1e-4)
     shapes = [
-        matmul_kernel.MatmulShape(0, 200, 300, 96, "f32"),
-        matmul_kernel.MatmulShape(0, 96, 160, 200, "f32", a_cols=True),
+        matmul_plan.MatmulShape(0, 200, 300, 96, "f32"),
+        matmul_plan.MatmulShape(0, 96, 160, 200, "f32", a_cols=True),
     ]
-    scratch = max(matmul_kernel.scratch_bytes(s) for s in shapes)
+    scratch = max(matmul_plan.scratch_bytes(s) for s in shapes)
     header = int(re.search(r"// workspace: (\d+) bytes", lowered.as_text("mlir")).group(1))
     assert header >= scratch and f"memref<{scratch}xi8>" in lowered.as_text("mlir")
 
@@ -1678,7 +1687,7 @@ def test_conv_chunks_are_read_in_place_by_the_kernel(monkeypatch):
     import dataclasses
 
     monkeypatch.setenv("FLOWJIT_CACHE", "0")
-    monkeypatch.setattr(matmul_kernel, "cores", lambda: 2)
+    monkeypatch.setattr(host, "cores", lambda: 2)
     x, w = data((4, 16, 20, 21), dt.float32, 1), data((24, 16, 3, 3), dt.float32, 2)  # K = 144, 21 columns a row
 
     def conv(x, w):
@@ -1707,7 +1716,7 @@ def test_full_reduction_streams_large_inputs(monkeypatch):
     partials are combined a vector at a time (the last tile step), not as one vector of them all.
     The kernel's code: the reduction library (test_reduction_library.py) off."""
     monkeypatch.setenv("FLOWJIT_REDUCTION_LIBRARY", "0")
-    lanes = matmul_kernel.vector_bits() // 32
+    lanes = host.vector_bits() // 32
     chunks, vectors = schedule.FULL_REDUCTION_CHUNKS, schedule.FULL_REDUCTION_VECTORS
     big = schedule.STREAMING_REDUCTION_MIN_BYTES // 4
 

@@ -14,11 +14,9 @@ import pytest
 import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit import aot
-from flowjit.backends.cpu import matmul_kernel, matmul_library
+from flowjit.backends.cpu import host, matmul_library, matmul_plan
 
-needs_cores = pytest.mark.skipif(
-    matmul_kernel.cores() < 2, reason="the library takes products split over two or more cores"
-)
+needs_cores = pytest.mark.skipif(host.cores() < 2, reason="the library takes products split over two or more cores")
 
 
 def _product(a, b, library: bool, monkeypatch, fn=lambda a, b: a @ b):
@@ -133,7 +131,7 @@ def test_small_products_call_the_library_on_one_core(layout, monkeypatch):
         a = rng.standard_normal((k, m) if layout == "at" else (m, k)).astype(np.float32)
         b = rng.standard_normal((n, k) if layout == "bt" else (k, n)).astype(np.float32)
         got, text = _product(a, b, True, monkeypatch, fn)
-        if not matmul_kernel.worth_it(0, m, n, k):  # too small for a tiled product at all
+        if not matmul_plan.worth_it(0, m, n, k):  # too small for a tiled product at all
             assert "fj_matmul_" not in text
             continue
         lines = text.splitlines()
@@ -250,15 +248,15 @@ def test_threads_compiling_products_share_one_build(tmp_path):
 
 
 def test_library_for_256_bit_vectors_is_correct(monkeypatch):
-    """The library as an AVX2 host gets it (8 f32 lanes, 6-row tiles: `matmul_kernel.vector_bits`
+    """The library as an AVX2 host gets it (8 f32 lanes, 6-row tiles: `host.vector_bits`
     answering 256), built and run here: every layout and element type against float64 products."""
     import ctypes
     import functools
 
     from flowjit.backends.cpu import toolchain
 
-    monkeypatch.setattr(matmul_kernel, "vector_bits", functools.cache(lambda: 256))
-    matmul_kernel.tile_rows.cache_clear()
+    monkeypatch.setattr(host, "vector_bits", functools.cache(lambda: 256))
+    matmul_plan.tile_rows.cache_clear()
     matmul_library.library_mlir.cache_clear()
     try:
         native = toolchain.load_objects((matmul_library.LIBRARY.build(),), "fj_matmul_library_avx2")
@@ -279,5 +277,5 @@ def test_library_for_256_bit_vectors_is_correct(monkeypatch):
                     tol = 1e-4 if dtype == np.float32 else 1e-12
                     np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=tol, atol=tol * 10)
     finally:
-        matmul_kernel.tile_rows.cache_clear()
+        matmul_plan.tile_rows.cache_clear()
         matmul_library.library_mlir.cache_clear()

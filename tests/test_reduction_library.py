@@ -112,9 +112,9 @@ def test_library_module_compiles_for_a_256_bit_host(monkeypatch):
     in pieces over the cores."""
     import ctypes
 
-    from flowjit.backends.cpu import matmul_kernel, toolchain
+    from flowjit.backends.cpu import host, toolchain
 
-    monkeypatch.setattr(matmul_kernel, "vector_bits", lambda: 256)
+    monkeypatch.setattr(host, "vector_bits", lambda: 256)
     reduction_library.library_mlir.cache_clear()
     try:
         native = toolchain.load_objects((reduction_library.LIBRARY.build(),), "fj_reduction_library_avx2")

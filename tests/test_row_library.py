@@ -187,9 +187,9 @@ def test_library_is_loaded_only_by_code_calling_it(monkeypatch):
 def test_library_module_compiles_for_a_256_bit_host(monkeypatch):
     """An AVX2 host's geometry (8 float32 lanes, chunks of 32): the module is written, lowered and
     compiled (it runs here as well, being plain AVX2 code), and its results are numpy's."""
-    from flowjit.backends.cpu import matmul_kernel, toolchain
+    from flowjit.backends.cpu import host, toolchain
 
-    monkeypatch.setattr(matmul_kernel, "vector_bits", lambda: 256)
+    monkeypatch.setattr(host, "vector_bits", lambda: 256)
     row_library.library_mlir.cache_clear()
     try:
         native = toolchain.load_objects((row_library.LIBRARY.build(),), "fj_row_library_avx2")

@@ -12,7 +12,7 @@ import pytest
 import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit import aot
-from flowjit.backends.cpu import cache, matmul_kernel, toolchain, transpose_library
+from flowjit.backends.cpu import cache, host, toolchain, transpose_library
 
 CALL = "calls the transpose library's @fj_transpose_narrow_"
 
@@ -41,7 +41,7 @@ def _both(fn, args, monkeypatch):
     ],
 )
 def test_dot_blocks_take_b_transposed_from_the_library(m, k, n, dtype, monkeypatch):
-    if matmul_kernel.vector_bits() != 512:
+    if host.vector_bits() != 512:
         pytest.skip("the shapes are chosen for AVX-512's lanes")
     rng = np.random.default_rng(k)
     a, b, c = (rng.standard_normal(s).astype(dtype) for s in ((m, k), (k, n), (n,)))
@@ -84,14 +84,14 @@ def _check_transposes(fn, dtype, lanes):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_library_transposes_every_width_and_length(dtype):
     elem = "f32" if dtype == np.float32 else "f64"
-    lanes = matmul_kernel.vector_bits() // (32 if dtype == np.float32 else 64)
+    lanes = host.vector_bits() // (32 if dtype == np.float32 else 64)
     _check_transposes(_library_function(elem), dtype, lanes)
 
 
 def test_library_module_compiles_for_a_256_bit_host(monkeypatch):
     """An AVX2 host's geometry (8 float32 lanes): the module is written, compiled and (plain AVX2
     code) runs here too."""
-    monkeypatch.setattr(matmul_kernel, "vector_bits", lambda: 256)
+    monkeypatch.setattr(host, "vector_bits", lambda: 256)
     native = toolchain.load_objects((transpose_library.LIBRARY.build(),), "fj_transpose_library_avx2")
     _check_transposes(_library_function("f32", native), np.float32, 8)
 

@@ -18,219 +18,38 @@ a flowjit dtype or Python scalars (bool -> bool, int -> i64, float -> f32). Arra
 (`x.astype(np.int32)`) so the compiled signature says what runs. Numpy arrays a traced function
 reads from its closure or globals, or returns, become constants of the graph, converted as
 `flowjit.numpy.asarray` does (other integer dtypes -> int64; complex is an error).
+
+This module holds `jit`, the `Jitted` wrapper (splitting a call into its signature and leaves,
+tracing, the call paths) and the caches its wrappers share. A call's `Signature` and argument
+leaves are `signature.py`; the stages `Lowered` and `Compiled` and the pipelines are `lowered.py`;
+the traceback filter of user-facing errors is `tracebacks.py`.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import os
 import re
 import sys
 import threading
-import types
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
-from flowjit.backends import Executable, backend_for_device, default_target, get_backend
 from flowjit.errors import FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError
+from flowjit.frontend.lowered import PIPELINE, Compiled, Lowered
 from flowjit.frontend.pytree import TreeDef, is_pytree_node, leaf_paths, tree_flatten, tree_unflatten
-from flowjit.frontend.trace import Trace, Tracer, array_library, current_trace, escaped_tracer_error
-from flowjit.frontend.variables import Variable
+from flowjit.frontend.signature import Signature, VariableArg, _abstract, _array_key, _keyed_by_identity
+from flowjit.frontend.trace import Trace, Tracer, array_library, current_trace
+from flowjit.frontend.tracebacks import _user_traceback, user_errors
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph
-from flowjit.ir.location import is_internal_file, user_location
-from flowjit.ir.printer import print_graph
-from flowjit.ir.types import TensorType
+from flowjit.ir.location import user_location
 from flowjit.passes import dump
-from flowjit.passes.fuse import fusion_summary
-from flowjit.passes.partition import graph_devices, placement_report, split_partitions
 from flowjit.passes.registry import run_pipeline
 from flowjit.runtime.devices import DeviceSpec, placement_devices
-from flowjit.runtime.executor import PartitionedExecutable
-from flowjit.runtime.tasks import is_local
-
-# The optimization pipeline for every target, top to bottom.
-PIPELINE = (
-    "canonicalize",  # fold constants, simplify algebra, CSE, DCE
-    "fuse",  # elementwise chains, reductions with their neighbours, contraction epilogues -> one kernel each
-)
-# Then, on a copy of the optimized graph (stage "placement"):
-PLACEMENT_PIPELINE = (
-    "place",  # a device for every op: constraints, variable colocation, cost model
-    "partition",  # send/recv on every cross-device edge (nothing to do with one device)
-)
-
-_INT64_RANGE = range(-(2**63), 2**63)
-
-
-@dataclass(frozen=True)
-class ShapeDtype:
-    """An abstract argument for `lower`: a shape and a dtype, no data."""
-
-    shape: tuple[int, ...]
-    dtype: object
-
-    def __post_init__(self):
-        if not all(isinstance(d, int | np.integer) and d >= 0 for d in self.shape):
-            raise FlowjitValueError(
-                f"{user_location()}: ShapeDtype: a shape is a tuple of non-negative ints; found {self.shape!r}"
-            )
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        try:
-            object.__setattr__(self, "dtype", dt.dtype(self.dtype).np_dtype)
-        except ValueError as e:
-            raise FlowjitTypeError(f"{user_location()}: ShapeDtype: {e}") from None
-
-
-# --- user-facing tracebacks --------------------------------------------------------------------------
-
-
-def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback without flowjit's own frames, so the user's lines are what they see."""
-    frames = []
-    while tb is not None:
-        if not is_internal_file(tb.tb_frame.f_code.co_filename):
-            frames.append(tb)
-        tb = tb.tb_next
-    new = None
-    for t in reversed(frames):
-        new = types.TracebackType(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
-    return new
-
-
-def user_errors(fn):
-    """Decorator: FlowjitErrors leave with compiler frames hidden from the traceback
-    (`FLOWJIT_FULL_TRACEBACK=1` keeps them)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except FlowjitError as e:
-            if os.environ.get("FLOWJIT_FULL_TRACEBACK"):
-                raise
-            # Keep an explicit cause (a toolchain's diagnostics), drop the implicit context.
-            raise e.with_traceback(_user_traceback(e.__traceback__)) from e.__cause__
-
-    return wrapper
-
-
-# --- argument handling -------------------------------------------------------------------------------
-
-
-def _unsupported_dtype(path: str, np_dtype) -> FlowjitTypeError:
-    np_dtype = np.dtype(np_dtype)
-    supported = ", ".join(d.np_dtype.name for d in dt.ALL_DTYPES)
-    # '>f4' is named float32 too: say what differs.
-    found = np_dtype.name if np_dtype.isnative else f"{np_dtype.name} in non-native byte order ('{np_dtype.str}')"
-    if np_dtype.kind == "c":
-        fix = f"flowjit has no complex dtypes: pass {path}.real and {path}.imag as float32 arrays"
-    else:
-        fix = f"convert it before the call, e.g. {path}.astype(np.{'int32' if np_dtype.kind in 'iu' else 'float32'})"
-    return FlowjitTypeError(
-        f"{user_location()}: argument {path}: unsupported dtype {found}; flowjit supports {supported}; {fix}"
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _tensor_type(shape: tuple[int, ...], np_dtype: np.dtype) -> TensorType | None:
-    """Interned argument types (every call builds its signature: this is the hot path); None for a
-    dtype flowjit does not support."""
-    if not dt.is_supported_numpy_dtype(np_dtype):
-        return None
-    return TensorType(shape, dt.dtype(np_dtype))
-
-
-def _array_type(leaf, path: str) -> TensorType:
-    ttype = _tensor_type(tuple(leaf.shape), np.dtype(leaf.dtype))
-    if ttype is None:
-        raise _unsupported_dtype(path, leaf.dtype)
-    return ttype
-
-
-def _abstract(leaf, path: str) -> TensorType:
-    """The abstract value (shape, dtype) of one argument leaf."""
-    if isinstance(leaf, np.ndarray | np.generic):
-        return _array_type(leaf, path)
-    if isinstance(leaf, bool | int | float):
-        if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf not in _INT64_RANGE:
-            raise FlowjitValueError(f"{user_location()}: argument {path}: Python int {leaf} does not fit in int64")
-        kind = "b" if isinstance(leaf, bool) else "i" if isinstance(leaf, int) else "f"
-        return _tensor_type((), dt.default_for_kind(kind).np_dtype)
-    if isinstance(leaf, ShapeDtype):
-        return TensorType(leaf.shape, dt.dtype(leaf.dtype))
-    if isinstance(leaf, Variable):
-        return VariableArg(leaf)
-    if isinstance(leaf, Tracer):
-        raise escaped_tracer_error()  # calls inside a trace inline, so this tracer outlived its trace
-    if hasattr(leaf, "__array__") and hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return _array_type(leaf, path)
-    raise FlowjitTypeError(
-        f"{user_location()}: argument {path}: expected an array, a Python scalar or a tuple/list/dict of them; "
-        f"found {type(leaf).__name__}. Mark it static (static_argnums/static_argnames) if it configures "
-        "the computation."
-    )
-
-
-class VariableArg:
-    """A `Variable` passed as an argument: not a value but a reference to state, so it is passed to
-    the traced function as is and the signature holds it by identity (another Variable retraces)."""
-
-    __slots__ = ("variable",)
-
-    def __init__(self, variable: Variable):
-        self.variable = variable
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, VariableArg) and other.variable is self.variable
-
-    def __hash__(self) -> int:
-        return id(self.variable)
-
-    def __str__(self) -> str:
-        return f"variable '{self.variable.name}'"
-
-    __repr__ = __str__
-
-
-def _array_key(args: tuple) -> tuple | None:
-    """The fast-path cache key of a call whose arguments are all numpy arrays: their shapes and
-    dtypes (shape0, dtype0, shape1, ...). It skips binding and flattening, the cost that dominates
-    calls on small arrays. The dtype objects, not their names, so byte order counts."""
-    key = []
-    for a in args:
-        if type(a) is not np.ndarray:
-            return None
-        key += (a.shape, a.dtype)
-    return tuple(key)
-
-
-def _to_host(leaf, ttype: TensorType) -> np.ndarray:
-    """A C-contiguous host array of the argument's signature dtype (what `Executable.run` takes)."""
-    array = np.asarray(leaf, dtype=ttype.dtype.np_dtype)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes 0-d arrays 1-d)
-
-
-def _keyed_by_identity(value) -> bool:
-    """Whether `value` hashes by identity (or not at all), so a cache keyed by it would miss every
-    change of its attributes. Functions, classes, modules and ufuncs are code, not state: they key
-    by identity, as the jitted function itself does."""
-    if value is None or value is Ellipsis or value is NotImplemented:  # singletons: identity is their value
-        return False
-    if isinstance(value, types.FunctionType | types.BuiltinFunctionType | type | types.ModuleType | np.ufunc):
-        return False
-    if isinstance(value, types.MethodType):
-        return _keyed_by_identity(value.__self__)
-    if isinstance(value, functools.partial) or hasattr(value, "__wrapped__"):  # partial, fj.jit, custom_vjp
-        return False
-    hash_fn = type(value).__hash__
-    return hash_fn is None or hash_fn is object.__hash__
-
 
 # Jitted wrappers of one function with equal options share one cache, as JAX's do, so `fj.jit(f)(x)`
 # written inside a loop traces once: function -> {options: its cache}. Weak: a cache lives as long as
@@ -259,45 +78,6 @@ def _cache_for(fun, options: tuple) -> JitCache:
             return _shared_caches.setdefault(fun, {}).setdefault(options, JitCache())
     except TypeError:
         return JitCache()
-
-
-@dataclass(frozen=True)
-class Signature:
-    """What a compiled entry is specialized on: the dynamic arguments' names, their pytree
-    structure and leaf types, and each static argument as (name, type, value)."""
-
-    names: tuple[str, ...]
-    treedef: TreeDef
-    avals: tuple[TensorType | VariableArg, ...]
-    statics: tuple[tuple[str, type, object], ...]
-
-    def explain_change(self, old: Signature, paths: Sequence[str]) -> str:
-        """Why this signature differs from `old`, in the words of FLOWJIT_LOG_COMPILES."""
-        if self.names != old.names:
-            return f"the dynamic arguments changed from ({', '.join(old.names)}) to ({', '.join(self.names)})"
-        if self.treedef != old.treedef:
-            for name, a, b in zip(self.names, old.treedef.children, self.treedef.children):
-                if a != b:
-                    return f"the structure of argument {name} changed from {a} to {b}"
-        for path, a, b in zip(paths, old.avals, self.avals):
-            if a != b:
-                return f"argument {path} changed from {a} to {b}"
-        old_statics = {name: (kind, value) for name, kind, value in old.statics}
-        for name, kind, value in self.statics:
-            old_kind, old_value = old_statics.get(name, (None, None))
-            if old_kind is not kind:
-                return (
-                    f"static argument '{name}' changed from {old_value!r} ({getattr(old_kind, '__name__', None)}) "
-                    f"to {value!r} ({kind.__name__})"
-                )
-            if old_value != value:
-                return f"static argument '{name}' changed from {old_value!r} to {value!r}"
-        return "a new signature"
-
-    def describe(self, paths: Sequence[str]) -> str:
-        parts = [f"{p}: {a}" for p, a in zip(paths, self.avals)]
-        parts += [f"{name}={value!r}" for name, _, value in self.statics]
-        return "(" + ", ".join(parts) + ")"
 
 
 def _graph_name(fun) -> str:
@@ -637,235 +417,6 @@ def _as_tuple(x) -> tuple:
     if x is None:
         return ()
     return (x,) if isinstance(x, int | str) else tuple(x)
-
-
-# Binds a call's (args, kwargs) like the jitted function: -> (Signature, bound arguments, leaves, paths).
-Binder = Callable[[tuple, dict], tuple]
-
-
-class Lowered:
-    """A traced function for one signature: its stages, and `compile()`."""
-
-    def __init__(
-        self,
-        graph: Graph,
-        sig: Signature,
-        out_tree: TreeDef,
-        paths,
-        target: str,
-        binder: Binder,
-        variables=None,
-        donated: tuple[int, ...] = (),
-    ):
-        self.signature = sig
-        self.donated = donated  # indices of the dynamic leaves whose buffers the caller donated
-        self.variables = dict(variables or {})  # name -> Variable the function reads or updates
-        self.out_tree = out_tree
-        self.paths = list(paths)
-        self.target = target
-        self.name = graph.name
-        self._binder = binder
-        self._graphs = {"traced": graph}
-        if dump.dump_dir() is not None:  # printing costs: a large constant is written out in hex
-            dump.write_stage(self.name, "traced", print_graph(graph))
-        self._executable: Executable | None = None
-
-    def graph(self, stage: str = "optimized") -> Graph:
-        """The IR at `stage` ('traced', 'optimized', or 'placement': placed and partitioned)."""
-        if stage == "optimized" and stage not in self._graphs:
-            # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
-            copy = self._graphs["traced"].copy()
-            copy.devices = tuple(d.name for d in placement_devices())  # local devices and a cluster's tasks'
-            self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
-        if stage == "placement" and stage not in self._graphs:
-            copy = self.graph("optimized").copy()
-            self._graphs["placement"] = run_pipeline(copy, PLACEMENT_PIPELINE, dump_name=self.name)
-        if stage not in self._graphs:
-            raise FlowjitValueError(f"no IR stage '{stage}'; IR stages are 'traced', 'optimized' and 'placement'")
-        return self._graphs[stage]
-
-    @property
-    def stages(self) -> list[str]:
-        """The stage names `as_text` accepts for this function and backend."""
-        backend = list(self._compile_executable().stages) if self._executable or self.target != "interpreter" else []
-        return ["traced", "optimized", "placement", *backend]
-
-    def _compile_executable(self) -> Executable:
-        if self._executable is None:
-            placed = self.graph("placement")
-            used = graph_devices(placed)
-            if len(used) > 1 or (used and not is_local(used[0])):  # another task's device: run there
-                self._executable = PartitionedExecutable(split_partitions(placed), self.target)
-            else:  # one device: the optimized graph as is, by that device's backend (or the target's)
-                graph = self.graph("optimized")
-                device = used[0] if used else None
-                if self.target is not None:
-                    backend = get_backend(self.target)
-                else:
-                    backend = backend_for_device(device) if device else get_backend(default_target())
-                self._executable = backend.compile(graph, device, aliases=self._aliases(graph))
-        return self._executable
-
-    def _aliases(self, graph: Graph) -> dict[int, int]:
-        """Donation: each donated input leaf pairs with the first unpaired result of its type that an
-        op computes. Output index -> input index. An input also returned as is is not donated: that
-        result is copied from it at the end of the call, after the donated results are written."""
-        inputs = [i for i, aval in enumerate(self.signature.avals) if not isinstance(aval, VariableArg)]
-        returned = {graph.params.index(v) for v in graph.results if v in graph.params}
-        aliases: dict[int, int] = {}
-        for leaf in self.donated:
-            if leaf not in inputs or inputs.index(leaf) in returned:
-                continue  # a Variable argument is updated in place anyway
-            for j, value in enumerate(graph.results):
-                computed = value.producer is not None and value.producer.name != "constant"
-                if j not in aliases and computed and value.type == self.signature.avals[leaf]:
-                    aliases[j] = inputs.index(leaf)
-                    break
-        return aliases
-
-    @user_errors
-    def as_text(self, stage: str = "optimized") -> str:
-        """The text of one stage: 'traced', 'optimized', 'placement' (each op's device and why, each
-        transfer), or a backend stage ('mlir', 'llvm', 'asm')."""
-        if stage in ("traced", "optimized"):
-            header = f"stage: {stage}"
-            if stage == "optimized":
-                header += f"\npipeline: {', '.join(PIPELINE)}\n{fusion_summary(self.graph(stage))}"
-                executable = self._compile_executable()
-                header += f"\nbackend: {_backend_note(executable)}"
-            return print_graph(self.graph(stage), header)
-        if stage == "placement":
-            placed = self.graph("placement")
-            header = f"stage: placement\npipeline: {', '.join(PLACEMENT_PIPELINE)}\n{placement_report(placed)}"
-            return print_graph(placed, header)
-        executable = self._compile_executable()
-        if stage not in executable.stages:
-            available = ", ".join(["traced", "optimized", "placement", *executable.stages])
-            raise FlowjitValueError(
-                f"{user_location()}: no stage '{stage}' for backend '{executable.backend}'; available: {available}"
-            )
-        return executable.stages[stage]
-
-    @user_errors
-    def compile(self) -> Compiled:
-        """The executable for this signature; call it with arguments of that signature."""
-        return Compiled(
-            self._compile_executable(),
-            self.signature,
-            self.out_tree,
-            self.paths,
-            self.name,
-            self._binder,
-            self.variables,
-        )
-
-
-def _output_builder(out_tree: TreeDef) -> Callable[[list], object]:
-    """Rebuilds a call's result from the executable's outputs; one leaf or a flat tuple without
-    walking the tree (a third of a small call's cost)."""
-    if out_tree.kind == "leaf":
-        return operator.itemgetter(0)
-    if out_tree.kind == "tuple" and all(child.kind == "leaf" for child in out_tree.children):
-        return tuple
-    return functools.partial(tree_unflatten, out_tree)
-
-
-def _backend_note(executable: Executable) -> str:
-    if executable.backend == "interpreter":
-        return (
-            "reference interpreter (numpy, op by op): this function is NOT compiled to native code "
-            "because target='interpreter' was chosen or no native backend is available"
-        )
-    return executable.backend
-
-
-class Compiled:
-    """A compiled function for one signature: call it with arguments of that signature, passed as
-    to the jitted function (static arguments included, with the values it was lowered for)."""
-
-    def __init__(
-        self,
-        executable: Executable,
-        sig: Signature,
-        out_tree: TreeDef,
-        paths,
-        name: str,
-        binder: Binder,
-        variables=None,
-    ):
-        self.executable = executable
-        # Variables in a fixed (name) order: locks are always taken in this order, so concurrent calls
-        # of functions sharing variables cannot deadlock.
-        self.variables = [v for _, v in sorted((variables or {}).items())]
-        self._locks = [v.lock for v in self.variables]
-        self._buffers = {v.name: v.buffer for v in self.variables}  # a Variable keeps one buffer for life
-        self.signature = sig
-        self.out_tree = out_tree
-        self.paths = paths
-        self.name = name
-        self._binder = binder
-        self._fresh_outputs = executable.fresh_outputs
-        self._aliases = executable.aliases
-        self._build_output = _output_builder(out_tree)
-        # The call fast path: `call_arrays(args)` for numpy arrays of exactly the signature's shapes
-        # and dtypes (the jitted function's array-key cache vouches for that): no conversion or
-        # re-check, and for one result no Python frame between the jitted function and the backend.
-        if self.variables or self._aliases:
-            self.call_arrays = self.call_leaves
-        elif out_tree.kind == "leaf":
-            self.call_arrays = executable.caller(single_output=True)
-        else:
-            run, build = executable.caller(single_output=False), self._build_output
-            self.call_arrays = lambda args: build(run(args))
-
-    def call_leaves(self, leaves: Sequence) -> object:
-        """Run on the flattened dynamic arguments (already checked against the signature)."""
-        arrays = [
-            _to_host(leaf, aval)
-            for leaf, aval in zip(leaves, self.signature.avals)
-            if not isinstance(aval, VariableArg)
-        ]
-        donated = self._donated_buffers(arrays) if self._aliases else None
-        if self.variables:
-            outs = self._run_with_variables(arrays, donated)
-        else:
-            outs = self.executable.run(arrays, outputs=donated)
-        if not self._fresh_outputs:  # an input passed through must not alias the caller's array
-            outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
-        return self._build_output(outs)
-
-    def _donated_buffers(self, arrays) -> dict[int, np.ndarray]:
-        """Output index -> the donated argument's buffer to write it into; an array donated twice (or
-        overlapping another donated one) is used once, so no two results share memory."""
-        chosen: dict[int, np.ndarray] = {}
-        for out, index in self._aliases.items():
-            buffer = arrays[index]
-            if not any(np.may_share_memory(buffer, other) for other in chosen.values()):
-                chosen[out] = buffer
-        return chosen
-
-    def _run_with_variables(self, arrays, donated=None):
-        # Locks in a fixed order (see __init__); by hand, as an ExitStack costs more than the native call.
-        taken = 0
-        try:
-            for lock in self._locks:
-                lock.acquire()
-                taken += 1
-            return self.executable.run(arrays, self._buffers, donated)
-        finally:
-            for lock in reversed(self._locks[:taken]):
-                lock.release()
-
-    @user_errors
-    def __call__(self, *args, **kwargs):
-        sig, _, leaves, paths = self._binder(args, kwargs)
-        if sig != self.signature:
-            raise FlowjitTypeError(
-                f"{user_location()}: {self.name} was compiled for {self.signature.describe(self.paths)}; called "
-                f"with {sig.describe(paths)}: {sig.explain_change(self.signature, paths)}. Lower it again for "
-                "these arguments, or call the jitted function, which compiles once per signature"
-            )
-        return self.call_leaves(leaves)
 
 
 def optimized_graph(fun, *args) -> Graph:

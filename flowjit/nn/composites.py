@@ -6,7 +6,8 @@ The norms are traced with `EPS_MARKER` as eps, which marks where a matched regio
 from __future__ import annotations
 
 from flowjit import numpy as fnp
-from flowjit.frontend.jit import ShapeDtype, optimized_graph
+from flowjit.frontend.jit import optimized_graph
+from flowjit.frontend.signature import ShapeDtype
 from flowjit.ir.composites import EPS_MARKER, register_composite
 from flowjit.nn.activations import log_softmax, softmax
 from flowjit.nn.normalization import layer_norm, rms_norm

@@ -314,7 +314,7 @@ def clip(x, a_min=None, a_max=None):
 
 def _all_false(x):
     """False everywhere in x's shape: isnan/isinf of integers and bools."""
-    from flowjit.numpy.shapes import zeros_like  # shapes builds on this module
+    from flowjit.numpy.creation import zeros_like  # creation builds on this module
 
     return zeros_like(x, dtype=bool)
 

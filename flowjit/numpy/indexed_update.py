@@ -33,6 +33,7 @@ from flowjit.errors import FlowjitError, FlowjitTypeError, FlowjitValueError, op
 from flowjit.frontend.trace import Tracer, bind
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
+from flowjit.numpy.creation import iota
 from flowjit.numpy.elementwise import (
     add,
     equal,
@@ -46,18 +47,9 @@ from flowjit.numpy.elementwise import (
     not_equal,
     where,
 )
+from flowjit.numpy.indexing import _index_entries, _wrap_index, getitem
 from flowjit.numpy.promotion import _dtype_of, asarray, astype, broadcast_to
-from flowjit.numpy.shapes import (
-    _index_entries,
-    _wrap_index,
-    concatenate,
-    getitem,
-    iota,
-    ravel,
-    reshape,
-    shape,
-    size,
-)
+from flowjit.numpy.shapes import concatenate, ravel, reshape, shape, size
 from flowjit.numpy.sorting import argsort
 
 _MODES = (None, "drop", "clip", "fill", "promise_in_bounds")

@@ -190,7 +190,7 @@ def _einsum_terms(spec: str, operands) -> tuple[list[str], str]:
 
 def _einsum_diagonals(x, t: str):
     """x and its term with every index repeated inside the term reduced to its diagonal."""
-    from flowjit.numpy.shapes import diagonal
+    from flowjit.numpy.indexing import diagonal
 
     while len(set(t)) != len(t):
         c = next(c for c in t if t.count(c) > 1)
@@ -235,7 +235,7 @@ def _einsum_pair(a, ta: str, b, tb: str, keep: str, sizes: dict[str, int]):
 
 def trace(x, offset=0, axis1=0, axis2=1, dtype=None):
     """numpy.trace: the sum of the `offset` diagonal of the (axis1, axis2) planes."""
-    from flowjit.numpy.shapes import diagonal  # shapes' diagonal is the gather
+    from flowjit.numpy.indexing import diagonal  # indexing's diagonal is the gather
 
     return sum(diagonal(x, offset, axis1, axis2), axis=-1, dtype=dtype)
 

@@ -11,6 +11,7 @@ from flowjit.errors import FlowjitValueError, op_error
 from flowjit.frontend.trace import bind
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
+from flowjit.numpy.creation import iota
 from flowjit.numpy.elementwise import (
     add,
     divide,
@@ -30,7 +31,7 @@ from flowjit.numpy.elementwise import (
 )
 from flowjit.numpy.elementwise import where as _where
 from flowjit.numpy.promotion import _dtype_of, _float_operand, asarray, astype, broadcast_to
-from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, iota, ndim, ravel, reshape, shape, size
+from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, ndim, ravel, reshape, shape, size
 
 # --- reductions -------------------------------------------------------------------------------------
 

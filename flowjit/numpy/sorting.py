@@ -17,6 +17,7 @@ from flowjit.errors import FlowjitValueError, op_error
 from flowjit.frontend.trace import Tracer, bind
 from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
+from flowjit.numpy.creation import full, iota
 from flowjit.numpy.elementwise import (
     add,
     divide,
@@ -36,24 +37,11 @@ from flowjit.numpy.elementwise import (
     subtract,
     where,
 )
+from flowjit.numpy.indexing import scatter_add, take, take_along_axis
 from flowjit.numpy.promotion import _cast_all, _dtype_of, _float_operand, asarray, astype, broadcast_to, result_type
 from flowjit.numpy.reductions import any as _any
 from flowjit.numpy.reductions import cumsum, sum
-from flowjit.numpy.shapes import (
-    _norm_axis,
-    _slice_axis,
-    concatenate,
-    full,
-    iota,
-    ndim,
-    ravel,
-    reshape,
-    scatter_add,
-    shape,
-    size,
-    take,
-    take_along_axis,
-)
+from flowjit.numpy.shapes import _norm_axis, _slice_axis, concatenate, ndim, ravel, reshape, shape, size
 
 
 def _sort_operands(x, axis):

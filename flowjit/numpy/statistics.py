@@ -26,10 +26,11 @@ from flowjit.numpy.elementwise import (
     subtract,
     where,
 )
+from flowjit.numpy.indexing import diagonal, take_along_axis
 from flowjit.numpy.linalg import matmul
 from flowjit.numpy.promotion import _dtype_of, _float_operand, asarray, astype
 from flowjit.numpy.reductions import _reduce_axes, any, mean, sum
-from flowjit.numpy.shapes import concatenate, diagonal, moveaxis, ndim, reshape, shape, take_along_axis, transpose
+from flowjit.numpy.shapes import concatenate, moveaxis, ndim, reshape, shape, transpose
 from flowjit.numpy.sorting import sort
 
 

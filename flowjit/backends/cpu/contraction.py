@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowjit.backends.cpu import matmul_kernel
+from flowjit.backends.cpu import host
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, elem_type, tensor_type
 from flowjit.backends.mlir.lower_movement import fill
 from flowjit.ir import dtypes as dt
@@ -83,7 +83,7 @@ PARALLEL_MIN_WORK = 1 << 18
 def split_over_cores(em: KernelEmitter, generic: str, first_dim: int, work: int) -> None:
     """Run the `linalg.generic` named `generic` as one `scf.forall` chunk of its first (parallel)
     loop per core, when its `work` (scalar operations) pays for an OpenMP fork."""
-    threads = matmul_kernel.cores()
+    threads = host.cores()
     if threads < 2 or work < PARALLEL_MIN_WORK or first_dim < 2:
         return
     chunk = -(-first_dim // threads)

@@ -1,5 +1,7 @@
 """llvmlite initialized for this host, with the native libraries generated code calls loaded, and
-the host CPU's description (what code is generated for). The lowest module of the CPU backend that
+the host CPU's description (what code is generated for): its features, vector width
+(`vector_bits`), largest data cache (`last_level_cache_bytes`) and the cores generated code splits
+work over (`cores`). The lowest module of the CPU backend that
 touches llvmlite: the toolchain and the x86-specific rewrites build on it."""
 
 from __future__ import annotations
@@ -85,3 +87,37 @@ def host_cpu() -> HostCPU:
     """This machine's triple, CPU name and features (what code is generated for)."""
     binding = llvm()
     return HostCPU(binding.get_process_triple(), binding.get_host_cpu_name(), binding.get_host_cpu_features().flatten())
+
+
+@functools.cache
+def vector_bits() -> int:
+    """Width of the host's vector registers (512 with AVX-512, 256 with AVX2, else 128)."""
+    features = host_cpu().features
+    if "+avx512f" in features:
+        return 512
+    return 256 if "+avx2" in features else 128
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The host's largest data cache (sysfs), 32 MiB when it cannot be read."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        indices = [name for name in os.listdir(root) if name.startswith("index")]
+    except OSError:
+        indices = []
+    for index in indices:
+        try:
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def cores() -> int:
+    """Cores the generated code splits work over (one OpenMP thread each)."""
+    return os.cpu_count() or 1

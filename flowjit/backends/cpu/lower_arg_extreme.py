@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowjit.backends.cpu import matmul_kernel, schedule
+from flowjit.backends.cpu import host, schedule
 from flowjit.backends.cpu.contraction import PARALLEL_MIN_WORK, accumulator_elem, const, loop_dims
 from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.row_writers import over_cores, per_row
@@ -48,7 +48,7 @@ class _ArgRows:
         self.rows, self.length = tx.size // tx.shape[-1], tx.shape[-1]
         self.elem, self.index_elem = elem_type(tx.dtype), elem_type(result.dtype)
         self.compute = accumulator_elem(tx.dtype)
-        lanes = self.lanes = matmul_kernel.vector_bits() // int(self.compute[1:])
+        lanes = self.lanes = host.vector_bits() // int(self.compute[1:])
         self.vec, self.ivec = f"vector<{lanes}x{self.compute}>", f"vector<{lanes}x{self.index_elem}>"
         self.mvec = f"vector<{lanes}xi1>"
         self.matrix = TensorType((self.rows, self.length), tx.dtype)
@@ -189,7 +189,7 @@ def _arg_extreme_short_rows(em: KernelEmitter, kernel: _ArgRows, parallel: bool)
 def _arg_extreme_rows(em: KernelEmitter, x: str, tx: TensorType, result: TensorType, largest: bool) -> str:
     """argmax/argmin along the last axis (see `_ArgRows`), rows split over the cores when many."""
     kernel = _ArgRows(em, x, tx, result, largest)
-    parallel = matmul_kernel.cores() > 1 and kernel.rows > 1 and tx.size >= PARALLEL_MIN_WORK
+    parallel = host.cores() > 1 and kernel.rows > 1 and tx.size >= PARALLEL_MIN_WORK
     if kernel.length < kernel.lanes and kernel.length <= schedule.SHORT_ROW_MAX:
         flat = _arg_extreme_short_rows(em, kernel, parallel)
     else:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import matmul_kernel, schedule
+from flowjit.backends.cpu import host, matmul_kernel, matmul_packing, matmul_plan, schedule
 from flowjit.backends.cpu.contraction import (
     Epilogue,
     accumulator_elem,
@@ -99,7 +99,7 @@ class _Conv:
     4-D type `tw`, stride, dilation, and the epilogue its output goes through (None: the product
     in `acc`, narrowed to the result's type at the end)."""
 
-    weights: str | matmul_kernel.Restrided  # restrided for a fork's chunks (`_restrides_weights`)
+    weights: str | matmul_packing.Restrided  # restrided for a fork's chunks (`_restrides_weights`)
     tw: TensorType
     stride: tuple
     dilation: tuple
@@ -134,17 +134,17 @@ class _Conv:
 
 def _restrides_weights(o: int, depth: int, acc: str) -> bool:
     """Whether the weights' rows are copied one cache line apart before the chunks' fork: rows a
-    multiple of 4 KiB long (`matmul_kernel.ALIASING_STRIDE`; 1x1 convs over 1024 or 2048 channels),
+    multiple of 4 KiB long (`matmul_plan.ALIASING_STRIDE`; 1x1 convs over 1024 or 2048 channels),
     which the products of the chunks, serial, would read in place at about half the speed
-    (`matmul_kernel.ALIASING_STRIDE` says why; docs/cpu-kernels.md, "conv2d")."""
-    return o >= matmul_kernel.SHORT_TILE_ROWS and matmul_kernel.aliases(depth, acc)
+    (`matmul_plan.ALIASING_STRIDE` says why; docs/cpu-kernels.md, "conv2d")."""
+    return o >= matmul_plan.SHORT_TILE_ROWS and matmul_plan.aliases(depth, acc)
 
 
 def _conv2d_scratch(op: Op) -> int:
     """The weights' restrided copy (`_restrides_weights`), when the conv may take the im2col form."""
     tw = op.operands[1].type
     o, depth, acc = tw.shape[0], tw.size // tw.shape[0], accumulator_elem(op.result.type.dtype)
-    return matmul_kernel.restrided_bytes(o, depth, acc) if _restrides_weights(o, depth, acc) else 0
+    return matmul_plan.restrided_bytes(o, depth, acc) if _restrides_weights(o, depth, acc) else 0
 
 
 SCRATCH["conv2d"] = _conv2d_scratch
@@ -187,7 +187,7 @@ def _whole_images(n: int, fit: int) -> int:
     instance, takes chunks of 16 images, four chunks on two cores, rather than three chunks of 18
     and a tail of 10 whose code is a second copy of the chunk's."""
     whole = [d for d in range(max(1, fit // 2), fit + 1) if n % d == 0]
-    shared = [d for d in whole if (n // d) % matmul_kernel.cores() == 0]
+    shared = [d for d in whole if (n // d) % host.cores() == 0]
     return max(shared or whole, default=fit)
 
 
@@ -219,7 +219,7 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
         rows = max(conv.row_step, rows // conv.row_step * conv.row_step)
     w_ = LoopWriter(em)
     whole = n // images if rows == oh else n * (oh // rows)  # whole chunks
-    threads = matmul_kernel.cores()
+    threads = host.cores()
     if threads < 2 or whole < threads or (whole < 2 * threads and whole % threads):
         if images == n and rows == oh:
             return conv.finish(em, _conv_images(em, (padded, padded_type), conv, result), result)
@@ -230,9 +230,9 @@ def _conv_as_matmul(em: KernelEmitter, padded: str, padded_type: TensorType, con
     if _restrides_weights(o, depth, acc):
         # Before the fork, for the chunks' products inside it: serial, they have no scratch area
         # of their own (the tail chunks after it are not, and restride the weights themselves).
-        copier = LoopWriter.with_scratch(em, matmul_kernel.restrided_bytes(o, depth, acc))
+        copier = LoopWriter.with_scratch(em, matmul_plan.restrided_bytes(o, depth, acc))
         source = (conv.weights, f"tensor<{o}x{depth}x{acc}>", [])
-        weights = matmul_kernel.restride(copier, source, o, depth, acc, copier.index(0), threads)
+        weights = matmul_packing.restride(copier, source, o, depth, acc, copier.index(0), threads)
         in_fork = dataclasses.replace(conv, weights=weights)
     out_type = tensor_type(conv.out(result), conv.out_elem)
     done, t, shared = w_.open_forall(whole, em.empty(conv.out(result), conv.out_elem), out_type)
@@ -334,7 +334,7 @@ def _conv_images(
         else:
             cols = _im2col(em, source, cols_type, stride, dilation, acc, origin)
         cols = reshape(em, cols, TensorType((cols_type.size,), result.dtype), (depth, columns), acc)
-    shape = matmul_kernel.MatmulShape(0, o, columns, depth, acc, serial=serial, b_in_place=in_place)
+    shape = matmul_plan.MatmulShape(0, o, columns, depth, acc, serial=serial, b_in_place=in_place)
     if n == 1 and conv.epilogue is None and into is not None:
         # One image's rows: the product is its window of the output, (O, rows x OW) in place. As a
         # product of its own, reshaped to the window, it was a temporary copied into the output
@@ -391,7 +391,7 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
     fit = max(1, WIDE_CHUNK_ELEMENTS // (columns * kw))
     pairs = max(d for d in range(1, min(c * kh, fit) + 1) if (c * kh) % d == 0)  # (c, kh) pairs per chunk
     chunks, taps = c * kh // pairs, pairs * kw
-    threads = max(1, min(matmul_kernel.cores(), chunks))
+    threads = max(1, min(host.cores(), chunks))
     per = -(-chunks // threads)
     threads = -(-chunks // per)
     w_ = LoopWriter(em)
@@ -405,7 +405,7 @@ def _conv_over_taps(em: KernelEmitter, source, conv, result: TensorType) -> str:
             f"tensor.extract_slice {weights}[0, {w_.mul(first, w_.index(kw))}] [{o}, {taps}] [1, 1] "
             f": tensor<{o}x{c * kh * kw}x{acc}> to tensor<{o}x{taps}x{acc}>"
         )
-        shape = matmul_kernel.MatmulShape(0, o, columns, taps, acc, b_rows=True, serial=serial, accumulate=True)
+        shape = matmul_plan.MatmulShape(0, o, columns, taps, acc, b_rows=True, serial=serial, accumulate=True)
         return matmul_kernel.emit_matmul(em, a, rows, shape, into)
 
     def chunk_loop(lo: str, hi: str, serial: bool) -> str:
@@ -529,7 +529,7 @@ def _im2col_pads(tx: TensorType, tw: TensorType, result: TensorType, stride, pad
     padded copy of the input is made: a padded convolution with stride 1 along the rows, rows of
     input and output at least a vector long, at most a vector of padding on either side of a row,
     and the plain im2col form (not the sum over taps, not a 1x1 conv)."""
-    lanes = matmul_kernel.vector_bits() // int(accumulator_elem(result.dtype)[1:])
+    lanes = host.vector_bits() // int(accumulator_elem(result.dtype)[1:])
     ow = result.shape[3]
     return (
         any(lo or hi for lo, hi in padding)
@@ -556,7 +556,7 @@ def _im2col_padding(em: KernelEmitter, source, cols_type: TensorType, conv, orig
     (top, _), (left, _) = conv.padding
     stride, dilation, acc = conv.stride, conv.dilation, conv.acc
     elem = elem_type(t.dtype)
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     strides = row_major_strides(t.shape)
     flat_in = TensorType((t.size,), t.dtype)
     flat_source = reshape(em, x, t, flat_in.shape)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import library, matmul_kernel, matmul_library, transpose_library
+from flowjit.backends.cpu import host, library, matmul_kernel, matmul_library, matmul_plan, transpose_library
 from flowjit.backends.cpu.contraction import (
     PARALLEL_MIN_WORK,
     Epilogue,
@@ -44,24 +44,24 @@ def _dims_of_dot(op: Op):
     return lhs_free, rhs_free, (*sizes, size_of(lhs_contract, ta.shape))
 
 
-def _kernel_shape(op: Op) -> matmul_kernel.MatmulShape | None:
+def _kernel_shape(op: Op) -> matmul_plan.MatmulShape | None:
     """The tiled kernel's view of a dot_general, or None when the product is too small or too
     narrow for it. B already laid out as (batch, N, K) (`a @ b.T`): the kernel packs it from there;
     A laid out as (batch, K, M) (`a.T @ b`, weight gradients): the kernel reads its columns. No
     transpose copies."""
     lhs_contract, _, lhs_batch, _ = dot_dims(op.attrs)
     _, _, (batch, m, n, k) = _dims_of_dot(op)
-    if not matmul_kernel.worth_it(batch, m, n, k) or _row_against_rows(op) or _few_columns(op):
+    if not matmul_plan.worth_it(batch, m, n, k) or _row_against_rows(op) or _few_columns(op):
         return None
     acc = accumulator_elem(op.result.type.dtype)
     rhs_rows = _rhs_rows_given(op)
     lhs_cols = _lhs_in_column_order(op) or _lhs_free_last(op)
-    return matmul_kernel.MatmulShape(batch if lhs_batch else 0, m, n, k, acc, b_rows=rhs_rows, a_cols=lhs_cols)
+    return matmul_plan.MatmulShape(batch if lhs_batch else 0, m, n, k, acc, b_rows=rhs_rows, a_cols=lhs_cols)
 
 
 def _dot_general_scratch(op: Op) -> int:
     shape = _kernel_shape(op)
-    kernel = 0 if shape is None else matmul_kernel.scratch_bytes(shape)
+    kernel = 0 if shape is None else matmul_plan.scratch_bytes(shape)
     call = library_call(op)
     # Either may run (the call is declined when an operand has no buffer).
     return max(kernel, call.scratch_bytes() if call else 0, _transpose_scratch(op))
@@ -150,7 +150,7 @@ def _lower_with_kernel(em: KernelEmitter, op: Op, operands: list[str]) -> str | 
     return narrow(em, _as_result(em, product, lead, shape, result), result, shape.elem)
 
 
-def _as_result(em: KernelEmitter, product: str, lead: tuple, shape: matmul_kernel.MatmulShape, result: TensorType):
+def _as_result(em: KernelEmitter, product: str, lead: tuple, shape: matmul_plan.MatmulShape, result: TensorType):
     """The kernel's C (lead + (M, N)) viewed with `result`'s shape; when that takes an expand_shape, the
     result is stored through a view of the output of C's shape (`em.store_through`; otherwise C is
     a temporary copied out, a tenth of the call for (8, 128, 512) @ (512, 1536))."""
@@ -307,7 +307,7 @@ def _row_against_rows(op: Op) -> bool:
     the one row block only, reading all of B twice."""
     acc = accumulator_elem(op.result.type.dtype)
     _, _, (_, m, _, k) = _dims_of_dot(op)
-    return m == 1 and k >= DOT_UNROLL * matmul_kernel.vector_bits() // int(acc[1:]) and _rhs_in_row_order(op)
+    return m == 1 and k >= DOT_UNROLL * host.vector_bits() // int(acc[1:]) and _rhs_in_row_order(op)
 
 
 def _lower_with_row_dots(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
@@ -318,10 +318,10 @@ def _lower_with_row_dots(em: KernelEmitter, op: Op, operands: list[str]) -> str 
     outputs split over the cores."""
     result = op.result.type
     acc = accumulator_elem(result.dtype)
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     _, _, (batch, m, n, k) = _dims_of_dot(op)
     narrow_enough = n < lanes // 2 or _row_against_rows(op)
-    if not narrow_enough or k < DOT_UNROLL * lanes or batch * m * n * k < matmul_kernel.KERNEL_MIN_FLOPS:
+    if not narrow_enough or k < DOT_UNROLL * lanes or batch * m * n * k < matmul_plan.KERNEL_MIN_FLOPS:
         return None
     a, b, lead = _dot_operands(em, op, operands, acc, rhs_rows=True)
     w = LoopWriter(em)
@@ -364,7 +364,7 @@ def _lower_with_row_dots(em: KernelEmitter, op: Op, operands: list[str]) -> str 
         return em.op(f"vector.reduction <add>, {total} : {vec} into {acc}")
 
     outputs = batch * m * n
-    parallel = matmul_kernel.cores() > 1 and outputs > 1 and outputs * k >= PARALLEL_MIN_WORK
+    parallel = host.cores() > 1 and outputs > 1 and outputs * k >= PARALLEL_MIN_WORK
     flat = per_row(em, outputs, acc, dot, parallel)
     product = reshape(em, flat, TensorType((outputs,), result.dtype), result.shape, acc)
     return narrow(em, product, result, acc)
@@ -384,7 +384,7 @@ def _few_columns(op: Op) -> bool:
     lhs_contract, _, lhs_batch, _ = dot_dims(op.attrs)
     if acc not in ("f32", "f64") or lhs_batch or tuple(lhs_contract) != (op.operands[0].type.rank - 1,):
         return False
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     _, _, (_, m, n, k) = _dims_of_dot(op)
     return lanes // 2 <= n < lanes and k >= DOT_BLOCK_MIN_VECTORS * lanes and m >= DOT_BLOCK_MIN_ROWS
 
@@ -392,7 +392,7 @@ def _few_columns(op: Op) -> bool:
 def _dot_block_rows(n: int) -> int:
     """Rows of a `_lower_with_dot_blocks` block: the most (up to 4) whose rows x N accumulators, one
     vector of A per row and one of B^T fit the vector registers."""
-    registers = 32 if matmul_kernel.vector_bits() == 512 else 16
+    registers = 32 if host.vector_bits() == 512 else 16
     return max(r for r in (4, 3, 2, 1) if r * n + r + 1 <= registers or r == 1)
 
 
@@ -410,7 +410,7 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
         return None
     result = op.result.type
     acc = accumulator_elem(result.dtype)
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     _, _, (_, m, n, k) = _dims_of_dot(op)
     height = _dot_block_rows(n)
     rows_given = _rhs_rows_given(op)
@@ -461,7 +461,7 @@ def _lower_with_dot_blocks(em: KernelEmitter, op: Op, operands: list[str]) -> st
         return loop
 
     whole = m // height
-    parallel = matmul_kernel.cores() > 1 and whole >= 2 and m * n * k >= PARALLEL_MIN_WORK
+    parallel = host.cores() > 1 and whole >= 2 and m * n * k >= PARALLEL_MIN_WORK
     flat = over_cores(em, m * n, acc, whole, height * n, blocks, parallel)
     if m % height:
         flat_type = f"tensor<{m * n}x{acc}>"
@@ -500,9 +500,9 @@ def _transposed_by_library(em: KernelEmitter, b: str, k: int, n: int, acc: str) 
     buffer = em.op(f"bufferization.to_buffer {b} read_only : tensor<{given}> to memref<{given}>")
     at = em.op("arith.constant 0 : index")
     out = em.op(f"memref.view {area}[{at}][] : memref<{size}xi8> to memref<{rows}>")
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     parallel = k * n >= SHORT_ROWS_PARALLEL_MIN_ELEMENTS
-    threads = min(matmul_kernel.cores(), k // lanes) if parallel else 1  # K is at least 4 vectors
+    threads = min(host.cores(), k // lanes) if parallel else 1  # K is at least 4 vectors
     transpose_library.emit(em, (buffer, f"memref<{given}>"), (out, f"memref<{rows}>"), acc, k, n, threads)
     return em.op(f"bufferization.to_tensor {out} restrict writable : memref<{rows}> to tensor<{rows}>")
 
@@ -512,7 +512,7 @@ def _rows_of(em: KernelEmitter, b: str, tb: TensorType, acc: str) -> str:
     B's column (`vector.gather`, a masked one for the last when K is no multiple of the vector).
     Where the transpose library is off (`_transposed_by_library`): AOT compiles."""
     k, n = tb.shape
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     w = LoopWriter(em)
     flat_t = TensorType((k * n,), tb.dtype)
     flat = reshape(em, b, tb, flat_t.shape, acc)
@@ -531,7 +531,7 @@ def _rows_of(em: KernelEmitter, b: str, tb: TensorType, acc: str) -> str:
             return em.op(f"{written} {{in_bounds = [true]}} : {vec}, {rows_type}")
         return em.op(f"{written}, {mask} {{in_bounds = [false]}} : {vec}, {rows_type}")
 
-    threads = min(matmul_kernel.cores(), n) if rows_t.size >= SHORT_ROWS_PARALLEL_MIN_ELEMENTS else 1
+    threads = min(host.cores(), n) if rows_t.size >= SHORT_ROWS_PARALLEL_MIN_ELEMENTS else 1
     per = -(-n // threads)
     threads = -(-n // per)
     empty = em.empty(rows_t, acc)

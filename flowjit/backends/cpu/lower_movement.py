@@ -1,7 +1,7 @@
 """The CPU's lowerings of the data-movement ops pad, concatenate, gather and scatter_add, registered on
 top of the shared movement lowerings (`backends/mlir/lower_movement.py`: slice, dynamic_slice and
 the helpers). Their vector copy loops are written here, sized by the host's vector width and core
-count (`matmul_kernel.vector_bits`, `matmul_kernel.cores`) with `LoopWriter`.
+count (`host.vector_bits`, `host.cores`) with `LoopWriter`.
 
 Each function has the `LOWERINGS` signature `fn(em, op, operands) -> [result tensor]` and works on
 tensors: pads are a fill followed by strided inserts (the shared `pad_tensor`); gather is a generic
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flowjit.backends.cpu import matmul_kernel, schedule
+from flowjit.backends.cpu import host, schedule
 from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.target import INLINES_SPLAT_OPERANDS, INLINES_SPLATS, lowering
 from flowjit.backends.mlir.emitter import (
@@ -94,7 +94,7 @@ def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     _check_nonempty_axis(op, "gather")
     if result.size == 0:
         return [em.empty(result, memory_elem_type(result.dtype))]
-    lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
+    lanes = host.vector_bits() // max(8, source.dtype.bits)
     if math.prod(source.shape[axis + 1 :]) >= lanes:
         return [_gather_rows(em, x, idx, op)]
     start = _reversal_start(op)
@@ -141,7 +141,7 @@ def _gather_rows(em: KernelEmitter, x: str, idx: str, op: Op) -> str:
     w = LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
     carried = em.empty(out_type, elem)
-    threads = matmul_kernel.cores()
+    threads = host.cores()
     if outer == 1 and threads > 1 and count >= 2 * threads and result.size >= schedule.PARALLEL_MIN_ELEMENTS:
         gathered = _gather_rows_in_parallel(em, w, (x, blocks, idx, int_elem), carried, out_type, threads, pad)
     else:
@@ -180,7 +180,7 @@ def _reversed_columns(em: KernelEmitter, x: str, source: TensorType, count: int,
     elem = memory_elem_type(source.dtype)
     rows, out_type = TensorType((outer, dim), source.dtype), TensorType((outer, count), source.dtype)
     x = reshape(em, x, source, rows.shape, elem)
-    lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
+    lanes = host.vector_bits() // max(8, source.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
     w = LoopWriter(em)
     pad = em.op(f"arith.constant {0 if elem.startswith('i') else 0.0} : {elem}")
@@ -218,7 +218,7 @@ def _copy_block(em: KernelEmitter, w, source, dest, pad: str) -> str:
     into, into_type, o_out, i = dest
     inner = blocks.shape[2]
     elem = memory_elem_type(blocks.dtype)
-    lanes = matmul_kernel.vector_bits() // max(8, blocks.dtype.bits)
+    lanes = host.vector_bits() // max(8, blocks.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
 
     def copy(column: str, in_bounds: str, into: str) -> str:
@@ -257,7 +257,7 @@ def _each_row(em: KernelEmitter, w, out_type: TensorType, shape: tuple[int, ...]
     row: rows over the cores when large, else one loop; written through to the result's `shape`."""
     elem = memory_elem_type(out_type.dtype)
     carried = em.empty(out_type, elem)
-    outer, threads = out_type.shape[0], matmul_kernel.cores()
+    outer, threads = out_type.shape[0], host.cores()
     if threads > 1 and outer >= 2 * threads and out_type.size >= schedule.PARALLEL_MIN_ELEMENTS:
         done = _rows_per_core(em, w, carried, out_type, 0, threads, row)
     else:
@@ -324,7 +324,7 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
         copy = copy_tensor(em, x, source)
     if upd.size == 0:
         return [copy]
-    if math.prod(source.shape[axis + 1 :]) >= matmul_kernel.vector_bits() // max(8, source.dtype.bits):
+    if math.prod(source.shape[axis + 1 :]) >= host.vector_bits() // max(8, source.dtype.bits):
         return [_scatter_rows(em, copy, idx, updates, op)]
     elem, int_elem = memory_elem_type(source.dtype), memory_elem_type(indices.dtype)
     zero, one = em.op("arith.constant 0 : index"), em.op("arith.constant 1 : index")
@@ -365,7 +365,7 @@ def _scatter_rows(em: KernelEmitter, out: str, idx: str, updates: str, op: Op) -
     outer, dim = math.prod(source.shape[:axis]), source.shape[axis]
     inner, count = math.prod(source.shape[axis + 1 :]), indices.size
     elem, int_elem = memory_elem_type(source.dtype), memory_elem_type(indices.dtype)
-    lanes = matmul_kernel.vector_bits() // max(8, source.dtype.bits)
+    lanes = host.vector_bits() // max(8, source.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
     blocks, update_blocks = (
         TensorType((outer, dim, inner), source.dtype),
@@ -467,7 +467,7 @@ def pads_edges(op: Op) -> bool:
     if source.size == 0 or any(interior) or not padded or min(*low, *high) < 0:
         return False
     outer = math.prod(result.shape[: padded[0]])
-    return len(padded) == 1 or result.size < schedule.PARALLEL_MIN_ELEMENTS or outer >= 2 * matmul_kernel.cores()
+    return len(padded) == 1 or result.size < schedule.PARALLEL_MIN_ELEMENTS or outer >= 2 * host.cores()
 
 
 def _padded_axes(op: Op) -> list[int]:
@@ -519,7 +519,7 @@ def _rows_of_blocks(em: KernelEmitter, blocks: list, result: TensorType, axis: i
     outer = math.prod(result.shape[:axis])
     total = result.size // max(outer, 1)
     elem = memory_elem_type(result.dtype)
-    lanes = matmul_kernel.vector_bits() // max(8, result.dtype.bits)
+    lanes = host.vector_bits() // max(8, result.dtype.bits)
     vec = f"vector<{lanes}x{elem}>"
     out_type = TensorType((outer, total), result.dtype)
     w = LoopWriter(em)

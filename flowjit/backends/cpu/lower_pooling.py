@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 
-from flowjit.backends.cpu import matmul_kernel, schedule
+from flowjit.backends.cpu import host, schedule
 from flowjit.backends.cpu.contraction import accumulator_elem, combine, const, loop_dims, narrow, widen
 from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.cpu.row_writers import close_loops, read_every_step, row_major_strides, row_of_vectors
@@ -150,7 +150,7 @@ def _window_taps(
     kind, window, strides = attrs["kind"], attrs["window"], attrs["strides"]
     rank, elem = result.rank, elem_type(result.dtype)
     is_int = acc.startswith("i")
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     width, step = result.shape[-1], strides[-1]
     w = LoopWriter(em)
     flat_in = TensorType((padded_type.size,), result.dtype)

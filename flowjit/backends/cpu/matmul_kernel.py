@@ -17,144 +17,49 @@ Algorithm (GotoBLAS-style, simplified):
 A whose rows are a multiple of 4 KiB apart is first copied with rows one cache line longer
 (`restride`): read in place, a tile's rows would all share one L1 set. Packed panels and that copy
 live in the function's scratch area (`scratch_bytes`), not in per-call allocations.
+
+This module writes the micro-kernel (the register tile, `_row_block`) and the drivers that run it over
+C: by rows or by columns over the cores, packing panels just in time, or streaming a few rows
+(`_rows_streamed`). The shape and the plan (tile sizes, thread split, scratch bytes) are
+`matmul_plan.py`; the packing of A and B is `matmul_packing.py`.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
-from typing import NamedTuple
-
 from flowjit.backends.cpu import host
 from flowjit.backends.cpu.loop_writer import LoopWriter
+from flowjit.backends.cpu.matmul_packing import (
+    Restrided,
+    _a_reader,
+    _pack_a_columns,
+    _pack_b,
+    _pack_panel,
+    _pack_panel_from_rows,
+    _packed_a_reader,
+    restride,
+)
+from flowjit.backends.cpu.matmul_plan import (
+    FEW_ROWS_BLOCK_BYTES,
+    FEW_ROWS_K_STEP,
+    PARALLEL_MIN_FLOPS,
+    TALL_TILE_MIN_K,
+    MatmulShape,
+    _ceil_div,
+    _chunk_rows,
+    _packs_a,
+    _panel_bytes,
+    _panel_ranges,
+    _restrides_a,
+    _row_ranges,
+    _scratch_before_a_copy,
+    _splits_columns,
+    _threads,
+    scratch_bytes,
+    streams_rows,
+)
 from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.errors import CompileError
 
-# Below this many multiply-adds the product runs on one thread (an OpenMP fork costs microseconds).
-PARALLEL_MIN_FLOPS = 1 << 21
-# Below this many multiply-adds, or with fewer columns than one vector, the plain linalg.generic
-# (scalar loops that LLVM unrolls) is as fast and compiles faster.
-KERNEL_MIN_FLOPS = 1 << 12
-
-
-def worth_it(batch: int, m: int, n: int, k: int) -> bool:
-    """Whether a product of this shape should use this kernel."""
-    lanes = vector_bits() // 32
-    return max(batch, 1) * m * n * k >= KERNEL_MIN_FLOPS and n >= lanes // 2 and k > 0
-
-
-@functools.cache
-def vector_bits() -> int:
-    """Width of the host's vector registers (512 with AVX-512, 256 with AVX2, else 128)."""
-    features = host.host_cpu().features
-    if "+avx512f" in features:
-        return 512
-    return 256 if "+avx2" in features else 128
-
-
-@functools.cache
-def tile_rows(vectors_per_row: int) -> int:
-    """The most rows a register tile of `vectors_per_row` vectors per row can have: its accumulators,
-    the panel's vectors and one broadcast in the host's vector registers (32 with AVX-512, 16
-    otherwise), one spare (an integer product's temporary)."""
-    registers = 32 if vector_bits() == 512 else 16
-    return (registers - 2 - vectors_per_row) // vectors_per_row
-
-
-@dataclass(frozen=True)
-class MatmulShape:
-    """One (batched) product: `batch` may be 0 for plain 2-D operands."""
-
-    batch: int
-    m: int
-    n: int
-    k: int
-    elem: str  # "f32", "f64", "i32" or "i64"
-    b_rows: bool = False  # B arrives as (.., N, K) (e.g. `a @ b.T`): packed straight from its rows
-    a_cols: bool = False  # A arrives as (.., K, M) (e.g. `a.T @ b`): read by columns (see `_pack_a_columns`)
-    serial: bool = False  # on the calling thread only (inside another kernel's parallel loop)
-    accumulate: bool = False  # C = C0 + A @ B, C0 given to `emit_matmul` (a sum over K in parts)
-    # B (K, N) read in place by the micro-kernel, no panel packed: for a B the caller has just
-    # written and that fits in L2 (a conv chunk's columns; `serial` products only, see
-    # `_panels_just_in_time`).
-    b_in_place: bool = False
-
-    @property
-    def a_tensor(self) -> str:
-        return self.tensor(self.k, self.m) if self.a_cols else self.tensor(self.m, self.k)
-
-    @property
-    def b_tensor(self) -> str:
-        return self.tensor(self.n, self.k) if self.b_rows else self.tensor(self.k, self.n)
-
-    @property
-    def zero(self) -> str:
-        return "0" if self.elem.startswith("i") else "0.0"
-
-    @property
-    def lanes(self) -> int:
-        return vector_bits() // int(self.elem[1:])
-
-    @property
-    def vectors_per_row(self) -> int:
-        return 2
-
-    @property
-    def nr(self) -> int:
-        return self.lanes * self.vectors_per_row
-
-    @functools.cached_property
-    def mr(self) -> int:
-        """Rows of the register tile (see `TALL_TILE_MIN_K`). For a product split by rows over the
-        cores (whose chunks are multiples of it), the height from there down to `SHORT_TILE_ROWS`
-        that pads a core's rows least: 64 rows on two cores take 8-row tiles (32 per core), not
-        14-row ones (42 and 22 rows)."""
-        tall = tile_rows(self.vectors_per_row)
-        short = min(SHORT_TILE_ROWS, tall)
-        if self.k < TALL_TILE_MIN_K:
-            return short
-        threads = _fork_cores(self)
-        if threads == 1 or _splits_columns(self, threads):
-            return tall
-        per = _ceil_div(self.m, threads)
-        return min(range(tall, short - 1, -1), key=lambda mr: _ceil_div(per, mr) * mr)
-
-    @property
-    def panels(self) -> int:
-        return -(-self.n // self.nr)
-
-    def tensor(self, rows: int | str, cols: int) -> str:
-        prefix = f"{self.batch}x" if self.batch else ""
-        return f"tensor<{prefix}{rows}x{cols}x{self.elem}>"
-
-
-# MR, the rows of the register tile (`MatmulShape.mr`): its 2 x MR accumulators, the two panel vectors
-# and the broadcast of A fill the vector registers (`tile_rows`: 14 rows with AVX-512's 32, 6 with
-# AVX2's 16) when the contraction is at least `TALL_TILE_MIN_K` long: 28 FMAs per k against 2 + 14
-# loads instead of 16 against 2 + 8: the conv layer runs 3-8% faster with 14 rows than with 8 on a
-# 2-core Xeon VM with AVX-512 (docs/cpu-kernels.md, "Matmul kernel").
-# Shorter contractions keep `SHORT_TILE_ROWS`: with 14-row tiles they run slower, their time going
-# to the tiles' stores and epilogue, not the k loop (the CNN's K = 9 conv).
-TALL_TILE_MIN_K = 64
-SHORT_TILE_ROWS = 8
-SINGLE_ROWS_MAX_SHARE = 64  # see `_row_ranges`
-# A given as (K, M) is packed (see `_pack_a_columns`) when this many panels re-read it; a product
-# with fewer (a narrow N) reads its columns in place (packing for a.T @ dz with N = 10 triples its
-# time).
-PACK_A_MIN_PANELS = 4
-# A whose rows are a multiple of this many bytes apart is first copied to rows padded by one cache
-# line (`restride`). The micro-kernel reads MR rows of A at once, one line of each per 16 k: at
-# such a stride all MR lines fall in the same L1 set (sets x line = 4 KiB on the Zen 4, Zen 5 and
-# Xeon cores measured), which holds 8 or 12 lines, so with 14 rows every broadcast misses L1: on a
-# 2-core AMD EPYC Zen 4 VM a 1024^3 float32 product unpadded runs at about 60% of the speed of
-# K = 1008 or 1040.
-ALIASING_STRIDE = 4096
-CACHE_LINE = 64
-# Cores split C's columns (each packing its panels just in time) only for contractions at least this
-# long: split that way, the CNN's 3x3 conv on one channel (K = 9) runs 7% slower and a deep one
-# (K = 288) faster (2-core AMD EPYC Zen 4 VM).
-COLUMN_SPLIT_MIN_K = 64
 # On the micro-kernel's k loop: LLVM must not unroll it. It fully unrolls short contractions (the
 # CNN's K = 9: 144 FMAs where the loop has 16), which runs no faster and grows the optimized IR,
 # and leaves long ones rolled anyway (docs/cpu-compile-time.md). scf-to-cf copies the attribute to
@@ -162,148 +67,11 @@ COLUMN_SPLIT_MIN_K = 64
 # (`llvm.br`'s own attribute): named `llvm.loop_annotation` it stays in the LLVM dialect and is
 # dropped by the translation.
 NO_UNROLL = "loop_annotation = #llvm.loop_annotation<unroll = <disable = true>>"
-# Packing loops over k up to this long are written out (the CNN conv's K = 9), unrolled without
-# LLVM's unroll marks (which keep a function on LLVM's O3 pipeline; docs/cpu-compile-time.md, "Emit less
-# time"). The loop over a panel's blocks of MR rows stays a loop: against up to 4 blocks of constant
+# The loop over a panel's blocks of MR rows stays a loop: against up to 4 blocks of constant
 # rows written out when K is short (the CNN conv's 32 rows, K = 9), it runs as fast (within 2%) and
 # its first call compiles 20-50% faster (2-core AMD EPYC Zen 4 VM): one copy of the register
 # tile's code instead of four.
-MAX_UNROLLED_PACK = 16
 MAX_UNROLLED_ROW_BLOCKS = 1
-
-
-def _panel_ranges(s: MatmulShape) -> list[tuple[int, int, list[str]]]:
-    """(first panel, end panel, per-vector state) runs: whole panels, then the partial last one.
-
-    A vector's state is "true" (inside C), "false" (straddles column N: masked access, slow, so
-    kept out of the whole panels' loop) or "none" (entirely past N: not read, not stored).
-    """
-    whole = s.n // s.nr
-    ranges = [(0, whole, ["true"] * s.vectors_per_row)] if whole else []
-    if s.n % s.nr:
-        first = whole * s.nr
-        states = []
-        for c in range(s.vectors_per_row):
-            lo, hi = first + c * s.lanes, first + (c + 1) * s.lanes
-            states.append("true" if hi <= s.n else "false" if lo < s.n else "none")
-        ranges.append((whole, whole + 1, states))
-    return ranges
-
-
-def _pack_b(w: LoopWriter, s: MatmulShape, b: str, batch_index: str | None) -> str:
-    """Bp[p, k, :] = B[k, p*NR : p*NR + NR] (zero past N), or from B's rows with `s.b_rows`."""
-    pack = _pack_panel_from_rows if s.b_rows else _pack_panel
-    packed = w.temporary((s.panels, s.k, s.nr), s.elem, w.index(0))
-    packed_type = f"tensor<{s.panels}x{s.k}x{s.nr}x{s.elem}>"
-    for first, end, states in _panel_ranges(s):
-        loop, p, (cur,) = w.open_for(w.index(first), w.index(end), w.index(1), [(packed, packed_type)])
-        w.close_for([pack(w, s, b, batch_index, states, p, cur, packed_type, p)], [packed_type])
-        packed = loop
-    return packed
-
-
-def _pack_panel(w: LoopWriter, s: MatmulShape, b: str, batch_index, states, p: str, dest: str, dest_type: str, at: str):
-    """dest[at, k, :] = B[k, p*NR : p*NR + NR] for every k; `states` per vector (see `_panel_ranges`)."""
-    em = w.em
-    vl = s.lanes
-    vec = f"vector<{vl}x{s.elem}>"
-    zero = em.op(f"arith.constant {s.zero} : {s.elem}")
-    zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
-    col = w.mul(p, w.index(s.nr))
-
-    def pack_row(k: str, cur: str) -> str:
-        for c, state in enumerate(states):
-            v = zero_vec
-            if state != "none":
-                where = ", ".join(([batch_index] if batch_index else []) + [k, w.add(col, w.index(c * vl))])
-                v = em.op(f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{state}]}} : {s.b_tensor}, {vec}")
-            where = f"{at}, {k}, {w.index(c * vl)}"
-            cur = em.op(f"vector.transfer_write {v}, {cur}[{where}] {{in_bounds = [true]}} : {vec}, {dest_type}")
-        return cur
-
-    if s.k <= MAX_UNROLLED_PACK:  # written out (a marked loop would keep the function on LLVM's O3)
-        for k in range(s.k):
-            dest = pack_row(w.index(k), dest)
-        return dest
-    loop, k, (cur,) = w.open_for(w.index(0), w.index(s.k), w.index(1), [(dest, dest_type)])
-    w.close_for([pack_row(k, cur)], [dest_type])
-    return loop
-
-
-def _pack_panel_from_rows(
-    w: LoopWriter, s: MatmulShape, b: str, batch_index, states, p: str, dest: str, dest_type: str, at: str
-):
-    """dest[at, k, j] = B[p*NR + j, k] (zero past N) for B given as (N, K): blocks of NR rows x one
-    vector of k, read contiguously and transposed in registers (`_transpose_square`). A strided copy
-    of B to (K, N) before the usual packing costs more than the product itself."""
-    em = w.em
-    vl, nr = s.lanes, s.nr
-    vec = f"vector<{vl}x{s.elem}>"
-    zero = em.op(f"arith.constant {s.zero} : {s.elem}")
-    zero_vec = em.op(f"arith.constant dense<{s.zero}> : {vec}")
-    # Rows of the partial last panel at or past N stay zero (only that panel has a "none" state).
-    live = nr if all(state == "true" for state in states) else s.n % nr
-    row0 = w.mul(p, w.index(nr))
-    whole_k = s.k // vl * vl
-
-    def read(row: str, k: str, k_in_bounds: str) -> str:
-        where = ", ".join(([batch_index] if batch_index else []) + [row, k])
-        return em.op(f"vector.transfer_read {b}[{where}], {zero} {{in_bounds = [{k_in_bounds}]}} : {s.b_tensor}, {vec}")
-
-    def write(square: list[str], cur: str, k: str, count: int, column: str) -> str:
-        for i in range(count):
-            where = f"[{at}, {w.add(k, w.index(i))}, {column}]"
-            cur = em.op(f"vector.transfer_write {square[i]}, {cur}{where} {{in_bounds = [true]}} : {vec}, {dest_type}")
-        return cur
-
-    def pack_block(k: str, k_in_bounds: str, count: int, cur: str) -> str:
-        # Writes packed rows k .. k + count - 1 (count < vl only for the tail past the last whole vector of k).
-        if live == nr and nr > vl:
-            # A whole panel: its squares of vl rows one after the other in an `scf.for`, one copy of
-            # the transpose's code. Written out, the squares run no faster and more than double the
-            # kernel's MLIR and lengthen its compile.
-            loop, c, (into,) = w.open_for(w.index(0), w.index(nr), w.index(vl), [(cur, dest_type)])
-            first = w.add(row0, c)
-            square = _transpose_square(em, [read(w.add(first, w.index(j)), k, k_in_bounds) for j in range(vl)], vec)
-            w.close_for([write(square, into, k, count, c)], [dest_type])
-            return loop
-        rows = [read(w.add(row0, w.index(j)), k, k_in_bounds) for j in range(live)] + [zero_vec] * (nr - live)
-        for c in range(s.vectors_per_row):
-            cur = write(_transpose_square(em, rows[c * vl : (c + 1) * vl], vec), cur, k, count, w.index(c * vl))
-        return cur
-
-    cur = dest
-    if whole_k:
-        loop, k, (c,) = w.open_for(w.index(0), w.index(whole_k), w.index(vl), [(cur, dest_type)])
-        w.close_for([pack_block(k, "true", vl, c)], [dest_type])
-        cur = loop
-    if s.k % vl:
-        cur = pack_block(w.index(whole_k), "false", s.k % vl, cur)
-    return cur
-
-
-def _transpose_square(em: KernelEmitter, rows: list[str], vec: str) -> list[str]:
-    """The rows of the transpose of the square whose rows are `rows` (len(rows) = lanes, a power of two).
-
-    A butterfly of log2(lanes) stages, each `lanes` two-source `vector.shuffle`s (one instruction
-    each with AVX-512: vshufps, vpermt2pd, vshuff64x2): stage `bit` swaps that bit between the row
-    and column index of every element where they differ. A `vector.transpose` of the block, which
-    canonicalization folds into one extract and insert per element, compiles to about 1000
-    shuffles and three times the LLVM time.
-    """
-    n = len(rows)
-    bit = 1
-    while bit < n:
-        low = [j if j & bit == 0 else n + j - bit for j in range(n)]
-        high = [j + bit if j & bit == 0 else n + j for j in range(n)]
-        out = list(rows)
-        for i in range(n):
-            if i & bit == 0:
-                pair = f"{rows[i]}, {rows[i | bit]}"
-                out[i] = em.op(f"vector.shuffle {pair} [{', '.join(map(str, low))}] : {vec}, {vec}")
-                out[i | bit] = em.op(f"vector.shuffle {pair} [{', '.join(map(str, high))}] : {vec}, {vec}")
-        rows, bit = out, bit * 2
-    return rows
 
 
 def _row_blocks(
@@ -330,125 +98,6 @@ def _row_blocks(
     for first, end, states in _panel_ranges(s):
         c_tile = _panel_loop(w, s, read_a, packed, c_tile, c_type, (lo, hi), mr, (first, end, states))
     return c_tile
-
-
-class Restrided(NamedTuple):
-    """A's copy with rows one cache line longer (`restride`): (M, K + pad), the batch's matrix."""
-
-    tensor: str
-    type: str
-
-
-def _a_reader(w: LoopWriter, s: MatmulShape, a: str | Restrided, row0: str, batch_index: str | None):
-    """read(i, r, k) = A[row0 + i + r, k], read in place or from its restrided copy."""
-    if isinstance(a, Restrided):
-        a, a_type, prefix = a.tensor, a.type, []
-    else:
-        a_type, prefix = s.a_tensor, [batch_index] if batch_index else []
-
-    def read(i: str, r: int, k: str) -> str:
-        row = w.add(w.add(row0, i), w.index(r))
-        where = [k, row] if s.a_cols else [row, k]
-        return w.em.op(f"tensor.extract {a}[{', '.join(prefix + where)}] : {a_type}")
-
-    return read
-
-
-def aliases(k: int, elem: str) -> bool:
-    """Whether rows of `k` elements of `elem` are a multiple of `ALIASING_STRIDE` bytes long."""
-    return k * int(elem[1:]) // 8 % ALIASING_STRIDE == 0
-
-
-def restrided_bytes(m: int, k: int, elem: str) -> int:
-    """Bytes of an (m, k) matrix's restrided copy (`restride`)."""
-    return _round_up(m * (k * int(elem[1:]) // 8 + CACHE_LINE), 64)
-
-
-def _restrides_a(s: MatmulShape) -> bool:
-    """Whether A's rows are copied one cache line apart first (see `ALIASING_STRIDE`): a row-major A
-    read in place by tall tiles, its rows a multiple of `ALIASING_STRIDE` bytes long. Not for
-    serial products (inside another kernel's parallel loop, which has no scratch area of its own:
-    a convolution restrides its weights before its fork, `lower_conv._conv_as_matmul`)."""
-    return not s.a_cols and not s.serial and s.m >= s.mr and aliases(s.k, s.elem)
-
-
-def restride(
-    w: LoopWriter, a: tuple[str, str, list[str]], m: int, k: int, elem: str, offset: str, threads: int
-) -> Restrided:
-    """The (m, k) matrix `a` = (tensor, its type, leading indices (a batch's)) copied with rows
-    `CACHE_LINE` bytes longer, into the scratch area at byte `offset` (`restrided_bytes`), so the
-    rows of a tile fall in consecutive cache sets; split by rows over `threads` cores (its own
-    fork: every core's tiles read all of A when they split C's columns)."""
-    em = w.em
-    source, source_type, prefix = a
-    vl = vector_bits() // int(elem[1:])
-    vec = f"vector<{vl}x{elem}>"
-    stride = k + CACHE_LINE * 8 // int(elem[1:])
-    copy_type = f"tensor<{m}x{stride}x{elem}>"
-    copy = w.temporary((m, stride), elem, offset)
-    pad = em.op(f"arith.constant {'0' if elem.startswith('i') else '0.0'} : {elem}")
-
-    def copy_rows(row0: str, rows: str, dest: str, dest_type: str) -> str:
-        outer, r, (cur,) = w.open_for(w.index(0), rows, w.index(1), [(dest, dest_type)])
-        inner, col, (c,) = w.open_for(w.index(0), w.index(k), w.index(vl), [(cur, dest_type)])
-        where = ", ".join(prefix + [w.add(row0, r), col])
-        v = em.op(f"vector.transfer_read {source}[{where}], {pad} {{in_bounds = [true]}} : {source_type}, {vec}")
-        c = em.op(f"vector.transfer_write {v}, {c}[{r}, {col}] {{in_bounds = [true]}} : {vec}, {dest_type}")
-        w.close_for([c], [dest_type])
-        w.close_for([inner], [dest_type])
-        return outer
-
-    if threads == 1:
-        return Restrided(copy_rows(w.index(0), w.index(m), copy, copy_type), copy_type)
-    chunk = _ceil_div(m, threads)
-    done, t, shared = w.open_forall(_ceil_div(m, chunk), copy, copy_type)
-    row0 = w.mul(t, w.index(chunk))
-    rows = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(m)}, {row0} : index')}, {w.index(chunk)} : index")
-    part_type = f"tensor<?x{stride}x{elem}>"
-    where = f"[{row0}, 0] [{rows}, {stride}] [1, 1]"
-    part = em.op(f"tensor.extract_slice {shared}{where} : {copy_type} to {part_type}")
-    w.close_forall(copy_rows(row0, rows, part, part_type), shared, where, part_type, copy_type)
-    return Restrided(done, copy_type)
-
-
-def _pack_a_columns(
-    w: LoopWriter, s: MatmulShape, a: str, row0: str, rows, batch_index: str | None, thread: str
-) -> tuple[str, str]:
-    """Ap[q, k, 0:MR] = A[row0 + lo + q*MR : .. + MR, k] for A given as (K, M) and the whole blocks of
-    MR rows in [lo, hi). Read in place, the micro-kernel would touch a new line per k, M elements
-    apart (4 KiB for M = 1024: all in the same cache sets); packed, each block is contiguous."""
-    em = w.em
-    lo, hi, most = rows
-    vec = f"vector<{s.mr}x{s.elem}>"
-    blocks_most = max(most // s.mr, 1)
-    packed_type = f"tensor<{blocks_most}x{s.k}x{s.mr}x{s.elem}>"
-    pad = em.op(f"arith.constant {s.zero} : {s.elem}")
-    offset = w.add(w.index(_packed_b_bytes(s)), w.mul(thread, w.index(_packed_a_bytes(s, most))))
-    packed = w.temporary((blocks_most, s.k, s.mr), s.elem, offset)
-    blocks = em.op(f"arith.divsi {em.op(f'arith.subi {hi}, {lo} : index')}, {w.index(s.mr)} : index")
-    first = w.add(row0, lo)
-    prefix = [batch_index] if batch_index else []
-    outer, k, (cur,) = w.open_for(w.index(0), w.index(s.k), w.index(1), [(packed, packed_type)])
-    inner, q, (c,) = w.open_for(w.index(0), blocks, w.index(1), [(cur, packed_type)])
-    col = w.add(first, w.mul(q, w.index(s.mr)))
-    v = em.op(
-        f"vector.transfer_read {a}[{', '.join(prefix + [k, col])}], {pad} {{in_bounds = [true]}} : {s.a_tensor}, {vec}"
-    )
-    c = em.op(f"vector.transfer_write {v}, {c}[{q}, {k}, {w.index(0)}] {{in_bounds = [true]}} : {vec}, {packed_type}")
-    w.close_for([c], [packed_type])
-    w.close_for([inner], [packed_type])
-    return outer, packed_type
-
-
-def _packed_a_reader(w: LoopWriter, s: MatmulShape, packed: tuple[str, str], lo: str):
-    """read(i, r, k) = Ap[(i - lo) / MR, k, r] (see `_pack_a_columns`)."""
-    packed, packed_type = packed
-
-    def read(i: str, r: int, k: str) -> str:
-        q = w.em.op(f"arith.divsi {w.em.op(f'arith.subi {i}, {lo} : index')}, {w.index(s.mr)} : index")
-        return w.em.op(f"tensor.extract {packed}[{q}, {k}, {w.index(r)}] : {packed_type}")
-
-    return read
 
 
 def _panel_loop(w: LoopWriter, s: MatmulShape, read_a, packed, c_tile, c_type, row_range, mr, panels):
@@ -629,49 +278,6 @@ def emit_matmul(
     return c_new
 
 
-# Products of at most FEW_ROWS_MAX rows (a batch-1 or small-batch layer, `v @ W`) are streamed
-# (`_rows_streamed`): nothing is packed, and B is read once, row after row, in the order it lies in
-# memory. Packed into K x NR panels, each B row would be read 128 bytes at a time, 16 KiB apart,
-# and the panels used by one row block only, at half the memory bandwidth JAX reaches on such
-# products. FEW_ROWS_K_STEP rows of B go through each pass over C's block (fewer loads and
-# stores of C per multiply-add), and a block of C is at most FEW_ROWS_BLOCK_BYTES, to stay in L1.
-FEW_ROWS_MAX = 4
-FEW_ROWS_K_STEP = 4
-FEW_ROWS_BLOCK_BYTES = 16 << 10
-# Up to this many rows, a product whose B is larger than the last-level cache is streamed too:
-# memory-bound either way, and the tiled kernel's panels read B 128 bytes at a time, so streaming
-# is faster there (by a third at 6 rows); with B in L3 tiling is faster, hence the size condition.
-FEW_ROWS_MAX_LARGE_B = 8
-
-
-def streams_rows(s: MatmulShape) -> bool:
-    """Whether `emit_matmul` streams this product (`_rows_streamed`) instead of tiling it."""
-    plain = not (s.batch or s.serial or s.accumulate or s.a_cols or s.b_rows or s.b_in_place)
-    b_bytes = s.k * s.n * int(s.elem[1:]) // 8
-    few = s.m <= FEW_ROWS_MAX or (s.m <= FEW_ROWS_MAX_LARGE_B and b_bytes > last_level_cache_bytes())
-    return plain and few and s.n >= s.lanes and s.k >= FEW_ROWS_K_STEP
-
-
-@functools.cache
-def last_level_cache_bytes() -> int:
-    """The host's largest data cache (sysfs), 32 MiB when it cannot be read."""
-    sizes = []
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        indices = [name for name in os.listdir(root) if name.startswith("index")]
-    except OSError:
-        indices = []
-    for index in indices:
-        try:
-            with open(os.path.join(root, index, "size")) as f:
-                text = f.read().strip()
-            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-        except (OSError, ValueError):
-            continue
-    return max(sizes, default=32 << 20)
-
-
 def _rows_streamed(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
     """C = A @ B for a few rows (`streams_rows`): C starts at zero and each step adds
     FEW_ROWS_K_STEP rows of B, scaled by A's matching columns, to a block of C's columns, vector by
@@ -684,7 +290,7 @@ def _rows_streamed(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) ->
     zero = em.op(f"arith.constant {s.zero} : {s.elem}")
     c = em.op(f"linalg.fill ins({zero} : {s.elem}) outs({c_all} : {c_type}) -> {c_type}")
     whole = s.n // s.lanes
-    threads = cores() if s.m * s.n * s.k >= PARALLEL_MIN_FLOPS and whole >= 2 * cores() else 1
+    threads = host.cores() if s.m * s.n * s.k >= PARALLEL_MIN_FLOPS and whole >= 2 * host.cores() else 1
     if threads > 1:
         per = _ceil_div(whole, threads)
         done, t, shared = w.open_forall(_ceil_div(whole, per), c, c_type)
@@ -774,14 +380,6 @@ def _epilogue_by_vectors(w: LoopWriter, s: MatmulShape, c: str, c_type: str) -> 
     return em.op(f"tensor.insert_slice {part} into {loop}{where} : {window} into {c_type}")
 
 
-def _splits_columns(s: MatmulShape, threads: int) -> bool:
-    """Whether the cores split C's columns (whole panels) rather than its rows: when each gets two
-    or more panels of at least `COLUMN_SPLIT_MIN_K` rows, and neither a batch nor a packed A (which
-    every thread would need) is involved."""
-    splits = threads > 1 and not s.batch and not _packs_a(s) and s.k >= COLUMN_SPLIT_MIN_K
-    return splits and s.n // s.nr >= 2 * threads
-
-
 def _columns_in_parallel(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str, threads: int) -> str:
     """C's whole panels in one `scf.forall` chunk per core; each thread packs every panel of its
     chunk into its own K x NR buffer just before using it. Packing all of B first would run on the
@@ -824,16 +422,6 @@ def _panels_just_in_time(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: s
         partial = (w.index(whole), w.index(whole + 1), _panel_ranges(s)[-1][2])
         c_new = _panels_packed_one_by_one(w, s, a, b, (c_new, c_type), w.index(0), partial, w.index(0))
     return c_new
-
-
-def _row_ranges(s: MatmulShape) -> list[tuple[tuple[int, int], int]]:
-    """((first row, end row), rows per block) of all of C's rows: whole blocks of MR, then the rows
-    left over, as one shorter tile (several independent accumulators) unless they are at most
-    1/`SINGLE_ROWS_MAX_SHARE` of the rows: then one at a time (a 1-row tile runs at a quarter of
-    the speed, its two accumulators latency-bound, but is a tenth of the code to compile)."""
-    full, left = s.m // s.mr * s.mr, s.m % s.mr
-    tail = [((full, s.m), 1 if left * SINGLE_ROWS_MAX_SHARE <= s.m else left)] if left else []
-    return ([((0, full), s.mr)] if full else []) + tail
 
 
 def _panels_in_place(w: LoopWriter, s: MatmulShape, a: str, b: str, c_all: str) -> str:
@@ -893,7 +481,7 @@ def _rows_in_parallel(w: LoopWriter, s: MatmulShape, operands, c_all: str, threa
 
 
 def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
-    """All of C's rows on this thread (`_row_ranges`)."""
+    """All of C's rows on this thread (`matmul_plan._row_ranges`)."""
     em = w.em
     a, packed, bi = operands
     c_type = tile_type = s.tensor(s.m, s.n)
@@ -908,82 +496,8 @@ def _rows_serially(w: LoopWriter, s: MatmulShape, operands, c_all: str) -> str:
     return em.op(f"tensor.insert_slice {tile} into {c_all}{where} : {tile_type} into {c_type}") if bi else tile
 
 
-def _fork_cores(s: MatmulShape) -> int:
-    """The cores a product this large may be split over (all of them when it pays for a fork, 1
-    when serial or small), before the row or column split is chosen."""
-    threads = 1 if s.serial else cores()
-    return threads if s.m * s.n * s.k * max(s.batch, 1) >= PARALLEL_MIN_FLOPS else 1
-
-
-def _threads(s: MatmulShape) -> int:
-    """Threads the product is split over (by columns or rows): all cores when large enough, else 1."""
-    threads = _fork_cores(s)
-    if threads == 1:
-        return 1
-    # Split by rows, each core needs two blocks of MR rows; split by columns, any number of rows.
-    return threads if s.m >= 2 * s.mr * threads or _splits_columns(s, threads) else 1
-
-
-def _chunk_rows(s: MatmulShape, threads: int) -> int:
-    """Rows of C per thread: a multiple of MR (all of them on one thread)."""
-    return _ceil_div(_ceil_div(s.m, threads), s.mr) * s.mr if threads > 1 else s.m
-
-
-def _packs_a(s: MatmulShape) -> bool:
-    return s.a_cols and s.panels >= PACK_A_MIN_PANELS
-
-
-def _packed_b_bytes(s: MatmulShape) -> int:
-    return _round_up(s.panels * s.k * s.nr * int(s.elem[1:]) // 8, 64)
-
-
-def _packed_a_bytes(s: MatmulShape, most_rows: int) -> int:
-    """One thread's packed A (see `_pack_a_columns`) for up to `most_rows` rows."""
-    return _round_up(max(most_rows // s.mr, 1) * s.k * s.mr * int(s.elem[1:]) // 8, 64) if _packs_a(s) else 0
-
-
-def _panel_bytes(s: MatmulShape) -> int:
-    return _round_up(s.k * s.nr * int(s.elem[1:]) // 8, 64)
-
-
-def scratch_bytes(s: MatmulShape) -> int:
-    """Bytes of temporaries `emit_matmul` keeps in the function's scratch area (`KernelEmitter.scratch`)
-    when the area is that large, else allocates: the packed B panels (one batch at a time), then each
-    thread's packed A, then A's restrided copy. Per-call allocations this big fragmented glibc's
-    heap (small blocks allocated between calls land in the freed panels), so every call
-    page-faulted fresh memory."""
-    if streams_rows(s):
-        return 0
-    return _scratch_before_a_copy(s) + (restrided_bytes(s.m, s.k, s.elem) if _restrides_a(s) else 0)
-
-
-def _scratch_before_a_copy(s: MatmulShape) -> int:
-    """Bytes of the scratch area before A's restrided copy (`restride`), which comes last."""
-    threads = _threads(s)
-    if s.b_in_place and s.serial:
-        return 0
-    if _splits_columns(s, threads):
-        return threads * _panel_bytes(s)
-    chunk = _chunk_rows(s, threads)
-    most = chunk if threads > 1 else s.m // s.mr * s.mr
-    return _packed_b_bytes(s) + threads * _packed_a_bytes(s, most)
-
-
 def multiply_add_vectors(em: KernelEmitter, a: str, b: str, acc: str, vec: str, elem: str) -> str:
     """acc + a * b on vectors of `elem` (fused for floats; integers wrap, as numpy's do)."""
     if elem.startswith("i"):
         return em.op(f"arith.addi {acc}, {em.op(f'arith.muli {a}, {b} : {vec}')} : {vec}")
     return em.op(f"vector.fma {a}, {b}, {acc} : {vec}")
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
-
-
-def cores() -> int:
-    """Cores the generated code splits work over (one OpenMP thread each)."""
-    return os.cpu_count() or 1

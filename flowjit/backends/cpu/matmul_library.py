@@ -15,7 +15,7 @@ With the library the program's module holds a call, which compiles in a few mill
 
 The functions run the specialized kernel's algorithm with loop bounds in registers (`_Kernel`), so
 each element is the same chain of multiply-adds and the results are bit-identical: C's whole panels
-split over the cores, packed just in time (`matmul_kernel._columns_in_parallel`), or, for products
+split over the cores, packed just in time (`matmul_plan._columns_in_parallel`), or, for products
 too narrow or too short for that, C's rows split over the cores after every panel is packed
 (`_rows_in_parallel`); MR-row register tiles, leftover rows as tiles of 8, 4, 2 and 1 rows; the
 partial last panel masked; A restrided when its rows alias in L1, packed in blocks of MR columns
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 
-from flowjit.backends.cpu import library, matmul_kernel
+from flowjit.backends.cpu import host, library, matmul_kernel, matmul_packing, matmul_plan
 
 ELEMS = ("f32", "f64")
 # A vector of a panel: loaded and stored whole, or past N (`_Kernel.pack`); otherwise its mask.
@@ -75,16 +75,16 @@ def call_shape(m: int, n: int, k: int, elem: str, layout: str = "") -> bool:
     the cores (by columns or rows) with a contraction long enough for tall tiles."""
     if elem not in ELEMS or layout not in LAYOUTS or not enabled():
         return False
-    shape = matmul_kernel.MatmulShape(0, m, n, k, elem)
-    if not matmul_kernel.worth_it(0, m, n, k) or matmul_kernel.streams_rows(shape):
+    shape = matmul_plan.MatmulShape(0, m, n, k, elem)
+    if not matmul_plan.worth_it(0, m, n, k) or matmul_plan.streams_rows(shape):
         return False
-    return small(m, n, k) or (matmul_kernel._threads(shape) > 1 and k >= matmul_kernel.TALL_TILE_MIN_K)
+    return small(m, n, k) or (matmul_plan._threads(shape) > 1 and k >= matmul_plan.TALL_TILE_MIN_K)
 
 
 def call_threads(m: int, n: int, k: int, elem: str) -> int:
     """The cores a call splits its product over: the specialized kernel's choice (one for a small
     product, whose fork would cost more than it saves)."""
-    return matmul_kernel._threads(matmul_kernel.MatmulShape(0, m, n, k, elem))
+    return matmul_plan._threads(matmul_plan.MatmulShape(0, m, n, k, elem))
 
 
 def small(m: int, n: int, k: int) -> bool:
@@ -94,21 +94,21 @@ def small(m: int, n: int, k: int) -> bool:
 
 
 def threads() -> int:
-    return matmul_kernel.cores()
+    return host.cores()
 
 
 def scratch_bytes(m: int, n: int, k: int, elem: str, layout: str = "") -> int:
     """Bytes of the scratch area a call uses (`_Kernel.text` lays it out): one panel per core
     (K rounded up to a vector, x NR), then A's restrided copy (when its rows alias,
-    `matmul_kernel.aliases`) or, A given as (K, M), its packed blocks of MR columns."""
+    `matmul_plan.aliases`) or, A given as (K, M), its packed blocks of MR columns."""
     geometry = _Geometry(elem)
-    by_columns = n // geometry.nr >= 2 * threads() and k >= matmul_kernel.COLUMN_SPLIT_MIN_K
+    by_columns = n // geometry.nr >= 2 * threads() and k >= matmul_plan.COLUMN_SPLIT_MIN_K
     count = threads() if by_columns else -(-n // geometry.nr)
     panels = count * _round_up(_round_up(k, geometry.vl) * geometry.nr * geometry.size, 64)
-    if layout == "at" and -(-n // geometry.nr) >= matmul_kernel.PACK_A_MIN_PANELS:
+    if layout == "at" and -(-n // geometry.nr) >= matmul_plan.PACK_A_MIN_PANELS:
         blocks = -(-m // geometry.mr)
         return panels + _round_up(blocks * k * geometry.packed_width * geometry.size, 64)
-    return panels + (matmul_kernel.restrided_bytes(m, k, elem) if matmul_kernel.aliases(k, elem) else 0)
+    return panels + (matmul_plan.restrided_bytes(m, k, elem) if matmul_plan.aliases(k, elem) else 0)
 
 
 class _Geometry:
@@ -117,9 +117,9 @@ class _Geometry:
     def __init__(self, elem: str):
         self.elem = elem
         self.size = int(elem[1:]) // 8
-        self.vl = matmul_kernel.vector_bits() // int(elem[1:])
+        self.vl = host.vector_bits() // int(elem[1:])
         self.nr = 2 * self.vl
-        self.mr = matmul_kernel.tile_rows(2)
+        self.mr = matmul_plan.tile_rows(2)
         self.packed_width = _round_up(self.mr, self.vl)  # a packed block of A's columns, per k
 
 
@@ -153,7 +153,7 @@ class _Kernel(_Geometry):
         panel_bytes = w.arith("muli", k_rounded, self.nr * self.size)
         panel_bytes = w.arith("muli", w.arith("ceildivui", panel_bytes, 64), 64)
         wide = w.op(f"arith.cmpi uge, {w.arith('divui', '%n', self.nr)}, {w.arith('muli', '%threads', 2)} : index")
-        deep = w.op(f"arith.cmpi uge, %k, {w.index(matmul_kernel.COLUMN_SPLIT_MIN_K)} : index")
+        deep = w.op(f"arith.cmpi uge, %k, {w.index(matmul_plan.COLUMN_SPLIT_MIN_K)} : index")
         by_columns = w.op(f"arith.andi {wide}, {deep} : i1")
         count = w.op(f"arith.select {by_columns}, %threads, {w.arith('ceildivui', '%n', self.nr)} : index")
         after = w.arith("muli", count, panel_bytes)
@@ -161,10 +161,10 @@ class _Kernel(_Geometry):
         scratch = w.op(f"memref.reinterpret_cast %s0 to offset: [0], {sizes} : memref<1xi8> to memref<?xi8>")
         panels = (scratch, panel_bytes, k_rounded)
         if self.layout == "at":
-            # A's blocks packed when enough panels read them (`matmul_kernel.PACK_A_MIN_PANELS`), else
+            # A's blocks packed when enough panels read them (`matmul_plan.PACK_A_MIN_PANELS`), else
             # read in place, as the specialized kernel does.
             many = w.arith("ceildivui", "%n", self.nr)
-            packs = w.op(f"arith.cmpi uge, {many}, {w.index(matmul_kernel.PACK_A_MIN_PANELS)} : index")
+            packs = w.op(f"arith.cmpi uge, {many}, {w.index(matmul_plan.PACK_A_MIN_PANELS)} : index")
             w.open(f"scf.if {packs}")
             self.packs_a = True
             self.product(self.packed_a(a, scratch, after), b, c, panels, by_columns)
@@ -211,9 +211,9 @@ class _Kernel(_Geometry):
         """A, or its copy with rows one cache line longer when A's rows alias in L1 (the specialized
         kernel's `restride`), split by rows over the cores."""
         w = self.w
-        stride = w.arith("addi", "%lda", matmul_kernel.CACHE_LINE // self.size)
+        stride = w.arith("addi", "%lda", matmul_plan.CACHE_LINE // self.size)
         row_bytes = w.arith("muli", "%lda", self.size)
-        offset = w.arith("remui", row_bytes, matmul_kernel.ALIASING_STRIDE)
+        offset = w.arith("remui", row_bytes, matmul_plan.ALIASING_STRIDE)
         aliased = w.op(f"arith.cmpi eq, {offset}, {w.index(0)} : index")
         tall = w.op(f"arith.cmpi uge, %m, {w.index(self.mr)} : index")
         copies = w.op(f"arith.andi {aliased}, {tall} : i1")
@@ -397,7 +397,7 @@ class _Kernel(_Geometry):
 
     def pack_rows(self, b: str, panel: str, col: str, states: list) -> None:
         """`pack` for B given as (N, K): squares of a vector's rows x a vector of k, read along
-        B's rows and transposed in registers (`matmul_kernel._transpose_square`); the k tail's
+        B's rows and transposed in registers (`matmul_packing._transpose_square`); the k tail's
         loads masked (the panel has K rounded up to a vector rows: the extra ones are zeros, never
         read), rows past N not read."""
         w = self.w
@@ -427,7 +427,7 @@ class _Kernel(_Geometry):
                     inside = w.op(f"arith.cmpi ult, {w.index(j)}, {state[1]} : index")
                     length = w.op(f"arith.select {inside}, {length}, {w.index(0)} : index")
                 rows.append(self.masked_load(b, at, w.op(f"vector.create_mask {length} : {self.mask}")))
-            square = matmul_kernel._transpose_square(w, rows, self.vec)
+            square = matmul_packing._transpose_square(w, rows, self.vec)
             for i, row in enumerate(square):
                 where = f"[{w.arith('addi', k, i)}, {w.index(v * self.vl)}]"
                 w.line(f"vector.store {row}, {panel}{where} : {self.panel}, {self.vec}")

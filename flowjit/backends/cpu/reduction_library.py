@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from flowjit.backends.cpu import library, matmul_kernel, schedule
+from flowjit.backends.cpu import host, library, schedule
 from flowjit.backends.cpu.library import Writer
 from flowjit.backends.cpu.target import CALL_LOWERINGS
 from flowjit.backends.mlir.emitter import elem_type, scalar_literal
@@ -57,7 +57,7 @@ class _ReductionKernel:
     def __init__(self, kind: str, elem: str):
         self.kind, self.elem = kind, elem
         self.combine_op, self.vector_kind, identity = KINDS[kind]
-        self.vl = matmul_kernel.vector_bits() // int(elem[1:])
+        self.vl = host.vector_bits() // int(elem[1:])
         self.vec = f"vector<{self.vl}x{elem}>"
         self.mask = f"vector<{self.vl}xi1>"
         self.w = Writer()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowjit.backends.cpu import library, matmul_kernel, schedule
+from flowjit.backends.cpu import host, library, schedule
 from flowjit.backends.cpu.library import Writer
 from flowjit.backends.mlir import mathlib
 from flowjit.backends.mlir.emitter import scalar_literal
@@ -136,7 +136,7 @@ class _RowKernel:
 
     def __init__(self, name: str, elem: str):
         self.name, self.elem = name, elem
-        self.vl = matmul_kernel.vector_bits() // int(elem[1:])
+        self.vl = host.vector_bits() // int(elem[1:])
         self.width = ACCUMULATORS * self.vl
         self.vec = f"vector<{self.vl}x{elem}>"
         self.mask = f"vector<{self.vl}xi1>"
@@ -428,7 +428,7 @@ def _identical_sums(cols: int, elem: str) -> bool:
     """Whether the compiled row kernel sums rows of `cols` as the library does (four vector
     accumulators: `schedule._row_reduction`): rows of at least four vectors, except those between
     four and eight vectors long that are not a multiple of four, which it sums a vector at a time."""
-    width = ACCUMULATORS * matmul_kernel.vector_bits() // int(elem[1:])
+    width = ACCUMULATORS * host.vector_bits() // int(elem[1:])
     return cols >= width and not (width < cols < 2 * width and cols % width)
 
 

@@ -9,7 +9,7 @@ im2row). `over_cores` and `per_row` fill a flat output in chunks of rows, one pe
 
 from __future__ import annotations
 
-from flowjit.backends.cpu import matmul_kernel, schedule
+from flowjit.backends.cpu import host, schedule
 from flowjit.backends.cpu.contraction import size_of
 from flowjit.backends.cpu.loop_writer import LoopWriter
 from flowjit.backends.mlir.emitter import KernelEmitter, elem_type, tensor_type
@@ -32,7 +32,7 @@ def transpose(
     while perm[t.rank - 1 - kept] == t.rank - 1 - kept:
         kept += 1
     block = size_of(range(t.rank - kept, t.rank), t.shape)
-    if kept and elem in ("f32", "f64", "i32", "i64") and block >= matmul_kernel.vector_bits() // int(elem[1:]):
+    if kept and elem in ("f32", "f64", "i32", "i64") and block >= host.vector_bits() // int(elem[1:]):
         return _copy_blocks(em, x, t, perm[: t.rank - kept], block, elem, into), out
     if into is None:  # rows shorter than a vector (a 3x3 weight gradient): the transpose op's copies
         return permute(em, x, TensorType(t.shape, elem), perm, elem), out
@@ -52,7 +52,7 @@ def _copy_blocks(
     (leading dims, block) or not, the fusion pass expands it back and the inner loop ran over OW
     only: 28-element rows, which LLVM vectorized behind a runtime alias check with a scalar
     remainder loop.)"""
-    lanes = matmul_kernel.vector_bits() // int(elem[1:])
+    lanes = host.vector_bits() // int(elem[1:])
     vec = f"vector<{lanes}x{elem}>"
     flat = TensorType((t.size,), t.dtype)
     flat_type = tensor_type(flat, elem)
@@ -98,7 +98,7 @@ def window_rows(em: KernelEmitter, source, size: int, levels, row, acc: str, bas
     padded, padded_type = source
     width, step = row
     elem = elem_type(padded_type.dtype)
-    lanes = matmul_kernel.vector_bits() // int(acc[1:])
+    lanes = host.vector_bits() // int(acc[1:])
     flat_in = TensorType((padded_type.size,), padded_type.dtype)
     flat_source = reshape(em, padded, padded_type, flat_in.shape)
     flat_t = TensorType((size,), padded_type.dtype)
@@ -228,7 +228,7 @@ def over_cores(em: KernelEmitter, rows: int, elem: str, units: int, unit_rows: i
     out = em.op(f"tensor.empty() : {flat_type}")
     if not (parallel and units):
         return fill(None, w.index(units), out, flat_type) if units else out
-    chunk = -(-units // matmul_kernel.cores())
+    chunk = -(-units // host.cores())
     done, t, shared = w.open_forall(-(-units // chunk), out, flat_type)
     first = w.mul(t, w.index(chunk))
     count = em.op(f"arith.minsi {em.op(f'arith.subi {w.index(units)}, {first} : index')}, {w.index(chunk)} : index")

@@ -7,7 +7,7 @@ logits) call to make B^T instead of compiling the transpose into the program.
     and f64 alike. out[j, i] = b[i, j] for i < k, j < n; 1 <= n <= the vector's lanes.
 
 How: blocks of `lanes` rows of B, each row one read masked to its n columns (contiguous), the block
-transposed in registers (`matmul_kernel._transpose_square`, log2(lanes) stages of two-source
+transposed in registers (`matmul_packing._transpose_square`, log2(lanes) stages of two-source
 shuffles) and written as n vectors of the output's rows; whole blocks split over `threads` cores,
 the rows left over (K no multiple of the vector) read and written under masks on the calling
 thread. Nothing is read or written outside either matrix.
@@ -23,7 +23,7 @@ compiled gathers (`library.disabled`).
 
 from __future__ import annotations
 
-from flowjit.backends.cpu import library, matmul_kernel
+from flowjit.backends.cpu import host, library, matmul_packing
 from flowjit.backends.cpu.library import Writer
 
 ELEMS = ("f32", "f64")
@@ -42,7 +42,7 @@ class _TransposeKernel:
 
     def __init__(self, elem: str):
         self.elem = elem
-        self.lanes = matmul_kernel.vector_bits() // int(elem[1:])
+        self.lanes = host.vector_bits() // int(elem[1:])
         self.vec = f"vector<{self.lanes}x{elem}>"
         self.mask = f"vector<{self.lanes}xi1>"
         self.flat = f"memref<?x{elem}>"
@@ -84,7 +84,7 @@ class _TransposeKernel:
             at = w.arith("muli", w.arith("addi", first, i), "%n")
             types = f"{self.flat}, {self.mask}, {self.vec} into {self.vec}"
             rows.append(w.op(f"vector.maskedload {self.b}[{at}], {mask}, {self.zero} : {types}"))
-        for j, column in enumerate(matmul_kernel._transpose_square(w, rows, self.vec)):
+        for j, column in enumerate(matmul_packing._transpose_square(w, rows, self.vec)):
             at = w.arith("addi", w.arith("muli", w.index(j), "%k"), first)
             if stored is None:
                 store = f"vector.store {column}, {self.out}[{at}] : {self.flat}, {self.vec}"

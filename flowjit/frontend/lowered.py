@@ -1,0 +1,265 @@
+"""The stages of a jitted function for one signature: `Lowered` (the traced graph, the optimized
+and placed graphs, the backend's texts: `as_text`) and `Compiled` (the executable, called with
+arguments of that signature). `PIPELINE` and `PLACEMENT_PIPELINE` are the optimization pipelines
+every target runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flowjit.backends import Executable, backend_for_device, default_target, get_backend
+from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.frontend.pytree import TreeDef, tree_unflatten
+from flowjit.frontend.signature import Binder, Signature, VariableArg, _to_host
+from flowjit.frontend.tracebacks import user_errors
+from flowjit.ir.graph import Graph
+from flowjit.ir.location import user_location
+from flowjit.ir.printer import print_graph
+from flowjit.passes import dump
+from flowjit.passes.fuse import fusion_summary
+from flowjit.passes.partition import graph_devices, placement_report, split_partitions
+from flowjit.passes.registry import run_pipeline
+from flowjit.runtime.devices import placement_devices
+from flowjit.runtime.executor import PartitionedExecutable
+from flowjit.runtime.tasks import is_local
+
+# The optimization pipeline for every target, top to bottom.
+PIPELINE = (
+    "canonicalize",  # fold constants, simplify algebra, CSE, DCE
+    "fuse",  # elementwise chains, reductions with their neighbours, contraction epilogues -> one kernel each
+)
+# Then, on a copy of the optimized graph (stage "placement"):
+PLACEMENT_PIPELINE = (
+    "place",  # a device for every op: constraints, variable colocation, cost model
+    "partition",  # send/recv on every cross-device edge (nothing to do with one device)
+)
+
+
+class Lowered:
+    """A traced function for one signature: its stages, and `compile()`."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        sig: Signature,
+        out_tree: TreeDef,
+        paths,
+        target: str,
+        binder: Binder,
+        variables=None,
+        donated: tuple[int, ...] = (),
+    ):
+        self.signature = sig
+        self.donated = donated  # indices of the dynamic leaves whose buffers the caller donated
+        self.variables = dict(variables or {})  # name -> Variable the function reads or updates
+        self.out_tree = out_tree
+        self.paths = list(paths)
+        self.target = target
+        self.name = graph.name
+        self._binder = binder
+        self._graphs = {"traced": graph}
+        if dump.dump_dir() is not None:  # printing costs: a large constant is written out in hex
+            dump.write_stage(self.name, "traced", print_graph(graph))
+        self._executable: Executable | None = None
+
+    def graph(self, stage: str = "optimized") -> Graph:
+        """The IR at `stage` ('traced', 'optimized', or 'placement': placed and partitioned)."""
+        if stage == "optimized" and stage not in self._graphs:
+            # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
+            copy = self._graphs["traced"].copy()
+            copy.devices = tuple(d.name for d in placement_devices())  # local devices and a cluster's tasks'
+            self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
+        if stage == "placement" and stage not in self._graphs:
+            copy = self.graph("optimized").copy()
+            self._graphs["placement"] = run_pipeline(copy, PLACEMENT_PIPELINE, dump_name=self.name)
+        if stage not in self._graphs:
+            raise FlowjitValueError(f"no IR stage '{stage}'; IR stages are 'traced', 'optimized' and 'placement'")
+        return self._graphs[stage]
+
+    @property
+    def stages(self) -> list[str]:
+        """The stage names `as_text` accepts for this function and backend."""
+        backend = list(self._compile_executable().stages) if self._executable or self.target != "interpreter" else []
+        return ["traced", "optimized", "placement", *backend]
+
+    def _compile_executable(self) -> Executable:
+        if self._executable is None:
+            placed = self.graph("placement")
+            used = graph_devices(placed)
+            if len(used) > 1 or (used and not is_local(used[0])):  # another task's device: run there
+                self._executable = PartitionedExecutable(split_partitions(placed), self.target)
+            else:  # one device: the optimized graph as is, by that device's backend (or the target's)
+                graph = self.graph("optimized")
+                device = used[0] if used else None
+                if self.target is not None:
+                    backend = get_backend(self.target)
+                else:
+                    backend = backend_for_device(device) if device else get_backend(default_target())
+                self._executable = backend.compile(graph, device, aliases=self._aliases(graph))
+        return self._executable
+
+    def _aliases(self, graph: Graph) -> dict[int, int]:
+        """Donation: each donated input leaf pairs with the first unpaired result of its type that an
+        op computes. Output index -> input index. An input also returned as is is not donated: that
+        result is copied from it at the end of the call, after the donated results are written."""
+        inputs = [i for i, aval in enumerate(self.signature.avals) if not isinstance(aval, VariableArg)]
+        returned = {graph.params.index(v) for v in graph.results if v in graph.params}
+        aliases: dict[int, int] = {}
+        for leaf in self.donated:
+            if leaf not in inputs or inputs.index(leaf) in returned:
+                continue  # a Variable argument is updated in place anyway
+            for j, value in enumerate(graph.results):
+                computed = value.producer is not None and value.producer.name != "constant"
+                if j not in aliases and computed and value.type == self.signature.avals[leaf]:
+                    aliases[j] = inputs.index(leaf)
+                    break
+        return aliases
+
+    @user_errors
+    def as_text(self, stage: str = "optimized") -> str:
+        """The text of one stage: 'traced', 'optimized', 'placement' (each op's device and why, each
+        transfer), or a backend stage ('mlir', 'llvm', 'asm')."""
+        if stage in ("traced", "optimized"):
+            header = f"stage: {stage}"
+            if stage == "optimized":
+                header += f"\npipeline: {', '.join(PIPELINE)}\n{fusion_summary(self.graph(stage))}"
+                executable = self._compile_executable()
+                header += f"\nbackend: {_backend_note(executable)}"
+            return print_graph(self.graph(stage), header)
+        if stage == "placement":
+            placed = self.graph("placement")
+            header = f"stage: placement\npipeline: {', '.join(PLACEMENT_PIPELINE)}\n{placement_report(placed)}"
+            return print_graph(placed, header)
+        executable = self._compile_executable()
+        if stage not in executable.stages:
+            available = ", ".join(["traced", "optimized", "placement", *executable.stages])
+            raise FlowjitValueError(
+                f"{user_location()}: no stage '{stage}' for backend '{executable.backend}'; available: {available}"
+            )
+        return executable.stages[stage]
+
+    @user_errors
+    def compile(self) -> Compiled:
+        """The executable for this signature; call it with arguments of that signature."""
+        return Compiled(
+            self._compile_executable(),
+            self.signature,
+            self.out_tree,
+            self.paths,
+            self.name,
+            self._binder,
+            self.variables,
+        )
+
+
+def _output_builder(out_tree: TreeDef) -> Callable[[list], object]:
+    """Rebuilds a call's result from the executable's outputs; one leaf or a flat tuple without
+    walking the tree (a third of a small call's cost)."""
+    if out_tree.kind == "leaf":
+        return operator.itemgetter(0)
+    if out_tree.kind == "tuple" and all(child.kind == "leaf" for child in out_tree.children):
+        return tuple
+    return functools.partial(tree_unflatten, out_tree)
+
+
+def _backend_note(executable: Executable) -> str:
+    if executable.backend == "interpreter":
+        return (
+            "reference interpreter (numpy, op by op): this function is NOT compiled to native code "
+            "because target='interpreter' was chosen or no native backend is available"
+        )
+    return executable.backend
+
+
+class Compiled:
+    """A compiled function for one signature: call it with arguments of that signature, passed as
+    to the jitted function (static arguments included, with the values it was lowered for)."""
+
+    def __init__(
+        self,
+        executable: Executable,
+        sig: Signature,
+        out_tree: TreeDef,
+        paths,
+        name: str,
+        binder: Binder,
+        variables=None,
+    ):
+        self.executable = executable
+        # Variables in a fixed (name) order: locks are always taken in this order, so concurrent calls
+        # of functions sharing variables cannot deadlock.
+        self.variables = [v for _, v in sorted((variables or {}).items())]
+        self._locks = [v.lock for v in self.variables]
+        self._buffers = {v.name: v.buffer for v in self.variables}  # a Variable keeps one buffer for life
+        self.signature = sig
+        self.out_tree = out_tree
+        self.paths = paths
+        self.name = name
+        self._binder = binder
+        self._fresh_outputs = executable.fresh_outputs
+        self._aliases = executable.aliases
+        self._build_output = _output_builder(out_tree)
+        # The call fast path: `call_arrays(args)` for numpy arrays of exactly the signature's shapes
+        # and dtypes (the jitted function's array-key cache vouches for that): no conversion or
+        # re-check, and for one result no Python frame between the jitted function and the backend.
+        if self.variables or self._aliases:
+            self.call_arrays = self.call_leaves
+        elif out_tree.kind == "leaf":
+            self.call_arrays = executable.caller(single_output=True)
+        else:
+            run, build = executable.caller(single_output=False), self._build_output
+            self.call_arrays = lambda args: build(run(args))
+
+    def call_leaves(self, leaves: Sequence) -> object:
+        """Run on the flattened dynamic arguments (already checked against the signature)."""
+        arrays = [
+            _to_host(leaf, aval)
+            for leaf, aval in zip(leaves, self.signature.avals)
+            if not isinstance(aval, VariableArg)
+        ]
+        donated = self._donated_buffers(arrays) if self._aliases else None
+        if self.variables:
+            outs = self._run_with_variables(arrays, donated)
+        else:
+            outs = self.executable.run(arrays, outputs=donated)
+        if not self._fresh_outputs:  # an input passed through must not alias the caller's array
+            outs = [np.array(o) if any(o is a for a in arrays) else o for o in outs]
+        return self._build_output(outs)
+
+    def _donated_buffers(self, arrays) -> dict[int, np.ndarray]:
+        """Output index -> the donated argument's buffer to write it into; an array donated twice (or
+        overlapping another donated one) is used once, so no two results share memory."""
+        chosen: dict[int, np.ndarray] = {}
+        for out, index in self._aliases.items():
+            buffer = arrays[index]
+            if not any(np.may_share_memory(buffer, other) for other in chosen.values()):
+                chosen[out] = buffer
+        return chosen
+
+    def _run_with_variables(self, arrays, donated=None):
+        # Locks in a fixed order (see __init__); by hand, as an ExitStack costs more than the native call.
+        taken = 0
+        try:
+            for lock in self._locks:
+                lock.acquire()
+                taken += 1
+            return self.executable.run(arrays, self._buffers, donated)
+        finally:
+            for lock in reversed(self._locks[:taken]):
+                lock.release()
+
+    @user_errors
+    def __call__(self, *args, **kwargs):
+        sig, _, leaves, paths = self._binder(args, kwargs)
+        if sig != self.signature:
+            raise FlowjitTypeError(
+                f"{user_location()}: {self.name} was compiled for {self.signature.describe(self.paths)}; called "
+                f"with {sig.describe(paths)}: {sig.explain_change(self.signature, paths)}. Lower it again for "
+                "these arguments, or call the jitted function, which compiles once per signature"
+            )
+        return self.call_leaves(leaves)
