@@ -10,9 +10,13 @@ workers of a shared pool (one per partition in flight); native partitions releas
 devices really run at the same time. When a partition fails, the step is cancelled: waiting recvs
 wake with an error, native code finishes with zero-filled inputs, and the caller gets the first
 real failure (with the op's source line and device), with the cancelled partitions listed in its
-notes. A recv whose send can no longer come
-(every other partition finished or waits too) fails at once, and recvs time out as a last resort
-(`FLOWJIT_RECV_TIMEOUT`), so a call never hangs.
+notes. A recv whose send can no longer come (every other partition finished or waits too) fails
+at once, and recvs time out as a last resort (`FLOWJIT_RECV_TIMEOUT`), so a call never hangs.
+
+Partitions on devices of other tasks (`/job:ps/task:0/...`) are handed to the running cluster
+(`runtime.tasks.remote_runner`), which loads them into their tasks' processes; a step then starts
+them there, runs this process's partitions on a `TaskStep`, and gathers every task's outputs
+(docs/distributed.md).
 """
 
 from __future__ import annotations
