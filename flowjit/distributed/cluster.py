@@ -35,7 +35,7 @@ from flowjit.ir.devices import Device, DeviceSpec
 from flowjit.ir.location import user_location
 from flowjit.runtime import tasks as task_runtime
 from flowjit.runtime.devices import register_task_devices, variable_placement
-from flowjit.runtime.tasks import LOCAL_TASK, TaskError, TaskStep, task_name
+from flowjit.runtime.tasks import LOCAL_TASK, TaskError, TaskStep, task_name, variables_of
 
 __all__ = ["Cluster"]
 
@@ -159,8 +159,7 @@ class Cluster:
                 num_cpus=share, scheduling_strategy=strategy, max_restarts=self.max_restarts
             ).remote(task, environment)
         self._inbox = ray.remote(max_concurrency=64)(Inbox).options(num_cpus=0).remote()
-        pids = ray_support.get([a.ping.remote() for a in self._actors.values()], "starting the cluster's tasks")
-        self.pids = dict(zip(self.tasks, pids))
+        ray_support.get([a.ping.remote() for a in self._actors.values()], "starting the cluster's tasks")
 
     def shutdown(self) -> None:
         """Copy variables living in tasks back here, stop every task, and stop a Ray this cluster started."""
@@ -311,8 +310,7 @@ class _ClusterProgram:
         self.program_id = program_id
         self.by_task = by_task
         self.variables = {
-            task: sorted({op.attrs["var"] for g, _, _ in parts.values() for op in g.walk() if "var" in op.attrs})
-            for task, parts in by_task.items()
+            task: variables_of(graph for graph, _, _ in parts.values()) for task, parts in by_task.items()
         }
         self._steps = itertools.count(1)
         self._start_order: list[str] | None = None  # planned on the first step (`_plan_inputs`)

@@ -23,8 +23,9 @@ import threading
 import numpy as np
 
 from flowjit.distributed import ray_support
+from flowjit.ir.channel import snapshot
 from flowjit.runtime.executor import Partition, routes_between, run_partitions
-from flowjit.runtime.tasks import TaskError, TaskStep, snapshot, task_name
+from flowjit.runtime.tasks import TaskError, TaskStep, task_name, variables_of
 
 _FINISHED_KEPT = 4096  # finished step keys remembered, to drop their late messages
 
@@ -38,9 +39,7 @@ class _LoadedProgram:
         self.outgoing = {k: task_name(dst) for k, (src, dst) in crossings.items() if task_name(src) == task}
         self.incoming = {k for k, (src, dst) in crossings.items() if task_name(dst) == task}
         self.peers = peers
-        self.variables = sorted(
-            {op.attrs["var"] for n in self.indices for op in partitions[n][0].walk() if "var" in op.attrs}
-        )
+        self.variables = variables_of(partitions[n][0] for n in self.indices)
 
 
 class TaskActor:
@@ -111,7 +110,7 @@ class TaskActor:
             for n in program.indices:
                 inputs.append(list(range(len(flat), len(flat) + len(args[n]))))
                 flat.extend(args[n])
-            flat = _fetch_inputs(flat, f"{self.task}: the inputs of step {step_key}")
+            flat = fetch_refs(flat, f"{self.task}: the inputs of step {step_key}")
             outs = run_partitions(program.parts, inputs, flat, self.variables, step)
             return dict(zip(program.indices, outs))
         finally:
@@ -200,29 +199,22 @@ def stage_for_ray(address: int, nbytes: int):
     return ray.put(view)
 
 
-def fetch_staged(batch: dict, what: str) -> dict[str, np.ndarray]:
-    """A message's values, with object-store references fetched (within the timeout)."""
-    import ray
-
-    refs = {k: v for k, v in batch.items() if isinstance(v, ray.ObjectRef)}
-    if not refs:
-        return batch
-    fetched = ray_support.get(list(refs.values()), what)
-    return {**batch, **dict(zip(refs, fetched))}
-
-
-def _fetch_inputs(values: list, what: str) -> list:
-    """The step's inputs, with the ones shared through the object store fetched."""
+def fetch_refs(values: list, what: str) -> list:
+    """`values` with the object-store references among them fetched (within the timeout)."""
     import ray
 
     at = [i for i, v in enumerate(values) if isinstance(v, ray.ObjectRef)]
     if not at:
         return values
-    fetched = ray_support.get([values[i] for i in at], what)
     values = list(values)
-    for i, value in zip(at, fetched):
+    for i, value in zip(at, ray_support.get([values[i] for i in at], what)):
         values[i] = value
     return values
+
+
+def fetch_staged(batch: dict, what: str) -> dict[str, np.ndarray]:
+    """A message's values, with object-store references fetched."""
+    return dict(zip(batch, fetch_refs(list(batch.values()), what)))
 
 
 class _Poster:

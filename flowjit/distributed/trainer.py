@@ -67,23 +67,24 @@ def from_bf16(x: np.ndarray) -> np.ndarray:
     return (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def _encode(values: dict[str, np.ndarray], compress: str | None) -> dict:
-    if compress != "bf16":
-        return values
-    return {k: ("bf16", to_bf16(v)) if v.dtype == np.float32 else v for k, v in values.items()}
+def encode(x: np.ndarray, compress: str | None):
+    """What crosses the network for array `x`: itself, or ("bf16", its bits) for a float32 array
+    under compress="bf16"."""
+    return ("bf16", to_bf16(x)) if compress == "bf16" and x.dtype == np.float32 else x
 
 
-def _decode(values: dict) -> dict[str, np.ndarray]:
-    return {k: from_bf16(v[1]) if isinstance(v, tuple) and v[0] == "bf16" else v for k, v in values.items()}
+def decode(value) -> np.ndarray:
+    """The array an `encode`d value stands for."""
+    return from_bf16(value[1]) if isinstance(value, tuple) and value[0] == "bf16" else value
 
 
 def wire_gradient(g: np.ndarray, sparse: bool, compress: str | None):
     """What crosses the network for gradient `g`: the array (bf16 bits with compress="bf16"), or
     for a sparse parameter ("rows", indices, rows) of the rows that are not all zero."""
     if not sparse:
-        return _encode({"g": g}, compress)["g"]
+        return encode(g, compress)
     rows = np.flatnonzero(np.any(g.reshape(g.shape[0], -1) != 0, axis=1))
-    return ("rows", rows, _encode({"g": g[rows]}, compress)["g"])
+    return ("rows", rows, encode(g[rows], compress))
 
 
 def shard_by_size(sizes: dict[str, int], shards: int) -> list[list[str]]:
@@ -123,7 +124,7 @@ class ParameterShard:
         with self._cond:
             if not self._cond.wait_for(lambda: self.step >= min_step, timeout=timeout_s):
                 raise TaskError(f"parameter shard at step {self.step}: step {min_step} not reached in {timeout_s:g} s")
-            return self.step, _encode(self.params, self.compress)
+            return self.step, {k: encode(v, self.compress) for k, v in self.params.items()}
 
     def deposit(self, step: int, worker: int, grads: dict) -> None:
         """A worker's gradient for `step` (sync: kept until the step is applied; async: applied now)."""
@@ -158,9 +159,9 @@ class ParameterShard:
         for grads in gradients:
             for k, g in grads.items():
                 if isinstance(g, tuple) and g[0] == "rows":  # sparse: (indices, rows)
-                    np.add.at(total[k], g[1], _decode({k: g[2]})[k])
+                    np.add.at(total[k], g[1], decode(g[2]))
                 else:
-                    total[k] += _decode({k: g})[k]
+                    total[k] += decode(g)
         mean = {k: (v / len(gradients)).astype(v.dtype) for k, v in total.items()}
         self.params, self.opt_state = self._update(mean, self.opt_state, self.params)
         self.params = {k: np.asarray(v) for k, v in self.params.items()}
@@ -203,7 +204,7 @@ class Replica:
         pulled = ray_support.get(pulls, f"worker {self.index} pulling parameters", timeout=self.timeout_s)
         values = {}
         for _, shard in pulled:
-            values.update(_decode(shard))
+            values.update({k: decode(v) for k, v in shard.items()})
         params = tree_unflatten(self.treedef, [values[n] for n in self.names])
         loss, grads = self._grad(params, batch)
         flat = dict(zip(self.names, tree_flatten(grads)[0]))

@@ -54,9 +54,7 @@ class Loopback:
         self._values[key] = value
 
     def send_bytes(self, key: str, address: int, nbytes: int) -> bool:
-        snapshot = np.empty(nbytes, np.uint8)
-        ctypes.memmove(snapshot.ctypes.data, address, nbytes)
-        self._values[key] = snapshot
+        self._values[key] = snapshot(address, nbytes)
         return False
 
     def recv_into(self, key: str, address: int, nbytes: int, where: str = "") -> None:
@@ -71,6 +69,13 @@ class Loopback:
 
     def wait_returned(self, keys: list[str], where: str = "") -> None:
         return None  # nothing is lent: sends copy
+
+
+def snapshot(address: int, nbytes: int) -> np.ndarray:
+    """A copy of the `nbytes` at `address`, as bytes (a send that must free its buffer at once)."""
+    copy = np.empty(nbytes, np.uint8)
+    ctypes.memmove(copy.ctypes.data, address, nbytes)
+    return copy
 
 
 _local = threading.local()

@@ -18,13 +18,13 @@ docs/distributed.md describes a step across tasks as a whole.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from flowjit.errors import FlowjitError, FlowjitValueError
+from flowjit.ir.channel import snapshot
 from flowjit.ir.devices import LOCAL_JOB, DeviceSpec
 from flowjit.runtime.rendezvous import Rendezvous
 from flowjit.runtime.transports import Transport
@@ -39,11 +39,17 @@ __all__ = [
     "remote_runner",
     "set_variable_home",
     "task_name",
+    "variables_of",
     "variable_home",
     "variable_homes",
 ]
 
 LOCAL_TASK = f"/job:{LOCAL_JOB}/task:0"
+
+
+def variables_of(graphs) -> list[str]:
+    """The names of the variables the ops of `graphs` read or update, sorted."""
+    return sorted({op.attrs["var"] for graph in graphs for op in graph.walk() if "var" in op.attrs})
 
 
 def task_name(device: str) -> str:
@@ -143,13 +149,6 @@ class TaskStep(Rendezvous):
         if any(k in self._incoming and k not in self._values for k in [*self._blocked, key]):
             return False  # another task may still send it (its failures cancel this step)
         return super()._stuck(waiting, key)
-
-
-def snapshot(address: int, nbytes: int) -> np.ndarray:
-    """A copy of the `nbytes` at `address`, as bytes."""
-    copy = np.empty(nbytes, np.uint8)
-    ctypes.memmove(copy.ctypes.data, address, nbytes)
-    return copy
 
 
 class RemoteStep(Protocol):
