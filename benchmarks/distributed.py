@@ -28,6 +28,7 @@ import sys
 import time
 
 import numpy as np
+from harness import call_times
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -39,13 +40,8 @@ MIB4 = (1 << 20,)  # float32 elements in 4 MiB
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """The median call."""
+    return statistics.median(call_times(fn, repeats))
 
 
 class Echo:

@@ -120,6 +120,19 @@ QUICK = TimingPolicy(
 SMOKE = TimingPolicy("smoke", min_reps=2, max_reps=3, budget_s=0.5, min_sample_s=0.001, settle_s=0.0)  # tiny sizes
 
 
+def call_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Wall-clock seconds of `repeats` calls of `fn`, after one untimed call (it compiles and
+    warms up). The standalone scripts take the minimum (least disturbed by other jobs) or the
+    median of these."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _leaves(out) -> list:
     if isinstance(out, tuple | list):
         return [leaf for item in out for leaf in _leaves(item)]

@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
+from harness import call_times
 
 
 def best_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` calls: on a shared machine the minimum is the least noisy estimate."""
-    fn()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """The fastest call: on a shared machine the minimum is the least noisy estimate."""
+    return min(call_times(fn, repeats))
 
 
 def lstm_inputs(steps: int, batch: int, hidden: int) -> dict[str, np.ndarray]:
@@ -43,24 +37,30 @@ def lstm_inputs(steps: int, batch: int, hidden: int) -> dict[str, np.ndarray]:
     }
 
 
-def flowjit_gradient(inputs: dict[str, np.ndarray]):
-    import flowjit as fj
-    import flowjit.numpy as fnp
-
-    steps, batch, hidden = inputs["xs"].shape
+def lstm_loss(np_, sigmoid, fori_loop, steps: int, batch: int, hidden: int):
+    """The loss, written once for flowjit and JAX: `np_` is their numpy (flowjit.numpy or
+    jax.numpy), `sigmoid` and `fori_loop` theirs."""
 
     def loss(wx, wh, b, xs):
         def body(i, carry):
             h, c = carry
             gates = xs[i] @ wx + h @ wh + b
             f, g, o, u = (gates[:, k * hidden : (k + 1) * hidden] for k in range(4))
-            c = fj.nn.sigmoid(f) * c + fj.nn.sigmoid(u) * fnp.tanh(g)
-            return fj.nn.sigmoid(o) * fnp.tanh(c), c
+            c = sigmoid(f) * c + sigmoid(u) * np_.tanh(g)
+            return sigmoid(o) * np_.tanh(c), c
 
-        init = (fnp.zeros((batch, hidden), fnp.float32), fnp.zeros((batch, hidden), fnp.float32))
-        h, _ = fj.fori_loop(0, steps, body, init)
-        return fnp.sum(h)
+        init = (np_.zeros((batch, hidden), np_.float32), np_.zeros((batch, hidden), np_.float32))
+        h, _ = fori_loop(0, steps, body, init)
+        return np_.sum(h)
 
+    return loss
+
+
+def flowjit_gradient(inputs: dict[str, np.ndarray]):
+    import flowjit as fj
+    import flowjit.numpy as fnp
+
+    loss = lstm_loss(fnp, fj.nn.sigmoid, fj.fori_loop, *inputs["xs"].shape)
     grad = fj.jit(fj.grad(loss, argnums=(0, 1, 2, 3)))
     args = (inputs["wx"], inputs["wh"], inputs["b"], inputs["xs"])
     return lambda: [np.asarray(g) for g in grad(*args)]
@@ -70,20 +70,7 @@ def jax_gradient(inputs: dict[str, np.ndarray]):
     import jax
     import jax.numpy as jnp
 
-    steps, batch, hidden = inputs["xs"].shape
-
-    def loss(wx, wh, b, xs):
-        def body(i, carry):
-            h, c = carry
-            gates = xs[i] @ wx + h @ wh + b
-            f, g, o, u = (gates[:, k * hidden : (k + 1) * hidden] for k in range(4))
-            c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(u) * jnp.tanh(g)
-            return jax.nn.sigmoid(o) * jnp.tanh(c), c
-
-        init = (jnp.zeros((batch, hidden), jnp.float32), jnp.zeros((batch, hidden), jnp.float32))
-        h, _ = jax.lax.fori_loop(0, steps, body, init)
-        return jnp.sum(h)
-
+    loss = lstm_loss(jnp, jax.nn.sigmoid, jax.lax.fori_loop, *inputs["xs"].shape)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     args = [jnp.asarray(inputs[k]) for k in ("wx", "wh", "b", "xs")]
     return lambda: [g.block_until_ready() for g in grad(*args)]

@@ -23,19 +23,14 @@ import threading
 import time
 
 import numpy as np
+from harness import call_times
 
 os.environ["FLOWJIT_CPU_DEVICES"] = "2"
 
 
 def best_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` calls: on a shared machine the minimum is the least noisy estimate."""
-    fn()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """The fastest call: on a shared machine the minimum is the least noisy estimate."""
+    return min(call_times(fn, repeats))
 
 
 def rendezvous_handoff_us(rounds: int) -> float:
