@@ -120,6 +120,21 @@ def test_unconstrained_work_stays_in_this_process(cluster):
     assert {op.device for op in placed.ops} == {"/job:localhost/task:0/device:cpu:0"}
 
 
+def test_a_variable_a_task_held_comes_back_for_a_local_program(cluster):
+    v = fj.Variable(np.ones(4, np.float32), name="roaming")  # no device: it goes where it is used
+
+    @fj.jit
+    def on_worker():
+        with fj.device("/job:worker/task:1"):
+            v.assign(v.value * 5.0)
+
+    on_worker()  # v now lives in the worker's process
+    local = fj.jit(lambda: v.value + 1.0)
+    np.testing.assert_array_equal(local(), np.full(4, 6.0, np.float32))  # not the stale 1 + 1
+    on_worker()  # and it can move there again
+    np.testing.assert_array_equal(v.numpy(), np.full(4, 25.0, np.float32))
+
+
 def test_values_flow_both_ways_between_driver_and_tasks(cluster):
     """The driver computes, a worker uses it, the driver uses the worker's value again."""
 

@@ -26,7 +26,7 @@ from flowjit.passes.partition import graph_devices, placement_report, split_part
 from flowjit.passes.registry import run_pipeline
 from flowjit.runtime.devices import placement_devices
 from flowjit.runtime.executor import PartitionedExecutable
-from flowjit.runtime.tasks import is_local
+from flowjit.runtime.tasks import bring_home, is_local
 
 # The optimization pipeline for every target, top to bottom.
 PIPELINE = (
@@ -196,6 +196,8 @@ class Compiled:
         self.variables = [v for _, v in sorted((variables or {}).items())]
         self._locks = [v.lock for v in self.variables]
         self._buffers = {v.name: v.buffer for v in self.variables}  # a Variable keeps one buffer for life
+        # variables the executable runs in other tasks of a cluster; the others must be here
+        self._remote_variables = getattr(executable, "remote_variables", frozenset())
         self.signature = sig
         self.out_tree = out_tree
         self.paths = paths
@@ -248,6 +250,7 @@ class Compiled:
             for lock in self._locks:
                 lock.acquire()
                 taken += 1
+            bring_home(self._buffers, self._remote_variables)  # a variable a cluster's task held
             return self.executable.run(arrays, self._buffers, donated)
         finally:
             for lock in reversed(self._locks[:taken]):

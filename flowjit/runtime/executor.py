@@ -35,7 +35,7 @@ from flowjit.backends.registry import backend_for_device, get_backend
 from flowjit.ir.graph import Graph
 from flowjit.passes.partition import PartitionPlan, short_device_name
 from flowjit.runtime.rendezvous import Rendezvous, TransferError
-from flowjit.runtime.tasks import TaskStep, is_local, remote_runner, task_name
+from flowjit.runtime.tasks import TaskStep, is_local, remote_runner, task_name, variables_of
 from flowjit.runtime.transports import Transport, transport_for
 
 __all__ = ["PartitionError", "PartitionedExecutable", "crossings", "routes", "routes_between", "run_partitions"]
@@ -144,6 +144,8 @@ class PartitionedExecutable(Executable):
         self.inputs = [plan.partitions[n].inputs for n in self.local]
         remote = {n: (p.graph, p.device, p.inputs) for n, p in enumerate(plan.partitions) if not is_local(p.device)}
         self.remote = None
+        # variables the partitions of other tasks read or update (they live there)
+        self.remote_variables = frozenset(variables_of(graph for graph, _, _ in remote.values()))
         if remote:
             cut = crossings(plan)
             self.outgoing = {k: task_name(dst) for k, (src, dst) in cut.items() if is_local(src)}

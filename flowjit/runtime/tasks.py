@@ -31,6 +31,7 @@ from flowjit.runtime.transports import Transport
 
 __all__ = [
     "LOCAL_TASK",
+    "bring_home",
     "RemoteRunner",
     "TaskStep",
     "VariableHome",
@@ -252,6 +253,19 @@ def variable_home(name: str) -> VariableHome | None:
 def variable_homes() -> dict[str, VariableHome]:
     """Every variable living in another task, by name (a copy)."""
     return dict(_homes)
+
+
+def bring_home(buffers: dict[str, np.ndarray], skip=frozenset()) -> None:
+    """Before this process runs code on `buffers` (variable name -> its local buffer): the values
+    of those variables that live in another task come back into their buffers, and they live here
+    again (those in `skip` stay where they are: the code runs them there)."""
+    if not _homes:  # the common case, checked on every call of a function with variables
+        return
+    for name, buffer in buffers.items():
+        home = _homes.get(name)
+        if home is not None and name not in skip:
+            np.copyto(buffer, home.read(), casting="unsafe")
+            del _homes[name]
 
 
 class TaskError(FlowjitError):
