@@ -1,15 +1,18 @@
 """VJP rules for structured control flow, registered into `flowjit.passes.autodiff`'s tables.
 
 cond   one cond over the two branches' VJP graphs
-for    (fori_loop) a forward loop that tapes the carry of every iteration (a `FORWARD_RULES` entry,
-       replacing the primal loop), then a reverse loop applying the body's VJP graph; the rows an
-       iteration reads of an invariant (`xs[i]`) get their cotangent added into the carried sum
+for    (fori_loop, scan) a forward loop that tapes, every iteration, the carries the body's VJP
+       reads (a `FORWARD_RULES` entry, replacing the primal loop), then a reverse loop applying the
+       body's VJP graph; the rows an iteration reads of an invariant (`xs[i]`) get their cotangent
+       added into the carried sum. A carry the VJP never reads (scan's stacked `ys`, written one row
+       per step) is not taped: taping it would cost O(T) per iteration, O(T^2) in all
 while  an error naming fj.fori_loop: reverse mode needs the trip count while tracing
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +22,7 @@ from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
+from flowjit.passes.canonicalize import canonicalize
 
 
 def _while_vjp(op, cts, operands, results):
@@ -75,24 +79,25 @@ def _tape_position(i, lo: int):
     return bind("reshape", [i - np.asarray(lo, i.dtype)], {"shape": (1,)})
 
 
-def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants) -> list[Tracer]:
-    """The loop, also recording the carry at the start of every iteration: one (trips, ...) tape per
-    carry value. Returns the final carries, then the tapes."""
+def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants, taped: list[int]) -> list[Tracer]:
+    """The loop, also recording the carries `taped` at the start of every iteration: one
+    (trips, ...) tape per taped carry. Returns the final carries, then the tapes."""
     (body,) = op.regions
-    trace, num_carry = current_trace(), len(carry)
+    trace, num_carry, num_taped = current_trace(), len(carry), len(taped)
     carry_types = [x.value.type for x in carry]
-    tape_types = [TensorType((trips, *t.shape), t.dtype) for t in carry_types]
+    tape_types = [TensorType((trips, *carry_types[k].shape), carry_types[k].dtype) for k in taped]
 
     def taped_body(i, *args):
-        xs, tapes, inv = args[:num_carry], args[num_carry : 2 * num_carry], args[2 * num_carry :]
-        rows = [bind("reshape", [x], {"shape": (1, *x.shape)}) for x in xs]
+        xs, tapes, inv = args[:num_carry], args[num_carry : num_carry + num_taped], args[num_carry + num_taped :]
+        rows = [bind("reshape", [xs[k]], {"shape": (1, *xs[k].shape)}) for k in taped]
         recorded = [bind("scatter_add", [t, _tape_position(i, lo), r], {"axis": 0}) for t, r in zip(tapes, rows)]
         return [*replay(current_trace(), body, [i, *xs, *inv]), *recorded]
 
     param_types = [body.params[0].type, *carry_types, *tape_types, *(x.value.type for x in invariants)]
-    taped = _region("body_taped", param_types, taped_body)
+    taped_region = _region("body_taped", param_types, taped_body)
     operands = [*bounds, *carry, *(zeros(trace, t) for t in tape_types), *invariants]
-    return emit_traced(trace, "for", operands, {"num_carry": 2 * num_carry}, op.loc, [taped], op.device)
+    attrs = {"num_carry": num_carry + num_taped}
+    return emit_traced(trace, "for", operands, attrs, op.loc, [taped_region], op.device)
 
 
 def _is_zeros(value: Value) -> bool:
@@ -131,24 +136,50 @@ def _add_into(acc: Tracer, ct: Tracer) -> Tracer:
     return acc
 
 
-def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, float_carry, float_inv) -> list[Tracer]:
+@dataclass(frozen=True)
+class _LoopVJP:
+    """What both halves of a `for` loop's gradient need: the body's VJP graph (canonicalized, so
+    its parameters that nothing reads are unused), the float carries and invariants it
+    differentiates, and the carries it reads (the ones to tape)."""
+
+    body_vjp: Graph
+    float_carry: list[int]
+    float_inv: list[int]
+    taped: list[int]
+
+
+def _loop_vjp(op: Op) -> _LoopVJP:
+    (body,) = op.regions
+    num_carry = op.attrs["num_carry"]
+    types = [p.type for p in body.params[1:]]
+    float_carry = [k for k, t in enumerate(types[:num_carry]) if t.dtype.is_float]
+    float_inv = [m for m, t in enumerate(types[num_carry:]) if t.dtype.is_float]
+    wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
+    body_vjp = canonicalize(vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry), primal_outputs=False)))
+    read = {v for inner in body_vjp.ops for v in inner.operands} | set(body_vjp.results)
+    taped = [k for k in range(num_carry) if body_vjp.params[1 + k] in read]
+    return _LoopVJP(body_vjp, float_carry, float_inv, taped)
+
+
+def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, grad: _LoopVJP) -> list[Tracer]:
     """A loop over i = hi-1 ... lo applying the body's VJP graph to the taped carry_i. It carries the
     float carries' cotangents and the running sum of the float invariants' cotangents; returns both."""
     (body,) = op.regions
-    trace, num_carry = current_trace(), len(tapes)
-    carry_types = [TensorType(t.shape[1:], t.value.type.dtype) for t in tapes]
+    trace, num_carry = current_trace(), op.attrs["num_carry"]
+    carry_types = [p.type for p in body.params[1 : 1 + num_carry]]
     inv_types = [x.value.type for x in invariants]
-    wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
-    body_vjp = vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry), primal_outputs=False))
-    nc, ni = len(float_carry), len(float_inv)
+    float_carry, float_inv, taped = grad.float_carry, grad.float_inv, grad.taped
+    nc, ni, nt = len(float_carry), len(float_inv), len(taped)
 
     def backward_body(j, *args):
         ct_carry, ct_inv = args[:nc], args[nc : nc + ni]
-        tapes_, inv = args[nc + ni : nc + ni + num_carry], args[nc + ni + num_carry :]
+        tapes_, inv = args[nc + ni : nc + ni + nt], args[nc + ni + nt :]
         i = np.asarray(lo + hi - 1, j.dtype) - j
-        rows = [bind("gather", [tape, _tape_position(i, lo)], {"axis": 0}) for tape in tapes_]
-        xs = [bind("reshape", [row], {"shape": t.shape}) for row, t in zip(rows, carry_types)]
-        grads = replay(current_trace(), body_vjp, [i, *xs, *inv, *ct_carry])
+        xs: list[Tracer | None] = [None] * num_carry  # the body's VJP reads only the taped carries
+        for k, tape in zip(taped, tapes_):
+            row = bind("gather", [tape, _tape_position(i, lo)], {"axis": 0})
+            xs[k] = bind("reshape", [row], {"shape": carry_types[k].shape})
+        grads = replay(current_trace(), grad.body_vjp, [i, *xs, *inv, *ct_carry])
         return [*grads[:nc], *(_add_into(acc, g) for acc, g in zip(ct_inv, grads[nc:]))]
 
     ct_types = [carry_types[k] for k in float_carry] + [inv_types[m] for m in float_inv]
@@ -171,7 +202,7 @@ def _for_forward(op, operands):
     if hi <= lo:
         return None
     bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
-    outs = _taped_forward(op, lo, hi - lo, bounds, carry, invariants)
+    outs = _taped_forward(op, lo, hi - lo, bounds, carry, invariants, _loop_vjp(op).taped)
     return outs[:num_carry], outs[num_carry:]
 
 
@@ -179,17 +210,15 @@ def _for_vjp(op, cts, operands, results):
     # `results` ends with the tapes of `_for_forward`; the reverse loop applies the body's VJP graph.
     num_carry = op.attrs["num_carry"]
     lo, hi = _static_bound(op, 0, "lower"), _static_bound(op, 1, "upper")
-    bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
+    bounds, invariants = operands[:2], operands[2 + num_carry :]
     if hi <= lo:  # no iterations: the loop returns its initial carry
         return [None, None, *cts, *(None for _ in invariants)]
-    tapes = results[num_carry:]
-    float_carry = [k for k, x in enumerate(carry) if x.value.type.dtype.is_float]
-    float_inv = [m for m, x in enumerate(invariants) if x.value.type.dtype.is_float]
-    backward = _reverse_loop(op, lo, hi, cts, bounds, tapes, invariants, float_carry, float_inv)
+    grad = _loop_vjp(op)
+    backward = _reverse_loop(op, lo, hi, cts, bounds, results[num_carry:], invariants, grad)
     out = [None] * len(operands)
-    for k, g in zip(float_carry, backward):
+    for k, g in zip(grad.float_carry, backward):
         out[2 + k] = g
-    for m, g in zip(float_inv, backward[len(float_carry) :]):
+    for m, g in zip(grad.float_inv, backward[len(grad.float_carry) :]):
         out[2 + num_carry + m] = g
     return out
 

@@ -132,14 +132,19 @@ def _writable_copies(em: KernelEmitter, tensors: list[str], values) -> list[str]
 def in_place_updates(body: Graph, num_carry: int) -> dict[int, list[Op]]:
     """The `for` body's carries updated in place, by carry index: carry k whose result is a chain of
     scatter_adds starting from its own parameter, each link read by nothing else (a tape row, or
-    rows of a gradient accumulated into a (T, ...) buffer). Their scatter_adds write into the
-    carried buffer itself, so an iteration costs O(rows), not a copy of the whole carry."""
+    rows of a gradient accumulated into a (T, ...) buffer), or its own parameter unchanged (an empty
+    chain: the cotangent of scan's stacked outputs, read one row per iteration of the reverse loop).
+    Their scatter_adds write into the carried buffer itself, so an iteration costs O(rows), not a
+    copy of the whole carry."""
     reads: dict[Value, int] = {}
     for value in [*(x for op in body.ops for x in op.operands), *body.results]:
         reads[value] = reads.get(value, 0) + 1
     chains = {}
     for k in range(num_carry):
         value, chain = body.results[k], []
+        if value is body.params[1 + k] and not value.dtype.is_bool:  # yielded as it came: nothing written
+            chains[k] = chain
+            continue
         while value.producer is not None and value.producer.name == "scatter_add" and reads[value] == 1:
             chain.append(value.producer)
             value = value.producer.operands[0]
