@@ -1,10 +1,11 @@
-"""The gradient of an LSTM written with a loop: flowjit's `fj.fori_loop`, JAX's `lax.fori_loop`, PyTorch eager.
+"""The gradient of an LSTM written with a loop: `fj.fori_loop` and `fj.scan`, JAX's two, PyTorch eager.
 
     python benchmarks/loop_grad.py [--quick] [--steps 25 50 100 200] [--hidden 256] [--batch 32]
 
-The loop body reads one step of the closed-over input sequence (`xs[i]`), so the reverse pass must
-add that step's cotangent into the sequence's gradient without touching the other steps: the time
-per step should not grow with the number of steps T. The loss is the sum of the last hidden state;
+The `fori_loop` body reads one step of the closed-over input sequence (`xs[i]`) and the `scan` step
+gets it as its `x`; either way the reverse pass must add that step's cotangent into the sequence's
+gradient without touching the other steps: the time per step should not grow with the number of
+steps T. The loss is the sum of the last hidden state;
 the gradient is taken with respect to the weights and the input sequence.
 
 Times are the best of repeated calls (wall clock, after a warm-up call that compiles), on the CPU.
@@ -56,21 +57,41 @@ def lstm_loss(np_, sigmoid, fori_loop, steps: int, batch: int, hidden: int):
     return loss
 
 
-def flowjit_gradient(inputs: dict[str, np.ndarray]):
+def lstm_scan_loss(np_, sigmoid, scan, steps: int, batch: int, hidden: int):
+    """The same loss with the step as a `scan` body (`f(carry, x) -> (carry, y)`), for flowjit and JAX."""
+
+    def loss(wx, wh, b, xs):
+        def step(carry, x):
+            h, c = carry
+            gates = x @ wx + h @ wh + b
+            f, g, o, u = (gates[:, k * hidden : (k + 1) * hidden] for k in range(4))
+            c = sigmoid(f) * c + sigmoid(u) * np_.tanh(g)
+            return (sigmoid(o) * np_.tanh(c), c), None
+
+        init = (np_.zeros((batch, hidden), np_.float32), np_.zeros((batch, hidden), np_.float32))
+        (h, _), _ = scan(step, init, xs)
+        return np_.sum(h)
+
+    return loss
+
+
+def flowjit_gradient(inputs: dict[str, np.ndarray], loop: str = "fori_loop"):
     import flowjit as fj
     import flowjit.numpy as fnp
 
-    loss = lstm_loss(fnp, fj.nn.sigmoid, fj.fori_loop, *inputs["xs"].shape)
+    make_loss = lstm_scan_loss if loop == "scan" else lstm_loss
+    loss = make_loss(fnp, fj.nn.sigmoid, getattr(fj, loop), *inputs["xs"].shape)
     grad = fj.jit(fj.grad(loss, argnums=(0, 1, 2, 3)))
     args = (inputs["wx"], inputs["wh"], inputs["b"], inputs["xs"])
     return lambda: [np.asarray(g) for g in grad(*args)]
 
 
-def jax_gradient(inputs: dict[str, np.ndarray]):
+def jax_gradient(inputs: dict[str, np.ndarray], loop: str = "fori_loop"):
     import jax
     import jax.numpy as jnp
 
-    loss = lstm_loss(jnp, jax.nn.sigmoid, jax.lax.fori_loop, *inputs["xs"].shape)
+    make_loss = lstm_scan_loss if loop == "scan" else lstm_loss
+    loss = make_loss(jnp, jax.nn.sigmoid, getattr(jax.lax, loop), *inputs["xs"].shape)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     args = [jnp.asarray(inputs[k]) for k in ("wx", "wh", "b", "xs")]
     return lambda: [g.block_until_ready() for g in grad(*args)]
@@ -95,7 +116,13 @@ def torch_gradient(inputs: dict[str, np.ndarray]):
     return run
 
 
-FRAMEWORKS = {"flowjit": flowjit_gradient, "jax": jax_gradient, "pytorch": torch_gradient}
+FRAMEWORKS = {
+    "flowjit fori_loop": flowjit_gradient,
+    "flowjit scan": lambda inputs: flowjit_gradient(inputs, "scan"),
+    "jax fori_loop": jax_gradient,
+    "jax scan": lambda inputs: jax_gradient(inputs, "scan"),
+    "pytorch": torch_gradient,
+}
 
 
 def main() -> int:

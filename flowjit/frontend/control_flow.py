@@ -1,8 +1,9 @@
-"""Structured control flow for traced code: `cond`, `while_loop`, `fori_loop`.
+"""Structured control flow for traced code: `cond`, `while_loop`, `fori_loop`, `scan`.
 
 Bodies are traced once into regions of a single op (compiled as real branches and loops, never
 unrolled). Values a body uses from the enclosing function are captured and passed in as operands.
-Outside any trace (plain numpy arguments) they simply run the Python functions.
+Outside any trace (plain numpy arguments) `cond` and the loops run the Python functions; `scan` is
+traced and compiled once per graph (as `grad` is), so its stacked outputs have the compiled dtypes.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from flowjit.errors import FlowjitTypeError
-from flowjit.frontend.pytree import TreeDef, tree_flatten, tree_unflatten
-from flowjit.frontend.trace import Trace, Tracer, array_library, current_trace
+from flowjit.errors import FlowjitTypeError, FlowjitValueError
+from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
+from flowjit.frontend.trace import Trace, Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Value
 from flowjit.ir.location import user_location
@@ -176,3 +177,112 @@ def fori_loop(lower, upper, body_fn: Callable, init_val):
     _add_capture_params(body_g, len(in_types), caps, caps)
     outs = _bind_region_op("for", [lo, hi, *leaves, *caps], {"num_carry": len(types)}, [body_g])
     return tree_unflatten(tree, outs)
+
+
+def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = False, unroll: int | bool = 1):
+    """JAX's `lax.scan`: `carry, y = f(carry, x)` for each `x` along the leading axis of `xs`,
+    returning `(final carry, ys)` with the `y`s stacked along a new leading axis.
+
+    `init`, `xs` and the `y`s are pytrees; with `xs=None`, `f` gets `None` and `length` steps run.
+    `reverse=True` visits `xs` from the last step to the first and writes `ys` in the same order
+    (`ys[t]` is the step that read `xs[t]`). Compiled as one `for` op whose body reads `x_t` with
+    a `gather` at the step and adds `y_t` into a carried (length, ...) buffer with a `scatter_add`
+    (both in place, one row per step). `unroll` is accepted for JAX compatibility; the loop is
+    never unrolled.
+    """
+    if not isinstance(unroll, bool) and not (isinstance(unroll, int) and unroll >= 1):
+        raise FlowjitValueError(f"{user_location()}: scan's unroll must be a positive int or a bool; found {unroll!r}")
+    if not _is_traced(init, xs):
+        from flowjit.frontend.grad import _run_compiled  # grad.py holds the eager path of every transformation
+
+        def traced_scan(init, xs):
+            return scan(f, init, xs, length, reverse)
+
+        traced_scan.__name__ = f"scan_{getattr(f, '__name__', 'f')}"
+        return _run_compiled(traced_scan, (init, xs))
+    trace = current_trace()
+    xs_leaves, xs_tree = tree_flatten(xs)
+    xs_leaves = [x if isinstance(x, Tracer) else Tracer(trace.lift(x), trace) for x in _as_operands(xs_leaves)]
+    steps = _scan_length(xs, xs_leaves, length)
+    init_leaves, carry_tree = tree_flatten(init)
+    init_leaves = _as_operands(init_leaves)
+    carry_types = [_aval(x) for x in init_leaves]
+    body, y_types, y_tree, captured = _scan_body(f, carry_tree, carry_types, xs_leaves, xs_tree, steps, reverse)
+    fnp = array_library()
+    buffers = [fnp.zeros((steps, *t.shape), t.dtype.np_dtype) for t in y_types]
+    bounds = [np.asarray(0, np.int64), np.asarray(steps, np.int64)]
+    attrs = {"num_carry": len(carry_types) + len(y_types)}
+    outs = _bind_region_op("for", [*bounds, *init_leaves, *buffers, *captured], attrs, [body])
+    return tree_unflatten(carry_tree, outs[: len(carry_types)]), tree_unflatten(y_tree, outs[len(carry_types) :])
+
+
+def _scan_length(xs, xs_leaves: list, length) -> int:
+    """The number of steps: the common leading length of the `xs` leaves, or `length`."""
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 0):
+        raise FlowjitValueError(f"{user_location()}: scan's length must be a non-negative Python int; found {length!r}")
+    if not xs_leaves:
+        if length is None:
+            raise FlowjitValueError(
+                f"{user_location()}: scan needs the number of steps: pass length= when xs is None (or has no arrays)"
+            )
+        return int(length)
+    paths = leaf_paths(xs, "xs")
+    for path, x in zip(paths, xs_leaves):
+        if x.ndim == 0:
+            raise FlowjitValueError(
+                f"{user_location()}: scan's {path} is a scalar; every leaf of xs needs a leading axis to scan over"
+            )
+    lengths = [x.shape[0] for x in xs_leaves]
+    if any(n != lengths[0] for n in lengths):
+        found = ", ".join(f"{path} of length {n}" for path, n in zip(paths, lengths))
+        raise FlowjitValueError(f"{user_location()}: scan's xs must all have the same leading length; found {found}")
+    if length is not None and int(length) != lengths[0]:
+        raise FlowjitValueError(
+            f"{user_location()}: scan's length={length} does not match the leading length {lengths[0]} of {paths[0]}"
+        )
+    return lengths[0]
+
+
+def _row(x: Tracer, position: Tracer) -> Tracer:
+    """x[position] for a 1-element index vector: one row, read in place."""
+    return bind("reshape", [bind("gather", [x, position], {"axis": 0})], {"shape": x.shape[1:]})
+
+
+def _scan_body(f: Callable, carry_tree, carry_types, xs_leaves, xs_tree, steps: int, reverse: bool):
+    """The `for` body `(i, *carry, *ys_buffers, *captured) -> (*carry, *ys_buffers)`: reads row t of
+    each xs leaf (t = i, or steps-1-i when reversed), calls `f`, adds y into row t of its buffer.
+    Returns the region, the types and tree of y, and the outer tracers it captured."""
+    with Trace("body") as trace:
+        i = trace.new_param(TensorType((), dt.int64))
+        carry = [trace.new_param(t) for t in carry_types]
+        t = np.asarray(steps - 1, np.int64) - i if reverse else i
+        position = bind("reshape", [t], {"shape": (1,)})
+        x = [_row(leaf, position) if steps else array_library().zeros(leaf.shape[1:], leaf.dtype) for leaf in xs_leaves]
+        out = f(tree_unflatten(carry_tree, carry), tree_unflatten(xs_tree, x))
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise FlowjitTypeError(
+                f"{user_location()}: scan's f must return a pair (carry, y); found {type(out).__name__}"
+                + (f" of length {len(out)}" if isinstance(out, tuple | list) else "")
+            )
+        new_carry, new_tree = tree_flatten(out[0])
+        _check_same_tree(carry_tree, new_tree, "scan's f (its carry) and the initial carry")
+        new_carry, y = _as_operands(new_carry), out[1]
+        found = [_aval(c) for c in new_carry]
+        if found != list(carry_types):
+            raise FlowjitTypeError(
+                f"{user_location()}: scan's f must keep the carry's types ({', '.join(str(t) for t in carry_types)}); "
+                f"it returns ({', '.join(str(t) for t in found)}). Cast with .astype() to keep the dtype."
+            )
+        y_leaves, y_tree = tree_flatten(y)
+        y_leaves = _as_operands(y_leaves)
+        y_types = [_aval(v) for v in y_leaves]
+        buffers = [trace.new_param(TensorType((steps, *v.shape), v.dtype), "ys") for v in y_types]
+        rows = [bind("reshape", [v], {"shape": (1, *v.shape)}) for v in y_leaves]
+        written = [bind("scatter_add", [b, position, r], {"axis": 0}) if steps else b for b, r in zip(buffers, rows)]
+        trace.graph.results = [trace.lift(v) for v in [*new_carry, *written]]
+    region = trace.graph
+    captured_params = [param for _, param in trace.captures]
+    region.params = [i.value, *(c.value for c in carry), *(b.value for b in buffers), *captured_params]
+    for k, p in enumerate(region.params):
+        p.index = k
+    return region, y_types, y_tree, [outer for outer, _ in trace.captures]
