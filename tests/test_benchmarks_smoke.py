@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,3 +47,17 @@ def test_distributed_benchmark_runs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(table) == 6 and "4 MiB cross-task transfer" in proc.stdout  # the header and five measures
+
+
+def test_loop_grad_benchmark_lstm_gradients_agree_between_fori_loop_and_scan(monkeypatch):
+    # benchmarks/loop_grad.py's LSTM written with fj.fori_loop and with fj.scan (JAX and PyTorch are
+    # the bench extra's, not needed here): the same gradient, at a tiny size.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import loop_grad
+
+    inputs = loop_grad.lstm_inputs(steps=3, batch=2, hidden=4)
+    fori = loop_grad.flowjit_gradient(inputs)()
+    scan = loop_grad.flowjit_gradient(inputs, "scan")()
+    assert [g.shape for g in scan] == [(4, 16), (4, 16), (16,), (3, 2, 4)]
+    for a, b in zip(fori, scan):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Differentiation for users: `grad`, `value_and_grad`, `vjp`, `stop_gradient`, `custom_vjp`.
+"""Differentiation for users: `grad`, `value_and_grad`, `vjp`, `stop_gradient` (user-defined rules,
+`custom_vjp` and `custom_jvp`, are in `custom_derivatives.py`).
 
     loss_grad = fj.grad(loss, argnums=0)          # d loss / d params, same pytree as params
     (loss, aux), g = fj.value_and_grad(loss, has_aux=True)(params, batch)
@@ -21,7 +22,6 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import itertools
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
-from flowjit.frontend.autodiff import CUSTOM_RULES, GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
+from flowjit.frontend.autodiff import GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
 from flowjit.frontend.pytree import leaf_paths, tree_flatten, tree_map, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
@@ -336,109 +336,3 @@ def stop_gradient(x):
         return leaf
 
     return tree_map(stop, x)
-
-
-_rule_counter = itertools.count()
-
-
-class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
-    """A function with a user-defined gradient:
-
-        @fj.custom_vjp
-        def clip_gradient(x): return x
-        def fwd(x): return x, ()                      # (output, residuals for bwd)
-        def bwd(residuals, ct): return (fnp.clip(ct, -1.0, 1.0),)   # one cotangent (or None) per argument
-        clip_gradient.defvjp(fwd, bwd)
-
-    Outside differentiation it calls the function itself. While a caller is being differentiated it
-    runs `fwd` and records a `custom_vjp_call` op whose gradient is `bwd` (traced when the autodiff
-    pass reaches it), so the function's own ops are never differentiated. Inside `fwd`, calling the
-    function runs the function itself (`f.defvjp(lambda x: (f(x), fnp.cos(x)), bwd)`, as in JAX's docs).
-    """
-
-    def __init__(self, fun: Callable):
-        functools.update_wrapper(self, fun)
-        self.fun = fun
-        self.fwd: Callable | None = None
-        self.bwd: Callable | None = None
-        self._rule_ids: dict = {}
-        self._in_fwd = threading.local()  # set while this thread runs `fwd`
-
-    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
-        """Set the forward function `fwd(*args) -> (out, residuals)` and the backward function
-        `bwd(residuals, out_cotangent) -> tuple of one cotangent (or None) per argument`."""
-        self.fwd, self.bwd = fwd, bwd
-
-    def __call__(self, *args):
-        if self.fwd is None:
-            raise FlowjitValueError(
-                f"{user_location()}: custom_vjp function {self.__name__} has no rule; call "
-                f"{self.__name__}.defvjp(fwd, bwd) first"
-            )
-        if not under_differentiation() or getattr(self._in_fwd, "active", False):
-            return self.fun(*args)
-        self._in_fwd.active = True
-        try:
-            pair = self.fwd(*args)
-        finally:
-            self._in_fwd.active = False
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise FlowjitTypeError(
-                f"{user_location()}: the fwd of custom_vjp {self.__name__} must return (output, residuals)"
-            )
-        out, residuals = pair
-        in_leaves, in_tree = tree_flatten(list(args))
-        res_leaves, res_tree = tree_flatten(residuals)
-        out_leaves, out_tree = tree_flatten(out)
-        if not out_leaves:
-            return out
-        in_types = tuple(_leaf_type(array_library().asarray(x)) for x in in_leaves)
-        out_types = tuple(_leaf_type(array_library().asarray(x)) for x in out_leaves)
-        rule = self._rule_id(in_tree, in_types, res_tree, out_tree, out_types)
-        attrs = {"rule": rule, "num_inputs": len(in_leaves), "num_residuals": len(res_leaves)}
-        results = bind("custom_vjp_call", [*in_leaves, *res_leaves, *out_leaves], attrs)
-        return tree_unflatten(out_tree, results if isinstance(results, list) else [results])
-
-    def _rule_id(self, in_tree, in_types, res_tree, out_tree, out_types) -> int:
-        key = (in_tree, in_types, res_tree, out_tree, out_types)
-        if key not in self._rule_ids:
-            rule = next(_rule_counter)
-            CUSTOM_RULES[rule] = functools.partial(self._backward, in_tree, in_types, res_tree, out_tree, out_types)
-            self._rule_ids[key] = rule
-        return self._rule_ids[key]
-
-    def _backward(self, in_tree, in_types, res_tree, out_tree, out_types, residuals, cts):
-        """Call `bwd` on tracers; returns one cotangent (or None) per input leaf."""
-        cts = [ct if ct is not None else array_library().zeros(t.shape, t.dtype) for ct, t in zip(cts, out_types)]
-        arg_cts = self.bwd(tree_unflatten(res_tree, residuals), tree_unflatten(out_tree, cts))
-        num_args = len(in_tree.children)
-        if not isinstance(arg_cts, tuple | list) or len(arg_cts) != num_args:
-            raise FlowjitTypeError(
-                f"{user_location()}: the bwd of custom_vjp {self.__name__} must return a tuple of {num_args} "
-                f"cotangent(s), one per argument; found {type(arg_cts).__name__}"
-            )
-        flat = []
-        for arg_ct, arg_tree in zip(arg_cts, in_tree.children):
-            if arg_ct is None:
-                flat.extend([None] * arg_tree.num_leaves)
-                continue
-            leaves, tree = tree_flatten(arg_ct)
-            if tree != arg_tree:
-                raise FlowjitTypeError(
-                    f"{user_location()}: the bwd of custom_vjp {self.__name__} returned a cotangent of "
-                    f"structure {tree} for an argument of structure {arg_tree}"
-                )
-            flat.extend(leaves)
-        out = []
-        for ct, t in zip(flat, in_types):
-            if ct is None or not t.dtype.is_float:
-                out.append(None)
-                continue
-            ct = array_library().asarray(ct)
-            if tuple(array_library().shape(ct)) != t.shape:
-                raise FlowjitTypeError(
-                    f"{user_location()}: the bwd of custom_vjp {self.__name__} returned a cotangent of shape "
-                    f"{tuple(array_library().shape(ct))} for an input of type {t}"
-                )
-            out.append(array_library().astype(ct, t.dtype))
-        return out
