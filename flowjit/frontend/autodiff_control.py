@@ -1,11 +1,15 @@
 """VJP rules for structured control flow, registered into `flowjit.passes.autodiff`'s tables.
 
 cond   one cond over the two branches' VJP graphs
-for    (fori_loop, scan) a forward loop that tapes, every iteration, the carries the body's VJP
-       reads (a `FORWARD_RULES` entry, replacing the primal loop), then a reverse loop applying the
-       body's VJP graph; the rows an iteration reads of an invariant (`xs[i]`) get their cotangent
-       added into the carried sum. A carry the VJP never reads (scan's stacked `ys`, written one row
-       per step) is not taped: taping it would cost O(T) per iteration, O(T^2) in all
+for    (fori_loop, scan) the body's VJP graph, split in two. Its forward part (the ops that read no
+       cotangent) runs in a forward loop (a `FORWARD_RULES` entry, replacing the primal loop) that
+       tapes, every iteration, the residuals: the values of the forward part that depend on the
+       carry and that the backward part reads (as JAX's partial evaluation stores them), so the
+       reverse pass never recomputes the forward body. A reverse loop runs the backward part on
+       its iteration's residuals; values that depend only on the step and the invariants (`xs[i]`)
+       are recomputed there, not taped. The rows an iteration reads of an invariant get their
+       cotangent added into the carried sum. A carry the backward part never reads (scan's
+       stacked `ys`, written one row per step) is not taped: that would cost O(T) per iteration
 while  an error naming fj.fori_loop: reverse mode needs the trip count while tracing
 """
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, op_error
-from flowjit.frontend.autodiff import FORWARD_RULES, VJP_RULES, VJPSpec, emit_traced, replay, vjp_graph, zeros
+from flowjit.frontend.autodiff import FORWARD_RULES, VJP_RULES, VJPSpec, emit_traced, vjp_graph, zeros
 from flowjit.frontend.trace import Trace, Tracer, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
@@ -79,21 +83,36 @@ def _tape_position(i, lo: int):
     return bind("reshape", [i - np.asarray(lo, i.dtype)], {"shape": (1,)})
 
 
-def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants, taped: list[int]) -> list[Tracer]:
-    """The loop, also recording the carries `taped` at the start of every iteration: one
-    (trips, ...) tape per taped carry. Returns the final carries, then the tapes."""
-    (body,) = op.regions
-    trace, num_carry, num_taped = current_trace(), len(carry), len(taped)
+def _emit(graph: Graph, env: dict, skip) -> None:
+    """Emit `graph`'s ops but those in `skip` into the current trace, reading operands from and
+    writing results to `env`."""
+    trace = current_trace()
+    for inner in graph.ops:
+        if inner in skip:
+            continue
+        operands = [env[v] for v in inner.operands]
+        outs = emit_traced(trace, inner.name, operands, inner.attrs, inner.loc, inner.regions, inner.device)
+        env.update(zip(inner.results, outs))
+
+
+def _taped_forward(op: Op, lo: int, trips: int, bounds, carry, invariants, grad: _LoopVJP) -> list[Tracer]:
+    """The loop running the forward part of the body's VJP graph, also recording its residuals
+    every iteration: one (trips, ...) tape per residual. Returns the final carries, then the tapes."""
+    graph, residuals = grad.body_vjp, grad.residuals
+    trace, num_carry, num_taped = current_trace(), len(carry), len(residuals)
     carry_types = [x.value.type for x in carry]
-    tape_types = [TensorType((trips, *carry_types[k].shape), carry_types[k].dtype) for k in taped]
+    tape_types = [TensorType((trips, *v.type.shape), v.type.dtype) for v in residuals]
 
     def taped_body(i, *args):
         xs, tapes, inv = args[:num_carry], args[num_carry : num_carry + num_taped], args[num_carry + num_taped :]
-        rows = [bind("reshape", [xs[k]], {"shape": (1, *xs[k].shape)}) for k in taped]
-        recorded = [bind("scatter_add", [t, _tape_position(i, lo), r], {"axis": 0}) for t, r in zip(tapes, rows)]
-        return [*replay(current_trace(), body, [i, *xs, *inv]), *recorded]
+        env = dict(zip(graph.params, [i, *xs, *inv]))
+        _emit(graph, env, grad.backward)
+        position = _tape_position(i, lo)
+        rows = [bind("reshape", [env[v]], {"shape": (1, *v.type.shape)}) for v in residuals]
+        recorded = [bind("scatter_add", [t, position, r], {"axis": 0}) for t, r in zip(tapes, rows)]
+        return [*(env[r] for r in graph.results[:num_carry]), *recorded]
 
-    param_types = [body.params[0].type, *carry_types, *tape_types, *(x.value.type for x in invariants)]
+    param_types = [graph.params[0].type, *carry_types, *tape_types, *(x.value.type for x in invariants)]
     taped_region = _region("body_taped", param_types, taped_body)
     operands = [*bounds, *carry, *(zeros(trace, t) for t in tape_types), *invariants]
     attrs = {"num_carry": num_carry + num_taped}
@@ -136,16 +155,25 @@ def _add_into(acc: Tracer, ct: Tracer) -> Tracer:
     return acc
 
 
+# Values the reverse loop recomputes from their operands rather than taping them: shape-only ops
+# (their operand is taped instead) and bools (tapes are written with scatter_add, on numbers).
+RECOMPUTED = frozenset({"broadcast", "reshape"})
+
+
 @dataclass(frozen=True)
 class _LoopVJP:
-    """What both halves of a `for` loop's gradient need: the body's VJP graph (canonicalized, so
-    its parameters that nothing reads are unused), the float carries and invariants it
-    differentiates, and the carries it reads (the ones to tape)."""
+    """What both halves of a `for` loop's gradient need. `body_vjp` is the body's VJP graph
+    `(i, *carry, *inv, *ct_carry) -> (*carry_out, *grads)` (canonicalized); `backward` its ops that
+    read a cotangent; `taped` the ops of the forward part whose results depend on the carry and
+    are not recomputed (the reverse loop reads the `residuals` among their results, and the carry
+    parameters among them, from the tapes); `float_carry`/`float_inv` what it differentiates."""
 
     body_vjp: Graph
     float_carry: list[int]
     float_inv: list[int]
-    taped: list[int]
+    backward: frozenset[Op]
+    taped: frozenset[Op]
+    residuals: list[Value]
 
 
 def _loop_vjp(op: Op) -> _LoopVJP:
@@ -155,38 +183,65 @@ def _loop_vjp(op: Op) -> _LoopVJP:
     float_carry = [k for k, t in enumerate(types[:num_carry]) if t.dtype.is_float]
     float_inv = [m for m, t in enumerate(types[num_carry:]) if t.dtype.is_float]
     wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
-    body_vjp = canonicalize(vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry), primal_outputs=False)))
-    read = {v for inner in body_vjp.ops for v in inner.operands} | set(body_vjp.results)
-    taped = [k for k in range(num_carry) if body_vjp.params[1 + k] in read]
-    return _LoopVJP(body_vjp, float_carry, float_inv, taped)
+    graph = canonicalize(vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry))))
+    on_ct = set(graph.params[len(body.params) :])
+    on_carry = set(graph.params[1 : 1 + num_carry])
+    backward, forward = set(), set()
+    for inner in graph.ops:
+        if any(v in on_ct for v in inner.operands):
+            on_ct.update(inner.results)
+            backward.add(inner)
+        elif any(v in on_carry for v in inner.operands):
+            on_carry.update(inner.results)
+            forward.add(inner)
+    residuals, recomputed, seen = [], set(), set()
+
+    def need(v: Value) -> None:
+        if v in seen or v not in on_carry:  # computed in the reverse loop from the step and the invariants
+            return
+        seen.add(v)
+        producer = v.producer
+        if producer is not None and (producer.name in RECOMPUTED or v.type.dtype.is_bool):
+            recomputed.add(producer)
+            for x in producer.operands:
+                need(x)
+            return
+        residuals.append(v)
+
+    for v in [*(x for inner in graph.ops if inner in backward for x in inner.operands), *graph.results[num_carry:]]:
+        need(v)
+    return _LoopVJP(graph, float_carry, float_inv, frozenset(backward), frozenset(forward - recomputed), residuals)
 
 
 def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, grad: _LoopVJP) -> list[Tracer]:
-    """A loop over i = hi-1 ... lo applying the body's VJP graph to the taped carry_i. It carries the
-    float carries' cotangents and the running sum of the float invariants' cotangents; returns both."""
-    (body,) = op.regions
-    trace, num_carry = current_trace(), op.attrs["num_carry"]
-    carry_types = [p.type for p in body.params[1 : 1 + num_carry]]
+    """A loop over i = hi-1 ... lo running the backward part of the body's VJP graph on the
+    residuals taped at iteration i. It carries the float carries' cotangents and the running sum
+    of the float invariants' cotangents; returns both."""
+    graph, num_carry = grad.body_vjp, op.attrs["num_carry"]
+    trace = current_trace()
+    carry_types = [p.type for p in graph.params[1 : 1 + num_carry]]
     inv_types = [x.value.type for x in invariants]
-    float_carry, float_inv, taped = grad.float_carry, grad.float_inv, grad.taped
-    nc, ni, nt = len(float_carry), len(float_inv), len(taped)
+    inv_params = graph.params[1 + num_carry : 1 + num_carry + len(invariants)]
+    ct_params = graph.params[1 + num_carry + len(invariants) :]
+    nc, ni, nt = len(grad.float_carry), len(grad.float_inv), len(tapes)
 
     def backward_body(j, *args):
         ct_carry, ct_inv = args[:nc], args[nc : nc + ni]
         tapes_, inv = args[nc + ni : nc + ni + nt], args[nc + ni + nt :]
         i = np.asarray(lo + hi - 1, j.dtype) - j
-        xs: list[Tracer | None] = [None] * num_carry  # the body's VJP reads only the taped carries
-        for k, tape in zip(taped, tapes_):
-            row = bind("gather", [tape, _tape_position(i, lo)], {"axis": 0})
-            xs[k] = bind("reshape", [row], {"shape": carry_types[k].shape})
-        grads = replay(current_trace(), grad.body_vjp, [i, *xs, *inv, *ct_carry])
+        position = _tape_position(i, lo)
+        env = {graph.params[0]: i, **dict(zip(inv_params, inv)), **dict(zip(ct_params, ct_carry))}
+        for v, tape in zip(grad.residuals, tapes_):
+            env[v] = bind("reshape", [bind("gather", [tape, position], {"axis": 0})], {"shape": v.type.shape})
+        _emit(graph, env, grad.taped)
+        grads = [env[r] for r in graph.results[num_carry:]]
         return [*grads[:nc], *(_add_into(acc, g) for acc, g in zip(ct_inv, grads[nc:]))]
 
-    ct_types = [carry_types[k] for k in float_carry] + [inv_types[m] for m in float_inv]
+    ct_types = [carry_types[k] for k in grad.float_carry] + [inv_types[m] for m in grad.float_inv]
     tape_types = [t.value.type for t in tapes]
-    region = _region("body_vjp", [body.params[0].type, *ct_types, *tape_types, *inv_types], backward_body)
-    ct_init = [cts[k] if cts[k] is not None else zeros(trace, carry_types[k]) for k in float_carry]
-    ct_init += [zeros(trace, inv_types[m]) for m in float_inv]
+    region = _region("body_vjp", [graph.params[0].type, *ct_types, *tape_types, *inv_types], backward_body)
+    ct_init = [cts[k] if cts[k] is not None else zeros(trace, carry_types[k]) for k in grad.float_carry]
+    ct_init += [zeros(trace, inv_types[m]) for m in grad.float_inv]
     operands = [*bounds, *ct_init, *tapes, *invariants]
     return emit_traced(trace, "for", operands, {"num_carry": len(ct_init)}, op.loc, [region], op.device)
 
@@ -202,7 +257,7 @@ def _for_forward(op, operands):
     if hi <= lo:
         return None
     bounds, carry, invariants = operands[:2], operands[2 : 2 + num_carry], operands[2 + num_carry :]
-    outs = _taped_forward(op, lo, hi - lo, bounds, carry, invariants, _loop_vjp(op).taped)
+    outs = _taped_forward(op, lo, hi - lo, bounds, carry, invariants, _loop_vjp(op))
     return outs[:num_carry], outs[num_carry:]
 
 
