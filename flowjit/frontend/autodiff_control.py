@@ -83,6 +83,66 @@ def _tape_position(i, lo: int):
     return bind("reshape", [i - np.asarray(lo, i.dtype)], {"shape": (1,)})
 
 
+# Values the reverse loop recomputes from their operands rather than taping them: shape-only ops
+# (their operand is taped instead) and bools (tapes are written with scatter_add, on numbers).
+RECOMPUTED = frozenset({"broadcast", "reshape"})
+
+
+@dataclass(frozen=True)
+class _LoopVJP:
+    """What both halves of a `for` loop's gradient need. `body_vjp` is the body's VJP graph
+    `(i, *carry, *inv, *ct_carry) -> (*carry_out, *grads)` (canonicalized); `backward` its ops that
+    read a cotangent (run by the reverse loop only); `taped` the ops of the forward part that
+    depend on the carry and are not recomputed (run by the forward loop only); `residuals` the
+    values the reverse loop reads from the tapes (results of `taped` ops, or carry parameters);
+    `float_carry`/`float_inv` the carries and invariants it differentiates."""
+
+    body_vjp: Graph
+    float_carry: list[int]
+    float_inv: list[int]
+    backward: frozenset[Op]
+    taped: frozenset[Op]
+    residuals: list[Value]
+
+
+def _loop_vjp(op: Op) -> _LoopVJP:
+    """The body's VJP graph of `for` loop `op`, split into its forward and backward parts."""
+    (body,) = op.regions
+    num_carry = op.attrs["num_carry"]
+    types = [p.type for p in body.params[1:]]
+    float_carry = [k for k, t in enumerate(types[:num_carry]) if t.dtype.is_float]
+    float_inv = [m for m, t in enumerate(types[num_carry:]) if t.dtype.is_float]
+    wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
+    graph = canonicalize(vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry))))
+    on_ct = set(graph.params[len(body.params) :])
+    on_carry = set(graph.params[1 : 1 + num_carry])
+    backward, forward = set(), set()
+    for inner in graph.ops:
+        if any(v in on_ct for v in inner.operands):
+            on_ct.update(inner.results)
+            backward.add(inner)
+        elif any(v in on_carry for v in inner.operands):
+            on_carry.update(inner.results)
+            forward.add(inner)
+    residuals, recomputed, seen = [], set(), set()
+
+    def need(v: Value) -> None:
+        if v in seen or v not in on_carry:  # computed in the reverse loop from the step and the invariants
+            return
+        seen.add(v)
+        producer = v.producer
+        if producer is not None and (producer.name in RECOMPUTED or v.type.dtype.is_bool):
+            recomputed.add(producer)
+            for x in producer.operands:
+                need(x)
+            return
+        residuals.append(v)
+
+    for v in [*(x for inner in graph.ops if inner in backward for x in inner.operands), *graph.results[num_carry:]]:
+        need(v)
+    return _LoopVJP(graph, float_carry, float_inv, frozenset(backward), frozenset(forward - recomputed), residuals)
+
+
 def _emit(graph: Graph, env: dict, skip) -> None:
     """Emit `graph`'s ops but those in `skip` into the current trace, reading operands from and
     writing results to `env`."""
@@ -153,64 +213,6 @@ def _add_into(acc: Tracer, ct: Tracer) -> Tracer:
         idx, rows = (Tracer(x, trace) for x in op.operands[1:])
         acc = bind("scatter_add", [acc, idx, rows], dict(op.attrs))
     return acc
-
-
-# Values the reverse loop recomputes from their operands rather than taping them: shape-only ops
-# (their operand is taped instead) and bools (tapes are written with scatter_add, on numbers).
-RECOMPUTED = frozenset({"broadcast", "reshape"})
-
-
-@dataclass(frozen=True)
-class _LoopVJP:
-    """What both halves of a `for` loop's gradient need. `body_vjp` is the body's VJP graph
-    `(i, *carry, *inv, *ct_carry) -> (*carry_out, *grads)` (canonicalized); `backward` its ops that
-    read a cotangent; `taped` the ops of the forward part whose results depend on the carry and
-    are not recomputed (the reverse loop reads the `residuals` among their results, and the carry
-    parameters among them, from the tapes); `float_carry`/`float_inv` what it differentiates."""
-
-    body_vjp: Graph
-    float_carry: list[int]
-    float_inv: list[int]
-    backward: frozenset[Op]
-    taped: frozenset[Op]
-    residuals: list[Value]
-
-
-def _loop_vjp(op: Op) -> _LoopVJP:
-    (body,) = op.regions
-    num_carry = op.attrs["num_carry"]
-    types = [p.type for p in body.params[1:]]
-    float_carry = [k for k, t in enumerate(types[:num_carry]) if t.dtype.is_float]
-    float_inv = [m for m, t in enumerate(types[num_carry:]) if t.dtype.is_float]
-    wrt = tuple([1 + k for k in float_carry] + [1 + num_carry + m for m in float_inv])
-    graph = canonicalize(vjp_graph(body, VJPSpec(wrt=wrt, seeds=tuple(float_carry))))
-    on_ct = set(graph.params[len(body.params) :])
-    on_carry = set(graph.params[1 : 1 + num_carry])
-    backward, forward = set(), set()
-    for inner in graph.ops:
-        if any(v in on_ct for v in inner.operands):
-            on_ct.update(inner.results)
-            backward.add(inner)
-        elif any(v in on_carry for v in inner.operands):
-            on_carry.update(inner.results)
-            forward.add(inner)
-    residuals, recomputed, seen = [], set(), set()
-
-    def need(v: Value) -> None:
-        if v in seen or v not in on_carry:  # computed in the reverse loop from the step and the invariants
-            return
-        seen.add(v)
-        producer = v.producer
-        if producer is not None and (producer.name in RECOMPUTED or v.type.dtype.is_bool):
-            recomputed.add(producer)
-            for x in producer.operands:
-                need(x)
-            return
-        residuals.append(v)
-
-    for v in [*(x for inner in graph.ops if inner in backward for x in inner.operands), *graph.results[num_carry:]]:
-        need(v)
-    return _LoopVJP(graph, float_carry, float_inv, frozenset(backward), frozenset(forward - recomputed), residuals)
 
 
 def _reverse_loop(op: Op, lo: int, hi: int, cts, bounds, tapes, invariants, grad: _LoopVJP) -> list[Tracer]:
