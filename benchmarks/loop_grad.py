@@ -5,25 +5,39 @@
 The `fori_loop` body reads one step of the closed-over input sequence (`xs[i]`) and the `scan` step
 gets it as its `x`; either way the reverse pass must add that step's cotangent into the sequence's
 gradient without touching the other steps: the time per step should not grow with the number of
-steps T. The loss is the sum of the last hidden state;
-the gradient is taken with respect to the weights and the input sequence.
+steps T. The loss is the sum of the last hidden state; the gradient is taken with respect to the
+weights and the input sequence.
 
 Times are the best of repeated calls (wall clock, after a warm-up call that compiles), on the CPU.
-Prints a Markdown table: milliseconds per gradient and microseconds per step for each framework.
+The frameworks' calls are interleaved, one call of each per round, so that other jobs on a shared
+machine disturb them alike and the ratios of one run hold. Prints the Markdown section that
+`run.py` puts into RESULTS.md: milliseconds per gradient and microseconds per step per framework.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.util
+import os
+import shlex
 import sys
+import time
 
+import machine
 import numpy as np
 from harness import call_times
 
 
-def best_seconds(fn, repeats: int) -> float:
-    """The fastest call: on a shared machine the minimum is the least noisy estimate."""
-    return min(call_times(fn, repeats))
+def best_seconds(fns: dict, repeats: int) -> dict[str, float]:
+    """The fastest call of each function, timed round by round (one timed call of each per round,
+    after an untimed one: the first compiles, the others warm what the other functions evicted); on
+    a shared machine the minimum is the least noisy estimate."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            best[name] = min(best[name], *call_times(fn, 1))
+    return best
 
 
 def lstm_inputs(steps: int, batch: int, hidden: int) -> dict[str, np.ndarray]:
@@ -125,6 +139,32 @@ FRAMEWORKS = {
 }
 
 
+# The library each column needs (JAX and PyTorch come with the `bench` extra; a missing one is reported).
+MODULES = {"flowjit fori_loop": "flowjit", "flowjit scan": "flowjit", "jax fori_loop": "jax", "jax scan": "jax"}
+MODULES["pytorch"] = "torch"
+
+
+def section(rows, names: list[str], missing: list[str], how: str) -> str:
+    """The Markdown section benchmarks/RESULTS.md holds (`run.py` inserts it): the table, how the time
+    per step grows from the shortest to the longest sequence, and flowjit against JAX per loop."""
+    lines = ["## Loop gradients (LSTM, benchmarks/loop_grad.py)", "", how, ""]
+    lines += ["| T | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for steps, times in rows:
+        cells = [f"{times[n] * 1e3:.1f} ({times[n] * 1e6 / steps:.0f})" for n in names]
+        lines.append(f"| {steps} | " + " | ".join(cells) + " |")
+    (first, t0), (last, t1) = rows[0], rows[-1]
+    growth = ", ".join(f"{n} {t1[n] / last / (t0[n] / first):.2f}x" for n in names)
+    lines += ["", f"Time per step at T={last} over T={first} (1.00x: flat, O(T) in all): {growth}."]
+    for loop in ("fori_loop", "scan"):
+        ours, theirs = f"flowjit {loop}", f"jax {loop}"
+        if ours in names and theirs in names:
+            ratios = ", ".join(f"{t[ours] / t[theirs]:.2f} (T={steps})" for steps, t in rows)
+            lines.append(f"flowjit ÷ JAX, `{loop}` (≤ 1.0: no slower): {ratios}.")
+    if missing:
+        lines.append(f"Not measured: {', '.join(missing)} (install the `bench` extra).")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[25, 50, 100, 200])
@@ -133,16 +173,23 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
     repeats = 3 if args.quick else 10
+    names = [n for n in FRAMEWORKS if importlib.util.find_spec(MODULES[n]) is not None]
+    missing = [n for n in FRAMEWORKS if n not in names]
+    load_before, started = machine.load_average(), time.perf_counter()
     rows = []
     for steps in args.steps:
         inputs = lstm_inputs(steps, args.batch, args.hidden)
-        rows.append((steps, {name: best_seconds(make(inputs), repeats) for name, make in FRAMEWORKS.items()}))
-    print(f"LSTM gradient, hidden {args.hidden}, batch {args.batch}: ms per gradient (us per step)\n")
-    print("| T | " + " | ".join(FRAMEWORKS) + " |")
-    print("|---|" + "---|" * len(FRAMEWORKS))
-    for steps, times in rows:
-        cells = [f"{t * 1e3:.1f} ({t * 1e6 / steps:.0f})" for t in times.values()]
-        print(f"| {steps} | " + " | ".join(cells) + " |")
+        rows.append((steps, best_seconds({n: FRAMEWORKS[n](inputs) for n in names}, repeats)))
+    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/loop_grad.py", *sys.argv[1:]])
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    how = (
+        f"`{command}`, {date}, {os.cpu_count()} CPUs, {time.perf_counter() - started:.0f} s in all, load average "
+        f"(1/5/15 min) before / after {load_before} / {machine.load_average()}. The gradient of an LSTM "
+        f"(hidden {args.hidden}, batch {args.batch}, T steps) with respect to its weights and input sequence, "
+        f"written with a loop: ms per gradient (µs per step), the best of {repeats} calls, the columns' calls "
+        "interleaved."
+    )
+    print(section(rows, names, missing, how))
     return 0
 
 

@@ -39,6 +39,7 @@ def parse_args(argv):
     p.add_argument("--peers", default=",".join(peers.available()), help="comma-separated peers to run")
     p.add_argument("--sizes", choices=("full", "tiny"), default="full", help="'tiny' is for smoke tests only")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")
+    p.add_argument("--no-loop-grad", action="store_true", help="skip the LSTM gradient through loops (loop_grad.py)")
     p.add_argument("--no-distributed", action="store_true", help="skip the distributed runtime's costs (Ray)")
     args = p.parse_args(argv)
     only = {n for item in args.only for n in item.split(",") if n}
@@ -125,6 +126,26 @@ def measure_memory(n: int) -> dict:
     return answer if answer is not None else {"error": error}
 
 
+def measure_loop_gradients(quick: bool) -> str:
+    """The Markdown section of `loop_grad.py` (an LSTM's gradient through fori_loop and scan, against
+    JAX's and PyTorch's), run in a fresh process."""
+    title = "## Loop gradients (LSTM, benchmarks/loop_grad.py)"
+    print("measuring loop gradients (an LSTM through fori_loop and scan) ...", flush=True)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "loop_grad.py"), *(["--quick"] if quick else [])],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=HERE,
+        )
+    except subprocess.TimeoutExpired:
+        return f"{title}\n\nNot measured: loop_grad.py did not finish in 900 s.\n"
+    if proc.returncode != 0:
+        return f"{title}\n\nNot measured: {_how_it_died(proc.returncode, proc.stderr)}\n"
+    return proc.stdout[proc.stdout.index(title) :]
+
+
 def measure_distributed(quick: bool) -> str:
     """The Markdown section of `distributed.py` (Ray on loopback), run in a fresh process."""
     try:
@@ -186,6 +207,8 @@ def main(argv=None) -> int:
     description["CPU time stolen by the VM host during the run"] = machine.steal_share(cpu_before, machine.cpu_times())
     missing = [n for n in peers.PEER_NAMES if n not in peers.available()]
     text = render(command, date, mode, description, startup, limits, runs, memory, missing)
+    if not args.no_loop_grad:
+        text += "\n" + measure_loop_gradients(args.quick)
     if not args.no_distributed:
         text += "\n" + measure_distributed(args.quick)
     args.out.write_text(text)
