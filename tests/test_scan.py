@@ -79,6 +79,15 @@ def test_scan_without_xs_runs_length_steps(target):
     np.testing.assert_array_equal(ys, np.array([1, 2, 4, 8, 16], np.float32))
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_scan_stacks_bool_and_int_ys(target):
+    f = fj.jit(lambda xs: fj.scan(lambda c, x: (c + x, (x > 0, fnp.astype(x * 10, "int32"))), 0.0, xs), target=target)
+    carry, (positive, scaled) = f(np.array([-1.0, 2.0, -0.5], np.float32))
+    assert float(carry) == 0.5
+    np.testing.assert_array_equal(positive, [False, True, False])
+    np.testing.assert_array_equal(scaled, np.array([-10, 20, -5], np.int32))
+
+
 def test_scan_of_zero_steps_returns_init_and_empty_ys():
     carry, ys = fj.jit(lambda x: fj.scan(lambda c, x: (c + x, c * x), x[0], x[:0]))(np.ones((3, 2), np.float32))
     np.testing.assert_array_equal(carry, np.ones(2, np.float32))
