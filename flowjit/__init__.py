@@ -24,5 +24,6 @@ from flowjit.frontend.lowered import Compiled, Lowered  # noqa: F401
 from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 from flowjit.frontend.signature import ShapeDtype  # noqa: F401
 from flowjit.frontend.variables import Variable  # noqa: F401
+from flowjit.frontend.vmap import vmap  # noqa: F401
 from flowjit.runtime.devices import Device, DeviceSpec, device, devices  # noqa: F401
 from flowjit.version import __version__  # noqa: F401

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import itertools
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
-from flowjit.frontend.autodiff import CUSTOM_RULES, GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
+from flowjit.frontend.autodiff import GradTrace, VJPSpec, add_custom_rule, emit_traced, under_differentiation, vjp_graph
 from flowjit.frontend.pytree import leaf_paths, tree_flatten, tree_map, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
@@ -338,9 +337,6 @@ def stop_gradient(x):
     return tree_map(stop, x)
 
 
-_rule_counter = itertools.count()
-
-
 class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
     """A function with a user-defined gradient:
 
@@ -402,8 +398,7 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
     def _rule_id(self, in_tree, in_types, res_tree, out_tree, out_types) -> int:
         key = (in_tree, in_types, res_tree, out_tree, out_types)
         if key not in self._rule_ids:
-            rule = next(_rule_counter)
-            CUSTOM_RULES[rule] = functools.partial(self._backward, in_tree, in_types, res_tree, out_tree, out_types)
+            rule = add_custom_rule(functools.partial(self._backward, in_tree, in_types, res_tree, out_tree, out_types))
             self._rule_ids[key] = rule
         return self._rule_ids[key]
 
