@@ -3,8 +3,6 @@
 Written by tests/fuzz (see docs/fuzzing.md); run by tests/test_fuzz.py forever after.
 """
 
-XFAIL = "KeyError: <Value tensor<0xf32> from for> in backends/mlir/lower_control.py"
-
 import os
 import sys
 
