@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from fuzz import numpy_ref
 from fuzz.generator import BUILDERS, NOT_GENERATED, TRANSFORMS, programs, transforms_in
-from fuzz.oracles import Mismatch, check_gradients, check_program, check_sources
+from fuzz.oracles import Mismatch, check_forward, check_gradients, check_program, check_sources
 from fuzz.program import Program, Stmt
 from fuzz.reproducer import REGRESSIONS_DIR, write_reproducer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import flowjit as fj
 from flowjit.ir.ops import REGISTRY
 from flowjit.passes import registry as pass_registry
 
@@ -73,6 +74,17 @@ def test_fixed_seed_gradient_sample():
     run()
     assert len(seen) > 10, f"the gradient sample exercised only {sorted(seen)}"
     assert transforms == _available_transforms(), f"transformations differentiated: {sorted(transforms)}"
+
+
+def test_forward_oracle_catches_a_wrong_jvp(monkeypatch):
+    source = "def program(x0):\n    v0 = M.sin(x0) * x0\n    return (v0, )\n"
+    inputs = {"x0": np.linspace(-1, 1, 4)}
+    check_forward(source, inputs)
+    jvp = fj.jvp
+    monkeypatch.setattr(fj, "jvp", lambda f, p, t: (lambda out, jt: (out, tuple(1.001 * x for x in jt)))(*jvp(f, p, t)))
+    with pytest.raises(Mismatch, match="forward mode") as info:
+        check_forward(source, inputs)
+    assert info.value.where == "jvp"
 
 
 def test_numpy_reference_of_at_updates():
