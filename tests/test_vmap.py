@@ -239,3 +239,10 @@ def test_batched_graphs_compile_and_match_the_interpreter(row, dtype):
     tol = tolerance(_resolve(row.out_dtype, dtype) or dtype, row.tol_scale)
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert_close(out, want, tol, f"result {i}")
+
+
+def test_vmap_over_split_random_keys():
+    keys = fj.random.split(fj.random.key(0), 4)
+    assert np.shape(keys) == (4,)
+    samples = fj.vmap(lambda k: fj.random.normal(k, (3,)))(keys)
+    np.testing.assert_allclose(samples[2], fj.random.normal(keys[2], (3,)), rtol=1e-6)
