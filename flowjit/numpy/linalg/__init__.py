@@ -1,0 +1,17 @@
+"""numpy.linalg for flowjit: products and norms (`products.py`); the decompositions and solvers
+(`cholesky.py`, `lu.py`, `qr.py`, `eigh.py`, `svd.py`, `triangular.py`) are composites of existing
+ops under a trace and call LAPACK through numpy outside one. Algorithms, costs and gradients:
+docs/linalg.md."""
+
+from flowjit.numpy.linalg.products import (  # noqa: F401 (the public namespace)
+    dot,
+    einsum,
+    inner,
+    kron,
+    matmul,
+    norm,
+    outer,
+    tensordot,
+    trace,
+    vdot,
+)
