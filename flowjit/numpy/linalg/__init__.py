@@ -15,3 +15,5 @@ from flowjit.numpy.linalg.products import (  # noqa: F401 (the public namespace)
     trace,
     vdot,
 )
+from flowjit.numpy.linalg.cholesky import cholesky  # noqa: F401,E402
+from flowjit.numpy.linalg.operands import LinAlgError  # noqa: F401,E402
