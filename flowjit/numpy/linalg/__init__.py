@@ -20,3 +20,4 @@ from flowjit.numpy.linalg.operands import LinAlgError  # noqa: F401,E402
 from flowjit.numpy.linalg.lu import SlogdetResult, det, inv, slogdet, solve  # noqa: F401,E402
 from flowjit.numpy.linalg.qr import QRResult, qr  # noqa: F401,E402
 from flowjit.numpy.linalg.eigh import EighResult, eigh  # noqa: F401,E402
+from flowjit.numpy.linalg.svd import SVDResult, svd  # noqa: F401,E402
