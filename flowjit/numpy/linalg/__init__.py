@@ -3,7 +3,11 @@
 ops under a trace and call LAPACK through numpy outside one. Algorithms, costs and gradients:
 docs/linalg.md."""
 
-from flowjit.numpy.linalg.products import (  # noqa: F401 (the public namespace)
+from flowjit.numpy.linalg.cholesky import cholesky  # noqa: F401 (the public namespace)
+from flowjit.numpy.linalg.eigh import EighResult, eigh  # noqa: F401
+from flowjit.numpy.linalg.lu import SlogdetResult, det, inv, slogdet, solve  # noqa: F401
+from flowjit.numpy.linalg.operands import LinAlgError  # noqa: F401
+from flowjit.numpy.linalg.products import (  # noqa: F401
     dot,
     einsum,
     inner,
@@ -15,9 +19,5 @@ from flowjit.numpy.linalg.products import (  # noqa: F401 (the public namespace)
     trace,
     vdot,
 )
-from flowjit.numpy.linalg.cholesky import cholesky  # noqa: F401,E402
-from flowjit.numpy.linalg.operands import LinAlgError  # noqa: F401,E402
-from flowjit.numpy.linalg.lu import SlogdetResult, det, inv, slogdet, solve  # noqa: F401,E402
-from flowjit.numpy.linalg.qr import QRResult, qr  # noqa: F401,E402
-from flowjit.numpy.linalg.eigh import EighResult, eigh  # noqa: F401,E402
-from flowjit.numpy.linalg.svd import SVDResult, svd  # noqa: F401,E402
+from flowjit.numpy.linalg.qr import QRResult, qr  # noqa: F401
+from flowjit.numpy.linalg.svd import SVDResult, svd  # noqa: F401

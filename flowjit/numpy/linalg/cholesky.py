@@ -18,7 +18,16 @@ from flowjit.frontend.control_flow import fori_loop
 from flowjit.frontend.grad import custom_vjp
 from flowjit.numpy.creation import _tri_mask, zeros_like
 from flowjit.numpy.elementwise import add, divide, equal, greater_equal, multiply, sqrt, subtract, where
-from flowjit.numpy.linalg.operands import column, entry, float_matrices, index_column, index_row, is_traced, lapack, zero_unless
+from flowjit.numpy.linalg.operands import (
+    column,
+    entry,
+    float_matrices,
+    index_column,
+    index_row,
+    is_traced,
+    lapack,
+    zero_unless,
+)
 from flowjit.numpy.linalg.products import matmul
 from flowjit.numpy.linalg.triangular import triangular_solve
 from flowjit.numpy.shapes import shape, swapaxes

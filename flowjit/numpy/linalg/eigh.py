@@ -136,7 +136,10 @@ def _eigh_bwd(residuals, cotangents):
     gaps = subtract(expand_dims(w, -2), expand_dims(w, -1))  # w_j - w_i
     off = not_equal(index_column(n), index_row(n))
     f = zero_unless(off, divide(1.0, where(off, gaps, 1.0)))
-    inner = add(multiply(f, matmul(swapaxes(v, -1, -2), v_bar)), multiply(eye(n, dtype=_dtype_of(w).np_dtype), expand_dims(w_bar, -1)))
+    inner = add(
+        multiply(f, matmul(swapaxes(v, -1, -2), v_bar)),
+        multiply(eye(n, dtype=_dtype_of(w).np_dtype), expand_dims(w_bar, -1)),
+    )
     return (matmul(v, matmul(inner, swapaxes(v, -1, -2))),)
 
 

@@ -95,4 +95,3 @@ def accumulate_q(reflectors, columns: int):
         return subtract(q, multiply(2.0, matmul(v, matmul(swapaxes(v, -1, -2), q))))
 
     return fori_loop(0, k, apply_reflection, start)
-

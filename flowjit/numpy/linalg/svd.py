@@ -88,7 +88,9 @@ def _normalized_pairs(u, s, vh):
         signs = concatenate([signs, ones(shape(signs)[:-1] + (shape(u)[-1] - k,), _dtype_of(u).np_dtype)], axis=-1)
     vh_signs = swapaxes(signs[..., :k], -1, -2)
     if shape(vh)[-2] > k:
-        vh_signs = concatenate([vh_signs, ones(shape(vh_signs)[:-2] + (shape(vh)[-2] - k, 1), _dtype_of(u).np_dtype)], axis=-2)
+        vh_signs = concatenate(
+            [vh_signs, ones(shape(vh_signs)[:-2] + (shape(vh)[-2] - k, 1), _dtype_of(u).np_dtype)], axis=-2
+        )
     return multiply(u, signs), s, multiply(vh, vh_signs)
 
 
