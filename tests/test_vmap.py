@@ -246,3 +246,15 @@ def test_vmap_over_split_random_keys():
     assert np.shape(keys) == (4,)
     samples = fj.vmap(lambda k: fj.random.normal(k, (3,)))(keys)
     np.testing.assert_allclose(samples[2], fj.random.normal(keys[2], (3,)), rtol=1e-6)
+
+
+def test_vmap_of_linalg_solvers_and_decompositions():
+    a = rng.standard_normal((3, 5, 5))
+    spd = (a @ a.transpose(0, 2, 1) + 5 * np.eye(5)).astype(np.float32)
+    b = rng.standard_normal((3, 5)).astype(np.float32)
+    chol = fj.jit(fj.vmap(fnp.linalg.cholesky))(spd)
+    np.testing.assert_allclose(chol, np.linalg.cholesky(spd), rtol=1e-5, atol=1e-5)
+    solved = fj.jit(fj.vmap(fnp.linalg.solve))(spd, b)
+    np.testing.assert_allclose(solved, np.linalg.solve(spd, b[..., None])[..., 0], rtol=1e-4, atol=1e-5)
+    eigenvalues = fj.jit(fj.vmap(lambda m: fnp.linalg.eigh(m)[0]))(spd)  # a while loop until converged
+    np.testing.assert_allclose(eigenvalues, np.linalg.eigvalsh(spd), rtol=1e-5, atol=1e-4)
