@@ -12,6 +12,7 @@ from flowjit import (  # noqa: E402,F401  (libraries written on the API above)
     nn,
     optim,
     random,
+    scipy,
 )
 from flowjit.errors import CompileError, FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError  # noqa: F401
 from flowjit.frontend import pytree as tree_util  # noqa: F401  (fj.tree_util.register_pytree_node, ...)

@@ -205,3 +205,56 @@ def test_jacobians_and_jit_inside_vmap():
     np.testing.assert_allclose(fj.vmap(inner)(X), np.sin(X) * 2, rtol=1e-6)
     jac = fj.vmap(fj.jacrev(lambda r: fnp.sin(r)))(X[:2])
     np.testing.assert_allclose(jac, np.stack([np.diag(np.cos(r)) for r in X[:2]]), rtol=1e-5, atol=1e-6)
+
+
+def _compiled_cases():
+    """One row per op configuration in its first float dtype (or its first dtype): the batched graph
+    goes through the CPU backend's optimizer and lowering, which meet new shapes of every op here
+    (batch dimensions of products, gathers over flattened rows, masked loops)."""
+    for row in ROWS:
+        if row.graph is not None or row.op == "fusion":
+            continue
+        floats = [d for d in row.dtypes if d.is_float and d.name == "f32"]
+        dtype = floats[0] if floats else row.dtypes[0]
+        yield pytest.param(row, dtype, id=f"{row.name}-{dtype.name}".replace(" ", ""))
+
+
+@pytest.mark.parametrize("row, dtype", list(_compiled_cases()))
+def test_batched_graphs_compile_and_match_the_interpreter(row, dtype):
+    from flowjit.backends import compile_graph
+    from flowjit.frontend.lowered import PIPELINE
+    from flowjit.passes.registry import run_pipeline
+
+    examples = []
+    for b in range(BATCH):
+        rng = np.random.default_rng(zlib.crc32(f"{row.name}-{dtype.name}-{b}".encode()))
+        examples.append([np.asarray(a) for a in row.inputs(rng, dtype)])
+    attrs = _resolve(row.attrs, dtype)
+    graph = single_op_graph(row.op, examples[0], attrs, row.regions(dtype) if row.regions else ())
+    flags = (True,) * len(examples[0])
+    inputs = [np.stack([ex[k] for ex in examples]) for k in range(len(flags))]
+    batched = batch_graph(graph, flags, BATCH)
+    expected = interpret(batched, inputs, RunContext({}))
+    outputs = compile_graph(run_pipeline(batched, PIPELINE), "cpu").run(inputs)
+    tol = tolerance(_resolve(row.out_dtype, dtype) or dtype, row.tol_scale)
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert_close(out, want, tol, f"result {i}")
+
+
+def test_vmap_over_split_random_keys():
+    keys = fj.random.split(fj.random.key(0), 4)
+    assert np.shape(keys) == (4,)
+    samples = fj.vmap(lambda k: fj.random.normal(k, (3,)))(keys)
+    np.testing.assert_allclose(samples[2], fj.random.normal(keys[2], (3,)), rtol=1e-6)
+
+
+def test_vmap_of_linalg_solvers_and_decompositions():
+    a = rng.standard_normal((3, 5, 5))
+    spd = (a @ a.transpose(0, 2, 1) + 5 * np.eye(5)).astype(np.float32)
+    b = rng.standard_normal((3, 5)).astype(np.float32)
+    chol = fj.jit(fj.vmap(fnp.linalg.cholesky))(spd)
+    np.testing.assert_allclose(chol, np.linalg.cholesky(spd), rtol=1e-5, atol=1e-5)
+    solved = fj.jit(fj.vmap(fnp.linalg.solve))(spd, b)
+    np.testing.assert_allclose(solved, np.linalg.solve(spd, b[..., None])[..., 0], rtol=1e-4, atol=1e-5)
+    eigenvalues = fj.jit(fj.vmap(lambda m: fnp.linalg.eigh(m)[0]))(spd)  # a while loop until converged
+    np.testing.assert_allclose(eigenvalues, np.linalg.eigvalsh(spd), rtol=1e-5, atol=1e-4)

@@ -143,6 +143,27 @@ def batch_into(graph: Graph, inputs: Sequence, batched: Sequence[bool], size: in
     return [env[r][0] for r in graph.results], [env[r][1] for r in graph.results]
 
 
+# op name -> flags(op, operand flags) -> result flags, for ops whose results may be unbatched although
+# an operand is batched (control flow); every other op's results are batched when an operand is.
+FLAG_RULES: dict[str, Callable] = {}
+
+
+def result_flags(region: Graph, batched: Sequence[bool]) -> list[bool]:
+    """Which results of `region` its batched form computes batched, from the flags alone (without
+    tracing): what the rules below produce, so regions can be forced to agree before they are built."""
+    env = dict(zip(region.params, (bool(f) for f in batched)))
+    for op in region.ops:
+        flags = [env[v] for v in op.operands]
+        if not any(flags):
+            out = [False] * len(op.results)
+        elif op.name in FLAG_RULES:
+            out = FLAG_RULES[op.name](op, flags)
+        else:
+            out = [True] * len(op.results)
+        env.update(zip(op.results, out))
+    return [env[r] for r in region.results]
+
+
 def batch_region(
     region: Graph, batched: Sequence[bool], size: int, force: Sequence[bool] | None = None
 ) -> tuple[Graph, list[bool]]:

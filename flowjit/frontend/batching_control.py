@@ -17,12 +17,14 @@ from collections.abc import Sequence
 from flowjit.frontend.autodiff import CUSTOM_RULES, add_custom_rule, replay
 from flowjit.frontend.batching import (
     BATCH_RULES,
+    FLAG_RULES,
     Batching,
     _trace_region,
     batch_into,
     batch_region,
     batched_type,
     effectful_ops,
+    result_flags,
 )
 from flowjit.frontend.trace import Trace, Tracer, current_trace
 from flowjit.ir import dtypes as dt
@@ -37,8 +39,7 @@ def _cond(b: Batching, operands, batched):
     x_flags = list(batched[1:])
     regions = b.op.regions
     if not batched[0]:
-        flags = [batch_region(r, x_flags, b.size)[1] for r in regions]
-        force = [any(column) for column in zip(*flags)]
+        force = _cond_flags(b.op, batched)
         new = [batch_region(r, x_flags, b.size, force)[0] for r in regions]
         return b.emit("cond", [pred, *xs], b.op.attrs, new), force
     effects = [op for r in regions for op in effectful_ops(r)]
@@ -58,15 +59,23 @@ def _cond(b: Batching, operands, batched):
     return outs, [True] * len(outs)
 
 
+def _cond_flags(op, batched) -> list[bool]:
+    if batched[0]:
+        return [True] * len(op.results)
+    return [any(column) for column in zip(*(result_flags(r, batched[1:]) for r in op.regions))]
+
+
 BATCH_RULES["cond"] = _cond
+FLAG_RULES["cond"] = _cond_flags
 
 # --- loops -------------------------------------------------------------------------------------------------
 
 
-def _carry_fixpoint(body: Graph, carry: list[bool], rest_before: list[bool], rest_after: list[bool], size: int):
+def _carry_fixpoint(body: Graph, carry: list[bool], rest_before: list[bool], rest_after: list[bool]) -> list[bool]:
     """The carries' batched flags: a carry is batched if it starts so or the body makes it so."""
+    carry = list(carry)
     while True:
-        _, out = batch_region(body, rest_before + carry + rest_after, size)
+        out = result_flags(body, rest_before + carry + rest_after)
         widened = [c or o for c, o in zip(carry, out)]
         if widened == carry:
             return carry
@@ -83,10 +92,7 @@ def _any(b: Batching, pred: Tracer) -> Tracer:
 def _while_loop(b: Batching, cond: Graph, body: Graph, carry, invariants, carry_flags, inv_flags):
     """Emit a batched while loop over unbatched regions `cond` and `body` of (*carry, *invariants)."""
     given = list(carry_flags)
-    carry_flags = _carry_fixpoint(body, given, [], list(inv_flags), b.size)
-    _, (pred_batched,) = batch_region(cond, carry_flags + list(inv_flags), b.size)
-    if pred_batched:  # each example stops on its own: every carry differs per example
-        carry_flags = [True] * len(carry)
+    carry_flags, pred_batched = _while_flags(cond, body, given, list(inv_flags))
     carry = [b.batch(x) if want and not f else x for x, f, want in zip(carry, given, carry_flags)]
     flags = carry_flags + list(inv_flags)
     if not pred_batched:
@@ -115,6 +121,13 @@ def _while_loop(b: Batching, cond: Graph, body: Graph, carry, invariants, carry_
     return b.emit("while", [*carry, *invariants], {"num_carry": n}, regions), carry_flags
 
 
+def _while_flags(cond: Graph, body: Graph, carry: list[bool], invariants: list[bool]) -> tuple[list[bool], bool]:
+    """The carries' flags and whether the predicate differs per example (then every carry does)."""
+    carry = _carry_fixpoint(body, carry, [], invariants)
+    (pred_batched,) = result_flags(cond, carry + invariants)
+    return ([True] * len(carry) if pred_batched else carry), pred_batched
+
+
 def _while(b: Batching, operands, batched):
     n = b.op.attrs["num_carry"]
     cond, body = b.op.regions
@@ -129,7 +142,7 @@ def _for(b: Batching, operands, batched):
     carry_flags, inv_flags = list(batched[2 : 2 + n]), list(batched[2 + n :])
     if batched[0] or batched[1]:
         return _for_as_while(b, lo, hi, body, carry, invariants, batched[:2], carry_flags, inv_flags)
-    carry_flags = _carry_fixpoint(body, carry_flags, [False], inv_flags, b.size)
+    carry_flags = _carry_fixpoint(body, carry_flags, [False], inv_flags)
     carry = [b.batch(x) if want and not f else x for x, f, want in zip(carry, batched[2 : 2 + n], carry_flags)]
     new_body, _ = batch_region(body, [False] + carry_flags + inv_flags, b.size, force=carry_flags)
     return b.emit("for", [lo, hi, *carry, *invariants], b.op.attrs, [new_body]), carry_flags
@@ -156,7 +169,20 @@ def _for_as_while(b: Batching, lo, hi, body: Graph, carry, invariants, bound_fla
     return outs[1:], flags[1:]
 
 
+def _while_result_flags(op, batched) -> list[bool]:
+    n = op.attrs["num_carry"]
+    return _while_flags(*op.regions, list(batched[:n]), list(batched[n:]))[0]
+
+
+def _for_result_flags(op, batched) -> list[bool]:
+    n = op.attrs["num_carry"]
+    if batched[0] or batched[1]:  # a while loop over a per-example index: every carry is batched
+        return [True] * n
+    return _carry_fixpoint(op.regions[0], list(batched[2 : 2 + n]), [False], list(batched[2 + n :]))
+
+
 BATCH_RULES.update({"while": _while, "for": _for})
+FLAG_RULES.update({"while": _while_result_flags, "for": _for_result_flags})
 
 # --- custom_vjp_call ------------------------------------------------------------------------------------------
 
