@@ -870,7 +870,7 @@ def _render_vmap(levels: list, params: list[str], args: list[str], fj_body: str,
 def _vmap(g: Gen) -> None:
     # `a` is mapped (one axis, or two by a nested vmap); `b`, when there is one, is the same for
     # every example (in_axes None) or mapped along an axis of the same size.
-    x = g.need(lambda v: len(v.shape) >= 1)
+    x = g.need(lambda v: len(v.shape) >= 1 and v.array.size > 0)
     x_axes, sizes, a = [], [], x.array
     for _ in range(2 if len(x.shape) >= 2 and g.draw(st.integers(0, 3)) == 0 else 1):
         axis = g.draw(st.integers(-a.ndim, a.ndim - 1))
@@ -1063,7 +1063,9 @@ def programs(draw, max_stmts: int = 10, smooth: bool = False) -> Program:
         if len(g.program.stmts) >= wanted:
             break
         if transforms and draw(st.integers(1, TRANSFORM_SHARE)) == 1:
-            build = TRANSFORMS[draw(st.sampled_from(transforms))].build
+            # Which one by the program's rng: hypothesis' draws lean to the first of a list, and
+            # every transformation should be drawn about as often.
+            build = TRANSFORMS[transforms[g.rng.integers(len(transforms))]].build
         else:
             build = BUILDERS[draw(st.sampled_from(ops))]
         try:
