@@ -9,7 +9,7 @@ import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit import optim
 from flowjit.backends.mlir.in_place import in_place_outputs
-from flowjit.frontend.lowered import _overlapping
+from flowjit.frontend.lowered import _overlapping, _overlapping_spans
 from flowjit.ir.parser import parse_graph
 
 
@@ -280,7 +280,8 @@ def test_overlapping_finds_every_array_that_shares_bytes_with_another():
             for j, (lo2, hi2) in enumerate(spans)
             if i != j and lo < hi and lo2 < hi2 and lo < hi2 and lo2 < hi
         }
-        assert _overlapping(arrays) == want
+        assert _overlapping(arrays, range(len(arrays))) == want  # pair by pair
+        assert _overlapping_spans(arrays) == want  # by sorted spans (many donated arrays)
 
 
 def test_results_that_read_the_donated_input_out_of_order_are_exact():
