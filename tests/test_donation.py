@@ -237,6 +237,14 @@ IN_PLACE_CASES = {
         {0: 0},
         {},
     ),
+    "returned twice: only the first output is computed, the second copied": (
+        """func @f(%p: tensor<4xf32>, %q: tensor<4xf32>) -> (tensor<4xf32>, tensor<4xf32>) {
+  %0 = neg %p : tensor<4xf32>
+  return %0, %0 : tensor<4xf32>, tensor<4xf32>
+}""",
+        {0: 0, 1: 1},
+        {0: 0},
+    ),
     "a function that sends": (
         """func @f(%p: tensor<4xf32>) -> (tensor<4xf32>) {
   send %p {key = "a", src = "cpu:0", dst = "cpu:1"} : ()

@@ -47,6 +47,7 @@ def in_place_outputs(graph: Graph, aliased: dict[int, int]) -> dict[int, int]:
             or producer not in position
             or value.type != param.type
             or value.type.size == 0
+            or graph.results.index(value) != out  # an earlier output holds it: this one is a copy
             or last_read.get(param, -1) > position[producer]
             or any(v is not param and memory.get(v) is param for v in producer.operands)
         ):
