@@ -12,6 +12,7 @@ from flowjit import (  # noqa: E402,F401  (libraries written on the API above)
     nn,
     optim,
     random,
+    scipy,
 )
 from flowjit.errors import CompileError, FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError  # noqa: F401
 from flowjit.frontend import pytree as tree_util  # noqa: F401  (fj.tree_util.register_pytree_node, ...)
@@ -25,5 +26,6 @@ from flowjit.frontend.lowered import Compiled, Lowered  # noqa: F401
 from flowjit.frontend.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 from flowjit.frontend.signature import ShapeDtype  # noqa: F401
 from flowjit.frontend.variables import Variable  # noqa: F401
+from flowjit.frontend.vmap import vmap  # noqa: F401
 from flowjit.runtime.devices import Device, DeviceSpec, device, devices  # noqa: F401
 from flowjit.version import __version__  # noqa: F401

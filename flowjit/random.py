@@ -64,9 +64,9 @@ def _bits(key, shape):
 
 
 def split(key, num: int = 2):
-    """`num` new independent keys derived from `key` (returned as a list)."""
-    derived = _mix(fnp.add(_bits(key, (num,)), _MIX2))
-    return [derived[i] for i in range(num)]
+    """`num` new independent keys derived from `key`, as one array of shape (num,), as JAX returns
+    them: unpack it (`k1, k2 = split(key)`), index it, or map over it (`fj.vmap(f)(split(key, n))`)."""
+    return _mix(fnp.add(_bits(key, (num,)), _MIX2))
 
 
 def fold_in(key, data):

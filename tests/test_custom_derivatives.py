@@ -201,3 +201,13 @@ def test_nondiff_values_key_the_rule_by_value_and_must_be_hashable():
     with pytest.raises(FlowjitTypeError, match="must be hashable") as info:
         fj.grad(lambda x: scaled(x, _Scale(2)))(1.0)
     assert "test_custom_derivatives.py" in str(info.value)
+
+
+def test_vmap_of_a_custom_jvp_and_of_its_gradient():
+    xs = np.array([-100.0, 0.0, 3.0, 100.0], np.float32)
+    np.testing.assert_allclose(
+        fj.vmap(log1pexp)(np.array([0.0, 3.0], np.float32)), np.log1p(np.exp([0.0, 3.0])), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        fj.jit(fj.vmap(fj.grad(log1pexp)))(xs), [0.0, 0.5, 1 / (1 + np.exp(-3.0)), 1.0], atol=1e-7
+    )

@@ -11,13 +11,15 @@ import sys
 
 import numpy as np
 import pytest
-from fuzz.generator import BUILDERS, NOT_GENERATED, programs
-from fuzz.oracles import Mismatch, check_gradients, check_program, check_sources
+from fuzz import numpy_ref
+from fuzz.generator import BUILDERS, NOT_GENERATED, TRANSFORMS, programs, transforms_in
+from fuzz.oracles import Mismatch, check_forward, check_gradients, check_program, check_sources
 from fuzz.program import Program, Stmt
 from fuzz.reproducer import REGRESSIONS_DIR, write_reproducer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import flowjit as fj
 from flowjit.ir.ops import REGISTRY
 from flowjit.passes import registry as pass_registry
 
@@ -33,10 +35,17 @@ def test_every_registered_op_has_a_builder():
     assert not missing, f"ops the fuzzer cannot generate (add a builder in tests/fuzz/generator.py): {missing}"
     stale = sorted((set(BUILDERS) | set(NOT_GENERATED)) - set(REGISTRY))
     assert not stale, f"builders for ops that are not registered: {stale}"
+    # Transformations lower to existing ops: their builders are drawn from their own table, never
+    # standing in for an op's builder.
+    assert not set(TRANSFORMS) & set(REGISTRY)
+
+
+def _available_transforms() -> set[str]:
+    return {name for name, t in TRANSFORMS.items() if t.available()}
 
 
 def test_fixed_seed_sample():
-    seen, compiled = set(), []
+    seen, compiled, transforms = set(), [], set()
 
     @SAMPLE
     @given(programs(max_stmts=10))
@@ -44,23 +53,53 @@ def test_fixed_seed_sample():
         outcome = check_program(program)
         seen.update(outcome.ops)
         compiled.append(outcome.compiled)
+        transforms.update(transforms_in(program))
 
     run()
     assert len(compiled) >= 150, f"only {len(compiled)} programs ran"
     assert len(seen) > len(BUILDERS) // 2
     assert sum(compiled) > len(compiled) // 3, "too few programs reached the CPU backend"
+    assert transforms == _available_transforms(), f"transformations checked: {sorted(transforms)}"
 
 
 def test_fixed_seed_gradient_sample():
-    seen = set()
+    seen, transforms = set(), set()
 
     @settings(SAMPLE, max_examples=40)
     @given(programs(max_stmts=6, smooth=True))
     def run(program):
         seen.update(check_gradients(program.flowjit_source(), program.numpy_source(), program.inputs).ops)
+        transforms.update(transforms_in(program))
 
     run()
     assert len(seen) > 10, f"the gradient sample exercised only {sorted(seen)}"
+    assert transforms == _available_transforms(), f"transformations differentiated: {sorted(transforms)}"
+
+
+def test_forward_oracle_catches_a_wrong_jvp(monkeypatch):
+    source = "def program(x0):\n    v0 = M.sin(x0) * x0\n    return (v0, )\n"
+    inputs = {"x0": np.linspace(-1, 1, 4)}
+    check_forward(source, inputs)
+    jvp = fj.jvp
+    monkeypatch.setattr(fj, "jvp", lambda f, p, t: (lambda out, jt: (out, tuple(1.001 * x for x in jt)))(*jvp(f, p, t)))
+    with pytest.raises(Mismatch, match="forward mode") as info:
+        check_forward(source, inputs)
+    assert info.value.where == "jvp"
+
+
+def test_numpy_reference_of_at_updates():
+    x = np.arange(5.0)
+    # set keeps the last of repeated indices; the others combine them all (JAX's semantics)
+    np.testing.assert_array_equal(numpy_ref.at_update(x, ([1, 3, 1],), np.array([7.0, 8, 9]), "set"), [0, 9, 2, 8, 4])
+    np.testing.assert_array_equal(numpy_ref.at_update(x, ([1, 1],), np.array([2.0, 3]), "add"), [0, 6, 2, 3, 4])
+    np.testing.assert_array_equal(numpy_ref.at_update(x, ([2, 2],), np.array([2.0, 3]), "multiply"), [0, 1, 12, 3, 4])
+    # a traced index wraps negatives once and drops what is still out of range
+    traced = numpy_ref.at_update(x, (np.array([-1, 5, -7, 0]),), np.array(1.0), "add", traced=True)
+    np.testing.assert_array_equal(traced, [1, 1, 2, 3, 5])
+    m = np.zeros((3, 2))
+    np.testing.assert_array_equal(
+        numpy_ref.at_update(m, np.s_[::-1, 1], np.array([1.0, 2, 3]), "max"), [[0, 3], [0, 2], [0, 1]]
+    )
 
 
 def _regressions():

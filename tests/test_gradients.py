@@ -466,3 +466,15 @@ def test_second_order_matches_finite_differences(row: GradRow):
     for g, fd in zip(got, [fd for fd in expected if fd is not None]):
         scale = max(1.0, float(np.max(np.abs(fd), initial=0.0)))
         np.testing.assert_allclose(g, fd, rtol=0, atol=1e-6 * scale)
+
+
+def test_gradient_of_a_traced_column_index_compiles():
+    import flowjit as fj
+
+    # the gradient is a scatter_add of rank-0 indices along the last axis (its updates have one
+    # dimension less than the source), which the reversed-columns fast path once misread
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    grad = fj.jit(fj.grad(lambda x, i: x[:, i].sum()))(x, np.int32(2))
+    expected = np.zeros_like(x)
+    expected[:, 2] = 1.0
+    np.testing.assert_array_equal(grad, expected)

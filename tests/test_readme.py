@@ -7,6 +7,7 @@ Its fenced blocks run in document order, in a fresh folder, in one child process
 - ```sh blocks are run by bash (`-e`), with `flowjit` running this checkout's command line;
 - ```text blocks (the set-up commands, the stage picture) are not code and are skipped.
 Files are written before anything runs, so a command may use a file shown after it.
+Every relative link, and every repository path quoted in backticks, must name a file of this checkout.
 """
 
 import json
@@ -21,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 RUNNABLE = {"python", "sh", "c"}
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+QUOTED_PATH = re.compile(r"`((?:benchmarks|docs|examples|flowjit|tests)/[\w./-]+)`")
 
 RUNNER = r"""
 import json, os, re, subprocess, sys
@@ -64,6 +67,16 @@ def readme_blocks() -> list[tuple[str, str]]:
 def test_every_block_is_runnable_or_text():
     kinds = {lang for lang, _ in readme_blocks()}
     assert kinds <= RUNNABLE | {"text"}, f"README blocks need a language this test runs: {kinds}"
+
+
+def test_every_relative_link_and_quoted_path_exists():
+    with open(README) as f:
+        text = f.read()
+    links = [t.split("#")[0] for t in LINK.findall(text) if "://" not in t and not t.startswith(("#", "mailto:"))]
+    paths = links + QUOTED_PATH.findall(text)
+    assert len(links) >= 10, f"expected the README's links to docs/ and benchmarks/; found {links}"
+    missing = sorted({p for p in paths if not os.path.exists(os.path.join(ROOT, p))})
+    assert not missing, f"README.md names files that do not exist: {missing}"
 
 
 def test_readme_code_runs(tmp_path):

@@ -238,3 +238,13 @@ def test_scan_gradient_updates_its_t_sized_buffers_in_place_on_the_cpu():
     carried = [v.type for op in loops for v in op.operands[2 : 2 + op.attrs["num_carry"]] if v.type.shape[:1] == (6,)]
     initial = re.findall(r"alloc_tensor\(\) copy\(%v\d+\) : tensor<(6x\w+)>", mlir)
     assert len(loops) == 2 and len(initial) == len(carried) >= 4
+
+
+def test_vmap_of_scan_and_of_its_gradient_equal_stacking():
+    # vmap of scan is vmap of its `for` op: per-example sequences, and per-example gradients.
+    batch = RNG.uniform(-1, 1, (3, *XS.shape))
+    got = fj.jit(fj.vmap(lambda xs: _rnn(W, xs)))(batch)
+    np.testing.assert_allclose(got, [float(fj.jit(lambda xs: _rnn(W, xs))(xs)) for xs in batch], rtol=1e-12)
+    grads = fj.jit(fj.vmap(fj.grad(_rnn), in_axes=(None, 0)))(W, batch)
+    want = [fj.jit(fj.grad(_rnn))(W, xs) for xs in batch]
+    np.testing.assert_allclose(grads, np.stack(want), rtol=1e-10, atol=1e-12)

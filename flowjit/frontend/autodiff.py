@@ -28,6 +28,7 @@ in step 2 and appends those residuals to the `results` its VJP rule receives.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -262,8 +263,16 @@ def is_non_differentiable(name: str) -> bool:
 # --- rules: custom_vjp ---------------------------------------------------------------------------------------
 
 # custom_vjp rule id -> backward(residual tracers, result cotangents) -> one cotangent (or None) per
-# input; filled by `flowjit.frontend.grad.custom_vjp`.
+# input; filled by `flowjit.frontend.custom_derivatives.custom_vjp` (and `custom_jvp`).
 CUSTOM_RULES: dict[int, Callable] = {}
+_custom_rule_ids = itertools.count()
+
+
+def add_custom_rule(backward: Callable) -> int:
+    """Register a custom_vjp backward function; returns its id (the op's `rule` attribute)."""
+    rule = next(_custom_rule_ids)
+    CUSTOM_RULES[rule] = backward
+    return rule
 
 
 def _custom_vjp_call_vjp(op, cts, operands, results):

@@ -1,7 +1,7 @@
 """User-defined derivative rules: `custom_vjp` (`defvjp`) and `custom_jvp` (`defjvp`, `defjvps`).
 
 Both become one `custom_vjp_call` marker op while a caller is differentiated (flowjit's autodiff is
-reverse mode), whose gradient is a rule registered in `autodiff.CUSTOM_RULES`:
+reverse mode), whose gradient is a rule registered with `autodiff.add_custom_rule`:
 
 - custom_vjp: the user's `bwd`.
 - custom_jvp: the transpose of the user's tangent map. `t -> jvp_rule(primals, t)[1]` is linear in
@@ -18,20 +18,17 @@ rule's key (by value: they must be hashable); array values are passed to the rul
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
-from flowjit.frontend.autodiff import CUSTOM_RULES, under_differentiation
+from flowjit.frontend.autodiff import add_custom_rule, under_differentiation
 from flowjit.frontend.grad import _leaf_type, vjp
 from flowjit.frontend.pytree import tree_flatten, tree_map, tree_unflatten
 from flowjit.frontend.trace import Tracer, array_library, bind
 from flowjit.ir.location import user_location
-
-_rule_counter = itertools.count()
 
 
 def _is_array(x) -> bool:
@@ -135,9 +132,7 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
                 f"hashable (they key the rule, as static arguments do); found {found}. Pass a tuple for a list"
             ) from None
         if key not in self._rule_ids:
-            rule = next(_rule_counter)
-            CUSTOM_RULES[rule] = functools.partial(self._backward, *key)
-            self._rule_ids[key] = rule
+            self._rule_ids[key] = add_custom_rule(functools.partial(self._backward, *key))
         return self._rule_ids[key]
 
     def _backward(self, nondiff_key, in_tree, in_types, res_tree, out_tree, out_types, residuals, cts):

@@ -10,22 +10,22 @@ Forward mode is built on the reverse mode by the "double VJP" trick: the VJP fun
 `(J^T)^T t = J t`. Both VJPs are graphs inlined into the caller's trace, so the canonicalize pass
 removes what the tangent does not need; under `fj.jit` the result is one compiled program.
 A custom_vjp's `bwd` is transposed the same way, which is right when it is linear in its cotangent
-(as a VJP is). Jacobians take one VJP (jacrev) or JVP (jacfwd) per output or input element,
-unrolled in the trace: meant for the small functions Jacobians are taken of (a program grows with
-the element count). Outside any trace the whole computation is traced and compiled once per
-graph, as `grad` is.
+(as a VJP is). Jacobians apply the VJP (jacrev) or JVP (jacfwd) to every unit vector at once with
+`vmap` over an identity basis, so the program's size does not grow with the element count; the
+work does (n products of the linear map). Outside any trace the whole computation is traced and
+compiled once per graph, as `grad` is.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 from flowjit.errors import FlowjitTypeError
 from flowjit.frontend.grad import _graph_name, _leaf_type, _needs_eager_run, _normalize_argnums, _run_compiled, vjp
 from flowjit.frontend.pytree import tree_flatten, tree_unflatten
 from flowjit.frontend.trace import array_library
+from flowjit.frontend.vmap import vmap
 from flowjit.ir.location import user_location
 
 
@@ -115,9 +115,17 @@ def _with_args(fun: Callable, args: tuple, argnums: tuple[int, ...], has_aux: bo
     return partial_fun
 
 
-def _one_hot(size: int, position: int, dtype, shape):
+def _basis(types) -> list:
+    """For leaves of `types` (n elements in all): one array per leaf of shape (n,) + its shape whose
+    row e is the e-th unit vector of the flattened leaves."""
     fnp = array_library()
-    return fnp.reshape(fnp.astype(fnp.equal(fnp.iota((size,), 0), position), dtype), shape)
+    total = sum(t.size for t in types)
+    eye = fnp.equal(fnp.iota((total, total), 0), fnp.iota((total, total), 1))  # traced: never a literal
+    out, start = [], 0
+    for t in types:
+        out.append(fnp.astype(fnp.reshape(eye[:, start : start + t.size], (total, *t.shape)), t.dtype))
+        start += t.size
+    return out
 
 
 def _jacobian_transform(fun: Callable, argnums, has_aux: bool, forward: bool) -> Callable:
@@ -136,18 +144,24 @@ def _jacobian_transform(fun: Callable, argnums, has_aux: bool, forward: bool) ->
         if forward:
             out, jvp_fn = linearize(partial_fun, *diff_args)
             out_leaves, out_tree = tree_flatten(out)
-            columns = [[] for _ in out_leaves]  # per output leaf: one tangent per input element
-            for j, t in enumerate(in_types):
-                for e in range(t.size):
-                    tangent = [fnp.zeros(u.shape, u.dtype) for u in in_types]
-                    tangent[j] = _one_hot(t.size, e, t.dtype, t.shape)
-                    for col, leaf in zip(columns, tree_flatten(jvp_fn(*tree_unflatten(in_tree, tangent)))[0]):
-                        col.append(fnp.ravel(leaf))
-            blocks = _split_columns(columns, out_leaves, in_types)
+            out_types = [_leaf_type(fnp.asarray(o)) for o in out_leaves]
+            # one JVP per input element, batched: column e of every output block
+            columns = _batched(lambda *t: jvp_fn(*tree_unflatten(in_tree, list(t))), in_types, out_types)
+            blocks = [
+                [_block(c, o, t, columns_first=True) for c, t in zip(_split(col, in_types), in_types)]
+                for col, o in zip(columns, out_types)
+            ]
         else:
             out, vjp_fn = vjp(partial_fun, *diff_args)
             out_leaves, out_tree = tree_flatten(out)
-            blocks = _rows(vjp_fn, out_leaves, out_tree, in_types)
+            out_types = [_leaf_type(fnp.asarray(o)) for o in out_leaves]
+            # one VJP per output element, batched: row e of every block
+            rows = _batched(lambda *c: tuple(vjp_fn(tree_unflatten(out_tree, list(c)))), out_types, in_types)
+            by_output = [_split(r, out_types) for r in rows]  # [input leaf][output leaf]
+            blocks = [
+                [_block(by_output[j][i], o, t, columns_first=False) for j, t in enumerate(in_types)]
+                for i, o in enumerate(out_types)
+            ]
         per_input = [tree_unflatten(in_tree, row) for row in blocks]
         jac = tree_unflatten(out_tree, [p[0] if isinstance(argnums, int) else tuple(p) for p in per_input])
         return (jac, fun(*args)[1]) if has_aux else jac
@@ -155,41 +169,33 @@ def _jacobian_transform(fun: Callable, argnums, has_aux: bool, forward: bool) ->
     return jacobian_fn
 
 
-def _rows(vjp_fn, out_leaves, out_tree, in_types):
-    """jacrev's blocks (per output leaf, per input leaf) of shape out.shape + in.shape: one VJP with
-    a one-hot cotangent per output element."""
+def _batched(linear_fn, in_types, out_types) -> list:
+    """`linear_fn` applied to every unit vector of its inputs at once (vmap over the basis): one
+    array per output leaf, of shape (number of input elements,) + the leaf's shape."""
     fnp = array_library()
-    out_types = [_leaf_type(fnp.asarray(o)) for o in out_leaves]
-    blocks = []
-    for i, o_type in enumerate(out_types):
-        rows = []
-        for e in range(o_type.size):
-            ct = [fnp.zeros(u.shape, u.dtype) for u in out_types]
-            ct[i] = _one_hot(o_type.size, e, o_type.dtype, o_type.shape)
-            rows.append(tree_flatten(vjp_fn(tree_unflatten(out_tree, ct)))[0])
-        block = []
-        for j, t in enumerate(in_types):
-            stacked = fnp.stack([r[j] for r in rows]) if rows else fnp.zeros((0, *t.shape), t.dtype)
-            block.append(fnp.reshape(stacked, o_type.shape + t.shape))
-        blocks.append(block)
-    return blocks
+    total = sum(t.size for t in in_types)
+    if total == 0:
+        return [fnp.zeros((0, *t.shape), t.dtype) for t in out_types]
+    return list(tree_flatten(vmap(linear_fn)(*_basis(in_types)))[0])
 
 
-def _split_columns(columns, out_leaves, in_types):
-    """jacfwd's columns (per output leaf, one raveled tangent per input element in input order)
-    as blocks of shape out.shape + in.shape."""
+def _split(stacked, types) -> list:
+    """The rows of `stacked` (one per element of the leaves of `types`, in order) per leaf."""
+    out, start = [], 0
+    for t in types:
+        out.append(stacked[start : start + t.size])
+        start += t.size
+    return out
+
+
+def _block(part, o_type, i_type, columns_first: bool):
+    """A Jacobian block of shape out.shape + in.shape from the rows of one batched result: jacfwd's
+    rows are input elements (each an output-shaped tangent), jacrev's output elements."""
     fnp = array_library()
-    blocks = []
-    for col, o in zip(columns, out_leaves):
-        o_shape = _leaf_type(fnp.asarray(o)).shape
-        row, start = [], 0
-        for t in in_types:
-            part = col[start : start + t.size]
-            start += t.size
-            stacked = fnp.stack(part, axis=-1) if part else fnp.zeros((math.prod(o_shape), 0), fnp.asarray(o).dtype)
-            row.append(fnp.reshape(stacked, o_shape + t.shape))
-        blocks.append(row)
-    return blocks
+    if columns_first:  # (in.size, *out.shape) -> out.shape + in.shape
+        flat = fnp.reshape(part, (i_type.size, o_type.size))
+        return fnp.reshape(fnp.transpose(flat), o_type.shape + i_type.shape)
+    return fnp.reshape(part, o_type.shape + i_type.shape)  # (out.size, *in.shape)
 
 
 def jacfwd(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:

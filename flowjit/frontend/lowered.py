@@ -176,6 +176,36 @@ def _backend_note(executable: Executable) -> str:
     return executable.backend
 
 
+# Up to this many (donated array, other argument) pairs, `_overlapping` compares them one by one
+# (numpy's bounds check, a quarter of a microsecond a pair); above, it sorts every argument's span
+# (a microsecond and a half an argument to read its address, so only worth it for many donations).
+PAIRWISE_OVERLAP_CHECKS = 32
+
+
+def _overlapping(arrays: Sequence[np.ndarray], donated: Sequence[int]) -> set[int]:
+    """The indices in `donated` of the C-contiguous `arrays` whose bytes overlap another argument's."""
+    if len(donated) * len(arrays) <= PAIRWISE_OVERLAP_CHECKS:
+        share = np.may_share_memory
+        return {k for k in donated if any(j != k and share(arrays[k], a) for j, a in enumerate(arrays))}
+    return _overlapping_spans(arrays) & set(donated)
+
+
+def _overlapping_spans(arrays: Sequence[np.ndarray]) -> set[int]:
+    """Indices of the C-contiguous `arrays` whose bytes overlap another's. Sorted by start, an array
+    overlaps an earlier one exactly when it starts before the furthest end so far, and then overlaps
+    the array reaching that end too. An array that overlaps only later ones overlaps the next one,
+    which marks it, or marks the reacher whose span holds it (so it was marked on its own turn)."""
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes, i) for i, a in enumerate(arrays) if a.nbytes)
+    found: set[int] = set()
+    reach, reacher = -1, -1
+    for start, end, i in spans:
+        if start < reach:
+            found.update((i, reacher))
+        if end > reach:
+            reach, reacher = end, i
+    return found
+
+
 class Compiled:
     """A compiled function for one signature: call it with arguments of that signature, passed as
     to the jitted function (static arguments included, with the values it was lowered for)."""
@@ -205,6 +235,7 @@ class Compiled:
         self._binder = binder
         self._fresh_outputs = executable.fresh_outputs
         self._aliases = executable.aliases
+        self._donated_inputs = tuple(self._aliases.values())
         self._build_output = _output_builder(out_tree)
         # The call fast path: `call_arrays(args)` for numpy arrays of exactly the signature's shapes
         # and dtypes (the jitted function's array-key cache vouches for that): no conversion or
@@ -234,14 +265,12 @@ class Compiled:
         return self._build_output(outs)
 
     def _donated_buffers(self, arrays) -> dict[int, np.ndarray]:
-        """Output index -> the donated argument's buffer to write it into; an array donated twice (or
-        overlapping another donated one) is used once, so no two results share memory."""
-        chosen: dict[int, np.ndarray] = {}
-        for out, index in self._aliases.items():
-            buffer = arrays[index]
-            if not any(np.may_share_memory(buffer, other) for other in chosen.values()):
-                chosen[out] = buffer
-        return chosen
+        """Output index -> the donated argument's buffer to write it into. A donated array whose
+        memory overlaps another argument's (the same array passed twice) is not used: the result may
+        be written in place while the kernel computing it still reads the other argument, and no
+        two results may share memory."""
+        shared = _overlapping(arrays, self._donated_inputs)
+        return {out: arrays[index] for out, index in self._aliases.items() if index not in shared}
 
     def _run_with_variables(self, arrays, donated=None):
         # Locks in a fixed order (see __init__); by hand, as an ExitStack costs more than the native call.

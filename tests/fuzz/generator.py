@@ -16,6 +16,8 @@ backends cannot flip them.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,14 +89,35 @@ class Rejected(Exception):
 class Gen:
     """The state of one program being drawn."""
 
-    def __init__(self, draw, smooth: bool = False):
+    def __init__(self, draw, smooth: bool = False, prefix: str = "v"):
         self.draw = draw
         self.smooth = smooth  # only differentiable ops, float64: programs for gradient checks
+        self.prefix = prefix  # of the names of computed values
         self.program = Program()
         self.vals: list[Val] = []
         self.fj_vars: dict[str, fj.Variable] = {}
         self.np_env = numpy_ref.namespace()
         self.rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def region(self, params: list[Val]) -> Gen:
+        """A generator for the body of a transformation (`vmap`, `scan`): its first values are the
+        lambda's `params` (their arrays: one example, one step), its statements are named `t0`,
+        `t1`, ... (inlined into one expression by `inline`), and the inputs it creates (a gather's
+        indices, a matmul's weights) become program inputs closed over by the body (`adopt`)."""
+        sub = Gen(self.draw, self.smooth, prefix="t")
+        sub.program.inputs = dict(self.program.inputs)
+        sub.rng = self.rng
+        sub.np_env = {**self.np_env, **{p.name: p.array for p in params}}
+        sub.vals = list(params)
+        return sub
+
+    def adopt(self, sub: Gen) -> None:
+        """Make the inputs `sub` (a `region`) created inputs of this program too."""
+        for name, array in sub.program.inputs.items():
+            if name not in self.program.inputs:
+                self.program.inputs[name] = array
+                self.np_env[name] = array
+                self.vals.append(Val(name, array, exact=not self.smooth))
 
     # --- values -----------------------------------------------------------------------------
 
@@ -169,7 +192,7 @@ class Gen:
                 f"fuzz builder bug: {fj_expr!r} is {dtype}{list(shape)} in flowjit but numpy "
                 f"{np_expr!r} gives {array.dtype}{list(array.shape)}"
             )
-        val = Val(f"v{len(self.program.stmts)}", array, exact)
+        val = Val(f"{self.prefix}{len(self.program.stmts)}", array, exact)
         if not np.all(np.isfinite(array.astype(np.float64))) or val.magnitude > MAX_MAGNITUDE:
             raise Rejected
         self.program.stmts.append(Stmt(val.name, fj_expr, np_expr))
@@ -777,6 +800,251 @@ SMOOTH_OPS = (
 )
 
 
+# --- transformations: statements that wrap drawn ops (`vmap`, `scan`) or index (`.at[]`) -------------
+#
+# Not keyed by op: they lower to existing ops (vmap's batched forms, scan's `for`, `.at[]`'s
+# gather/scatter_add), so `programs()` draws them beside the op builders with some probability.
+
+STATEFUL_OPS = frozenset({"read_variable", "assign", "assign_add", "assign_sub"})  # a variable holds one value
+
+
+def _draw_body(sub: Gen, max_stmts: int = 3) -> Val:
+    """One to `max_stmts` statements drawn by the op builders in a `Gen.region`; returns the last."""
+    ops = sorted(SMOOTH_OPS if sub.smooth else set(BUILDERS) - STATEFUL_OPS)
+    wanted = sub.draw(st.integers(1, max_stmts))
+    for _ in range(3 * wanted):
+        if len(sub.program.stmts) >= wanted:
+            break
+        try:
+            BUILDERS[sub.draw(st.sampled_from(ops))](sub)
+        except Rejected:
+            continue
+    if not sub.program.stmts:
+        raise Rejected
+    last = sub.program.stmts[-1].name
+    return next(v for v in sub.vals if v.name == last)
+
+
+def _check_body(sub: Gen, bindings: list[dict]) -> None:
+    """A body is drawn (and checked safe) for one binding of its parameters: reject it unless every
+    statement is also finite and moderate for every other binding (each example, each step)."""
+    for binding in bindings:
+        env = {**sub.np_env, **binding}
+        for s in sub.program.stmts:
+            with np.errstate(all="ignore"):
+                value = np.asarray(eval(s.np, env)).astype(np.float64)
+            if not np.all(np.isfinite(value)) or np.max(np.abs(value), initial=0.0) > MAX_MAGNITUDE:
+                raise Rejected
+            env[s.name] = value.astype(np.asarray(env[s.name]).dtype)
+
+
+def inline(stmts: list, name: str) -> tuple[str, str]:
+    """The flowjit and numpy expressions of the region value `name`, its `t0`, `t1`, ... inlined."""
+    fj_exprs, np_exprs = {}, {}
+    for s in stmts:
+        fj_exprs[s.name] = re.sub(r"\bt\d+\b", lambda m: f"({fj_exprs[m.group()]})", s.fj)
+        np_exprs[s.name] = re.sub(r"\bt\d+\b", lambda m: f"({np_exprs[m.group()]})", s.np)
+    return fj_exprs[name], np_exprs[name]
+
+
+def _render_vmap(levels: list, params: list[str], args: list[str], fj_body: str, np_body: str) -> tuple[str, str]:
+    """`FJ.vmap(lambda a, b: BODY, in_axes=..., out_axes=...)(x, y)`, nested once per level
+    (outermost first; each `(in axes per param, out axis, size)`), and its numpy rendering: the body
+    evaluated per example, `np.stack`ed along the out axis."""
+    fj_text, np_text, lam = fj_body, np_body, ", ".join(params)
+    for k in reversed(range(len(levels))):
+        axes, out_axis, size = levels[k]
+        call = args if k == 0 else params
+        in_axes = axes[0] if len(axes) == 1 else tuple(axes)
+        options = ("" if in_axes == 0 else f", in_axes={in_axes!r}") + (
+            "" if out_axis == 0 else f", out_axes={out_axis}"
+        )
+        fj_text = f"FJ.vmap(lambda {lam}: {fj_text}{options})({', '.join(call)})"
+        sliced = [arg if axis is None else f"np.take({arg}, i{k}, axis={axis})" for arg, axis in zip(call, axes)]
+        np_text = (
+            f"np.stack([(lambda {lam}: {np_text})({', '.join(sliced)}) for i{k} in range({size})], axis={out_axis})"
+        )
+    return fj_text, np_text
+
+
+def _vmap(g: Gen) -> None:
+    # `a` is mapped (one axis, or two by a nested vmap); `b`, when there is one, is the same for
+    # every example (in_axes None) or mapped along an axis of the same size.
+    x = g.need(lambda v: len(v.shape) >= 1 and v.array.size > 0)
+    x_axes, sizes, a = [], [], x.array
+    for _ in range(2 if len(x.shape) >= 2 and g.draw(st.integers(0, 3)) == 0 else 1):
+        axis = g.draw(st.integers(-a.ndim, a.ndim - 1))
+        x_axes.append(axis)
+        sizes.append(a.shape[axis])
+        a = np.take(a, 0, axis=axis)
+    if math.prod(sizes) > 64:
+        raise Rejected
+    form = g.choice(["one", "unmapped", "mapped"])
+    y = g.pick(lambda v: sizes[0] in v.shape) if form == "mapped" else g.pick() if form == "unmapped" else None
+    params, args, y_axis = ["a"], [x.name], None
+    region_params = [Val("a", a, x.exact)]
+    if y is not None:
+        params.append("b")
+        args.append(y.name)
+        if form == "mapped":
+            y_axis = g.choice([i for i, d in enumerate(y.shape) if d == sizes[0]])
+        b = y.array if y_axis is None else np.take(y.array, 0, axis=y_axis)
+        region_params.append(Val("b", b, y.exact))
+    sub = g.region(region_params)
+    result = _draw_body(sub)
+    bindings = []
+    for example in itertools.product(*map(range, sizes)):
+        a = x.array
+        for axis, i in zip(x_axes, example):
+            a = np.take(a, i, axis=axis)
+        binding = {"a": a}
+        if y is not None:
+            binding["b"] = y.array if y_axis is None else np.take(y.array, example[0], axis=y_axis)
+        bindings.append(binding)
+    _check_body(sub, bindings)
+    fj_body, np_body = inline(sub.program.stmts, result.name)
+    levels = []
+    for k, (axis, size) in enumerate(zip(x_axes, sizes)):
+        rank = result.array.ndim + len(sizes) - k  # of this level's output
+        out_axis = g.choice([0, 0, *range(-rank, rank)])
+        y_axes = [] if y is None else [y_axis if k == 0 else None]
+        levels.append(([axis, *y_axes], out_axis, size))
+    fj_text, np_text = _render_vmap(levels, params, args, fj_body, np_body)
+    g.adopt(sub)
+    g.emit(fj_text, np_text, exact=result.exact)
+
+
+def _at_index(g: Gen, v: Val) -> tuple[str, str, bool]:
+    """An index for `v.at[...]`: (flowjit text, numpy text of the index tuple, whether entry 0 is
+    traced). Static ints, slices and integer lists (repeats included) stay in range (numpy's
+    error otherwise); traced indices (an input, or `M.asarray` of a list) go out of range on
+    purpose: their updates are dropped."""
+    n = v.shape[0]
+    form = g.choice(["int", "slice", "list", "constant"] + ["input"] * (not g.smooth))
+    if form == "int":
+        first = str(g.draw(st.integers(-n, n - 1)))
+    elif form == "slice":
+        start = g.draw(st.integers(0, n - 1))
+        stop = g.draw(st.integers(start + 1, n))
+        first = g.choice([f"{start}:{stop}", f"{start}:{stop}:2", "::-1", ":"])
+    elif form == "list":
+        first = repr([g.draw(st.integers(-n, n - 1)) for _ in range(g.draw(st.integers(1, 4)))])
+    elif form == "constant":
+        first = repr([g.draw(st.integers(-n - 2, n + 1)) for _ in range(g.draw(st.integers(1, 4)))])
+    else:
+        shape = g.choice([(), (g.draw(st.integers(1, 4)),)])
+        first = g.new_input(shape, g.choice(INT_DTYPES), index_range=n).name
+    fj_first = f"M.asarray({first})" if form == "constant" else first
+    np_first = f"np.array({first})" if form == "constant" else first
+    rest = ""
+    if len(v.shape) >= 2 and g.draw(st.booleans()):
+        m = v.shape[1]
+        start = g.draw(st.integers(0, m - 1))
+        rest = g.choice([str(g.draw(st.integers(-m, m - 1))), f"{start}:{g.draw(st.integers(start + 1, m))}"])
+    fj_index = fj_first + (f", {rest}" if rest else "")
+    np_index = f"np.s_[{np_first}, {rest}]" if rest else f"np.s_[{np_first},]"
+    return fj_index, np_index, form in ("constant", "input")
+
+
+def _at_update(g: Gen) -> None:
+    v = g.need(lambda v: len(v.shape) >= 1 and min(v.shape) > 0 and (v.is_float or v.is_int))
+    kind = g.choice(["set", "add", "multiply"] + ["min", "max"] * (not g.smooth))
+    fj_index, np_index, traced = _at_index(g, v)
+    target = numpy_ref.at_positions(v.shape, eval(np_index, g.np_env), traced).shape
+
+    def fits(w: Val) -> bool:
+        kind_ok = (w.is_float and (v.is_float or w.exact)) or w.is_int
+        return kind_ok and len(w.shape) <= len(target) and _broadcasts_into(w.shape, target)
+
+    form = g.choice(["scalar", "value", "input"])
+    u = g.pick(fits) if form == "value" else None
+    if u is None and form != "scalar":
+        shape = target if g.draw(st.booleans()) else target[-1:]
+        u = g.new_input(shape, v.dtype)
+    if u is None:
+        fu = nu = g.choice(["2", "-3", "1"] if v.is_int else ["0.5", "-1.25", "2.5"])
+        u_exact = True
+    else:
+        fu, nu, u_exact = u.name, _w(u), u.exact
+    g.emit(
+        f"{v.name}.at[{fj_index}].{kind}({fu})",
+        f"C(R.at_update(W({v.name}), {np_index}, W(C({nu}, {{T}})), {kind!r}, traced={traced}), {{T}})",
+        exact=v.exact and u_exact and (kind in ("set", "min", "max") or v.is_int),
+    )
+
+
+def _scan(g: Gen) -> None:
+    # The carry contracts (c * 0.5 + tanh(x)), so it stays moderate over any number of steps; each
+    # step's output y is a body drawn by the op builders over (c, x).
+    c = g.need(lambda v: v.is_float)
+    t = c.dtype
+    reverse = g.draw(st.booleans())
+    which = g.choice([0, 1])  # the final carry, or the stacked ys
+
+    def fits(v: Val) -> bool:
+        return v.is_float and len(v.shape) >= 1 and 0 < v.shape[0] <= 8 and _broadcasts_into(v.shape[1:], c.shape)
+
+    xs = g.pick(fits) if g.draw(st.integers(0, 3)) else None
+    options = ", reverse=True" if reverse else ""
+    if xs is None:
+        length = g.draw(st.integers(0, 3))
+        g.emit(
+            f"FJ.scan(lambda c, x: ((c * 0.5 + 1).astype({t!r}), M.sin(c)), {c.name}, None, length={length}{options})"
+            f"[{which}]",
+            f"R.scan(lambda c, x: (C(W(c) * 0.5 + 1, {t!r}), C(np.sin(W(c)), {t!r})), {c.name}, None, {length}, "
+            f"{reverse})[{which}]",
+            exact=False,
+        )
+        return
+    steps = list(reversed(range(xs.shape[0]))) if reverse else list(range(xs.shape[0]))
+    carry, bindings = c.array, []
+    for step in steps:
+        bindings.append({"c": carry, "x": xs.array[step]})
+        carry = (numpy_ref.W(carry) * 0.5 + np.tanh(numpy_ref.W(xs.array[step]))).astype(carry.dtype)
+    sub = g.region([Val("c", c.array, exact=False), Val("x", xs.array[steps[0]], xs.exact)])
+    result = _draw_body(sub)
+    _check_body(sub, bindings)
+    fj_y, np_y = inline(sub.program.stmts, result.name)
+    g.adopt(sub)
+    g.emit(
+        f"FJ.scan(lambda c, x: ((c * 0.5 + M.tanh(x)).astype({t!r}), {fj_y}), {c.name}, {xs.name}{options})[{which}]",
+        f"R.scan(lambda c, x: (C(W(c) * 0.5 + np.tanh(W(x)), {t!r}), {np_y}), {c.name}, {xs.name}, None, "
+        f"{reverse})[{which}]",
+        exact=which == 1 and result.exact,
+    )
+
+
+def _broadcasts_into(shape: tuple, target: tuple) -> bool:
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A transformation statement's builder, the text that marks it in a program's flowjit source,
+    and whether flowjit has it yet (`scan` lands from its own branch)."""
+
+    build: Callable[[Gen], None]
+    marker: str
+    available: Callable[[], bool] = lambda: True
+
+
+TRANSFORMS = {
+    "vmap": Transform(_vmap, "FJ.vmap("),
+    "at": Transform(_at_update, ".at["),
+    "scan": Transform(_scan, "FJ.scan(", lambda: hasattr(fj, "scan")),
+}
+TRANSFORM_SHARE = 6  # one drawn statement in this many is a transformation
+
+
+def transforms_in(program: Program) -> set[str]:
+    """The transformations `program` uses."""
+    source = program.flowjit_source()
+    return {name for name, t in TRANSFORMS.items() if t.marker in source}
+
+
 @st.composite
 def programs(draw, max_stmts: int = 10, smooth: bool = False) -> Program:
     """A random valid program. `smooth`: float64, differentiable ops only (for gradient checks)."""
@@ -787,15 +1055,21 @@ def programs(draw, max_stmts: int = 10, smooth: bool = False) -> Program:
         shape = base if draw(st.booleans()) else tuple(1 if draw(st.booleans()) else d for d in base)
         g.new_input(shape, "f64" if smooth else draw(st.sampled_from(INPUT_DTYPES)))
     ops = sorted(SMOOTH_OPS) if smooth else sorted(BUILDERS)
+    transforms = [name for name, t in TRANSFORMS.items() if t.available()]
     wanted = draw(st.integers(1, max_stmts))
     # Builders that do not apply to the values at hand are skipped; a bounded number of tries keeps
     # generation fast when few apply.
     for _ in range(3 * wanted):
         if len(g.program.stmts) >= wanted:
             break
-        op = draw(st.sampled_from(ops))
+        if transforms and draw(st.integers(1, TRANSFORM_SHARE)) == 1:
+            # Which one by the program's rng: hypothesis' draws lean to the first of a list, and
+            # every transformation should be drawn about as often.
+            build = TRANSFORMS[transforms[g.rng.integers(len(transforms))]].build
+        else:
+            build = BUILDERS[draw(st.sampled_from(ops))]
         try:
-            BUILDERS[op](g)
+            build(g)
         except Rejected:
             continue
     made = [s.name for s in g.program.stmts if s.name]

@@ -2,7 +2,8 @@
 
 Floats are widened to float64 (`W`) and results cast to flowjit's dtype (`C`), so the reference is
 independent of flowjit's own implementations. Functions numpy lacks (clamped gather, dynamic_slice,
-convolution, pooling, control flow, variables) are written here from their documented semantics.
+convolution, pooling, control flow, `scan`, `.at[]` updates, variables) are written here from
+their documented semantics.
 """
 
 from __future__ import annotations
@@ -107,6 +108,58 @@ def while_loop(cond_fn, body_fn, init):
     while bool(cond_fn(val)):
         val = body_fn(val)
     return val
+
+
+def scan(f, init, xs, length=None, reverse=False):
+    """JAX's `lax.scan` by a Python loop: `(final carry, ys stacked)`; `ys[t]` is the step that
+    read `xs[t]` (also with `reverse`, which visits the steps from the last)."""
+    steps = len(xs) if xs is not None else length
+    carry, ys = init, {}
+    for t in reversed(range(steps)) if reverse else range(steps):
+        carry, ys[t] = f(carry, None if xs is None else xs[t])
+    if steps:
+        return carry, np.stack([np.asarray(ys[t]) for t in range(steps)])
+    y = np.asarray(f(init, None if xs is None else np.zeros(xs.shape[1:], xs.dtype))[1])
+    return carry, np.zeros((0, *y.shape), y.dtype)
+
+
+# How one update combines with the element it reaches, for `x.at[index].<kind>(values)`.
+_AT_COMBINE = {
+    "set": lambda old, u: u,
+    "add": np.add,
+    "multiply": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+}
+
+
+def at_positions(shape, index, traced: bool):
+    """The flat position of each element `x[index]` reaches (x of `shape`), -1 where an update is
+    dropped. With `traced`, entry 0 of `index` is traced (JAX's mode='drop'): a negative entry
+    counts from the end once, and whatever is then out of range is dropped."""
+    positions = np.arange(math.prod(shape)).reshape(shape)
+    if not traced:
+        return positions[index]
+    n = shape[0]
+    first = np.asarray(index[0])
+    first = np.where(first < 0, first + n, first)
+    inside = (first >= 0) & (first < n)
+    picked = positions[(np.clip(first, 0, n - 1), *index[1:])]
+    inside = inside.reshape(inside.shape + (1,) * (picked.ndim - inside.ndim))
+    return np.where(inside, picked, -1)
+
+
+def at_update(x, index, values, kind: str, traced: bool = False):
+    """JAX's `x.at[index].<kind>(values)` one update at a time, in order: `set` keeps the last of
+    repeated positions, the others combine them all. `values` already has x's dtype."""
+    out = np.array(x, copy=True)
+    flat = out.reshape(-1)
+    positions = at_positions(out.shape, index, traced)
+    updates = np.broadcast_to(values, positions.shape)
+    for p, u in zip(positions.reshape(-1), updates.reshape(-1)):
+        if p >= 0:
+            flat[p] = _AT_COMBINE[kind](flat[p], u)
+    return out
 
 
 def stop_gradient(x):

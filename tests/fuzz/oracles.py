@@ -5,6 +5,8 @@
     cpu          `fj.jit(program)` compiled by the CPU backend, when every op has a CPU lowering
     each pass    the traced graph interpreted before and after every registered pass, alone
     gradients    (smooth programs) `fj.grad` compiled and interpreted, and central finite differences
+    forward      (smooth programs) `fj.jvp` against the VJP by <J t, c> = <t, J^T c>, compiled and
+                 interpreted; `fj.jacfwd` against `fj.jacrev`
 
 Any disagreement raises `Mismatch`, naming the two oracles, the output and, for a pass, the pass.
 """
@@ -215,10 +217,13 @@ def check_each_pass(
     return checked
 
 
-def check_gradients(fj_source: str, np_source: str, inputs: dict, finite_differences: bool = True) -> Outcome:
+def check_gradients(
+    fj_source: str, np_source: str, inputs: dict, finite_differences: bool = True, forward: bool = True
+) -> Outcome:
     """Gradient oracles on a smooth float64 program: `fj.grad` of a scalar loss over all outputs,
-    interpreted vs compiled, and vs central finite differences of the numpy rendering."""
-    outcome = Outcome()
+    interpreted vs compiled, and vs central finite differences of the numpy rendering; with
+    `forward`, also `check_forward`."""
+    outcome = check_forward(fj_source, inputs) if forward else Outcome()
     fn, _ = _flowjit_function(fj_source, {})
     loss = lambda *xs: sum(fnp.sum(fnp.sin(o)) for o in fn(*xs))  # noqa: E731
     grad_fn = fj.grad(loss, argnums=tuple(range(len(inputs))))
@@ -226,7 +231,7 @@ def check_gradients(fj_source: str, np_source: str, inputs: dict, finite_differe
     reference = [np.asarray(x) for x in fj.jit(grad_fn, target="interpreter")(*args)]
     names = [f"d/d{n}" for n in inputs]
     lowered = fj.jit(grad_fn).lower(*args)
-    outcome.ops = all_ops(lowered.graph("traced"))
+    outcome.ops |= all_ops(lowered.graph("traced"))
     executable = compile_if_supported(lowered)
     if executable is not None:
         outcome.compiled = True
@@ -254,6 +259,61 @@ def check_gradients(fj_source: str, np_source: str, inputs: dict, finite_differe
                 f"expected {estimate[i]!r}, found {reference[k][i]!r}",
                 "grad-fd",
             )
+    return outcome
+
+
+# Jacobians are compared on programs of at most this many input and output elements each (jacfwd
+# and jacrev are vmaps over that many unit vectors; the dot-product identity covers the rest).
+JACOBIAN_MAX_ELEMENTS = 24
+
+
+def check_forward(fj_source: str, inputs: dict) -> Outcome:
+    """Forward-mode oracles on a smooth float64 program (one whose VJP `check_gradients` checks
+    against finite differences):
+
+    1. `fj.jvp` against `fj.vjp` by the dot-product identity <J t, c> = <t, J^T c>, for a random
+       tangent t of the inputs and cotangent c of the outputs, in one jitted function, interpreted;
+    2. the same function compiled for the CPU against the interpreter (J t and J^T c);
+    3. on small programs, `fj.jacfwd` against `fj.jacrev`, interpreted.
+    """
+    outcome = Outcome()
+    fn, _ = _flowjit_function(fj_source, {})
+    args = list(inputs.values())
+    outputs = [np.asarray(o) for o in fj.jit(fn, target="interpreter")(*args)]
+    n = len(args)
+    rng = np.random.default_rng(0)
+    tangents = [rng.standard_normal(a.shape) for a in args]
+    cotangents = [rng.standard_normal(o.shape) for o in outputs]
+
+    def products(*flat):
+        primals, ts, cs = flat[:n], flat[n : 2 * n], flat[2 * n :]
+        jt = fj.jvp(fn, primals, ts)[1]
+        jtc = fj.vjp(fn, *primals)[1](tuple(cs))
+        return (*jt, *jtc)
+
+    flat_args = [*args, *tangents, *cotangents]
+    reference = [np.asarray(x) for x in fj.jit(products, target="interpreter")(*flat_args)]
+    jt, jtc = reference[: len(outputs)], reference[len(outputs) :]
+    terms = [np.vdot(a, c) for a, c in zip(jt, cotangents)], [np.vdot(t, b) for t, b in zip(tangents, jtc)]
+    lhs, rhs = sum(terms[0], 0.0), sum(terms[1], 0.0)
+    scale = 1.0 + sum(float(np.sum(np.abs(a * c))) for a, c in zip(jt, cotangents))
+    if not abs(lhs - rhs) <= 1e-8 * scale:
+        raise Mismatch(f"forward mode: <jvp t, c> = {lhs!r} but <t, vjp c> = {rhs!r} (scale {scale:.3g})", "jvp")
+    lowered = fj.jit(products).lower(*flat_args)
+    outcome.ops = all_ops(lowered.graph("traced"))
+    executable = compile_if_supported(lowered)
+    if executable is not None:
+        outcome.compiled = True
+        names = [f"jvp #{i}" for i in range(len(jt))] + [f"vjp d/d{name}" for name in inputs]
+        compiled = [np.asarray(x) for x in executable(*flat_args)]
+        _compare(compiled, reference, names, "forward mode, cpu vs interpreter", "jvp-cpu", RTOL["f64"])
+    small = sum(a.size for a in args) <= JACOBIAN_MAX_ELEMENTS and sum(o.size for o in outputs) <= JACOBIAN_MAX_ELEMENTS
+    if small:
+        argnums = tuple(range(n))
+        forward = fj.jit(fj.jacfwd(fn, argnums=argnums), target="interpreter")(*args)
+        reverse = fj.jit(fj.jacrev(fn, argnums=argnums), target="interpreter")(*args)
+        for k, (f, r) in enumerate(zip(fj.tree_util.tree_leaves(forward), fj.tree_util.tree_leaves(reverse))):
+            assert_close(np.asarray(f), np.asarray(r), f"jacfwd vs jacrev, block {k}", "jacfwd", 1e-9)
     return outcome
 
 

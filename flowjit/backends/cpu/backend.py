@@ -35,8 +35,12 @@ class CpuBackend(Backend):
 
         options = options or CompileOptions()
         aliases = dict(aliases or {})
-        if aliases:  # donated outputs are written last, after every read of the inputs they alias
-            options = replace(options, late_outputs=tuple(sorted({*options.late_outputs, *aliases})))
+        if aliases:  # donated outputs are written last, after every read of the inputs they alias, or in place
+            options = replace(
+                options,
+                late_outputs=tuple(sorted({*options.late_outputs, *aliases})),
+                aliased_inputs=tuple(sorted({*options.aliased_inputs, *aliases.items()})),
+            )
         executable = compile_stateful(graph, options) if has_state(graph) else compile_cpu(graph, options)
         executable.aliases = aliases
         executable.recv_locations = {op.attrs["key"]: str(op.loc) for op in graph.ops if op.name == "recv"}

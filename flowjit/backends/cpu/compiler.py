@@ -116,8 +116,9 @@ def generate_mlir(graph: Graph, options: CompileOptions | None = None, split: in
     from flowjit.backends.cpu.target import CPU
     from flowjit.backends.mlir.lowering import lower_graph
 
-    late_outputs = frozenset(options.late_outputs if options else ())
-    return lower_graph(graph, CPU, late_outputs=late_outputs, split=split)
+    options = options or CompileOptions()
+    aliased = dict(options.aliased_inputs)
+    return lower_graph(graph, CPU, late_outputs=frozenset(options.late_outputs), aliased=aliased, split=split)
 
 
 class Stages:

@@ -312,7 +312,8 @@ def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
     ttype = moved_type(source)
     splat = splat_value(op.operands[0])
     dim = source.shape[axis]
-    if splat == 0 and axis == source.rank - 1 and upd.shape[axis] == dim and _reversal_start(op) == dim - 1:
+    reversal = splat == 0 and axis == source.rank - 1 and upd.rank == source.rank and upd.shape[axis] == dim
+    if reversal and _reversal_start(op) == dim - 1:
         # the gradient of reversed columns (`x[..., ::-1]`, `flip`): the updates' columns reversed
         # (an update of -0.0 stays -0.0, as in JAX)
         return [_reversed_columns(em, updates, upd, dim, dim - 1)]

@@ -30,6 +30,9 @@ class CompileOptions:
     opt_level: int = OPT_LEVEL
     # Outputs the caller may alias with an input (variables updated in place): written last.
     late_outputs: tuple[int, ...] = ()
+    # (output, input) pairs among the late outputs: the input whose buffer the caller may pass for
+    # that output. The lowering writes such an output in place where that is safe (`in_place.py`).
+    aliased_inputs: tuple[tuple[int, int], ...] = ()
     # The schedules' parallel loops become OpenMP regions (`__kmpc_*` calls); False: serial loops.
     openmp: bool = True
 
@@ -38,6 +41,12 @@ class CompileOptions:
             raise ValueError(f"opt_level must be 0..3; found {self.opt_level}")
         if not isinstance(self.openmp, bool):
             raise ValueError(f"openmp must be True or False; found {self.openmp!r}")
+        outputs = [out for out, _ in self.aliased_inputs]
+        if not set(outputs) <= set(self.late_outputs) or len(set(outputs)) != len(outputs):
+            raise ValueError(
+                f"aliased_inputs must name distinct late outputs; found {self.aliased_inputs} "
+                f"with late_outputs {self.late_outputs}"
+            )
 
 
 def mlir_stages(options: CompileOptions) -> dict[str, tuple[str, ...]]:

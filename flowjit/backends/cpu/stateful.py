@@ -3,7 +3,9 @@
 The graph is functionalized (`flowjit.passes.state`): each variable becomes an extra input, each
 updated variable an extra output. At call time the variable's live buffer is passed as that input
 AND as that output, and the lowering writes such outputs last (`late_outputs`), after every read of
-the old value: the update happens in place, inside native code, with no copy through Python.
+the old value, or straight into the variable's buffer where that is safe (`aliased_inputs`,
+`backends/mlir/in_place.py`): the update happens in place, inside native code, with no copy
+through Python.
 """
 
 from __future__ import annotations
@@ -69,8 +71,12 @@ def compile_stateful(graph: Graph, options):
 
     from flowjit.backends.cpu.compiler import compile_cpu
 
-    num_results = len(graph.results)
+    num_results, num_params = len(graph.results), len(graph.params)
     functional, layout = functionalize_state(graph.copy())
-    late = tuple(sorted({*options.late_outputs, *range(num_results, num_results + len(layout.outputs))}))
-    inner = compile_cpu(functional, replace(options, late_outputs=late))
+    names = [name for name, _ in layout.inputs]
+    # Updated variable j is output num_results + j, and its buffer input num_params + its position.
+    updates = {num_results + j: num_params + names.index(name) for j, name in enumerate(layout.outputs)}
+    late = tuple(sorted({*options.late_outputs, *updates}))
+    aliased = tuple(sorted({*options.aliased_inputs, *updates.items()}))
+    inner = compile_cpu(functional, replace(options, late_outputs=late, aliased_inputs=aliased))
     return StatefulExecutable(inner, layout, num_results)

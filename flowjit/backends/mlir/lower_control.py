@@ -272,7 +272,7 @@ def _lower_control(fl, op: Op) -> None:
     finally:
         fl.em.region_values = {}
     for value, tensor in zip(op.results, results):
-        fl.write(tensor, value, fl.buffers[value])
+        fl.write(tensor, value, fl.buffers.get(value))  # zero-size values have no buffer
 
 
 def _custom_vjp_call(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:

@@ -44,6 +44,7 @@ from flowjit.backends.mlir.emitter import (
     scalar_literal,
     tensor_type,
 )
+from flowjit.backends.mlir.in_place import in_place_outputs
 from flowjit.backends.mlir.sharing import (
     INTERNAL_LINKAGE,
     Piece,
@@ -412,10 +413,13 @@ def _arg_type(t: TensorType) -> str:
 SPLIT_MIN_LINES = 1200
 
 
-def _lower_function(graph: Graph, target: Target, name: str, late_outputs: frozenset[int], by_op: bool):
+def _lower_function(
+    graph: Graph, target: Target, name: str, late_outputs: frozenset[int], in_place: frozenset[int], by_op: bool
+):
     """The function's lines: (lowering state, arguments, prologue length, where each op's lines and
     schedules begin, workspace bytes). `by_op`: each op's lines use only the arguments and the
-    prologue (`start_op`), so that any run of ops can be a function of its own."""
+    prologue (`start_op`), so that any run of ops can be a function of its own. Late outputs in
+    `in_place` are their producers' destinations like other outputs."""
     fl = _FunctionLowering(graph, name, target)
     em = fl.em
     args = []
@@ -434,7 +438,7 @@ def _lower_function(graph: Graph, target: Target, name: str, late_outputs: froze
     # The first output holding a value produced by an op is that op's destination; other outputs
     # (params, constants, repeated results) get a copy at the end.
     for index, (out, value) in enumerate(zip(outputs, graph.results)):
-        if index in late_outputs:
+        if index in late_outputs and index not in in_place:
             continue
         if value.producer is not None and value.producer.name != "constant" and value not in fl.result_outputs:
             fl.result_outputs[value] = out
@@ -570,13 +574,16 @@ def lower_graph(
     name: str | None = None,
     late_outputs: frozenset[int] = frozenset(),
     split: int = 1,
+    aliased: dict[int, int] | None = None,
 ) -> MlirModule:
     """The MLIR module (text) computing `graph` in one function with `target`'s lowerings, plus its
     calling layout.
 
     Outputs in `late_outputs` are written only at the very end of the function (from a workspace
     slot), never as a kernel's destination: the caller may pass the same buffer as one of the
-    inputs (a variable updated in place), which must stay intact until its last read.
+    inputs (a variable updated in place), which must stay intact until its last read. `aliased`
+    (late output -> the input whose buffer the caller may pass for it) lets the late outputs that
+    `in_place_outputs` finds safe be written in place instead, by the kernel computing them.
 
     `split` > 1 asks for the function in up to that many modules (`MlirModule.parts`), so that their
     MLIR pipelines can run at once: each part is a function of the same arguments running a run of
@@ -593,13 +600,16 @@ def lower_graph(
     allowed = split > 1 and not whole_only
     may_share = not whole_only and may_repeat(graph)
     by_op = may_share or (allowed and _estimated_lines(graph) >= SPLIT_MIN_LINES)
-    fl, args, prologue, starts, workspace = _lower_function(graph, target, name, late_outputs, by_op)
+    in_place = frozenset(in_place_outputs(graph, {o: i for o, i in (aliased or {}).items() if o in late_outputs}))
+    fl, args, prologue, starts, workspace = _lower_function(graph, target, name, late_outputs, in_place, by_op)
     pieces = shared_kernels(fl.em, fl.lowered, name, args, prologue, starts) if may_share else None
     if pieces is None:
         splittable = allowed and len(fl.em.body) >= SPLIT_MIN_LINES and len(starts) >= 2
         if splittable != by_op:  # the estimate was wrong: lowered again, so that only split functions
             # have each op on its own (a function that stays whole keeps its shared constants)
-            fl, args, prologue, starts, workspace = _lower_function(graph, target, name, late_outputs, splittable)
+            fl, args, prologue, starts, workspace = _lower_function(
+                graph, target, name, late_outputs, in_place, splittable
+            )
         pieces = op_pieces(fl.em, prologue, starts)
     else:
         splittable = allowed and sum(p.weight for p in pieces) >= SPLIT_MIN_LINES and len(pieces) >= 2
@@ -607,6 +617,10 @@ def lower_graph(
     header = (
         f"// flowjit function '{graph.name}' -> @{name}(inputs, outputs, workspace)\n// workspace: {workspace} bytes\n"
     )
+    if in_place:
+        pairs = ", ".join(f"%out{o} in %in{aliased[o]}" for o in sorted(in_place))
+        header += f"// written in place: {pairs}\n"
+
     layout = (name, workspace, tuple(p.type for p in graph.params), tuple(r.type for r in graph.results))
     cuts = _cuts(_piece_starts(pieces, prologue), prologue + sum(p.cost for p in pieces), split) if splittable else []
     if not cuts:

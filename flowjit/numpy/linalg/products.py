@@ -290,7 +290,8 @@ def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (numpy's name)
         out = (max if ord == np.inf else min)(sums, row, keepdims=True)
     else:
         raise FlowjitValueError(
-            f"{user_location()}: matrix norm ord={ord!r} needs singular values, which flowjit does not compute"
+            f"{user_location()}: matrix norm ord={ord!r} needs singular values, which norm does not compute; "
+            "use fnp.linalg.svd(x, compute_uv=False) (the largest, the smallest or their sum)"
         )
     return out if keepdims else reshape(out, [d for i, d in enumerate(shape(out)) if i not in axes])
 
