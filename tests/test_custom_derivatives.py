@@ -211,3 +211,19 @@ def test_vmap_of_a_custom_jvp_and_of_its_gradient():
     np.testing.assert_allclose(
         fj.jit(fj.vmap(fj.grad(log1pexp)))(xs), [0.0, 0.5, 1 / (1 + np.exp(-3.0)), 1.0], atol=1e-7
     )
+
+
+def test_nondiff_arguments_reach_the_rules_in_the_order_of_nondiff_argnums():
+    @partial(fj.custom_vjp, nondiff_argnums=(2, 0))
+    def f(a, x, b):
+        return x * (a - b)
+
+    f.defvjp(lambda a, x, b: (f(a, x, b), None), lambda b, a, _, g: (g * (a - b),))
+    assert float(fj.grad(f, 1)(5, 2.0, 3)) == 2.0
+
+    @partial(fj.custom_jvp, nondiff_argnums=(2, 0))
+    def h(a, x, b):
+        return x * (a - b)
+
+    h.defjvp(lambda b, a, primals, tangents: (h(a, primals[0], b), tangents[0] * (a - b)))
+    assert float(fj.grad(h, 1)(5, 2.0, 3)) == 2.0

@@ -64,7 +64,7 @@ class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)
     def __init__(self, fun: Callable, nondiff_argnums: Sequence[int] = ()):
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = tuple(sorted(int(i) for i in nondiff_argnums))
+        self.nondiff_argnums = tuple(int(i) for i in nondiff_argnums)  # passed to the rules in this order, as in JAX
         self.fwd: Callable | None = None
         self.bwd: Callable | None = None
         self._rule_ids: dict = {}
@@ -209,7 +209,7 @@ class custom_jvp:  # noqa: N801  (lower-case like a function, as in JAX)
     def __init__(self, fun: Callable, nondiff_argnums: Sequence[int] = ()):
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.nondiff_argnums = tuple(sorted(int(i) for i in nondiff_argnums))
+        self.nondiff_argnums = tuple(int(i) for i in nondiff_argnums)  # passed to the rules in this order, as in JAX
         self.jvp: Callable | None = None
         self._as_vjp = custom_vjp(fun, nondiff_argnums)
 
