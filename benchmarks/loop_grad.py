@@ -146,7 +146,7 @@ MODULES["pytorch"] = "torch"
 
 # Why flowjit's LSTM gradient is slower than JAX's where it is, as measured during development.
 WHY_SLOWER = (
-    "Where flowjit is slower than JAX (shorter sequences): `perf record` of the scan gradient at T=100 (2-core "
+    "Where flowjit is slower than JAX: `perf record` of the scan gradient at T=100 (2-core "
     "Zen 4, shared) puts 23% of the samples in OpenMP's barrier wait (`kmp_flag_64::wait`: each step's small "
     "kernels, 32x256 to 32x1024, are split over both cores and joined) and 11% in `memmove`: every (T, ...) "
     "buffer a loop carries (here 12 tapes of residuals) is copied in before its loop and copied out into its "
