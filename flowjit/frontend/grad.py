@@ -30,7 +30,7 @@ import numpy as np
 
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.autodiff import GradTrace, VJPSpec, emit_traced, under_differentiation, vjp_graph
-from flowjit.frontend.pytree import leaf_paths, tree_flatten, tree_map, tree_unflatten
+from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_map, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, array_library, bind, current_trace
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import make_op
@@ -197,18 +197,30 @@ def _trace_for_vjp(fun: Callable, args: tuple, kwargs: dict, argnums: tuple[int,
         call_args = list(args)
         for i, sub in zip(argnums, tree_unflatten(diff_tree, params)):
             call_args[i] = sub
-        out = fun(*call_args, **kwargs)
-        out_leaves, out_tree = tree_flatten(out)
-        results = []
-        for i, leaf in enumerate(out_leaves):
-            if not isinstance(leaf, Tracer | np.ndarray | np.generic | bool | int | float):
-                raise FlowjitTypeError(
-                    f"{user_location()}: {getattr(fun, '__name__', 'the function')} returned a "
-                    f"{type(leaf).__name__} (output leaf {i}); differentiated functions must return arrays"
-                )
-            results.append(trace.lift(leaf if isinstance(leaf, Tracer) else np.asarray(leaf)))
-        trace.graph.results = results
+        out_tree = set_results(
+            trace,
+            fun(*call_args, **kwargs),
+            lambda i, leaf: (
+                f"{getattr(fun, '__name__', 'the function')} returned a {type(leaf).__name__} "
+                f"(output leaf {i}); differentiated functions must return arrays"
+            ),
+        )
     return trace.graph, out_tree, diff_leaves, [outer for outer, _ in trace.captures]
+
+
+def set_results(trace: Trace, out, refusal: Callable) -> TreeDef:
+    """Make the leaves of `out` the results of `trace`'s graph (numpy arrays and Python scalars
+    become constants, converted as `fj.jit` converts a returned value: a Python float is float32);
+    returns the output's tree. A leaf that is not an array is a
+    `FlowjitTypeError` with the message `refusal(leaf index, leaf)`."""
+    out_leaves, out_tree = tree_flatten(out)
+    results = []
+    for i, leaf in enumerate(out_leaves):
+        if not isinstance(leaf, Tracer | np.ndarray | np.generic | bool | int | float):
+            raise FlowjitTypeError(f"{user_location()}: {refusal(i, leaf)}")
+        results.append(trace.lift(leaf if isinstance(leaf, Tracer) else array_library().asarray(leaf)))
+    trace.graph.results = results
+    return out_tree
 
 
 def _normalize_argnums(argnums, num_args: int, fn_name: str) -> tuple[int, ...]:

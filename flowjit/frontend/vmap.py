@@ -25,7 +25,7 @@ import numpy as np
 
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.batching import batch_into
-from flowjit.frontend.grad import _graph_name, _needs_eager_run, _run_compiled
+from flowjit.frontend.grad import _graph_name, _needs_eager_run, _run_compiled, set_results
 from flowjit.frontend.pytree import TreeDef, leaf_paths, tree_flatten, tree_unflatten
 from flowjit.frontend.trace import Trace, Tracer, array_library, current_trace
 from flowjit.ir import dtypes as dt
@@ -78,16 +78,14 @@ def _vmap_traced(fun, name, in_axes, out_axes, axis_size, args, kwargs):
             call_leaves[k] = inner.new_param(TensorType(tuple(x.shape[1:]), dt.dtype(x.dtype)), f"arg{k}")
         call_args, call_kwargs = tree_unflatten(tree, call_leaves)
         out = fun(*call_args, **call_kwargs)
-        out_leaves, out_tree = tree_flatten(out)
-        results = []
-        for i, leaf in enumerate(out_leaves):
-            if not isinstance(leaf, Tracer | np.ndarray | np.generic | bool | int | float):
-                raise FlowjitTypeError(
-                    f"{user_location()}: vmap({name}): output leaf {i} is a {type(leaf).__name__}; a vmapped "
-                    "function must return arrays (or pytrees of them)"
-                )
-            results.append(inner.lift(leaf if isinstance(leaf, Tracer) else fnp.asarray(leaf)))
-        inner.graph.results = results
+        out_tree = set_results(
+            inner,
+            out,
+            lambda i, leaf: (
+                f"vmap({name}): output leaf {i} is a {type(leaf).__name__}; a vmapped function must "
+                "return arrays (or pytrees of them)"
+            ),
+        )
     captured = [outer for outer, _ in inner.captures]
     outs, out_flags = batch_into(
         inner.graph, [*inputs, *captured], [True] * len(inputs) + [False] * len(captured), size
