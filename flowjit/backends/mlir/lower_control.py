@@ -101,7 +101,9 @@ def _yield(
     allocation escapes an iteration, which keeps buffer deallocation static (its dynamic ownership
     flags are i1 memrefs, which MLIR 22 cannot lower). With `copy` (the body has tiled kernels), each
     value goes through a copy first: a tiled kernel writing its result into the carried buffer it
-    is still reading is a read-after-write conflict that bufferization rejects. The values at the
+    is still reading is a read-after-write conflict that bufferization rejects. So does a value
+    written piece by piece (`written_in_pieces`: a concatenate's or pad's slices) while its pieces
+    read the carry: such a value is copied whatever `copy` says. The values at the
     positions `in_place` (`in_place_updates`) were written into their carried buffers already and
     are yielded as they are."""
     if not values:
@@ -111,10 +113,22 @@ def _yield(
     if into is not None:
         types = [_carrier_type(v) for v in region.results]
         carried = [
-            c if k in in_place else _into_carried(em, c, d, t, copy)
+            c if k in in_place else _into_carried(em, c, d, t, copy or written_in_pieces(region.results[k]))
             for k, (c, d, t) in enumerate(zip(carried, into, types))
         ]
     em.line(f"scf.yield {', '.join(carried)} : {_types(region.results)}")
+
+
+# Ops whose tensor lowerings write their destination one piece at a time (slices inserted in turn).
+_PIECEWISE = frozenset({"concatenate", "pad"})
+
+
+def written_in_pieces(value: Value) -> bool:
+    """Whether `value` (through reshapes) is the result of an op that writes its destination in pieces."""
+    producer = value.producer
+    while producer is not None and producer.name == "reshape":
+        producer = producer.operands[0].producer
+    return producer is not None and producer.name in _PIECEWISE
 
 
 def _into_carried(em: KernelEmitter, value: str, carried: str, ttype: str, copy: bool) -> str:
