@@ -614,6 +614,7 @@ def test_cumsum():
         lambda a: fnp.transpose(a, (-1, 0, 1)),
         lambda a: fnp.swapaxes(a, 0, -1),
         lambda a: fnp.moveaxis(a, 0, 2),
+        lambda a: fnp.moveaxis(a, (2, 0), (0, -1)),
         lambda a: fnp.expand_dims(a, 1),
         lambda a: fnp.expand_dims(a, -1),
         lambda a: fnp.expand_dims(a, (0, 4)),

@@ -751,7 +751,7 @@ def test_vector_norm(ord_):
     )
 
 
-@pytest.mark.parametrize("ord_", [None, "fro", 1, -1, np.inf, -np.inf])
+@pytest.mark.parametrize("ord_", [None, "fro", 1, -1, np.inf, -np.inf, 2, -2, "nuc"])
 def test_matrix_norm(ord_):
     check(lambda a: fnp.linalg.norm(a, ord_), X, ref=lambda a: np.linalg.norm(a, ord_), rtol=1e-5)
     a3 = f32(2, 3, 4)
@@ -761,9 +761,14 @@ def test_matrix_norm(ord_):
         ref=lambda a: np.linalg.norm(a, ord_, axis=(2, 0)),
         rtol=1e-5,
     )
-    check(lambda a: fnp.linalg.norm(a, keepdims=True), a3, ref=lambda a: np.linalg.norm(a, keepdims=True), rtol=1e-5)
-    with pytest.raises(FlowjitError, match="singular values"):
-        fnp.linalg.norm(X, 2)
+    check(
+        lambda a: fnp.linalg.norm(a, ord_, axis=(2, 0), keepdims=True),
+        a3,
+        ref=lambda a: np.linalg.norm(a, ord_, axis=(2, 0), keepdims=True),
+        rtol=1e-5,
+    )
+    with pytest.raises(FlowjitError, match="is not one of"):
+        fnp.linalg.norm(X, 3)
 
 
 def test_kron():

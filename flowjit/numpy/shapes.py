@@ -90,10 +90,24 @@ def swapaxes(x, axis1, axis2):
 
 
 def moveaxis(x, source, destination):
+    """numpy.moveaxis: `source` and `destination` are axes or equally long sequences of them."""
     rank = ndim(x)
-    src, dst = _norm_axis(source, rank), _norm_axis(destination, rank)
-    perm = [i for i in range(rank) if i != src]
-    perm.insert(dst, src)
+    sources = (source,) if isinstance(source, int) else tuple(source)
+    destinations = (destination,) if isinstance(destination, int) else tuple(destination)
+    if len(sources) != len(destinations):
+        raise op_error(
+            FlowjitValueError,
+            user_location(),
+            "moveaxis",
+            f"source {source} and destination {destination} must have the same number of axes",
+        )
+    src = [_norm_axis(a, rank, "moveaxis") for a in sources]
+    dst = [_norm_axis(a, rank, "moveaxis") for a in destinations]
+    if len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise op_error(FlowjitValueError, user_location(), "moveaxis", f"repeated axis in {source} or {destination}")
+    perm = [i for i in range(rank) if i not in src]
+    for d, s in sorted(zip(dst, src)):
+        perm.insert(d, s)
     return transpose(x, perm)
 
 

@@ -23,7 +23,7 @@ from flowjit.numpy.promotion import (
     result_type,
 )
 from flowjit.numpy.reductions import max, min, sum
-from flowjit.numpy.shapes import _norm_axis, ndim, ravel, reshape, shape, transpose
+from flowjit.numpy.shapes import _norm_axis, expand_dims, moveaxis, ndim, ravel, reshape, shape, transpose
 
 # --- contractions -----------------------------------------------------------------------------------
 
@@ -253,7 +253,7 @@ def kron(a, b):
 
 def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (numpy's name)
     """numpy.linalg.norm for vectors (ord None/2, 1, inf, -inf, 0 or any p) and matrices (ord None/'fro',
-    1, -1, inf, -inf, 'nuc' and 2 need singular values and are not supported)."""
+    1, -1, inf, -inf, and from the singular values 2, -2 and 'nuc')."""
     x = _float_operand(x)
     if axis is None and (ord is None or ord == "fro"):
         return _keep_all(sqrt(sum(multiply(x, x))), x, keepdims)
@@ -288,10 +288,15 @@ def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (numpy's name)
     elif ord in (np.inf, -np.inf):  # max (min) row sum
         sums = sum(a, col, keepdims=True)
         out = (max if ord == np.inf else min)(sums, row, keepdims=True)
+    elif ord in (2, -2, "nuc"):  # the largest, the smallest or the sum of the singular values
+        from flowjit.numpy.linalg.svd import svd  # svd multiplies with this module's matmul
+
+        values = svd(moveaxis(x, (row, col), (-2, -1)), compute_uv=False)
+        out = {2: max, -2: min, "nuc": sum}[ord](values, -1)
+        return expand_dims(out, sorted(axes)) if keepdims else out
     else:
         raise FlowjitValueError(
-            f"{user_location()}: matrix norm ord={ord!r} needs singular values, which norm does not compute; "
-            "use fnp.linalg.svd(x, compute_uv=False) (the largest, the smallest or their sum)"
+            f"{user_location()}: matrix norm ord={ord!r} is not one of None, 'fro', 'nuc', 1, -1, 2, -2, inf, -inf"
         )
     return out if keepdims else reshape(out, [d for i, d in enumerate(shape(out)) if i not in axes])
 

@@ -9,7 +9,7 @@ Householder QR of B (B = Q R with R diagonal up to rounding): U = Q times the si
 diagonal, which also completes U to m columns (full_matrices) and to zero singular values. Each
 pair (u_i, v_i) is flipped so that u_i's largest-magnitude entry is positive, eagerly too.
 
-No gradient (a clear error under differentiation).
+Gradient: a custom_vjp with the closed-form formula (`_tall_svd_with_gradient`), as JAX's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from flowjit.numpy.elementwise import (
     maximum,
     multiply,
     negative,
+    not_equal,
     sqrt,
+    subtract,
     where,
 )
 from flowjit.numpy.indexing import diagonal, take_along_axis
@@ -49,7 +51,8 @@ from flowjit.numpy.linalg.jacobi import (
     signed_sine,
     step_partners,
 )
-from flowjit.numpy.linalg.operands import float_matrices, is_traced, lapack
+from flowjit.numpy.linalg.operands import float_matrices, index_column, index_row, is_traced, lapack, zero_unless
+from flowjit.numpy.linalg.products import matmul
 from flowjit.numpy.linalg.qr import accumulate_q, householder
 from flowjit.numpy.promotion import _dtype_of, broadcast_to
 from flowjit.numpy.reductions import max, sum
@@ -71,12 +74,12 @@ def svd(a, full_matrices: bool = True, compute_uv: bool = True, hermitian: bool 
         return SVDResult(*_normalized_pairs(u, s, vh))
     m, n = shape(a)[-2:]
     if m < n:
-        out = _tall_svd_without_gradient(full_matrices, compute_uv)(swapaxes(a, -1, -2))
+        out = _tall_svd_with_gradient(full_matrices, compute_uv)(swapaxes(a, -1, -2))
         if not compute_uv:
             return out
         u, s, vh = out
         return SVDResult(*_normalized_pairs(swapaxes(vh, -1, -2), s, swapaxes(u, -1, -2)))
-    out = _tall_svd_without_gradient(full_matrices, compute_uv)(a)
+    out = _tall_svd_with_gradient(full_matrices, compute_uv)(a)
     return SVDResult(*_normalized_pairs(*out)) if compute_uv else out
 
 
@@ -151,20 +154,57 @@ def _tall_svd(a, full_matrices: bool, compute_uv: bool):
 
 
 @functools.cache
-def _tall_svd_without_gradient(full_matrices: bool, compute_uv: bool) -> custom_vjp:
-    """`_tall_svd` whose gradient is a clear error instead of a differentiated Jacobi loop."""
+def _tall_svd_with_gradient(full_matrices: bool, compute_uv: bool) -> custom_vjp:
+    """`_tall_svd` (m >= n) with the closed-form gradient, so the Jacobi loop is never differentiated:
+    with F_ij = 1 / (s_j^2 - s_i^2) off the diagonal (0 on it),
+
+        dA = U [ (F o (U^T dU - dU^T U)) S + diag(dS) + S (F o (V^T dV - dV^T V)) ] V^T
+             + (I - U U^T) dU S^-1 V^T
+
+    (Townsend's formula; the last term is zero for square A). Singular values must be distinct (and
+    non-zero when m > n) for U and V to be differentiable, as in JAX; only S is differentiable
+    with repeated or zero singular values. U of full_matrices=True has columns no derivative
+    determines: its gradient is an error, as in JAX."""
 
     def tall_svd(a):
         return _tall_svd(a, full_matrices, compute_uv)
 
-    def no_gradient(residuals, cotangents):
-        raise op_error(
-            FlowjitTypeError,
-            user_location(),
-            "svd",
-            "flowjit has no gradient for svd yet; eigh of a^T a (or a a^T) has one, for well-conditioned a",
-        )
+    def forward(a):
+        return tall_svd(a), _tall_svd(a, False, True)
 
-    guarded = custom_vjp(tall_svd)
-    guarded.defvjp(lambda a: (tall_svd(a), ()), no_gradient)
-    return guarded
+    def backward(residuals, cotangents):
+        u, s, vh = residuals
+        if not compute_uv:
+            return (matmul(multiply(u, expand_dims(cotangents, -2)), vh),)
+        if full_matrices and shape(cotangents[0])[-1] != shape(u)[-1]:  # a full U has extra columns
+            raise op_error(
+                FlowjitTypeError,
+                user_location(),
+                "svd",
+                "the gradient of svd's U needs full_matrices=False (the extra columns of a full U are not "
+                "determined by a); pass full_matrices=False, as JAX requires",
+            )
+        u_bar, s_bar, vh_bar = cotangents
+        v, v_bar = swapaxes(vh, -1, -2), swapaxes(vh_bar, -1, -2)
+        n = shape(s)[-1]
+        squares = multiply(s, s)
+        gaps = subtract(expand_dims(squares, -2), expand_dims(squares, -1))  # s_j^2 - s_i^2
+        off = not_equal(index_column(n), index_row(n))
+        f = zero_unless(off, divide(1.0, where(off, gaps, 1.0)))
+        ut_du = matmul(swapaxes(u, -1, -2), u_bar)
+        vt_dv = matmul(swapaxes(v, -1, -2), v_bar)
+        j = multiply(f, subtract(ut_du, swapaxes(ut_du, -1, -2)))
+        k = multiply(f, subtract(vt_dv, swapaxes(vt_dv, -1, -2)))
+        inner = add(
+            add(multiply(j, expand_dims(s, -2)), multiply(eye(n, dtype=_dtype_of(s).np_dtype), expand_dims(s_bar, -1))),
+            multiply(expand_dims(s, -1), k),
+        )
+        grad = matmul(u, matmul(inner, vh))
+        if shape(u)[-2] > n:  # the part of dU outside U's columns
+            outside = subtract(u_bar, matmul(u, ut_du))
+            grad = add(grad, matmul(divide(outside, expand_dims(s, -2)), vh))
+        return (grad,)
+
+    differentiable = custom_vjp(tall_svd)
+    differentiable.defvjp(forward, backward)
+    return differentiable
