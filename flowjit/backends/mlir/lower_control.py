@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from flowjit.backends.mlir.emitter import KernelEmitter, tensor_type
-from flowjit.backends.mlir.lowering import INLINE_CONSTANT_ELEMENTS, bool_from_bytes, bool_to_bytes, dense_literal
+from flowjit.backends.mlir.emitter import KernelEmitter, memory_elem_type, tensor_type
+from flowjit.backends.mlir.lower_elementwise import filled
+from flowjit.backends.mlir.lowering import (
+    INLINE_CONSTANT_ELEMENTS,
+    bool_from_bytes,
+    bool_to_bytes,
+    dense_literal,
+    splat_value,
+)
 from flowjit.backends.mlir.target import LoweringTable, no_lowering_error
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Graph, Op, Value
@@ -137,10 +144,21 @@ def _into_carried(em: KernelEmitter, value: str, carried: str, ttype: str, copy:
     return em.op(f"bufferization.materialize_in_destination {value} in {carried} : ({ttype}, {ttype}) -> {ttype}")
 
 
-def _writable_copies(em: KernelEmitter, tensors: list[str], values) -> list[str]:
+def _writable_copies(em: KernelEmitter, tensors: list[str], values, inits: list[Value]) -> list[str]:
     """The loop's initial carried values in fresh buffers: the loop updates them in place, and an
-    initial value may be a read-only function input (bufferization would refuse the write)."""
-    return [em.op(f"bufferization.alloc_tensor() copy({t}) : {_carrier_type(v)}") for t, v in zip(tensors, values)]
+    initial value may be a read-only function input (bufferization would refuse the write). A
+    splat (the zeros a tape or a gradient sum starts from) is filled instead of copied: nothing is
+    read, and the fill's empty tensor may become the loop result's destination (the loop then runs
+    in it, with no copy out)."""
+    out = []
+    for tensor, value, init in zip(tensors, values, inits):
+        splat = splat_value(init)
+        elem = memory_elem_type(value.type.dtype)
+        if splat is not None and value.type.shape and tensor_type(value.type, elem) == _carrier_type(value):
+            out.append(filled(em, splat, value.type, elem))
+        else:
+            out.append(em.op(f"bufferization.alloc_tensor() copy({tensor}) : {_carrier_type(value)}"))
+    return out
 
 
 def in_place_updates(body: Graph, num_carry: int) -> dict[int, list[Op]]:
@@ -203,7 +221,9 @@ def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     head, names = _results(em, num_carry)
     iter_args = ""
     if carry:
-        initial = _writable_copies(em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results)
+        initial = _writable_copies(
+            em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results, op.operands[2 : 2 + num_carry]
+        )
         pairs = ", ".join(f"{c} = {x}" for c, x in zip(carried, initial))
         iter_args = f" iter_args({pairs}) -> ({_types(op.results)})"
     em.line(f"{head + ' = ' if carry else ''}scf.for {iv} = {lo} to {hi} step {step}{iter_args} {{")
@@ -229,7 +249,9 @@ def emit_while(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     after = [em.fresh("d") for _ in carry]
     types = _types(op.results)
     head, names = _results(em, num_carry)
-    initial = _writable_copies(em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results)
+    initial = _writable_copies(
+        em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results, op.operands[:num_carry]
+    )
     inits = ", ".join(f"{b} = {x}" for b, x in zip(before, initial))
     em.line(f"{head} = scf.while ({inits}) : ({types}) -> ({types}) {{")
     em.loops += 1
