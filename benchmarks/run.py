@@ -126,46 +126,39 @@ def measure_memory(n: int) -> dict:
     return answer if answer is not None else {"error": error}
 
 
-def measure_loop_gradients(quick: bool) -> str:
-    """The Markdown section of `loop_grad.py` (an LSTM's gradient through fori_loop and scan, against
-    JAX's and PyTorch's), run in a fresh process."""
-    title = "## Loop gradients (LSTM, benchmarks/loop_grad.py)"
-    print("measuring loop gradients (an LSTM through fori_loop and scan) ...", flush=True)
+def _standalone_section(script: str, title: str, quick: bool) -> str:
+    """The Markdown section (from `title` on) that a standalone benchmark script prints, run in a
+    fresh process; a short "Not measured" section when it fails or runs over 900 s."""
     try:
         proc = subprocess.run(
-            [sys.executable, str(HERE / "loop_grad.py"), *(["--quick"] if quick else [])],
+            [sys.executable, str(HERE / script), *(["--quick"] if quick else [])],
             capture_output=True,
             text=True,
             timeout=900,
             cwd=HERE,
         )
     except subprocess.TimeoutExpired:
-        return f"{title}\n\nNot measured: loop_grad.py did not finish in 900 s.\n"
+        return f"{title}\n\nNot measured: {script} did not finish in 900 s.\n"
     if proc.returncode != 0:
         return f"{title}\n\nNot measured: {_how_it_died(proc.returncode, proc.stderr)}\n"
     return proc.stdout[proc.stdout.index(title) :]
 
 
+def measure_loop_gradients(quick: bool) -> str:
+    """The section of `loop_grad.py`: an LSTM's gradient through fori_loop and scan, against JAX's
+    and PyTorch's."""
+    print("measuring loop gradients (an LSTM through fori_loop and scan) ...", flush=True)
+    return _standalone_section("loop_grad.py", "## Loop gradients (LSTM, benchmarks/loop_grad.py)", quick)
+
+
 def measure_distributed(quick: bool) -> str:
-    """The Markdown section of `distributed.py` (Ray on loopback), run in a fresh process."""
+    """The section of `distributed.py` (Ray on loopback)."""
     try:
         import ray  # noqa: F401
     except ImportError:
         return "## Distributed (Ray)\n\nNot measured: the `distributed` extra (Ray) is not installed.\n"
     print("measuring the distributed runtime (a local Ray cluster) ...", flush=True)
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "distributed.py"), *(["--quick"] if quick else [])],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            cwd=HERE,
-        )
-    except subprocess.TimeoutExpired:
-        return "## Distributed (Ray)\n\nNot measured: distributed.py did not finish in 900 s.\n"
-    if proc.returncode != 0:
-        return f"## Distributed (Ray)\n\nNot measured: {_how_it_died(proc.returncode, proc.stderr)}\n"
-    return proc.stdout[proc.stdout.index("## Distributed") :]
+    return _standalone_section("distributed.py", "## Distributed", quick)
 
 
 def main(argv=None) -> int:

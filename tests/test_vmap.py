@@ -39,12 +39,18 @@ def _patterns(n: int):
             yield tuple(i == k for i in range(n))
 
 
-@pytest.mark.parametrize("row, dtype", list(_table_cases()))
-def test_batching_rule_matches_stacked_examples(row, dtype):
+def _examples(row, dtype) -> list[list[np.ndarray]]:
+    """BATCH sets of the row's operands, each drawn with its own seed."""
     examples = []
     for b in range(BATCH):
         rng = np.random.default_rng(zlib.crc32(f"{row.name}-{dtype.name}-{b}".encode()))
         examples.append([np.asarray(a) for a in row.inputs(rng, dtype)])
+    return examples
+
+
+@pytest.mark.parametrize("row, dtype", list(_table_cases()))
+def test_batching_rule_matches_stacked_examples(row, dtype):
+    examples = _examples(row, dtype)
     if any(a.shape != c.shape for ex in examples for a, c in zip(ex, examples[0])):
         pytest.skip("the row's inputs change shape with the seed")
     attrs = _resolve(row.attrs, dtype)
@@ -225,10 +231,7 @@ def test_batched_graphs_compile_and_match_the_interpreter(row, dtype):
     from flowjit.frontend.lowered import PIPELINE
     from flowjit.passes.registry import run_pipeline
 
-    examples = []
-    for b in range(BATCH):
-        rng = np.random.default_rng(zlib.crc32(f"{row.name}-{dtype.name}-{b}".encode()))
-        examples.append([np.asarray(a) for a in row.inputs(rng, dtype)])
+    examples = _examples(row, dtype)
     attrs = _resolve(row.attrs, dtype)
     graph = single_op_graph(row.op, examples[0], attrs, row.regions(dtype) if row.regions else ())
     flags = (True,) * len(examples[0])
