@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import numpy as np
-from harness import call_times
+from harness import call_times, run_line
+from machine import load_average
 
 LR = 0.01
 
@@ -142,16 +144,28 @@ def table(title: str, results: dict[str, tuple[float, float, float]]) -> str:
     return "\n".join(lines)
 
 
+TITLE = "## Donation (SGD and Adam updates, benchmarks/donation.py)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=10_000_000, help="parameters (float32)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     args = parser.parse_args()
     rounds, repeats = (2, 5) if args.quick else (5, 10)
+    load_before, started = load_average(), time.perf_counter()
+    tables = []
     for title, make in (("SGD p - 0.01 * g", sgd_peers), ("Adam step (flowjit.optim.Adam, lr 0.01)", adam_peers)):
         peers, reference = make(args.size)
-        print(table(f"{title}, {args.size:,} float32 parameters", measure(peers, reference, rounds, repeats)))
-        print()
+        tables.append(table(f"{title}, {args.size:,} float32 parameters", measure(peers, reference, rounds, repeats)))
+    how = (
+        f"{run_line('donation.py', started, load_before)} A parameter update jitted without and with its "
+        f"parameters (and optimizer state) donated, against PyTorch's in-place updates: {rounds} rounds of "
+        f"{repeats} timed calls per implementation after a warm-up call; the ratio is each minimum over the "
+        "donated flowjit update's. Donated results are written in place by the kernel that computes them "
+        "(docs/frontend.md, 'Donation')."
+    )
+    print("\n\n".join([TITLE, how, *tables]))
     return 0
 
 

@@ -120,6 +120,24 @@ QUICK = TimingPolicy(
 SMOKE = TimingPolicy("smoke", min_reps=2, max_reps=3, budget_s=0.5, min_sample_s=0.001, settle_s=0.0)  # tiny sizes
 
 
+def run_line(script: str, started: float, load_before: str) -> str:
+    """How a standalone script's section was measured: its command, the date, the CPUs, how long it
+    ran, and the machine's load before and after (other jobs shift every timing)."""
+    import datetime
+    import os
+    import shlex
+    import sys
+
+    from machine import load_average
+
+    command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{script}", *sys.argv[1:]])
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"`{command}`, {date}, {os.cpu_count()} CPUs, {time.perf_counter() - started:.0f} s in all, load average "
+        f"(1/5/15 min) before / after {load_before} / {load_average()}."
+    )
+
+
 def call_times(fn: Callable[[], object], repeats: int) -> list[float]:
     """Wall-clock seconds of `repeats` calls of `fn`, after one untimed call (it compiles and
     warms up). The standalone scripts take the minimum (least disturbed by other jobs) or the

@@ -17,16 +17,13 @@ machine disturb them alike and the ratios of one run hold. Prints the Markdown s
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import os
-import shlex
 import sys
 import time
 
 import machine
 import numpy as np
-from harness import call_times
+from harness import call_times, run_line
 
 
 def best_seconds(fns: dict, repeats: int) -> dict[str, float]:
@@ -195,11 +192,8 @@ def main() -> int:
     for steps in args.steps:
         inputs = lstm_inputs(steps, args.batch, args.hidden)
         rows.append((steps, best_seconds({n: FRAMEWORKS[n](inputs) for n in names}, repeats)))
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/loop_grad.py", *sys.argv[1:]])
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     how = (
-        f"`{command}`, {date}, {os.cpu_count()} CPUs, {time.perf_counter() - started:.0f} s in all, load average "
-        f"(1/5/15 min) before / after {load_before} / {machine.load_average()}. The gradient of an LSTM "
+        f"{run_line('loop_grad.py', started, load_before)} The gradient of an LSTM "
         f"(hidden {args.hidden}, batch {args.batch}, T steps) with respect to its weights and input sequence, "
         f"written with a loop: ms per gradient (µs per step), the best of {repeats} calls, the columns' calls "
         "interleaved."

@@ -40,6 +40,8 @@ def parse_args(argv):
     p.add_argument("--sizes", choices=("full", "tiny"), default="full", help="'tiny' is for smoke tests only")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probe")
     p.add_argument("--no-loop-grad", action="store_true", help="skip the LSTM gradient through loops (loop_grad.py)")
+    p.add_argument("--no-vmap", action="store_true", help="skip per-example gradients (per_example_grads.py)")
+    p.add_argument("--no-donation", action="store_true", help="skip the donated updates (donation.py)")
     p.add_argument("--no-distributed", action="store_true", help="skip the distributed runtime's costs (Ray)")
     args = p.parse_args(argv)
     only = {n for item in args.only for n in item.split(",") if n}
@@ -202,6 +204,14 @@ def main(argv=None) -> int:
     text = render(command, date, mode, description, startup, limits, runs, memory, missing)
     if not args.no_loop_grad:
         text += "\n" + measure_loop_gradients(args.quick)
+    if not args.no_vmap:
+        print("measuring per-example gradients (vmap of grad) ...", flush=True)
+        title = "## Per-example gradients (vmap, benchmarks/per_example_grads.py)"
+        text += "\n" + _standalone_section("per_example_grads.py", title, args.quick)
+    if not args.no_donation:
+        print("measuring donated updates (SGD, Adam) ...", flush=True)
+        title = "## Donation (SGD and Adam updates, benchmarks/donation.py)"
+        text += "\n" + _standalone_section("donation.py", title, args.quick)
     if not args.no_distributed:
         text += "\n" + measure_distributed(args.quick)
     args.out.write_text(text)

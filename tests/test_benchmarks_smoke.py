@@ -17,7 +17,16 @@ WORKLOADS = ("elementwise", "matmul1024", "softmax", "sum", "call_overhead", "ml
 def test_runner_on_tiny_sizes(tmp_path):
     out = tmp_path / "RESULTS.md"
     command = [sys.executable, "benchmarks/run.py", "--quick", "--sizes", "tiny", "--peers", "numpy,flowjit"]
-    command += ["--only", ",".join(WORKLOADS), "--out", str(out), "--no-distributed", "--no-loop-grad"]
+    command += [
+        "--only",
+        ",".join(WORKLOADS),
+        "--out",
+        str(out),
+        "--no-distributed",
+        "--no-loop-grad",
+        "--no-vmap",
+        "--no-donation",
+    ]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = out.read_text()
