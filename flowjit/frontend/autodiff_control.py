@@ -15,6 +15,7 @@ while  an error naming fj.fori_loop: reverse mode needs the trip count while tra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,8 +106,11 @@ class _LoopVJP:
     residuals: list[Value]
 
 
+@functools.lru_cache(maxsize=16)
 def _loop_vjp(op: Op) -> _LoopVJP:
-    """The body's VJP graph of `for` loop `op`, split into its forward and backward parts."""
+    """The body's VJP graph of `for` loop `op`, split into its forward and backward parts. The
+    forward rule and the VJP rule of one loop both need it: it is computed once (cached per op,
+    which the autodiff pass does not change)."""
     (body,) = op.regions
     num_carry = op.attrs["num_carry"]
     types = [p.type for p in body.params[1:]]

@@ -25,6 +25,7 @@ import numpy as np
 
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.autodiff import add_custom_rule, under_differentiation
+from flowjit.frontend.control_flow import _as_operands
 from flowjit.frontend.grad import _leaf_type, vjp
 from flowjit.frontend.pytree import tree_flatten, tree_map, tree_unflatten
 from flowjit.frontend.trace import Tracer, array_library, bind
@@ -40,7 +41,7 @@ def _flatten_arrays(tree) -> tuple[list, object]:
     """The leaves of `tree` as tracers or arrays converted as flowjit.numpy converts them (a Python
     float is float32), and its structure."""
     leaves, treedef = tree_flatten(tree)
-    return [x if isinstance(x, Tracer) else array_library().asarray(x) for x in leaves], treedef
+    return _as_operands(leaves), treedef
 
 
 class custom_vjp:  # noqa: N801  (lower-case like a function, as in JAX)

@@ -120,7 +120,7 @@ def _batch_size(leaves, axes, paths, axis_size, name) -> int:
         if axis is None:
             continue
         shape = tuple(np.shape(leaf)) if not isinstance(leaf, Tracer) else leaf.shape
-        if not isinstance(leaf, Tracer | np.ndarray | np.generic | list | tuple | bool | int | float):
+        if not isinstance(leaf, Tracer | np.ndarray | np.generic | bool | int | float):
             raise FlowjitTypeError(
                 f"{user_location()}: vmap({name}): argument {path} is a {type(leaf).__name__}, which cannot be "
                 "mapped over; give it in_axes None"

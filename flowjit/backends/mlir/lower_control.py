@@ -147,9 +147,9 @@ def _into_carried(em: KernelEmitter, value: str, carried: str, ttype: str, copy:
 def _writable_copies(em: KernelEmitter, tensors: list[str], values, inits: list[Value]) -> list[str]:
     """The loop's initial carried values in fresh buffers: the loop updates them in place, and an
     initial value may be a read-only function input (bufferization would refuse the write). A
-    splat (the zeros a tape or a gradient sum starts from) is filled instead of copied: nothing is
-    read, and the fill's empty tensor may become the loop result's destination (the loop then runs
-    in it, with no copy out)."""
+    splat (the zeros a tape or a gradient sum starts from) is filled instead of copied, so nothing
+    is read. The loop still runs in its own buffer: its result is copied into its destination
+    afterwards."""
     out = []
     for tensor, value, init in zip(tensors, values, inits):
         splat = splat_value(init)
