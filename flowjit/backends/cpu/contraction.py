@@ -174,6 +174,12 @@ class Epilogue:
 
     elem: str
     pool: dict | None = None
+    accumulated = False  # whether `accumulate_into` gave the caller a tensor to write
+
+    def accumulate_into(self):
+        """A tensor the epilogue may write its whole result into, one it reads at the result's own
+        index (a loop's accumulator), or None."""
+        return None
 
     def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of what `apply` makes of a conv output window of `shape`."""

@@ -32,6 +32,18 @@ class FusedEpilogue(contraction.Epilogue):
         self.inputs = inputs
         self.elem = memory_elem_type(target.dtype)
         self.pool = pool.attrs if pool is not None else None
+        # The index of a leaf of the result's type that the result may be written into (a loop's
+        # accumulator: `lower_fusion`), and whether `accumulate_into` was used.
+        self.accumulator: int | None = None
+        self.accumulated = False
+
+    def accumulate_into(self) -> str | None:
+        """The tensor of the leaf the whole result may be written into, read through the output
+        operand (`_generic`), or None; the caller then passes it as `into` for the whole window."""
+        if self.accumulator is None:
+            return None
+        self.accumulated = True
+        return self.inputs[self.accumulator][0][0]
 
     def apply(self, em, product, onhw, window, origin, into, serial) -> str:
         loop = ", ".join(f"d{i}" for i in range(window.rank))
@@ -156,7 +168,11 @@ class FusedEpilogue(contraction.Epilogue):
         tensor, product_t, product_map = product
         in_place = into is tensor  # then written through the product's own map
         inputs = [] if in_place else [(tensor, tensor_type(product_t, acc), product_map)]
+        # A leaf written over (`accumulate_into`) is read as the output operand only, like the product.
+        overwritten = next((v for v, ((leaf, _, _), _) in zip(self.leaves, self.inputs) if leaf is into), None)
         for v, ((leaf, ttype, in_map), dims) in zip(self.leaves, self.inputs):
+            if v is overwritten:
+                continue
             if flat_rows and len(dims) > 1:  # a tensor of the result's shape, viewed as a matrix too
                 leaf, ttype = self._as_matrix(em, leaf, v, window)
                 dims, in_map = [(0, window.shape[0]), (1, window.shape[1])], em.identity_map(2)
@@ -172,11 +188,14 @@ class FusedEpilogue(contraction.Epilogue):
         out_t = window.with_dtype(self.target.dtype)
         out_type = tensor_type(product_t, acc) if in_place else tensor_type(out_t, self.elem)
         into = into if into is not None else em.empty(out_t, self.elem)
-        in_elems = ([] if in_place else [acc]) + [memory_elem_type(v.dtype) for v in self.leaves]
+        read = [v for v in self.leaves if v is not overwritten]
+        in_elems = ([] if in_place else [acc]) + [memory_elem_type(v.dtype) for v in read]
 
         def body(b: ScalarBuilder, args: list[str]) -> list[str]:
             product_arg = [args[-1]] if in_place else []
-            leaf_args = dict(zip([self.product, *self.leaves], product_arg + args[: len(in_elems)]))
+            leaf_args = dict(zip([self.product, *read], product_arg + args[: len(in_elems)]))
+            if overwritten is not None:
+                leaf_args[overwritten] = args[-1]
             return generic_body(b, self.ops, leaf_args, self.splats, [self.target], None, args[-1])
 
         maps = [m for _, _, m in inputs] + [product_map if in_place else em.identity_map(rank)]

@@ -184,7 +184,8 @@ def _dot_with_epilogue(em: KernelEmitter, op: Op, operands: list[str], epilogue:
         # passes over C as the kernel's product and in-place epilogue (a small product's tiles
         # are cheaper to compile as a library call than to fuse its epilogue into).
         em.line("// fusion: epilogue over the whole product after it (the product is a matmul library call)")
-        return epilogue.window(em, _library_product(em, call, op, operands), result, {}, None, False)
+        product = _library_product(em, call, op, operands)
+        return epilogue.window(em, product, result, {}, epilogue.accumulate_into(), False)
     if tiles or (kernel and flat and not shape.batch and epilogue.as_matrix()):
         a, b, lead = _dot_operands(em, op, operands, shape.elem, rhs_rows=shape.b_rows, lhs_cols=shape.a_cols)
         if tiles:

@@ -74,6 +74,9 @@ class _FusionLowering:
         # result -> (1-D, shaped) tensor to compute it into (its slice of the nest's output)
         self.destinations: dict[Value, tuple[str, str]] = destinations or {}
         self.tensors: dict[Value, str] = dict(zip(body.params, operands))
+        # A parameter whose buffer the result may be written into (`lower_fusion`), and whether it was.
+        self.accumulator: Value | None = None
+        self.accumulated = False
         users = body.uses()
         cost: dict[Value, int] = {}
         # A pointwise value read by several ops is recomputed in each generic that needs it when
@@ -242,8 +245,16 @@ class _FusionLowering:
         shape = product.result.type.shape
         inputs = [(self._input(v, shape), self._read_dims(v, shape)) for v in leaves]
         epilogue = FusedEpilogue(product.result, target, (ops, leaves, splats), inputs, pool)
+        if (
+            self.accumulator in leaves
+            and self.accumulator.type == target.type
+            and self.accumulator not in product.operands
+        ):
+            epilogue.accumulator = leaves.index(self.accumulator)
         lower = _STREAMED_CONTRACTIONS[product.name]
-        return lower(self.em, product, [self.tensor(v) for v in product.operands], epilogue)
+        results = lower(self.em, product, [self.tensor(v) for v in product.operands], epilogue)
+        self.accumulated = epilogue.accumulated
+        return results
 
     def _row_nest(self) -> set[Op]:
         """Lower the row part of the body as one loop nest over row tiles when it has one (see
@@ -686,8 +697,16 @@ CALL_LOWERINGS["fusion"] = call_lowering(row_library.match)
 
 @lowering("fusion")
 def lower_fusion(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """The fused body on tensors (see the module docstring)."""
-    return _FusionLowering(em, op.regions[0], operands).run()
+    """The fused body on tensors (see the module docstring). A loop's accumulator among the
+    operands (`KernelEmitter.accumulators`) is the output of a matmul's epilogue that reads it:
+    `acc + x.T @ dz` adds the product into the carried sum in place."""
+    fusion = _FusionLowering(em, op.regions[0], operands)
+    if op in em.accumulators:
+        fusion.accumulator = op.regions[0].params[em.accumulators[op]]
+    results = fusion.run()
+    if fusion.accumulated:
+        em.accumulated.add(op)
+    return results
 
 
 __all__ = ["lower_fusion"]

@@ -140,6 +140,11 @@ class KernelEmitter:
         # scatter_add ops that update a loop's carried buffer in place (`lower_control.in_place_updates`):
         # their lowering writes into their operand x instead of a copy of it.
         self.updated_in_place: set[Op] = set()
+        # Ops of a loop body that may write their result into the buffer of one operand, by index:
+        # a carried accumulator read by nothing else (`lower_control.accumulations`); and those
+        # whose lowering did (`accumulated`), whose result the loop then yields as it is.
+        self.accumulators: dict[Op, int] = {}
+        self.accumulated: set[Op] = set()
         # The large constants of a control-flow op's regions, as tensors emitted before the op
         # (`lower_control._large_constants`): `lower_region` starts from these.
         self.region_values: dict = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from flowjit.backends.mlir.emitter import KernelEmitter, memory_elem_type, tensor_type
+from flowjit.backends.mlir.emitter import KernelEmitter, memory_elem_type, memref_type, tensor_type
 from flowjit.backends.mlir.lower_elementwise import filled
 from flowjit.backends.mlir.lowering import (
     INLINE_CONSTANT_ELEMENTS,
@@ -144,18 +144,37 @@ def _into_carried(em: KernelEmitter, value: str, carried: str, ttype: str, copy:
     return em.op(f"bufferization.materialize_in_destination {value} in {carried} : ({ttype}, {ttype}) -> {ttype}")
 
 
-def _writable_copies(em: KernelEmitter, tensors: list[str], values, inits: list[Value]) -> list[str]:
+def _filled_carry(value: Value, init: Value):
+    """The splat a loop's carried `value` starts from when it is filled, not copied, else None."""
+    splat = splat_value(init)
+    elem = memory_elem_type(value.type.dtype)
+    return (
+        splat
+        if splat is not None and value.type.shape and tensor_type(value.type, elem) == _carrier_type(value)
+        else None
+    )
+
+
+def _writable_copies(
+    em: KernelEmitter, tensors: list[str], values, inits: list[Value], destinations: dict[int, str] | None = None
+) -> list[str]:
     """The loop's initial carried values in fresh buffers: the loop updates them in place, and an
     initial value may be a read-only function input (bufferization would refuse the write). A
     splat (the zeros a tape or a gradient sum starts from) is filled instead of copied, so nothing
-    is read. The loop still runs in its own buffer: its result is copied into its destination
-    afterwards."""
+    is read; into the loop result's own buffer when `destinations` has it (a top-level loop's
+    workspace slot or output, which holds none of the loop's operands), so that the loop runs in
+    it and the copy into it after the loop is a copy onto itself, which canonicalization folds."""
     out = []
-    for tensor, value, init in zip(tensors, values, inits):
-        splat = splat_value(init)
+    for k, (tensor, value, init) in enumerate(zip(tensors, values, inits)):
+        splat = _filled_carry(value, init)
         elem = memory_elem_type(value.type.dtype)
-        if splat is not None and value.type.shape and tensor_type(value.type, elem) == _carrier_type(value):
-            out.append(filled(em, splat, value.type, elem))
+        if splat is not None:
+            into = None
+            if k in (destinations or {}):
+                memory = tensor_type(value.type, elem)
+                buffer = f"{destinations[k]} restrict writable : {memref_type(value.type)}"
+                into = em.op(f"bufferization.to_tensor {buffer} to {memory}")
+            out.append(filled(em, splat, value.type, elem, into))
         else:
             out.append(em.op(f"bufferization.alloc_tensor() copy({tensor}) : {_carrier_type(value)}"))
     return out
@@ -185,6 +204,35 @@ def in_place_updates(body: Graph, num_carry: int) -> dict[int, list[Op]]:
     return chains
 
 
+def accumulations(body: Graph, num_carry: int, updated: dict[int, list[Op]]) -> dict[Op, int]:
+    """The `for` body's accumulators: carry k (not one of `updated`, `in_place_updates`) whose
+    result is computed by one fusion that reads carry k's parameter, which nothing else reads,
+    and which only the yield reads (a weight gradient summed over the steps: `acc + x.T @ dz`).
+    Maps that fusion to the index of the parameter among its operands: its lowering may write the
+    result into the parameter's buffer (the CPU's matmul epilogue does), which is then carried
+    on without a copy (`KernelEmitter.accumulated`)."""
+    reads: dict[Value, int] = {}
+    for value in [*(x for op in body.ops for x in op.operands), *body.results]:
+        reads[value] = reads.get(value, 0) + 1
+    found = {}
+    for k in range(num_carry):
+        param, result = body.params[1 + k], body.results[k]
+        producer = result.producer
+        if (
+            k in updated
+            or producer is None
+            or producer.name != "fusion"
+            or reads.get(param) != 1
+            or reads.get(result) != 1
+            or param not in producer.operands
+            or param.type != result.type
+            or param.dtype.is_bool
+        ):
+            continue
+        found[producer] = producer.operands.index(param)
+    return found
+
+
 def _unpack(em: KernelEmitter, names: list[str], values) -> list[str]:
     return [_from_carrier(em, n, v) for n, v in zip(names, values)]
 
@@ -209,7 +257,9 @@ def _index(em: KernelEmitter, tensor: str, elem: str) -> str:
     return em.op(f"arith.index_cast {_scalar(em, tensor, elem)} : {elem} to index")
 
 
-def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+def emit_for(em: KernelEmitter, op: Op, operands: list[str], destinations: dict[int, str] | None = None) -> list[str]:
+    """`op` as an `scf.for`; `destinations` (carry index -> memref) are the buffers a top-level
+    loop's results go to (`_writable_copies`)."""
     num_carry = op.attrs["num_carry"]
     (body,) = op.regions
     elem = {"i32": "i32", "i64": "i64"}[op.operands[0].type.dtype.name]
@@ -222,7 +272,11 @@ def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     iter_args = ""
     if carry:
         initial = _writable_copies(
-            em, [_to_carrier(em, x, v) for x, v in zip(carry, op.results)], op.results, op.operands[2 : 2 + num_carry]
+            em,
+            [_to_carrier(em, x, v) for x, v in zip(carry, op.results)],
+            op.results,
+            op.operands[2 : 2 + num_carry],
+            destinations,
         )
         pairs = ", ".join(f"{c} = {x}" for c, x in zip(carried, initial))
         iter_args = f" iter_args({pairs}) -> ({_types(op.results)})"
@@ -232,11 +286,16 @@ def emit_for(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     scheduled = len(em.schedules)
     in_place = in_place_updates(body, num_carry)
     em.updated_in_place.update(x for chain in in_place.values() for x in chain)
+    accumulators = accumulations(body, num_carry, in_place)
+    em.accumulators.update(accumulators)
     em.loops += 1
     outs = lower_region(em, body, [index_tensor, *_unpack(em, carried, op.results), *invariants])
     em.loops -= 1
+    written = {
+        k for k, v in enumerate(body.results[:num_carry]) if v.producer in em.accumulated.intersection(accumulators)
+    }
     if carry:
-        _yield(em, outs, body, into=carried, copy=len(em.schedules) > scheduled, in_place=in_place)
+        _yield(em, outs, body, into=carried, copy=len(em.schedules) > scheduled, in_place=set(in_place) | written)
     em.line("}")
     return _unpack(em, names, op.results) if carry else []
 
@@ -304,7 +363,19 @@ def _lower_control(fl, op: Op) -> None:
     operands = [fl.read(v) for v in op.operands]
     fl.em.region_values = {v: fl.read(v) for v in _large_constants(op)}
     try:
-        results = _EMITTERS[op.name](fl.em, op, operands)
+        if op.name == "for":
+            # The buffers of results filled before the loop (workspace slots never hold an operand
+            # of the op writing them: `plan_workspace`; nor do outputs written in place: `in_place`).
+            num_carry = op.attrs["num_carry"]
+            inits = op.operands[2 : 2 + num_carry]
+            destinations = {
+                k: fl.buffers[v]
+                for k, (v, init) in enumerate(zip(op.results, inits))
+                if v in fl.buffers and _filled_carry(v, init) is not None
+            }
+            results = emit_for(fl.em, op, operands, destinations)
+        else:
+            results = _EMITTERS[op.name](fl.em, op, operands)
     finally:
         fl.em.region_values = {}
     for value, tensor in zip(op.results, results):

@@ -68,22 +68,26 @@ def memory_scalar(em: KernelEmitter, value, dtype: dt.DType, elem: str) -> str:
     return em.op(f"arith.constant {literal} : {elem}")
 
 
-def filled(em: KernelEmitter, value, t: TensorType, elem: str) -> str:
+def filled(em: KernelEmitter, value, t: TensorType, elem: str, into: str | None = None) -> str:
     """A new tensor of type `t` (stored as `elem`, bools as bytes) holding the Python or numpy scalar
-    `value` everywhere, made 1-D. From
+    `value` everywhere (written into the tensor `into` when given), made 1-D. From
     FILL_KERNEL_MIN_ELEMENTS elements a generic with the elementwise schedule (vector stores, both
     cores when large): a `linalg.fill` is left as scalar loops, one store per element on one core
-    (`fnp.zeros_like(t) + 1`, the zeros of a scatter_add)."""
+    (`fnp.zeros_like(t) + 1`, the zeros of a scatter_add). A new tensor is stored through a 1-D
+    view of its buffer (`store_through`), so that the fill writes the buffer itself."""
     scalar = memory_scalar(em, value, t.dtype, elem)
     flat = TensorType((t.size,), t.dtype)
-    init = collapse(em, em.empty(t, elem), t, elem)
+    init = collapse(em, into, t, elem) if into is not None else em.empty(flat, elem)
     flat_type = tensor_type(flat, elem)
     if t.size < FILL_KERNEL_MIN_ELEMENTS:
-        fill = em.op(f"linalg.fill ins({scalar} : {elem}) outs({init} : {flat_type}) -> {flat_type}")
-        return expand(em, fill, t, elem)
-    out = em.generic([], (init, flat_type), [em.identity_map(1)], ["parallel"], lambda b, args: scalar, [], elem)
-    em.schedule(out, em.target.schedules.elementwise(t.size, _bits(elem)))
-    return expand(em, out, t, elem)
+        out = em.op(f"linalg.fill ins({scalar} : {elem}) outs({init} : {flat_type}) -> {flat_type}")
+    else:
+        out = em.generic([], (init, flat_type), [em.identity_map(1)], ["parallel"], lambda b, args: scalar, [], elem)
+        em.schedule(out, em.target.schedules.elementwise(t.size, _bits(elem)))
+    result = expand(em, out, t, elem)
+    if into is None and result != out:
+        em.store_through(result, out, (t.size,))
+    return result
 
 
 def reshape_tensor(em: KernelEmitter, x: str, source: TensorType, result: TensorType, elem: str | None = None) -> str:
