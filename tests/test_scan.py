@@ -242,6 +242,32 @@ def test_scan_gradient_updates_its_t_sized_buffers_in_place_on_the_cpu():
     assert len(loops) == 2 and len(carried) >= 4 and len(initial) == len(copied) < len(carried)
 
 
+def _tanh_rnn(wx, wh, xs):
+    def step(h, x):
+        return fnp.tanh(x @ wx + h @ wh), None
+
+    h, _ = fj.scan(step, fnp.zeros((xs.shape[1], wh.shape[0]), fnp.float32), xs)
+    return fnp.sum(h)
+
+
+def test_scan_gradient_adds_weight_gradients_into_their_carried_sums_on_the_cpu():
+    # Each reverse step's weight gradient (acc + x.T @ dz, a matmul with its epilogue) is written into the
+    # loop's carried sum itself (the generic's output is the carry: no temporary, no copies per step),
+    # and the T-sized buffers the forward loop fills (tapes) start in the loop results' own buffers
+    # (a writable view of the destination): nothing is copied after the loops.
+    rng = np.random.default_rng(3)
+    wx, wh = (rng.uniform(-0.3, 0.3, (64, 64)).astype(np.float32) for _ in range(2))
+    xs = rng.uniform(-1, 1, (5, 32, 64)).astype(np.float32)
+    grad = fj.grad(_tanh_rnn, argnums=(0, 1))
+    mlir = fj.jit(grad).lower(wx, wh, xs).as_text("mlir")
+    assert len(re.findall(r"outs\(%c\d+ : tensor<64x64xf32>\)", mlir)) == 2
+    assert re.search(r"bufferization.to_tensor %\S+ restrict writable : memref<5x32x64xf32>", mlir)
+    got = fj.jit(grad)(wx, wh, xs)
+    want = fj.jit(grad, target="interpreter")(wx, wh, xs)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
 def test_vmap_of_scan_and_of_its_gradient_equal_stacking():
     # vmap of scan is vmap of its `for` op: per-example sequences, and per-example gradients.
     batch = RNG.uniform(-1, 1, (3, *XS.shape))
