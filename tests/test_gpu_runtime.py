@@ -1,0 +1,540 @@
+"""The GPU runtime (flowjit/backends/gpu: plan.py, driver.py, runtime.py, cache.py) as far as it can be
+checked without a GPU, and on a GPU where there is one.
+
+Without a device: launch plans extracted from the host function (their buffers, launches, loops;
+every launch's packed parameters against its kernel's PTX `.param` list; every view inside its
+buffer), the caching allocator's bookkeeping (on a fake malloc/free: our logic, not the driver's),
+the disk cache (a second process runs from it without importing MLIR), the exact error when the
+package, the driver or a device is missing, GPU devices and the chip they compile for. With a
+device (skipped here with the reason): compiled programs against numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.numpy as fnp
+from flowjit.backends.gpu import backend as gpu_backend
+from flowjit.backends.gpu import cache, cubin, driver, plan, runtime
+from flowjit.backends.gpu.compiler import lower_to_ptx
+from flowjit.backends.gpu.pipeline import GpuOptions
+from flowjit.backends.gpu.plan import PARAM_BYTES, LaunchPlan, Loop, MemrefArg, ScalarArg, ptx_params
+from flowjit.errors import CompileError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_GPU = driver.unavailable_reason()
+needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=f"no CUDA device: {NO_GPU}")
+
+
+def chain(x, y):
+    return fnp.tanh(x * y + 1.0) * fnp.exp(-x) + fnp.log(y * y + 1.0)
+
+
+def softmax(x):
+    m = fnp.max(x, axis=1, keepdims=True)
+    e = fnp.exp(x - m)
+    return e / fnp.sum(e, axis=1, keepdims=True)
+
+
+def whole_sum(x):
+    return fnp.sum(x)
+
+
+def column_sum(x):
+    return fnp.sum(x, axis=0)
+
+
+_X = np.linspace(-2, 2, 33 * 100, dtype=np.float32).reshape(33, 100)
+PROGRAMS = {
+    "elementwise": (chain, (_X, _X + 3.0)),
+    "two-kernel reduction": (whole_sum, (np.linspace(0, 1, 4096, dtype=np.float32),)),
+    "fused softmax": (softmax, (_X,)),
+    "temporary and unrolled loop": (column_sum, (np.ones((10, 5, 7), np.float32),)),
+    "temporary and kept loop": (column_sum, (np.ones((300, 5, 7), np.float32),)),
+}
+
+
+def compiled(name, chip="sm_80"):
+    fn, args = PROGRAMS[name]
+    graph = fj.jit(fn).lower(*args).graph("optimized")
+    return lower_to_ptx(graph, GpuOptions(chip=chip))
+
+
+# --- the launch plan -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_packed_parameters_match_each_kernels_ptx(name):
+    module = compiled(name, "sm_90")
+    ptx_of = {k.name: k.ptx for k in module.kernels}
+    assert module.plan.launch_count() >= 1
+    for launch, _ in module.plan.launches():
+        declared = ptx_params(ptx_of[launch.module], launch.function)
+        packed = launch.param_kinds()
+        assert len(packed) == len(declared), (launch, declared)
+        assert [PARAM_BYTES[k] for k in packed] == [int(t[1:]) // 8 for t in declared]
+        # a memref's two pointers are the parameters PTX marks as pointers
+        pointers = [i for i, t in enumerate(_raw_params(ptx_of[launch.module])) if ".ptr" in t]
+        expected, at = [], 0
+        for arg in launch.args:
+            if isinstance(arg, MemrefArg):
+                expected += [at, at + 1]
+            at += len(arg.param_kinds())
+        assert set(pointers) <= set(expected)
+
+
+def _raw_params(ptx: str) -> list[str]:
+    entry = ptx[ptx.index(".entry") :]
+    return [line.strip() for line in entry[: entry.index(")")].splitlines() if ".param" in line]
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_every_view_stays_inside_its_buffer_and_the_plan_survives_json(name):
+    module = compiled(name)
+    p = module.plan
+    for launch, loops in p.launches():
+        for arg in launch.args:
+            if not isinstance(arg, MemrefArg):
+                continue
+            buffer = p.buffers[arg.buffer]
+            offset = arg.offset.at(loops)
+            last = offset + sum((s - 1) * st for s, st in zip(arg.sizes, arg.strides)) if all(arg.sizes) else offset
+            assert 0 <= offset and last < max(1, np.prod(buffer.shape)), (launch, loops, buffer)
+    assert LaunchPlan.from_json(json.loads(json.dumps(p.to_json()))) == p
+
+
+def test_buffers_are_the_inputs_outputs_workspace_and_temporaries():
+    p = compiled("temporary and kept loop").plan
+    kinds = [(b.kind, b.index, b.element, b.shape, b.nbytes) for b in p.buffers]
+    assert kinds[:3] == [
+        ("input", 0, "f32", (300, 5, 7), 300 * 35 * 4),
+        ("output", 0, "f32", (5, 7), 35 * 4),
+        ("workspace", 0, "i8", (1,), 1),
+    ]
+    assert [b.kind for b in p.buffers[3:]] == ["temporary"]  # the accumulator
+    # the reduction over 300 rows is one loop step of 300 trips whose launch takes the row index
+    loops = [s for s in p.steps if isinstance(s, Loop)]
+    assert len(loops) == 1 and loops[0].trips == 300 and len(loops[0].body) == 1
+    (inner,) = loops[0].body
+    assert any(isinstance(a, ScalarArg) and a.value.terms == ((loops[0].var, 1),) for a in inner.args)
+    assert p.launch_count() == 302
+
+
+def test_a_small_loop_is_unrolled_into_the_same_launches(monkeypatch):
+    unrolled = compiled("temporary and unrolled loop").plan
+    assert not any(isinstance(s, Loop) for s in unrolled.steps)
+    monkeypatch.setattr(plan, "UNROLL_MAX_LAUNCHES", 0)
+    kept = compiled("temporary and unrolled loop").plan
+    assert any(isinstance(s, Loop) for s in kept.steps)
+
+    def concrete(p):
+        out = []
+        for launch, loops in p.launches():
+            values = [
+                (a.buffer, a.offset.at(loops), a.sizes, a.strides)
+                if isinstance(a, MemrefArg)
+                else (a.kind, a.value.at(loops) if isinstance(a.value, plan.Affine) else a.value)
+                for a in launch.args
+            ]
+            out.append((launch.module, launch.grid, launch.block, values))
+        return out
+
+    assert concrete(kept) == concrete(unrolled) and len(concrete(kept)) == 12
+
+
+def test_two_kernel_reduction_plan():
+    p = compiled("two-kernel reduction").plan
+    temporaries = [b for b in p.buffers if b.kind == "temporary"]
+    assert (1024,) in [b.shape for b in temporaries]  # the partials
+    assert p.launch_count() >= 2 and len(p.kernels()) == p.launch_count()
+
+
+def test_a_plan_that_disagrees_with_the_ptx_is_a_compile_error():
+    module = compiled("elementwise")
+    launch = module.plan.steps[0]
+    short = plan.LaunchPlan(module.plan.function, module.plan.buffers, (plan.Launch(
+        launch.module, launch.function, launch.grid, launch.block, 0, launch.args[:-1]),))  # fmt: skip
+    with pytest.raises(CompileError, match="launch plan passes kernel"):
+        plan.check_against_ptx(short, {k.name: k.ptx for k in module.kernels})
+
+
+# --- the caching allocator (our bookkeeping, on a fake malloc/free) -----------------------------
+
+
+class FakeDevice:
+    """Records the allocator's malloc/free calls; fails the mallocs numbered in `fail`."""
+
+    def __init__(self, fail=()):
+        self.next, self.calls, self.fail, self.live = 0x1000, [], set(fail), set()
+
+    def malloc(self, n):
+        self.calls.append(("malloc", n))
+        if len([c for c in self.calls if c[0] == "malloc"]) in self.fail:
+            raise driver.GpuRuntimeError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY")
+        self.next += 1 << 24
+        self.live.add(self.next)
+        return self.next
+
+    def free(self, address):
+        self.calls.append(("free", address))
+        self.live.remove(address)
+
+
+def test_size_classes():
+    assert [runtime.size_class(n) for n in (1, 512, 513, 1000, 4096, 4097, 1 << 20)] == [
+        512, 512, 1024, 1024, 4096, 8192, 1 << 20,
+    ]  # fmt: skip
+    assert runtime.size_class((1 << 20) + 1) == 2 << 20 and runtime.size_class((5 << 20) + 7) == 6 << 20
+
+
+def test_allocator_reuses_blocks_of_a_class_and_frees_everything_on_teardown():
+    device = FakeDevice()
+    alloc = runtime.CachingAllocator(device.malloc, device.free)
+    a, b = alloc.allocate(1000), alloc.allocate(600)  # both 1 KiB blocks
+    assert a != b and alloc.driver_allocations == 2 and alloc.bytes_in_use == 2048
+    assert alloc.allocate(0) == 0
+    alloc.release(a)
+    assert alloc.bytes_cached == 1024 and alloc.allocate(1024) == a  # same class: the cached block
+    assert alloc.driver_allocations == 2
+    c = alloc.allocate(5000)  # another class: a new block
+    assert alloc.driver_allocations == 3 and c not in (a, b)
+    alloc.release(c)
+    with pytest.raises(driver.GpuRuntimeError, match="released but not allocated"):
+        alloc.release(c)
+    alloc.free_all()
+    assert device.live == set() and alloc.bytes_in_use == 0 and alloc.bytes_cached == 0
+
+
+def test_allocator_frees_its_cache_and_retries_once_when_the_device_is_full():
+    device = FakeDevice(fail={3})
+    alloc = runtime.CachingAllocator(device.malloc, device.free)
+    a = alloc.allocate(4096)
+    alloc.allocate(512)
+    alloc.release(a)
+    c = alloc.allocate(1 << 20)  # the 3rd malloc fails: the cached 4 KiB block is freed, then it succeeds
+    assert ("free", a) in device.calls and device.calls[-1] == ("malloc", 1 << 20) and c in device.live
+    device.fail = {5, 6}
+    with pytest.raises(driver.GpuRuntimeError, match="OUT_OF_MEMORY"):
+        alloc.allocate(8 << 20)
+
+
+def test_cubins_are_used_only_where_they_run():
+    assert runtime._cubin_runs_on("sm_80", "sm_86") and runtime._cubin_runs_on("sm_90", "sm_90")
+    assert not runtime._cubin_runs_on("sm_86", "sm_80") and not runtime._cubin_runs_on("sm_80", "sm_90")
+    with pytest.raises(driver.GpuRuntimeError, match="compiled for sm_90, but the device is sm_80"):
+        runtime._check_ptx_target(".version 8.0\n.target sm_90\n", "k", "sm_80")
+
+
+def test_timeout_must_be_positive(monkeypatch):
+    monkeypatch.setenv("FLOWJIT_GPU_TIMEOUT_S", "0")
+    with pytest.raises(driver.GpuRuntimeError, match="FLOWJIT_GPU_TIMEOUT_S"):
+        runtime.timeout_s()
+    monkeypatch.setenv("FLOWJIT_GPU_TIMEOUT_S", "2.5")
+    assert runtime.timeout_s() == 2.5
+
+
+# --- no package, no driver, no device: the exact reason -----------------------------------------
+
+
+def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+    )
+
+
+def test_import_flowjit_does_not_import_cuda_bindings():
+    done = _python("import sys, flowjit\nassert 'cuda' not in sys.modules and 'cuda.bindings' not in sys.modules\n")
+    assert done.returncode == 0, done.stderr
+
+
+def test_without_cuda_bindings_the_reason_names_the_package():
+    done = _python(
+        """
+        import sys
+        sys.modules["cuda"] = None  # as if cuda-bindings were not installed
+        import flowjit as fj
+        from flowjit.backends.gpu import driver
+        print(driver.unavailable_reason())
+        print(len(fj.devices("gpu")))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    reason, gpus = done.stdout.strip().splitlines()
+    assert reason.startswith("running on a GPU needs the package cuda-bindings") and gpus == "0"
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="a CUDA device is present")
+def test_without_a_gpu_running_raises_the_drivers_reason():
+    with pytest.raises(driver.GpuRuntimeError, match=r"cannot run 'chain' on GPU 0: ") as info:
+        fj.jit(chain, target="cuda")(_X, _X)
+    assert NO_GPU.rstrip(".") in str(info.value)
+    assert fj.devices("gpu") == []
+    if driver._bindings() is not None and not isinstance(driver._bindings(), driver.GpuRuntimeError):
+        # cuda-bindings is installed here: cuInit is what fails (it raises: no libcuda.so)
+        assert "cuInit failed" in NO_GPU
+
+
+# --- the disk cache: compile here, run there -----------------------------------------------------
+
+
+def test_cache_key_names_the_gpu_arch_and_cpu_target():
+    assert json.loads(cache.fingerprint("sm_90"))["gpu-arch"] == "sm_90"
+    assert json.loads(cache.fingerprint("sm_90"))["cpu-target"] == "any"
+    keys = {cache.cache_key("graph", GpuOptions(chip=chip)) for chip in ("sm_80", "sm_90")}
+    assert len(keys) == 2
+
+
+def test_entry_round_trips_and_a_damaged_one_is_deleted(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
+    fn, args = PROGRAMS["fused softmax"]
+    graph = fj.jit(fn).lower(*args).graph("optimized")
+    entry = gpu_backend.compile_entry(graph, GpuOptions(chip="sm_90"))
+    assert cache.decode(cache.encode(entry)) == entry
+    cache.store("k", entry)
+    assert cache.load("k") == entry
+    monkeypatch.setattr(cache, "mlir_version", lambda: "another-mlir-1.0")
+    assert cache.load("k") is None  # made by another MLIR than the one installed: compiled again
+    path = cache.entry_path("k")
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:-5])
+    monkeypatch.setattr(cache, "mlir_version", lambda: entry.toolchain["mlir"])
+    assert cache.load("k") is None and not os.path.exists(path)
+
+
+def test_a_cached_program_runs_without_importing_mlir(tmp_path):
+    """Compile in one process; a second process in which `import mlir` fails gets the executable
+    from the cache and goes as far as the driver (here: the clear error; on a GPU: the result)."""
+    program = """
+        import sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+        {block}
+        def chain(x, y):
+            return fnp.tanh(x * y + 1.0) * fnp.exp(-x) + fnp.log(y * y + 1.0)
+        x = np.linspace(-2, 2, 3300, dtype=np.float32).reshape(33, 100)
+        lowered = fj.jit(chain, target="cuda-sm_90").lower(x, x)
+        print(lowered.as_text("launch-plan").splitlines()[-1])
+        try:
+            out = lowered.compile()(x, x)
+            print("ran", float(np.abs(out - np.asarray(chain(x, x))).max()))
+        except fj.FlowjitError as e:
+            print(type(e).__name__, e)
+        print("mlir imported:", sys.modules.get("mlir") is not None)
+    """
+    block = "sys.modules['mlir'] = None  # any `import mlir` fails"
+    env = {"FLOWJIT_CACHE_DIR": str(tmp_path)}
+    first = _python(program.format(block=""), env)
+    assert first.returncode == 0, first.stderr
+    assert "from: compiled" in first.stdout
+    second = _python(program.format(block=block), env)
+    assert second.returncode == 0, second.stderr
+    lines = second.stdout.strip().splitlines()
+    assert lines[0] == "from: disk cache" and lines[-1] == "mlir imported: False"
+    if NO_GPU is None:
+        assert lines[1].startswith("ran ")
+    else:
+        assert lines[1].startswith("GpuRuntimeError cannot run 'chain' on GPU 0")
+
+
+# --- devices ------------------------------------------------------------------------------------
+
+
+def test_device_chip_follows_the_compute_capability(monkeypatch):
+    for capability, chip in (((9, 0), "sm_90"), ((8, 6), "sm_86"), ((8, 7), "sm_86"), ((12, 0), "sm_90")):
+        monkeypatch.setattr(driver, "compute_capability", lambda ordinal, c=capability: c)
+        assert gpu_backend.device_chip(0) == chip
+    monkeypatch.setattr(driver, "compute_capability", lambda ordinal: (7, 5))
+    assert gpu_backend.device_chip(0) is None
+
+
+def test_gpu_devices_get_only_the_ops_placed_there(monkeypatch):
+    monkeypatch.setattr(driver, "local_gpu_count", lambda: 1)
+    assert [d.name for d in fj.devices()][-1] == "/job:localhost/task:0/device:gpu:0"
+
+    def f(x):
+        y = fnp.exp(x)
+        with fj.device("gpu:0"):
+            z = y * 2.0
+        return z + 1.0
+
+    placement = fj.jit(f).lower(np.ones(8, np.float32)).as_text("placement")
+    placed = dict(re.findall(r"^//\s+%\d+ (exp|mul|add)\s+(\S+)", placement, re.MULTILINE))
+    assert placed == {"exp": "cpu:0", "mul": "gpu:0", "add": "cpu:0"}, placement
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_programs_match_numpy_on_the_gpu(name):
+    fn, args = PROGRAMS[name]
+    expected = fj.jit(fn, target="cpu")(*args)
+    got = fj.jit(fn, target="cuda")(*args)
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+
+
+# --- the runtime against a fake driver (tests/fake_cuda: no GPU, no kernel runs) -----------------
+# What this checks is ours: that cuda-bindings accepts every argument the runtime passes, and the
+# calls it makes: allocations from the caching allocator, copies of the right bytes to the right
+# buffers, every launch of the plan with its grid, block and parameters, the bounded wait, the
+# teardown. It says nothing about the kernels' results or the real driver's behaviour.
+
+FAKE_SOURCE = os.path.join(ROOT, "tests", "fake_cuda", "fake_libcuda.c")
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the fake CUDA driver")
+    folder = tmp_path_factory.mktemp("fake_cuda")
+    built = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O1", "-o", str(folder / "libcuda.so.1"), FAKE_SOURCE, "-ldl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert built.returncode == 0, built.stderr
+    return folder
+
+
+def _with_fake_driver(folder, code: str, tmp_path, **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    log = tmp_path / "driver.log"
+    done = _python(
+        code,
+        {
+            "LD_LIBRARY_PATH": str(folder),
+            "FAKE_CUDA_LOG": str(log),
+            "FLOWJIT_CACHE_DIR": str(tmp_path / "cache"),
+            **env,
+        },
+    )
+    calls = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+    return done, calls
+
+
+_COLUMN_SUM = """
+    import json, sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+    from flowjit.backends.gpu import cubin
+    {patch}
+    def column_sum(x):
+        return fnp.sum(x, axis=0)
+    x = np.arange(300 * 35, dtype=np.float32).reshape(300, 5, 7)
+    lowered = fj.jit(column_sum, device="gpu:0").lower(x)
+    compiled = lowered.compile()
+    result = {{"devices": [d.name for d in fj.devices()], "ptx": lowered.as_text("ptx")}}
+    try:
+        for _ in range(2):
+            out = compiled(x)
+        result["out"] = [list(out.shape), str(out.dtype)]
+    except fj.FlowjitError as e:
+        result["error"] = str(e)
+        try:
+            compiled(x)
+        except fj.FlowjitError as again:
+            result["again"] = str(again)
+    executable = lowered._executable
+    result["plan"] = executable.plan.to_json()
+    result["loading"] = lowered.as_text("launch-plan").splitlines()[-2:]
+    print(json.dumps(result))
+"""
+_NO_PTXAS = "cubin.find_ptxas = lambda: None  # the fake driver loads PTX only"
+
+
+def test_runtime_calls_on_a_fake_driver(fake_driver, tmp_path):
+    done, calls = _with_fake_driver(fake_driver, _COLUMN_SUM.format(patch=_NO_PTXAS), tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result.get("error") is None and result["out"] == [[5, 7], "float32"]
+    assert result["devices"][-1] == "/job:localhost/task:0/device:gpu:0"
+    assert ".target sm_90" in result["ptx"]  # the fake device's compute capability is 9.0
+    assert all("PTX through the driver's JIT" in line for line in result["loading"])
+    p = LaunchPlan.from_json(result["plan"])
+    names = [c[0] for c in calls]
+    assert names.count("cuInit") == 1 and names.count("cuDevicePrimaryCtxRetain") == 1
+
+    # one allocation per buffer, of its size class, on the first call only (the second reuses them)
+    mallocs = [c for c in calls if c[0] == "cuMemAlloc"]
+    assert [int(c[1]) for c in mallocs] == [runtime.size_class(b.nbytes) for b in p.buffers]
+    address = [int(c[2]) for c in mallocs]
+    x = np.arange(300 * 35, dtype=np.float32)
+    copies_in = [c[2:] for c in calls if c[0] == "cuMemcpyHtoDAsync"]
+    assert copies_in == [[str(x.nbytes), str(int(x.view(np.uint8).sum()))]] * 2
+    assert [c[1] for c in calls if c[0] == "cuMemcpyHtoDAsync"][0] == str(address[0])
+
+    # every launch of the plan, in order, with its grid, block and parameters
+    expected = []
+    for launch, loops in p.launches():
+        params = []
+        for arg in launch.args:
+            if isinstance(arg, MemrefArg):
+                base = address[arg.buffer]
+                params += [base, base, arg.offset.at(loops), *arg.sizes, *arg.strides]
+            else:
+                params.append(arg.value.at(loops))
+        expected.append([launch.function, *map(str, (*launch.grid, *launch.block, 0, *params))])
+    launches = [c[1:] for c in calls if c[0] == "cuLaunchKernel"]
+    assert len(expected) == 302 and launches[:302] == expected
+    # the second call: the same launches on the cached blocks, which may come back in another order
+    # within a size class, consistently for every launch
+    size_of = {str(a): runtime.size_class(b.nbytes) for a, b in zip(address, p.buffers)}
+    moved = {}
+    for first, second in zip(launches[:302], launches[302:]):
+        for a, b in zip(first, second):
+            if a in size_of:
+                assert moved.setdefault(a, b) == b and size_of[a] == size_of.get(b)
+            else:
+                assert a == b
+    assert len(launches) == 604 and len(set(moved.values())) == len(moved)
+    copies_out = [c[1:] for c in calls if c[0] == "cuMemcpyDtoHAsync"]
+    assert copies_out == [[str(address[1]), str(35 * 4)], [moved[str(address[1])], str(35 * 4)]]
+    assert names.count("cuEventRecord") == 2
+
+    # teardown at exit: every block freed once, the modules unloaded, the context released last
+    assert sorted(int(c[1]) for c in calls if c[0] == "cuMemFree") == sorted(address)
+    assert names.count("cuModuleUnload") == names.count("cuModuleLoadDataEx") == len(p.kernels())
+    assert names.count("cuStreamDestroy") == 1 and names.count("cuMemFreeHost") == 1
+    assert names[-1] == "cuDevicePrimaryCtxRelease"
+
+
+def test_a_call_that_does_not_finish_times_out_and_the_executable_refuses_later_calls(fake_driver, tmp_path):
+    done, calls = _with_fake_driver(
+        fake_driver,
+        _COLUMN_SUM.format(patch=_NO_PTXAS),
+        tmp_path,
+        FAKE_CUDA_EVENT_NEVER_READY="1",
+        FLOWJIT_GPU_TIMEOUT_S="0.3",
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "the GPU did not finish 'column_sum' on sm_90 device 0 within 0.3 s" in result["error"]
+    assert result["again"].startswith("an earlier call of 'column_sum' on the GPU failed")
+    names = [c[0] for c in calls]
+    assert names.count("cuLaunchKernel") == 302  # the second call launched nothing
+    # the blocks the unfinished call used were not handed out again, only freed at teardown
+    assert names.count("cuMemFree") == names.count("cuMemAlloc")
+
+
+@pytest.mark.skipif(cubin.find_ptxas() is None, reason="ptxas not found: no cubins are made")
+def test_a_failing_driver_call_names_the_call_and_the_error(fake_driver, tmp_path):
+    done, calls = _with_fake_driver(fake_driver, _COLUMN_SUM.format(patch=""), tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # the sm_90 cubin is loaded (the fake refuses anything but PTX)
+    assert result["error"] == "cuModuleLoadDataEx failed: CUDA_ERROR_FAKE: an error of the fake driver"
+    assert ["cuModuleLoadDataEx", "not-ptx"] in calls
