@@ -453,7 +453,7 @@ _COLUMN_SUM = """
     result["loading"] = lowered.as_text("launch-plan").splitlines()[-2:]
     print(json.dumps(result))
 """
-_NO_PTXAS = "cubin.find_ptxas = lambda: None  # the fake driver loads PTX only"
+_NO_PTXAS = "cubin.find_ptxas = lambda: None  # PTX only: the fake driver logs the parameters of PTX kernels"
 
 
 def test_runtime_calls_on_a_fake_driver(fake_driver, tmp_path):
@@ -530,11 +530,87 @@ def test_a_call_that_does_not_finish_times_out_and_the_executable_refuses_later_
     assert names.count("cuMemFree") == names.count("cuMemAlloc")
 
 
-@pytest.mark.skipif(cubin.find_ptxas() is None, reason="ptxas not found: no cubins are made")
 def test_a_failing_driver_call_names_the_call_and_the_error(fake_driver, tmp_path):
+    done, calls = _with_fake_driver(
+        fake_driver, _COLUMN_SUM.format(patch=_NO_PTXAS), tmp_path, FAKE_CUDA_FAIL_MODULE_LOAD="1"
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"] == "cuModuleLoadDataEx failed: CUDA_ERROR_FAKE: an error of the fake driver"
+    assert ["cuModuleLoadDataEx", "refused"] in calls
+
+
+@pytest.mark.skipif(cubin.find_ptxas() is None, reason="ptxas not found: no cubins are made")
+def test_cubins_are_loaded_where_they_fit(fake_driver, tmp_path):
     done, calls = _with_fake_driver(fake_driver, _COLUMN_SUM.format(patch=""), tmp_path)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    # the sm_90 cubin is loaded (the fake refuses anything but PTX)
-    assert result["error"] == "cuModuleLoadDataEx failed: CUDA_ERROR_FAKE: an error of the fake driver"
-    assert ["cuModuleLoadDataEx", "not-ptx"] in calls
+    assert result.get("error") is None
+    assert all(line.endswith(": cubin sm_90") for line in result["loading"])
+    assert [c[1] for c in calls if c[0] == "cuModuleLoadDataEx"] == ["cubin"] * 3
+
+
+# --- the device check script (benchmarks/gpu/device_check.py) ------------------------------------
+
+DEVICE_CHECK = os.path.join(ROOT, "benchmarks", "gpu", "device_check.py")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prepared")
+    done = subprocess.run(
+        [sys.executable, DEVICE_CHECK, "prepare", "--out", str(folder), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+def test_prepare_compiles_the_tiny_set_into_a_small_folder(prepared):
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    status = {p["name"]: p["status"] for p in manifest["programs"]}
+    assert status == {"chain": "compiled", "whole_sum": "compiled", "mlp_forward": "not compiled"}
+    (mlp,) = [p for p in manifest["programs"] if p["name"] == "mlp_forward"]
+    assert "dot_general" in mlp["error"]
+    assert manifest["chip"] == "sm_90"
+    size = sum(f.stat().st_size for f in prepared.rglob("*") if f.is_file())
+    assert len(list((prepared / "cache").glob("*.fjg"))) == 2 and size < 1 << 20
+
+
+def test_run_loads_from_the_cache_without_mlir_up_to_the_device(prepared, tmp_path):
+    done = subprocess.run(
+        [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "loaded 2 of 3 programs" in done.stdout and "(mlir imported: False)" in done.stdout, done.stderr
+    if NO_GPU is not None:
+        assert done.returncode == 2
+        assert "GpuRuntimeError: cannot run 'chain' on GPU 0: " in done.stdout
+    else:
+        assert done.returncode == 0, done.stdout
+
+
+def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver, tmp_path):
+    """The whole run path (no kernel runs, so the results cannot match: 'mismatch' is expected)."""
+    results = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(results), "--repeat", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "LD_LIBRARY_PATH": str(fake_driver)},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(results.read_text())
+    assert report["device"]["name"] == "fake CUDA driver (no GPU)" and report["device"]["capability"] == "9.0"
+    assert report["mlir_imported"] is False
+    programs = {p["name"]: p for p in report["programs"]}
+    assert programs["mlp_forward"]["status"] == "not compiled"
+    for name in ("chain", "whole_sum"):
+        assert programs[name]["status"] == "mismatch" and programs[name]["flowjit_ms"] > 0
+        assert len(programs[name]["loaded"]) == 1
+    assert "program" in done.stdout and "mlp_forward" in done.stdout

@@ -5,8 +5,9 @@
    arguments flowjit's runtime passes, and which calls the runtime makes with which values. Every
    call is written to the file $FAKE_CUDA_LOG, one line each (addresses in decimal); cuLaunchKernel writes each kernel
    parameter, sized by the `.param` list of the kernel's PTX (the driver reads its own copy of that
-   list from the module). Loading a module that is not PTX (a cubin) is refused, so tests compile
-   without cubins. FAKE_CUDA_EVENT_NEVER_READY=1 makes every event pending forever (a hung kernel).
+   list from the module; of a cubin's kernels it logs none). FAKE_CUDA_EVENT_NEVER_READY=1 makes
+   every event pending forever (a hung kernel); FAKE_CUDA_FAIL_MODULE_LOAD=1 makes loading any
+   module fail (CUDA_ERROR_INVALID_IMAGE).
 
    Build: cc -shared -fPIC -o libcuda.so.1 fake_libcuda.c -ldl */
 
@@ -121,29 +122,39 @@ typedef struct { char name[256]; int count; int sizes[512]; } Function;
 
 CUresult cuModuleLoadDataEx(Module **module, const void *image, unsigned count, void *options, void **values) {
     const char *text = image;
-    if (strncmp(text, "//", 2) != 0 && strncmp(text, ".version", 8) != 0) {
-        fprintf(log_file(), "cuModuleLoadDataEx not-ptx\n");
+    const char *fail = getenv("FAKE_CUDA_FAIL_MODULE_LOAD");
+    if (fail && *fail == '1') {
+        fprintf(log_file(), "cuModuleLoadDataEx refused\n");
         return INVALID_IMAGE;
     }
-    *module = malloc(sizeof(Module));
+    *module = calloc(1, sizeof(Module));
+    if (memcmp(text, "\x7f" "ELF", 4) == 0) { /* a cubin: kept opaque, its parameters unknown */
+        fprintf(log_file(), "cuModuleLoadDataEx cubin %u\n", count);
+        return OK;
+    }
     (*module)->ptx = strdup(text);
     fprintf(log_file(), "cuModuleLoadDataEx ptx %zu %u\n", strlen(text), count);
     return OK;
 }
 
 CUresult cuModuleGetFunction(Function **function, Module *module, const char *name) {
+    Function *f = calloc(1, sizeof(Function));
+    strncpy(f->name, name, sizeof f->name - 1);
+    *function = f;
+    if (!module->ptx) {
+        f->count = -1;
+        fprintf(log_file(), "cuModuleGetFunction %s cubin\n", name);
+        return OK;
+    }
     char entry[300];
     snprintf(entry, sizeof entry, ".entry %s(", name);
     const char *at = strstr(module->ptx, entry);
     if (!at) return NOT_FOUND;
     const char *end = strchr(at, ')');
-    Function *f = calloc(1, sizeof(Function));
-    strncpy(f->name, name, sizeof f->name - 1);
     for (const char *p = strstr(at, ".param ."); p && p < end; p = strstr(p + 1, ".param .")) {
         const char *type = p + 8; /* u64, f32, b16, ... */
         f->sizes[f->count++] = atoi(type + 1) / 8;
     }
-    *function = f;
     fprintf(log_file(), "cuModuleGetFunction %s %d\n", name, f->count);
     return OK;
 }
