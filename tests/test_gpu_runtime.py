@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -226,6 +227,16 @@ def test_allocator_frees_its_cache_and_retries_once_when_the_device_is_full():
     device.fail = {5, 6}
     with pytest.raises(driver.GpuRuntimeError, match="OUT_OF_MEMORY"):
         alloc.allocate(8 << 20)
+
+
+def test_a_call_that_cannot_allocate_all_its_buffers_keeps_none():
+    device = FakeDevice(fail={3, 4})  # the third buffer fails, and again after the cache is freed
+    runner = object.__new__(runtime.PlanRunner)
+    runner.plan = compiled("elementwise").plan
+    runner.ctx = types.SimpleNamespace(allocator=runtime.CachingAllocator(device.malloc, device.free))
+    with pytest.raises(driver.GpuRuntimeError, match="OUT_OF_MEMORY"):
+        runner._allocate()
+    assert runner.ctx.allocator.bytes_in_use == 0 and runner.ctx.allocator.bytes_cached == 2 * 16384
 
 
 def test_cubins_are_used_only_where_they_run():
