@@ -76,6 +76,8 @@ class GpuExecutable(Executable):
             self._runner = PlanRunner(self.plan, self.kernels, self.ordinal)
             weakref.finalize(self, _close_quietly, self._runner)  # its stream and pinned block go with it
             self.stages["launch-plan"] = self._plan_text(self._runner.loading_report())
+            if dump.dump_dir() is not None:  # how each kernel was loaded (cubin or the driver's JIT)
+                dump.write_stage(self.name, "launch-plan", self.stages["launch-plan"])
         return self._runner
 
     def check_arguments(self, args) -> list[np.ndarray]:
