@@ -468,8 +468,13 @@ _NO_PTXAS = "cubin.find_ptxas = lambda: None  # PTX only: the fake driver logs t
 
 
 def test_runtime_calls_on_a_fake_driver(fake_driver, tmp_path):
-    done, calls = _with_fake_driver(fake_driver, _COLUMN_SUM.format(patch=_NO_PTXAS), tmp_path)
+    dumps = tmp_path / "dump"
+    done, calls = _with_fake_driver(
+        fake_driver, _COLUMN_SUM.format(patch=_NO_PTXAS), tmp_path, FLOWJIT_DUMP_DIR=str(dumps)
+    )
     assert done.returncode == 0, done.stderr
+    last_plan = sorted(dumps.glob("*-launch-plan.*"))[-1].read_text()
+    assert "loaded fj_column_sum_kernel: PTX through the driver's JIT (no cubin" in last_plan
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result.get("error") is None and result["out"] == [[5, 7], "float32"]
     assert result["devices"][-1] == "/job:localhost/task:0/device:gpu:0"
