@@ -546,6 +546,22 @@ def test_a_call_that_does_not_finish_times_out_and_the_executable_refuses_later_
     assert names.count("cuMemFree") == names.count("cuMemAlloc")
 
 
+def test_a_driver_without_devices_is_the_reason(fake_driver, tmp_path):
+    code = """
+        import numpy as np, flowjit as fj, flowjit.numpy as fnp
+        print(len(fj.devices("gpu")))
+        try:
+            fj.jit(lambda x: fnp.exp(x), target="cuda")(np.ones(4, np.float32))
+        except fj.FlowjitError as e:
+            print(e)
+    """
+    done, calls = _with_fake_driver(fake_driver, code, tmp_path, FAKE_CUDA_NO_DEVICE="1")
+    assert done.returncode == 0, done.stderr
+    gpus, error = done.stdout.strip().splitlines()
+    assert gpus == "0" and "on GPU 0: no CUDA device: the driver reports 0 devices" in error
+    assert [c[0] for c in calls] == ["cuInit"]
+
+
 def test_a_failing_driver_call_names_the_call_and_the_error(fake_driver, tmp_path):
     done, calls = _with_fake_driver(
         fake_driver, _COLUMN_SUM.format(patch=_NO_PTXAS), tmp_path, FAKE_CUDA_FAIL_MODULE_LOAD="1"

@@ -6,7 +6,8 @@
    call is written to the file $FAKE_CUDA_LOG, one line each (addresses in decimal); cuLaunchKernel writes each kernel
    parameter, sized by the `.param` list of the kernel's PTX (the driver reads its own copy of that
    list from the module; of a cubin's kernels it logs none). FAKE_CUDA_EVENT_NEVER_READY=1 makes
-   every event pending forever (a hung kernel); FAKE_CUDA_FAIL_MODULE_LOAD=1 makes loading any
+   every event pending forever (a hung kernel); FAKE_CUDA_NO_DEVICE=1 shows no device;
+   FAKE_CUDA_FAIL_MODULE_LOAD=1 makes loading any
    module fail (CUDA_ERROR_INVALID_IMAGE).
 
    Build: cc -shared -fPIC -o libcuda.so.1 fake_libcuda.c -ldl */
@@ -56,7 +57,11 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
 
 CUresult cuInit(unsigned flags) { fprintf(log_file(), "cuInit %u\n", flags); return OK; }
 CUresult cuDriverGetVersion(int *version) { *version = 13000; return OK; }
-CUresult cuDeviceGetCount(int *count) { *count = 1; return OK; }
+CUresult cuDeviceGetCount(int *count) {
+    const char *none = getenv("FAKE_CUDA_NO_DEVICE");
+    *count = none && *none == '1' ? 0 : 1;
+    return OK;
+}
 CUresult cuDeviceGet(int *device, int ordinal) { *device = ordinal; return ordinal == 0 ? OK : 101; }
 
 CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
