@@ -31,6 +31,11 @@ from flowjit.backends.gpu.compiler import lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions
 from flowjit.backends.gpu.plan import PARAM_BYTES, LaunchPlan, Loop, MemrefArg, ScalarArg, ptx_params
 from flowjit.errors import CompileError
+from flowjit.ir import dtypes as dt
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gpu_emulator  # noqa: E402
+from op_table import ROWS, assert_close, build_case  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = driver.unavailable_reason()
@@ -167,6 +172,75 @@ def test_a_plan_that_disagrees_with_the_ptx_is_a_compile_error():
         launch.module, launch.function, launch.grid, launch.block, 0, launch.args[:-1]),))  # fmt: skip
     with pytest.raises(CompileError, match="launch plan passes kernel"):
         plan.check_against_ptx(short, {k.name: k.ptx for k in module.kernels})
+
+
+# --- the plan replayed on the CPU (tests/gpu_emulator.py: the kernels' MLIR compiled for the host) --
+
+
+def _emulated(graph, args):
+    module = lower_to_ptx(graph, GpuOptions())
+    outputs = [(tuple(t.shape), t.dtype.np_dtype) for t in module.mlir.outputs]
+    return gpu_emulator.run(module.plan, gpu_emulator.EmulatedKernels(module.gpu_mlir), list(args), outputs)
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_replaying_the_plan_computes_the_programs(name):
+    fn, args = PROGRAMS[name]
+    (got,) = _emulated(fj.jit(fn).lower(*args).graph("optimized"), args)
+    expected = np.asarray(fj.jit(fn, target="cpu")(*args))
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_the_replay_sees_a_wrong_argument():
+    """The emulation can fail: the same plan reading row 4 where it should read row 3 computes
+    something else."""
+    x = np.arange(350, dtype=np.float32).reshape(10, 5, 7)
+    module = compiled("temporary and unrolled loop")
+    kernels = gpu_emulator.EmulatedKernels(module.gpu_mlir)
+    (right,) = gpu_emulator.run(module.plan, kernels, [x], [((5, 7), np.float32)])
+    np.testing.assert_array_equal(right, x.sum(axis=0))
+
+    def row_4_for_3(arg):
+        if isinstance(arg, ScalarArg) and arg.value == plan.Affine(3):
+            return ScalarArg(arg.kind, plan.Affine(4))
+        return arg
+
+    steps = tuple(
+        plan.Launch(s.module, s.function, s.grid, s.block, s.shared_bytes, tuple(map(row_4_for_3, s.args)))
+        for s in module.plan.steps
+    )
+    assert steps != module.plan.steps
+    wrong_plan = plan.LaunchPlan(module.plan.function, module.plan.buffers, steps)
+    (wrong,) = gpu_emulator.run(wrong_plan, kernels, [x], [((5, 7), np.float32)])
+    np.testing.assert_array_equal(wrong, x.sum(axis=0) - x[3] + x[4])
+
+
+_GPU_OPS = {
+    "exp", "log", "tanh", "logistic", "sqrt", "sin", "erf", "add", "sub", "mul", "div", "max", "pow", "neg",
+    "abs", "lt", "eq", "select", "broadcast", "reshape", "transpose", "convert", "iota", "slice",
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+}  # fmt: skip
+
+
+def _row_params():
+    seen = set()
+    for row in ROWS:
+        if row.op not in _GPU_OPS or "scalar" in row.name:
+            continue
+        for dtype in row.dtypes:
+            if dtype == dt.float32 or (dtype in (dt.float16, dt.int32) and (row.op, dtype) not in seen):
+                seen.add((row.op, dtype))
+                yield pytest.param(row, dtype, id=f"{row.name}-{dtype.name}".replace(" ", ""))
+
+
+@pytest.mark.parametrize("row,dtype", list(_row_params()))
+def test_replaying_the_plan_computes_the_op_rows(row, dtype):
+    case = build_case(row, dtype)
+    got = _emulated(case.graph, case.inputs)
+    assert len(got) == len(case.expected)
+    for actual, expected in zip(got, case.expected):
+        assert_close(actual, expected, case.tol, f"{row.name} {dtype.name}")
 
 
 # --- the caching allocator (our bookkeeping, on a fake malloc/free) -----------------------------

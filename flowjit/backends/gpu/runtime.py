@@ -385,7 +385,7 @@ class PlanRunner:
                         driver.call("cuMemcpyHtoDAsync", cu.CUdeviceptr(addresses[inputs_of[index]]), at,
                                     array.nbytes, self.stream)  # fmt: skip
                     at += array.nbytes
-                self._replay(self.steps, addresses, {})
+                replay(self.steps, addresses, self._launch)
                 out_at = at
                 for index, array in enumerate(outputs):
                     if array.nbytes:
@@ -424,19 +424,12 @@ class PlanRunner:
             raise
         return addresses
 
-    def _replay(self, steps, addresses: list[int], loops: dict[int, int]) -> None:
-        for step in steps:
-            if isinstance(step, tuple):  # (Loop, its packed body)
-                loop, body = step
-                for i in range(loop.start, loop.stop, loop.step):
-                    self._replay(body, addresses, {**loops, loop.var: i})
-                continue
-            step.fill(addresses, loops)
-            launch = step.launch
-            driver.call(
-                "cuLaunchKernel", self.loaded[launch.module].function, *launch.grid, *launch.block,
-                launch.shared_bytes, self.stream, step.address, 0,
-            )  # fmt: skip
+    def _launch(self, packed: PackedLaunch) -> None:
+        launch = packed.launch
+        driver.call(
+            "cuLaunchKernel", self.loaded[launch.module].function, *launch.grid, *launch.block,
+            launch.shared_bytes, self.stream, packed.address, 0,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Free the stream, the event and the staging block (the context keeps the modules)."""
@@ -448,6 +441,20 @@ class PlanRunner:
         self.staging.free()
         driver.call("cuEventDestroy", self.done)
         driver.call("cuStreamDestroy", self.stream)
+
+
+def replay(steps, addresses: Sequence[int], launch: Callable[[PackedLaunch], None], loops=None) -> None:
+    """Every launch of packed `steps` (`pack`) in order, loops run, each launch's parameters filled
+    for buffer `addresses` and the loop variables' values, then handed to `launch`."""
+    loops = loops or {}
+    for step in steps:
+        if isinstance(step, tuple):  # (Loop, its packed body)
+            loop, body = step
+            for i in range(loop.start, loop.stop, loop.step):
+                replay(body, addresses, launch, {**loops, loop.var: i})
+            continue
+        step.fill(addresses, loops)
+        launch(step)
 
 
 def pack(steps) -> list:
