@@ -112,11 +112,42 @@ class EmulatedKernels:
     def launch(self, packed: runtime.PackedLaunch) -> None:
         """Run one packed launch on the CPU (the runtime's `replay` calls it)."""
         launch = packed.launch
-        call = self._calls.get(launch.module)
+        self.call(launch.module, packed.values, launch.grid, launch.block)
+
+    def call(self, module: str, values, grid, block) -> None:
+        """Run kernel module `module` with parameter `values` (ctypes scalars of its parameters'
+        types) over `grid` blocks of `block` threads."""
+        call = self._calls.get(module)
         if call is None:
-            types = [type(v) for v in packed.values] + [ctypes.c_uint64] * 6
-            call = self._calls[launch.module] = ctypes.CFUNCTYPE(None, *types)(self._wrappers[launch.module])
-        call(*[v.value for v in packed.values], *launch.grid, *launch.block)
+            types = [type(v) for v in values] + [ctypes.c_uint64] * 6
+            call = self._calls[module] = ctypes.CFUNCTYPE(None, *types)(self._wrappers[module])
+        call(*[v.value for v in values], *grid, *block)
+
+
+_HOOK = ctypes.CFUNCTYPE(
+    None, ctypes.c_char_p, ctypes.c_char_p, *[ctypes.c_uint] * 6, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
+)
+
+
+def run_launches_of(fake_driver: ctypes.CDLL, executables) -> object:
+    """Make the fake driver (tests/fake_cuda) run every launch of `executables` (GpuExecutables
+    compiled without cubins) on the CPU, so that their `run` computes real results through the
+    whole runtime. Returns the hook, which must be kept alive."""
+    by_ptx = {}
+    for executable in executables:
+        kernels = EmulatedKernels(executable.stages["gpu-mlir"])
+        kinds = {launch.module: launch.param_kinds() for launch, _ in executable.plan.launches()}
+        for image in executable.kernels:
+            by_ptx[image.ptx.encode()] = (kernels, image.name, kinds[image.name])
+
+    def hook(ptx, name, gx, gy, gz, bx, by, bz, params, count):
+        kernels, module, kinds = by_ptx[ptx]
+        values = [runtime._PARAM_CTYPES[k].from_address(params[i]) for i, k in enumerate(kinds)]
+        kernels.call(module, values, (gx, gy, gz), (bx, by, bz))
+
+    callback = _HOOK(hook)
+    fake_driver.fake_cuda_set_launch_hook(callback)
+    return callback
 
 
 def run(plan: LaunchPlan, kernels: EmulatedKernels, inputs: list[np.ndarray], outputs: list[tuple]) -> list:

@@ -602,6 +602,63 @@ def test_runtime_calls_on_a_fake_driver(fake_driver, tmp_path):
     assert names[-1] == "cuDevicePrimaryCtxRelease"
 
 
+def test_executables_compute_through_the_whole_runtime_on_the_fake_driver(fake_driver, tmp_path):
+    """GpuExecutable.run end to end: the fake driver hands each launch to the CPU emulation of its
+    kernel (tests/gpu_emulator.py), so inputs copied in through the pinned block, every launch,
+    and outputs copied out give the real results (twice: the second call on cached blocks)."""
+    code = """
+        import ctypes, json, sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+        sys.path.insert(0, "tests")
+        import gpu_emulator
+        from flowjit.backends.gpu import cubin
+        cubin.find_ptxas = lambda: None  # PTX only: the hook finds each kernel by its PTX
+
+        def chain_and_total(x, y):
+            return fnp.tanh(x * y + 1.0) * fnp.exp(-x) + fnp.log(y * y + 1.0), fnp.sum(y), x > y
+
+        def softmax(x):
+            e = fnp.exp(x - fnp.max(x, axis=1, keepdims=True))
+            return e / fnp.sum(e, axis=1, keepdims=True)
+
+        def column_sum(x):
+            return fnp.sum(x, axis=0)
+
+        def half(x):
+            return fnp.exp(x) * x
+
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((33, 100)).astype(np.float32)
+        cases = [
+            (chain_and_total, (x, np.abs(x) + 1.0)),
+            (softmax, (x,)),
+            (column_sum, (rng.standard_normal((300, 5, 7)).astype(np.float32),)),
+            (half, (x.astype(np.float16),)),
+        ]
+        compiled = [fj.jit(fn, target="cuda-sm_90").lower(*args) for fn, args in cases]
+        executables = [c.compile() and c._executable for c in compiled]
+        hook = gpu_emulator.run_launches_of(ctypes.CDLL("libcuda.so.1"), executables)
+        errors = []
+        for (fn, args), lowered in zip(cases, compiled):
+            expected = fj.jit(fn, target="cpu")(*args)
+            expected = expected if isinstance(expected, tuple) else (expected,)
+            for _ in range(2):
+                got = lowered.compile()(*args)
+                got = got if isinstance(got, tuple) else (got,)
+                for g, e in zip(got, expected):
+                    assert g.dtype == e.dtype and g.shape == e.shape, (fn.__name__, g.dtype, e.dtype)
+                    scale = 1.0 + float(np.max(np.abs(e.astype(np.float64)), initial=0))  # relative to the largest
+                    errors.append([fn.__name__, float(np.max(np.abs(g.astype(np.float64) - e), initial=0)) / scale])
+        print(json.dumps(errors))
+    """
+    done, calls = _with_fake_driver(fake_driver, code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [name for name, _ in errors] == ["chain_and_total"] * 6 + ["softmax"] * 2 + ["column_sum"] * 2 + ["half"] * 2
+    for name, error in errors:
+        assert error <= (2e-3 if name == "half" else 1e-4), (name, error)
+    assert [c[0] for c in calls].count("cuLaunchKernel") > 600  # the column sum's 302 launches, twice
+
+
 def test_a_call_that_does_not_finish_times_out_and_the_executable_refuses_later_calls(fake_driver, tmp_path):
     done, calls = _with_fake_driver(
         fake_driver,

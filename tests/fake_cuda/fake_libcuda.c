@@ -8,7 +8,7 @@
    list from the module; of a cubin's kernels it logs none). FAKE_CUDA_EVENT_NEVER_READY=1 makes
    every event pending forever (a hung kernel); FAKE_CUDA_NO_DEVICE=1 shows no device;
    FAKE_CUDA_FAIL_MODULE_LOAD=1 makes loading any
-   module fail (CUDA_ERROR_INVALID_IMAGE).
+   module fail (CUDA_ERROR_INVALID_IMAGE). `fake_cuda_set_launch_hook` lets a test run the launches.
 
    Build: cc -shared -fPIC -o libcuda.so.1 fake_libcuda.c -ldl */
 
@@ -123,7 +123,14 @@ CUresult cuMemcpyDtoHAsync(void *dest, uint64_t source, size_t bytes, void *stre
 CUresult cuMemcpyDtoHAsync_v2(void *d, uint64_t s, size_t n, void *st) { return cuMemcpyDtoHAsync(d, s, n, st); }
 
 typedef struct { char *ptx; } Module;
-typedef struct { char name[256]; int count; int sizes[512]; } Function;
+typedef struct { char name[256]; const char *ptx; int count; int sizes[512]; } Function;
+
+/* A test may run each launch itself (tests/gpu_emulator.py): the hook gets the kernel's PTX, its
+   name, grid and block, and the parameter pointers cuLaunchKernel was given. */
+typedef void (*LaunchHook)(const char *ptx, const char *name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                           unsigned by, unsigned bz, void **params, int count);
+static LaunchHook launch_hook;
+void fake_cuda_set_launch_hook(LaunchHook hook) { launch_hook = hook; }
 
 CUresult cuModuleLoadDataEx(Module **module, const void *image, unsigned count, void *options, void **values) {
     const char *text = image;
@@ -151,6 +158,7 @@ CUresult cuModuleGetFunction(Function **function, Module *module, const char *na
         fprintf(log_file(), "cuModuleGetFunction %s cubin\n", name);
         return OK;
     }
+    f->ptx = module->ptx;
     char entry[300];
     snprintf(entry, sizeof entry, ".entry %s(", name);
     const char *at = strstr(module->ptx, entry);
@@ -176,6 +184,7 @@ CUresult cuLaunchKernel(Function *f, unsigned gx, unsigned gy, unsigned gz, unsi
         fprintf(out, " %llu", (unsigned long long)value);
     }
     fprintf(out, "\n");
+    if (launch_hook) launch_hook(f->ptx, f->name, gx, gy, gz, bx, by, bz, params, f->count);
     return OK;
 }
 
