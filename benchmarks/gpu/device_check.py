@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -152,6 +153,7 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
     from flowjit.backends.gpu import cubin
     from flowjit.backends.registry import get_backend
 
+    _clear(out)
     os.makedirs(os.path.join(out, "data"), exist_ok=True)
     target = f"cuda-{chip}"
     entries = []
@@ -167,7 +169,9 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
             entry["error"] = str(error).splitlines()[0]
             entries.append(entry)
             continue
+        os.environ["FLOWJIT_CACHE"] = "0"  # the CPU's code stays out of the folder that travels
         expected = fj.jit(program.fn, target="cpu")(*inputs)
+        del os.environ["FLOWJIT_CACHE"]
         entry["status"] = "compiled"
         entry["data"] = _save(out, program.name, inputs, [np.asarray(expected)])
         entry["rtol"], entry["atol"] = RTOL, ATOL
@@ -189,6 +193,18 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
+
+
+def _clear(out: str) -> None:
+    """Empty a folder an earlier `prepare` wrote (its cache would keep entries of older code);
+    refuse any other non-empty folder."""
+    if not os.path.isdir(out) or not os.listdir(out):
+        return
+    if not os.path.exists(os.path.join(out, "manifest.json")):
+        raise SystemExit(f"{out} is not empty and holds no manifest.json: not a prepared folder; choose another --out")
+    for sub in ("cache", "data"):
+        shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
+    os.remove(os.path.join(out, "manifest.json"))
 
 
 def _save(out: str, name: str, inputs, expected) -> str:
