@@ -170,8 +170,10 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
             entries.append(entry)
             continue
         os.environ["FLOWJIT_CACHE"] = "0"  # the CPU's code stays out of the folder that travels
-        expected = fj.jit(program.fn, target="cpu")(*inputs)
-        del os.environ["FLOWJIT_CACHE"]
+        try:
+            expected = fj.jit(program.fn, target="cpu")(*inputs)
+        finally:
+            del os.environ["FLOWJIT_CACHE"]
         entry["status"] = "compiled"
         entry["data"] = _save(out, program.name, inputs, [np.asarray(expected)])
         entry["rtol"], entry["atol"] = RTOL, ATOL
