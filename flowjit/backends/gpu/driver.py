@@ -49,7 +49,7 @@ def bindings():
     """`cuda.bindings.driver`, imported on first use; a GpuRuntimeError when it cannot be."""
     module = _bindings()
     if isinstance(module, GpuRuntimeError):
-        raise module
+        raise GpuRuntimeError(str(module))  # a new one each time: raising one object again grows its traceback
     return module
 
 
@@ -109,7 +109,7 @@ def initialize() -> None:
             except GpuRuntimeError as error:
                 _initialized = GpuRuntimeError(f"no usable CUDA driver: {error}", error.code)
     if isinstance(_initialized, GpuRuntimeError):
-        raise _initialized
+        raise GpuRuntimeError(str(_initialized), _initialized.code)
 
 
 def device_count() -> int:
