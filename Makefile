@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,examples,distributed]"
+	$(PY) -m pip install --quiet -e ".[test,examples,distributed,gpu]"
 	$(PY) -m flowjit.backends.cpu.libraries
 	touch $(STAMP)
 

@@ -1,7 +1,7 @@
 """Which backend serves which target name and device type.
 
     BACKENDS            target name -> Backend ('cpu', 'interpreter', 'cuda' and 'cuda-<chip>'
-                        (compile-only: PTX), and any registered one)
+                        (PTX run through the CUDA driver), and any registered one)
     DEVICE_BACKENDS     device type -> target name ('cpu' -> 'cpu', 'gpu' -> 'cuda')
 
 `fj.jit(f, target=...)` names a backend for every partition; by default each partition is compiled

@@ -225,13 +225,19 @@ class _Scheduler:
             self.ready[(r, device)] = finish
 
 
+# Device types that get only ops constrained to them.
+EXPLICIT_ONLY = frozenset({"gpu"})
+
+
 def _candidates(op: Op, constraint: DeviceSpec | None, source: Op | None, local: list[Device]) -> list[Device]:
     """The devices fitting `constraint` (which `source` set on `op`'s unit); an error when none does.
     An op without a constraint stays in the task of the first device (this process): work goes to
-    another task only where the program says so."""
+    another task only where the program says so. Nor does it go to a GPU: until placement knows
+    which ops the GPU lowers (issue #38), a GPU runs only what the program places there."""
     if constraint is None:
         home = (local[0].spec.job, local[0].spec.task)
-        return [d for d in local if (d.spec.job, d.spec.task) == home]
+        found = [d for d in local if (d.spec.job, d.spec.task) == home]
+        return [d for d in found if d.device_type not in EXPLICIT_ONLY] or found
     found = [d for d in local if constraint.matches(d)]
     if not found:
         op = source or op

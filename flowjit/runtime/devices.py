@@ -2,8 +2,10 @@
 
 Local devices live in `/job:localhost/task:0`. The host shows `FLOWJIT_CPU_DEVICES=N` CPU devices
 (default 1), so partitioned execution is testable on one machine; other device types come from
-providers a backend registers (`register_device_provider`: a GPU backend asks the driver how many
-GPUs there are). Names and their parsing are the IR's (`flowjit.ir.devices`), re-exported here.
+providers (`register_device_provider`). GPUs are such a provider: `gpu:N` for each CUDA device the
+driver shows, asked once per process on the first `devices()` call (`cuda-bindings` is imported
+then, never on `import flowjit`; without it, a driver or a device there are none). Names and their
+parsing are the IR's (`flowjit.ir.devices`), re-exported here.
 
     fj.devices()                     # [Device('/job:localhost/task:0/device:cpu:0'), ...]
     with fj.device("cpu:1"): ...     # ops traced inside are constrained to cpu:1
@@ -146,3 +148,13 @@ def variable_device(nbytes: int) -> str | None:
     """The device the innermost `variable_placement` picks for a new variable of `nbytes`, if any."""
     stack = getattr(_scope, "placers", None)
     return stack[-1](nbytes) if stack else None
+
+
+def _gpu_count() -> int:
+    """The CUDA devices this process can use (0 without cuda-bindings, a driver or a device)."""
+    from flowjit.backends.gpu.driver import local_gpu_count
+
+    return local_gpu_count()
+
+
+register_device_provider("gpu", _gpu_count)

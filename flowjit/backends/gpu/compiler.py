@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
+from flowjit.backends.gpu.plan import LaunchPlan, check_against_ptx, extract_plan
 from flowjit.backends.gpu.target import GPU, check_graph
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.backends.mlir.lowering import MlirModule, lower_graph
@@ -35,11 +36,13 @@ class Kernel:
 
 @dataclass(frozen=True)
 class GpuModule:
-    """What compiling a graph for the GPU produced: the stage texts and the kernels."""
+    """What compiling a graph for the GPU produced: the stage texts, the kernels and the launch plan
+    (`plan.py`: the host function as data, which the runtime replays)."""
 
     mlir: MlirModule
     gpu_mlir: str
     kernels: tuple[Kernel, ...]
+    plan: LaunchPlan
 
     def ptx_text(self) -> str:
         """Stage 'ptx': every kernel's PTX under a header naming its members."""
@@ -210,6 +213,7 @@ def lower_to_ptx(graph: Graph, options: GpuOptions) -> GpuModule:
                 f"memory there: {'; '.join(leftovers)}"
             )
         gpu_mlir = str(module)
+        plan = extract_plan(module, mlir.entry, len(mlir.inputs), len(mlir.outputs))
         members = {
             op.sym_name.value: _members(op) for op in module.body.operations if op.operation.name == "gpu.module"
         }
@@ -226,4 +230,5 @@ def lower_to_ptx(graph: Graph, options: GpuOptions) -> GpuModule:
                 f"internal error: kernel {kernel.name} ({', '.join(kernel.members)}) calls functions no PTX "
                 f"defines: {', '.join(externs)}"
             )
-    return GpuModule(mlir, gpu_mlir, kernels)
+    check_against_ptx(plan, {k.name: k.ptx for k in kernels})
+    return GpuModule(mlir, gpu_mlir, kernels, plan)

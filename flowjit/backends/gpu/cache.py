@@ -1,0 +1,200 @@
+"""The on-disk compile cache for GPU code, in the folder every backend uses (`cache_folder`): a
+process running a program compiled before (here, or on a build machine whose cache folder was
+copied over) loads the launch plan and the kernels instead of running MLIR; it never imports
+`mlir`.
+
+- Key: sha256 of the optimized IR text, the `GpuOptions`, and `fingerprint()`: the flowjit
+  version, the source of the GPU backend and of the shared MLIR layer, and, named explicitly, the
+  machine-dependent parts: the GPU arch (`gpu-arch`, the chip the PTX and cubins are for) and the
+  CPU target of the host side. A GPU function's host side is the launch plan, plain data that
+  Python replays, so it fits every CPU (`cpu-target: any`); a CPU partition of the same program
+  has its own entry keyed on the host CPU (`cpu/cache.py`). So a copied cache is found on a machine
+  that needs the same chip, and never for another chip.
+- What the key cannot hold, because the running machine need not have it: the MLIR version that
+  generated the code and the ptxas that assembled the cubins. The entry records both; a machine
+  that has MLIR installed treats an entry made by another MLIR version as missing and recompiles
+  (`load`); a machine without MLIR (a GPU machine) uses it.
+- Entry file `<key>.fjg`: magic, header length + JSON header (function, inputs, outputs, the
+  launch plan, the stage texts, the toolchain, each kernel's name, PTX and cubin lengths), the
+  kernels' PTX and cubins, then the sha256 of everything before it. A truncated or damaged entry is
+  deleted and rebuilt, never loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+from flowjit.backends import cache_folder
+from flowjit.backends.gpu.plan import LaunchPlan
+from flowjit.backends.gpu.runtime import KernelImage
+from flowjit.version import __version__
+
+MAGIC = b"FLOWJIT-GPU-ENTRY-1\n"
+_LENGTH = struct.Struct("<Q")
+_DIGEST = 32
+# The folders whose Python source generates the code: this backend and the shared MLIR layer.
+_SOURCE_FOLDERS = ("gpu", "mlir")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a compiled GPU function needs to run, and its stage texts."""
+
+    function: str
+    chip: str
+    inputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, flowjit dtype name) of each input
+    outputs: tuple[tuple[tuple[int, ...], str], ...]
+    plan: LaunchPlan
+    kernels: tuple[KernelImage, ...]
+    stages: dict[str, str]
+    toolchain: dict[str, str | None]  # 'mlir': the bindings' distribution, 'ptxas': its version or None
+
+
+@functools.cache
+def _source_digest() -> str:
+    source = hashlib.sha256()
+    backends = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder in _SOURCE_FOLDERS:
+        path = os.path.join(backends, folder)
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".py"):
+                with open(os.path.join(path, name), "rb") as f:
+                    source.update(f"{folder}/{name}".encode() + b"\0" + f.read())
+    return source.hexdigest()
+
+
+def fingerprint(chip: str) -> str:
+    """Everything besides the program and the options that the cached code depends on and that
+    every machine using it can know (see the module docstring)."""
+    parts = {"flowjit": __version__, "backend-source": _source_digest(), "gpu-arch": chip, "cpu-target": "any"}
+    return json.dumps(parts, sort_keys=True)
+
+
+def cache_key(graph_text: str, options) -> str:
+    digest = hashlib.sha256()
+    for part in (graph_text, repr(options), fingerprint(options.chip)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def mlir_version() -> str | None:
+    """The MLIR bindings' distribution (from its dist-info folder name, without importing `mlir`),
+    or None where they are not installed."""
+    spec = importlib.util.find_spec("mlir")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = list(spec.submodule_search_locations)[0]
+    site = os.path.dirname(package)
+    for name in sorted(os.listdir(site)):
+        if name.endswith(".dist-info") and "mlir" in name.lower():
+            return name.removesuffix(".dist-info")
+    return package
+
+
+def entry_path(key: str) -> str:
+    return os.path.join(cache_folder.location(), f"{key}.fjg")
+
+
+def encode(entry: Entry) -> bytes:
+    header = json.dumps(
+        {
+            "function": entry.function,
+            "chip": entry.chip,
+            "inputs": [[list(shape), dtype] for shape, dtype in entry.inputs],
+            "outputs": [[list(shape), dtype] for shape, dtype in entry.outputs],
+            "plan": entry.plan.to_json(),
+            "stages": entry.stages,
+            "toolchain": entry.toolchain,
+            "kernels": [
+                [
+                    k.name,
+                    k.function,
+                    list(k.members),
+                    len(k.ptx.encode()),
+                    None if k.cubin is None else len(k.cubin),
+                    k.cubin_chip,
+                ]
+                for k in entry.kernels
+            ],
+        }
+    ).encode()
+    payload = b"".join(k.ptx.encode() + (k.cubin or b"") for k in entry.kernels)
+    body = MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(payload)) + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(data: bytes) -> Entry | None:
+    """The entry in `data`, or None when it is not a complete, intact entry of this format."""
+    if len(data) < len(MAGIC) + 2 * _LENGTH.size + _DIGEST or not data.startswith(MAGIC):
+        return None
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    pos = len(MAGIC)
+    (header_len,) = _LENGTH.unpack_from(body, pos)
+    pos += _LENGTH.size
+    header = json.loads(body[pos : pos + header_len])
+    pos += header_len
+    (payload_len,) = _LENGTH.unpack_from(body, pos)
+    pos += _LENGTH.size
+    if pos + payload_len != len(body):
+        return None
+    kernels = []
+    for name, function, members, ptx_len, cubin_len, cubin_chip in header["kernels"]:
+        ptx = body[pos : pos + ptx_len].decode()
+        pos += ptx_len
+        cubin = None
+        if cubin_len is not None:
+            cubin = bytes(body[pos : pos + cubin_len])
+            pos += cubin_len
+        kernels.append(KernelImage(name, function, tuple(members), ptx, cubin, cubin_chip))
+    if pos != len(body):
+        return None
+    return Entry(
+        header["function"],
+        header["chip"],
+        tuple((tuple(shape), dtype) for shape, dtype in header["inputs"]),
+        tuple((tuple(shape), dtype) for shape, dtype in header["outputs"]),
+        LaunchPlan.from_json(header["plan"]),
+        tuple(kernels),
+        dict(header["stages"]),
+        dict(header["toolchain"]),
+    )
+
+
+def load(key: str) -> Entry | None:
+    """The cached entry for `key`, or None: none, refused (`cache_folder.read`), damaged (then
+    deleted), or made by another MLIR version than the one installed here."""
+    if not cache_folder.enabled():
+        return None
+    path = entry_path(key)
+    data = cache_folder.read(path)
+    if data is None:
+        return None
+    entry = decode(data)
+    if entry is None:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        return None
+    installed = mlir_version()
+    if installed is not None and entry.toolchain.get("mlir") != installed:
+        return None  # compiled by another MLIR: this machine can compile it again, and does
+    return entry
+
+
+def store(key: str, entry: Entry) -> None:
+    """Write the entry atomically, unless the cache is off or refused; a cache that cannot be
+    written is skipped (the code is already compiled in this process)."""
+    try:
+        cache_folder.write(entry_path(key), encode(entry))
+    except OSError:
+        return

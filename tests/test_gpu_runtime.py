@@ -1,0 +1,782 @@
+"""The GPU runtime (flowjit/backends/gpu: plan.py, driver.py, runtime.py, cache.py) as far as it can be
+checked without a GPU, and on a GPU where there is one.
+
+Without a device: launch plans extracted from the host function (their buffers, launches, loops;
+every launch's packed parameters against its kernel's PTX `.param` list; every view inside its
+buffer), the caching allocator's bookkeeping (on a fake malloc/free: our logic, not the driver's),
+the disk cache (a second process runs from it without importing MLIR), the exact error when the
+package, the driver or a device is missing, GPU devices and the chip they compile for. With a
+device (skipped here with the reason): compiled programs against numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+
+import flowjit as fj
+import flowjit.numpy as fnp
+from flowjit.backends.gpu import backend as gpu_backend
+from flowjit.backends.gpu import cache, cubin, driver, plan, runtime
+from flowjit.backends.gpu.compiler import lower_to_ptx
+from flowjit.backends.gpu.pipeline import GpuOptions
+from flowjit.backends.gpu.plan import PARAM_BYTES, LaunchPlan, Loop, MemrefArg, ScalarArg, ptx_params
+from flowjit.errors import CompileError
+from flowjit.ir import dtypes as dt
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gpu_emulator  # noqa: E402
+from op_table import ROWS, assert_close, build_case  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_GPU = driver.unavailable_reason()
+HAS_BINDINGS = not isinstance(driver._bindings(), driver.GpuRuntimeError)
+needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=f"no CUDA device: {NO_GPU}")
+
+
+def chain(x, y):
+    return fnp.tanh(x * y + 1.0) * fnp.exp(-x) + fnp.log(y * y + 1.0)
+
+
+def softmax(x):
+    m = fnp.max(x, axis=1, keepdims=True)
+    e = fnp.exp(x - m)
+    return e / fnp.sum(e, axis=1, keepdims=True)
+
+
+def whole_sum(x):
+    return fnp.sum(x)
+
+
+def column_sum(x):
+    return fnp.sum(x, axis=0)
+
+
+_X = np.linspace(-2, 2, 33 * 100, dtype=np.float32).reshape(33, 100)
+PROGRAMS = {
+    "elementwise": (chain, (_X, _X + 3.0)),
+    "two-kernel reduction": (whole_sum, (np.linspace(0, 1, 4096, dtype=np.float32),)),
+    "fused softmax": (softmax, (_X,)),
+    "temporary and unrolled loop": (column_sum, (np.ones((10, 5, 7), np.float32),)),
+    "temporary and kept loop": (column_sum, (np.ones((300, 5, 7), np.float32),)),
+}
+
+
+def compiled(name, chip="sm_80"):
+    fn, args = PROGRAMS[name]
+    graph = fj.jit(fn).lower(*args).graph("optimized")
+    return lower_to_ptx(graph, GpuOptions(chip=chip))
+
+
+# --- the launch plan -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_packed_parameters_match_each_kernels_ptx(name):
+    module = compiled(name, "sm_90")
+    ptx_of = {k.name: k.ptx for k in module.kernels}
+    assert module.plan.launch_count() >= 1
+    for launch, _ in module.plan.launches():
+        declared = ptx_params(ptx_of[launch.module], launch.function)
+        packed = launch.param_kinds()
+        assert len(packed) == len(declared), (launch, declared)
+        assert [PARAM_BYTES[k] for k in packed] == [int(t[1:]) // 8 for t in declared]
+        # a memref's two pointers are the parameters PTX marks as pointers
+        pointers = [i for i, t in enumerate(_raw_params(ptx_of[launch.module])) if ".ptr" in t]
+        expected, at = [], 0
+        for arg in launch.args:
+            if isinstance(arg, MemrefArg):
+                expected += [at, at + 1]
+            at += len(arg.param_kinds())
+        assert set(pointers) <= set(expected)
+
+
+def _raw_params(ptx: str) -> list[str]:
+    entry = ptx[ptx.index(".entry") :]
+    return [line.strip() for line in entry[: entry.index(")")].splitlines() if ".param" in line]
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_every_view_stays_inside_its_buffer_and_the_plan_survives_json(name):
+    module = compiled(name)
+    p = module.plan
+    for launch, loops in p.launches():
+        for arg in launch.args:
+            if not isinstance(arg, MemrefArg):
+                continue
+            buffer = p.buffers[arg.buffer]
+            offset = arg.offset.at(loops)
+            last = offset + sum((s - 1) * st for s, st in zip(arg.sizes, arg.strides)) if all(arg.sizes) else offset
+            assert 0 <= offset and last < max(1, np.prod(buffer.shape)), (launch, loops, buffer)
+    assert LaunchPlan.from_json(json.loads(json.dumps(p.to_json()))) == p
+
+
+def test_buffers_are_the_inputs_outputs_workspace_and_temporaries():
+    p = compiled("temporary and kept loop").plan
+    kinds = [(b.kind, b.index, b.element, b.shape, b.nbytes) for b in p.buffers]
+    assert kinds[:3] == [
+        ("input", 0, "f32", (300, 5, 7), 300 * 35 * 4),
+        ("output", 0, "f32", (5, 7), 35 * 4),
+        ("workspace", 0, "i8", (1,), 1),
+    ]
+    assert [b.kind for b in p.buffers[3:]] == ["temporary"]  # the accumulator
+    # the reduction over 300 rows is one loop step of 300 trips whose launch takes the row index
+    loops = [s for s in p.steps if isinstance(s, Loop)]
+    assert len(loops) == 1 and loops[0].trips == 300 and len(loops[0].body) == 1
+    (inner,) = loops[0].body
+    assert any(isinstance(a, ScalarArg) and a.value.terms == ((loops[0].var, 1),) for a in inner.args)
+    assert p.launch_count() == 302
+
+
+def test_a_small_loop_is_unrolled_into_the_same_launches(monkeypatch):
+    unrolled = compiled("temporary and unrolled loop").plan
+    assert not any(isinstance(s, Loop) for s in unrolled.steps)
+    monkeypatch.setattr(plan, "UNROLL_MAX_LAUNCHES", 0)
+    kept = compiled("temporary and unrolled loop").plan
+    assert any(isinstance(s, Loop) for s in kept.steps)
+
+    def concrete(p):
+        out = []
+        for launch, loops in p.launches():
+            values = [
+                (a.buffer, a.offset.at(loops), a.sizes, a.strides)
+                if isinstance(a, MemrefArg)
+                else (a.kind, a.value.at(loops) if isinstance(a.value, plan.Affine) else a.value)
+                for a in launch.args
+            ]
+            out.append((launch.module, launch.grid, launch.block, values))
+        return out
+
+    assert concrete(kept) == concrete(unrolled) and len(concrete(kept)) == 12
+
+
+def test_two_kernel_reduction_plan():
+    p = compiled("two-kernel reduction").plan
+    temporaries = [b for b in p.buffers if b.kind == "temporary"]
+    assert (1024,) in [b.shape for b in temporaries]  # the partials
+    assert p.launch_count() >= 2 and len(p.kernels()) == p.launch_count()
+
+
+def test_a_plan_that_disagrees_with_the_ptx_is_a_compile_error():
+    module = compiled("elementwise")
+    launch = module.plan.steps[0]
+    short = plan.LaunchPlan(module.plan.function, module.plan.buffers, (plan.Launch(
+        launch.module, launch.function, launch.grid, launch.block, 0, launch.args[:-1]),))  # fmt: skip
+    with pytest.raises(CompileError, match="launch plan passes kernel"):
+        plan.check_against_ptx(short, {k.name: k.ptx for k in module.kernels})
+
+
+# --- the plan replayed on the CPU (tests/gpu_emulator.py: the kernels' MLIR compiled for the host) --
+
+
+def _emulated(graph, args):
+    module = lower_to_ptx(graph, GpuOptions())
+    outputs = [(tuple(t.shape), t.dtype.np_dtype) for t in module.mlir.outputs]
+    return gpu_emulator.run(module.plan, gpu_emulator.EmulatedKernels(module.gpu_mlir), list(args), outputs)
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_replaying_the_plan_computes_the_programs(name):
+    fn, args = PROGRAMS[name]
+    (got,) = _emulated(fj.jit(fn).lower(*args).graph("optimized"), args)
+    expected = np.asarray(fj.jit(fn, target="cpu")(*args))
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_the_replay_sees_a_wrong_argument():
+    """The emulation can fail: the same plan reading row 4 where it should read row 3 computes
+    something else."""
+    x = np.arange(350, dtype=np.float32).reshape(10, 5, 7)
+    module = compiled("temporary and unrolled loop")
+    kernels = gpu_emulator.EmulatedKernels(module.gpu_mlir)
+    (right,) = gpu_emulator.run(module.plan, kernels, [x], [((5, 7), np.float32)])
+    np.testing.assert_array_equal(right, x.sum(axis=0))
+
+    def row_4_for_3(arg):
+        if isinstance(arg, ScalarArg) and arg.value == plan.Affine(3):
+            return ScalarArg(arg.kind, plan.Affine(4))
+        return arg
+
+    steps = tuple(
+        plan.Launch(s.module, s.function, s.grid, s.block, s.shared_bytes, tuple(map(row_4_for_3, s.args)))
+        for s in module.plan.steps
+    )
+    assert steps != module.plan.steps
+    wrong_plan = plan.LaunchPlan(module.plan.function, module.plan.buffers, steps)
+    (wrong,) = gpu_emulator.run(wrong_plan, kernels, [x], [((5, 7), np.float32)])
+    np.testing.assert_array_equal(wrong, x.sum(axis=0) - x[3] + x[4])
+
+
+_GPU_OPS = {
+    "exp", "log", "tanh", "logistic", "sqrt", "sin", "erf", "add", "sub", "mul", "div", "max", "pow", "neg",
+    "abs", "lt", "eq", "select", "broadcast", "reshape", "transpose", "convert", "iota", "slice",
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+}  # fmt: skip
+
+
+def _row_params():
+    seen = set()
+    for row in ROWS:
+        if row.op not in _GPU_OPS or "scalar" in row.name:
+            continue
+        for dtype in row.dtypes:
+            if dtype == dt.float32 or (dtype in (dt.float16, dt.int32) and (row.op, dtype) not in seen):
+                seen.add((row.op, dtype))
+                yield pytest.param(row, dtype, id=f"{row.name}-{dtype.name}".replace(" ", ""))
+
+
+@pytest.mark.parametrize("row,dtype", list(_row_params()))
+def test_replaying_the_plan_computes_the_op_rows(row, dtype):
+    case = build_case(row, dtype)
+    got = _emulated(case.graph, case.inputs)
+    assert len(got) == len(case.expected)
+    for actual, expected in zip(got, case.expected):
+        assert_close(actual, expected, case.tol, f"{row.name} {dtype.name}")
+
+
+# --- the caching allocator (our bookkeeping, on a fake malloc/free) -----------------------------
+
+
+class FakeDevice:
+    """Records the allocator's malloc/free calls; fails the mallocs numbered in `fail`."""
+
+    def __init__(self, fail=()):
+        self.next, self.calls, self.fail, self.live = 0x1000, [], set(fail), set()
+
+    def malloc(self, n):
+        self.calls.append(("malloc", n))
+        if len([c for c in self.calls if c[0] == "malloc"]) in self.fail:
+            raise driver.GpuRuntimeError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY")
+        self.next += 1 << 24
+        self.live.add(self.next)
+        return self.next
+
+    def free(self, address):
+        self.calls.append(("free", address))
+        self.live.remove(address)
+
+
+def test_size_classes():
+    assert [runtime.size_class(n) for n in (1, 512, 513, 1000, 4096, 4097, 1 << 20)] == [
+        512, 512, 1024, 1024, 4096, 8192, 1 << 20,
+    ]  # fmt: skip
+    assert runtime.size_class((1 << 20) + 1) == 2 << 20 and runtime.size_class((5 << 20) + 7) == 6 << 20
+
+
+def test_allocator_reuses_blocks_of_a_class_and_frees_everything_on_teardown():
+    device = FakeDevice()
+    alloc = runtime.CachingAllocator(device.malloc, device.free)
+    a, b = alloc.allocate(1000), alloc.allocate(600)  # both 1 KiB blocks
+    assert a != b and alloc.driver_allocations == 2 and alloc.bytes_in_use == 2048
+    assert alloc.allocate(0) == 0
+    alloc.release(a)
+    assert alloc.bytes_cached == 1024 and alloc.allocate(1024) == a  # same class: the cached block
+    assert alloc.driver_allocations == 2
+    c = alloc.allocate(5000)  # another class: a new block
+    assert alloc.driver_allocations == 3 and c not in (a, b)
+    alloc.release(c)
+    with pytest.raises(driver.GpuRuntimeError, match="released but not allocated"):
+        alloc.release(c)
+    alloc.free_all()
+    assert device.live == set() and alloc.bytes_in_use == 0 and alloc.bytes_cached == 0
+
+
+def test_allocator_frees_its_cache_and_retries_once_when_the_device_is_full():
+    device = FakeDevice(fail={3})
+    alloc = runtime.CachingAllocator(device.malloc, device.free)
+    a = alloc.allocate(4096)
+    alloc.allocate(512)
+    alloc.release(a)
+    c = alloc.allocate(1 << 20)  # the 3rd malloc fails: the cached 4 KiB block is freed, then it succeeds
+    assert ("free", a) in device.calls and device.calls[-1] == ("malloc", 1 << 20) and c in device.live
+    device.fail = {5, 6}
+    with pytest.raises(driver.GpuRuntimeError, match="OUT_OF_MEMORY"):
+        alloc.allocate(8 << 20)
+
+
+def test_a_call_that_cannot_allocate_all_its_buffers_keeps_none():
+    device = FakeDevice(fail={3, 4})  # the third buffer fails, and again after the cache is freed
+    runner = object.__new__(runtime.PlanRunner)
+    runner.plan = compiled("elementwise").plan
+    runner.ctx = types.SimpleNamespace(allocator=runtime.CachingAllocator(device.malloc, device.free))
+    with pytest.raises(driver.GpuRuntimeError, match="OUT_OF_MEMORY"):
+        runner._allocate()
+    assert runner.ctx.allocator.bytes_in_use == 0 and runner.ctx.allocator.bytes_cached == 2 * 16384
+
+
+def test_cubins_are_used_only_where_they_run():
+    assert runtime._cubin_runs_on("sm_80", "sm_86") and runtime._cubin_runs_on("sm_90", "sm_90")
+    assert not runtime._cubin_runs_on("sm_86", "sm_80") and not runtime._cubin_runs_on("sm_80", "sm_90")
+    with pytest.raises(driver.GpuRuntimeError, match="compiled for sm_90, but the device is sm_80"):
+        runtime._check_ptx_target(".version 8.0\n.target sm_90\n", "k", "sm_80")
+
+
+def test_timeout_must_be_positive(monkeypatch):
+    monkeypatch.setenv("FLOWJIT_GPU_TIMEOUT_S", "0")
+    with pytest.raises(driver.GpuRuntimeError, match="FLOWJIT_GPU_TIMEOUT_S"):
+        runtime.timeout_s()
+    monkeypatch.setenv("FLOWJIT_GPU_TIMEOUT_S", "2.5")
+    assert runtime.timeout_s() == 2.5
+
+
+# --- no package, no driver, no device: the exact reason -----------------------------------------
+
+
+def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+    )
+
+
+def test_import_flowjit_does_not_import_cuda_bindings():
+    done = _python("import sys, flowjit\nassert 'cuda' not in sys.modules and 'cuda.bindings' not in sys.modules\n")
+    assert done.returncode == 0, done.stderr
+
+
+def test_without_cuda_bindings_the_reason_names_the_package():
+    done = _python(
+        """
+        import sys
+        sys.modules["cuda"] = None  # as if cuda-bindings were not installed
+        import flowjit as fj
+        from flowjit.backends.gpu import driver
+        print(driver.unavailable_reason())
+        print(len(fj.devices("gpu")))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    reason, gpus = done.stdout.strip().splitlines()
+    assert reason.startswith("running on a GPU needs the package cuda-bindings") and gpus == "0"
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="a CUDA device is present")
+def test_without_a_gpu_running_raises_the_drivers_reason():
+    with pytest.raises(driver.GpuRuntimeError, match=r"cannot run 'chain' on GPU 0: ") as info:
+        fj.jit(chain, target="cuda")(_X, _X)
+    assert NO_GPU.rstrip(".") in str(info.value)
+    assert fj.devices("gpu") == []
+    if driver._bindings() is not None and not isinstance(driver._bindings(), driver.GpuRuntimeError):
+        # cuda-bindings is installed here: cuInit is what fails (it raises: no libcuda.so)
+        assert "cuInit failed" in NO_GPU
+
+
+# --- the disk cache: compile here, run there -----------------------------------------------------
+
+
+def test_cache_key_names_the_gpu_arch_and_cpu_target():
+    assert json.loads(cache.fingerprint("sm_90"))["gpu-arch"] == "sm_90"
+    assert json.loads(cache.fingerprint("sm_90"))["cpu-target"] == "any"
+    keys = {cache.cache_key("graph", GpuOptions(chip=chip)) for chip in ("sm_80", "sm_90")}
+    assert len(keys) == 2
+
+
+def test_entry_round_trips_and_a_damaged_one_is_deleted(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWJIT_CACHE_DIR", str(tmp_path))
+    fn, args = PROGRAMS["fused softmax"]
+    graph = fj.jit(fn).lower(*args).graph("optimized")
+    entry = gpu_backend.compile_entry(graph, GpuOptions(chip="sm_90"))
+    assert cache.decode(cache.encode(entry)) == entry
+    cache.store("k", entry)
+    assert cache.load("k") == entry
+    monkeypatch.setattr(cache, "mlir_version", lambda: "another-mlir-1.0")
+    assert cache.load("k") is None  # made by another MLIR than the one installed: compiled again
+    path = cache.entry_path("k")
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:-5])
+    monkeypatch.setattr(cache, "mlir_version", lambda: entry.toolchain["mlir"])
+    assert cache.load("k") is None and not os.path.exists(path)
+
+
+def test_a_cached_program_runs_without_importing_mlir(tmp_path):
+    """Compile in one process; a second process in which `import mlir` fails gets the executable
+    from the cache and goes as far as the driver (here: the clear error; on a GPU: the result)."""
+    program = """
+        import sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+        {block}
+        def chain(x, y):
+            return fnp.tanh(x * y + 1.0) * fnp.exp(-x) + fnp.log(y * y + 1.0)
+        x = np.linspace(-2, 2, 3300, dtype=np.float32).reshape(33, 100)
+        lowered = fj.jit(chain, target="cuda-sm_90").lower(x, x)
+        print(lowered.as_text("launch-plan").splitlines()[-1])
+        try:
+            out = lowered.compile()(x, x)
+            print("ran", float(np.abs(out - np.asarray(chain(x, x))).max()))
+        except fj.FlowjitError as e:
+            print(type(e).__name__, e)
+        print("mlir imported:", sys.modules.get("mlir") is not None)
+    """
+    block = "sys.modules['mlir'] = None  # any `import mlir` fails"
+    env = {"FLOWJIT_CACHE_DIR": str(tmp_path)}
+    first = _python(program.format(block=""), env)
+    assert first.returncode == 0, first.stderr
+    assert "from: compiled" in first.stdout
+    second = _python(program.format(block=block), env)
+    assert second.returncode == 0, second.stderr
+    lines = second.stdout.strip().splitlines()
+    assert lines[0] == "from: disk cache" and lines[-1] == "mlir imported: False"
+    if NO_GPU is None:
+        assert lines[1].startswith("ran ")
+    else:
+        assert lines[1].startswith("GpuRuntimeError cannot run 'chain' on GPU 0")
+
+
+# --- devices ------------------------------------------------------------------------------------
+
+
+def test_device_chip_follows_the_compute_capability(monkeypatch):
+    for capability, chip in (((9, 0), "sm_90"), ((8, 6), "sm_86"), ((8, 7), "sm_86"), ((12, 0), "sm_90")):
+        monkeypatch.setattr(driver, "compute_capability", lambda ordinal, c=capability: c)
+        assert gpu_backend.device_chip(0) == chip
+    monkeypatch.setattr(driver, "compute_capability", lambda ordinal: (7, 5))
+    assert gpu_backend.device_chip(0) is None
+
+
+def test_gpu_devices_get_only_the_ops_placed_there(monkeypatch):
+    monkeypatch.setattr(driver, "local_gpu_count", lambda: 1)
+    assert [d.name for d in fj.devices()][-1] == "/job:localhost/task:0/device:gpu:0"
+
+    def f(x):
+        y = fnp.exp(x)
+        with fj.device("gpu:0"):
+            z = y * 2.0
+        return z + 1.0
+
+    placement = fj.jit(f).lower(np.ones(8, np.float32)).as_text("placement")
+    placed = dict(re.findall(r"^//\s+%\d+ (exp|mul|add)\s+(\S+)", placement, re.MULTILINE))
+    assert placed == {"exp": "cpu:0", "mul": "gpu:0", "add": "cpu:0"}, placement
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_programs_match_numpy_on_the_gpu(name):
+    fn, args = PROGRAMS[name]
+    expected = fj.jit(fn, target="cpu")(*args)
+    got = fj.jit(fn, target="cuda")(*args)
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+
+
+# --- the runtime against a fake driver (tests/fake_cuda: no GPU, no kernel runs) -----------------
+# What this checks is ours: that cuda-bindings accepts every argument the runtime passes, and the
+# calls it makes: allocations from the caching allocator, copies of the right bytes to the right
+# buffers, every launch of the plan with its grid, block and parameters, the bounded wait, the
+# teardown. It says nothing about the kernels' results or the real driver's behaviour.
+
+FAKE_SOURCE = os.path.join(ROOT, "tests", "fake_cuda", "fake_libcuda.c")
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    if not HAS_BINDINGS:
+        pytest.skip("cuda-bindings is not installed (the extra flowjit[gpu]): nothing would call the fake driver")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the fake CUDA driver")
+    folder = tmp_path_factory.mktemp("fake_cuda")
+    built = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O1", "-o", str(folder / "libcuda.so.1"), FAKE_SOURCE, "-ldl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert built.returncode == 0, built.stderr
+    return folder
+
+
+def _with_fake_driver(folder, code: str, tmp_path, **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    log = tmp_path / "driver.log"
+    done = _python(
+        code,
+        {
+            "LD_LIBRARY_PATH": str(folder),
+            "FAKE_CUDA_LOG": str(log),
+            "FLOWJIT_CACHE_DIR": str(tmp_path / "cache"),
+            **env,
+        },
+    )
+    calls = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+    return done, calls
+
+
+_COLUMN_SUM = """
+    import json, sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+    from flowjit.backends.gpu import cubin
+    {patch}
+    def column_sum(x):
+        return fnp.sum(x, axis=0)
+    x = np.arange(300 * 35, dtype=np.float32).reshape(300, 5, 7)
+    lowered = fj.jit(column_sum, device="gpu:0").lower(x)
+    compiled = lowered.compile()
+    result = {{"devices": [d.name for d in fj.devices()], "ptx": lowered.as_text("ptx")}}
+    try:
+        for _ in range(2):
+            out = compiled(x)
+        result["out"] = [list(out.shape), str(out.dtype)]
+    except fj.FlowjitError as e:
+        result["error"] = str(e)
+        try:
+            compiled(x)
+        except fj.FlowjitError as again:
+            result["again"] = str(again)
+    executable = lowered._executable
+    result["plan"] = executable.plan.to_json()
+    result["loading"] = lowered.as_text("launch-plan").splitlines()[-2:]
+    print(json.dumps(result))
+"""
+_NO_PTXAS = "cubin.find_ptxas = lambda: None  # PTX only: the fake driver logs the parameters of PTX kernels"
+
+
+def test_runtime_calls_on_a_fake_driver(fake_driver, tmp_path):
+    dumps = tmp_path / "dump"
+    done, calls = _with_fake_driver(
+        fake_driver, _COLUMN_SUM.format(patch=_NO_PTXAS), tmp_path, FLOWJIT_DUMP_DIR=str(dumps)
+    )
+    assert done.returncode == 0, done.stderr
+    last_plan = sorted(dumps.glob("*-launch-plan.*"))[-1].read_text()
+    assert "loaded fj_column_sum_kernel: PTX through the driver's JIT (no cubin" in last_plan
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result.get("error") is None and result["out"] == [[5, 7], "float32"]
+    assert result["devices"][-1] == "/job:localhost/task:0/device:gpu:0"
+    assert ".target sm_90" in result["ptx"]  # the fake device's compute capability is 9.0
+    assert all("PTX through the driver's JIT" in line for line in result["loading"])
+    p = LaunchPlan.from_json(result["plan"])
+    names = [c[0] for c in calls]
+    assert names.count("cuInit") == 1 and names.count("cuDevicePrimaryCtxRetain") == 1
+
+    # one allocation per buffer, of its size class, on the first call only (the second reuses them)
+    mallocs = [c for c in calls if c[0] == "cuMemAlloc"]
+    assert [int(c[1]) for c in mallocs] == [runtime.size_class(b.nbytes) for b in p.buffers]
+    address = [int(c[2]) for c in mallocs]
+    x = np.arange(300 * 35, dtype=np.float32)
+    copies_in = [c[2:] for c in calls if c[0] == "cuMemcpyHtoDAsync"]
+    assert copies_in == [[str(x.nbytes), str(int(x.view(np.uint8).sum()))]] * 2
+    assert [c[1] for c in calls if c[0] == "cuMemcpyHtoDAsync"][0] == str(address[0])
+
+    # every launch of the plan, in order, with its grid, block and parameters
+    expected = []
+    for launch, loops in p.launches():
+        params = []
+        for arg in launch.args:
+            if isinstance(arg, MemrefArg):
+                base = address[arg.buffer]
+                params += [base, base, arg.offset.at(loops), *arg.sizes, *arg.strides]
+            else:
+                params.append(arg.value.at(loops))
+        expected.append([launch.function, *map(str, (*launch.grid, *launch.block, 0, *params))])
+    launches = [c[1:] for c in calls if c[0] == "cuLaunchKernel"]
+    assert len(expected) == 302 and launches[:302] == expected
+    # the second call: the same launches on the cached blocks, which may come back in another order
+    # within a size class, consistently for every launch
+    size_of = {str(a): runtime.size_class(b.nbytes) for a, b in zip(address, p.buffers)}
+    moved = {}
+    for first, second in zip(launches[:302], launches[302:]):
+        for a, b in zip(first, second):
+            if a in size_of:
+                assert moved.setdefault(a, b) == b and size_of[a] == size_of.get(b)
+            else:
+                assert a == b
+    assert len(launches) == 604 and len(set(moved.values())) == len(moved)
+    copies_out = [c[1:] for c in calls if c[0] == "cuMemcpyDtoHAsync"]
+    assert copies_out == [[str(address[1]), str(35 * 4)], [moved[str(address[1])], str(35 * 4)]]
+    assert names.count("cuEventRecord") == 2
+
+    # teardown at exit: every block freed once, the modules unloaded, the context released last
+    assert sorted(int(c[1]) for c in calls if c[0] == "cuMemFree") == sorted(address)
+    assert names.count("cuModuleUnload") == names.count("cuModuleLoadDataEx") == len(p.kernels())
+    assert names.count("cuStreamDestroy") == 1 and names.count("cuMemFreeHost") == 1
+    assert names[-1] == "cuDevicePrimaryCtxRelease"
+
+
+def test_executables_compute_through_the_whole_runtime_on_the_fake_driver(fake_driver, tmp_path):
+    """GpuExecutable.run end to end: the fake driver hands each launch to the CPU emulation of its
+    kernel (tests/gpu_emulator.py), so inputs copied in through the pinned block, every launch,
+    and outputs copied out give the real results (twice: the second call on cached blocks)."""
+    code = """
+        import ctypes, json, sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+        sys.path.insert(0, "tests")
+        import gpu_emulator
+        from flowjit.backends.gpu import cubin
+        cubin.find_ptxas = lambda: None  # PTX only: the hook finds each kernel by its PTX
+
+        def chain_and_total(x, y):
+            return fnp.tanh(x * y + 1.0) * fnp.exp(-x) + fnp.log(y * y + 1.0), fnp.sum(y), x > y
+
+        def softmax(x):
+            e = fnp.exp(x - fnp.max(x, axis=1, keepdims=True))
+            return e / fnp.sum(e, axis=1, keepdims=True)
+
+        def column_sum(x):
+            return fnp.sum(x, axis=0)
+
+        def half(x):
+            return fnp.exp(x) * x
+
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((33, 100)).astype(np.float32)
+        cases = [
+            (chain_and_total, (x, np.abs(x) + 1.0)),
+            (softmax, (x,)),
+            (column_sum, (rng.standard_normal((300, 5, 7)).astype(np.float32),)),
+            (half, (x.astype(np.float16),)),
+        ]
+        compiled = [fj.jit(fn, target="cuda-sm_90").lower(*args) for fn, args in cases]
+        executables = [c.compile() and c._executable for c in compiled]
+        hook = gpu_emulator.run_launches_of(ctypes.CDLL("libcuda.so.1"), executables)
+        errors = []
+        for (fn, args), lowered in zip(cases, compiled):
+            expected = fj.jit(fn, target="cpu")(*args)
+            expected = expected if isinstance(expected, tuple) else (expected,)
+            for _ in range(2):
+                got = lowered.compile()(*args)
+                got = got if isinstance(got, tuple) else (got,)
+                for g, e in zip(got, expected):
+                    assert g.dtype == e.dtype and g.shape == e.shape, (fn.__name__, g.dtype, e.dtype)
+                    scale = 1.0 + float(np.max(np.abs(e.astype(np.float64)), initial=0))  # relative to the largest
+                    errors.append([fn.__name__, float(np.max(np.abs(g.astype(np.float64) - e), initial=0)) / scale])
+        print(json.dumps(errors))
+    """
+    done, calls = _with_fake_driver(fake_driver, code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [name for name, _ in errors] == ["chain_and_total"] * 6 + ["softmax"] * 2 + ["column_sum"] * 2 + ["half"] * 2
+    for name, error in errors:
+        assert error <= (2e-3 if name == "half" else 1e-4), (name, error)
+    assert [c[0] for c in calls].count("cuLaunchKernel") > 600  # the column sum's 302 launches, twice
+
+
+def test_a_call_that_does_not_finish_times_out_and_the_executable_refuses_later_calls(fake_driver, tmp_path):
+    done, calls = _with_fake_driver(
+        fake_driver,
+        _COLUMN_SUM.format(patch=_NO_PTXAS),
+        tmp_path,
+        FAKE_CUDA_EVENT_NEVER_READY="1",
+        FLOWJIT_GPU_TIMEOUT_S="0.3",
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "the GPU did not finish 'column_sum' on sm_90 device 0 within 0.3 s" in result["error"]
+    assert result["again"].startswith("an earlier call of 'column_sum' on the GPU failed")
+    names = [c[0] for c in calls]
+    assert names.count("cuLaunchKernel") == 302  # the second call launched nothing
+    # the blocks the unfinished call used were not handed out again, only freed at teardown
+    assert names.count("cuMemFree") == names.count("cuMemAlloc")
+
+
+def test_a_driver_without_devices_is_the_reason(fake_driver, tmp_path):
+    code = """
+        import numpy as np, flowjit as fj, flowjit.numpy as fnp
+        print(len(fj.devices("gpu")))
+        try:
+            fj.jit(lambda x: fnp.exp(x), target="cuda")(np.ones(4, np.float32))
+        except fj.FlowjitError as e:
+            print(e)
+    """
+    done, calls = _with_fake_driver(fake_driver, code, tmp_path, FAKE_CUDA_NO_DEVICE="1")
+    assert done.returncode == 0, done.stderr
+    gpus, error = done.stdout.strip().splitlines()
+    assert gpus == "0" and "on GPU 0: no CUDA device: the driver reports 0 devices" in error
+    assert [c[0] for c in calls] == ["cuInit"]
+
+
+def test_a_failing_driver_call_names_the_call_and_the_error(fake_driver, tmp_path):
+    done, calls = _with_fake_driver(
+        fake_driver, _COLUMN_SUM.format(patch=_NO_PTXAS), tmp_path, FAKE_CUDA_FAIL_MODULE_LOAD="1"
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"] == "cuModuleLoadDataEx failed: CUDA_ERROR_FAKE: an error of the fake driver"
+    assert ["cuModuleLoadDataEx", "refused"] in calls
+
+
+@pytest.mark.skipif(cubin.find_ptxas() is None, reason="ptxas not found: no cubins are made")
+def test_cubins_are_loaded_where_they_fit(fake_driver, tmp_path):
+    done, calls = _with_fake_driver(fake_driver, _COLUMN_SUM.format(patch=""), tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result.get("error") is None
+    assert all(line.endswith(": cubin sm_90") for line in result["loading"])
+    assert [c[1] for c in calls if c[0] == "cuModuleLoadDataEx"] == ["cubin"] * 3
+
+
+# --- the device check script (benchmarks/gpu/device_check.py) ------------------------------------
+
+DEVICE_CHECK = os.path.join(ROOT, "benchmarks", "gpu", "device_check.py")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prepared")
+    done = subprocess.run(
+        [sys.executable, DEVICE_CHECK, "prepare", "--out", str(folder), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+def test_prepare_compiles_the_tiny_set_into_a_small_folder(prepared):
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    status = {p["name"]: p["status"] for p in manifest["programs"]}
+    assert status == {"chain": "compiled", "whole_sum": "compiled", "mlp_forward": "not compiled"}
+    (mlp,) = [p for p in manifest["programs"] if p["name"] == "mlp_forward"]
+    assert "dot_general" in mlp["error"]
+    assert manifest["chip"] == "sm_90"
+    size = sum(f.stat().st_size for f in prepared.rglob("*") if f.is_file())
+    assert len(list((prepared / "cache").glob("*.fjg"))) == 2 and size < 1 << 20
+
+
+def test_run_loads_from_the_cache_without_mlir_up_to_the_device(prepared, tmp_path):
+    done = subprocess.run(
+        [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "loaded 2 of 3 programs" in done.stdout and "(mlir imported: False)" in done.stdout, done.stderr
+    if NO_GPU is not None:
+        assert done.returncode == 2
+        assert "GpuRuntimeError: cannot run 'chain' on GPU 0: " in done.stdout
+    else:
+        assert done.returncode == 0, done.stdout
+
+
+def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver, tmp_path):
+    """The whole run path (no kernel runs, so the results cannot match: 'mismatch' is expected)."""
+    results = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(results), "--repeat", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "LD_LIBRARY_PATH": str(fake_driver)},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(results.read_text())
+    assert report["device"]["name"] == "fake CUDA driver (no GPU)" and report["device"]["capability"] == "9.0"
+    assert report["mlir_imported"] is False
+    programs = {p["name"]: p for p in report["programs"]}
+    assert programs["mlp_forward"]["status"] == "not compiled"
+    for name in ("chain", "whole_sum"):
+        assert programs[name]["status"] == "mismatch" and programs[name]["flowjit_ms"] > 0
+        assert len(programs[name]["loaded"]) == 1
+    assert "program" in done.stdout and "mlp_forward" in done.stdout
