@@ -410,6 +410,10 @@ def _cuda_manifest(options: AotOptions, source: str, inputs, outputs, entry, whe
         ],
         "launches": entry.plan.launch_count(),
         "device_bytes": where.arena_bytes,
+        "device_buffers": [
+            {"kind": b.kind, "index": b.index, "bytes": b.nbytes, "offset": offset}
+            for b, offset in zip(entry.plan.buffers, where.buffer_offsets)
+        ],
         "pinned_bytes": where.staging_bytes,
         "launch_plan": entry.plan.to_json(),
     }
