@@ -35,6 +35,9 @@ FAKE_SOURCE = os.path.join(ROOT, "tests", "fake_cuda", "fake_libcuda.c")
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a system C compiler (cc)")
 
 MODEL = """\
+import numpy as np
+
+import flowjit as fj
 import flowjit.numpy as fnp
 
 
@@ -66,6 +69,14 @@ def half(x):
 
 def product(x, w):
     return x @ w
+
+
+W = fj.Variable(np.ones((4, 3), np.float32), name="w")
+
+
+def update(x):
+    W.assign(W.value * 0.5 + x)
+    return fnp.sum(W.value * x)
 """
 
 # name -> (function, its --arg specs, the library's name); two column sums: a temporary with the
@@ -78,6 +89,7 @@ PROGRAMS = {
     "sum_looped": ("column_sum", ["f32[300,5,7]"]),
     "several": ("several", ["f32[33,100]", "f32[33,100]"]),
     "half": ("half", ["f16[33,100]"]),
+    "update": ("update", ["f32[4,3]"]),  # a Variable: an extra input and output
 }
 WERROR = "cc -Wall -Wextra -Werror"
 
@@ -423,21 +435,24 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 _EMULATED = """
     import ctypes, json, sys, numpy as np, flowjit as fj
+    from flowjit import aot
+    from flowjit.backends.gpu.backend import BACKENDS, compile_entry
     sys.path[:0] = ["tests", {root!r}]
     import gpu_emulator, model
 
     fake = ctypes.CDLL({driver!r})  # the same file the libraries dlopen: one copy, one hook
     programs = {programs!r}
-    executables, cases = [], []
+    entries, cases = [], []
     for name, (function, manifest) in programs.items():
         rng = np.random.default_rng(len(cases))
         args = [(rng.standard_normal(p["shape"]) + 0.5).astype({{"f32": np.float32, "f16": np.float16}}[p["dtype"]])
                 for p in manifest["inputs"]]
-        lowered = fj.jit(getattr(model, function), target="cuda").lower(*args)
-        lowered.compile()
-        executables.append(lowered._executable)
+        # compiled as `flowjit compile` compiles it: the same PTX, by which the hook finds the kernel
+        traced_args = args[:1] if name == "update" else args  # update's last input is its variable
+        lowered = fj.jit(getattr(model, function), target="cuda").lower(*traced_args)
+        entries.append(compile_entry(aot.functional_graph(lowered, None)[0], BACKENDS["cuda"].options))
         cases.append((name, function, manifest, args))
-    hook = gpu_emulator.run_launches_of(fake, executables)
+    hook = gpu_emulator.run_launches_of(fake, entries)
 
     report = []
     for name, function, manifest, args in cases:
@@ -445,8 +460,12 @@ _EMULATED = """
         entry = getattr(lib, name)
         entry.argtypes = [ctypes.c_void_p] * (len(manifest["inputs"]) + len(manifest["outputs"]))
         getattr(lib, name + "_last_error").restype = ctypes.c_char_p
-        expected = fj.jit(getattr(model, function), target="cpu")(*args)
-        expected = expected if isinstance(expected, tuple) else (expected,)
+        if name == "update":  # the variable w is the last input and output
+            x, w = args
+            expected = (np.sum((w * 0.5 + x) * x), w * 0.5 + x)
+        else:
+            expected = fj.jit(getattr(model, function), target="cpu")(*args)
+            expected = expected if isinstance(expected, tuple) else (expected,)
         for _ in range(2):
             outs = [np.full(p["shape"], 7, np.dtype(e.dtype)) for p, e in zip(manifest["outputs"], expected)]
             status = entry(*[a.ctypes.data for a in args], *[o.ctypes.data for o in outs])
@@ -457,6 +476,12 @@ _EMULATED = """
             x = args[0].copy()
             status = entry(x.ctypes.data, args[1].ctypes.data, x.ctypes.data)
             report.append(["chain in place", status, "", [float(np.max(np.abs(x - expected[0])))]])
+        if name == "update":  # the caller owns the variable: updated in place, twice
+            x, w = args[0], args[1].copy()
+            loss = np.zeros((), np.float32)
+            statuses = [entry(x.ctypes.data, w.ctypes.data, loss.ctypes.data, w.ctypes.data) for _ in range(2)]
+            twice = (args[1] * 0.5 + x) * 0.5 + x
+            report.append(["update in place", max(statuses), "", [float(np.max(np.abs(w - twice)))]])
     print(json.dumps(report))
 """
 
@@ -470,7 +495,9 @@ def test_through_ctypes_the_libraries_compute_the_programs(built, fake_driver, t
     done = _python(code, FLOWJIT_LIBCUDA=str(fake_driver), FLOWJIT_CACHE_DIR=str(tmp_path / "cache"))
     report = json.loads(done.stdout.strip().splitlines()[-1])
     names = [r[0] for r in report]
-    assert names == ["chain", "chain", "chain in place"] + [n for n in list(PROGRAMS)[1:] for _ in range(2)]
+    assert names == ["chain", "chain", "chain in place"] + [n for n in list(PROGRAMS)[1:] for _ in range(2)] + [
+        "update in place"
+    ]
     for name, status, message, errors in report:
         assert status == 0 and message == "", (name, message)
         tolerance = 2e-3 if name == "half" else 1e-4
