@@ -67,6 +67,14 @@ def half(x):
     return fnp.exp(x) * x
 
 
+def identity(x):
+    return x
+
+
+def twice(x):
+    return x * 2.0
+
+
 def product(x, w):
     return x @ w
 
@@ -89,6 +97,7 @@ PROGRAMS = {
     "sum_looped": ("column_sum", ["f32[300,5,7]"]),
     "several": ("several", ["f32[33,100]", "f32[33,100]"]),
     "half": ("half", ["f16[33,100]"]),
+    "identity": ("identity", ["f32[5,3]"]),
     "update": ("update", ["f32[4,3]"]),  # a Variable: an extra input and output
 }
 WERROR = "cc -Wall -Wextra -Werror"
@@ -560,6 +569,27 @@ def test_driver_failures_are_status_codes_with_the_call_and_the_error(built, fak
 
     done = _python(code, FLOWJIT_LIBCUDA=str(fake_driver), FAKE_CUDA_NO_DEVICE="1")
     assert done.stdout.strip().splitlines() == ["5 whole_sum: no CUDA device: the driver reports 0 devices"] * 2
+
+
+def test_a_function_of_empty_arrays_launches_nothing(built, fake_driver, tmp_path):
+    argv = [FLOWJIT, "compile", f"{built}/model.py:twice", "--arg", "f32[0]", "--target", "cuda"]
+    done = subprocess.run([*argv, "-o", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CC": WERROR})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "twice.json").read_text())["launches"] == 0
+    code = f"""
+        import ctypes
+        lib = ctypes.CDLL({str(tmp_path / "twice.so")!r})
+        lib.twice.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.twice_last_error.restype = ctypes.c_char_p
+        print(lib.twice(None, None), lib.twice_last_error().decode())
+    """
+    log = tmp_path / "driver.log"
+    done = _python(code, FLOWJIT_LIBCUDA=str(fake_driver), FAKE_CUDA_LOG=str(log))
+    assert done.stdout.strip() == "0"
+    names = [c[0] for c in _calls(log)]
+    assert "cuModuleLoadDataEx" not in names and "cuLaunchKernel" not in names and "cuMemcpyHtoDAsync" not in names
+    assert names.count("cuEventRecord") == 1
 
 
 def test_unsupported_programs_are_compile_errors(built, tmp_path):

@@ -71,7 +71,9 @@ def layout(plan: LaunchPlan, inputs: list[Port], outputs: list[Port]) -> Layout:
         offsets.append(at)
         at = _aligned(at + buffer.nbytes, DEVICE_ALIGNMENT)
     for kind, ports in (("input", inputs), ("output", outputs)):
-        found = sorted((b.index, b.nbytes) for b in plan.buffers if b.kind == kind)
+        # An empty buffer is a one-byte placeholder in the plan (nothing is copied for it).
+        empty = {i for i, p in enumerate(ports) if p.nbytes == 0}
+        found = sorted((b.index, 0 if b.index in empty else b.nbytes) for b in plan.buffers if b.kind == kind)
         expected = [(i, p.nbytes) for i, p in enumerate(ports)]
         if found != expected:
             raise CompileError(
@@ -184,7 +186,7 @@ def _kernel_tables(modules: list[KernelImage]) -> list[str]:
             lines.append(f"/* kernel {image.name}: cubin for {image.cubin_chip} */")
             lines.append(_bytes_array(f"module{i}_cubin", image.cubin))
         entries.append(f'  {{"{image.name}", "{image.function}", module{i}_ptx, {len(ptx)}, {cubin}}},')
-    lines.append("static const struct module_image module_images[NUM_MODULES] = {")
+    lines.append("static const struct module_image module_images[MODULE_SLOTS] = {")
     lines += entries
     lines.append("};")
     return lines
@@ -297,7 +299,7 @@ def source(
     tables = "\n".join(
         [
             f'#define LIBRARY_NAME "{name}"',
-            f"#define NUM_MODULES {max(len(modules), 1)}",
+            f"#define NUM_MODULES {len(modules)}",
             f"#define NUM_INPUTS {n_in}",
             f"#define NUM_OUTPUTS {n_out}",
             f"#define CUBIN_MAJOR {cubin_chip // 10}",
@@ -332,7 +334,7 @@ def _buffer_of(plan: LaunchPlan, kind: str, index: int) -> int:
 
 
 # A function that launches nothing still gets a module table (C has no empty arrays).
-_NO_MODULES = 'static const struct module_image module_images[NUM_MODULES] = {{"", "", NULL, 0, NULL, 0}};'
+_NO_MODULES = 'static const struct module_image module_images[MODULE_SLOTS] = {{"", "", NULL, 0, NULL, 0}};'
 
 _INCLUDES = """#define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>

@@ -34,8 +34,8 @@ typedef unsigned long long CUdeviceptr;
 
 /* How long a call may wait for its GPU work when FLOWJIT_GPU_TIMEOUT_S is not set (seconds). */
 #define DEFAULT_TIMEOUT_S 120.0
-/* Device buffers start at multiples of this in the arena (cudaMalloc's own alignment). */
-#define DEVICE_ALIGNMENT 256
+/* Arrays of one entry per module (C has no empty arrays: a plan may launch nothing). */
+#define MODULE_SLOTS (NUM_MODULES > 0 ? NUM_MODULES : 1)
 
 struct module_image {
   const char* module;   /* the kernel module's name (gpu.module) */
@@ -120,9 +120,8 @@ static struct {
   int loaded;      /* everything below is made */
   CUdevice device;
   CUcontext context; /* the device's primary context, retained */
-  CUmodule modules[NUM_MODULES];
-  CUfunction functions[NUM_MODULES];
-  int from_cubin[NUM_MODULES];
+  CUmodule modules[MODULE_SLOTS];
+  CUfunction functions[MODULE_SLOTS];
   CUstream stream;
   CUevent done;
   CUdeviceptr arena; /* every buffer of the plan, at its offset */
@@ -258,7 +257,6 @@ static int load_module(int i, int major, int minor) {
     return fail(FLOWJIT_ERROR_CUDA, "cuModuleLoadDataEx failed for kernel %s (%s): %s%s%s", image->module,
                 use_cubin ? "cubin" : "PTX", text, log[0] ? "; JIT log: " : "", log);
   }
-  state.from_cubin[i] = use_cubin;
   result = cu.cuModuleGetFunction(&state.functions[i], state.modules[i], image->function);
   if (result != CUDA_SUCCESS) {
     char text[512];
@@ -287,6 +285,7 @@ static int load(void) {
         "cuDeviceGetAttribute");
   CHECK(cu.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, state.device),
         "cuDeviceGetAttribute");
+  state.context = NULL;
   CHECK(cu.cuDevicePrimaryCtxRetain(&state.context, state.device), "cuDevicePrimaryCtxRetain");
   status = check(cu.cuCtxPushCurrent(state.context), "cuCtxPushCurrent_v2");
   if (status != FLOWJIT_OK) {
@@ -312,8 +311,8 @@ static int load(void) {
   return FLOWJIT_OK;
 }
 
-/* Launch kernel module `module` on the library's stream. */
-static int launch(int module, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+/* Launch kernel module `module` on the library's stream (unused by a plan without launches). */
+__attribute__((unused)) static int launch(int module, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                   unsigned shared_bytes, void** params) {
   CUresult result = cu.cuLaunchKernel(state.functions[module], gx, gy, gz, bx, by, bz, shared_bytes, state.stream,
                                       params, NULL);
