@@ -398,6 +398,58 @@ def test_from_c_on_the_fake_driver_the_calls_follow_the_plan(built, fake_driver,
     assert names[-1] == "cuDevicePrimaryCtxRelease"
 
 
+THREADS_C = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include "whole_sum.h"
+#define THREADS 4
+#define CALLS 5
+static int failures;
+
+static void* worker(void* unused) {
+  (void)unused;
+  static float x[WHOLE_SUM_X_SIZE];
+  float out[WHOLE_SUM_OUT_SIZE];
+  for (int i = 0; i < CALLS; i++) {
+    if (whole_sum(x, out) != FLOWJIT_OK) __sync_fetch_and_add(&failures, 1);
+  }
+  return NULL;
+}
+
+int main(void) {
+  pthread_t threads[THREADS];
+  for (int t = 0; t < THREADS; t++) pthread_create(&threads[t], NULL, worker, NULL);
+  for (int t = 0; t < THREADS; t++) pthread_join(threads[t], NULL);
+  printf("failures %d\n", failures);
+  return 0;
+}
+"""
+
+
+def test_from_c_concurrent_calls_load_once_and_run_one_at_a_time(built, fake_driver, tmp_path):
+    source = tmp_path / "threads.c"
+    source.write_text(THREADS_C)
+    out = built / "out"
+    binary = str(tmp_path / "threads")
+    argv = [*WERROR.split(), "-std=c11", "-pthread", "-I", str(out), str(source), str(out / "whole_sum.so"),
+            f"-Wl,-rpath,{out}", "-o", binary]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    log = tmp_path / "driver.log"
+    assert _run_c(binary, FLOWJIT_LIBCUDA=str(fake_driver), FAKE_CUDA_LOG=str(log)) == ["failures 0"]
+    names = [c[0] for c in _calls(log)]
+    assert (
+        names.count("cuInit") == names.count("cuModuleLoadDataEx") - len(_manifest(built, "whole_sum")["kernels"]) + 1
+    )
+    assert names.count("cuMemAlloc") == 1 and names.count("cuEventRecord") == 20
+    # each call's copy in, launches, copy out and wait come together, never interleaved with another's
+    launches = _manifest(built, "whole_sum")["launches"]
+    per_call = ["cuCtxPushCurrent_v2", "cuMemcpyHtoDAsync", *["cuLaunchKernel"] * launches, "cuMemcpyDtoHAsync",
+                "cuEventRecord", "cuCtxPopCurrent_v2"]  # fmt: skip
+    calls = names[names.index("cuMemHostAlloc") + 2 :]  # after the load's own push and pop
+    assert calls == per_call * 20
+
+
 def test_from_c_a_device_the_driver_does_not_show(built, fake_driver, tmp_path):
     lines = _run_c(_build_c(built, "chain"), "device", "3", FLOWJIT_LIBCUDA=str(fake_driver))
     assert lines[0] == "set_device 0: "
