@@ -15,6 +15,11 @@ runs them concurrently per call; the library then also needs libpthread.
 Variables: with `frozen` values (name -> array) they are constants of the code; otherwise each
 becomes an input (its value before the call) and, when the function updates it, an output (its
 value after), named after the variable, so the C caller owns the state.
+
+With a CUDA target (`build_cuda_library`) the same graph and ports are compiled by the GPU backend
+(PTX, cubins where ptxas is found, the launch plan), and the library is one generated C file
+(`backends/gpu/aot_c.py`) embedding the kernels and the plan, which loads the CUDA driver with
+dlopen at run time: it needs libc, libdl and libpthread to link, and the driver to run.
 """
 
 from __future__ import annotations
