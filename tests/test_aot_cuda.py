@@ -643,6 +643,64 @@ def test_a_function_of_empty_arrays_launches_nothing(built, fake_driver, tmp_pat
     assert names.count("cuEventRecord") == 1
 
 
+# --- on a real GPU (skipped without one) -------------------------------------------------------------
+
+
+def _no_real_gpu() -> str | None:
+    """Why the real driver cannot run the libraries here (asked of libcuda.so.1 directly, not of
+    the library under test), or None."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        return f"no CUDA driver: {error}"
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        return "no CUDA device"
+    return None
+
+
+NO_REAL_GPU = _no_real_gpu()
+
+
+@pytest.mark.skipif(NO_REAL_GPU is not None, reason=f"needs a GPU: {NO_REAL_GPU}")
+def test_on_a_real_gpu_the_libraries_compute_the_programs(built):
+    """The check this file cannot make without a GPU: the real driver loads the PTX, takes the
+    packed launches and gives the CPU backend's results."""
+    import ctypes
+
+    import flowjit as fj
+
+    sys.path.insert(0, str(built))
+    try:
+        import model
+    finally:
+        sys.path.remove(str(built))
+    for name, (function, _) in PROGRAMS.items():
+        manifest = _manifest(built, name)
+        args = _inputs(manifest)
+        if name == "update":
+            x, w = args
+            expected = (np.sum((w * 0.5 + x) * x), w * 0.5 + x)
+        else:
+            expected = fj.jit(getattr(model, function), target="cpu")(*args)
+            expected = expected if isinstance(expected, tuple) else (expected,)
+        lib = ctypes.CDLL(str(built / "out" / f"{name}.so"))
+        entry = getattr(lib, name)
+        entry.argtypes = [ctypes.c_void_p] * (len(args) + len(expected))
+        getattr(lib, f"{name}_last_error").restype = ctypes.c_char_p
+        for _ in range(2):
+            outs = [np.full(np.shape(e), 7, np.asarray(e).dtype) for e in expected]
+            status = entry(*[a.ctypes.data for a in args], *[o.ctypes.data for o in outs])
+            assert status == 0, getattr(lib, f"{name}_last_error")().decode()
+            for got, want in zip(outs, expected):
+                tolerance = 2e-3 if name == "half" else 1e-4
+                scale = 1.0 + float(np.max(np.abs(np.asarray(want, np.float64)), initial=0))
+                assert float(np.max(np.abs(got.astype(np.float64) - want), initial=0)) <= tolerance * scale, name
+        assert getattr(lib, f"{name}_release")() == 0
+
+
 def test_unsupported_programs_are_compile_errors(built, tmp_path):
     argv = [FLOWJIT, "compile", f"{built}/model.py:product", "--arg", "f32[4,8]", "--arg", "f32[8,3]"]
     done = subprocess.run([*argv, "--target", "cuda", "-o", str(tmp_path)], capture_output=True, text=True, timeout=300)
