@@ -136,6 +136,7 @@ static _Thread_local char last_error[2048];
 static int fail(int status, const char* format, ...) __attribute__((format(printf, 2, 3)));
 static int fail(int status, const char* format, ...) {
   int at = snprintf(last_error, sizeof last_error, "%s: ", LIBRARY_NAME);
+  if (at < 0 || (size_t)at >= sizeof last_error) return status;
   va_list args;
   va_start(args, format);
   vsnprintf(last_error + at, sizeof last_error - (size_t)at, format, args);
@@ -414,9 +415,10 @@ static int call_locked(const void** in, void** out) {
   CUcontext popped;
   cu.cuCtxPopCurrent(&popped);
   if (status != FLOWJIT_OK) {
+    size_t prefix = strlen(LIBRARY_NAME) + 2; /* "NAME: " */
     state.broken = status;
     snprintf(state.why_broken, sizeof state.why_broken, "an earlier call failed, so the library cannot run again: %.400s",
-             last_error + strlen(LIBRARY_NAME) + 2);
+             strlen(last_error) > prefix ? last_error + prefix : last_error);
   }
   return status;
 }
