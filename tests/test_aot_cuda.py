@@ -303,11 +303,25 @@ def _run_c(binary, *args, **env):
     return done.stdout.splitlines()
 
 
+def _without_driver(tmp_path) -> tuple[str, dict]:
+    """The driver the library will not find, and the environment for that: this machine's own
+    libcuda.so.1 where it has none, else a missing file named by FLOWJIT_LIBCUDA."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "libcuda.so.1", {}
+    missing = str(tmp_path / "libcuda.so.1")
+    return missing, {"FLOWJIT_LIBCUDA": missing}
+
+
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_from_c_without_a_driver_every_call_says_so(built, name):
-    lines = _run_c(_build_c(built, name))
+def test_from_c_without_a_driver_every_call_says_so(built, tmp_path, name):
+    driver, env = _without_driver(tmp_path)
+    lines = _run_c(_build_c(built, name), **env)
     message = (
-        f"status 5: {name}: cannot load the CUDA driver libcuda.so.1: libcuda.so.1: cannot open shared object "
+        f"status 5: {name}: cannot load the CUDA driver {driver}: {driver}: cannot open shared object "
         "file: No such file or directory. The library runs where an NVIDIA driver is installed; "
         "FLOWJIT_LIBCUDA may name the driver library's path"
     )
@@ -329,8 +343,9 @@ def test_from_c_arguments_and_settings_are_checked_before_the_driver(built):
 def test_a_static_library_links_and_says_the_same(built, tmp_path):
     _compile(built, "whole_sum", "cuda", "--static-lib", out=built / "static")
     assert (built / "static" / "whole_sum.a").exists() and not (built / "static" / "whole_sum.so").exists()
-    lines = _run_c(_build_c(built, "whole_sum", static=True))
-    assert lines[0].startswith("status 5: whole_sum: cannot load the CUDA driver libcuda.so.1")
+    driver, env = _without_driver(tmp_path)
+    lines = _run_c(_build_c(built, "whole_sum", static=True), **env)
+    assert lines[0].startswith(f"status 5: whole_sum: cannot load the CUDA driver {driver}: ")
 
 
 def _calls(log) -> list[list[str]]:
