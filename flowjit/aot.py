@@ -15,10 +15,16 @@ runs them concurrently per call; the library then also needs libpthread.
 Variables: with `frozen` values (name -> array) they are constants of the code; otherwise each
 becomes an input (its value before the call) and, when the function updates it, an output (its
 value after), named after the variable, so the C caller owns the state.
+
+With a CUDA target (`build_cuda_library`) the same graph and ports are compiled by the GPU backend
+(PTX, cubins where ptxas is found, the launch plan), and the library is one generated C file
+(`backends/gpu/aot_c.py`) embedding the kernels and the plan, which loads the CUDA driver with
+dlopen at run time: it needs libc, libdl and libpthread to link, and the driver to run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -29,9 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flowjit.backends import c_abi
 from flowjit.backends.cpu import aot_c, host, library, toolchain
 from flowjit.backends.cpu.compiler import generate_mlir
 from flowjit.backends.cpu.pipeline import CompileOptions
+from flowjit.backends.gpu import aot_c as cuda_c
+from flowjit.backends.gpu.backend import BACKENDS as GPU_BACKENDS
+from flowjit.backends.gpu.backend import compile_entry
 from flowjit.errors import CompileError, FlowjitValueError
 from flowjit.frontend.lowered import PIPELINE, PLACEMENT_PIPELINE
 from flowjit.frontend.pytree import leaf_paths, tree_unflatten
@@ -61,17 +71,27 @@ RUNTIME_SYMBOLS = (
 
 @dataclass(frozen=True)
 class AotOptions:
-    """How to build the library: its C name, threading, and shared (.so) or static (.a)."""
+    """How to build the library: its C name, threading, shared (.so) or static (.a), and its
+    target: 'cpu', or 'cuda' / 'cuda-<chip>' (a library running the GPU code through the driver;
+    `threads` does not apply)."""
 
     name: str
     threads: str = "openmp"
     static_lib: bool = False
+    target: str = "cpu"
 
     def __post_init__(self):
         if not self.name.isidentifier() or not self.name.isascii():
             raise FlowjitValueError(f"--name '{self.name}': expected a C identifier (letters, digits, _)")
         if self.threads not in THREADS:
             raise FlowjitValueError(f"--threads '{self.threads}': expected one of {', '.join(THREADS)}")
+        if self.target not in aot_targets():
+            raise FlowjitValueError(f"--target '{self.target}': expected one of {', '.join(aot_targets())}")
+
+
+def aot_targets() -> tuple[str, ...]:
+    """The targets `flowjit compile` builds libraries for: cpu, cuda and cuda-<chip>."""
+    return ("cpu", *GPU_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -119,8 +139,8 @@ def ports(lowered, graph: Graph, state_inputs: tuple[str, ...], state_outputs: t
     outputs = [(p, p, None) for p in out_paths] + [(f"{v}_out", f"variable {v}", v) for v in state_outputs]
     taken: set[str] = set()
 
-    def port(stem, path, variable, t) -> aot_c.Port:
-        return aot_c.Port(aot_c.c_identifier(stem, taken), path, tuple(t.shape), t.dtype, variable)
+    def port(stem, path, variable, t) -> c_abi.Port:
+        return c_abi.Port(c_abi.c_identifier(stem, taken), path, tuple(t.shape), t.dtype, variable)
 
     return (
         [port(*names, t) for names, t in zip(inputs, graph.param_types)],
@@ -225,9 +245,11 @@ def link(
     out_path: str,
     openmp: bool,
     pthread: bool = False,
+    libraries: tuple[str, ...] = (),
 ):
     """Compile the wrapper and link it with the kernel objects into `out_path` (.so or .a); with
-    `openmp`, against libiomp5; with `pthread` (a partitioned function), against libpthread."""
+    `openmp`, against libiomp5; with `pthread` (a partitioned function, a CUDA library), against
+    libpthread; with `libraries` (`-ldl`), against those too."""
     cc = c_compiler()
     threads = ["-pthread"] if pthread else []
     if options.static_lib:
@@ -236,7 +258,7 @@ def link(
         _run(["ar", "rcs", out_path, wrapper_object, *object_paths])
         return
     argv = [*cc, "-shared", "-O2", "-fPIC", *threads, f"-Wl,-soname,{name}.so", "-Wl,-z,noexecstack", "-o", out_path]
-    argv += [c_path, *object_paths, "-lm"]
+    argv += [c_path, *object_paths, *libraries, "-lm"]
     if openmp:
         lib_dir = os.path.dirname(host.openmp_library())
         argv += [f"-L{lib_dir}", "-liomp5", f"-Wl,-rpath,$ORIGIN:{lib_dir}"]
@@ -281,7 +303,9 @@ def _compile_partitions(plan: PartitionPlan, name: str, threads: str):
 def build_library(lowered, out_dir: str, options: AotOptions, source: str, frozen: dict | None = None) -> Library:
     """Compile `lowered` (a `fj.jit(...).lower(...)` result) into a C library in `out_dir`. A
     function placed on several devices becomes one kernel per partition, run concurrently by the
-    entry point (see docs/aot.md)."""
+    entry point (see docs/aot.md). A CUDA target builds `build_cuda_library`'s library instead."""
+    if options.target != "cpu":
+        return build_cuda_library(lowered, out_dir, options, source, frozen)
     graph, state_inputs, state_outputs = functional_graph(lowered, frozen)
     inputs, outputs = ports(lowered, graph, state_inputs, state_outputs)
     plan = partition_plan(graph)
@@ -324,7 +348,83 @@ def build_library(lowered, out_dir: str, options: AotOptions, source: str, froze
     return paths
 
 
-def _port_json(port: aot_c.Port) -> dict:
+def build_cuda_library(lowered, out_dir: str, options: AotOptions, source: str, frozen: dict | None = None) -> Library:
+    """Compile `lowered` for the GPU (`options.target`: PTX, cubins where ptxas is found, the
+    launch plan) into a C library that embeds the kernels and replays the plan through the CUDA
+    driver, which it loads with dlopen at run time (`backends/gpu/aot_c.py`, docs/aot.md)."""
+    graph, state_inputs, state_outputs = functional_graph(lowered, frozen)
+    inputs, outputs = ports(lowered, graph, state_inputs, state_outputs)
+    entry = compile_entry(graph, GPU_BACKENDS[options.target].options)
+    where = cuda_c.layout(entry.plan, inputs, outputs)
+    manifest = _cuda_manifest(options, source, inputs, outputs, entry, where)
+    paths = Library(
+        os.path.join(out_dir, options.name + (".a" if options.static_lib else ".so")),
+        os.path.join(out_dir, f"{options.name}.h"),
+        os.path.join(out_dir, f"{options.name}.json"),
+    )
+    with open(paths.header, "w", encoding="utf-8") as f:
+        f.write(cuda_c.header(options.name, inputs, outputs, manifest))
+    with tempfile.TemporaryDirectory(prefix="flowjit-aot-") as workdir:
+        c_path = os.path.join(workdir, f"{options.name}.c")
+        with open(c_path, "w", encoding="utf-8") as f:
+            f.write(cuda_c.source(options.name, inputs, outputs, entry.plan, entry.kernels))
+        shutil.copy(paths.header, workdir)
+        link(workdir, options.name, [], c_path, options, paths.library, False, pthread=True, libraries=("-ldl",))
+    with open(paths.manifest, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+    return paths
+
+
+def _cuda_manifest(options: AotOptions, source: str, inputs, outputs, entry, where) -> dict:
+    launched = set(entry.plan.kernels())
+    kernels = [k for k in entry.kernels if k.name in launched]
+    cubins = {k.cubin_chip for k in kernels if k.cubin}
+    return {
+        "name": options.name,
+        "source": source,
+        "flowjit_version": __version__,
+        "library": options.name + (".a" if options.static_lib else ".so"),
+        "header": f"{options.name}.h",
+        "entry_points": [
+            options.name,
+            *(f"{options.name}_{s}" for s in ("set_device", "release", "last_error", "status_string")),
+        ],
+        "inputs": [_port_json(p) for p in inputs],
+        "outputs": [_port_json(p) for p in outputs],
+        "variables": sorted({p.variable for p in inputs + outputs if p.variable}),
+        "runtime_libraries": ["libc", "libdl", "libpthread"],
+        "driver": "libcuda.so.1, loaded with dlopen at the first call (FLOWJIT_LIBCUDA=path loads that file)",
+        "external_symbols": sorted(cuda_c.RUNTIME_SYMBOLS),
+        "target": {
+            "kind": "cuda",
+            "chip": entry.chip,
+            "cubin": cubins.pop() if cubins else None,
+            "ptxas": entry.toolchain.get("ptxas"),
+        },
+        "kernels": [
+            {
+                "module": k.name,
+                "function": k.function,
+                "members": list(k.members),
+                "ptx_bytes": len(k.ptx.encode()),
+                "ptx_sha256": hashlib.sha256(k.ptx.encode()).hexdigest(),
+                "cubin_bytes": len(k.cubin) if k.cubin else 0,
+            }
+            for k in kernels
+        ],
+        "launches": entry.plan.launch_count(),
+        "device_bytes": where.arena_bytes,
+        "device_buffers": [
+            {"kind": b.kind, "index": b.index, "bytes": b.nbytes, "offset": offset}
+            for b, offset in zip(entry.plan.buffers, where.buffer_offsets)
+        ],
+        "pinned_bytes": where.staging_bytes,
+        "launch_plan": entry.plan.to_json(),
+    }
+
+
+def _port_json(port: c_abi.Port) -> dict:
     entry = {
         "name": port.c_name,
         "path": port.path,

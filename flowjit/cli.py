@@ -3,6 +3,7 @@
     flowjit opt in.fj -p canonicalize              # text IR in, passes (verified), text IR out
     flowjit dump model.py:fn --arg f32[256,784] --arg i64[] [--static n=3] [--stage optimized]
     flowjit compile model.py:fn --arg f32[256,784] --arg f32[784,10] -o out/   # out/fn.so, fn.h, fn.json
+    flowjit compile model.py:fn --arg f32[256,784] --target cuda -o out/       # the same, running on a GPU
 
 Every mistake a user can make ends in one `flowjit: error: ...` paragraph on stderr and exit
 status 1, never a Python traceback. Subcommands live in `_SUBCOMMANDS`; each has an `_add_<name>`
@@ -317,12 +318,20 @@ def _add_compile(sub) -> None:
     _add_function_arguments(p)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (created if missing)")
     p.add_argument("--name", help="C name of the entry point and base name of the files (default: FUNCTION)")
-    p.add_argument("--target", dest="backend", default="cpu", metavar="TARGET", help="code generation target (cpu)")
+    p.add_argument(
+        "--target",
+        dest="backend",
+        default="cpu",
+        metavar="TARGET",
+        help="cpu (default), or cuda (sm_80) / cuda-sm_90, ...: a library running the GPU code through the CUDA "
+        "driver, which it loads at run time (no GPU needed to compile)",
+    )
     p.add_argument(
         "--threads",
-        default="openmp",
+        default=None,
         choices=("openmp", "serial"),
-        help="openmp: parallel loops, needs libiomp5.so at run time; serial: libc/libm only (default: openmp)",
+        help="cpu target: openmp: parallel loops, needs libiomp5.so at run time; serial: libc/libm only "
+        "(default: openmp)",
     )
     p.add_argument("--static-lib", action="store_true", help="write a static library NAME.a instead of NAME.so")
     p.add_argument(
@@ -346,20 +355,23 @@ def _run_compile(args) -> int:
     DIR/NAME.json: a C library that runs without Python (see docs/aot.md)."""
     from flowjit import aot
 
-    if args.backend != "cpu":
-        raise UsageError(f"--target {args.backend}: ahead-of-time compilation supports only the 'cpu' target")
+    if args.backend not in aot.aot_targets():
+        raise UsageError(f"--target {args.backend}: expected one of {', '.join(aot.aot_targets())}")
+    cuda = args.backend != "cpu"
+    if cuda and (args.threads is not None or args.cpu_devices is not None):
+        raise UsageError(f"--target {args.backend}: --threads and --cpu-devices apply to the cpu target only")
     if args.freeze_variables != (args.checkpoint is not None):
         raise UsageError("--freeze-variables and --checkpoint FILE go together: the checkpoint holds the values")
     arg_specs = [parse_arg_spec(s) for s in args.arg]
     statics = dict(parse_static(s) for s in args.static)
     path, fn_name = _split_target(args.target)
-    options = aot.AotOptions(args.name or fn_name, args.threads, args.static_lib)
+    options = aot.AotOptions(args.name or fn_name, args.threads or "openmp", args.static_lib, args.backend)
     frozen = aot.load_frozen_variables(args.checkpoint) if args.checkpoint else None
     _prepare_output_dir(args.output)
     with _cpu_devices(args.cpu_devices):
         fn = _load_function(path, fn_name)
         positional, keywords = _bind_arguments(fn, fn_name, arg_specs, statics)
-        jitted = _jit_with_statics(fn, tuple(statics))
+        jitted = _jit_with_statics(fn, tuple(statics), args.backend if cuda else None)
         lowered = _trace(path, fn_name, lambda: jitted.lower(*positional, **keywords))
         try:
             library = aot.build_library(lowered, args.output, options, args.target, frozen)

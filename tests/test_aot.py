@@ -536,7 +536,8 @@ def test_static_library(built, tmp_path):
         (["predict", "--arg", "f32[4,8"], ["--arg 'f32[4,8'", "expected DTYPE[D0,D1,...]"]),
         (["nope", "--arg", "f32[4,8]"], ["has no function 'nope'", "predict"]),
         (["broken", "--arg", "f32[4,8]"], ["model.py:", "failed", "matmul"]),
-        (["predict", "--target", "cuda"], ["--target cuda", "only the 'cpu' target"]),
+        (["predict", "--target", "tpu"], ["--target tpu", "expected one of cpu, cuda, cuda-sm_80"]),
+        (["predict", "--target", "cuda", "--threads", "serial"], ["--threads and --cpu-devices", "cpu target only"]),
         (["predict", "--freeze-variables"], ["--freeze-variables and --checkpoint"]),
         (
             ["train_var", "--arg", "f32[16,8]", "--arg", "i32[16]", "--freeze-variables", "--checkpoint", "CKPT"],

@@ -83,6 +83,16 @@ CUresult cuDevicePrimaryCtxRetain(void **context, int device) {
 CUresult cuDevicePrimaryCtxRelease(int device) { fprintf(log_file(), "cuDevicePrimaryCtxRelease %d\n", device); return OK; }
 CUresult cuDevicePrimaryCtxRelease_v2(int device) { return cuDevicePrimaryCtxRelease(device); }
 CUresult cuCtxSetCurrent(void *context) { return context == (void *)0xC0 ? OK : 201; }
+/* The AOT library's runtime makes its context current around its work, as a library should. */
+CUresult cuCtxPushCurrent_v2(void *context) {
+    fprintf(log_file(), "cuCtxPushCurrent_v2\n");
+    return context == (void *)0xC0 ? OK : 201;
+}
+CUresult cuCtxPopCurrent_v2(void **context) {
+    fprintf(log_file(), "cuCtxPopCurrent_v2\n");
+    if (context) *context = (void *)0xC0;
+    return OK;
+}
 
 CUresult cuMemAlloc(uint64_t *pointer, size_t bytes) {
     *pointer = (uint64_t)(uintptr_t)calloc(1, bytes);

@@ -11,121 +11,22 @@ rendezvous runtime in `aot_runtime.c`.
 
 from __future__ import annotations
 
-import keyword
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowjit.ir import dtypes as dt
+from flowjit.backends.c_abi import Port, parameters, signature_defines, status_cases, status_enum
 
 # The rendezvous runtime of partitioned libraries, pasted into their wrapper.
 RUNTIME_SOURCE = (Path(__file__).parent / "aot_runtime.c").read_text(encoding="utf-8")
 
 WORKSPACE_ALIGNMENT = 64
 
-C_TYPES = {
-    "f32": "float",
-    "f64": "double",
-    "i32": "int32_t",
-    "i64": "int64_t",
-    "bool": "uint8_t",  # one byte per element, 0 or 1 (numpy's bool)
-    "f16": "uint16_t",  # IEEE half bits
-    "bf16": "uint16_t",  # bfloat16 bits: the high half of a float's bits
-}
-
-_C_KEYWORDS = frozenset(
-    "auto break case char const continue default do double else enum extern float for goto if inline int long "
-    "register restrict return short signed sizeof static struct switch typedef union unsigned void volatile while "
-    "bool true false".split()
-)
-
-STATUS_CODES = (
-    ("FLOWJIT_OK", 0, "success: every output is written"),
-    ("FLOWJIT_ERROR_NULL_ARGUMENT", 1, "an input, output or workspace pointer is NULL; nothing is written"),
-    ("FLOWJIT_ERROR_OUT_OF_MEMORY", 2, "allocating the workspace or an in-place copy failed; nothing is written"),
-    (
-        "FLOWJIT_ERROR_TRANSFER",
-        3,
-        "a transfer between partitions failed or timed out (FLOWJIT_RECV_TIMEOUT); the outputs are undefined",
-    ),
-    ("FLOWJIT_ERROR_THREAD", 4, "a thread for a partition could not be started; the outputs are undefined"),
-)
-
-
-@dataclass(frozen=True)
-class Port:
-    """One argument of the C entry point: an input or output buffer of the compiled function."""
-
-    c_name: str  # the C parameter name (unique, a valid identifier)
-    path: str  # where it comes from: a pytree path of the Python signature, or a variable
-    shape: tuple[int, ...]
-    dtype: dt.DType
-    variable: str | None = None  # the flowjit Variable this buffer holds, if any
-
-    @property
-    def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    @property
-    def c_type(self) -> str:
-        return C_TYPES[self.dtype.name]
-
-
-# Names the wrapper's functions use for themselves.
-RESERVED_NAMES = frozenset({"workspace", "flowjit_in", "flowjit_out", "flowjit_status"})
-
-
-def c_identifier(path: str, taken: set[str]) -> str:
-    """A C identifier for a pytree path (`params['w1']` -> `params_w1`), unique among `taken` and
-    different from the wrapper's own names."""
-    name = re.sub(r"[^A-Za-z0-9]+", "_", path).strip("_") or "arg"
-    if name[0].isdigit():
-        name = "_" + name
-    if name in _C_KEYWORDS or keyword.iskeyword(name):
-        name += "_"
-    unique, n = name, 2
-    while unique in taken or unique in RESERVED_NAMES:
-        unique, n = f"{name}_{n}", n + 1
-    taken.add(unique)
-    return unique
-
-
-def _parameters(name: str, inputs: list[Port], outputs: list[Port]) -> str:
-    params = [f"const {p.c_type}* {p.c_name}" for p in inputs] + [f"{p.c_type}* {p.c_name}" for p in outputs]
-    return ", ".join(params) if params else "void"
-
-
-def _port_defines(prefix: str, port: Port, role: str) -> list[str]:
-    macro = f"{prefix}_{port.c_name.upper()}"
-    lines = [
-        f"/* {role} {port.c_name}: {port.path}, {port.dtype.name}{list(port.shape)} ({port.c_type}, C order)"
-        + (f", variable '{port.variable}'" if port.variable else "")
-        + " */",
-        f"#define {macro}_RANK {len(port.shape)}",
-    ]
-    lines += [f"#define {macro}_DIM{i} {d}" for i, d in enumerate(port.shape)]
-    lines.append(f"#define {macro}_SIZE {port.size} /* elements */")
-    return lines
-
 
 def header(name: str, inputs: list[Port], outputs: list[Port], manifest: dict) -> str:
     """The public header: status codes, sizes, and the three entry points of library `name`."""
     prefix = name.upper()
     guard = f"FLOWJIT_{prefix}_H"
-    params = _parameters(name, inputs, outputs)
-    status = "\n".join(f"  {code} = {value}, /* {doc} */" for code, value, doc in STATUS_CODES)
-    defines = [f"#define {prefix}_NUM_INPUTS {len(inputs)}", f"#define {prefix}_NUM_OUTPUTS {len(outputs)}"]
-    for port in inputs:
-        defines += _port_defines(prefix, port, "input")
-    for port in outputs:
-        defines += _port_defines(prefix, port, "output")
+    params = parameters(inputs, outputs)
     if "libiomp5" in manifest["runtime_libraries"]:
         threads = (
             "OpenMP: the library needs libiomp5.so at run time (found through its rpath: next to the\n"
@@ -142,7 +43,7 @@ def header(name: str, inputs: list[Port], outputs: list[Port], manifest: dict) -
             f".\n * Partitions: {len(partitions)} ({devices}), run concurrently by each call: the calling thread runs\n"
             " * the first, one new thread each of the others (libpthread); the workspace holds them all"
         )
-    defines_text = "\n".join(defines)
+    defines_text = signature_defines(prefix, inputs, outputs)
     return f"""/* {name}.h: generated by flowjit {manifest["flowjit_version"]} from {manifest["source"]}. Do not edit.
  *
  * Calling convention: every buffer is a dense C-contiguous (row-major) array of the shape and
@@ -169,12 +70,7 @@ def header(name: str, inputs: list[Port], outputs: list[Port], manifest: dict) -
 extern "C" {{
 #endif
 
-#ifndef FLOWJIT_STATUS_CODES
-#define FLOWJIT_STATUS_CODES
-enum flowjit_status {{
-{status}
-}};
-#endif
+{status_enum()}
 
 {defines_text}
 
@@ -282,7 +178,7 @@ def _c_string(text: str) -> str:
 
 
 def _wrapper(name: str, inputs: list[Port], outputs: list[Port], kernel_workspace: int, declarations: str, call: str):
-    params = _parameters(name, inputs, outputs)
+    params = parameters(inputs, outputs)
     workspace_params = params.removesuffix("void").rstrip(", ")
     sep = ", " if inputs or outputs else ""
     in_names = [p.c_name for p in inputs]
@@ -293,7 +189,7 @@ def _wrapper(name: str, inputs: list[Port], outputs: list[Port], kernel_workspac
     null_checks = " || ".join(
         [f"({p.c_name} == NULL && {p.nbytes} > 0)" for p in inputs + outputs] + ["workspace == NULL"]
     )
-    statuses = "\n".join(f'    case {code}: return "{doc}";' for code, _, doc in STATUS_CODES)
+    statuses = status_cases()
     return f"""/* {name}.c: generated by flowjit. The public functions of {name}.h around the generated kernel. */
 #include <stdint.h>
 #include <stdlib.h>
