@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import flowjit.numpy as fnp
 from flowjit.backends.gpu.backend import GpuRuntimeError
 from flowjit.backends.gpu.compiler import lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
+from flowjit.backends.gpu.toolchain import find_ptxas
 from flowjit.backends.registry import get_backend
 from flowjit.cli import main
 from flowjit.errors import CompileError
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from op_table import ROWS, build_case  # noqa: E402
 
 CHIPS = ("sm_80", "sm_90")
-PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
+PTXAS = find_ptxas()
 needs_ptxas = pytest.mark.skipif(PTXAS is None, reason="ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) not found")
 
 
