@@ -18,6 +18,7 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
 
 from __future__ import annotations
 
+from flowjit.backends.gpu import lower_kernels
 from flowjit.backends.mlir import (
     lower_control,
     lower_elementwise,
@@ -74,12 +75,7 @@ lower_elementwise.register(GPU.lowerings, GPU.math)
 lower_reduction.register(GPU.lowerings)
 lower_layout.register(GPU.lowerings)
 lower_movement.register(GPU.lowerings)
-
-# Ops that read a value on the host (a dynamic index, a loop's predicate) or write code the GPU
-# runtime must handle first: refused until it exists.
-NOT_YET = {
-    "dynamic_slice": "reads its start indices on the host",
-}
+lower_kernels.register(GPU.lowerings)
 
 # Float64 math that the shared library writes as `math.*` ops (libm calls on the CPU), which would
 # be unresolved libdevice calls (`__nv_sin`) in PTX: op name -> the dtypes it is refused for.
@@ -100,10 +96,6 @@ def check_graph(graph: Graph) -> None:
             )
         if op.name in ("constant", "fusion"):
             continue
-        if op.name in NOT_YET:
-            raise op_error(
-                CompileError, op.loc, op.name, f"is not supported on target 'cuda' yet: it {NOT_YET[op.name]}"
-            )
         if not GPU.lowerings.has(op.name):
             raise op_error(
                 CompileError,
@@ -194,5 +186,5 @@ def scalars_as_vectors(fn):
 
 
 for _name, _fn in list(GPU.lowerings.tensor.items()):
-    if _name != "fusion":
+    if _name != "fusion" and _name not in lower_kernels.OWN_SCALARS:
         GPU.lowerings.tensor[_name] = scalars_as_vectors(_fn)
