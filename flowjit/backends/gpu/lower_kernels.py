@@ -512,32 +512,33 @@ def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 
 @on_bytes
 def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """Each output element from the operand whose range along `axis` holds it."""
+    """Each output element from the operand whose range along `axis` holds it. An operand that is
+    a slice no kernel computed (`em.operand_slices`: it cuts `axis` only) is read from its source."""
     axis = op.attrs["axis"]
     result = op.result.type
     elem = memory_elem_type(result.dtype)
-    parts = [(x, v.type, start) for x, v, start in _starts(op, operands) if v.type.shape[axis]]
+    parts, start = [], 0
+    for i, (x, v) in enumerate(zip(operands, op.operands)):
+        extent = v.type.shape[axis]
+        view = em.operand_slices.get(i)
+        source, skip = (view.source.type, view.start[axis]) if view is not None else (v.type, 0)
+        if extent:
+            parts.append((x, source, start, extent, skip))
+        start += extent
 
     def body(b: ScalarBuilder, idx: list[str]) -> str:
         picked = None
-        for x, t, start in parts:
-            local = offset(b, idx[axis], 1, -start)
-            v = extract(b, x, moved_type(t), [*idx[:axis], clamp(b, local, t.shape[axis] - 1), *idx[axis + 1 :]])
+        for x, source, first, extent, skip in parts:
+            local = offset(b, clamp(b, offset(b, idx[axis], 1, -first), extent - 1), 1, skip)
+            v = extract(b, x, moved_type(source), [*idx[:axis], local, *idx[axis + 1 :]])
             if picked is None:
                 picked = v
                 continue
-            inside = b.op(f"arith.cmpi sge, {idx[axis]}, {b.const(start, 'index')} : index")
+            inside = b.op(f"arith.cmpi sge, {idx[axis]}, {b.const(first, 'index')} : index")
             picked = select(b, inside, v, picked, elem)
         return picked
 
     return [per_element(em, result, body)]
-
-
-def _starts(op: Op, operands: list[str]):
-    start = 0
-    for x, v in zip(operands, op.operands):
-        yield x, v, start
-        start += v.type.shape[op.attrs["axis"]]
 
 
 @on_bytes
