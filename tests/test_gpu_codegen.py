@@ -9,6 +9,7 @@ gradient graph and the user-facing entry points (`as_text("ptx")`, `flowjit dump
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
@@ -21,11 +22,17 @@ import pytest
 
 import flowjit as fj
 import flowjit.numpy as fnp
+from flowjit.backends.cpu import toolchain as cpu_toolchain
+from flowjit.backends.cpu.pipeline import CompileOptions
+from flowjit.backends.cpu.pipeline import stage_pipeline as cpu_stage_pipeline
+from flowjit.backends.gpu import lower_kernels
 from flowjit.backends.gpu.backend import GpuRuntimeError
-from flowjit.backends.gpu.compiler import lower_to_ptx
+from flowjit.backends.gpu.compiler import copies_as_kernels, generate_mlir, lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
 from flowjit.backends.gpu.target import CPU_ONLY, GPU, cpu_only_reason
 from flowjit.backends.gpu.toolchain import find_ptxas
+from flowjit.backends.mlir import pipeline as mlir_pipeline
+from flowjit.backends.mlir.target import LoweringTable
 from flowjit.backends.registry import get_backend
 from flowjit.cli import main
 from flowjit.errors import CompileError
@@ -34,7 +41,7 @@ from flowjit.ir import dtypes as dt
 from flowjit.ir.ops import REGISTRY
 
 sys.path.insert(0, os.path.dirname(__file__))
-from op_table import ROWS, build_case  # noqa: E402
+from op_table import ROWS, assert_close, build_case  # noqa: E402
 
 CHIPS = ("sm_80", "sm_90")
 PTXAS = find_ptxas()
@@ -171,6 +178,62 @@ def test_every_registered_op_lowers_or_is_cpu_only():
     assert not missing, f"ops with neither a GPU lowering nor a CPU_ONLY reason: {missing}"
     assert not set(CPU_ONLY) - set(REGISTRY), "CPU_ONLY names ops that do not exist"
     assert not set(CPU_ONLY) & set(GPU.lowerings.tensor), "an op is both lowered and CPU-only"
+
+
+# --- values: the GPU's lowering run on the host ---------------------------------------------------
+#
+# No GPU runs here, so the values of the GPU's own lowerings (`gpu/lower_kernels.py`), of constants
+# and of rank-0 bool ops are checked by running the MLIR the GPU target writes, after its "bufferize"
+# stage and before the mapping to blocks and threads (upstream MLIR's), on the host through the
+# CPU's "llvm-dialect" stage with serial loops: every row of those ops, in every dtype, against the
+# op table's expected values.
+
+
+def run_on_host(graph, inputs):
+    """The GPU target's bufferized MLIR for `graph`, compiled for the host and run on `inputs`."""
+    mlir = generate_mlir(graph)
+    with mlir_pipeline.lock(), mlir_pipeline.mlir_context():
+        module = mlir_pipeline.parse(mlir.text)
+        mlir_pipeline.run_pipeline(module, stage_pipeline("bufferize", options=GpuOptions()), lambda: mlir.text)
+        text = copies_as_kernels(module.operation.get_asm())
+        module = mlir_pipeline.parse(text)
+        to_llvm = cpu_stage_pipeline("llvm-dialect", options=CompileOptions(openmp=False))
+        mlir_pipeline.run_pipeline(module, to_llvm, lambda: text)
+        llvm_ir = mlir_pipeline.translate(module)
+    native = cpu_toolchain.jit_compile(*cpu_toolchain.optimize(llvm_ir, graph.name, opt=1))
+    arrays = [np.ascontiguousarray(x) for x in inputs] + [np.empty(t.shape, t.dtype.np_dtype) for t in mlir.outputs]
+    spare = np.zeros(max(mlir.workspace_bytes, 64), np.uint8)  # the workspace; and what zero-size arrays get
+    pointers = [a.ctypes.data if a.size else spare.ctypes.data for a in arrays] + [spare.ctypes.data]
+    ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(pointers))(native.address(mlir.entry))(*pointers)
+    return arrays[len(inputs) :]
+
+
+_OWN_OPS = {"dot_general", "conv2d", "reduce_window", "argmax", "argmin", "cumsum", "linear_recurrence", "sort"}
+_OWN_OPS |= {"pad", "concatenate", "gather", "scatter_add", "dynamic_slice", "constant", "custom_vjp_call"}
+VALUE_PARAMS = [
+    pytest.param(row, dtype, id=f"{row.name}-{dtype.name}".replace(" ", ""))
+    for row in ROWS
+    if row.op not in CPU_ONLY and (row.op in _OWN_OPS or ("scalar" in row.name and dt.bool_ in row.dtypes))
+    for dtype in row.dtypes
+]
+
+
+@pytest.mark.parametrize("row,dtype", VALUE_PARAMS)
+def test_gpu_lowering_computes_the_op_table_values(row, dtype):
+    case = build_case(row, dtype)
+    for got, expected in zip(run_on_host(case.graph, case.inputs), case.expected):
+        assert_close(got, expected, case.tol)
+
+
+def test_values_cover_the_gpus_own_lowerings():
+    ops = {param.values[0].op for param in VALUE_PARAMS}
+    assert set(lower_kernels_table()) <= ops
+
+
+def lower_kernels_table():
+    table = LoweringTable("probe")
+    lower_kernels.register(table)
+    return table.tensor
 
 
 # --- fused regions, whole-array reductions, gradients ------------------------------------------
