@@ -1,10 +1,11 @@
 """The GPU target, compile-only (flowjit/backends/gpu): PTX for sm_80 and sm_90, assembled by ptxas.
 
 No GPU is needed: each test lowers graphs to PTX and hands every kernel to `ptxas -arch=sm_XX`
-(skipped, with the reason, where ptxas is missing). Rows of the op table (elementwise ops with
-their math functions, broadcasts, layout, reductions), fused regions (softmax, layer norm), a
-gradient graph and the user-facing entry points (`as_text("ptx")`, `flowjit dump --stage ptx
---target cuda`); ops the GPU cannot lower yet fail with a CompileError naming the op and its line.
+(`toolchain.find_ptxas`: the `test` extra's nvidia-cuda-nvcc wheel; skipped, with the reason, where
+there is none). Every row of the op table and the gradient graph of every differentiable row
+either assembles or names a CPU-only op with its reason; the values of the GPU's own lowerings come
+from its MLIR run on the host; fused regions (softmax, layer norm), constants, atomics and the
+user-facing entry points (`as_text("ptx")`, `flowjit dump --stage ptx --target cuda`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,14 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
   into one kernel.
 - reductions to one element: two kernels (partials of `P` rows, then one thread over them), since a
   reduction with no parallel dimension would otherwise stay a loop on the host.
-- not registered yet: control flow (`lower_control`: a loop's predicate would be read on the host
-  from device memory), dot, conv, pooling, sort, scan, gather/scatter, pad, concatenate (the CPU
-  writes them with its own kernels), send/recv.
-- ops in `UNSUPPORTED_MATH`, which the shared math writes as calls (`math.sin` in float64), and ops
-  the table has no lowering for: a `CompileError` naming the op and its line (`check_graph`).
+- the GPU's own kernels (`lower_kernels.py`): contractions, windows, scans, sort, gather/scatter,
+  pad, concatenate, dynamic_slice, as one thread per result element or a parallel loop writing a
+  buffer.
+- rank-0 ops as kernels of one element of rank 1 (`scalars_as_vectors`, `Target.rank0_kernels`).
+- `CPU_ONLY`: ops the GPU does not compile (control flow, state, send/recv), with the reason a
+  placement report shows; `cpu_only_reason(op)` adds float64 math the shared library writes as
+  calls (`UNSUPPORTED_MATH`). `check_graph` refuses them, and ops without a lowering, with a
+  `CompileError` naming the op, its line and the reason.
 """
 
 from __future__ import annotations
