@@ -144,6 +144,103 @@ def _host_leftovers(module) -> list[str]:
     return list(found)
 
 
+# Ops that read a constant global (`memref.get_global`) or view what it returned, with the index
+# constants they take: moved into the launches that use them.
+_GLOBAL_READS = frozenset(
+    (
+        "memref.get_global",
+        "memref.view",
+        "memref.expand_shape",
+        "memref.collapse_shape",
+        "memref.reinterpret_cast",
+        "memref.subview",
+        "memref.cast",
+        "arith.constant",
+    )
+)
+
+
+def _reads_a_global(op) -> bool:
+    """Whether `op` is a chain of `_GLOBAL_READS` ending in a `memref.get_global`."""
+    from mlir import ir
+
+    name = op.operation.name
+    if name == "memref.get_global":
+        return True
+    if name == "arith.constant" or name not in _GLOBAL_READS:
+        return False
+    sources = [v.owner for v in op.operation.operands if isinstance(v, ir.OpResult)]
+    return any(_reads_a_global(source) for source in sources)
+
+
+def globals_into_launches(module) -> None:
+    """Each `gpu.launch` gets its own copy of the host ops that read constant globals it uses (a
+    multi-valued constant's `memref.get_global` and its views), so that `gpu-kernel-outlining`
+    copies the globals into the kernel's `gpu.module`: the kernel reads the constant from device
+    memory of its own module, not from a host global."""
+    from mlir import ir
+
+    launches = []
+
+    def visit(op):
+        if op.name == "gpu.launch":
+            launches.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    for launch in launches:
+        _globals_into_launch(launch)
+
+
+def _globals_into_launch(launch) -> None:
+    from mlir import ir
+
+    start = ir.InsertionPoint(launch.regions[0].blocks[0].operations[0])
+    copies: dict = {}  # host value -> its copy inside the launch
+
+    def copy_of(value):
+        if value in copies:
+            return copies[value]
+        source = value.owner.operation
+        inside = {  # the operands' copies first: each copy goes after the ones made before it
+            i: copy_of(operand)
+            for i, operand in enumerate(source.operands)
+            if isinstance(operand, ir.OpResult) and operand.owner.operation.name in _GLOBAL_READS
+        }
+        clone = source.clone(ip=start)
+        for i, operand in inside.items():
+            clone.operands[i] = operand
+        for old, new in zip(source.results, clone.results):
+            copies[old] = new
+        return copies[value]
+
+    inner = []
+
+    def collect(op):
+        inner.append(op)
+        return ir.WalkResult.ADVANCE
+
+    for block in launch.regions[0].blocks:
+        for op in block.operations:
+            op.operation.walk(collect, ir.WalkOrder.PRE_ORDER)
+    for op in inner:
+        for i, operand in enumerate(op.operands):
+            if not isinstance(operand, ir.OpResult):
+                continue
+            owner = operand.owner.operation
+            if not _inside(owner, launch.operation) and _reads_a_global(owner):
+                op.operands[i] = copy_of(operand)
+
+
+def _inside(op, ancestor) -> bool:
+    parent = op.parent
+    while parent is not None:
+        if parent == ancestor:
+            return True
+        parent = parent.parent
+    return False
+
+
 _MEMREF_COPY = re.compile(r"^(\s*)memref\.copy (\S+), (\S+) : (.+?) to (.+?)( loc\([^()]*\))?$", re.MULTILINE)
 _SCALAR_MEMREF = re.compile(r"^memref<([a-z]+\d*)>$")
 
@@ -205,7 +302,10 @@ def lower_to_ptx(graph: Graph, options: GpuOptions) -> GpuModule:
         if "memref.copy" in bufferized:
             bufferized = copies_as_kernels(bufferized)
             module = mlir_pipeline.parse(bufferized)
-        mlir_pipeline.run_pipeline(module, stage_pipeline("gpu-kernels", options=options), lambda: bufferized)
+        mlir_pipeline.run_pipeline(module, stage_pipeline("gpu-launches", options=options), lambda: bufferized)
+        globals_into_launches(module)
+        launched = str(module)
+        mlir_pipeline.run_pipeline(module, stage_pipeline("gpu-kernels", options=options), lambda: launched)
         leftovers = _host_leftovers(module)
         if leftovers:
             raise CompileError(

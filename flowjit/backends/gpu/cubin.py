@@ -10,22 +10,14 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import subprocess
 import tempfile
 
+from flowjit.backends.gpu.toolchain import find_ptxas  # noqa: F401 (the backend and tests call cubin.find_ptxas)
 from flowjit.errors import CompileError
 
 # Seconds one ptxas run may take.
 PTXAS_TIMEOUT_S = 120
-
-
-def find_ptxas() -> str | None:
-    """The `ptxas` on PATH (CUDA toolkit, or the nvidia-cuda-nvcc wheel's), else /usr/local/bin's."""
-    found = shutil.which("ptxas")
-    if found is None and os.access("/usr/local/bin/ptxas", os.X_OK):
-        found = "/usr/local/bin/ptxas"
-    return found
 
 
 @functools.cache

@@ -4,7 +4,8 @@ each a flat list of passes; the recipes: shared/TOOLCHAIN.md section 4, route B)
     stage        what runs                                                        where
     mlir         flowjit IR -> MLIR on tensors (`target.GPU`'s lowerings)          compiler.generate_mlir
     bufferize    `mlir_stages()["bufferize"]`: elementwise fusion, tensors -> buffers compiler.lower_to_ptx
-    gpu-mlir     `mlir_stages()["gpu-kernels"]`: loops -> blocks and threads,      compiler.lower_to_ptx
+    gpu-mlir     `mlir_stages()["gpu-launches"]`: loops -> blocks and threads;     compiler.lower_to_ptx
+                 `compiler.globals_into_launches`; `mlir_stages()["gpu-kernels"]`:
                  one `gpu.func` kernel per top-level loop nest
     nvvm         `mlir_stages()["nvvm"]`: kernels -> NVVM, `gpu.binary` with PTX    compiler.lower_to_ptx
     ptx          each kernel's PTX, read out of the `gpu.binary`                   compiler.extract_ptx
@@ -53,7 +54,7 @@ def mlir_stages(options: GpuOptions) -> dict[str, tuple[str, ...]]:
             "cse",
             "convert-bufferization-to-memref",
         ),
-        "gpu-kernels": (
+        "gpu-launches": (
             # Each linalg op -> an scf.parallel over its parallel dimensions (reductions inside: scf.for).
             "convert-linalg-to-parallel-loops",
             # No canonicalization before the mapping: it would fold a one-iteration scf.parallel (a
@@ -68,18 +69,26 @@ def mlir_stages(options: GpuOptions) -> dict[str, tuple[str, ...]]:
             "func.func(gpu-map-parallel-loops{mapping-policy=innermost-first})",
             "func.func(convert-parallel-loops-to-gpu)",  # mapped loop nests -> gpu.launch
             "lower-affine",  # the tiles' affine.min bounds, on the host and in the launches
+        ),
+        # Between the two: `compiler.globals_into_launches` moves the reads of constant globals
+        # into the launches, so that outlining copies the globals into the kernels' gpu.modules.
+        "gpu-kernels": (
             # Constants into the kernels (canonicalization hoisted them to the function): passed as
             # kernel arguments otherwise, one per polynomial coefficient.
             "func.func(gpu-launch-sink-index-computations)",
             "gpu-kernel-outlining",  # each gpu.launch -> a gpu.func kernel in a gpu.module, and gpu.launch_func
             "canonicalize",
             "cse",
+            "symbol-dce",  # the host's copies of globals the kernels now hold
         ),
         "nvvm": (
             f"nvvm-attach-target{{chip={options.chip} features={CHIPS[options.chip]} O={options.opt_level}}}",
             # The math library's fma, roundeven, abs and copysign as LLVM intrinsics, which NVPTX
             # selects as instructions; convert-gpu-to-nvvm would make them libdevice calls.
-            "gpu.module(convert-scf-to-cf,convert-gpu-to-nvvm,canonicalize,cse,reconcile-unrealized-casts)",
+            # Views of constant globals inside the kernels (`globals_into_launches`) as pointer
+            # arithmetic first: convert-gpu-to-nvvm lowers no `memref.expand_shape`.
+            "gpu.module(expand-strided-metadata,lower-affine,convert-scf-to-cf,convert-gpu-to-nvvm,canonicalize,cse,"
+            "reconcile-unrealized-casts)",
             "gpu-module-to-binary{format=isa}",
         ),
     }

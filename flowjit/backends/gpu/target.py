@@ -9,15 +9,19 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
   into one kernel.
 - reductions to one element: two kernels (partials of `P` rows, then one thread over them), since a
   reduction with no parallel dimension would otherwise stay a loop on the host.
-- not registered yet: control flow (`lower_control`: a loop's predicate would be read on the host
-  from device memory), dot, conv, pooling, sort, scan, gather/scatter, pad, concatenate (the CPU
-  writes them with its own kernels), send/recv.
-- ops in `UNSUPPORTED_MATH`, which the shared math writes as calls (`math.sin` in float64), and ops
-  the table has no lowering for: a `CompileError` naming the op and its line (`check_graph`).
+- the GPU's own kernels (`lower_kernels.py`): contractions, windows, scans, sort, gather/scatter,
+  pad, concatenate, dynamic_slice, as one thread per result element or a parallel loop writing a
+  buffer.
+- rank-0 ops as kernels of one element of rank 1 (`scalars_as_vectors`, `Target.rank0_kernels`).
+- `CPU_ONLY`: ops the GPU does not compile (control flow, state, send/recv), with the reason a
+  placement report shows; `cpu_only_reason(op)` adds float64 math the shared library writes as
+  calls (`UNSUPPORTED_MATH`). `check_graph` refuses them, and ops without a lowering, with a
+  `CompileError` naming the op, its line and the reason.
 """
 
 from __future__ import annotations
 
+from flowjit.backends.gpu import lower_kernels
 from flowjit.backends.mlir import (
     lower_control,
     lower_elementwise,
@@ -70,56 +74,68 @@ GPU = Target(
     schedules=PlainLoops(),
     math=MathLibrary(unary=mathlib.MATH, binary=mathlib.MATH_BINARY, truncate_to_bf16=mathlib.truncate_to_bf16),
 )
+GPU.rank0_kernels = False
 lower_elementwise.register(GPU.lowerings, GPU.math)
 lower_reduction.register(GPU.lowerings)
 lower_layout.register(GPU.lowerings)
 lower_movement.register(GPU.lowerings)
+lower_kernels.register(GPU.lowerings)
 
-# Ops that read a value on the host (a dynamic index, a loop's predicate) or write code the GPU
-# runtime must handle first: refused until it exists.
-NOT_YET = {
-    "dynamic_slice": "reads its start indices on the host",
+GPU.lowerings.tensor["custom_vjp_call"] = lower_control.lower_custom_vjp_call
+
+# Ops the GPU does not compile, with the reason: placement puts them on the CPU and its report
+# shows the reason; compiling one for the GPU is a CompileError quoting it.
+CPU_ONLY = {
+    **dict.fromkeys(
+        ("cond", "for", "while"),
+        "control flow: its predicate or trip count would be read on the host, from device memory",
+    ),
+    **dict.fromkeys(
+        ("read_variable", "assign", "assign_add", "assign_sub"),
+        "state: variables are host buffers, which the GPU runtime does not hold",
+    ),
+    **dict.fromkeys(
+        ("send", "recv", "send_done"),
+        "communication: it calls the host runtime's rendezvous",
+    ),
 }
 
-# Float64 math that the shared library writes as `math.*` ops (libm calls on the CPU), which would
-# be unresolved libdevice calls (`__nv_sin`) in PTX: op name -> the dtypes it is refused for.
-UNSUPPORTED_MATH = {name: (dt.float64,) for name in ("sin", "cos", "tan", "erf", "atan2", "pow", "arctan2", "power")}
+# Float64 math the shared library writes as `math.*` ops (libm calls on the CPU), which would be
+# unresolved libdevice calls (`__nv_sin`) in PTX: op name -> the dtypes it is refused for.
+UNSUPPORTED_MATH = {name: (dt.float64,) for name in ("sin", "cos", "erf", "atan2", "pow")}
+_MATH_REASON = (
+    "float64 {op} has no call-free GPU lowering (it would call libdevice, which nothing links); float32 has one"
+)
+
+
+def cpu_only_reason(op: Op) -> str | None:
+    """Why `op` must run on the CPU (what a placement report shows), or None if the GPU compiles it."""
+    if op.name in CPU_ONLY:
+        return CPU_ONLY[op.name]
+    refused = UNSUPPORTED_MATH.get(op.name, ())
+    if any(v.type.dtype in refused for v in (*op.operands, *op.results)):
+        return _MATH_REASON.format(op=op.name)
+    return None
 
 
 def check_graph(graph: Graph) -> None:
-    """Fail before lowering on the first op (fused bodies included) the GPU cannot compile yet,
-    naming it and its line."""
+    """Fail before lowering on the first op (fused bodies included) the GPU does not compile,
+    naming it, its line and the reason."""
     for op in graph.walk():
-        if op.name == "constant" and splat_value(op.result) is None and op.result.type.size > 1:
-            raise op_error(
-                CompileError,
-                op.loc,
-                op.name,
-                "of several values is not supported on target 'cuda' yet (it would be a host global the "
-                "kernels cannot read); only constants of one value are",
-            )
         if op.name in ("constant", "fusion"):
             continue
-        if op.name in NOT_YET:
+        reason = cpu_only_reason(op)
+        if reason is not None:
             raise op_error(
-                CompileError, op.loc, op.name, f"is not supported on target 'cuda' yet: it {NOT_YET[op.name]}"
+                CompileError, op.loc, op.name, f"is CPU-only on target 'cuda': {reason}; use target='cpu' for it"
             )
         if not GPU.lowerings.has(op.name):
             raise op_error(
                 CompileError,
                 op.loc,
                 op.name,
-                "has no lowering for target 'cuda' yet (docs/gpu-backend.md lists what lowers); "
+                "has no lowering for target 'cuda' (docs/gpu-backend.md lists what lowers); "
                 "use target='cpu' for this function",
-            )
-        refused = UNSUPPORTED_MATH.get(op.name, ())
-        if any(v.type.dtype in refused for v in (*op.operands, *op.results)):
-            raise op_error(
-                CompileError,
-                op.loc,
-                op.name,
-                "in float64 has no call-free lowering for target 'cuda' yet (it would call libdevice); "
-                "use float32, or target='cpu'",
             )
 
 
@@ -170,6 +186,14 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     return [reshape_tensor(em, total, total_type.with_dtype(result.dtype), result)]
 
 
+# The attributes naming dimensions of the ops that have them, for operands and results of rank 1.
+_RANK1_ATTRS = {
+    "broadcast": {"shape": (1,), "dims": (0,)},
+    "reshape": {"shape": (1,)},
+    "transpose": {"perm": (0,)},
+}
+
+
 def scalars_as_vectors(fn):
     """A tensor lowering that computes an op of rank-0 operands and results on tensors of one
     element: a kernel of rank 0 has no parallel loop to map to a thread, and would run on the host."""
@@ -186,7 +210,7 @@ def scalars_as_vectors(fn):
             vectors.append(Value(v.type.with_shape((1,))))
             tensors.append(reshape_tensor(em, x, v.type, vectors[-1].type))
         results = [r.type.with_shape((1,)) for r in op.results]
-        promoted = Op(op.name, vectors, results, op.attrs, op.loc, op.device)
+        promoted = Op(op.name, vectors, results, op.attrs | _RANK1_ATTRS.get(op.name, {}), op.loc, op.device)
         outs = fn(em, promoted, tensors)
         return [reshape_tensor(em, x, t, r.type) for x, t, r in zip(outs, results, op.results)]
 
@@ -194,5 +218,5 @@ def scalars_as_vectors(fn):
 
 
 for _name, _fn in list(GPU.lowerings.tensor.items()):
-    if _name != "fusion":
+    if _name not in ("fusion", "slice", *lower_kernels.OWN_SCALARS):  # these take rank 0 as it is
         GPU.lowerings.tensor[_name] = scalars_as_vectors(_fn)

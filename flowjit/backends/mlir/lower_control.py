@@ -382,7 +382,7 @@ def _lower_control(fl, op: Op) -> None:
         fl.write(tensor, value, fl.buffers.get(value))  # zero-size values have no buffer
 
 
-def _custom_vjp_call(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+def lower_custom_vjp_call(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """An identity on its last operands (its backward rule matters only to the autodiff pass)."""
     return operands[op.attrs["num_inputs"] + op.attrs["num_residuals"] :]
 
@@ -390,4 +390,4 @@ def _custom_vjp_call(em: KernelEmitter, op: Op, operands: list[str]) -> list[str
 def register(table: LoweringTable) -> None:
     """Add the control-flow lowerings (`cond`, `for`, `while`, `custom_vjp_call`) to `table`."""
     table.buffer.update({name: _lower_control for name in CONTROL_OPS})
-    table.tensor["custom_vjp_call"] = _custom_vjp_call
+    table.tensor["custom_vjp_call"] = lower_custom_vjp_call

@@ -8,8 +8,9 @@ are a fill followed by a strided insert. bool data moves as bytes (`on_bytes`). 
 starts are clamped into `[0, dim - size]` in the generated code, as in the reference
 implementation: no generated load or store can leave its buffer.
 
-pad, concatenate, gather and scatter_add are the CPU's own (`backends/cpu/lower_movement.py`):
-their vector copy loops read the host's vector width and core count.
+pad, concatenate, gather and scatter_add are each target's own (`backends/cpu/lower_movement.py`,
+whose vector copy loops read the host's vector width and core count; `backends/gpu/lower_kernels.py`),
+and so is the GPU's dynamic_slice, which reads its starts inside the kernel.
 """
 
 from __future__ import annotations

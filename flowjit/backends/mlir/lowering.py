@@ -360,8 +360,21 @@ def call_buffers(fl, op: Op) -> list[tuple[str, str]] | None:
     return [(fl.buffers[v], memref_type(v.type)) for v in values]
 
 
+def _as_one_element(em: KernelEmitter, tensor: str, t: TensorType, elem: str) -> str:
+    return em.op(f"tensor.expand_shape {tensor} [] output_shape [1] : {tensor_type(t, elem)} into tensor<1x{elem}>")
+
+
+def _without_rank0_kernels(em: KernelEmitter, t: TensorType) -> bool:
+    return t.rank == 0 and em.target is not None and not em.target.rank0_kernels
+
+
 def bool_from_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     """numpy bool bytes (i8) -> i1 tensor (any nonzero byte is true)."""
+    if _without_rank0_kernels(em, t):  # one element of rank 1 (`Target.rank0_kernels`)
+        one = bool_from_bytes(em, _as_one_element(em, tensor, t, "i8"), t.with_shape((1,)))
+        result = em.op(f"tensor.collapse_shape {one} [] : tensor<1xi1> into tensor<i1>")
+        em.bool_bytes[result] = tensor
+        return result
     zero_map = em.identity_map(t.rank)
 
     def body(b, args):
@@ -385,6 +398,11 @@ def bool_to_bytes(em: KernelEmitter, tensor: str, t: TensorType) -> str:
     """i1 tensor -> numpy bool bytes (0 or 1); the bytes it was read from when there are some."""
     if tensor in em.bool_bytes:
         return em.bool_bytes[tensor]
+    if _without_rank0_kernels(em, t):  # one element of rank 1 (`Target.rank0_kernels`)
+        one = bool_to_bytes(em, _as_one_element(em, tensor, t, "i1"), t.with_shape((1,)))
+        result = em.op(f"tensor.collapse_shape {one} [] : tensor<1xi8> into tensor<i8>")
+        em.bool_bytes[tensor] = result
+        return result
     identity = em.identity_map(t.rank)
     result = em.generic(
         [(tensor, tensor_type(t))],

@@ -145,6 +145,9 @@ class Target:
         self.lowerings = LoweringTable(name)
         self.schedules = schedules
         self.math = math
+        # Whether a kernel of rank 0 (no loop) may be emitted; the GPU's may not (it would run on
+        # the host), so the shared lowerings that would write one compute one element of rank 1.
+        self.rank0_kernels = True
 
     def output_attribute(self, nbytes: int, read_bytes: int, written_bytes: int) -> str | None:
         """An attribute for the function argument of an output of `nbytes` in a function that reads

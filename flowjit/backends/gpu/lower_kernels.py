@@ -1,0 +1,629 @@
+"""The GPU's own lowerings of the ops the shared layer leaves to each target: contractions,
+windows, scans, sort, indexing and padding.
+
+Two kernel shapes, both mapped to blocks and threads by the stage table (`pipeline.py`):
+
+- `per_element`: a `linalg.generic` over the result, all dimensions parallel, whose body computes
+  one element from its indices (`linalg.index`): it reads operands with `tensor.extract` at
+  computed indices and may run a serial `scf.for` (dot_general's k loop, a window, an argmax
+  row). One thread per result element.
+- `parallel_writes`: an `scf.parallel` over an index space writing a buffer at computed positions
+  (`memref.store`, `memref.atomic_rmw`), for ops whose writes a generic cannot express: a scan
+  walks its row in one thread, a sort stores each element at its rank, scatter_add adds atomically.
+
+Bounds: every index an operand is read or written at is clamped into its dimension (a pad's or a
+convolution's padding reads a clamped element and selects the padding value instead), and every
+loop runs inside its operand's extent, so no kernel reads or writes outside its buffers whatever
+the data (out-of-range gather/scatter indices and dynamic_slice starts are clamped, as the
+reference implementation does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from flowjit.backends.mlir.emitter import (
+    KernelEmitter,
+    ScalarBuilder,
+    elem_type,
+    memory_elem_type,
+    scalar_literal,
+    tensor_type,
+)
+from flowjit.backends.mlir.lower_elementwise import compute_elem, extend, narrow
+from flowjit.backends.mlir.lower_movement import moved_type, on_bytes
+from flowjit.backends.mlir.target import LoweringTable
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Op
+from flowjit.ir.ops.reduction import reduction_identity
+from flowjit.ir.types import TensorType
+
+# --- kernel shapes ----------------------------------------------------------------------------
+
+
+def per_element(em: KernelEmitter, result: TensorType, body: Callable[[ScalarBuilder, list[str]], str]) -> str:
+    """A tensor of type `result` (bools as bytes) whose element at indices `idx` is `body(b, idx)`,
+    a scalar of the result's memory element type. Rank 0 runs as one element of rank 1 (a kernel
+    with no parallel dimension would stay on the host)."""
+    elem = memory_elem_type(result.dtype)
+    if result.size == 0:
+        return em.empty(result, elem)
+    kernel = result if result.rank else result.with_shape((1,))
+    ident = em.identity_map(kernel.rank)
+
+    def generic_body(b: ScalarBuilder, args: list[str]) -> str:
+        idx = [b.op(f"linalg.index {d} : index") for d in range(result.rank)]
+        return body(b, idx)
+
+    out = em.generic(
+        [],
+        (em.empty(kernel, elem), tensor_type(kernel, elem)),
+        [ident],
+        ["parallel"] * kernel.rank,
+        generic_body,
+        [],
+        elem,
+    )
+    if result.rank == 0:
+        out = em.op(f"tensor.collapse_shape {out} [] : {tensor_type(kernel, elem)} into {tensor_type(result, elem)}")
+    return out
+
+
+def parallel_writes(
+    em: KernelEmitter,
+    dest: str,
+    dest_type: TensorType,
+    space: Sequence[int],
+    body: Callable[[ScalarBuilder, str, list[str]], None],
+) -> str:
+    """`dest` (a fresh tensor of `dest_type`, bools as bytes) after `body(b, buffer, idx)` ran for
+    every index `idx` of the iteration space `space` in parallel, writing `buffer` (dest's memref)
+    itself. An empty space leaves `dest` as it is."""
+    if math.prod(space) == 0:
+        return dest
+    ttype = tensor_type(dest_type, memory_elem_type(dest_type.dtype))
+    mtype = "memref<" + ttype.removeprefix("tensor<")
+    buffer = em.op(f"bufferization.to_buffer {dest} : {ttype} to {mtype}")
+    # One iteration runs as two, the second doing nothing: canonicalization inlines a loop of one
+    # iteration into the host code.
+    single = math.prod(space) == 1
+    bounds = (2,) if single else tuple(space)
+    zero = em.op("arith.constant 0 : index")
+    one = em.op("arith.constant 1 : index")
+    uppers = [em.op(f"arith.constant {n} : index") for n in bounds]
+    idx = [em.fresh("p") for _ in bounds]
+    em.line(
+        f"scf.parallel ({', '.join(idx)}) = ({', '.join([zero] * len(bounds))}) to ({', '.join(uppers)}) "
+        f"step ({', '.join([one] * len(bounds))}) {{"
+    )
+    b = ScalarBuilder(em, em.indent + "  ")
+    if single:
+        first = b.op(f"arith.cmpi eq, {idx[0]}, {zero} : index")
+        b.line(f"scf.if {first} {{")
+        inner = ScalarBuilder(em, b.indent + "  ")
+        body(inner, buffer, [zero] * len(space))
+        b.lines.extend(inner.lines)
+        b.line("}")
+    else:
+        body(b, buffer, idx)
+    em.body.extend(b.lines)
+    em.line("  scf.reduce")
+    em.line("}")
+    return em.op(f"bufferization.to_tensor {buffer} restrict writable : {mtype} to {ttype}")
+
+
+def serial_for(
+    b: ScalarBuilder,
+    lo: str,
+    hi: str,
+    carried: Sequence[tuple[str, str]],
+    body: Callable[[ScalarBuilder, str, list[str]], Sequence[str]],
+) -> list[str]:
+    """An `scf.for %i = lo to hi` (index SSA names) carrying `carried` [(initial value, type)];
+    `body(b, i, values)` returns the next values. Returns the final values."""
+    em = b.emitter
+    one = b.const(1, "index")
+    iv = em.fresh("i")
+    args = [em.fresh("c") for _ in carried]
+    result = em.fresh("r")
+    types = ", ".join(t for _, t in carried)
+    iters = ", ".join(f"{a} = {init}" for a, (init, _) in zip(args, carried))
+    name = result if len(carried) == 1 else f"{result}:{len(carried)}"
+    b.line(f"{name} = scf.for {iv} = {lo} to {hi} step {one} iter_args({iters}) -> ({types}) {{")
+    inner = ScalarBuilder(em, b.indent + "  ")
+    yielded = body(inner, iv, args)
+    b.lines.extend(inner.lines)
+    b.line(f"  scf.yield {', '.join(yielded)} : {types}")
+    b.line("}")
+    return [result] if len(carried) == 1 else [f"{result}#{k}" for k in range(len(carried))]
+
+
+def serial_nest(
+    b: ScalarBuilder,
+    extents: Sequence[int],
+    carried: Sequence[tuple[str, str]],
+    body: Callable[[ScalarBuilder, list[str], list[str]], Sequence[str]],
+) -> list[str]:
+    """Nested `serial_for`s over `extents` (outermost first); `body(b, indices, values)`."""
+
+    def level(b: ScalarBuilder, depth: int, outer: list[str], values: list[str]) -> list[str]:
+        if depth == len(extents):
+            return list(body(b, outer, values))
+        lo, hi = b.const(0, "index"), b.const(extents[depth], "index")
+        return serial_for(
+            b,
+            lo,
+            hi,
+            [(v, t) for v, (_, t) in zip(values, carried)],
+            lambda ib, i, vs: level(ib, depth + 1, [*outer, i], vs),
+        )
+
+    return level(b, 0, [], [v for v, _ in carried])
+
+
+def extract(b: ScalarBuilder, tensor: str, ttype: str, idx: Sequence[str]) -> str:
+    return b.op(f"tensor.extract {tensor}[{', '.join(idx)}] : {ttype}")
+
+
+def clamp(b: ScalarBuilder, index: str, high: int) -> str:
+    """An `index` value clamped into [0, high]."""
+    above = b.op(f"arith.maxsi {index}, {b.const(0, 'index')} : index")
+    return b.op(f"arith.minsi {above}, {b.const(high, 'index')} : index")
+
+
+def index_of(b: ScalarBuilder, value: str, int_elem: str) -> str:
+    """An integer scalar of MLIR type `int_elem` as an `index`."""
+    return b.op(f"arith.index_cast {value} : {int_elem} to index")
+
+
+def offset(b: ScalarBuilder, index: str, scale: int, add: int) -> str:
+    """index * scale + add, on `index` values (add may be negative)."""
+    scaled = index if scale == 1 else b.op(f"arith.muli {index}, {b.const(scale, 'index')} : index")
+    return scaled if add == 0 else b.op(f"arith.addi {scaled}, {b.const(add, 'index')} : index")
+
+
+def in_range(b: ScalarBuilder, index: str, size: int) -> str:
+    """0 <= index < size, as i1."""
+    low = b.op(f"arith.cmpi sge, {index}, {b.const(0, 'index')} : index")
+    high = b.op(f"arith.cmpi slt, {index}, {b.const(size, 'index')} : index")
+    return b.op(f"arith.andi {low}, {high} : i1")
+
+
+def both(b: ScalarBuilder, conditions: Sequence[str]) -> str | None:
+    result = None
+    for c in conditions:
+        result = c if result is None else b.op(f"arith.andi {result}, {c} : i1")
+    return result
+
+
+def add(b: ScalarBuilder, x: str, y: str, elem: str) -> str:
+    return b.op(f"arith.{'addi' if elem.startswith('i') else 'addf'} {x}, {y} : {elem}")
+
+
+def mul(b: ScalarBuilder, x: str, y: str, elem: str) -> str:
+    return b.op(f"arith.{'muli' if elem.startswith('i') else 'mulf'} {x}, {y} : {elem}")
+
+
+def select(b: ScalarBuilder, cond: str, x: str, y: str, elem: str) -> str:
+    return b.op(f"arith.select {cond}, {x}, {y} : {elem}")
+
+
+def zero_of(b: ScalarBuilder, elem: str) -> str:
+    return b.const(0, elem)
+
+
+# --- contractions -----------------------------------------------------------------------------
+
+
+def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """One thread per result element, a serial loop nest over the contracted dimensions
+    (accumulating half types in f32, as the reference does). No tiling through shared memory yet."""
+    a, b = op.operands
+    lc, rc = op.attrs["lhs_contract"], op.attrs["rhs_contract"]
+    lb, rb = op.attrs["lhs_batch"], op.attrs["rhs_batch"]
+    lf = [d for d in range(a.type.rank) if d not in lc and d not in lb]
+    rf = [d for d in range(b.type.rank) if d not in rc and d not in rb]
+    result = op.result.type
+    acc = compute_elem(result.dtype)
+    at, bt = tensor_type(a.type), tensor_type(b.type)
+    contracted = [a.type.shape[d] for d in lc]
+
+    def body(bd: ScalarBuilder, idx: list[str]) -> str:
+        nb = len(lb)
+        a_at: dict[int, str] = {d: idx[k] for k, d in enumerate(lb)}
+        b_at: dict[int, str] = {d: idx[k] for k, d in enumerate(rb)}
+        a_at |= {d: idx[nb + k] for k, d in enumerate(lf)}
+        b_at |= {d: idx[nb + len(lf) + k] for k, d in enumerate(rf)}
+
+        def step(ib: ScalarBuilder, ks: list[str], values: list[str]) -> list[str]:
+            ai = a_at | dict(zip(lc, ks))
+            bi = b_at | dict(zip(rc, ks))
+            x = extend(ib, extract(ib, operands[0], at, [ai[d] for d in range(a.type.rank)]), a.type.dtype)
+            y = extend(ib, extract(ib, operands[1], bt, [bi[d] for d in range(b.type.rank)]), b.type.dtype)
+            return [add(ib, values[0], mul(ib, x, y, acc), acc)]
+
+        (total,) = serial_nest(bd, contracted, [(zero_of(bd, acc), acc)], step)
+        return narrow(bd, total, result.dtype)
+
+    return [per_element(em, result, body)]
+
+
+def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Direct convolution (NCHW input, OIHW weights): one thread per output element, a serial
+    loop over input channels and the kernel window; padding reads a clamped element and adds 0."""
+    x, w = op.operands
+    stride, dilation = op.attrs["stride"], op.attrs["dilation"]
+    padding = op.attrs["padding"]
+    result = op.result.type
+    acc = compute_elem(result.dtype)
+    xt, wt = tensor_type(x.type), tensor_type(w.type)
+    _, channels, height, width = x.type.shape
+    _, _, kh, kw = w.type.shape
+
+    def body(bd: ScalarBuilder, idx: list[str]) -> str:
+        n, o, y, xx = idx
+
+        def step(ib: ScalarBuilder, ks: list[str], values: list[str]) -> list[str]:
+            c, i, j = ks
+            row = ib.op(
+                f"arith.addi {offset(ib, y, stride[0], -padding[0][0])}, {offset(ib, i, dilation[0], 0)} : index"
+            )
+            col = ib.op(
+                f"arith.addi {offset(ib, xx, stride[1], -padding[1][0])}, {offset(ib, j, dilation[1], 0)} : index"
+            )
+            valid = both(ib, [in_range(ib, row, height), in_range(ib, col, width)])
+            pixel = extract(ib, operands[0], xt, [n, c, clamp(ib, row, height - 1), clamp(ib, col, width - 1)])
+            weight = extract(ib, operands[1], wt, [o, c, i, j])
+            term = mul(ib, extend(ib, pixel, x.type.dtype), extend(ib, weight, w.type.dtype), acc)
+            return [select(ib, valid, add(ib, values[0], term, acc), values[0], acc)]
+
+        if min(height, width, channels) == 0:
+            return narrow(bd, zero_of(bd, acc), result.dtype)
+        (total,) = serial_nest(bd, (channels, kh, kw), [(zero_of(bd, acc), acc)], step)
+        return narrow(bd, total, result.dtype)
+
+    return [per_element(em, result, body)]
+
+
+def lower_reduce_window(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """max/sum/avg over each window: one thread per output element, a serial loop nest over the
+    window; padded positions are skipped (they hold the reduction's identity, or 0 for avg)."""
+    (x,) = op.operands
+    kind, window, strides, padding = (op.attrs[k] for k in ("kind", "window", "strides", "padding"))
+    result = op.result.type
+    acc = compute_elem(result.dtype)
+    xt = tensor_type(x.type)
+    is_float = result.dtype.is_float
+    identity = reduction_identity("max", result.dtype) if kind == "max" else 0
+    combine = ("maximumf" if is_float else "maxsi") if kind == "max" else ("addf" if is_float else "addi")
+    acc_dtype = dt.float32 if acc == "f32" else result.dtype
+
+    def body(bd: ScalarBuilder, idx: list[str]) -> str:
+        init = bd.op(f"arith.constant {scalar_literal(identity, acc_dtype)} : {acc}")
+        if x.type.size == 0:
+            return narrow(bd, init, result.dtype)
+
+        def step(ib: ScalarBuilder, ks: list[str], values: list[str]) -> list[str]:
+            at, valid = [], []
+            for d, (o, k) in enumerate(zip(idx, ks)):
+                p = ib.op(f"arith.addi {offset(ib, o, strides[d], -padding[d][0])}, {k} : index")
+                valid.append(in_range(ib, p, x.type.shape[d]))
+                at.append(clamp(ib, p, x.type.shape[d] - 1))
+            v = extend(ib, extract(ib, operands[0], xt, at), x.type.dtype)
+            combined = ib.op(f"arith.{combine} {values[0]}, {v} : {acc}")
+            return [select(ib, both(ib, valid), combined, values[0], acc)]
+
+        (total,) = serial_nest(bd, window, [(init, acc)], step)
+        if kind == "avg":
+            total = bd.op(f"arith.divf {total}, {bd.const(math.prod(window), acc)} : {acc}")
+        return narrow(bd, total, result.dtype)
+
+    return [per_element(em, result, body)]
+
+
+# --- reductions to an index, scans, sort ---------------------------------------------------------
+
+
+def _arg_extreme(kind: str):
+    def lower(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        """The index of the first extreme along `axis` (a nan is the extreme: the first nan wins),
+        one thread per result element walking its row."""
+        (x,) = op.operands
+        axis = op.attrs["axis"]
+        result = op.result.type
+        out_elem = elem_type(result.dtype)
+        xt = tensor_type(x.type)
+        e = compute_elem(x.dtype)
+        is_float = x.dtype.is_float
+        cmp = ("cmpf ogt" if is_float else "cmpi sgt") if kind == "max" else ("cmpf olt" if is_float else "cmpi slt")
+
+        def body(bd: ScalarBuilder, idx: list[str]) -> str:
+            def at(b: ScalarBuilder, k: str) -> str:
+                return extend(b, extract(b, operands[0], xt, [*idx[:axis], k, *idx[axis:]]), x.dtype)
+
+            first = at(bd, bd.const(0, "index"))
+
+            def step(ib: ScalarBuilder, k: str, values: list[str]) -> list[str]:
+                best, where = values
+                v = at(ib, k)
+                better = ib.op(f"arith.{cmp}, {v}, {best} : {e}")
+                if is_float:
+                    v_nan = ib.op(f"arith.cmpf uno, {v}, {v} : {e}")
+                    best_num = ib.op(f"arith.cmpf ord, {best}, {best} : {e}")
+                    better = ib.op(f"arith.ori {better}, {ib.op(f'arith.andi {v_nan}, {best_num} : i1')} : i1")
+                return [select(ib, better, v, best, e), select(ib, better, k, where, "index")]
+
+            lo, hi = bd.const(1, "index"), bd.const(x.type.shape[axis], "index")
+            _, where = serial_for(bd, lo, hi, [(first, e), (bd.const(0, "index"), "index")], step)
+            return bd.op(f"arith.index_cast {where} : index to {out_elem}")
+
+        return [per_element(em, result, body)]
+
+    return lower
+
+
+def _rows_of(t: TensorType, axis: int) -> tuple[int, ...]:
+    return t.shape[:axis] + t.shape[axis + 1 :]
+
+
+def _position(b: ScalarBuilder, k: str, n: int, reverse: bool) -> str:
+    """Step k of a walk along an axis of n elements: k, or n - 1 - k when walking from the end."""
+    if not reverse:
+        return k
+    return b.op(f"arith.subi {b.const(n - 1, 'index')}, {k} : index")
+
+
+def _scan(recurrence: bool):
+    def lower(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        """One thread per row walks it in order (the reference's order, so sums round alike),
+        storing each running value: cumsum's sums, or linear_recurrence's h = a * h + b."""
+        x = op.operands[-1]
+        axis, reverse = op.attrs["axis"], bool(op.attrs["reverse"])
+        t = x.type
+        e = elem_type(t.dtype)
+        n = t.shape[axis]
+        ttype = tensor_type(t)
+        out = em.empty(t)
+
+        def body(b: ScalarBuilder, buffer: str, row: list[str]) -> None:
+            mtype = "memref<" + ttype.removeprefix("tensor<")
+
+            def step(ib: ScalarBuilder, k: str, values: list[str]) -> list[str]:
+                at = [*row[:axis], _position(ib, k, n, reverse), *row[axis:]]
+                v = extract(ib, operands[-1], ttype, at)
+                if recurrence:
+                    first = ib.op(f"arith.cmpi eq, {k}, {ib.const(0, 'index')} : index")
+                    a = extract(ib, operands[0], ttype, at)
+                    h = select(ib, first, v, add(ib, mul(ib, a, values[0], e), v, e), e)
+                else:
+                    h = add(ib, values[0], v, e)
+                ib.line(f"memref.store {h}, {buffer}[{', '.join(at)}] : {mtype}")
+                return [h]
+
+            serial_for(b, b.const(0, "index"), b.const(n, "index"), [(zero_of(b, e), e)], step)
+
+        return [parallel_writes(em, out, t, _rows_of(t, axis), body) if n else out]
+
+    return lower
+
+
+def _key_less(b: ScalarBuilder, x: str, y: str, dtype: dt.DType) -> str:
+    """x < y in the sort's order: floats with nans last (no nan is less than anything)."""
+    if not dtype.is_float:
+        return b.op(f"arith.cmpi slt, {x}, {y} : {elem_type(dtype)}")
+    e = compute_elem(dtype)
+    less = b.op(f"arith.cmpf olt, {x}, {y} : {e}")
+    x_num = b.op(f"arith.cmpf ord, {x}, {x} : {e}")
+    y_nan = b.op(f"arith.cmpf uno, {y}, {y} : {e}")
+    return b.op(f"arith.ori {less}, {b.op(f'arith.andi {x_num}, {y_nan} : i1')} : i1")
+
+
+@on_bytes
+def lower_sort(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A stable sort by rank: one thread per element counts the elements of its row that sort
+    before it (smaller keys, and equal keys at smaller positions) and stores the element and its
+    payloads at that rank. O(n) per element, O(n^2) per row: right for short rows only."""
+    keys = op.operands[0]
+    axis = op.attrs["axis"]
+    t = keys.type
+    n = t.shape[axis]
+    kt = moved_type(t)
+    outs = [em.empty(v.type, memory_elem_type(v.type.dtype)) for v in op.operands]
+    if t.size == 0:
+        return outs
+
+    def key_at(b: ScalarBuilder, at: list[str]) -> str:
+        v = extract(b, operands[0], kt, at)
+        if t.dtype.is_bool:
+            return b.op(f"arith.extui {v} : i8 to i32")
+        return extend(b, v, t.dtype)
+
+    key_dtype = dt.int32 if t.dtype.is_bool else t.dtype
+
+    def rank_of(b: ScalarBuilder, idx: list[str]) -> str:
+        me = key_at(b, idx)
+        i = idx[axis]
+
+        def step(ib: ScalarBuilder, k: str, values: list[str]) -> list[str]:
+            other = key_at(ib, [*idx[:axis], k, *idx[axis + 1 :]])
+            before = _key_less(ib, other, me, key_dtype)
+            not_after = ib.op(f"arith.xori {_key_less(ib, me, other, key_dtype)}, {ib.const(1, 'i1')} : i1")
+            earlier = ib.op(f"arith.cmpi slt, {k}, {i} : index")
+            tie_before = ib.op(f"arith.andi {not_after}, {earlier} : i1")
+            counts = ib.op(f"arith.ori {before}, {tie_before} : i1")
+            return [
+                select(ib, counts, ib.op(f"arith.addi {values[0]}, {ib.const(1, 'index')} : index"), values[0], "index")
+            ]
+
+        (rank,) = serial_for(b, b.const(0, "index"), b.const(n, "index"), [(b.const(0, "index"), "index")], step)
+        return clamp(b, rank, n - 1)
+
+    # The ranks once, as a tensor of indices; then each result stored at them.
+    ranks = per_element(
+        em, TensorType(t.shape, dt.int64), lambda b, idx: b.op(f"arith.index_cast {rank_of(b, idx)} : index to i64")
+    )
+    rank_type = tensor_type(TensorType(t.shape, dt.int64))
+    results = []
+    for tensor, value, out in zip(operands, op.operands, outs):
+        vt = moved_type(value.type)
+        mtype = "memref<" + vt.removeprefix("tensor<")
+
+        def body(b: ScalarBuilder, buffer: str, idx: list[str], tensor=tensor, vt=vt, mtype=mtype) -> None:
+            rank = index_of(b, extract(b, ranks, rank_type, idx), "i64")
+            at = [*idx[:axis], clamp(b, rank, n - 1), *idx[axis + 1 :]]
+            b.line(f"memref.store {extract(b, tensor, vt, idx)}, {buffer}[{', '.join(at)}] : {mtype}")
+
+        results.append(parallel_writes(em, out, value.type, t.shape, body))
+    return results
+
+
+# --- indexing and padding ----------------------------------------------------------------------
+
+
+@on_bytes
+def lower_pad(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Each output element is x's element it lands on, or the padding value (read in the kernel)."""
+    x, value = op.operands
+    low, interior = op.attrs["low"], op.attrs["interior"]
+    result = op.result.type
+    xt, vt = moved_type(x.type), moved_type(value.type)
+    if x.type.rank == 0:
+        return [operands[0]]
+
+    def body(b: ScalarBuilder, idx: list[str]) -> str:
+        pad_value = extract(b, operands[1], vt, [])
+        if x.type.size == 0:
+            return pad_value
+        at, valid = [], []
+        for d, o in enumerate(idx):
+            step = interior[d] + 1
+            rel = offset(b, o, 1, -low[d])
+            source = b.op(f"arith.divsi {rel}, {b.const(step, 'index')} : index") if step > 1 else rel
+            valid.append(in_range(b, source, x.type.shape[d]))
+            if step > 1:
+                rem = b.op(f"arith.remsi {rel}, {b.const(step, 'index')} : index")
+                valid.append(b.op(f"arith.cmpi eq, {rem}, {b.const(0, 'index')} : index"))
+            at.append(clamp(b, source, x.type.shape[d] - 1))
+        return select(b, both(b, valid), extract(b, operands[0], xt, at), pad_value, memory_elem_type(x.type.dtype))
+
+    return [per_element(em, result, body)]
+
+
+@on_bytes
+def lower_concatenate(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """Each output element from the operand whose range along `axis` holds it. An operand that is
+    a slice no kernel computed (`em.operand_slices`: it cuts `axis` only) is read from its source."""
+    axis = op.attrs["axis"]
+    result = op.result.type
+    elem = memory_elem_type(result.dtype)
+    parts, start = [], 0
+    for i, (x, v) in enumerate(zip(operands, op.operands)):
+        extent = v.type.shape[axis]
+        view = em.operand_slices.get(i)
+        source, skip = (view.source.type, view.start[axis]) if view is not None else (v.type, 0)
+        if extent:
+            parts.append((x, source, start, extent, skip))
+        start += extent
+
+    def body(b: ScalarBuilder, idx: list[str]) -> str:
+        picked = None
+        for x, source, first, extent, skip in parts:
+            local = offset(b, clamp(b, offset(b, idx[axis], 1, -first), extent - 1), 1, skip)
+            v = extract(b, x, moved_type(source), [*idx[:axis], local, *idx[axis + 1 :]])
+            if picked is None:
+                picked = v
+                continue
+            inside = b.op(f"arith.cmpi sge, {idx[axis]}, {b.const(first, 'index')} : index")
+            picked = select(b, inside, v, picked, elem)
+        return picked
+
+    return [per_element(em, result, body)]
+
+
+@on_bytes
+def lower_gather(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """out[pre, i..., post] = x[pre, clamp(idx[i...]), post], the index read in the kernel."""
+    x, indices = op.operands
+    axis = op.attrs["axis"]
+    result = op.result.type
+    xt, it = moved_type(x.type), tensor_type(indices.type)
+    k = indices.type.rank
+
+    def body(b: ScalarBuilder, idx: list[str]) -> str:
+        i = index_of(b, extract(b, operands[1], it, idx[axis : axis + k]), elem_type(indices.type.dtype))
+        at = [*idx[:axis], clamp(b, i, x.type.shape[axis] - 1), *idx[axis + k :]]
+        return extract(b, operands[0], xt, at)
+
+    return [per_element(em, result, body)]
+
+
+def lower_scatter_add(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A copy of x, then one thread per update adding it at its clamped index with an atomic add
+    (duplicate indices accumulate; their order, and so a float sum's rounding, is not fixed)."""
+    x, indices, updates = op.operands
+    axis = op.attrs["axis"]
+    t = x.type
+    e = elem_type(t.dtype)
+    xt, it, ut = tensor_type(t), tensor_type(indices.type), tensor_type(updates.type)
+    k = indices.type.rank
+    copy = per_element(em, t, lambda b, idx: extract(b, operands[0], xt, idx))
+    if t.size == 0 or updates.type.size == 0:
+        return [copy]
+    mtype = "memref<" + xt.removeprefix("tensor<")
+    kind = "addi" if t.dtype.is_int else "addf"
+
+    def body(b: ScalarBuilder, buffer: str, idx: list[str]) -> None:
+        i = index_of(b, extract(b, operands[1], it, idx[axis : axis + k]), elem_type(indices.type.dtype))
+        at = [*idx[:axis], clamp(b, i, t.shape[axis] - 1), *idx[axis + k :]]
+        update = extract(b, operands[2], ut, idx)
+        b.op(f"memref.atomic_rmw {kind} {update}, {buffer}[{', '.join(at)}] : ({e}, {mtype}) -> {e}")
+
+    return [parallel_writes(em, copy, t, updates.type.shape, body)]
+
+
+@on_bytes
+def lower_dynamic_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """A window at starts read in the kernel, each clamped into [0, dim - size]."""
+    x, *starts = op.operands
+    sizes = op.attrs["sizes"]
+    if x.type.rank == 0:
+        return [operands[0]]
+    xt = moved_type(x.type)
+
+    def body(b: ScalarBuilder, idx: list[str]) -> str:
+        at = []
+        for d, (o, s) in enumerate(zip(idx, starts)):
+            elem = memory_elem_type(s.type.dtype)
+            first = clamp(
+                b, index_of(b, extract(b, operands[1 + d], f"tensor<{elem}>", []), elem), x.type.shape[d] - sizes[d]
+            )
+            at.append(b.op(f"arith.addi {first}, {o} : index"))
+        return extract(b, operands[0], xt, at)
+
+    return [per_element(em, op.result.type, body)]
+
+
+# The ops these lowerings handle on operands and results of rank 0 themselves.
+OWN_SCALARS = ("pad", "dynamic_slice")
+
+
+def register(table: LoweringTable) -> None:
+    """Add the GPU's own lowerings to `table` (the GPU's)."""
+    table.tensor.update(
+        {
+            "dot_general": lower_dot_general,
+            "conv2d": lower_conv2d,
+            "reduce_window": lower_reduce_window,
+            "argmax": _arg_extreme("max"),
+            "argmin": _arg_extreme("min"),
+            "cumsum": _scan(recurrence=False),
+            "linear_recurrence": _scan(recurrence=True),
+            "sort": lower_sort,
+            "pad": lower_pad,
+            "concatenate": lower_concatenate,
+            "gather": lower_gather,
+            "scatter_add": lower_scatter_add,
+            "dynamic_slice": lower_dynamic_slice,
+        }
+    )
