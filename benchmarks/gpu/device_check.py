@@ -15,8 +15,8 @@
         compiled program matched, 1 when one did not, 2 when no GPU could be used (the reason is
         printed: it is the runtime's GpuRuntimeError).
 
-Programs the GPU cannot compile yet (the MLP forward: dot_general) are listed as such, with the
-compile error, never silently dropped.
+Programs the GPU cannot compile (`newton_sqrt`: a while loop, which stays on the CPU) are listed
+as such, with the compile error, never silently dropped.
 """
 
 from __future__ import annotations
@@ -86,6 +86,14 @@ def mlp_forward(x, w1, b1, w2):
     return fnp.tanh(x @ w1 + b1) @ w2
 
 
+def newton_sqrt(x):
+    """A while loop: control flow stays on the CPU (the GPU's CPU_ONLY table), so this program is
+    listed as not compiled, with the reason."""
+    import flowjit as fj
+
+    return fj.while_loop(lambda y: y[0, 0] * y[0, 0] > x[0, 0] + 1e-3, lambda y: 0.5 * (y + x / y), x + 1.0)
+
+
 def _torch(name: str):
     import torch
 
@@ -116,10 +124,11 @@ PROGRAMS = [
     Program("whole_sum", whole_sum, ((1 << 19,),), ((64,),)),
     Program("column_sum", column_sum, ((300, 64, 32),), ((300, 5, 7),)),
     Program("mlp_forward", mlp_forward, ((256, 784), (784, 256), (256,), (256, 10)), ((4, 8), (8, 8), (8,), (8, 2))),
+    Program("newton_sqrt", newton_sqrt, ((64, 64),), ((4, 4),)),
 ]
 # Op-table rows (tests/op_table.py) the GPU lowers: numerics only (small, untimed).
 OP_ROWS = ("exp", "tanh", "add", "broadcast", "transpose", "reduce_sum", "reduce_max")
-TINY = {"chain", "whole_sum", "mlp_forward"}
+TINY = {"chain", "whole_sum", "mlp_forward", "newton_sqrt"}
 
 
 def _inputs(program: Program, tiny: bool) -> list[np.ndarray]:

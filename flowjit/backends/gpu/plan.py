@@ -328,7 +328,7 @@ def extract_plan(module, function: str, inputs: int, outputs: int) -> LaunchPlan
     if func is None:
         raise CompileError(f"internal error: no host function @{function} in the GPU module")
     block = func.regions[0].blocks[0]
-    walker = _Walker(ir)
+    walker = _Walker(ir, module)
     env: dict = {}
     for i, arg in enumerate(block.arguments):
         kind, index = (
@@ -336,14 +336,30 @@ def extract_plan(module, function: str, inputs: int, outputs: int) -> LaunchPlan
         )
         env[arg] = walker.new_buffer(kind, index, arg.type)
     steps = walker.walk(block, env)
-    return LaunchPlan(function, tuple(walker.buffers), tuple(steps))
+    buffers = walker.buffers
+    used = set(_buffers_read(steps))
+    # The workspace's slots became temporaries of their own (`memref.view`): unless a kernel still
+    # takes the workspace itself, it needs no memory.
+    buffers = [b if b.kind != "workspace" or i in used else PlanBuffer(b.kind, b.index, b.element, (0,))
+               for i, b in enumerate(buffers)]  # fmt: skip
+    return LaunchPlan(function, tuple(buffers), tuple(steps))
+
+
+def _buffers_read(steps) -> Iterator[int]:
+    """The buffer ids the kernels of `steps` take (loops' bodies included)."""
+    for step in steps:
+        if isinstance(step, Loop):
+            yield from _buffers_read(step.body)
+        else:
+            yield from (arg.buffer for arg in step.args if isinstance(arg, MemrefArg))
 
 
 class _Walker:
     """Evaluates the host function's ops symbolically: index values as `Affine`, memrefs as `_View`s."""
 
-    def __init__(self, ir):
+    def __init__(self, ir, module):
         self.ir = ir
+        self.module = module
         self.buffers: list[PlanBuffer] = []
         self.allocs: dict = {}  # alloc op -> buffer id (one buffer per op, in loops too)
         self.loops = 0
@@ -375,12 +391,31 @@ class _Walker:
                 steps.append(self._launch(op, env))
             elif name == "scf.for":
                 steps += self._loop(op, env)
+            elif name == "func.call":
+                steps += self._call(op, env)
             elif name in ("func.return", "scf.yield", "memref.dealloc"):
                 if name == "scf.yield" and len(op.operands):
                     raise _unsupported(op, "a loop carrying values")
             else:
                 env[op.results[0]] = self._value(op, env)
         return steps
+
+    def _call(self, op, env) -> list:
+        """The steps of a call of one of the module's functions (a kernel shared by identical ops:
+        `lowering.shared_kernels`), its arguments bound to the caller's values."""
+        if len(op.results):
+            raise _unsupported(op, "a call with results")
+        callee = self.ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+        func = next(
+            (f for f in self.module.body.operations
+             if f.operation.name == "func.func" and f.attributes["sym_name"].value == callee),
+            None,
+        )  # fmt: skip
+        if func is None or not len(func.regions[0].blocks):
+            raise _unsupported(op, f"a call of @{callee}, which the module does not define")
+        block = func.regions[0].blocks[0]
+        inner = {arg: env[value] for arg, value in zip(block.arguments, op.operands)}
+        return self.walk(block, inner)
 
     def _index(self, op, env, i: int) -> Affine:
         value = env[op.operands[i]]
@@ -422,6 +457,18 @@ class _Walker:
         if name == "memref.alloc":
             if len(op.operands):
                 raise _unsupported(op, "an allocation of dynamic size")
+            if op not in self.allocs:
+                self.allocs[op] = self.new_buffer("temporary", 0, op.results[0].type)
+            return self.allocs[op]
+        if name == "memref.view":
+            # A value's slot in the workspace (`plan_workspace`): a temporary of its own here. Slots
+            # that share workspace bytes hold values that are never live at once, so separate
+            # buffers compute the same; the caching allocator recycles their memory across calls.
+            source = env[op.operands[0]]
+            if not isinstance(source, _View) or self.buffers[source.buffer].kind != "workspace":
+                raise _unsupported(op, "a view of something other than the workspace")
+            if len(op.operands) > 2:
+                raise _unsupported(op, "a view of dynamic size")
             if op not in self.allocs:
                 self.allocs[op] = self.new_buffer("temporary", 0, op.results[0].type)
             return self.allocs[op]
