@@ -40,10 +40,11 @@ from flowjit.cli import main
 from flowjit.errors import CompileError
 from flowjit.frontend.autodiff import VJPSpec, is_non_differentiable, vjp_graph
 from flowjit.ir import dtypes as dt
+from flowjit.ir.interpreter import interpret
 from flowjit.ir.ops import REGISTRY
 
 sys.path.insert(0, os.path.dirname(__file__))
-from op_table import ROWS, assert_close, build_case, single_op_graph  # noqa: E402
+from op_table import ROWS, assert_close, build_case, single_op_graph, tolerance  # noqa: E402
 
 CHIPS = ("sm_80", "sm_90")
 PTXAS = find_ptxas()
@@ -229,6 +230,20 @@ def test_gpu_lowering_computes_the_op_table_values(row, dtype):
     case = build_case(row, dtype)
     for got, expected in zip(run_on_host(case.graph, case.inputs), case.expected):
         assert_close(got, expected, case.tol)
+
+
+@pytest.mark.parametrize(
+    "row,dtype,chips", [p for p in GRADIENT_PARAMS if "sm_90" in p.values[2] and p.values[0].op not in CPU_ONLY]
+)
+def test_gpu_lowering_computes_gradient_graphs(row, dtype, chips):
+    """The first gradient row of each op (the others: same lowerings), against the interpreter."""
+    case = build_case(row, dtype)
+    graph = vjp_graph(case.graph, VJPSpec(primal_outputs=False))
+    rng = np.random.default_rng(0)
+    results = [r.type for r in case.graph.results if r.type.dtype.is_float]
+    args = [*case.inputs, *(rng.uniform(0.5, 1.5, t.shape).astype(t.dtype.np_dtype) for t in results)]
+    for got, expected in zip(run_on_host(graph, args), interpret(graph, args)):
+        assert_close(got, np.asarray(expected), tolerance(dtype, 8.0))
 
 
 def test_values_cover_the_gpus_own_lowerings():
