@@ -19,6 +19,7 @@ import numpy as np
 
 from flowjit.backends.base import Backend, Executable
 from flowjit.backends.gpu import cache, cubin, driver
+from flowjit.backends.gpu import placement as _placement  # noqa: F401 (registers the GPU's model with placement)
 from flowjit.backends.gpu.driver import GpuRuntimeError
 from flowjit.backends.gpu.pipeline import CHIPS, GpuOptions
 from flowjit.backends.gpu.runtime import KernelImage, PlanRunner
