@@ -87,6 +87,9 @@ class Graph:
         self.devices: tuple[str, ...] | None = None
         # The device types placement may give ops without a constraint (None: any of `devices`).
         self.unconstrained_device_types: tuple[str, ...] | None = None
+        # A partition's recv key -> the keys of its own sends that recv waits for (set by
+        # `passes.partition.split_partitions`; None: not a partition of a multi-device function).
+        self.awaited_sends: dict[str, frozenset[str]] | None = None
 
     def add_param(self, type: TensorType, name: str | None = None) -> Value:
         value = Value(type, None, len(self.params), name)
