@@ -352,3 +352,26 @@ def test_a_gpu_call_that_never_finishes_ends_the_step_within_its_timeout(fake_dr
     error, notes = done.stdout.strip().splitlines()[-2:]
     assert "GpuRuntimeError the GPU did not finish 'f.gpu_0.stage0' on sm_90 device 0 within 0.3 s" in error
     assert "partition on cpu:0 stopped" in notes and "cancelled" in notes
+
+
+def test_two_gpu_partitions_exchange_values_through_the_host():
+    """gpu:0 -> gpu:1 -> gpu:0, both staged (the interpreter stands in for each GPU)."""
+    gpu1 = "/job:localhost/task:0/device:gpu:1"
+    plan = split_partitions(parse_graph(ROUND_TRIP.replace(CPU0, gpu1).replace('"cpu:0"', '"gpu:1"')))
+    interpreter = get_backend("interpreter")
+    routes = executor.routes(plan)
+    assert {t.name for t in routes.values()} == {"host copy, then the GPU call's copy to or from the device"}
+
+    class Part:
+        def __init__(self, device, graph):
+            self.device, self.executable = device, staging.StagedExecutable(graph, interpreter.compile)
+
+        def run(self, args, variables, rendezvous):
+            return self.executable.run_step(args, variables, rendezvous)
+
+    parts = [Part(p.device, p.graph) for p in plan.partitions]
+    rendezvous = Rendezvous(timeout_s=60, parties=2, routes=routes)
+    outs = executor.run_partitions(parts, [p.inputs for p in plan.partitions], [X], {}, rendezvous)
+    (source,) = plan.result_sources
+    y = np.exp(np.tanh(X))
+    np.testing.assert_allclose(outs[source[1]][source[2]], np.sin(y) * y, rtol=1e-6)

@@ -7,11 +7,11 @@ task (process):
     (cpu, cpu)   HostCopy: one memmove between host buffers
     (cpu, gpu)   GpuStaging: a GPU partition's send/recv happen on the host around its GPU calls
     (gpu, cpu)   (`backends/gpu/staging.py`), so the rendezvous moves host bytes (one memmove);
-                 the copy to or from device memory is the GPU call's own (asynchronous copies on
-                 its stream through pinned memory, waited for with a deadline)
+    (gpu, gpu)   the copy to or from device memory is the GPU call's own (asynchronous copies on
+                 its stream through pinned memory, waited for with a deadline); between two GPUs
+                 the value goes through the host (no peer copy)
 
-There is no (gpu, gpu) transport yet (two GPUs of one process were never available to test it);
-values between tasks go through a process transport (Ray), which the distributed runtime
+Values between tasks go through a process transport (Ray), which the distributed runtime
 supplies. A pair with no transport is an error when the function is compiled, never a silent
 host copy. docs/architecture.md lists what a transport must guarantee.
 """
@@ -63,6 +63,7 @@ TRANSPORTS: dict[tuple[str, str], Transport] = {
     ("cpu", "cpu"): HOST_COPY,
     ("cpu", "gpu"): GPU_STAGING,
     ("gpu", "cpu"): GPU_STAGING,
+    ("gpu", "gpu"): GPU_STAGING,
 }
 
 
