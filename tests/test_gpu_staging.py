@@ -163,7 +163,7 @@ def test_a_round_trip_through_the_gpu_partition_runs_in_two_stages():
     (result,), staged = _run_split(ROUND_TRIP)
     y = np.exp(np.tanh(X))
     np.testing.assert_allclose(result, np.sin(y) * y, rtol=1e-6)
-    assert len(staged.stages_) == 2 and "stage 1:\n  recv k3 (m.py:9)" in staged.stages["staging"]
+    assert len(staged.host_stages) == 2 and "stage 1:\n  recv k3 (m.py:9)" in staged.stages["staging"]
 
 
 def test_program_order_needs_a_second_stage_and_one_stage_would_never_complete():

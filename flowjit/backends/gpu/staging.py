@@ -140,18 +140,17 @@ def _stage_graph(name: str, ops: list[Op], inputs: list[Value], outputs: list[Va
 
 class StagedExecutable(Executable):
     """A GPU partition with send/recv: its stages' GPU calls (compiled by `compile_stage`, a graph
-    without communication -> GpuExecutable) with the rendezvous done on the host around them."""
-
-    fresh_outputs = True
+    without communication -> GpuExecutable) with the rendezvous done on the host around them.
+    `host_stages` are its `Stage`s, in order."""
 
     def __init__(self, graph: Graph, compile_stage: Callable[[Graph], Executable]):
         self.name = graph.name
         self.graph = graph
-        self.stages_ = split_stages(graph)
-        for stage in self.stages_:
+        self.host_stages = split_stages(graph)
+        for stage in self.host_stages:
             if stage.graph is not None:
                 stage.executable = compile_stage(stage.graph)
-        self.executables = [s.executable for s in self.stages_ if s.executable is not None]
+        self.executables = [s.executable for s in self.host_stages if s.executable is not None]
         inner = self.executables[0].backend if self.executables else "cuda"
         self.backend = f"{inner}; send/recv on the host around {len(self.executables)} GPU call(s)"
         self.stages = {"staging": self._staging_text()}
@@ -163,8 +162,8 @@ class StagedExecutable(Executable):
             )
 
     def _staging_text(self) -> str:
-        lines = [f"'{self.name}': {len(self.stages_)} stage(s), send/recv on the host around each GPU call"]
-        for k, stage in enumerate(self.stages_):
+        lines = [f"'{self.name}': {len(self.host_stages)} stage(s), send/recv on the host around each GPU call"]
+        for k, stage in enumerate(self.host_stages):
             lines.append(f"stage {k}:")
             lines += [f"  recv {op.attrs['key']} ({op.loc})" for op in stage.recvs]
             if stage.executable is not None:
@@ -184,7 +183,7 @@ class StagedExecutable(Executable):
             raise GpuRuntimeError(f"'{self.name}' on the GPU takes no variables; found {sorted(variables)}")
         host: dict[Value, np.ndarray] = dict(zip(self.graph.params, args))
         sent: set[Op] = set()
-        for stage in self.stages_:
+        for stage in self.host_stages:
             _send_ready(stage.sends, host, sent, channel)
             for op in stage.recvs:
                 t = op.result.type
