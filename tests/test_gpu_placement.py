@@ -139,9 +139,12 @@ def test_gpu_costs_launch_speed_and_host_copies():
     tanh = fj.jit(fnp.tanh).lower(BIG).graph("optimized").ops[0]
     assert place_module.op_cost_us(tanh, "gpu") == pytest.approx(5.0 + place_module.op_cost_us(tanh) / 50)
     value = Value(TensorType((1000,), "float32"))
-    assert place_module.transfer_us(value, CPU0, GPU0) == pytest.approx(10.0 + 4000 / 20000)
+    between_cpus = place_module.transfer_us(value, CPU0, "/job:localhost/task:0/device:cpu:1")
+    assert between_cpus == pytest.approx(30.0 + 4000 / 4000)  # the rendezvous hand-off and a memmove
+    assert place_module.transfer_us(value, CPU0, GPU0) == pytest.approx(between_cpus + 10.0 + 4000 / 20000)
     assert place_module.transfer_us(value, GPU0, CPU0) == place_module.transfer_us(value, CPU0, GPU0)
-    assert place_module.transfer_us(value, CPU0, "/job:localhost/task:0/device:cpu:1") == pytest.approx(30.0 + 1.0)
+    gpu1 = "/job:localhost/task:0/device:gpu:1"  # through the host: both device copies
+    assert place_module.transfer_us(value, GPU0, gpu1) == pytest.approx(between_cpus + 2 * (10.0 + 4000 / 20000))
 
 
 def test_a_model_must_have_positive_speeds():

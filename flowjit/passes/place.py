@@ -36,8 +36,9 @@ independent work big enough to pay for its transfers spreads across devices.
 On a device type with a model, an op costs the model's launch overhead plus its CPU cost divided by
 the model's speed-up (elementwise or contraction); a device that does not compute in host memory
 (a GPU) pays a host copy for each parameter it reads (once) and each function result it computes,
-and a transfer to or from it costs the model's latency and bandwidth (through the host between two
-such devices).
+and a send/recv to or from it costs what one between CPU devices does (the rendezvous hand-off
+and a host copy: a GPU partition's send/recv run on the host) plus the model's copy for each end
+that has its own memory.
 """
 
 from __future__ import annotations
@@ -227,8 +228,8 @@ def _kernels(op: Op) -> int:
 
 def transfer_us(value: Value, source: str | None = None, dest: str | None = None) -> float:
     """Estimated cost of moving `value` from device `source` to device `dest` in microseconds:
-    between tasks, between a host device and a device with its own memory (its model's copy cost;
-    through the host between two such devices), or between two CPU devices of one process."""
+    between tasks; or within one, the rendezvous hand-off and one host copy (between CPU devices),
+    plus the copy to or from each end that has its own memory (its model's cost; a GPU's)."""
     return _transfer_cost_us(value.type.nbytes, source, dest)
 
 
@@ -236,9 +237,8 @@ def _transfer_cost_us(nbytes: int, source: str | None, dest: str | None) -> floa
     if source is not None and dest is not None and _task(source) != _task(dest):
         return TASK_TRANSFER_LATENCY_US + nbytes / TASK_TRANSFER_BYTES_PER_US
     legs = [_device_model(d) for d in (source, dest) if d is not None and not _device_model(d).host_memory]
-    if legs:
-        return sum(m.transfer_latency_us + nbytes / m.transfer_bytes_per_us for m in legs)
-    return TRANSFER_LATENCY_US + nbytes / TRANSFER_BYTES_PER_US
+    device_copies = sum(m.transfer_latency_us + nbytes / m.transfer_bytes_per_us for m in legs)
+    return TRANSFER_LATENCY_US + nbytes / TRANSFER_BYTES_PER_US + device_copies
 
 
 def _device_model(device: str) -> DeviceTypeModel:
