@@ -11,6 +11,8 @@ run through the CUDA driver API.
     driver.py     the CUDA driver API through cuda-bindings, imported lazily; `GpuRuntimeError`
     runtime.py    contexts, the caching allocator, pinned staging, `PlanRunner` (launch, wait)
     backend.py    `CudaBackend` ('cuda', device type 'gpu') and `GpuExecutable`
+    staging.py    a GPU partition's send/recv on the host around its GPU calls (`StagedExecutable`)
+    placement.py  what placement knows of GPUs: the ops they cannot run, their speed, copy costs
 
 Compiling needs MLIR (no CUDA toolkit, no GPU); running needs cuda-bindings, a driver and a
 device, and no MLIR (docs/gpu-backend.md). Nothing here has run on a GPU yet.

@@ -97,7 +97,8 @@ CPU_ONLY = {
     ),
     **dict.fromkeys(
         ("send", "recv", "send_done"),
-        "communication: it calls the host runtime's rendezvous",
+        "communication: a kernel cannot call the host runtime's rendezvous (a GPU partition's send/recv "
+        "run on the host around its GPU calls, staging.py)",
     ),
 }
 
