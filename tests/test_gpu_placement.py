@@ -11,6 +11,7 @@ import pytest
 import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.backends.gpu import driver
+from flowjit.backends.gpu import target as gpu_target
 from flowjit.errors import CompileError
 from flowjit.ir.graph import Value
 from flowjit.ir.types import TensorType
@@ -68,27 +69,32 @@ def test_a_variable_constrained_to_the_gpu_stays_with_its_updates_on_the_cpu():
     assert "state: variables are host buffers" in reason_of(graph, "assign_add")
 
 
-def test_float64_math_the_gpu_cannot_compile_goes_to_the_cpu_float32_stays():
+def test_an_op_the_gpu_cannot_run_goes_to_the_cpu_with_its_reason_the_others_stay(monkeypatch):
+    # CPU_ONLY's entries are control flow, state and send/recv; one for sin stands in for any op
+    # the GPU cannot run, and the reason placement reports is CPU_ONLY's own.
+    monkeypatch.setitem(gpu_target.CPU_ONLY, "sin", "a reason CPU_ONLY gives for sin")
+
     def f(x):
         with fj.device("gpu:0"):
-            return fnp.sin(x)
+            return fnp.sin(x), fnp.exp(x)
 
-    on_cpu = placed(f, SMALL.astype(np.float64))
-    assert device_of(on_cpu, "sin") == CPU0
-    assert "float64 sin has no call-free GPU lowering" in reason_of(on_cpu, "sin")
-    on_gpu = placed(f, SMALL)
-    assert device_of(on_gpu, "sin") == GPU0 and reason_of(on_gpu, "sin").startswith("constraint '/device:gpu:0'")
+    graph = placed(f, SMALL)
+    assert device_of(graph, "sin") == CPU0
+    assert "a reason CPU_ONLY gives for sin" in reason_of(graph, "sin")
+    assert device_of(graph, "exp") == GPU0 and reason_of(graph, "exp").startswith("constraint '/device:gpu:0'")
 
 
-def test_a_fused_region_goes_to_the_cpu_naming_the_op_inside_it_the_gpu_cannot_run():
+def test_a_fused_region_goes_to_the_cpu_naming_the_op_inside_it_the_gpu_cannot_run(monkeypatch):
+    monkeypatch.setitem(gpu_target.CPU_ONLY, "sin", "a reason CPU_ONLY gives for sin")
+
     def f(x):
         with fj.device("gpu:0"):
             return fnp.sin(x) * 2.0 + 1.0
 
-    graph = placed(f, SMALL.astype(np.float64))
+    graph = placed(f, SMALL)
     (fusion,) = [op for op in graph.ops if op.name == "fusion"]
     assert fusion.device == CPU0
-    assert re.search(r"its op 'sin' \(.*test_gpu_placement.py:\d+\): float64 sin", graph.placement[fusion])
+    assert re.search(r"its op 'sin' \(.*test_gpu_placement.py:\d+\): a reason CPU_ONLY", graph.placement[fusion])
 
 
 def test_without_a_cpu_an_op_no_device_can_run_is_an_error_naming_its_line():
