@@ -147,17 +147,41 @@ def table(title: str, results: dict[str, tuple[float, float, float]]) -> str:
 TITLE = "## Donation (SGD and Adam updates, benchmarks/donation.py)"
 
 
+def _one_thread_sgd(args) -> str:
+    """The SGD table again from a process whose OpenMP (flowjit's and PyTorch's) runs one thread:
+    the kernels alone, without the two runtimes' ways of splitting a loop over the cores."""
+    import os
+    import subprocess
+
+    argv = [sys.executable, __file__, "--one-thread", "--size", str(args.size), *(["--quick"] if args.quick else [])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        return f"(The one-thread SGD run failed: {done.stderr.strip().splitlines()[-1:]})"
+    return done.stdout.strip().replace(
+        "**SGD on one thread**", "**SGD p - 0.01 * g, one thread each (OMP_NUM_THREADS=1)**"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=10_000_000, help="parameters (float32)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--one-thread", action="store_true", help="only SGD, every implementation on one thread")
     args = parser.parse_args()
     rounds, repeats = (2, 5) if args.quick else (5, 10)
+    if args.one_thread:  # a process started with OMP_NUM_THREADS=1 (`_one_thread_sgd`)
+        import torch
+
+        torch.set_num_threads(1)
+        print(table("SGD on one thread", measure(*sgd_peers(args.size), rounds, repeats)))
+        return 0
     load_before, started = load_average(), time.perf_counter()
     tables = []
     for title, make in (("SGD p - 0.01 * g", sgd_peers), ("Adam step (flowjit.optim.Adam, lr 0.01)", adam_peers)):
         peers, reference = make(args.size)
         tables.append(table(f"{title}, {args.size:,} float32 parameters", measure(peers, reference, rounds, repeats)))
+        if make is sgd_peers:
+            tables.append(_one_thread_sgd(args))
     how = (
         f"{run_line('donation.py', started, load_before)} A parameter update jitted without and with its "
         f"parameters (and optimizer state) donated, against PyTorch's in-place updates: {rounds} rounds of "
