@@ -24,13 +24,19 @@ user's processes; the entries' checksums guard against damage, not against tampe
 from __future__ import annotations
 
 import errno
+import functools
+import hashlib
 import os
 import pwd
 import stat
 import tempfile
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 from flowjit.errors import CompileError
+
+T = TypeVar("T")
 
 
 class UntrustedCacheWarning(UserWarning):
@@ -73,6 +79,36 @@ def read(path: str) -> bytes | None:
         if not stat.S_ISREG(info.st_mode) or _refused(path, info, False):
             return None
         return f.read()
+
+
+def read_entry(path: str, decode: Callable[[bytes], T | None]) -> T | None:
+    """The decoded entry in file `path` (`read`), or None when there is none, it is refused, or
+    `decode` finds it damaged (then the file is deleted, so that it is compiled and written again)."""
+    data = read(path)
+    if data is None:
+        return None
+    entry = decode(data)
+    if entry is None:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return entry
+
+
+@functools.cache
+def source_digest(folders: tuple[str, ...]) -> str:
+    """A sha256 of the Python source of the `flowjit/backends/` sub-folders `folders` (those whose
+    code generates a backend's code: part of its cache keys)."""
+    source = hashlib.sha256()
+    backends = os.path.dirname(os.path.abspath(__file__))
+    for folder in folders:
+        path = os.path.join(backends, folder)
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".py"):
+                with open(os.path.join(path, name), "rb") as f:
+                    source.update(f"{folder}/{name}".encode() + b"\0" + f.read())
+    return source.hexdigest()
 
 
 def write(path: str, data: bytes) -> bool:

@@ -114,17 +114,7 @@ def load(key: str) -> Entry | None:
     be trusted is refused (`cache_folder.read`)."""
     if not cache_folder.enabled():
         return None
-    path = entry_path(key)
-    data = cache_folder.read(path)
-    if data is None:
-        return None
-    entry = decode(data)
-    if entry is None:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-    return entry
+    return cache_folder.read_entry(entry_path(key), decode)
 
 
 def store(key: str, entry: Entry) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 
+from flowjit.backends import cache_folder
 from flowjit.backends.cpu import host, toolchain
 from flowjit.version import __version__
 
@@ -25,19 +26,11 @@ _SOURCE_FOLDERS = ("cpu", "mlir")
 @functools.cache
 def backend_fingerprint() -> str:
     """Versions, host and the backends' source: anything that changes generated code."""
-    source = hashlib.sha256()
-    backends = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for folder in _SOURCE_FOLDERS:
-        path = os.path.join(backends, folder)
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".py"):
-                with open(os.path.join(path, name), "rb") as f:
-                    source.update(f"{folder}/{name}".encode() + b"\0" + f.read())
     cpu = host.host_cpu()
     parts = {
         "flowjit": __version__,
         **toolchain.versions(),
-        "backend-source": source.hexdigest(),
+        "backend-source": cache_folder.source_digest(_SOURCE_FOLDERS),
         "cpu": f"{cpu.triple} {cpu.name} {cpu.features}",
         "cores": os.cpu_count(),
     }

@@ -22,7 +22,6 @@ copied over) loads the launch plan and the kernels instead of running MLIR; it n
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
@@ -56,23 +55,15 @@ class Entry:
     toolchain: dict[str, str | None]  # 'mlir': the bindings' distribution, 'ptxas': its version or None
 
 
-@functools.cache
-def _source_digest() -> str:
-    source = hashlib.sha256()
-    backends = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for folder in _SOURCE_FOLDERS:
-        path = os.path.join(backends, folder)
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".py"):
-                with open(os.path.join(path, name), "rb") as f:
-                    source.update(f"{folder}/{name}".encode() + b"\0" + f.read())
-    return source.hexdigest()
-
-
 def fingerprint(chip: str) -> str:
     """Everything besides the program and the options that the cached code depends on and that
     every machine using it can know (see the module docstring)."""
-    parts = {"flowjit": __version__, "backend-source": _source_digest(), "gpu-arch": chip, "cpu-target": "any"}
+    parts = {
+        "flowjit": __version__,
+        "backend-source": cache_folder.source_digest(_SOURCE_FOLDERS),
+        "gpu-arch": chip,
+        "cpu-target": "any",
+    }
     return json.dumps(parts, sort_keys=True)
 
 
@@ -174,16 +165,8 @@ def load(key: str) -> Entry | None:
     deleted), or made by another MLIR version than the one installed here."""
     if not cache_folder.enabled():
         return None
-    path = entry_path(key)
-    data = cache_folder.read(path)
-    if data is None:
-        return None
-    entry = decode(data)
+    entry = cache_folder.read_entry(entry_path(key), decode)
     if entry is None:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
         return None
     installed = mlir_version()
     if installed is not None and entry.toolchain.get("mlir") != installed:
