@@ -26,9 +26,11 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import json
 import os
 import pwd
 import stat
+import struct
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -94,6 +96,38 @@ def read_entry(path: str, decode: Callable[[bytes], T | None]) -> T | None:
         except OSError:
             pass
     return entry
+
+
+_LENGTH = struct.Struct("<Q")
+_DIGEST = 32  # sha256
+
+
+def pack_entry(magic: bytes, header: dict, payload: bytes) -> bytes:
+    """A compile-cache entry file: `magic`, the length and JSON of `header`, the length and bytes of
+    `payload`, then a sha256 of all that (`unpack_entry` checks it)."""
+    text = json.dumps(header).encode()
+    body = magic + _LENGTH.pack(len(text)) + text + _LENGTH.pack(len(payload)) + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def unpack_entry(magic: bytes, data: bytes) -> tuple[dict, bytes] | None:
+    """(header, payload) of a `pack_entry` file, or None when `data` is not a complete, intact one
+    starting with `magic`."""
+    if len(data) < len(magic) + 2 * _LENGTH.size + _DIGEST or not data.startswith(magic):
+        return None
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    pos = len(magic)
+    (header_len,) = _LENGTH.unpack_from(body, pos)
+    pos += _LENGTH.size
+    header = json.loads(body[pos : pos + header_len])
+    pos += header_len
+    (payload_len,) = _LENGTH.unpack_from(body, pos)
+    pos += _LENGTH.size
+    if pos + payload_len != len(body):
+        return None
+    return header, body[pos:]
 
 
 @functools.cache

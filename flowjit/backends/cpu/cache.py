@@ -18,18 +18,14 @@ code instead of running MLIR and LLVM (it never imports `mlir`).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 from dataclasses import dataclass
 
 from flowjit.backends import cache_folder
 from flowjit.backends.cpu.executable import Buffer, Layout
-from flowjit.backends.cpu.fingerprint import backend_fingerprint, sealed, unsealed
+from flowjit.backends.cpu.fingerprint import backend_fingerprint
 
 MAGIC = b"FLOWJIT-CPU-OBJECT-2\n"
-_LENGTH = struct.Struct("<Q")
-_DIGEST = 32
 
 
 @dataclass(frozen=True)
@@ -62,47 +58,34 @@ def entry_path(key: str) -> str:
 
 
 def encode(entry: Entry) -> bytes:
-    """The file contents for `entry`: magic, header, object code, checksum."""
-    header = json.dumps(
-        {
-            "symbol": entry.symbol,
-            "workspace_bytes": entry.workspace_bytes,
-            "inputs": [[list(b.shape), b.dtype] for b in entry.inputs],
-            "outputs": [[list(b.shape), b.dtype] for b in entry.outputs],
-            "objects": [len(o) for o in entry.objects],
-            "streamed_outputs": list(entry.streamed_outputs),
-        }
-    ).encode()
-    payload = b"".join(entry.objects)
-    return sealed(MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(payload)) + payload)
+    """The file contents for `entry`: magic, header, object code, checksum (`cache_folder.pack_entry`)."""
+    header = {
+        "symbol": entry.symbol,
+        "workspace_bytes": entry.workspace_bytes,
+        "inputs": [[list(b.shape), b.dtype] for b in entry.inputs],
+        "outputs": [[list(b.shape), b.dtype] for b in entry.outputs],
+        "objects": [len(o) for o in entry.objects],
+        "streamed_outputs": list(entry.streamed_outputs),
+    }
+    return cache_folder.pack_entry(MAGIC, header, b"".join(entry.objects))
 
 
 def decode(data: bytes) -> Entry | None:
     """The entry in `data`, or None when it is not a complete, intact entry."""
-    if len(data) < len(MAGIC) + 2 * _LENGTH.size + _DIGEST or not data.startswith(MAGIC):
+    unpacked = cache_folder.unpack_entry(MAGIC, data)
+    if unpacked is None:
         return None
-    body = unsealed(data)
-    if body is None:
-        return None
-    pos = len(MAGIC)
-    (header_len,) = _LENGTH.unpack_from(body, pos)
-    pos += _LENGTH.size
-    header = json.loads(body[pos : pos + header_len])
-    pos += header_len
-    (payload_len,) = _LENGTH.unpack_from(body, pos)
-    pos += _LENGTH.size
-    if pos + payload_len != len(body):
-        return None
+    header, payload = unpacked
 
     def layout(items) -> Layout:
         return Layout(Buffer(tuple(shape), dtype) for shape, dtype in items)
 
     sizes = header.get("objects")
-    if not isinstance(sizes, list) or sum(sizes) != payload_len:
+    if not isinstance(sizes, list) or sum(sizes) != len(payload):
         return None
-    objects, start = [], pos
+    objects, start = [], 0
     for size in sizes:
-        objects.append(body[start : start + size])
+        objects.append(payload[start : start + size])
         start += size
     streamed = tuple(header.get("streamed_outputs", ()))
     inputs, outputs = layout(header["inputs"]), layout(header["outputs"])

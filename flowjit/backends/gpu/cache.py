@@ -26,7 +26,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import struct
 from dataclasses import dataclass
 
 from flowjit.backends import cache_folder
@@ -35,8 +34,6 @@ from flowjit.backends.gpu.runtime import KernelImage
 from flowjit.version import __version__
 
 MAGIC = b"FLOWJIT-GPU-ENTRY-1\n"
-_LENGTH = struct.Struct("<Q")
-_DIGEST = 32
 # The folders whose Python source generates the code: this backend and the shared MLIR layer.
 _SOURCE_FOLDERS = ("gpu", "mlir")
 
@@ -94,49 +91,37 @@ def entry_path(key: str) -> str:
 
 
 def encode(entry: Entry) -> bytes:
-    header = json.dumps(
-        {
-            "function": entry.function,
-            "chip": entry.chip,
-            "inputs": [[list(shape), dtype] for shape, dtype in entry.inputs],
-            "outputs": [[list(shape), dtype] for shape, dtype in entry.outputs],
-            "plan": entry.plan.to_json(),
-            "stages": entry.stages,
-            "toolchain": entry.toolchain,
-            "kernels": [
-                [
-                    k.name,
-                    k.function,
-                    list(k.members),
-                    len(k.ptx.encode()),
-                    None if k.cubin is None else len(k.cubin),
-                    k.cubin_chip,
-                ]
-                for k in entry.kernels
-            ],
-        }
-    ).encode()
+    header = {
+        "function": entry.function,
+        "chip": entry.chip,
+        "inputs": [[list(shape), dtype] for shape, dtype in entry.inputs],
+        "outputs": [[list(shape), dtype] for shape, dtype in entry.outputs],
+        "plan": entry.plan.to_json(),
+        "stages": entry.stages,
+        "toolchain": entry.toolchain,
+        "kernels": [
+            [
+                k.name,
+                k.function,
+                list(k.members),
+                len(k.ptx.encode()),
+                None if k.cubin is None else len(k.cubin),
+                k.cubin_chip,
+            ]
+            for k in entry.kernels
+        ],
+    }
     payload = b"".join(k.ptx.encode() + (k.cubin or b"") for k in entry.kernels)
-    body = MAGIC + _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(payload)) + payload
-    return body + hashlib.sha256(body).digest()
+    return cache_folder.pack_entry(MAGIC, header, payload)
 
 
 def decode(data: bytes) -> Entry | None:
     """The entry in `data`, or None when it is not a complete, intact entry of this format."""
-    if len(data) < len(MAGIC) + 2 * _LENGTH.size + _DIGEST or not data.startswith(MAGIC):
+    unpacked = cache_folder.unpack_entry(MAGIC, data)
+    if unpacked is None:
         return None
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if hashlib.sha256(body).digest() != digest:
-        return None
-    pos = len(MAGIC)
-    (header_len,) = _LENGTH.unpack_from(body, pos)
-    pos += _LENGTH.size
-    header = json.loads(body[pos : pos + header_len])
-    pos += header_len
-    (payload_len,) = _LENGTH.unpack_from(body, pos)
-    pos += _LENGTH.size
-    if pos + payload_len != len(body):
-        return None
+    header, body = unpacked
+    pos = 0
     kernels = []
     for name, function, members, ptx_len, cubin_len, cubin_chip in header["kernels"]:
         ptx = body[pos : pos + ptx_len].decode()
