@@ -271,6 +271,41 @@ def test_device_put_and_keep_on_device_on_the_cpu_give_host_arrays():
     assert type(out) is np.ndarray and out.tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
+# --- on a GPU (skipped here): the same programs against the CPU backend --------------------------
+
+
+@pytest.mark.skipif(NO_GPU is not None, reason=f"no CUDA device: {NO_GPU}")
+def test_variables_and_kept_results_on_a_gpu():
+    import flowjit.numpy as fnp
+
+    w_cpu = fj.Variable(np.arange(12, dtype=np.float32).reshape(3, 4), name="gpu_w_cpu")
+    w_gpu = fj.Variable(np.arange(12, dtype=np.float32).reshape(3, 4), name="gpu_w_gpu")
+
+    def make_step(v):
+        def step(x):
+            v.assign_add(x * 0.5)
+            return fnp.sum(v.value * x)
+
+        return step
+
+    cpu_step, gpu_step = fj.jit(make_step(w_cpu), device="cpu:0"), fj.jit(make_step(w_gpu), device="gpu:0")
+    for i in range(5):
+        x = np.linspace(-1, 1, 4).astype(np.float32) * (i + 1)
+        assert float(gpu_step(x)) == pytest.approx(float(cpu_step(x)), rel=1e-5)
+    np.testing.assert_allclose(w_gpu.value, w_cpu.value, rtol=1e-6)
+
+    x = np.linspace(-2, 2, 33 * 7, dtype=np.float32).reshape(33, 7)
+    y = fj.jit(lambda a: fnp.tanh(a) * 2.0, device="gpu:0", keep_on_device=True)(x)
+    z = fj.jit(lambda a, b: a * b + 1.0, device="gpu:0")(y, fj.device_put(x, "gpu:0"))
+    assert isinstance(y, fj.DeviceArray)
+    np.testing.assert_allclose(z, np.tanh(x) * 2.0 * x + 1.0, rtol=1e-5, atol=1e-6)
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        t = torch.from_dlpack(y)
+        assert t.device.type == "cuda" and tuple(t.shape) == (33, 7)
+        np.testing.assert_allclose(t.cpu().numpy(), np.asarray(y))
+
+
 # --- on the fake driver, every launch emulated on the CPU ------------------------------------------
 
 _PROGRAMS = """
@@ -332,6 +367,15 @@ _PROGRAMS = """
     before = copies()
     out["after_cpu_program"] = [float(gpu_step(xs[2])), float(cpu_step(xs[2])), since(before)]
 
+    # the partition executor's call (GpuExecutable.run, no home kept): it reads the device copy and
+    # leaves the new value in the host buffer itself; the next jitted call copies it in again
+    before = copies()
+    raw = lowered._executable.run([xs[3]], {{"w_gpu": w_gpu.buffer}})
+    cpu_raw = float(cpu_step(xs[3]))
+    out["write_through"] = [float(raw[0]), cpu_raw, w_gpu.buffer.tolist(), w_cpu.value.tolist(), since(before)]
+    before = copies()
+    out["after_write_through"] = [float(gpu_step(xs[4])), float(cpu_step(xs[4])), since(before)]
+
     path = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
     before = copies()
     fj.save_checkpoint(path, {{"w": w_gpu}})
@@ -390,6 +434,11 @@ def test_variables_and_kept_results_on_the_fake_driver(fake_driver, tmp_path):  
     # a CPU program used it: brought to the host first, copied in again by the next GPU call
     assert out["cpu_program"][1] == [[], [w]]
     gpu_value, cpu_value, copied = out["after_cpu_program"]
+    assert gpu_value == pytest.approx(cpu_value, rel=1e-6) and copied == [[w, x], [4]]
+    gpu_value, cpu_value, gpu_buffer, cpu_buffer, copied = out["write_through"]
+    assert gpu_value == pytest.approx(cpu_value, rel=1e-6) and np.allclose(gpu_buffer, cpu_buffer)
+    assert copied == [[x], [4, w]]  # x in; the result and the variable out, into its buffer
+    gpu_value, cpu_value, copied = out["after_write_through"]
     assert gpu_value == pytest.approx(cpu_value, rel=1e-6) and copied == [[w, x], [4]]
     assert np.allclose(out["checkpoint"][0], out["checkpoint"][1]) and out["checkpoint"][2] == [[], [w]]
 
