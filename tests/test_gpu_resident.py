@@ -458,3 +458,70 @@ def test_variables_and_kept_results_on_the_fake_driver(fake_driver, tmp_path):  
     allocated = sorted(int(c[2]) for c in calls if c[0] == "cuMemAlloc")
     assert sorted(int(c[1]) for c in calls if c[0] == "cuMemFree") == allocated
     assert names[-1] == "cuDevicePrimaryCtxRelease"
+
+
+_TWO_GPUS = """
+    import ctypes, json, os, sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+    sys.path.insert(0, "tests")
+    import gpu_emulator
+    from flowjit.backends.gpu import cubin
+    cubin.find_ptxas = lambda: None
+    LIB = ctypes.CDLL("libcuda.so.1")
+
+    def copies():
+        calls = [line.split() for line in open(os.environ["FAKE_CUDA_LOG"]).read().splitlines()]
+        return ([int(c[2]) for c in calls if c[0] == "cuMemcpyHtoDAsync"],
+                [int(c[2]) for c in calls if c[0] == "cuMemcpyDtoHAsync"])
+
+    def since(before):
+        now = copies()
+        return [now[0][len(before[0]):], now[1][len(before[1]):]]
+
+    def make_step(v):
+        def step(x):
+            v.assign_add(x * 0.5)
+            return fnp.sum(v.value * x)
+        return step
+
+    init = np.arange(12, dtype=np.float32).reshape(3, 4)
+    w, ref = fj.Variable(init, name="w"), fj.Variable(init, name="ref")
+    x = np.linspace(-1, 1, 4).astype(np.float32)
+    cpu = fj.jit(make_step(ref), device="cpu:0")
+    lowered = [fj.jit(make_step(w), device=f"gpu:{n}").lower(x) for n in (0, 1)]
+    steps = [lo.compile() for lo in lowered]
+    hooks = [gpu_emulator.run_launches_of(LIB, [lo._executable for lo in lowered])]
+    got, want, moves = [], [], []
+    for n in (0, 0, 1, 1, 0):
+        before = copies()
+        got.append(float(steps[n](x)))
+        want.append(float(cpu(x)))
+        moves.append(since(before))
+    out = {"values": [got, want, w.value.tolist(), ref.value.tolist()], "moves": moves}
+
+    k0 = fj.jit(lambda a: a * 2.0, device="gpu:0", keep_on_device=True).lower(x)
+    k1 = fj.jit(lambda a: a * 2.0, device="gpu:1").lower(x)
+    c0, c1 = k0.compile(), k1.compile()
+    hooks.append(gpu_emulator.run_launches_of(LIB, [k0._executable, k1._executable]))
+    y = c0(x)
+    before = copies()
+    out["across"] = [c1(y).tolist(), since(before)]
+    print(json.dumps(out))
+"""
+
+
+def test_a_variable_moves_between_two_gpus_through_the_host(fake_driver, tmp_path):  # noqa: F811
+    """Two devices of the fake driver: the newest value lives on one device at a time; using the
+    variable on the other brings it home (one copy out) and copies it in there (one copy in)."""
+    done, _ = _with_fake_driver(fake_driver, _TWO_GPUS, tmp_path, FAKE_CUDA_DEVICES="2")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    got, want, w_value, ref_value = out["values"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(w_value, ref_value, rtol=1e-6)
+    w, x = 48, 16
+    stay, move = [[x], [4]], [[w, x], [w, 4]]  # a move: brought home from one GPU, copied to the other
+    assert out["moves"] == [[[w, x], [4]], stay, move, stay, move]
+    # a kept result of gpu:0 passed to a program on gpu:1 comes through the host
+    result, copied = out["across"]
+    np.testing.assert_allclose(result, [-4.0, -4.0 / 3, 4.0 / 3, 4.0], rtol=1e-6)
+    assert copied == [[x], [x, x]]
