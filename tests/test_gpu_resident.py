@@ -399,7 +399,7 @@ _PROGRAMS = """
     z = c2(y, x)
     address = str(y.address_on(0))
     out["second"] = [since(before), any(address in launch for launch in launches_since(before)),
-                     float(np.max(np.abs(z - fj.jit(second, device="cpu:0")(fj.jit(first)(x), x))))]
+                     float(np.max(np.abs(z - fj.jit(second, device="cpu:0")(fj.jit(first, device="cpu:0")(x), x))))]
     before = copies()
     host = np.asarray(y)
     out["to_host"] = [since(before), float(np.max(np.abs(host - fj.jit(first, device="cpu:0")(x))))]

@@ -447,7 +447,10 @@ def test_device_chip_follows_the_compute_capability(monkeypatch):
     assert gpu_backend.device_chip(0) is None
 
 
-def test_gpu_devices_get_only_the_ops_placed_there(monkeypatch):
+def test_unconstrained_ops_join_gpu_work_when_that_saves_a_transfer(monkeypatch):
+    """With a GPU listed, the cost model may give it unconstrained ops (tests/test_gpu_placement.py
+    has the rules): here exp and add join the mul placed there, since the argument is copied in
+    with the GPU call and the result back, where a split would add a transfer each way."""
     monkeypatch.setattr(driver, "local_gpu_count", lambda: 1)
     assert [d.name for d in fj.devices()][-1] == "/job:localhost/task:0/device:gpu:0"
 
@@ -459,7 +462,11 @@ def test_gpu_devices_get_only_the_ops_placed_there(monkeypatch):
 
     placement = fj.jit(f).lower(np.ones(8, np.float32)).as_text("placement")
     placed = dict(re.findall(r"^//\s+%\d+ (exp|mul|add)\s+(\S+)", placement, re.MULTILINE))
-    assert placed == {"exp": "cpu:0", "mul": "gpu:0", "add": "cpu:0"}, placement
+    assert placed == {"exp": "gpu:0", "mul": "gpu:0", "add": "gpu:0"}, placement
+    assert "transfers: 0" in placement
+    with_target = fj.jit(f, target="interpreter").lower(np.ones(8, np.float32)).as_text("placement")
+    placed = dict(re.findall(r"^//\s+%\d+ (exp|mul|add)\s+(\S+)", with_target, re.MULTILINE))
+    assert placed["mul"] == "gpu:0" and "cpu:0" in placed.values()  # a target keeps unconstrained ops on CPUs
 
 
 # --- on a GPU -----------------------------------------------------------------------------------

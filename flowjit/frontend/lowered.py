@@ -76,6 +76,8 @@ class Lowered:
             # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
             copy = self._graphs["traced"].copy()
             copy.devices = tuple(d.name for d in placement_devices())  # local devices and a cluster's tasks'
+            if self.target is not None:  # the target compiles every partition: unconstrained ops stay on CPUs
+                copy.unconstrained_device_types = ("cpu",)
             self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
         if stage == "placement" and stage not in self._graphs:
             copy = self.graph("optimized").copy()

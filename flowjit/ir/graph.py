@@ -85,6 +85,11 @@ class Graph:
         # The devices placement may use (full names), supplied by whoever runs the `place` pass:
         # the local devices for a jitted function, a cluster's devices for a distributed one.
         self.devices: tuple[str, ...] | None = None
+        # The device types placement may give ops without a constraint (None: any of `devices`).
+        self.unconstrained_device_types: tuple[str, ...] | None = None
+        # A partition's recv key -> the keys of its own sends that recv waits for (set by
+        # `passes.partition.split_partitions`; None: not a partition of a multi-device function).
+        self.awaited_sends: dict[str, frozenset[str]] | None = None
 
     def add_param(self, type: TensorType, name: str | None = None) -> Value:
         value = Value(type, None, len(self.params), name)
@@ -112,6 +117,7 @@ class Graph:
         mapping = {} if mapping is None else mapping
         graph = Graph(self.name)
         graph.devices = self.devices
+        graph.unconstrained_device_types = self.unconstrained_device_types
         for p in self.params:
             mapping[p] = graph.add_param(p.type, p.name_hint)
         for op in self.ops:

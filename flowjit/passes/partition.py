@@ -11,7 +11,10 @@ collected from the partition that computes them. `graph.transfers` lists the tra
 "placement" report). With one device the pass changes nothing.
 
 `split_partitions` then turns the partitioned graph into one self-contained graph per device,
-which the runtime compiles and runs concurrently (`flowjit.runtime.executor`).
+which the runtime compiles and runs concurrently (`flowjit.runtime.executor`). Each carries
+`graph.awaited_sends` (`awaited_sends`): for each of its recvs, which of its own sends must have
+been made before that recv can complete, for a backend that runs a partition's communication
+out of program order (the GPU's, `backends/gpu/staging.py`).
 """
 
 from __future__ import annotations
@@ -162,6 +165,41 @@ def _add_transfer(graph: Graph, v: Value, dst: str, sends_after: dict) -> Op:
     return recv
 
 
+def awaited_sends(graph: Graph, device: str) -> dict[str, frozenset[str]]:
+    """For each recv on `device` of the partitioned `graph`, the keys of the sends on `device` that
+    must have been made before the recv can complete.
+
+    Every other partition runs its ops in program order (a native partition calls send and recv in
+    that order; a recv blocks), so an op there waits for everything before it on its device; on
+    `device` an op waits only for its operands (its backend may reorder), and a recv waits for
+    its send. Sends never block.
+
+    Algorithm: walk the ops in order, giving each op the set of `device`'s sends it waits for: the
+    union of its operands' sets, with everything earlier on its own device for ops elsewhere,
+    its send's set for a recv, and its own key for a send on `device`."""
+    waits: dict[Op, frozenset[str]] = {}
+    before: dict[str, frozenset[str]] = {}  # device -> what its ops so far waited for (not `device`)
+    sends: dict[str, Op] = {}
+    found: dict[str, frozenset[str]] = {}
+    for op in graph.ops:
+        keys = set(before.get(op.device, frozenset())) if op.device != device else set()
+        for v in op.operands:
+            keys |= waits.get(v.producer, frozenset())
+        key = op.attrs.get("key")
+        if op.name == "send":
+            sends[key] = op
+            if op.device == device:
+                keys.add(key)
+        elif op.name == "recv" and key in sends:
+            keys |= waits[sends[key]]
+        waits[op] = frozenset(keys)
+        if op.device != device:
+            before[op.device] = waits[op]
+        elif op.name == "recv":
+            found[key] = waits[op]
+    return found
+
+
 @dataclass
 class Partition:
     """The ops of one device as a self-contained function. `inputs[i]` is the index of the original
@@ -203,6 +241,7 @@ def split_partitions(graph: Graph) -> PartitionPlan:
             copy = Op(op.name, operands, [r.type for r in op.results], op.attrs, op.loc, op.device, op.regions)
             mapping.update(zip(op.results, copy.results))
             sub.append(copy)
+        sub.awaited_sends = awaited_sends(graph, device)
         partitions.append(Partition(device, sub, used, []))
         mappings.append(mapping)
     sources = []

@@ -10,7 +10,15 @@ body share a device; `graph.placement` maps each top-level op to a one-line reas
 
 Ops without a constraint are placed among the devices of the first device's task (the calling
 process, when the frontend lists the local devices first): devices of other tasks (a cluster's)
-only take the ops the program puts there.
+only take the ops the program puts there. `graph.unconstrained_device_types`, when set, limits them
+further to those device types (the frontend keeps them on CPUs when the program names a target).
+
+Device types other than the CPU register what placement must know of them
+(`register_device_type_model`, from their backend: passes cannot import backends): which ops they
+cannot run and why, how fast they run the rest, and what a copy between them and the host costs.
+An op goes only to a device whose type runs it. One constrained to a device that cannot run it goes
+to a device of the same task that can (soft placement, as TensorFlow's `allow_soft_placement`),
+and the report says why.
 
 Cost model (deterministic, in estimated microseconds; constants below, measured by
 `benchmarks/multidevice.py`): an op costs its elements touched (operands + results) at
@@ -24,12 +32,19 @@ most of its operand bytes are, else where its results are bound for, else where 
 went) only when that gains more than one transfer latency, the price of joining the results again.
 So chains stay on one device, small programs are not split, and
 independent work big enough to pay for its transfers spreads across devices.
+
+On a device type with a model, an op costs the model's launch overhead plus its CPU cost divided by
+the model's speed-up (elementwise or contraction); a device that does not compute in host memory
+(a GPU) pays a host copy for each parameter it reads (once) and each function result it computes,
+and a send/recv to or from it costs what one between CPU devices does (the rendezvous hand-off
+and a host copy: a GPU partition's send/recv run on the host) plus the model's copy for each end
+that has its own memory.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flowjit.errors import CompileError, FlowjitValueError
@@ -49,6 +64,63 @@ TASK_TRANSFER_BYTES_PER_US = 1000.0  # ~1 GB/s
 # Ops with no operands that are cheaper to recreate than to move: placed with their first consumer,
 # and duplicated by `partition` for consumers on other devices.
 FREE_CREATIONS = frozenset({"constant", "iota"})
+
+
+@dataclass(frozen=True)
+class DeviceTypeModel:
+    """What placement knows of one device type, registered by its backend.
+
+    `cannot_run(op)` is None when the device type runs `op` (with its regions), else the reason a
+    placement report shows. Speeds are relative to one CPU core (`ELEMENTS_PER_US`,
+    `FLOPS_PER_US`); `launch_us` is paid once per kernel. A copy between such a device and the host
+    costs `transfer_latency_us` plus bytes at `transfer_bytes_per_us`. `host_memory` False: the
+    device computes in its own memory, so parameters (host buffers) and results cost a copy."""
+
+    cannot_run: Callable[[Op], str | None]
+    elementwise_speedup: float = 1.0
+    contraction_speedup: float = 1.0
+    launch_us: float = 0.0
+    transfer_latency_us: float = TRANSFER_LATENCY_US
+    transfer_bytes_per_us: float = TRANSFER_BYTES_PER_US
+    host_memory: bool = True
+
+    def __post_init__(self):
+        for name in ("elementwise_speedup", "contraction_speedup", "transfer_bytes_per_us"):
+            if not getattr(self, name) > 0:
+                raise FlowjitValueError(f"DeviceTypeModel.{name} must be positive; found {getattr(self, name)!r}")
+        if self.launch_us < 0 or self.transfer_latency_us < 0:
+            raise FlowjitValueError("DeviceTypeModel: launch_us and transfer_latency_us must not be negative")
+
+
+def _runs_everything(op: Op) -> None:
+    return None
+
+
+# The CPU runs every op; other device types register their model.
+CPU_MODEL = DeviceTypeModel(_runs_everything)
+DEVICE_TYPE_MODELS: dict[str, DeviceTypeModel] = {}
+
+
+def register_device_type_model(device_type: str, model: DeviceTypeModel) -> None:
+    """Tell placement which ops devices of `device_type` run, how fast, and what copies to and from
+    them cost (a backend calls this for the device types it serves)."""
+    if device_type == "cpu":
+        raise FlowjitValueError("the CPU's model is placement's own; register another device type")
+    DEVICE_TYPE_MODELS[device_type] = model
+
+
+def unregister_device_type_model(device_type: str) -> None:
+    DEVICE_TYPE_MODELS.pop(device_type, None)
+
+
+def device_type_model(device_type: str | None) -> DeviceTypeModel:
+    """The registered model of `device_type` (the CPU's for the CPU and unknown types)."""
+    return DEVICE_TYPE_MODELS.get(device_type, CPU_MODEL)
+
+
+def cannot_run_reason(op: Op, device_type: str) -> str | None:
+    """Why devices of `device_type` cannot run `op`, or None when they can."""
+    return device_type_model(device_type).cannot_run(op)
 
 
 @dataclass
@@ -128,24 +200,57 @@ def _variable_groups(units: list[_Unit]) -> dict[int, int]:
     return {i: root(i) for i in range(len(units))}
 
 
-def op_cost_us(op: Op) -> float:
-    """Estimated run time of `op` (with its regions, bodies counted once) in microseconds."""
+def op_cost_us(op: Op, device_type: str = "cpu") -> float:
+    """Estimated run time of `op` (with its regions, bodies counted once) in microseconds on one
+    device of `device_type`: its kernels' launches and its work."""
+    model = device_type_model(device_type)
+    return model.launch_us * _kernels(op) + _work_us(op, model)
+
+
+def _work_us(op: Op, model: DeviceTypeModel) -> float:
     if op.regions:
-        return sum(op_cost_us(inner) for region in op.regions for inner in region.ops)
+        return sum(_work_us(inner, model) for region in op.regions for inner in region.ops)
     sizes = [v.type.size for v in op.operands]
     out = sum(v.type.size for v in op.results)
     if get_opdef(op.name).family == CONTRACTION and len(sizes) == 2:
         # sqrt(|a| |b| |out|) is M*N*K for a matmul (M x K) @ (K x N).
-        return math.sqrt(float(sizes[0]) * sizes[1] * max(out, 1)) / FLOPS_PER_US
-    return (sum(sizes) + out) / ELEMENTS_PER_US
+        return math.sqrt(float(sizes[0]) * sizes[1] * max(out, 1)) / FLOPS_PER_US / model.contraction_speedup
+    return (sum(sizes) + out) / ELEMENTS_PER_US / model.elementwise_speedup
+
+
+def _kernels(op: Op) -> int:
+    """Kernels a region op launches: one, and one more per reduction in a fused region (the GPU
+    writes each reduction of a region as its own kernel)."""
+    if op.name != "fusion":
+        return 1
+    return 1 + sum(1 for region in op.regions for inner in region.walk() if inner.name.startswith("reduce_"))
 
 
 def transfer_us(value: Value, source: str | None = None, dest: str | None = None) -> float:
     """Estimated cost of moving `value` from device `source` to device `dest` in microseconds:
-    between two CPU devices of one process, or (when the names' tasks differ) between tasks."""
+    between tasks; or within one, the rendezvous hand-off and one host copy (between CPU devices),
+    plus the copy to or from each end that has its own memory (its model's cost; a GPU's)."""
+    return _transfer_cost_us(value.type.nbytes, source, dest)
+
+
+def _transfer_cost_us(nbytes: int, source: str | None, dest: str | None) -> float:
     if source is not None and dest is not None and _task(source) != _task(dest):
-        return TASK_TRANSFER_LATENCY_US + value.type.nbytes / TASK_TRANSFER_BYTES_PER_US
-    return TRANSFER_LATENCY_US + value.type.nbytes / TRANSFER_BYTES_PER_US
+        return TASK_TRANSFER_LATENCY_US + nbytes / TASK_TRANSFER_BYTES_PER_US
+    legs = [_device_model(d) for d in (source, dest) if d is not None and not _device_model(d).host_memory]
+    device_copies = sum(m.transfer_latency_us + nbytes / m.transfer_bytes_per_us for m in legs)
+    return TRANSFER_LATENCY_US + nbytes / TRANSFER_BYTES_PER_US + device_copies
+
+
+def _device_model(device: str) -> DeviceTypeModel:
+    return device_type_model(DeviceSpec.parse(device).device_type)
+
+
+def _host_copy_us(value: Value, device: str) -> float:
+    """The cost of copying `value` between the host and `device` (0 where it computes in host memory)."""
+    model = _device_model(device)
+    if model.host_memory:
+        return 0.0
+    return model.transfer_latency_us + value.type.nbytes / model.transfer_bytes_per_us
 
 
 def _task(device: str) -> tuple[str | None, int | None]:
@@ -154,22 +259,28 @@ def _task(device: str) -> tuple[str | None, int | None]:
 
 
 class _Scheduler:
-    """Earliest-finish-time list scheduling over candidate devices."""
+    """Earliest-finish-time list scheduling over candidate devices. `results` are the function's
+    results: computed on a device that does not compute in host memory, they cost a copy back."""
 
-    def __init__(self, all_devices: list[Device]):
+    def __init__(self, all_devices: list[Device], results: frozenset[Value] = frozenset()):
         self.free_at = {d.name: 0.0 for d in all_devices}
         self.order = {d.name: i for i, d in enumerate(all_devices)}
+        self.types = {d.name: d.device_type for d in all_devices}
+        self.results = results
         self.home: dict[Value, str] = {}  # value -> device that computes it
         self.ready: dict[tuple[Value, str], float] = {}  # (value, device) -> time it is available there
         self.last = all_devices[0].name  # the device of the op placed last
 
     def arrival(self, value: Value, device: str) -> tuple[float, int]:
         """When `value` can be read on `device`, and the bytes moved to get it there."""
-        home = self.home.get(value)
-        if home is None:  # a parameter or a free creation: available everywhere at time 0
-            return 0.0, 0
         if (value, device) in self.ready:
             return self.ready[(value, device)], 0
+        home = self.home.get(value)
+        if home is None and value.producer is None:  # a parameter: a host buffer, copied to a device's own memory
+            copy = _host_copy_us(value, device)
+            return copy, value.type.nbytes if copy else 0
+        if home is None:  # a free creation: made on every device that reads it
+            return 0.0, 0
         return self.ready[(value, home)] + transfer_us(value, home, device), value.type.nbytes
 
     def estimate(self, op: Op, device: str) -> tuple[float, int]:
@@ -177,7 +288,8 @@ class _Scheduler:
         for v in op.operands:
             t, nbytes = self.arrival(v, device)
             start, moved = max(start, t), moved + nbytes
-        return start + op_cost_us(op), moved
+        copies_back = sum(_host_copy_us(r, device) for r in op.results if r in self.results)
+        return start + op_cost_us(op, self.types[device]) + copies_back, moved
 
     def affinity(self, op: Op, bound_for: str | None) -> str:
         """The device `op` leans to: where most of its operand bytes are computed, else where its
@@ -204,7 +316,7 @@ class _Scheduler:
         home = self.affinity(op, bound_for)
         # Leaving the affine device costs at least one transfer later (results join again), so a
         # move must gain more than that.
-        if home in scored and best != home and scored[best][0] + TRANSFER_LATENCY_US >= scored[home][0]:
+        if home in scored and best != home and scored[best][0] + _transfer_cost_us(0, best, home) >= scored[home][0]:
             best = home
         finish, moved = scored[best]
         reason = f"cost model: finishes first (~{finish:.1f} us, {moved} bytes moved in)"
@@ -215,9 +327,9 @@ class _Scheduler:
         for v in op.operands:
             t, _ = self.arrival(v, device)
             start = max(start, t)
-            if self.home.get(v) is not None:
+            if self.home.get(v) is not None or v.producer is None:
                 self.ready[(v, device)] = t
-        finish = start + op_cost_us(op)
+        finish = start + op_cost_us(op, self.types[device])
         self.free_at[device] = finish
         self.last = device
         for r in op.results:
@@ -225,19 +337,24 @@ class _Scheduler:
             self.ready[(r, device)] = finish
 
 
-# Device types that get only ops constrained to them.
-EXPLICIT_ONLY = frozenset({"gpu"})
+def _candidates(
+    op: Op, constraint: DeviceSpec | None, source: Op | None, local: list[Device], types: tuple[str, ...] | None
+) -> tuple[list[Device], str | None]:
+    """The devices fitting `constraint` (which `source` set on `op`'s unit) whose type runs `op`,
+    and a note when none of the matching ones can (soft placement: the devices of their task that
+    can run it instead); an error when no device matches, or none of the task can run it.
 
-
-def _candidates(op: Op, constraint: DeviceSpec | None, source: Op | None, local: list[Device]) -> list[Device]:
-    """The devices fitting `constraint` (which `source` set on `op`'s unit); an error when none does.
     An op without a constraint stays in the task of the first device (this process): work goes to
-    another task only where the program says so. Nor does it go to a GPU: until placement knows
-    which ops the GPU lowers (issue #38), a GPU runs only what the program places there."""
+    another task only where the program says so; `types` (when not None) limits it further to those
+    device types."""
     if constraint is None:
         home = (local[0].spec.job, local[0].spec.task)
         found = [d for d in local if (d.spec.job, d.spec.task) == home]
-        return [d for d in found if d.device_type not in EXPLICIT_ONLY] or found
+        found = [d for d in found if types is None or d.device_type in types] or found
+        able = [d for d in found if cannot_run_reason(op, d.device_type) is None]
+        if not able:
+            raise _cannot_run_anywhere(op, found)
+        return able, None
     found = [d for d in local if constraint.matches(d)]
     if not found:
         op = source or op
@@ -245,7 +362,29 @@ def _candidates(op: Op, constraint: DeviceSpec | None, source: Op | None, local:
             f"{op.loc}: op '{op.name}': no device matches the constraint '{constraint}'; the devices are "
             f"{', '.join(d.name for d in local)} (set FLOWJIT_CPU_DEVICES=N for N local CPU devices)"
         )
-    return found
+    able = [d for d in found if cannot_run_reason(op, d.device_type) is None]
+    if able:
+        return able, None
+    tasks = {(d.spec.job, d.spec.task) for d in found}
+    instead = [d for d in local if (d.spec.job, d.spec.task) in tasks and cannot_run_reason(op, d.device_type) is None]
+    if not instead:
+        why = f"constrained to '{constraint}' ({source.loc}), and no device of its task can run it"
+        raise _cannot_run_anywhere(op, found, why)
+    refused = found[0].device_type
+    note = (
+        f"soft placement: constraint '{constraint}' ({source.loc}) names a {refused}, which cannot run it: "
+        f"{cannot_run_reason(op, refused)}"
+    )
+    return instead, note
+
+
+def _cannot_run_anywhere(op: Op, devices: list[Device], why: str = "") -> CompileError:
+    reasons = "; ".join(f"{t}: {cannot_run_reason(op, t)}" for t in dict.fromkeys(d.device_type for d in devices))
+    where = why or f"none of the devices it may use ({', '.join(d.name for d in devices)}) can run it"
+    return CompileError(
+        f"{op.loc}: op '{op.name}': {where} ({reasons}); add a CPU device to the devices placement may use, "
+        "or constrain the op to one"
+    )
 
 
 def _bound_for(units: list[_Unit], pinned: dict[int, str]) -> dict[Op, str]:
@@ -298,7 +437,9 @@ def place(graph: Graph, devices: Sequence[Device | str]) -> Graph:
     4. Walk units in program order: a unit whose group is placed joins it; a constrained unit with
        one fitting device takes it; free creations (constants) wait for their first consumer;
        everything else goes to the fitting device where the cost model says it finishes first
-       (counting a transfer of its results when they are bound for another device).
+       (counting a transfer of its results when they are bound for another device). Fitting
+       devices run the op (their type's model says so); when every device a constraint matches
+       refuses it, the devices of their task that run it fit instead (soft placement, noted).
     5. Free creations take their first consumer's device (partition copies them to other users).
     """
     local = [d if isinstance(d, Device) else _full_device(d) for d in devices]
@@ -328,14 +469,15 @@ def place(graph: Graph, devices: Sequence[Device | str]) -> Graph:
             )
         group_constraint[g] = (merged, source)
 
+    types = getattr(graph, "unconstrained_device_types", None)
     pinned = {}  # unit index -> its device, when its constraint leaves one
     for i, unit in enumerate(units):
         spec, source = group_constraint.get(groups[i], (None, None))
-        fitting = _candidates(unit.op, spec, source, local)
+        fitting, _ = _candidates(unit.op, spec, source, local, types)
         if spec is not None and len(fitting) == 1:
             pinned[i] = fitting[0].name
     bound_for = _bound_for(units, pinned)
-    scheduler = _Scheduler(local)
+    scheduler = _Scheduler(local, frozenset(graph.results))
     reasons: dict[Op, str] = {}
     group_device: dict[int, tuple[str, Op]] = {}
     first_consumer: dict[Op, str] = {}
@@ -353,16 +495,18 @@ def place(graph: Graph, devices: Sequence[Device | str]) -> Graph:
             continue
         else:
             spec, source = constrained if constrained else (None, None)
-            fitting = _candidates(op, spec, source, local)
-            if len(fitting) == 1 and spec is not None:
+            fitting, soft = _candidates(op, spec, source, local, types)
+            if len(fitting) == 1 and spec is not None and soft is None:
                 device = fitting[0].name
                 reasons[op] = f"constraint '{spec}' ({source.loc})"
             elif len(fitting) == 1:
                 device, reasons[op] = fitting[0].name, "the only device"
             else:
                 device, reasons[op] = scheduler.choose(op, fitting, bound_for.get(op))
-                if spec is not None:
+                if spec is not None and soft is None:
                     reasons[op] += f" among devices matching '{spec}' ({source.loc})"
+            if soft is not None:
+                reasons[op] = f"{soft}; {reasons[op]} of its task that can run it"
             if in_group:
                 group_device[g] = (device, op)
         scheduler.commit(op, device)

@@ -5,11 +5,15 @@ device, receiving device) pair moves the bytes. Registered per pair of device ty
 task (process):
 
     (cpu, cpu)   HostCopy: one memmove between host buffers
+    (cpu, gpu)   GpuStaging: a GPU partition's send/recv happen on the host around its GPU calls
+    (gpu, cpu)   (`backends/gpu/staging.py`), so the rendezvous moves host bytes (one memmove);
+    (gpu, gpu)   the copy to or from device memory is the GPU call's own (asynchronous copies on
+                 its stream through pinned memory, waited for with a deadline); between two GPUs
+                 the value goes through the host (no peer copy)
 
-A GPU backend registers (cpu, gpu), (gpu, cpu) and (gpu, gpu) transports (asynchronous copies
-ordered by stream events); values between tasks go through a process transport (Ray), which the
-distributed runtime supplies. A pair with no transport is an error when the function is compiled,
-never a silent host copy. docs/architecture.md lists what a transport must guarantee.
+Values between tasks go through a process transport (Ray), which the distributed runtime
+supplies. A pair with no transport is an error when the function is compiled, never a silent
+host copy. docs/architecture.md lists what a transport must guarantee.
 """
 
 from __future__ import annotations
@@ -42,8 +46,28 @@ class HostCopy(Transport):
 
 HOST_COPY = HostCopy()
 
+
+class GpuStaging(HostCopy):
+    """Between a CPU partition's buffer and the host array a GPU partition receives into or sends
+    from (its send/recv run on the host around its GPU calls): one memmove. The device copy is
+    the GPU call's (`backends/gpu/staging.py`), so the bytes reach device memory before any kernel
+    reads them and leave it only once the kernels that computed them finished."""
+
+    name = "host copy, then the GPU call's copy to or from the device"
+
+
+GPU_STAGING = GpuStaging()
+
 # (sending device type, receiving device type) -> transport, within one task
-TRANSPORTS: dict[tuple[str, str], Transport] = {("cpu", "cpu"): HOST_COPY}
+TRANSPORTS: dict[tuple[str, str], Transport] = {
+    ("cpu", "cpu"): HOST_COPY,
+    ("cpu", "gpu"): GPU_STAGING,
+    ("gpu", "cpu"): GPU_STAGING,
+    ("gpu", "gpu"): GPU_STAGING,
+}
+
+
+_BUILT_IN = frozenset(TRANSPORTS)
 
 
 def register_transport(sender_type: str, receiver_type: str, transport: Transport) -> None:
@@ -52,7 +76,7 @@ def register_transport(sender_type: str, receiver_type: str, transport: Transpor
 
 
 def unregister_transport(sender_type: str, receiver_type: str) -> None:
-    if (sender_type, receiver_type) != ("cpu", "cpu"):
+    if (sender_type, receiver_type) not in _BUILT_IN:
         TRANSPORTS.pop((sender_type, receiver_type), None)
 
 

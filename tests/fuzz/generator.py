@@ -1046,8 +1046,9 @@ def transforms_in(program: Program) -> set[str]:
 
 
 @st.composite
-def programs(draw, max_stmts: int = 10, smooth: bool = False) -> Program:
-    """A random valid program. `smooth`: float64, differentiable ops only (for gradient checks)."""
+def programs(draw, max_stmts: int = 10, smooth: bool = False, require: str | None = None) -> Program:
+    """A random valid program. `smooth`: float64, differentiable ops only (for gradient checks).
+    `require`: a transformation (a `TRANSFORMS` name) the program uses, tried first."""
     g = Gen(draw, smooth)
     # Finite differences cost two evaluations per input element: gradient programs stay tiny.
     base = draw(st.sampled_from(BASE_SHAPES[:8] if smooth else BASE_SHAPES))
@@ -1057,6 +1058,12 @@ def programs(draw, max_stmts: int = 10, smooth: bool = False) -> Program:
     ops = sorted(SMOOTH_OPS) if smooth else sorted(BUILDERS)
     transforms = [name for name, t in TRANSFORMS.items() if t.available()]
     wanted = draw(st.integers(1, max_stmts))
+    for _ in range(20 if require else 0):
+        try:
+            TRANSFORMS[require].build(g)
+            break
+        except Rejected:
+            continue
     # Builders that do not apply to the values at hand are skipped; a bounded number of tries keeps
     # generation fast when few apply.
     for _ in range(3 * wanted):

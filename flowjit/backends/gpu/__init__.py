@@ -13,6 +13,8 @@ run through the CUDA driver API.
     resident.py   `DeviceVariable`: a variable's copy in device memory between calls, and its home
     arrays.py     `DeviceArray` (`fj.DeviceArray`): a result kept on the device; DLPack export
     backend.py    `CudaBackend` ('cuda', device type 'gpu') and `GpuExecutable`
+    staging.py    a GPU partition's send/recv on the host around its GPU calls (`StagedExecutable`)
+    placement.py  what placement knows of GPUs: the ops they cannot run, their speed, copy costs
 
 Compiling needs MLIR (no CUDA toolkit, no GPU); running needs cuda-bindings, a driver and a
 device, and no MLIR (docs/gpu-backend.md). Nothing here has run on a GPU yet.

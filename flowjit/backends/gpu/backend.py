@@ -22,7 +22,8 @@ import weakref
 import numpy as np
 
 from flowjit.backends.base import Backend, Executable
-from flowjit.backends.gpu import cache, cubin, driver, resident
+from flowjit.backends.gpu import cache, cubin, driver, resident, staging
+from flowjit.backends.gpu import placement as _placement  # noqa: F401 (registers the GPU's model with placement)
 from flowjit.backends.gpu.arrays import DeviceArray
 from flowjit.backends.gpu.driver import GpuRuntimeError
 from flowjit.backends.gpu.pipeline import CHIPS, GpuOptions
@@ -237,7 +238,10 @@ class CudaBackend(Backend):
     def compile(self, graph, device=None, options=None, aliases=None) -> Executable:
         """The executable for `graph` on `device` (a full device name; None: GPU 0), from the disk
         cache when it holds it (then MLIR is not imported). Donated buffers are not honoured
-        (`aliases` stays empty)."""
+        (`aliases` stays empty). A partition with send/recv compiles to a `StagedExecutable`: its
+        GPU calls with the rendezvous done on the host around them (`staging.py`)."""
+        if staging.communicates(graph):
+            return staging.StagedExecutable(graph, lambda stage: self.compile(stage, device, options))
         ordinal = 0
         if device is not None:
             ordinal = DeviceSpec.parse(device).index or 0

@@ -14,8 +14,7 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
   buffer.
 - rank-0 ops as kernels of one element of rank 1 (`scalars_as_vectors`, `Target.rank0_kernels`).
 - `CPU_ONLY`: ops the GPU does not compile (control flow, send/recv), with the reason a
-  placement report shows; `cpu_only_reason(op)` adds float64 math the shared library writes as
-  calls (`UNSUPPORTED_MATH`). `check_graph` refuses them, and ops without a lowering, with a
+  placement report shows (`cpu_only_reason(op)`). `check_graph` refuses them, and ops without a lowering, with a
   `CompileError` naming the op, its line and the reason.
 - state ops (`FUNCTIONALIZED`) never reach the lowering: `CudaBackend.compile` turns variables into
   the function's inputs and outputs first (`passes/state.py`).
@@ -31,6 +30,7 @@ from flowjit.backends.mlir import (
     lower_movement,
     lower_reduction,
     mathlib,
+    mathlib_f64,
 )
 from flowjit.backends.mlir.emitter import KernelEmitter
 from flowjit.backends.mlir.lower_elementwise import map_elementwise, reshape_tensor
@@ -74,7 +74,8 @@ class PlainLoops:
 GPU = Target(
     "cuda",
     schedules=PlainLoops(),
-    math=MathLibrary(unary=mathlib.MATH, binary=mathlib.MATH_BINARY, truncate_to_bf16=mathlib.truncate_to_bf16),
+    # float64 sin, cos, erf, atan2, pow without libm calls (`mathlib_f64`); the rest is `mathlib`'s
+    math=MathLibrary(unary=mathlib_f64.MATH, binary=mathlib_f64.MATH_BINARY, truncate_to_bf16=mathlib.truncate_to_bf16),
 )
 GPU.rank0_kernels = False
 lower_elementwise.register(GPU.lowerings, GPU.math)
@@ -94,7 +95,8 @@ CPU_ONLY = {
     ),
     **dict.fromkeys(
         ("send", "recv", "send_done"),
-        "communication: it calls the host runtime's rendezvous",
+        "communication: a kernel cannot call the host runtime's rendezvous (a GPU partition's send/recv "
+        "run on the host around its GPU calls, staging.py)",
     ),
 }
 
@@ -102,22 +104,10 @@ CPU_ONLY = {
 # updated one an output, bound to the variable's copy in device memory at run time).
 FUNCTIONALIZED = frozenset(("read_variable", "assign", "assign_add", "assign_sub"))
 
-# Float64 math the shared library writes as `math.*` ops (libm calls on the CPU), which would be
-# unresolved libdevice calls (`__nv_sin`) in PTX: op name -> the dtypes it is refused for.
-UNSUPPORTED_MATH = {name: (dt.float64,) for name in ("sin", "cos", "erf", "atan2", "pow")}
-_MATH_REASON = (
-    "float64 {op} has no call-free GPU lowering (it would call libdevice, which nothing links); float32 has one"
-)
-
 
 def cpu_only_reason(op: Op) -> str | None:
     """Why `op` must run on the CPU (what a placement report shows), or None if the GPU compiles it."""
-    if op.name in CPU_ONLY:
-        return CPU_ONLY[op.name]
-    refused = UNSUPPORTED_MATH.get(op.name, ())
-    if any(v.type.dtype in refused for v in (*op.operands, *op.results)):
-        return _MATH_REASON.format(op=op.name)
-    return None
+    return CPU_ONLY.get(op.name)
 
 
 def check_graph(graph: Graph) -> None:

@@ -21,7 +21,8 @@ rounding the backend should use everywhere (see below).
   emit `math.sin`/`math.cos`/`math.erf`/`math.atan2`/`math.powf`, which become scalar libm calls
   (correct, 5-50x slower; visible as calls in the assembly dump; erf/atan2/pow rely on
   `convert-math-to-libm` in the pipeline): a float64 sin/cos over the whole range needs a
-  Payne-Hanek reduction, and exp(y log x) in float64 would lose ~10 bits for pow. sqrt and rsqrt
+  Payne-Hanek reduction, and exp(y log x) in float64 would lose ~10 bits for pow. Targets without
+  libm (the GPU) take call-free float64 versions of these from `mathlib_f64.py`. sqrt and rsqrt
   are vector instructions for all types.
 - pow: float32 (and f16/bf16) is exp(y log|x|) evaluated with the float64 polynomials, then the
   C99/numpy special cases by selects (x^0 = 1, 1^y = 1, signed zeros and infinities, odd integer
@@ -617,11 +618,16 @@ def _pow_f32(m: _Arith, x: str, y: str) -> str:
     xd = m.b.op(f"arith.extf {x} : f32 to f64")
     yd = m.b.op(f"arith.extf {y} : f32 to f64")
     magnitude = _exp(d, d.mul(yd, _log(d, d.abs(xd))))  # |x| = 0 / inf give the right 0 / inf
-    r = m.b.op(f"arith.truncf {magnitude} : f64 to f32")
+    return pow_special_cases(m, x, y, m.b.op(f"arith.truncf {magnitude} : f64 to f32"))
+
+
+def pow_special_cases(m: _Arith, x: str, y: str, r: str) -> str:
+    """`r`, exp(y log|x|) in `m`'s type, with the sign of odd powers of negative x and the C99/numpy
+    special cases applied by selects."""
     is_integer = m.cmp("oeq", m.unary("math.floor", y), y)
     half = m.mul(y, m.c(0.5))
     is_odd = m.both(is_integer, m.cmp("one", m.unary("math.floor", half), half))
-    x_sign_set = m.b.op(f"arith.cmpi slt, {m.bits(x)}, {m.ci(0)} : i32")
+    x_sign_set = m.b.op(f"arith.cmpi slt, {m.bits(x)}, {m.ci(0)} : {m.it}")
     r = m.select(m.both(x_sign_set, is_odd), m.unary("arith.negf", r), r)  # (-x)^odd = -(x^odd), -0/-inf too
     # finite x < 0 with a finite non-integer y has no real power
     finite_negative_x = m.both(m.cmp("olt", x, m.c(0.0)), m.cmp("ogt", x, m.c(-math.inf)))
