@@ -32,7 +32,7 @@ from flowjit.backends.gpu.backend import GpuRuntimeError
 from flowjit.backends.gpu.compiler import copies_as_kernels, generate_mlir, lower_to_ptx
 from flowjit.backends.gpu.driver import unavailable_reason
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
-from flowjit.backends.gpu.target import CPU_ONLY, GPU, cpu_only_reason
+from flowjit.backends.gpu.target import CPU_ONLY, FUNCTIONALIZED, GPU, cpu_only_reason
 from flowjit.backends.gpu.toolchain import find_ptxas
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.backends.mlir.target import LoweringTable
@@ -43,6 +43,7 @@ from flowjit.frontend.autodiff import VJPSpec, is_non_differentiable, vjp_graph
 from flowjit.ir import dtypes as dt
 from flowjit.ir.interpreter import interpret
 from flowjit.ir.ops import REGISTRY
+from flowjit.passes.state import functionalize_state, touched_variables
 
 sys.path.insert(0, os.path.dirname(__file__))
 from op_table import ROWS, assert_close, build_case, single_op_graph, tolerance  # noqa: E402
@@ -92,6 +93,8 @@ def _expected_refusal(graph):
 
 
 def check_lowers_or_is_cpu_only(graph, chips) -> None:
+    if touched_variables(graph):  # as CudaBackend.compile does: variables become inputs and outputs
+        graph, _ = functionalize_state(graph.copy())
     refusal = _expected_refusal(graph)
     empty = not any(r.type.size for r in graph.results)
     for chip in chips:
@@ -178,7 +181,8 @@ def test_gradients_cover_the_differentiable_ops():
 
 def test_every_registered_op_lowers_or_is_cpu_only():
     # constant is lowered by the driver itself (an inline literal or a global the kernels hold).
-    missing = sorted(n for n in REGISTRY if n != "constant" and not GPU.lowerings.has(n) and n not in CPU_ONLY)
+    known = CPU_ONLY.keys() | FUNCTIONALIZED
+    missing = sorted(n for n in REGISTRY if n != "constant" and not GPU.lowerings.has(n) and n not in known)
     assert not missing, f"ops with neither a GPU lowering nor a CPU_ONLY reason: {missing}"
     assert not set(CPU_ONLY) - set(REGISTRY), "CPU_ONLY names ops that do not exist"
     assert not set(CPU_ONLY) & set(GPU.lowerings.tensor), "an op is both lowered and CPU-only"
@@ -218,7 +222,7 @@ _F64_MATH = {"sin", "cos", "erf", "atan2", "pow"}  # `mlir/mathlib_f64.py`, the 
 VALUE_PARAMS = [
     pytest.param(row, dtype, id=f"{row.name}-{dtype.name}".replace(" ", ""))
     for row in ROWS
-    if row.op not in CPU_ONLY
+    if row.op not in CPU_ONLY.keys() | FUNCTIONALIZED
     for dtype in row.dtypes
     if row.op in _OWN_OPS
     or ("scalar" in row.name and dt.bool_ in row.dtypes)

@@ -21,6 +21,7 @@ class Executable:
     # Donation: output index -> input index. The call may write that output into the input's buffer
     # (`run(..., outputs={j: buffer})`); the backend then reads the input completely first.
     aliases: dict[int, int] = {}
+    takes_device_arrays: bool = False  # True: `run` takes arrays in its device's memory (`DeviceArray`) as they are
 
     def run(
         self,
@@ -32,6 +33,26 @@ class Executable:
         which the call reads and updates in place. `outputs` maps output indices in `aliases` to
         donated buffers to write them into (backends without donation return fresh arrays)."""
         raise NotImplementedError
+
+    def run_resident(
+        self,
+        args: Sequence[np.ndarray],
+        variables: dict[str, np.ndarray] | None = None,
+        outputs: dict[int, np.ndarray] | None = None,
+        keep_results: bool = False,
+    ) -> tuple[list, dict[str, object]]:
+        """`run` for a caller that keeps variables' homes (`flowjit.runtime.tasks`), as a jitted
+        function does. Returns (results, homes): `homes` maps each variable the executable now keeps
+        in its device's memory to that copy, a `VariableHome` the caller registers before the host
+        reads or writes the variable again (its host buffer may be stale). With `keep_results`,
+        results stay on the device where the backend has device memory (`DeviceArray`s); a host
+        backend's results are host arrays, which are on its device already."""
+        return self.run(args, variables, outputs), {}
+
+    def keeps(self, home) -> bool:
+        """True when `home` (a variable's registered home) is this executable's copy of it in its
+        device's memory: a call uses it there, so the caller does not bring the variable home."""
+        return False
 
     def run_trusted(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
         """`run` for C-contiguous arrays already known to match the signature (the jit fast path);

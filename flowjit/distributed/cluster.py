@@ -281,6 +281,9 @@ class ActorHome:
         actor = self.cluster.actor(self.task)
         ray_support.get(actor.write_variable.remote(self.name, value), f"writing variable '{self.name}' on {self.task}")
 
+    def left(self) -> None:
+        """Nothing to give back: the task's copy is simply no longer read (whoever took it read it)."""
+
 
 class _Runner:
     """Loads the partitions of a program that live in this cluster's tasks."""

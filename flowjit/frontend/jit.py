@@ -109,6 +109,7 @@ class Jitted:
         donate_argnums=(),
         target=None,
         donate_argnames=(),
+        keep_on_device=False,
     ):
         if not callable(fun):
             raise FlowjitTypeError(f"{user_location()}: jit expects a function; found {type(fun).__name__}")
@@ -125,6 +126,7 @@ class Jitted:
         self.donate_argnums = _as_tuple(donate_argnums)
         self.donate_argnames = _as_tuple(donate_argnames)
         self.target = target
+        self.keep_on_device = bool(keep_on_device)
         options = (
             self.static_argnums,
             self.static_argnames,
@@ -132,6 +134,7 @@ class Jitted:
             self.donate_argnums,
             self.donate_argnames,
             target,
+            self.keep_on_device,
             tuple(d.name for d in placement_devices()),  # the devices (local, a cluster's) code was placed on
         )
         self._shared = _cache_for(fun, options)
@@ -316,7 +319,8 @@ class Jitted:
             graph, out_tree, variables = self._trace(sig, bound, paths)
         binder = functools.partial(self._signature_of, bound_self=bound_self)
         target = self.target
-        return Lowered(graph, sig, out_tree, paths, target, binder, variables, self._donated_leaves(paths))
+        donated = self._donated_leaves(paths)
+        return Lowered(graph, sig, out_tree, paths, target, binder, variables, donated, self.keep_on_device)
 
     def _call(self, args, kwargs, bound_self: bool):
         if current_trace() is not None:
@@ -333,7 +337,9 @@ class Jitted:
                     binder = functools.partial(self._signature_of, bound_self=bound_self)
                     target = self.target
                     donated = self._donated_leaves(paths)
-                    lowered = Lowered(graph, sig, out_tree, paths, target, binder, variables, donated)
+                    lowered = Lowered(
+                        graph, sig, out_tree, paths, target, binder, variables, donated, self.keep_on_device
+                    )
                     compiled = lowered.compile()
                     self._cache[sig] = compiled
                     self._shared.last = sig
@@ -440,6 +446,7 @@ def jit(
     donate_argnums=(),
     target=None,
     donate_argnames=(),
+    keep_on_device=False,
 ):
     """Compile `fun` on first call per signature. Usable as `@jit` or `@jit(static_argnums=1)`.
 
@@ -450,6 +457,9 @@ def jit(
     (`params = step(params, batch)` then allocates nothing per call). Afterwards the donated array
     holds that result, not its old value. Honored by the CPU backend on one device.
     device: placement constraint for every op (e.g. "cpu:0"). target: backend ('cpu', 'interpreter').
+    keep_on_device: results of a program that runs on a GPU stay in its memory, as `fj.DeviceArray`s
+    (`np.asarray(r)` copies one to the host; passed to a program on that GPU, it is read where it
+    is); a program on the CPU returns numpy arrays as always.
     """
     if fun is None:
         return functools.partial(
@@ -460,5 +470,6 @@ def jit(
             donate_argnums=donate_argnums,
             target=target,
             donate_argnames=donate_argnames,
+            keep_on_device=keep_on_device,
         )
-    return Jitted(fun, static_argnums, static_argnames, device, donate_argnums, target, donate_argnames)
+    return Jitted(fun, static_argnums, static_argnames, device, donate_argnums, target, donate_argnames, keep_on_device)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from flowjit.backends import Executable, backend_for_device, default_target, get_backend
+from flowjit.backends.gpu.arrays import DeviceArray
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, tree_unflatten
 from flowjit.frontend.signature import Binder, Signature, VariableArg, _to_host
@@ -26,7 +27,7 @@ from flowjit.passes.partition import graph_devices, placement_report, split_part
 from flowjit.passes.registry import run_pipeline
 from flowjit.runtime.devices import placement_devices
 from flowjit.runtime.executor import PartitionedExecutable
-from flowjit.runtime.tasks import bring_home, is_local
+from flowjit.runtime.tasks import bring_home, is_local, set_variable_home, variable_home
 
 # The optimization pipeline for every target, top to bottom.
 PIPELINE = (
@@ -53,8 +54,10 @@ class Lowered:
         binder: Binder,
         variables=None,
         donated: tuple[int, ...] = (),
+        keep_on_device: bool = False,
     ):
         self.signature = sig
+        self.keep_on_device = keep_on_device  # results stay in the device's memory (DeviceArray)
         self.donated = donated  # indices of the dynamic leaves whose buffers the caller donated
         self.variables = dict(variables or {})  # name -> Variable the function reads or updates
         self.out_tree = out_tree
@@ -156,6 +159,7 @@ class Lowered:
             self.name,
             self._binder,
             self.variables,
+            self.keep_on_device,
         )
 
 
@@ -221,8 +225,10 @@ class Compiled:
         name: str,
         binder: Binder,
         variables=None,
+        keep_on_device: bool = False,
     ):
         self.executable = executable
+        self.keep_on_device = keep_on_device
         # Variables in a fixed (name) order: locks are always taken in this order, so concurrent calls
         # of functions sharing variables cannot deadlock.
         self.variables = [v for _, v in sorted((variables or {}).items())]
@@ -242,7 +248,9 @@ class Compiled:
         # The call fast path: `call_arrays(args)` for numpy arrays of exactly the signature's shapes
         # and dtypes (the jitted function's array-key cache vouches for that): no conversion or
         # re-check, and for one result no Python frame between the jitted function and the backend.
-        if self.variables or self._aliases:
+        # An executable with device memory gets device arrays as they are (not copied to the host).
+        self._device_arrays = executable.takes_device_arrays
+        if self.variables or self._aliases or keep_on_device:
             self.call_arrays = self.call_leaves
         elif out_tree.kind == "leaf":
             self.call_arrays = executable.caller(single_output=True)
@@ -253,13 +261,15 @@ class Compiled:
     def call_leaves(self, leaves: Sequence) -> object:
         """Run on the flattened dynamic arguments (already checked against the signature)."""
         arrays = [
-            _to_host(leaf, aval)
+            leaf if self._device_arrays and isinstance(leaf, DeviceArray) else _to_host(leaf, aval)
             for leaf, aval in zip(leaves, self.signature.avals)
             if not isinstance(aval, VariableArg)
         ]
         donated = self._donated_buffers(arrays) if self._aliases else None
         if self.variables:
             outs = self._run_with_variables(arrays, donated)
+        elif self.keep_on_device:
+            outs, _ = self.executable.run_resident(arrays, None, donated, keep_results=True)
         else:
             outs = self.executable.run(arrays, outputs=donated)
         if not self._fresh_outputs:  # an input passed through must not alias the caller's array
@@ -281,8 +291,13 @@ class Compiled:
             for lock in self._locks:
                 lock.acquire()
                 taken += 1
-            bring_home(self._buffers, self._remote_variables)  # a variable a cluster's task held
-            return self.executable.run(arrays, self._buffers, donated)
+            # a variable a cluster's task or another device held (this executable's device keeps its own)
+            bring_home(self._buffers, self._remote_variables, self.executable.keeps)
+            outs, homes = self.executable.run_resident(arrays, self._buffers, donated, self.keep_on_device)
+            for name, home in homes.items():  # the variable lives there now: host accesses go through it
+                if variable_home(name) is not home:
+                    set_variable_home(name, home)
+            return outs
         finally:
             for lock in reversed(self._locks[:taken]):
                 lock.release()

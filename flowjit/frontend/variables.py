@@ -12,7 +12,8 @@ A variable created inside `with fj.device(spec):` (or with `device=spec`, or ins
 that reads or updates it is placed on that device, whatever scope it is traced in (TensorFlow's
 colocation of a variable's ops). When that device belongs to another task of a cluster, the value
 lives in that task's process, and `.value`/`assign` outside jit go there
-(`flowjit.runtime.tasks.variable_home`).
+(`flowjit.runtime.tasks.variable_home`). A variable a jitted GPU program uses lives in that GPU's
+memory between calls in the same way (docs/gpu-backend.md, "Variables in device memory").
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from flowjit.ir import dtypes as dt
 from flowjit.ir.location import user_location
 from flowjit.ir.types import TensorType
 from flowjit.runtime.devices import DeviceSpec, current_device_spec, variable_device
-from flowjit.runtime.tasks import variable_home
+from flowjit.runtime.tasks import set_variable_home, variable_home
 
 _names_lock = threading.Lock()
 _counter = itertools.count()
@@ -79,6 +80,8 @@ class Variable:
         self.name = _unique_name(name)
         self.lock = threading.RLock()
         _LIVE[self.name] = self
+        if variable_home(self.name) is not None:  # left by a variable of this name that is gone
+            set_variable_home(self.name, None)
 
     # --- facts ---------------------------------------------------------------------------------
     @property

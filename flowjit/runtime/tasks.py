@@ -223,7 +223,8 @@ def remote_runner(devices: Sequence[str]) -> RemoteRunner:
 
 
 class VariableHome(Protocol):
-    """Where a Variable lives when it lives in another task."""
+    """Where a Variable lives when its host buffer in this process may not hold its value: another
+    task of a cluster, or a GPU's memory (`backends/gpu/resident.py`)."""
 
     task: str
 
@@ -233,16 +234,21 @@ class VariableHome(Protocol):
     def write(self, value: np.ndarray) -> None:
         """Replace the variable's value."""
 
+    def left(self) -> None:
+        """It is no longer the variable's home (read first by whoever took the variable)."""
+
 
 _homes: dict[str, VariableHome] = {}
 
 
 def set_variable_home(name: str, home: VariableHome | None) -> None:
-    """Record that variable `name` lives at `home` (None: in this process again)."""
-    if home is None:
-        _homes.pop(name, None)
-    else:
+    """Record that variable `name` lives at `home` (None: in this process again); the home it
+    had before is told it `left`."""
+    old = _homes.pop(name, None) if home is None else _homes.get(name)
+    if home is not None:
         _homes[name] = home
+    if old is not None and old is not home:
+        old.left()
 
 
 def variable_home(name: str) -> VariableHome | None:
@@ -255,17 +261,20 @@ def variable_homes() -> dict[str, VariableHome]:
     return dict(_homes)
 
 
-def bring_home(buffers: dict[str, np.ndarray], skip=frozenset()) -> None:
+def bring_home(buffers: dict[str, np.ndarray], skip=frozenset(), keep: Callable[[object], bool] | None = None) -> None:
     """Before this process runs code on `buffers` (variable name -> its local buffer): the values
-    of those variables that live in another task come back into their buffers, and they live here
-    again (those in `skip` stay where they are: the code runs them there)."""
+    of those variables that live elsewhere (another task, a GPU's memory) come back into their
+    buffers, and they live here again. Those in `skip` stay where they are (the code runs them
+    there), and so do those whose home `keep(home)` accepts (the code's own device holds them)."""
     if not _homes:  # the common case, checked on every call of a function with variables
         return
     for name, buffer in buffers.items():
         home = _homes.get(name)
-        if home is not None and name not in skip:
-            np.copyto(buffer, home.read(), casting="unsafe")
-            del _homes[name]
+        if home is None or name in skip or (keep is not None and keep(home)):
+            continue
+        np.copyto(buffer, home.read(), casting="unsafe")
+        del _homes[name]
+        home.left()
 
 
 class TaskError(FlowjitError):

@@ -7,6 +7,7 @@
    parameter, sized by the `.param` list of the kernel's PTX (the driver reads its own copy of that
    list from the module; of a cubin's kernels it logs none). FAKE_CUDA_EVENT_NEVER_READY=1 makes
    every event pending forever (a hung kernel); FAKE_CUDA_NO_DEVICE=1 shows no device;
+   FAKE_CUDA_DEVICES=N shows N devices (default 1), sharing one context and host memory;
    FAKE_CUDA_FAIL_MODULE_LOAD=1 makes loading any
    module fail (CUDA_ERROR_INVALID_IMAGE). `fake_cuda_set_launch_hook` lets a test run the launches.
 
@@ -57,12 +58,13 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
 
 CUresult cuInit(unsigned flags) { fprintf(log_file(), "cuInit %u\n", flags); return OK; }
 CUresult cuDriverGetVersion(int *version) { *version = 13000; return OK; }
-CUresult cuDeviceGetCount(int *count) {
-    const char *none = getenv("FAKE_CUDA_NO_DEVICE");
-    *count = none && *none == '1' ? 0 : 1;
-    return OK;
+static int device_count(void) {
+    const char *none = getenv("FAKE_CUDA_NO_DEVICE"), *devices = getenv("FAKE_CUDA_DEVICES");
+    if (none && *none == '1') return 0;
+    return devices ? atoi(devices) : 1;
 }
-CUresult cuDeviceGet(int *device, int ordinal) { *device = ordinal; return ordinal == 0 ? OK : 101; }
+CUresult cuDeviceGetCount(int *count) { *count = device_count(); return OK; }
+CUresult cuDeviceGet(int *device, int ordinal) { *device = ordinal; return ordinal >= 0 && ordinal < device_count() ? OK : 101; }
 
 CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
     *value = attribute == 75 ? 9 : attribute == 76 ? 0 : 0; /* compute capability 9.0 */

@@ -10,6 +10,8 @@ run through the CUDA driver API.
     cache.py      the disk cache entry (plan, PTX, cubins) and its key
     driver.py     the CUDA driver API through cuda-bindings, imported lazily; `GpuRuntimeError`
     runtime.py    contexts, the caching allocator, pinned staging, `PlanRunner` (launch, wait)
+    resident.py   `DeviceVariable`: a variable's copy in device memory between calls, and its home
+    arrays.py     `DeviceArray` (`fj.DeviceArray`): a result kept on the device; DLPack export
     backend.py    `CudaBackend` ('cuda', device type 'gpu') and `GpuExecutable`
     staging.py    a GPU partition's send/recv on the host around its GPU calls (`StagedExecutable`)
     placement.py  what placement knows of GPUs: the ops they cannot run, their speed, copy costs

@@ -6,6 +6,10 @@ cache) and, for cubins, `ptxas`; running needs `cuda-bindings`, a driver and a d
 MLIR: an executable is made from a cache entry alone (`cache.py`), so code compiled on a build
 machine runs on a GPU machine whose cache folder holds it.
 
+Variables: `compile` functionalizes the graph's state (`passes/state.py`): each variable is an
+extra input, each updated one an extra output; the executable binds them to the variables' copies
+in device memory (`resident.py`) or, for callers that do not keep homes, to their host buffers.
+
 Targets: 'cuda' (sm_80, or the chip of the device it compiles for: `fj.jit(f, device="gpu:0")`
 compiles for that GPU's compute capability) and 'cuda-<chip>' for every chip of `pipeline.CHIPS`
 ('cuda-sm_90').
@@ -18,8 +22,9 @@ import weakref
 import numpy as np
 
 from flowjit.backends.base import Backend, Executable
-from flowjit.backends.gpu import cache, cubin, driver, staging
+from flowjit.backends.gpu import cache, cubin, driver, resident, staging
 from flowjit.backends.gpu import placement as _placement  # noqa: F401 (registers the GPU's model with placement)
+from flowjit.backends.gpu.arrays import DeviceArray
 from flowjit.backends.gpu.driver import GpuRuntimeError
 from flowjit.backends.gpu.pipeline import CHIPS, GpuOptions
 from flowjit.backends.gpu.runtime import KernelImage, PlanRunner
@@ -27,8 +32,10 @@ from flowjit.errors import FlowjitTypeError
 from flowjit.ir import dtypes as dt
 from flowjit.ir.devices import DeviceSpec
 from flowjit.ir.graph import Graph
+from flowjit.ir.location import user_location
 from flowjit.ir.printer import print_graph
 from flowjit.passes import dump
+from flowjit.passes.state import StateLayout, functionalize_state, touched_variables
 
 __all__ = ["BACKENDS", "CudaBackend", "GpuExecutable", "GpuRuntimeError", "compile_entry"]
 
@@ -36,11 +43,16 @@ __all__ = ["BACKENDS", "CudaBackend", "GpuExecutable", "GpuRuntimeError", "compi
 class GpuExecutable(Executable):
     """A compiled function for one GPU chip: the launch plan, each kernel's PTX (and cubin where
     ptxas made one), and the stage texts ('mlir', 'gpu-mlir', 'ptx', 'launch-plan'). `run` copies
-    the inputs to device `ordinal`, replays the plan and copies the outputs back."""
+    the inputs to device `ordinal`, replays the plan and copies the outputs back; `run_resident`
+    keeps the variables (`layout`: the entry's inputs and outputs after the function's own) in
+    device memory and may keep the results there too."""
 
     fresh_outputs = True
+    takes_device_arrays = True
 
-    def __init__(self, entry: cache.Entry, ordinal: int = 0, origin: str = "compiled"):
+    def __init__(
+        self, entry: cache.Entry, ordinal: int = 0, origin: str = "compiled", layout: StateLayout | None = None
+    ):
         self.entry = entry
         self.name = entry.function
         self.ordinal = ordinal
@@ -49,8 +61,11 @@ class GpuExecutable(Executable):
         self.backend = f"cuda (MLIR -> NVVM -> PTX, {entry.chip}; launch plan run through the CUDA driver)"
         self.origin = origin  # 'compiled' or 'disk cache'
         self.stages = {**entry.stages, "launch-plan": self._plan_text()}
+        self.layout = layout = layout or StateLayout()
         self._in_types = [(tuple(shape), dt.dtype(name).np_dtype) for shape, name in entry.inputs]
         self._out_types = [(tuple(shape), dt.dtype(name).np_dtype) for shape, name in entry.outputs]
+        del self._in_types[len(self._in_types) - len(layout.inputs) :]  # the variables' are the last ones
+        del self._out_types[len(self._out_types) - len(layout.outputs) :]
         self._runner: PlanRunner | None = None
 
     def _plan_text(self, loading: dict[str, str] | None = None) -> str:
@@ -71,8 +86,8 @@ class GpuExecutable(Executable):
             reason = driver.unavailable_reason()
             if reason is not None:
                 raise GpuRuntimeError(
-                    f"cannot run '{self.name}' on GPU {self.ordinal}: {reason.rstrip('.')}. Its PTX is in "
-                    "`.lower(...).as_text('ptx')`; use target='cpu' to run it on this machine"
+                    f"{user_location()}: cannot run '{self.name}' on GPU {self.ordinal}: {reason.rstrip('.')}. "
+                    "Its PTX is in `.lower(...).as_text('ptx')`; use target='cpu' to run it on this machine"
                 )
             self._runner = PlanRunner(self.plan, self.kernels, self.ordinal)
             weakref.finalize(self, _close_quietly, self._runner)  # its stream and pinned block go with it
@@ -81,29 +96,74 @@ class GpuExecutable(Executable):
                 dump.write_stage(self.name, "launch-plan", self.stages["launch-plan"])
         return self._runner
 
-    def check_arguments(self, args) -> list[np.ndarray]:
-        """The arguments as C-contiguous arrays; a FlowjitTypeError unless they match the signature."""
+    def check_arguments(self, args) -> list[np.ndarray | int]:
+        """The arguments as C-contiguous host arrays, or as device addresses for `DeviceArray`s on
+        this executable's GPU (one on another device comes through the host); a FlowjitTypeError
+        unless they match the signature."""
         if len(args) != len(self._in_types):
             raise FlowjitTypeError(f"expected {len(self._in_types)} arrays; found {len(args)}")
         arrays = []
         for i, (arg, (shape, dtype)) in enumerate(zip(args, self._in_types)):
-            array = np.asarray(arg)
-            if array.shape != shape or array.dtype != dtype:
+            on_device = isinstance(arg, DeviceArray)
+            if not on_device:
+                arg = np.asarray(arg)
+            if tuple(arg.shape) != shape or arg.dtype != dtype:
                 raise FlowjitTypeError(
                     f"argument {i}: expected an array of shape {shape} and dtype {dtype}; "
-                    f"found shape {array.shape} and dtype {array.dtype}"
+                    f"found shape {tuple(arg.shape)} and dtype {arg.dtype}"
                 )
-            arrays.append(np.ascontiguousarray(array))
+            address = arg.address_on(self.ordinal) if on_device else None
+            if address is not None:
+                arrays.append(address)
+            else:
+                arrays.append(np.ascontiguousarray(arg.numpy() if on_device else arg))
         return arrays
 
     def run(self, args, variables=None, outputs=None):
-        if variables:
-            raise GpuRuntimeError(f"'{self.name}' on the GPU takes no variables; found {sorted(variables)}")
-        arrays = self.check_arguments(args)
-        runner = self.runner()
-        results = [np.empty(shape, dtype) for shape, dtype in self._out_types]
-        runner.run(arrays, results, self.name)
+        """One call on host arrays (or this GPU's `DeviceArray`s); the variables' host buffers hold
+        their values before and after it (their device copies are used only when current and
+        newer, and are stale afterwards)."""
+        results, _ = self._call(args, variables or {}, keep_state=False, keep_results=False)
         return results
+
+    def run_resident(self, args, variables=None, outputs=None, keep_results=False):
+        """One call whose variables live in device memory (see `Executable.run_resident`): each
+        is copied in only when its device copy is not current, and updated where it is."""
+        return self._call(args, variables or {}, keep_state=True, keep_results=keep_results)
+
+    def keeps(self, home) -> bool:
+        return isinstance(home, resident.DeviceVariable) and home.ctx.ordinal == self.ordinal and not home.ctx.closed
+
+    def _call(self, args, variables, keep_state: bool, keep_results: bool):
+        names = [name for name, _ in self.layout.inputs]
+        missing = sorted(set(names) - variables.keys())
+        if missing:
+            raise GpuRuntimeError(
+                f"internal error: '{self.name}' was called without the variable(s) {', '.join(missing)}"
+            )
+        inputs = self.check_arguments(args)
+        runner = self.runner()
+        copies = {}
+        for name in names:  # each variable's device copy (made on first use when it is kept there)
+            host = variables[name]
+            copy = copies[name] = resident.device_variable(runner.ctx, name, host, create=keep_state)
+            if keep_state:
+                inputs.append(copy.address_for_call())
+            elif copy is not None and copy.device_current and not copy.host_current:
+                inputs.append(copy.address)  # the host buffer is stale: the device holds the value
+            else:
+                inputs.append(host)
+        results = [None if keep_results else np.empty(shape, dtype) for shape, dtype in self._out_types]
+        updates = [None if keep_state else variables[name] for name in self.layout.outputs]
+        kept = iter(runner.run(inputs, results + updates, self.name))
+        if keep_results:
+            results = [DeviceArray(runner.ctx, next(kept), shape, dtype) for shape, dtype in self._out_types]
+        for name in self.layout.outputs:
+            if keep_state:
+                copies[name].updated(next(kept))
+            elif copies[name] is not None:
+                copies[name].written_to_host()
+        return results, ({name: copies[name] for name in names} if keep_state else {})
 
     def run_trusted(self, args):
         return self.run(args)
@@ -190,12 +250,15 @@ class CudaBackend(Backend):
             chip = device_chip(ordinal) if self.follows_device and device is not None else None
             if chip is not None and chip != options.chip:
                 options = GpuOptions(chip=chip, block_size=options.block_size, opt_level=options.opt_level)
+        layout = StateLayout()
+        if touched_variables(graph):  # variables become inputs and outputs (see the module docstring)
+            graph, layout = functionalize_state(graph.copy())
         key = cache.cache_key(print_graph(graph), options)
         entry, origin = cache.load(key), "disk cache"
         if entry is None:
             entry, origin = compile_entry(graph, options), "compiled"
             cache.store(key, entry)
-        executable = GpuExecutable(entry, ordinal, origin)
+        executable = GpuExecutable(entry, ordinal, origin, layout)
         if dump.dump_dir() is not None:
             for stage, text in executable.stages.items():
                 dump.write_stage(graph.name, stage, text)

@@ -11,14 +11,15 @@ runner's pinned block).
 
 from __future__ import annotations
 
-from flowjit.backends.gpu.target import GPU, cpu_only_reason
+from flowjit.backends.gpu.target import FUNCTIONALIZED, GPU, cpu_only_reason
 from flowjit.ir.graph import Op
 from flowjit.passes.place import DeviceTypeModel, register_device_type_model
 
 
 def cannot_run_on_gpu(op: Op) -> str | None:
     """Why the GPU backend cannot compile `op` (a fused region: the first of its ops it cannot), or
-    None when it can: `target.cpu_only_reason`, then the GPU's lowering table."""
+    None when it can: `target.cpu_only_reason`, then the GPU's lowering table (state ops need none:
+    the backend functionalizes them, `target.FUNCTIONALIZED`)."""
     if op.name == "fusion":
         for inner in (o for region in op.regions for o in region.walk()):
             reason = cannot_run_on_gpu(inner)
@@ -28,6 +29,8 @@ def cannot_run_on_gpu(op: Op) -> str | None:
     reason = cpu_only_reason(op)
     if reason is not None:
         return reason
+    if op.name in FUNCTIONALIZED:  # variables become the GPU program's inputs and outputs
+        return None
     if op.name != "constant" and not GPU.lowerings.has(op.name):
         return f"the GPU backend has no lowering for '{op.name}'"
     return None

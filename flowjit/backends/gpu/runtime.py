@@ -1,15 +1,18 @@
 """Running a launch plan on a CUDA device through the driver API (`driver.py`).
 
     DeviceContext    one per device and process: the device's primary context, its caching
-                     allocator, the modules loaded into it; torn down at exit (`close_all`)
+                     allocator, the modules loaded into it, what lives in its memory between
+                     calls (`residents`: variables' device copies, `resident.py`) and a `Copier`
+                     for copies outside calls; torn down at exit (`close_all`)
     CachingAllocator device memory in size classes with a free list per class; blocks come back to
                      their list after a call and are freed on teardown (or when an allocation
                      fails, before it is tried again)
     PinnedStaging    one page-locked host block per runner, grown as needed: inputs are copied into
                      it and sent from it, outputs come back through it
     PlanRunner       one per executable and device: a stream, the kernels' functions, the argument
-                     packing of every launch; `run` copies inputs in, replays the plan, copies
-                     outputs out and waits for the stream with a deadline (`wait`: never unbounded)
+                     packing of every launch; `run` copies inputs in (or reads them where they
+                     are on the device), replays the plan, copies outputs out (or keeps them on the
+                     device) and waits for the stream with a deadline (`wait`: never unbounded)
 
 One call of a runner at a time (its lock): a runner owns one stream and one staging block.
 Nothing here imports MLIR; the runner needs only the plan (data) and each kernel's PTX or cubin.
@@ -166,7 +169,20 @@ class DeviceContext:
         self._modules: dict[tuple[str, bytes], tuple[object, LoadedKernel]] = {}
         self._lock = threading.Lock()
         self.runners: weakref.WeakSet[PlanRunner] = weakref.WeakSet()  # closed before the context
+        # What else lives in this context's memory between calls (variables' device copies, by
+        # name: `resident.py`); each is detached (its value brought to the host) before teardown.
+        self.residents: dict[str, object] = {}
+        self._copier: Copier | None = None
         self.closed = False
+
+    def copier(self) -> Copier:
+        """The context's stream for copies outside a plan's calls (made on first use)."""
+        with self._lock:
+            if self.closed:
+                raise GpuRuntimeError(f"the context of GPU {self.ordinal} was closed (the process is exiting)")
+            if self._copier is None:
+                self._copier = Copier(self)
+            return self._copier
 
     @property
     def chip(self) -> str:
@@ -205,8 +221,13 @@ class DeviceContext:
         """Unload the modules, free all device memory and release the primary context."""
         if self.closed:
             return
+        for resident in list(self.residents.values()):
+            resident.detach()  # a variable whose value is only here goes to its host buffer first
+        self.residents.clear()
         for runner in list(self.runners):
             runner.close()
+        if self._copier is not None:
+            self._copier.close()
         self.closed = True
         self.activate()
         for module, _ in self._modules.values():
@@ -280,6 +301,60 @@ class PinnedStaging:
         if self.address:
             driver.call("cuMemFreeHost", self.address)
             self.address, self.nbytes = 0, 0
+
+
+class Copier:
+    """A context's copies outside a plan's calls (the host reads a variable kept on the device,
+    `device_put`, a kept result brought to the host): its own stream, an event and a pinned block,
+    one copy at a time, each waited for with the deadline (`wait`)."""
+
+    def __init__(self, ctx: DeviceContext):
+        self.ctx = ctx
+        ctx.activate()
+        cu = driver.bindings()
+        self.stream = driver.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        self.done = driver.call("cuEventCreate", cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self.staging = PinnedStaging()
+        self.lock = threading.Lock()
+        self.broken: str | None = None  # a copy that did not finish: its pinned block may still be read
+
+    def to_device(self, address: int, array: np.ndarray, what: str) -> None:
+        """Copy the C-contiguous `array` to device `address`; returns once it is there."""
+        self._copy(address, array, to_device=True, what=what)
+
+    def to_host(self, address: int, array: np.ndarray, what: str) -> None:
+        """Copy `array.nbytes` bytes at device `address` into the C-contiguous `array`."""
+        self._copy(address, array, to_device=False, what=what)
+
+    def _copy(self, address: int, array: np.ndarray, to_device: bool, what: str) -> None:
+        if not array.nbytes:
+            return
+        with self.lock:
+            if self.broken:
+                raise GpuRuntimeError(self.broken)
+            self.ctx.activate()
+            cu = driver.bindings()
+            pinned = self.staging.reserve(array.nbytes)
+            try:
+                if to_device:
+                    ctypes.memmove(pinned, array.ctypes.data, array.nbytes)
+                    driver.call("cuMemcpyHtoDAsync", cu.CUdeviceptr(address), pinned, array.nbytes, self.stream)
+                else:
+                    driver.call("cuMemcpyDtoHAsync", pinned, cu.CUdeviceptr(address), array.nbytes, self.stream)
+                wait(self.done, self.stream, timeout_s(), f"copying {what} on device {self.ctx.ordinal}")
+            except BaseException as error:
+                self.broken = (
+                    f"an earlier copy of {what} on GPU {self.ctx.ordinal} failed: {type(error).__name__}: {error}"
+                )
+                raise
+            if not to_device:
+                ctypes.memmove(array.ctypes.data, pinned, array.nbytes)
+
+    def close(self) -> None:
+        self.ctx.activate()
+        self.staging.free()
+        driver.call("cuEventDestroy", self.done)
+        driver.call("cuStreamDestroy", self.stream)
 
 
 _PARAM_CTYPES = {
@@ -363,42 +438,47 @@ class PlanRunner:
         """How each kernel was loaded (cubin or PTX JIT)."""
         return {name: loaded.how for name, loaded in self.loaded.items()}
 
-    def run(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], name: str) -> None:
-        """Copy `inputs` (C-contiguous, of the plan's input types) in, replay the plan, copy the
-        results into `outputs` (preallocated host arrays)."""
+    def run(self, inputs: Sequence[np.ndarray | int], outputs: Sequence[np.ndarray | None], name: str) -> list[int]:
+        """Copy the host `inputs` (C-contiguous, of the plan's input types) in, replay the plan,
+        copy the results into the host `outputs` (preallocated arrays). An input given as an int is
+        a device address holding that input already (a variable's device copy, a kept result): it
+        is read where it is, not copied. An output given as None stays on the device: its block is
+        not copied back but returned (the caller owns it and gives it back to `ctx.allocator`).
+        Returns the kept outputs' blocks in order."""
         with self.lock:
             if self.broken:
                 raise GpuRuntimeError(self.broken)
             self.ctx.activate()
             cu = driver.bindings()
-            addresses = self._allocate()
+            inputs_of = {b.index: i for i, b in enumerate(self.plan.buffers) if b.kind == "input"}
+            outputs_of = {b.index: i for i, b in enumerate(self.plan.buffers) if b.kind == "output"}
+            resident = {inputs_of[i]: a for i, a in enumerate(inputs) if not isinstance(a, np.ndarray)}
+            addresses = self._allocate(resident)
+            kept = [addresses[outputs_of[i]] for i, o in enumerate(outputs) if o is None]
+            ours = [a for i, a in enumerate(addresses) if i not in resident]  # given back after the call
+            host_in = [(inputs_of[i], a) for i, a in enumerate(inputs) if isinstance(a, np.ndarray) and a.nbytes]
+            host_out = [(outputs_of[i], o) for i, o in enumerate(outputs) if o is not None and o.nbytes]
             finished = False
             try:
-                inputs_of = {b.index: i for i, b in enumerate(self.plan.buffers) if b.kind == "input"}
-                outputs_of = {b.index: i for i, b in enumerate(self.plan.buffers) if b.kind == "output"}
-                total = sum(a.nbytes for a in inputs) + sum(o.nbytes for o in outputs)
-                pinned = self.staging.reserve(total)
-                at = pinned
-                for index, array in enumerate(inputs):
-                    if array.nbytes:
-                        ctypes.memmove(at, array.ctypes.data, array.nbytes)
-                        driver.call("cuMemcpyHtoDAsync", cu.CUdeviceptr(addresses[inputs_of[index]]), at,
-                                    array.nbytes, self.stream)  # fmt: skip
+                total = sum(a.nbytes for _, a in host_in) + sum(o.nbytes for _, o in host_out)
+                at = self.staging.reserve(total)
+                for buffer, array in host_in:
+                    ctypes.memmove(at, array.ctypes.data, array.nbytes)
+                    driver.call("cuMemcpyHtoDAsync", cu.CUdeviceptr(addresses[buffer]), at, array.nbytes, self.stream)
                     at += array.nbytes
                 replay(self.steps, addresses, self._launch)
                 out_at = at
-                for index, array in enumerate(outputs):
-                    if array.nbytes:
-                        driver.call("cuMemcpyDtoHAsync", out_at, cu.CUdeviceptr(addresses[outputs_of[index]]),
-                                    array.nbytes, self.stream)  # fmt: skip
+                for buffer, array in host_out:
+                    driver.call("cuMemcpyDtoHAsync", out_at, cu.CUdeviceptr(addresses[buffer]), array.nbytes,
+                                self.stream)  # fmt: skip
                     out_at += array.nbytes
                 wait(self.done, self.stream, timeout_s(), f"'{name}' on {self.ctx.chip} device {self.ctx.ordinal}")
                 finished = True
-                for array in outputs:
-                    if array.nbytes:
-                        ctypes.memmove(array.ctypes.data, at, array.nbytes)
+                for _, array in host_out:
+                    ctypes.memmove(array.ctypes.data, at, array.nbytes)
                     at += array.nbytes
             except BaseException as error:  # an interrupt during the wait too
+                kept = []  # nobody takes them: the kept outputs go back with the others
                 if not finished:
                     # The stream may still be using the buffers: they are not handed out again
                     # (freed with the context), and this runner refuses later calls.
@@ -406,21 +486,25 @@ class PlanRunner:
                         f"an earlier call of '{name}' on the GPU failed, so this executable cannot run again: "
                         f"{type(error).__name__}: {error}"
                     )
-                    addresses = []
+                    ours = []
                 raise
             finally:
-                for address in addresses:
-                    self.ctx.allocator.release(address)
+                for address in ours:
+                    if address not in kept:
+                        self.ctx.allocator.release(address)
+            return kept
 
-    def _allocate(self) -> list[int]:
-        """A device block for every buffer of the plan; none kept when one cannot be had."""
+    def _allocate(self, given: dict[int, int]) -> list[int]:
+        """A device block for every buffer of the plan but those `given` (buffer index -> the
+        device address to use); none kept when one cannot be had."""
         addresses: list[int] = []
         try:
-            for buffer in self.plan.buffers:
-                addresses.append(self.ctx.allocator.allocate(buffer.nbytes))
+            for i, buffer in enumerate(self.plan.buffers):
+                addresses.append(given[i] if i in given else self.ctx.allocator.allocate(buffer.nbytes))
         except GpuRuntimeError:
-            for address in addresses:  # nothing was queued on them yet
-                self.ctx.allocator.release(address)
+            for i, address in enumerate(addresses):  # nothing was queued on them yet
+                if i not in given:
+                    self.ctx.allocator.release(address)
             raise
         return addresses
 

@@ -13,9 +13,11 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
   pad, concatenate, dynamic_slice, as one thread per result element or a parallel loop writing a
   buffer.
 - rank-0 ops as kernels of one element of rank 1 (`scalars_as_vectors`, `Target.rank0_kernels`).
-- `CPU_ONLY`: ops the GPU does not compile (control flow, state, send/recv), with the reason a
+- `CPU_ONLY`: ops the GPU does not compile (control flow, send/recv), with the reason a
   placement report shows (`cpu_only_reason(op)`). `check_graph` refuses them, and ops without a lowering, with a
   `CompileError` naming the op, its line and the reason.
+- state ops (`FUNCTIONALIZED`) never reach the lowering: `CudaBackend.compile` turns variables into
+  the function's inputs and outputs first (`passes/state.py`).
 """
 
 from __future__ import annotations
@@ -92,15 +94,15 @@ CPU_ONLY = {
         "control flow: its predicate or trip count would be read on the host, from device memory",
     ),
     **dict.fromkeys(
-        ("read_variable", "assign", "assign_add", "assign_sub"),
-        "state: variables are host buffers, which the GPU runtime does not hold",
-    ),
-    **dict.fromkeys(
         ("send", "recv", "send_done"),
         "communication: a kernel cannot call the host runtime's rendezvous (a GPU partition's send/recv "
         "run on the host around its GPU calls, staging.py)",
     ),
 }
+
+# State ops: `CudaBackend.compile` functionalizes them before lowering (each variable an input, each
+# updated one an output, bound to the variable's copy in device memory at run time).
+FUNCTIONALIZED = frozenset(("read_variable", "assign", "assign_add", "assign_sub"))
 
 
 def cpu_only_reason(op: Op) -> str | None:
@@ -114,6 +116,11 @@ def check_graph(graph: Graph) -> None:
     for op in graph.walk():
         if op.name in ("constant", "fusion"):
             continue
+        if op.name in FUNCTIONALIZED:
+            raise op_error(
+                CompileError, op.loc, op.name, "internal error: state ops reach the GPU lowering only through "
+                "`passes.state.functionalize_state`, as CudaBackend.compile runs it",
+            )  # fmt: skip
         reason = cpu_only_reason(op)
         if reason is not None:
             raise op_error(
