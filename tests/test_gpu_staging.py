@@ -313,6 +313,49 @@ def test_cpu_gpu_splits_compute_the_cpu_only_values_on_the_fake_driver(fake_driv
     assert names.count("cuMemcpyDtoHAsync") > 0 and names[-1] == "cuDevicePrimaryCtxRelease"
 
 
+VARIABLE_SPLIT = """
+    import ctypes, json, sys, numpy as np, flowjit as fj, flowjit.numpy as fnp
+    sys.path.insert(0, "tests")
+    import gpu_emulator
+    from flowjit.backends.gpu import cubin
+    cubin.find_ptxas = lambda: None
+
+    def make_step(v):
+        def step(x):
+            with fj.device("cpu:0"):
+                h = fnp.tanh(x)
+            with fj.device("gpu:0"):
+                v.assign_add(h * 0.5)  # updated in the GPU partition
+                y = v.value * 2.0
+            with fj.device("cpu:0"):
+                return fnp.sum(fnp.sin(y), axis=1)
+        return step
+
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
+    on_gpu = fj.Variable(np.ones((4, 8), np.float32), name="v_split")
+    on_cpu = fj.Variable(np.ones((4, 8), np.float32), name="v_reference")
+    split, reference = fj.jit(make_step(on_gpu)), fj.jit(make_step(on_cpu), target="cpu")
+    lowered = split.lower(x)
+    lowered.compile()
+    calls = [g for p in lowered._executable.parts if p.device == "gpu:0" for g in p.executable.executables]
+    hook = gpu_emulator.run_launches_of(ctypes.CDLL("libcuda.so.1"), calls)
+    errors = []
+    for _ in range(3):
+        errors.append(float(np.max(np.abs(split(x) - reference(x)))))
+    errors.append(float(np.max(np.abs(on_gpu.numpy() - on_cpu.numpy()))))
+    print(json.dumps({"errors": errors, "value": on_gpu.numpy().tolist()}))
+"""
+
+
+def test_a_variable_updated_in_the_gpu_partition_of_a_split_matches_the_cpu(fake_driver, tmp_path):
+    done, _ = _with_fake_driver(fake_driver, VARIABLE_SPLIT, tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert max(report["errors"]) <= 1e-5, report["errors"]
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
+    np.testing.assert_allclose(report["value"], 1.0 + 3 * 0.5 * np.tanh(x), rtol=1e-5, atol=1e-6)
+
+
 FAILING = """
     import numpy as np, flowjit as fj, flowjit.numpy as fnp
     from flowjit.backends.gpu import cubin

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowjit.backends.base import Executable
-from flowjit.backends.gpu.driver import GpuRuntimeError
 from flowjit.ir.channel import Channel, loopback, receive_array
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.passes.place import FREE_CREATIONS
@@ -179,8 +178,9 @@ class StagedExecutable(Executable):
         return self.run_step(args, variables or {}, loopback())
 
     def run_step(self, args: Sequence[np.ndarray], variables: dict, channel: Channel) -> list[np.ndarray]:
-        if variables:
-            raise GpuRuntimeError(f"'{self.name}' on the GPU takes no variables; found {sorted(variables)}")
+        """One step; each stage's GPU call takes the variables it reads or updates from `variables`
+        (their host buffers, current before and after each call: `GpuExecutable.run`), so stages
+        that share a variable see each other's updates in order."""
         host: dict[Value, np.ndarray] = dict(zip(self.graph.params, args))
         sent: set[Op] = set()
         for stage in self.host_stages:
@@ -189,7 +189,7 @@ class StagedExecutable(Executable):
                 t = op.result.type
                 host[op.result] = receive_array(channel, op.attrs["key"], t.shape, t.dtype.np_dtype, f"{op.loc}: ")
             if stage.executable is not None:
-                results = stage.executable.run([host[v] for v in stage.inputs])
+                results = stage.executable.run([host[v] for v in stage.inputs], variables)
                 host.update(zip(stage.outputs, results))
             _send_ready(stage.sends, host, sent, channel)
         return [host[r] for r in self.graph.results]
