@@ -193,6 +193,25 @@ def test_replaying_the_plan_computes_the_programs(name):
     np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-6)
 
 
+def _mlp_train_step(x, y, w1, b1, w2):
+    def loss(w1, b1, w2):
+        return fnp.mean((fnp.tanh(x @ w1 + b1) @ w2 - y) ** 2)
+
+    g1, gb, g2 = fj.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+    return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+
+def test_replaying_an_mlp_training_step_computes_its_new_parameters():
+    # the device check's training step, small: matmuls, their gradients, tanh and the update in one plan
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal(s).astype(np.float32) for s in ((6, 12), (6, 3), (12, 16), (16,), (16, 3))]
+    got = _emulated(fj.jit(_mlp_train_step).lower(*args).graph("optimized"), args)
+    expected = fj.jit(_mlp_train_step, target="cpu")(*args)
+    assert len(got) == len(expected) == 3
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
+
+
 def test_the_replay_sees_a_wrong_argument():
     """The emulation can fail: the same plan reading row 4 where it should read row 3 computes
     something else."""

@@ -86,6 +86,28 @@ def mlp_forward(x, w1, b1, w2):
     return fnp.tanh(x @ w1 + b1) @ w2
 
 
+def mlp_train_step(x, y, w1, b1, w2):
+    """One SGD step of a 784-256-10 tanh MLP on a squared error: the gradient and the update, all
+    on the GPU; returns the new parameters."""
+    import flowjit as fj
+    import flowjit.numpy as fnp
+
+    def loss(w1, b1, w2):
+        return fnp.mean((fnp.tanh(x @ w1 + b1) @ w2 - y) ** 2)
+
+    g1, gb, g2 = fj.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+    return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+
+def _torch_train_step(x, y, w1, b1, w2):
+    import torch
+
+    params = [t.detach().requires_grad_() for t in (w1, b1, w2)]
+    loss = ((torch.tanh(x @ params[0] + params[1]) @ params[2] - y) ** 2).mean()
+    grads = torch.autograd.grad(loss, params)
+    return tuple((p - 0.01 * g).detach() for p, g in zip(params, grads))
+
+
 def newton_sqrt(x):
     """A while loop: control flow stays on the CPU (the GPU's CPU_ONLY table), so this program is
     listed as not compiled, with the reason."""
@@ -106,6 +128,7 @@ def _torch(name: str):
         "whole_sum": lambda x: x.sum(),
         "column_sum": lambda x: x.sum(0),
         "mlp_forward": lambda x, w1, b1, w2: torch.tanh(x @ w1 + b1) @ w2,
+        "mlp_train_step": _torch_train_step,
     }[name]
 
 
@@ -124,6 +147,12 @@ PROGRAMS = [
     Program("whole_sum", whole_sum, ((1 << 19,),), ((64,),)),
     Program("column_sum", column_sum, ((300, 64, 32),), ((300, 5, 7),)),
     Program("mlp_forward", mlp_forward, ((256, 784), (784, 256), (256,), (256, 10)), ((4, 8), (8, 8), (8,), (8, 2))),
+    Program(
+        "mlp_train_step",
+        mlp_train_step,
+        ((256, 784), (256, 10), (784, 256), (256,), (256, 10)),
+        ((4, 8), (4, 2), (8, 8), (8,), (8, 2)),
+    ),
     Program("newton_sqrt", newton_sqrt, ((64, 64),), ((4, 4),)),
 ]
 # Op-table rows (tests/op_table.py) the GPU lowers: numerics only (small, untimed).
@@ -184,7 +213,8 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
         finally:
             del os.environ["FLOWJIT_CACHE"]
         entry["status"] = "compiled"
-        entry["data"] = _save(out, program.name, inputs, [np.asarray(expected)])
+        outputs = expected if isinstance(expected, tuple) else (expected,)
+        entry["data"] = _save(out, program.name, inputs, [np.asarray(o) for o in outputs])
         entry["rtol"], entry["atol"] = RTOL, ATOL
         entries.append(entry)
     for case_id, case in [] if tiny else _op_rows():
@@ -367,7 +397,8 @@ def _time_torch(p: dict, repeat: int) -> dict:
 
     def end_to_end():
         args = [torch.from_numpy(a).cuda() for a in p["inputs"]]
-        return fn(*args).cpu()
+        out = fn(*args)
+        return [t.cpu() for t in out] if isinstance(out, tuple) else out.cpu()
 
     def device_only():
         fn(*on_device)
