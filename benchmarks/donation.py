@@ -12,6 +12,11 @@ Two updates of `size` float32 parameters:
 A donated update reads and writes each array once, in place; an undonated one writes fresh
 arrays (which flowjit's output recycling takes from the results the caller dropped).
 
+SGD is also timed two more ways, to tell the kernels from the OpenMP runtimes: the donated update
+and PyTorch's `sub_` each in processes of its own (`--alone`; in one process flowjit's libiomp5 and
+PyTorch's libgomp share the cores), and every implementation on one thread (`--one-thread`, a
+process started with OMP_NUM_THREADS=1).
+
 Each implementation first takes one step from the same inputs, checked against numpy. Times are
 wall clock on the CPU, after a warm-up call that compiles: `rounds` rounds that time every
 implementation in turn (`call_times`), the minimum and the median over all calls. Prints a Markdown
@@ -147,6 +152,61 @@ def table(title: str, results: dict[str, tuple[float, float, float]]) -> str:
 TITLE = "## Donation (SGD and Adam updates, benchmarks/donation.py)"
 
 
+ALONE = ("flowjit, donated", "PyTorch p.sub_(g, alpha=lr)")
+
+
+def _alone(name: str, size: int, calls: int) -> None:
+    """Time one SGD implementation in this process, with no other framework imported (so one
+    OpenMP runtime); prints its call times (seconds) as JSON."""
+    import json
+
+    rng = np.random.default_rng(0)
+    p0, g = rng.standard_normal(size, np.float32), rng.standard_normal(size, np.float32)
+    if name == ALONE[0]:
+        import flowjit as fj
+
+        donated, carried = fj.jit(lambda p, g: p - LR * g, donate_argnums=0), [p0.copy()]
+
+        def step():
+            carried[0] = donated(carried[0], g)
+    else:
+        import torch
+
+        p_torch, g_torch = torch.from_numpy(p0.copy()), torch.from_numpy(g)
+
+        def step():
+            p_torch.sub_(g_torch, alpha=LR)
+
+    print(json.dumps(call_times(step, calls)))
+
+
+def _separate_processes_sgd(args, rounds: int, repeats: int) -> str:
+    """The donated SGD update and PyTorch's `sub_`, each timed in processes of its own (alternating,
+    `rounds` each): in one process the two OpenMP runtimes (flowjit's libiomp5, PyTorch's libgomp)
+    share the cores, and each one's idle threads spin while the other's work."""
+    import json
+    import subprocess
+
+    times: dict[str, list[float]] = {name: [] for name in ALONE}
+    for _ in range(rounds):
+        for name in ALONE:
+            argv = [sys.executable, __file__, "--alone", name, "--size", str(args.size), "--calls", str(repeats * 5)]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                return f"(The separate-process SGD run of {name} failed: {done.stderr.strip().splitlines()[-1:]})"
+            times[name] += json.loads(done.stdout.strip().splitlines()[-1])
+    base = min(times[ALONE[0]])
+    lines = [
+        "**SGD p - 0.01 * g, each implementation in processes of its own (one OpenMP runtime per process)**",
+        "",
+        "| implementation | min | median | min / flowjit donated |",
+        "|---|---|---|---|",
+    ]
+    for name, t in times.items():
+        lines.append(f"| {name} | {min(t) * 1e3:.2f} ms | {statistics.median(t) * 1e3:.2f} ms | {min(t) / base:.2f}x |")
+    return "\n".join(lines)
+
+
 def _one_thread_sgd(args) -> str:
     """The SGD table again from a process whose OpenMP (flowjit's and PyTorch's) runs one thread:
     the kernels alone, without the two runtimes' ways of splitting a loop over the cores."""
@@ -167,8 +227,13 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=10_000_000, help="parameters (float32)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--one-thread", action="store_true", help="only SGD, every implementation on one thread")
+    parser.add_argument("--alone", choices=ALONE, help="time this SGD implementation alone (JSON out)")
+    parser.add_argument("--calls", type=int, default=50, help="with --alone: timed calls")
     args = parser.parse_args()
     rounds, repeats = (2, 5) if args.quick else (5, 10)
+    if args.alone:
+        _alone(args.alone, args.size, args.calls)
+        return 0
     if args.one_thread:  # a process started with OMP_NUM_THREADS=1 (`_one_thread_sgd`)
         import torch
 
@@ -181,6 +246,7 @@ def main() -> int:
         peers, reference = make(args.size)
         tables.append(table(f"{title}, {args.size:,} float32 parameters", measure(peers, reference, rounds, repeats)))
         if make is sgd_peers:
+            tables.append(_separate_processes_sgd(args, rounds, repeats))
             tables.append(_one_thread_sgd(args))
     how = (
         f"{run_line('donation.py', started, load_before)} A parameter update jitted without and with its "
