@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 import struct
 import threading
 from collections.abc import Callable, Iterable
@@ -439,16 +438,8 @@ def versions() -> dict[str, str]:
 
 
 def _mlir_version() -> str:
-    """The MLIR bindings' distribution version, read from its dist-info folder name:
-    `importlib.metadata` scans every installed distribution, a fifth of a warm start."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("mlir")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
+    """The MLIR bindings' distribution (`mlir_pipeline.mlir_distribution`), which the CPU backend needs."""
+    version = mlir_pipeline.mlir_distribution()
+    if version is None:
         raise CompileError("the MLIR Python bindings (package xtc-mlir-python-bindings) are not installed")
-    package = list(spec.submodule_search_locations)[0]
-    site = os.path.dirname(package)
-    for name in sorted(os.listdir(site)):
-        if name.endswith(".dist-info") and "mlir" in name.lower():
-            return name.removesuffix(".dist-info")
-    return package
+    return version

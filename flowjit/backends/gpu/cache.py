@@ -23,7 +23,6 @@ copied over) loads the launch plan and the kernels instead of running MLIR; it n
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from flowjit.backends import cache_folder
 from flowjit.backends.gpu.plan import LaunchPlan
 from flowjit.backends.gpu.runtime import KernelImage
+from flowjit.backends.mlir.pipeline import mlir_distribution
 from flowjit.version import __version__
 
 MAGIC = b"FLOWJIT-GPU-ENTRY-1\n"
@@ -73,17 +73,8 @@ def cache_key(graph_text: str, options) -> str:
 
 
 def mlir_version() -> str | None:
-    """The MLIR bindings' distribution (from its dist-info folder name, without importing `mlir`),
-    or None where they are not installed."""
-    spec = importlib.util.find_spec("mlir")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    package = list(spec.submodule_search_locations)[0]
-    site = os.path.dirname(package)
-    for name in sorted(os.listdir(site)):
-        if name.endswith(".dist-info") and "mlir" in name.lower():
-            return name.removesuffix(".dist-info")
-    return package
+    """The installed MLIR bindings (`mlir_pipeline.mlir_distribution`), None without them."""
+    return mlir_distribution()
 
 
 def entry_path(key: str) -> str:

@@ -25,6 +25,23 @@ from flowjit.passes import dump
 _lock = threading.RLock()
 
 
+def mlir_distribution() -> str | None:
+    """The installed MLIR bindings' distribution (its dist-info folder name), found without
+    importing `mlir` (`importlib.metadata` scans every installed distribution, a fifth of a warm
+    start); None where they are not installed (a GPU machine running cached code)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlir")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = list(spec.submodule_search_locations)[0]
+    site = os.path.dirname(package)
+    for name in sorted(os.listdir(site)):
+        if name.endswith(".dist-info") and "mlir" in name.lower():
+            return name.removesuffix(".dist-info")
+    return package
+
+
 def lock() -> threading.RLock:
     """The lock held around every MLIR call (and the CPU backend's LLVM calls)."""
     return _lock
