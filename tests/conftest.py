@@ -26,6 +26,28 @@ if "FLOWJIT_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["FLOWJIT_CACHE_DIR"], ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def fake_libcuda(tmp_path_factory):
+    """A folder holding `libcuda.so.1` built from tests/fake_cuda/fake_libcuda.c (a stand-in CUDA
+    driver that logs its calls: docs/gpu-backend.md), built once per session; skipped without a C
+    compiler."""
+    import subprocess
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the fake CUDA driver")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda", "fake_libcuda.c")
+    folder = tmp_path_factory.mktemp("fake_cuda")
+    built = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O1", "-o", str(folder / "libcuda.so.1"), source, "-ldl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert built.returncode == 0, built.stderr
+    return folder
+
+
 @pytest.fixture
 def specialized_matmul(monkeypatch):
     """Products get their specialized kernel (`matmul_kernel.py`), not a matmul library call

@@ -30,7 +30,6 @@ from flowjit.backends.gpu.plan import LaunchPlan, MemrefArg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOWJIT = os.path.join(os.path.dirname(sys.executable), "flowjit")
-FAKE_SOURCE = os.path.join(ROOT, "tests", "fake_cuda", "fake_libcuda.c")
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a system C compiler (cc)")
 
@@ -129,17 +128,8 @@ def built(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fake_cuda")
-    path = folder / "libcuda.so.1"
-    built = subprocess.run(
-        ["cc", "-shared", "-fPIC", "-O1", "-o", str(path), FAKE_SOURCE, "-ldl"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert built.returncode == 0, built.stderr
-    return path
+def fake_driver(fake_libcuda):
+    return fake_libcuda / "libcuda.so.1"
 
 
 def _manifest(built, name):

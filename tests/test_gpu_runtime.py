@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -506,25 +505,12 @@ def test_programs_match_numpy_on_the_gpu(name):
 # buffers, every launch of the plan with its grid, block and parameters, the bounded wait, the
 # teardown. It says nothing about the kernels' results or the real driver's behaviour.
 
-FAKE_SOURCE = os.path.join(ROOT, "tests", "fake_cuda", "fake_libcuda.c")
-
 
 @pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory):
+def fake_driver(fake_libcuda):
     if not HAS_BINDINGS:
         pytest.skip("cuda-bindings is not installed (the extra flowjit[gpu]): nothing would call the fake driver")
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the fake CUDA driver")
-    folder = tmp_path_factory.mktemp("fake_cuda")
-    built = subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-o", str(folder / "libcuda.so.1"), FAKE_SOURCE, "-ldl"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert built.returncode == 0, built.stderr
-    return folder
+    return fake_libcuda
 
 
 def _with_fake_driver(folder, code: str, tmp_path, **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:

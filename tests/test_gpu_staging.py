@@ -183,27 +183,14 @@ def test_the_routes_between_cpu_and_gpu_are_the_staging_transport():
 
 # --- on the fake driver, every launch emulated on the CPU ----------------------------------------
 
-FAKE_SOURCE = os.path.join(ROOT, "tests", "fake_cuda", "fake_libcuda.c")
-
 
 @pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory):
+def fake_driver(fake_libcuda):
     from flowjit.backends.gpu import driver
 
     if isinstance(driver._bindings(), driver.GpuRuntimeError):
         pytest.skip("cuda-bindings is not installed (the extra flowjit[gpu]): nothing would call the fake driver")
-    compiler = os.environ.get("CC") or "cc"
-    folder = tmp_path_factory.mktemp("fake_cuda")
-    built = subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-o", str(folder / "libcuda.so.1"), FAKE_SOURCE, "-ldl"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if built.returncode != 0 and "No such file" in built.stderr + str(built.args):
-        pytest.skip("no C compiler to build the fake CUDA driver")
-    assert built.returncode == 0, built.stderr
-    return folder
+    return fake_libcuda
 
 
 SPLIT_PROGRAMS = """
