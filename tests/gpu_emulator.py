@@ -10,7 +10,8 @@ parameter packing are exercised with real data.
 What it does not check: the NVPTX code generation and the PTX (ptxas assembles it in
 test_gpu_codegen.py), the driver, and anything about concurrency: the threads of a block run one
 after another, which is faithful only because the kernels use no shared memory and no barriers
-(`emulated_kernels` refuses any other gpu op).
+(`emulated_kernels` refuses any other gpu op). A kernel module's constant globals become globals of
+the CPU module (renamed per kernel module).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flowjit.backends.mlir import pipeline
 
 _FUNC = re.compile(r"^    gpu\.func @(\w+)\((.*)\) kernel(?: attributes \{.*\})? \{$")
 _MODULE = re.compile(r"^  gpu\.module @(\w+)")
+_GLOBAL = re.compile(r"^\s*(memref\.global .*?)@(\w+)(.*)$")
 _IDS = re.compile(r"^\s*(%\w+) = gpu\.(block_id|thread_id)\s+([xyz])$")
 _ARG = re.compile(r", (?=%\w+: )")
 LOWER = (
@@ -41,6 +43,13 @@ def _cpu_functions(gpu_mlir: str) -> tuple[str, dict[str, str]]:
     wrapper symbol."""
     lines = gpu_mlir.splitlines()
     functions, wrappers, module = [], {}, None
+    constants: dict[str, dict[str, str]] = {}  # kernel module -> its globals' names in the CPU module
+    for line in lines:  # the constants kernels read (after their functions in each gpu.module)
+        if m := _MODULE.match(line):
+            module = m.group(1)
+        elif m := _GLOBAL.match(line):
+            renamed = constants.setdefault(module, {})[m.group(2)] = f"{module}__{m.group(2)}"
+            functions.append(f"  {m.group(1)}@{renamed}{m.group(3)}")
     i = 0
     while i < len(lines):
         if m := _MODULE.match(lines[i]):
@@ -64,6 +73,8 @@ def _cpu_functions(gpu_mlir: str) -> tuple[str, dict[str, str]]:
         text = "\n".join(body)
         for old, new in renames.items():
             text = re.sub(re.escape(old) + r"\b", new, text)
+        for old, new in constants.get(module, {}).items():
+            text = re.sub(rf"@{re.escape(old)}\b", f"@{new}", text)
         ids = ", ".join(f"%fj_{k}{a}: index" for k in "bt" for a in "xyz")
         functions.append(f"  func.func @{name}({', '.join(args)}, {ids}) {{\n{text}\n  }}")
         names = [a.split(":")[0] for a in args]

@@ -232,6 +232,52 @@ def _globals_into_launch(launch) -> None:
                 op.operands[i] = copy_of(operand)
 
 
+def contiguous_dimension_first(module) -> None:
+    """Reorder the loops of every all-parallel `linalg.generic` of rank 2 or more so that the loop
+    over its (first) output's last dimension, the contiguous one, comes first.
+
+    The `gpu-launches` stage gives the first loop of each nest to the threads of a block (in tiles
+    of `block_size`) and the others to blocks. With the loops in the result's own order, the
+    threads of a warp would walk its first dimension, each a row apart in memory (uncoalesced);
+    with the contiguous dimension first, consecutive threads touch consecutive elements. Loop order
+    is free in an all-parallel generic: its indexing maps and its `linalg.index` ops are rewritten
+    for the new order (a generic with a reduction keeps its order)."""
+    from mlir import ir
+
+    generics = []
+
+    def visit(op):
+        if op.name == "linalg.generic":
+            generics.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    for op in generics:
+        iterators = [str(i) for i in op.attributes["iterator_types"]]
+        if len(iterators) < 2 or any("parallel" not in i for i in iterators):
+            continue
+        maps = [ir.AffineMapAttr(m).value for m in op.attributes["indexing_maps"]]
+        inputs = ir.DenseI32ArrayAttr(op.attributes["operandSegmentSizes"])[0]
+        output_map = maps[inputs]
+        last = output_map.results[-1].maybe_downcast() if output_map.results else None
+        if not isinstance(last, ir.AffineDimExpr) or last.position == 0:
+            continue
+        first = last.position
+        order = [first] + [d for d in range(len(iterators)) if d != first]  # new loop j = old loop order[j]
+        new_position = [order.index(d) for d in range(len(iterators))]
+        renamed = ir.AffineMap.get_permutation(new_position)
+        op.attributes["indexing_maps"] = ir.ArrayAttr.get(
+            [
+                ir.AffineMapAttr.get(ir.AffineMap.get(m.n_dims, m.n_symbols, [e.compose(renamed) for e in m.results]))
+                for m in maps
+            ]
+        )
+        for inner in op.regions[0].blocks[0].operations:
+            if inner.operation.name == "linalg.index":
+                dim = ir.IntegerAttr(inner.attributes["dim"]).value
+                inner.attributes["dim"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), new_position[dim])
+
+
 def _inside(op, ancestor) -> bool:
     parent = op.parent
     while parent is not None:
@@ -302,6 +348,8 @@ def lower_to_ptx(graph: Graph, options: GpuOptions) -> GpuModule:
         if "memref.copy" in bufferized:
             bufferized = copies_as_kernels(bufferized)
             module = mlir_pipeline.parse(bufferized)
+        mlir_pipeline.run_pipeline(module, stage_pipeline("generalize", options=options), lambda: bufferized)
+        contiguous_dimension_first(module)
         mlir_pipeline.run_pipeline(module, stage_pipeline("gpu-launches", options=options), lambda: bufferized)
         globals_into_launches(module)
         launched = str(module)

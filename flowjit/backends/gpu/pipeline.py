@@ -54,6 +54,9 @@ def mlir_stages(options: GpuOptions) -> dict[str, tuple[str, ...]]:
             "cse",
             "convert-bufferization-to-memref",
         ),
+        # Named ops (the copies `compiler.copies_as_kernels` writes, fills) as generics, so that
+        # `compiler.contiguous_dimension_first` orders the loops of every kernel.
+        "generalize": ("func.func(linalg-generalize-named-ops)",),
         "gpu-launches": (
             # Each linalg op -> an scf.parallel over its parallel dimensions (reductions inside: scf.for).
             "convert-linalg-to-parallel-loops",

@@ -78,6 +78,7 @@ GPU = Target(
     math=MathLibrary(unary=mathlib_f64.MATH, binary=mathlib_f64.MATH_BINARY, truncate_to_bf16=mathlib.truncate_to_bf16),
 )
 GPU.rank0_kernels = False
+GPU.store_through_views = False
 lower_elementwise.register(GPU.lowerings, GPU.math)
 lower_reduction.register(GPU.lowerings)
 lower_layout.register(GPU.lowerings)

@@ -238,7 +238,8 @@ class _FunctionLowering:
         if t.dtype.is_bool:
             tensor = bool_to_bytes(self.em, tensor, t)
         view = self.em.flat_views.get(tensor)
-        if view is not None:  # store the kernel's result through a collapsed view of the buffer
+        if view is not None and (self.em.target is None or self.em.target.store_through_views):
+            # store the kernel's result through a collapsed view of the buffer
             flat, shape = view
             kernel_t = TensorType(shape, t.dtype)
             buffer = self._viewed_as(buffer, t, kernel_t)

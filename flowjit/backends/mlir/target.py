@@ -148,6 +148,11 @@ class Target:
         # Whether a kernel of rank 0 (no loop) may be emitted; the GPU's may not (it would run on
         # the host), so the shared lowerings that would write one compute one element of rank 1.
         self.rank0_kernels = True
+        # Whether a result computed by a flat (1-d) kernel is stored through a collapsed view of its
+        # buffer (`KernelEmitter.store_through`); the GPU's is not: its elementwise fusion makes the
+        # kernels n-d again, and bufferization writes an n-d kernel into the result's own buffer
+        # only when the result is stored in its own shape.
+        self.store_through_views = True
 
     def output_attribute(self, nbytes: int, read_bytes: int, written_bytes: int) -> str | None:
         """An attribute for the function argument of an output of `nbytes` in a function that reads
