@@ -30,6 +30,7 @@ CPU: the tests use it to go through the peers' code without a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -40,7 +41,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -172,7 +172,7 @@ def _jax(name: str):
     }[name]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Program:
     name: str
     fn: Callable
@@ -309,7 +309,7 @@ PEERS = ("torch", "torch.compile", "jax")
 PEER_DEVICES = ("cuda", "cpu")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RunOptions:
     """How `run` times: `repeat` calls per measurement, each child's `timeout_s`, the whole run's
     `budget_s`, which `peers` run and on which `peer_device`, and `only` these programs (all when
@@ -380,7 +380,7 @@ def run(folder: str, json_path: str, options: RunOptions) -> int:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "prepared": {k: manifest[k] for k in ("chip", "prepared", "commit", "ptxas")},
-        "options": {k: getattr(options, k) for k in RunOptions.__dataclass_fields__},
+        "options": dataclasses.asdict(options),
         "mlir_imported": any(p.get("mlir_imported", False) for p in programs),
         "wall_s": round(time.monotonic() - started, 1),
         "programs": programs,
@@ -857,13 +857,13 @@ def main(argv=None) -> int:
         for entry in manifest["programs"]:
             print(f"{entry['name']:34} {entry['status']}" + (f": {entry['error']}" if "error" in entry else ""))
         return 0
+    bounds = {"timeout_s": args.timeout, "budget_s": args.budget} if args.mode == "run" else {}
     options = RunOptions(
         repeat=args.repeat,
-        timeout_s=getattr(args, "timeout", 60.0),
-        budget_s=getattr(args, "budget", 270.0),
         peer_device=args.peer_device,
         peers=tuple(name for name in args.peers.split(",") if name),
         only=tuple(name for name in args.only.split(",") if name),
+        **bounds,
     )
     folder = os.path.abspath(args.dir)
     if args.mode == "probe":
