@@ -11,9 +11,11 @@ device (skipped here with the reason): compiled programs against numpy.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -835,3 +837,45 @@ def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver
         assert programs[name]["status"] == "mismatch" and programs[name]["flowjit_ms"] > 0
         assert len(programs[name]["loaded"]) == 1
     assert "program" in done.stdout and "newton_sqrt" in done.stdout
+
+
+def test_run_times_each_program_and_its_peers_in_a_process_of_its_own(prepared, fake_driver, tmp_path):
+    """`run --peer-device cpu` goes through every peer's code without a GPU: PyTorch eager,
+    torch.compile (which needs a C++ compiler on the CPU) and JAX each time their twin of the
+    program and check it against the expected outputs. The fake driver runs no kernel, so
+    flowjit's results cannot match ('mismatch'); the peers' must."""
+    results = tmp_path / "r.json"
+    command = [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(results)]
+    done = subprocess.run(
+        [*command, "--repeat", "2", "--only", "chain,mlp_forward", "--peer-device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "LD_LIBRARY_PATH": str(fake_driver)},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(results.read_text())
+    assert report["mlir_imported"] is False and report["options"]["peer_device"] == "cpu"
+    programs = {p["name"]: p for p in report["programs"]}
+    assert set(programs) == {"chain", "mlp_forward"}
+    assert len({p["pid"] for p in programs.values()} - {os.getpid()}) == 2  # a process each
+    can_compile = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    for name, p in programs.items():
+        assert p["status"] == "mismatch" and p["flowjit_ms"] > 0 and p["flowjit_device_ms"] > 0
+        assert list(p["peers"]) == ["torch", "torch.compile", "jax"]
+        for peer, record in p["peers"].items():
+            module = peer.split(".")[0]
+            if importlib.util.find_spec(module) is None or (peer == "torch.compile" and not can_compile):
+                assert record["error"], record  # the reason is recorded; the other peers still ran
+                continue
+            assert "error" not in record, f"{name}, {peer}: {record['error']}"
+            assert record["matches"] and record["max_abs_error"] < 1e-4 and record["on_device_ms"] > 0
+            assert record.get("end_to_end_ms", 1.0) > 0 and record.get("compile_ms", 1.0) > 0
+        on_device = {peer: r["on_device_ms"] for peer, r in p["peers"].items() if r.get("matches")}
+        if on_device:
+            fastest = min(on_device, key=on_device.get)
+            versus = p["versus_fastest_peer"]["on_device"]
+            assert versus == {"fastest_peer": fastest, "ratio": p["flowjit_device_ms"] / on_device[fastest]}
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "fake CUDA driver (no GPU)" in markdown and "--only chain,mlp_forward" in markdown
+    assert re.search(r"^\| chain \| mismatch \| [0-9.e+-]+ \| [0-9.]+ \|", markdown, re.MULTILINE), markdown

@@ -6,31 +6,41 @@
         expected outputs (flowjit's CPU backend, or the op table's numpy reference) in DIR/data,
         and DIR/manifest.json. DIR defaults to benchmarks/gpu/prepared.
     python3 benchmarks/gpu/device_check.py run [--dir DIR] [--json FILE] [--repeat N]
-        on the GPU machine (python3 with numpy and cuda-bindings, no MLIR, no network): gets every
-        program's executable from DIR/cache without importing MLIR (it checks that `mlir` was
-        never imported), runs it, compares with the expected outputs, times it (host arrays in and
-        out, as flowjit's API takes them) and, where PyTorch sees the GPU, times PyTorch eager on
-        the same inputs: end to end (host arrays in and out) and on device-resident tensors.
-        Prints a table and writes FILE (default DIR/results.json). Exit status: 0 when every
-        compiled program matched, 1 when one did not, 2 when no GPU could be used (the reason is
-        printed: it is the runtime's GpuRuntimeError).
+            [--timeout S] [--budget S] [--only NAME,...] [--peers torch,torch.compile,jax]
+            [--peer-device cuda|cpu]
+        on the GPU machine (python3 with numpy, ml_dtypes and cuda-bindings, no MLIR, no network):
+        a first child process (`probe`) loads every program's executable from DIR/cache without
+        importing MLIR and makes a first call on GPU 0; then each program runs in a child process
+        of its own (`run-one NAME`, at most --timeout seconds, 60 by default; no child starts
+        after --budget seconds, 270 by default), which checks flowjit's result against the
+        expected outputs, times flowjit (host arrays in and out, and with inputs and results in
+        device memory), then times and checks each peer: PyTorch eager (end to end and on
+        device-resident tensors), torch.compile (on device, its first call timed apart) and
+        jax.jit (end to end and on device). A peer that cannot run is recorded with its reason.
+        Prints a table, writes FILE (default DIR/results.json) and gpu_check.md beside it (a
+        section for benchmarks/RESULTS.md). Exit status: 0 when every loaded program matched,
+        1 when one did not (or crashed, timed out, was skipped), 2 when no GPU could be used
+        (the reason is printed: it is the runtime's GpuRuntimeError).
 
 Programs the GPU cannot compile (`newton_sqrt`: a while loop, which stays on the CPU) are listed
-as such, with the compile error, never silently dropped.
+as such, with the compile error, never silently dropped. --peer-device cpu runs the peers on the
+CPU: the tests use it to go through the peers' code without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,7 +53,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 # --- the programs ------------------------------------------------------------------------------
-# Each is a flowjit function, its inputs (full and tiny sizes), and its PyTorch eager twin.
+# Each is a flowjit function and its inputs (full and tiny sizes); its peers' twins follow.
 
 
 def chain(x, y):
@@ -99,15 +109,6 @@ def mlp_train_step(x, y, w1, b1, w2):
     return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
 
 
-def _torch_train_step(x, y, w1, b1, w2):
-    import torch
-
-    params = [t.detach().requires_grad_() for t in (w1, b1, w2)]
-    loss = ((torch.tanh(x @ params[0] + params[1]) @ params[2] - y) ** 2).mean()
-    grads = torch.autograd.grad(loss, params)
-    return tuple((p - 0.01 * g).detach() for p, g in zip(params, grads))
-
-
 def newton_sqrt(x):
     """A while loop: control flow stays on the CPU (the GPU's CPU_ONLY table), so this program is
     listed as not compiled, with the reason."""
@@ -116,8 +117,20 @@ def newton_sqrt(x):
     return fj.while_loop(lambda y: y[0, 0] * y[0, 0] > x[0, 0] + 1e-3, lambda y: 0.5 * (y + x / y), x + 1.0)
 
 
+# --- the peers' twins of the programs ----------------------------------------------------------
+# PyTorch (eager and torch.compile) and JAX versions of every timed program; imported only inside
+# the peers' code, so `run` needs neither.
+
+
 def _torch(name: str):
     import torch
+
+    def train_step(x, y, w1, b1, w2):
+        def loss(w1, b1, w2):
+            return ((torch.tanh(x @ w1 + b1) @ w2 - y) ** 2).mean()
+
+        g1, gb, g2 = torch.func.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
 
     return {
         "chain": lambda x, y: torch.tanh(x * y + 1.0) * torch.exp(-x) + torch.log(y * y + 1.0),
@@ -128,11 +141,38 @@ def _torch(name: str):
         "whole_sum": lambda x: x.sum(),
         "column_sum": lambda x: x.sum(0),
         "mlp_forward": lambda x, w1, b1, w2: torch.tanh(x @ w1 + b1) @ w2,
-        "mlp_train_step": _torch_train_step,
+        "mlp_train_step": train_step,
     }[name]
 
 
-@dataclass(frozen=True)
+def _jax(name: str):
+    """The JAX twin; its products ask for full float32 precision (JAX's default on a GPU is
+    TF32-like, flowjit's and PyTorch's is not)."""
+    import jax
+    import jax.numpy as jnp
+
+    def mm(a, b):
+        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+    def train_step(x, y, w1, b1, w2):
+        def loss(w1, b1, w2):
+            return jnp.mean((mm(jnp.tanh(mm(x, w1) + b1), w2) - y) ** 2)
+
+        g1, gb, g2 = jax.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+    return {
+        "chain": lambda x, y: jnp.tanh(x * y + 1.0) * jnp.exp(-x) + jnp.log(y * y + 1.0),
+        "softmax": lambda x: jax.nn.softmax(x, axis=1),
+        "layer_norm": lambda x, g: (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * g,
+        "whole_sum": lambda x: jnp.sum(x),
+        "column_sum": lambda x: jnp.sum(x, axis=0),
+        "mlp_forward": lambda x, w1, b1, w2: mm(jnp.tanh(mm(x, w1) + b1), w2),
+        "mlp_train_step": train_step,
+    }[name]
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     name: str
     fn: Callable
@@ -263,12 +303,177 @@ def _git_commit() -> str | None:
     return done.stdout.strip() or None
 
 
-# --- run (there: no MLIR) ------------------------------------------------------------------------
+# --- run (there: no MLIR): the parent, one child process per program --------------------------
+
+PEERS = ("torch", "torch.compile", "jax")
+PEER_DEVICES = ("cuda", "cpu")
 
 
-def load_programs(folder: str) -> tuple[dict, list[dict]]:
-    """The manifest and, for each compiled program, its executable from the cache (never compiled
-    here: a program missing from the cache is reported as such)."""
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How `run` times: `repeat` calls per measurement, each child's `timeout_s`, the whole run's
+    `budget_s`, which `peers` run and on which `peer_device`, and `only` these programs (all when
+    empty)."""
+
+    repeat: int = 20
+    timeout_s: float = 60.0
+    budget_s: float = 270.0
+    peer_device: str = "cuda"
+    peers: tuple[str, ...] = PEERS
+    only: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.repeat < 1 or self.timeout_s <= 0 or self.budget_s <= 0:
+            raise SystemExit(f"--repeat, --timeout and --budget must be positive, not {self}")
+        if self.peer_device not in PEER_DEVICES:
+            raise SystemExit(f"--peer-device must be one of {', '.join(PEER_DEVICES)}, not {self.peer_device!r}")
+        unknown = sorted(set(self.peers) - set(PEERS))
+        if unknown:
+            raise SystemExit(f"unknown peer(s) {', '.join(unknown)} in --peers; choose among {', '.join(PEERS)}")
+
+    def child_args(self) -> list[str]:
+        return [
+            *("--repeat", str(self.repeat), "--peer-device", self.peer_device),
+            *("--peers", ",".join(self.peers), "--only", ",".join(self.only)),
+        ]
+
+
+def run(folder: str, json_path: str, options: RunOptions) -> int:
+    """Probe the GPU in one child process, then check and time each program in a child of its own
+    (bounded by `options.timeout_s` each and `options.budget_s` in all); print the table, write
+    the JSON and the Markdown. Exit status 0, 1 or 2 (see the module docstring)."""
+    started = time.monotonic()
+    with open(os.path.join(folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    # JAX would otherwise take 75% of the GPU's memory at its first call, from flowjit and PyTorch
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+    with tempfile.TemporaryDirectory(prefix="device_check.") as scratch:
+        probe, failure, stderr = _run_child(
+            ["probe", "--dir", folder, *options.child_args()],
+            os.path.join(scratch, "probe.json"),
+            min(options.timeout_s, options.budget_s),
+            env,
+        )
+        if probe is None or "programs" not in probe:
+            print(f"the probe (loading the programs, a first call on GPU 0) {failure}:\n{stderr[-3000:]}")
+            return 2 if failure.startswith("timed out") else 1
+        programs = probe["programs"]
+        ready = [p for p in programs if p["status"] == "loaded"]
+        print(
+            f"loaded {len(ready)} of {len(programs)} programs from {folder} (mlir imported: {probe['mlir_imported']})"
+        )
+        if probe["mlir_imported"]:
+            print("the run side imported MLIR")
+            return 1
+        if not ready:
+            print("nothing to run")
+            return 1
+        if "gpu_error" in probe:
+            print(f"GpuRuntimeError: {probe['gpu_error']}")
+            return 2
+        for p in ready:
+            _run_program(p, folder, options, started, env, scratch)
+            p["versus_fastest_peer"] = _versus_fastest_peer(p)
+    failures = sum(p["status"] != "ok" for p in ready)
+    report = {
+        "device": probe["device"],
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "prepared": {k: manifest[k] for k in ("chip", "prepared", "commit", "ptxas")},
+        "options": dataclasses.asdict(options),
+        "mlir_imported": any(p.get("mlir_imported", False) for p in programs),
+        "wall_s": round(time.monotonic() - started, 1),
+        "programs": programs,
+    }
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(_table(report, markdown=False))
+    markdown_path = os.path.join(os.path.dirname(json_path), "gpu_check.md")
+    with open(markdown_path, "w") as f:
+        f.write(_markdown(report))
+    print(f"wrote {json_path} and {markdown_path}")
+    return 1 if failures else 0
+
+
+def _run_program(p: dict, folder: str, options: RunOptions, started: float, env: dict, scratch: str) -> None:
+    """Check and time program `p` in a child process; fold its record (or what happened to it)
+    into `p`."""
+    left = options.budget_s - (time.monotonic() - started)
+    if left <= 0:
+        p["status"], p["error"] = "skipped", f"not started: the run's budget of {options.budget_s:g} s was spent"
+        return
+    timeout_s = min(options.timeout_s, left)
+    record_path = os.path.join(scratch, f"{p['name'].replace(':', '_')}.json")
+    clock = time.monotonic()
+    record, failure, stderr = _run_child(
+        ["run-one", p["name"], "--dir", folder, *options.child_args()], record_path, timeout_s, env
+    )
+    if failure and failure.startswith("timed out") and timeout_s < options.timeout_s:
+        failure += f" (what was left of the run's budget of {options.budget_s:g} s)"
+    p.update(record or {})
+    p["wall_s"] = round(time.monotonic() - clock, 1)
+    if failure is None:
+        return
+    stage = p.pop("stage", "loading")
+    if not failure.startswith("timed out") and _last_line(stderr):
+        failure += f": {_last_line(stderr)}"
+    if stage in PEERS:  # flowjit's part is done: the peer in progress is what failed
+        p.setdefault("peers", {})[stage] = {"error": failure}
+        for peer in options.peers[options.peers.index(stage) + 1 :]:
+            p["peers"][peer] = {"error": f"not run: the process ended during {stage}"}
+        return
+    p["status"] = "timeout" if failure.startswith("timed out") else "crashed"
+    p["error"] = f"{stage}: {failure}"
+
+
+def _run_child(args: list[str], record_path: str, timeout_s: float, env: dict) -> tuple[dict | None, str | None, str]:
+    """Run `device_check.py ARGS --record RECORD_PATH` in a new session (killed with its own
+    children after `timeout_s`): (the record it wrote last or None, what went wrong or None, its
+    stderr)."""
+    command = [sys.executable, os.path.abspath(__file__), *args, "--record", record_path]
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        _, stderr = child.communicate(timeout=timeout_s)
+        failure = None if child.returncode == 0 else _ended(child.returncode)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # its session: torch.compile's workers go with it
+        except ProcessLookupError:
+            pass  # it ended between the timeout and the kill
+        failure = f"timed out: killed after {timeout_s:.0f} s"
+        try:
+            _, stderr = child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            stderr = "(its output could not be read within 30 s of the kill)"
+    if not os.path.exists(record_path):
+        return None, failure or "wrote no record", stderr
+    with open(record_path) as f:
+        return json.load(f), failure, stderr
+
+
+def _ended(returncode: int) -> str:
+    return f"killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# --- the children: `probe` (every program loaded, a first call) and `run-one NAME` ----------------
+
+
+def load_programs(folder: str, names: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    """The manifest and each program of it (those of `names` when given), with, for each compiled
+    one, its inputs, expected outputs and executable from the cache (never compiled here: a
+    program missing from the cache is reported as such)."""
     os.environ["FLOWJIT_CACHE_DIR"] = os.path.join(folder, "cache")
     os.environ.pop("FLOWJIT_CACHE", None)
     os.chdir(ROOT)
@@ -280,13 +485,16 @@ def load_programs(folder: str) -> tuple[dict, list[dict]]:
 
     with open(os.path.join(folder, "manifest.json")) as f:
         manifest = json.load(f)
+    known = [p["name"] for p in manifest["programs"]]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"no program {', '.join(unknown)} in {folder}/manifest.json; it has {', '.join(known)}")
+    entries = [p for p in manifest["programs"] if not names or p["name"] in names]
     options = GpuOptions(chip=manifest["chip"])
-    rows = {case_id: case for case_id, case in _op_rows()} if any(
-        p["kind"] == "row" for p in manifest["programs"]
-    ) else {}  # fmt: skip
+    rows = dict(_op_rows()) if any(p["kind"] == "row" for p in entries) else {}
     by_name = {p.name: p for p in PROGRAMS}
     loaded = []
-    for entry in manifest["programs"]:
+    for entry in entries:
         item = dict(entry)
         loaded.append(item)
         if entry["status"] != "compiled":
@@ -304,70 +512,111 @@ def load_programs(folder: str) -> tuple[dict, list[dict]]:
             item["status"] = "cache miss"
             item["error"] = "the program's IR differs from the prepared one (or the cache folder was refused)"
             continue
+        item["status"] = "loaded"
         item["executable"] = GpuExecutable(cached, 0, "disk cache")
     return manifest, loaded
 
 
-def run(folder: str, json_path: str, repeat: int) -> int:
-    manifest, programs = load_programs(folder)
+def probe(folder: str, record_path: str, options: RunOptions) -> None:
+    """Load every program and make a first call on GPU 0: the record holds each program's load
+    status, whether MLIR was imported, and the device or the runtime's reason it cannot be used."""
+    _, programs = load_programs(folder, options.only)
     from flowjit.backends.gpu import driver
     from flowjit.backends.gpu.driver import GpuRuntimeError
 
+    record = {"mlir_imported": "mlir" in sys.modules, "programs": [_public(p) for p in programs]}
     ready = [p for p in programs if "executable" in p]
-    print(f"loaded {len(ready)} of {len(programs)} programs from {folder} (mlir imported: {'mlir' in sys.modules})")
-    assert "mlir" not in sys.modules, "the run side imported MLIR"
-    if not ready:
-        print("nothing to run")
-        return 1
     try:  # the real path: the runtime says what is missing
-        ready[0]["executable"].run(ready[0]["inputs"])
+        if ready:
+            ready[0]["executable"].run(ready[0]["inputs"])
+        version = driver.call("cuDriverGetVersion")
+        record["device"] = {
+            "name": driver.device_name(0),
+            "capability": ".".join(map(str, driver.compute_capability(0))),
+            "driver": f"{version // 1000}.{version % 1000 // 10}",
+        }
     except GpuRuntimeError as error:
-        print(f"GpuRuntimeError: {error}")
-        return 2
-    device = {"name": driver.device_name(0), "capability": ".".join(map(str, driver.compute_capability(0)))}
-    torch_ok = _torch_cuda()
-    failures = 0
-    for p in programs:
-        if "executable" not in p:
-            continue
+        record["gpu_error"] = str(error)
+    _write_record(record_path, record)
+
+
+def run_one(folder: str, name: str, record_path: str, options: RunOptions) -> None:
+    """Check and time program `name` with flowjit, then each peer; the record is rewritten before
+    each stage (its `stage` names the one in progress), so the parent knows where a child that
+    hangs or dies stopped."""
+    record = {"name": name, "stage": "loading", "pid": os.getpid()}
+    _write_record(record_path, record)
+    _, (p,) = load_programs(folder, (name,))
+    from flowjit.backends.gpu.driver import GpuRuntimeError
+
+    record.update(_public(p), stage="flowjit")
+    _write_record(record_path, record)
+    if "executable" in p:
         try:
-            _check_and_time(p, repeat, torch_ok)
+            record.update(_check_and_time_flowjit(p, options.repeat))
         except GpuRuntimeError as error:
-            p["status"], p["error"] = "error", str(error)
-        failures += p["status"] != "ok"
-    _print_table(device, programs)
-    report = {
-        "device": device,
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "prepared": {k: manifest[k] for k in ("chip", "prepared", "commit", "ptxas")},
-        "mlir_imported": "mlir" in sys.modules,
-        "programs": [
-            {k: v for k, v in p.items() if k not in ("executable", "inputs", "expected", "data")} for p in programs
-        ],
-    }
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {json_path}")
-    return 1 if failures else 0
+            record["status"], record["error"] = "error", str(error)
+    record["mlir_imported"] = "mlir" in sys.modules  # flowjit's part is done: the peers may import what they like
+    _write_record(record_path, record)
+    if record["mlir_imported"]:
+        raise SystemExit("the run side imported MLIR")
+    if record["status"] in ("ok", "mismatch") and p["kind"] == "program":
+        record["peers"] = {}
+        for peer in options.peers:
+            record["stage"] = peer
+            _write_record(record_path, record)
+            record["peers"][peer] = _run_peer(peer, p, options)
+    del record["stage"]
+    _write_record(record_path, record)
 
 
-def _check_and_time(p: dict, repeat: int, torch_ok: bool) -> None:
+def _public(p: dict) -> dict:
+    return {k: v for k, v in p.items() if k not in ("executable", "inputs", "expected", "data")}
+
+
+def _write_record(path: str, record: dict) -> None:
+    with open(path + ".part", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".part", path)
+
+
+def _check_and_time_flowjit(p: dict, repeat: int) -> dict:
+    """flowjit end to end (host arrays in and out) and with inputs and results in device memory
+    (`fj.device_put`, `keep_on_device`); both results are compared with the expected ones."""
+    import flowjit as fj
+
     executable = p["executable"]
+    on_device = [fj.device_put(a, "gpu:0") for a in p["inputs"]]
     outputs = executable.run(p["inputs"])
-    errors = [
-        float(np.max(np.abs(o.astype(np.float64) - e.astype(np.float64)), initial=0.0))
-        for o, e in zip(outputs, p["expected"])
-    ]
-    close = all(
-        np.allclose(o, e, rtol=p["rtol"], atol=p["atol"], equal_nan=True) for o, e in zip(outputs, p["expected"])
-    )
-    p["max_abs_error"] = max(errors, default=0.0)
-    p["status"] = "ok" if close else "mismatch"
-    p["loaded"] = sorted(set(executable.runner().loading_report().values()))
-    p["flowjit_ms"] = _median_ms(lambda: executable.run(p["inputs"]), repeat)
-    if torch_ok and p["kind"] == "program":
-        p.update(_time_torch(p, repeat))
+    kept, _ = executable.run_resident(on_device, keep_results=True)
+    errors = [_compare(outputs, p), _compare([np.asarray(o) for o in kept], p)]
+    return {
+        "status": "ok" if all(e["matches"] for e in errors) else "mismatch",
+        "max_abs_error": max(e["max_abs_error"] for e in errors),
+        "loaded": sorted(set(executable.runner().loading_report().values())),
+        "flowjit_ms": _median_ms(lambda: executable.run(p["inputs"]), repeat),
+        "flowjit_device_ms": _median_ms(lambda: executable.run_resident(on_device, keep_results=True), repeat),
+    }
+
+
+def _compare(outputs, p: dict, elementwise: bool = True) -> dict:
+    """The largest absolute error of `outputs` and whether they match the expected outputs: each
+    element within the program's tolerance (`elementwise`, for flowjit), or every error within
+    `rtol` times the output's largest magnitude plus `atol` (for the peers: their own summation
+    order in a 784-long dot product is off by more than `rtol` of an element near zero)."""
+    expected = p["expected"]
+    shapes = [np.shape(o) for o in outputs] == [e.shape for e in expected]
+    if not shapes:
+        return {"max_abs_error": float("inf"), "matches": False}
+    errors = [np.abs(np.asarray(o, np.float64) - e.astype(np.float64)) for o, e in zip(outputs, expected)]
+    if elementwise:
+        close = all(
+            np.allclose(o, e, rtol=p["rtol"], atol=p["atol"], equal_nan=True) for o, e in zip(outputs, expected)
+        )
+    else:
+        bounds = [p["atol"] + p["rtol"] * float(np.max(np.abs(e), initial=0.0)) for e in expected]
+        close = all(float(np.max(err, initial=0.0)) <= bound for err, bound in zip(errors, bounds))
+    return {"max_abs_error": max((float(np.max(err, initial=0.0)) for err in errors), default=0.0), "matches": close}
 
 
 def _median_ms(call: Callable[[], object], repeat: int) -> float:
@@ -381,51 +630,203 @@ def _median_ms(call: Callable[[], object], repeat: int) -> float:
     return float(np.median(samples) * 1e3)
 
 
-def _torch_cuda() -> bool:
+# --- the peers: each times its twin of a program and checks its own result -----------------------
+
+
+def _run_peer(peer: str, p: dict, options: RunOptions) -> dict:
+    """The peer's times and errors, or {"error": its exception's first line}."""
+    timers = {"torch": _time_torch_eager, "torch.compile": _time_torch_compile, "jax": _time_jax}
     try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return timers[peer](p, options)
+    except Exception as error:  # a peer that cannot run is a result to report, never the run's end
+        return {"error": _first_line(error)}
 
 
-def _time_torch(p: dict, repeat: int) -> dict:
+def _torch_on(device_kind: str):
+    """(torch, the device, a function that waits for it)."""
     import torch
 
+    if device_kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)")
+    device = torch.device(device_kind)
+    return torch, device, (torch.cuda.synchronize if device_kind == "cuda" else lambda: None)
+
+
+def _host(outputs) -> list[np.ndarray]:
+    """A peer's result (one array or a tuple) as host arrays."""
+    items = outputs if isinstance(outputs, tuple | list) else (outputs,)
+    return [np.asarray(o.cpu().numpy() if hasattr(o, "cpu") else o) for o in items]
+
+
+def _time_torch_eager(p: dict, options: RunOptions) -> dict:
+    torch, device, wait = _torch_on(options.peer_device)
     fn = _torch(p["name"])
-    on_device = [torch.from_numpy(a).cuda() for a in p["inputs"]]
+    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
 
     def end_to_end():
-        args = [torch.from_numpy(a).cuda() for a in p["inputs"]]
-        out = fn(*args)
-        return [t.cpu() for t in out] if isinstance(out, tuple) else out.cpu()
+        return _host(fn(*[torch.from_numpy(a).to(device) for a in p["inputs"]]))
 
     def device_only():
         fn(*on_device)
-        torch.cuda.synchronize()
+        wait()
 
     return {
-        "torch_end_to_end_ms": _median_ms(end_to_end, repeat),
-        "torch_on_device_ms": _median_ms(device_only, repeat),
+        "end_to_end_ms": _median_ms(end_to_end, options.repeat),
+        "on_device_ms": _median_ms(device_only, options.repeat),
+        **_compare(end_to_end(), p, elementwise=False),
     }
 
 
-def _cell(p: dict, key: str, fmt: str = "{:.3f}") -> str:
-    return fmt.format(p[key]) if key in p else "-"
+def _time_torch_compile(p: dict, options: RunOptions) -> dict:
+    """`torch.compile` (default mode) on device-resident tensors; the first call (tracing and
+    compiling) is timed apart."""
+    torch, device, wait = _torch_on(options.peer_device)
+    compiled = torch.compile(_torch(p["name"]))
+    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
+    start = time.perf_counter()
+    first = compiled(*on_device)
+    wait()
+    compile_ms = (time.perf_counter() - start) * 1e3
+
+    def device_only():
+        compiled(*on_device)
+        wait()
+
+    return {
+        "compile_ms": compile_ms,
+        "on_device_ms": _median_ms(device_only, options.repeat),
+        **_compare(_host(first), p, elementwise=False),
+    }
 
 
-def _print_table(device: dict, programs: list[dict]) -> None:
-    print(f"device: {device['name']} (compute capability {device['capability']})")
-    header = f"{'program':34} {'status':12} {'max|err|':>10} {'flowjit ms':>11} {'torch e2e':>10} {'torch dev':>10}"
-    print(header)
-    print("-" * len(header))
-    for p in programs:
-        print(
-            f"{p['name'][:34]:34} {p['status']:12} {_cell(p, 'max_abs_error', '{:.2e}'):>10} "
-            f"{_cell(p, 'flowjit_ms'):>11} {_cell(p, 'torch_end_to_end_ms'):>10} {_cell(p, 'torch_on_device_ms'):>10}"
-        )
-        if p.get("error"):
-            print(f"    {p['error'][:300]}")
+def _time_jax(p: dict, options: RunOptions) -> dict:
+    """`jax.jit` on the peer device: end to end (`jax.device_put` in, host arrays out) and on
+    device-resident arrays (`block_until_ready`); the first call (compiling) is timed apart."""
+    import jax
+
+    device = jax.devices("gpu" if options.peer_device == "cuda" else "cpu")[0]
+    fn = jax.jit(_jax(p["name"]))
+    on_device = [jax.device_put(a, device) for a in p["inputs"]]
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*on_device))
+    compile_ms = (time.perf_counter() - start) * 1e3
+
+    def end_to_end():
+        return _host(fn(*[jax.device_put(a, device) for a in p["inputs"]]))
+
+    return {
+        "compile_ms": compile_ms,
+        "end_to_end_ms": _median_ms(end_to_end, options.repeat),
+        "on_device_ms": _median_ms(lambda: jax.block_until_ready(fn(*on_device)), options.repeat),
+        **_compare(end_to_end(), p, elementwise=False),
+    }
+
+
+# --- the report: a table for the terminal, the same as Markdown for benchmarks/RESULTS.md --------
+
+# (header, peer or None for flowjit, the record's key)
+COLUMNS = (
+    ("flowjit", None, "flowjit_ms"),
+    ("flowjit dev", None, "flowjit_device_ms"),
+    ("torch e2e", "torch", "end_to_end_ms"),
+    ("torch dev", "torch", "on_device_ms"),
+    ("compile dev", "torch.compile", "on_device_ms"),
+    ("jax e2e", "jax", "end_to_end_ms"),
+    ("jax dev", "jax", "on_device_ms"),
+)
+
+
+# (the ratio's name, flowjit's time, the peers' time)
+RATIOS = (("end_to_end", "flowjit_ms", "end_to_end_ms"), ("on_device", "flowjit_device_ms", "on_device_ms"))
+
+
+def _versus_fastest_peer(p: dict) -> dict:
+    """For each of RATIOS: the fastest peer (among those whose result matched) and flowjit's time
+    over its time."""
+    versus = {}
+    for ratio, flowjit_key, peer_key in RATIOS:
+        times = {peer: r[peer_key] for peer, r in p.get("peers", {}).items() if r.get("matches") and peer_key in r}
+        if times and flowjit_key in p:
+            fastest = min(times, key=times.get)
+            versus[ratio] = {"fastest_peer": fastest, "ratio": p[flowjit_key] / times[fastest]}
+    return versus
+
+
+def _cells(p: dict) -> list[str]:
+    cells = [p["status"], f"{p['max_abs_error']:.2e}" if "max_abs_error" in p else "-"]
+    for _, peer, key in COLUMNS:
+        record = p if peer is None else p.get("peers", {}).get(peer, {})
+        mark = "" if peer is None or record.get("matches", True) else "!"  # a peer whose result is wrong
+        cells.append(f"{record[key]:.3f}{mark}" if key in record else "-")
+    for ratio, _, _ in RATIOS:
+        versus = p.get("versus_fastest_peer", {}).get(ratio)
+        cells.append(f"{versus['ratio']:.2f}" if versus else "-")
+    return cells
+
+
+def _notes(p: dict) -> list[str]:
+    notes = [p["error"][:300]] if p.get("error") else []
+    for peer, record in p.get("peers", {}).items():
+        if "error" in record:
+            notes.append(f"{peer}: {record['error']}")
+        elif not record["matches"]:
+            notes.append(
+                f"{peer}: its result is off (max |err| {record['max_abs_error']:.2e} > rtol x max |expected| + atol)"
+            )
+    compiling = [f"{peer} {r['compile_ms']:.0f} ms" for peer, r in p.get("peers", {}).items() if "compile_ms" in r]
+    return notes + ([f"first call (compiling): {', '.join(compiling)}"] if compiling else [])
+
+
+HEADERS = ("program", "status", "max|err|", *(c[0] for c in COLUMNS), "e2e ratio", "dev ratio")
+
+
+def _table(report: dict, markdown: bool) -> str:
+    """The results as a terminal table (notes indented under each program) or a Markdown one (notes
+    in a list after it)."""
+    rows = [[p["name"], *_cells(p)] for p in report["programs"]] if "programs" in report else []
+    if markdown:
+        lines = ["| " + " | ".join(h.replace("|", "\\|") for h in HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        notes = [f"- {p['name']}: {note}" for p in report["programs"] for note in _notes(p)]
+        return "\n".join(lines + ([""] + notes if notes else []))
+    device = report["device"]
+    lines = [f"device: {device['name']} (compute capability {device['capability']}, driver {device['driver']})"]
+    widths = (34, 12, 9, *([11] * (len(HEADERS) - 3)))
+    lines.append(" ".join(f"{h:>{w}}" if i > 1 else f"{h:{w}}" for i, (h, w) in enumerate(zip(HEADERS, widths))))
+    lines.append("-" * len(lines[-1]))
+    for p, row in zip(report["programs"], rows):
+        lines.append(" ".join(f"{c:>{w}}" if i > 1 else f"{c[:w]:{w}}" for i, (c, w) in enumerate(zip(row, widths))))
+        lines += [f"    {note}" for note in _notes(p)]
+    lines.append(
+        "times: medians in ms; dev = inputs and results in device memory; ratio = flowjit / the fastest peer"
+        " whose result matched; '!' = a peer whose result did not match"
+    )
+    return "\n".join(lines)
+
+
+def _markdown(report: dict) -> str:
+    """A section for benchmarks/RESULTS.md: device, driver, command, date, the table."""
+    device, prepared, options = report["device"], report["prepared"], report["options"]
+    return "\n".join(
+        [
+            f"### GPU device check: {device['name']}, {report['date'][:10]}",
+            "",
+            f"{device['name']} (compute capability {device['capability']}), driver {device['driver']}; programs"
+            f" prepared for {prepared['chip']} at commit {prepared['commit']} (ptxas {prepared['ptxas']});"
+            f" peers on {options['peer_device']}. Run on {report['date']} with:",
+            "",
+            "```",
+            report["command"],
+            "```",
+            "",
+            f"Medians of {options['repeat']} calls, in ms, each program in a process of its own. e2e: host"
+            " arrays in and out; dev: inputs and results in device memory. Ratios: flowjit over the fastest"
+            " peer whose result matched ('!' marks a peer whose result did not).",
+            "",
+            _table(report, markdown=True),
+            "",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -435,18 +836,43 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=DEFAULT_DIR)
     p.add_argument("--chip", default="sm_90")
     p.add_argument("--tiny", action="store_true", help="tiny inputs and three programs (the test's set)")
-    r = modes.add_parser("run", help="run the prepared programs on GPU 0 (no MLIR)")
-    r.add_argument("--dir", default=DEFAULT_DIR)
-    r.add_argument("--json", default=None)
-    r.add_argument("--repeat", type=int, default=20)
+    r = modes.add_parser("run", help="check and time the prepared programs on GPU 0, a process each (no MLIR)")
+    r.add_argument("--json", default=None, help="the report (default DIR/results.json; gpu_check.md beside it)")
+    r.add_argument("--timeout", type=float, default=60.0, help="seconds each program's process may take")
+    r.add_argument("--budget", type=float, default=270.0, help="seconds for the whole run; later programs are skipped")
+    probe_mode = modes.add_parser("probe", help="(a child of run) load the programs, make a first call on GPU 0")
+    one = modes.add_parser("run-one", help="(a child of run) check and time one program")
+    one.add_argument("name")
+    for mode in (r, probe_mode, one):
+        mode.add_argument("--dir", default=DEFAULT_DIR)
+        mode.add_argument("--repeat", type=int, default=20)
+        mode.add_argument("--peer-device", default="cuda", help="where the peers run: cuda, or cpu (for tests)")
+        mode.add_argument("--peers", default=",".join(PEERS), help="comma-separated, among " + ", ".join(PEERS))
+        mode.add_argument("--only", default="", help="comma-separated program names (default: every program)")
+    for mode in (probe_mode, one):
+        mode.add_argument("--record", required=True, help="the JSON record this child writes")
     args = parser.parse_args(argv)
     if args.mode == "prepare":
         manifest = prepare(os.path.abspath(args.out), args.chip, args.tiny)
         for entry in manifest["programs"]:
             print(f"{entry['name']:34} {entry['status']}" + (f": {entry['error']}" if "error" in entry else ""))
         return 0
+    bounds = {"timeout_s": args.timeout, "budget_s": args.budget} if args.mode == "run" else {}
+    options = RunOptions(
+        repeat=args.repeat,
+        peer_device=args.peer_device,
+        peers=tuple(name for name in args.peers.split(",") if name),
+        only=tuple(name for name in args.only.split(",") if name),
+        **bounds,
+    )
     folder = os.path.abspath(args.dir)
-    return run(folder, os.path.abspath(args.json or os.path.join(folder, "results.json")), args.repeat)
+    if args.mode == "probe":
+        probe(folder, args.record, options)
+        return 0
+    if args.mode == "run-one":
+        run_one(folder, args.name, args.record, options)
+        return 0
+    return run(folder, os.path.abspath(args.json or os.path.join(folder, "results.json")), options)
 
 
 if __name__ == "__main__":
