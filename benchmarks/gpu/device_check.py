@@ -46,6 +46,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from peers import PEERS, compare, median_ms, run_peer  # noqa: E402 (beside this script)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DIR = os.path.join(ROOT, "benchmarks", "gpu", "prepared")
 # Relative tolerance and absolute floor of a program's comparison with the CPU backend.
@@ -53,7 +55,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 # --- the programs ------------------------------------------------------------------------------
-# Each is a flowjit function and its inputs (full and tiny sizes); its peers' twins follow.
+# Each is a flowjit function and its inputs (full and tiny sizes); its peers' twins are in peers.py.
 
 
 def chain(x, y):
@@ -115,61 +117,6 @@ def newton_sqrt(x):
     import flowjit as fj
 
     return fj.while_loop(lambda y: y[0, 0] * y[0, 0] > x[0, 0] + 1e-3, lambda y: 0.5 * (y + x / y), x + 1.0)
-
-
-# --- the peers' twins of the programs ----------------------------------------------------------
-# PyTorch (eager and torch.compile) and JAX versions of every timed program; imported only inside
-# the peers' code, so `run` needs neither.
-
-
-def _torch(name: str):
-    import torch
-
-    def train_step(x, y, w1, b1, w2):
-        def loss(w1, b1, w2):
-            return ((torch.tanh(x @ w1 + b1) @ w2 - y) ** 2).mean()
-
-        g1, gb, g2 = torch.func.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
-        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
-
-    return {
-        "chain": lambda x, y: torch.tanh(x * y + 1.0) * torch.exp(-x) + torch.log(y * y + 1.0),
-        "softmax": lambda x: torch.softmax(x, dim=1),
-        "layer_norm": lambda x, g: (
-            (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5) * g
-        ),
-        "whole_sum": lambda x: x.sum(),
-        "column_sum": lambda x: x.sum(0),
-        "mlp_forward": lambda x, w1, b1, w2: torch.tanh(x @ w1 + b1) @ w2,
-        "mlp_train_step": train_step,
-    }[name]
-
-
-def _jax(name: str):
-    """The JAX twin; its products ask for full float32 precision (JAX's default on a GPU is
-    TF32-like, flowjit's and PyTorch's is not)."""
-    import jax
-    import jax.numpy as jnp
-
-    def mm(a, b):
-        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-
-    def train_step(x, y, w1, b1, w2):
-        def loss(w1, b1, w2):
-            return jnp.mean((mm(jnp.tanh(mm(x, w1) + b1), w2) - y) ** 2)
-
-        g1, gb, g2 = jax.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
-        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
-
-    return {
-        "chain": lambda x, y: jnp.tanh(x * y + 1.0) * jnp.exp(-x) + jnp.log(y * y + 1.0),
-        "softmax": lambda x: jax.nn.softmax(x, axis=1),
-        "layer_norm": lambda x, g: (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * g,
-        "whole_sum": lambda x: jnp.sum(x),
-        "column_sum": lambda x: jnp.sum(x, axis=0),
-        "mlp_forward": lambda x, w1, b1, w2: mm(jnp.tanh(mm(x, w1) + b1), w2),
-        "mlp_train_step": train_step,
-    }[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +252,6 @@ def _git_commit() -> str | None:
 
 # --- run (there: no MLIR): the parent, one child process per program --------------------------
 
-PEERS = ("torch", "torch.compile", "jax")
 PEER_DEVICES = ("cuda", "cpu")
 
 
@@ -462,11 +408,6 @@ def _last_line(text: str) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
-
-
 # --- the children: `probe` (every program loaded, a first call) and `run-one NAME` ----------------
 
 
@@ -565,7 +506,7 @@ def run_one(folder: str, name: str, record_path: str, options: RunOptions) -> No
         for peer in options.peers:
             record["stage"] = peer
             _write_record(record_path, record)
-            record["peers"][peer] = _run_peer(peer, p, options)
+            record["peers"][peer] = run_peer(peer, p, options.repeat, options.peer_device)
     del record["stage"]
     _write_record(record_path, record)
 
@@ -589,136 +530,13 @@ def _check_and_time_flowjit(p: dict, repeat: int) -> dict:
     on_device = [fj.device_put(a, "gpu:0") for a in p["inputs"]]
     outputs = executable.run(p["inputs"])
     kept, _ = executable.run_resident(on_device, keep_results=True)
-    errors = [_compare(outputs, p), _compare([np.asarray(o) for o in kept], p)]
+    errors = [compare(outputs, p), compare([np.asarray(o) for o in kept], p)]
     return {
         "status": "ok" if all(e["matches"] for e in errors) else "mismatch",
         "max_abs_error": max(e["max_abs_error"] for e in errors),
         "loaded": sorted(set(executable.runner().loading_report().values())),
-        "flowjit_ms": _median_ms(lambda: executable.run(p["inputs"]), repeat),
-        "flowjit_device_ms": _median_ms(lambda: executable.run_resident(on_device, keep_results=True), repeat),
-    }
-
-
-def _compare(outputs, p: dict, elementwise: bool = True) -> dict:
-    """The largest absolute error of `outputs` and whether they match the expected outputs: each
-    element within the program's tolerance (`elementwise`, for flowjit), or every error within
-    `rtol` times the output's largest magnitude plus `atol` (for the peers: their own summation
-    order in a 784-long dot product is off by more than `rtol` of an element near zero)."""
-    expected = p["expected"]
-    shapes = [np.shape(o) for o in outputs] == [e.shape for e in expected]
-    if not shapes:
-        return {"max_abs_error": float("inf"), "matches": False}
-    errors = [np.abs(np.asarray(o, np.float64) - e.astype(np.float64)) for o, e in zip(outputs, expected)]
-    if elementwise:
-        close = all(
-            np.allclose(o, e, rtol=p["rtol"], atol=p["atol"], equal_nan=True) for o, e in zip(outputs, expected)
-        )
-    else:
-        bounds = [p["atol"] + p["rtol"] * float(np.max(np.abs(e), initial=0.0)) for e in expected]
-        close = all(float(np.max(err, initial=0.0)) <= bound for err, bound in zip(errors, bounds))
-    return {"max_abs_error": max((float(np.max(err, initial=0.0)) for err in errors), default=0.0), "matches": close}
-
-
-def _median_ms(call: Callable[[], object], repeat: int) -> float:
-    for _ in range(3):
-        call()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples) * 1e3)
-
-
-# --- the peers: each times its twin of a program and checks its own result -----------------------
-
-
-def _run_peer(peer: str, p: dict, options: RunOptions) -> dict:
-    """The peer's times and errors, or {"error": its exception's first line}."""
-    timers = {"torch": _time_torch_eager, "torch.compile": _time_torch_compile, "jax": _time_jax}
-    try:
-        return timers[peer](p, options)
-    except Exception as error:  # a peer that cannot run is a result to report, never the run's end
-        return {"error": _first_line(error)}
-
-
-def _torch_on(device_kind: str):
-    """(torch, the device, a function that waits for it)."""
-    import torch
-
-    if device_kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)")
-    device = torch.device(device_kind)
-    return torch, device, (torch.cuda.synchronize if device_kind == "cuda" else lambda: None)
-
-
-def _host(outputs) -> list[np.ndarray]:
-    """A peer's result (one array or a tuple) as host arrays."""
-    items = outputs if isinstance(outputs, tuple | list) else (outputs,)
-    return [np.asarray(o.cpu().numpy() if hasattr(o, "cpu") else o) for o in items]
-
-
-def _time_torch_eager(p: dict, options: RunOptions) -> dict:
-    torch, device, wait = _torch_on(options.peer_device)
-    fn = _torch(p["name"])
-    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
-
-    def end_to_end():
-        return _host(fn(*[torch.from_numpy(a).to(device) for a in p["inputs"]]))
-
-    def device_only():
-        fn(*on_device)
-        wait()
-
-    return {
-        "end_to_end_ms": _median_ms(end_to_end, options.repeat),
-        "on_device_ms": _median_ms(device_only, options.repeat),
-        **_compare(end_to_end(), p, elementwise=False),
-    }
-
-
-def _time_torch_compile(p: dict, options: RunOptions) -> dict:
-    """`torch.compile` (default mode) on device-resident tensors; the first call (tracing and
-    compiling) is timed apart."""
-    torch, device, wait = _torch_on(options.peer_device)
-    compiled = torch.compile(_torch(p["name"]))
-    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
-    start = time.perf_counter()
-    first = compiled(*on_device)
-    wait()
-    compile_ms = (time.perf_counter() - start) * 1e3
-
-    def device_only():
-        compiled(*on_device)
-        wait()
-
-    return {
-        "compile_ms": compile_ms,
-        "on_device_ms": _median_ms(device_only, options.repeat),
-        **_compare(_host(first), p, elementwise=False),
-    }
-
-
-def _time_jax(p: dict, options: RunOptions) -> dict:
-    """`jax.jit` on the peer device: end to end (`jax.device_put` in, host arrays out) and on
-    device-resident arrays (`block_until_ready`); the first call (compiling) is timed apart."""
-    import jax
-
-    device = jax.devices("gpu" if options.peer_device == "cuda" else "cpu")[0]
-    fn = jax.jit(_jax(p["name"]))
-    on_device = [jax.device_put(a, device) for a in p["inputs"]]
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*on_device))
-    compile_ms = (time.perf_counter() - start) * 1e3
-
-    def end_to_end():
-        return _host(fn(*[jax.device_put(a, device) for a in p["inputs"]]))
-
-    return {
-        "compile_ms": compile_ms,
-        "end_to_end_ms": _median_ms(end_to_end, options.repeat),
-        "on_device_ms": _median_ms(lambda: jax.block_until_ready(fn(*on_device)), options.repeat),
-        **_compare(end_to_end(), p, elementwise=False),
+        "flowjit_ms": median_ms(lambda: executable.run(p["inputs"]), repeat),
+        "flowjit_device_ms": median_ms(lambda: executable.run_resident(on_device, keep_results=True), repeat),
     }
 
 

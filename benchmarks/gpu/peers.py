@@ -1,0 +1,199 @@
+"""The device check's peers (`device_check.py run`): PyTorch eager, `torch.compile` and JAX twins
+of the timed programs, each timed on the peer device and checked against the expected outputs, and
+the measurements flowjit's own timing shares (`compare`, `median_ms`).
+
+PyTorch and JAX are imported only inside the peers' code, so `run` needs neither: a peer that
+cannot run (no package, no device for it, a compile failure) is a record with its reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+PEERS = ("torch", "torch.compile", "jax")
+
+
+# --- the peers' twins of the programs ----------------------------------------------------------
+# PyTorch (eager and torch.compile) and JAX versions of every timed program; imported only inside
+# the peers' code, so `run` needs neither.
+
+
+def _torch(name: str):
+    import torch
+
+    def train_step(x, y, w1, b1, w2):
+        def loss(w1, b1, w2):
+            return ((torch.tanh(x @ w1 + b1) @ w2 - y) ** 2).mean()
+
+        g1, gb, g2 = torch.func.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+    return {
+        "chain": lambda x, y: torch.tanh(x * y + 1.0) * torch.exp(-x) + torch.log(y * y + 1.0),
+        "softmax": lambda x: torch.softmax(x, dim=1),
+        "layer_norm": lambda x, g: (
+            (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5) * g
+        ),
+        "whole_sum": lambda x: x.sum(),
+        "column_sum": lambda x: x.sum(0),
+        "mlp_forward": lambda x, w1, b1, w2: torch.tanh(x @ w1 + b1) @ w2,
+        "mlp_train_step": train_step,
+    }[name]
+
+
+def _jax(name: str):
+    """The JAX twin; its products ask for full float32 precision (JAX's default on a GPU is
+    TF32-like, flowjit's and PyTorch's is not)."""
+    import jax
+    import jax.numpy as jnp
+
+    def mm(a, b):
+        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+    def train_step(x, y, w1, b1, w2):
+        def loss(w1, b1, w2):
+            return jnp.mean((mm(jnp.tanh(mm(x, w1) + b1), w2) - y) ** 2)
+
+        g1, gb, g2 = jax.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+    return {
+        "chain": lambda x, y: jnp.tanh(x * y + 1.0) * jnp.exp(-x) + jnp.log(y * y + 1.0),
+        "softmax": lambda x: jax.nn.softmax(x, axis=1),
+        "layer_norm": lambda x, g: (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * g,
+        "whole_sum": lambda x: jnp.sum(x),
+        "column_sum": lambda x: jnp.sum(x, axis=0),
+        "mlp_forward": lambda x, w1, b1, w2: mm(jnp.tanh(mm(x, w1) + b1), w2),
+        "mlp_train_step": train_step,
+    }[name]
+
+
+def compare(outputs, p: dict, elementwise: bool = True) -> dict:
+    """The largest absolute error of `outputs` and whether they match the expected outputs: each
+    element within the program's tolerance (`elementwise`, for flowjit), or every error within
+    `rtol` times the output's largest magnitude plus `atol` (for the peers: their own summation
+    order in a 784-long dot product is off by more than `rtol` of an element near zero)."""
+    expected = p["expected"]
+    shapes = [np.shape(o) for o in outputs] == [e.shape for e in expected]
+    if not shapes:
+        return {"max_abs_error": float("inf"), "matches": False}
+    errors = [np.abs(np.asarray(o, np.float64) - e.astype(np.float64)) for o, e in zip(outputs, expected)]
+    if elementwise:
+        close = all(
+            np.allclose(o, e, rtol=p["rtol"], atol=p["atol"], equal_nan=True) for o, e in zip(outputs, expected)
+        )
+    else:
+        bounds = [p["atol"] + p["rtol"] * float(np.max(np.abs(e), initial=0.0)) for e in expected]
+        close = all(float(np.max(err, initial=0.0)) <= bound for err, bound in zip(errors, bounds))
+    return {"max_abs_error": max((float(np.max(err, initial=0.0)) for err in errors), default=0.0), "matches": close}
+
+
+def median_ms(call: Callable[[], object], repeat: int) -> float:
+    for _ in range(3):
+        call()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples) * 1e3)
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# --- the peers: each times its twin of a program and checks its own result -----------------------
+
+
+def run_peer(peer: str, p: dict, repeat: int, device_kind: str) -> dict:
+    """The peer's times and errors, or {"error": its exception's first line}."""
+    timers = {"torch": _time_torch_eager, "torch.compile": _time_torch_compile, "jax": _time_jax}
+    try:
+        return timers[peer](p, repeat, device_kind)
+    except Exception as error:  # a peer that cannot run is a result to report, never the run's end
+        return {"error": first_line(error)}
+
+
+def _torch_on(device_kind: str):
+    """(torch, the device, a function that waits for it)."""
+    import torch
+
+    if device_kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)")
+    device = torch.device(device_kind)
+    return torch, device, (torch.cuda.synchronize if device_kind == "cuda" else lambda: None)
+
+
+def _host(outputs) -> list[np.ndarray]:
+    """A peer's result (one array or a tuple) as host arrays."""
+    items = outputs if isinstance(outputs, tuple | list) else (outputs,)
+    return [np.asarray(o.cpu().numpy() if hasattr(o, "cpu") else o) for o in items]
+
+
+def _time_torch_eager(p: dict, repeat: int, device_kind: str) -> dict:
+    torch, device, wait = _torch_on(device_kind)
+    fn = _torch(p["name"])
+    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
+
+    def end_to_end():
+        return _host(fn(*[torch.from_numpy(a).to(device) for a in p["inputs"]]))
+
+    def device_only():
+        fn(*on_device)
+        wait()
+
+    return {
+        "end_to_end_ms": median_ms(end_to_end, repeat),
+        "on_device_ms": median_ms(device_only, repeat),
+        **compare(end_to_end(), p, elementwise=False),
+    }
+
+
+def _time_torch_compile(p: dict, repeat: int, device_kind: str) -> dict:
+    """`torch.compile` (default mode) on device-resident tensors; the first call (tracing and
+    compiling) is timed apart."""
+    torch, device, wait = _torch_on(device_kind)
+    compiled = torch.compile(_torch(p["name"]))
+    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
+    start = time.perf_counter()
+    first = compiled(*on_device)
+    wait()
+    compile_ms = (time.perf_counter() - start) * 1e3
+
+    def device_only():
+        compiled(*on_device)
+        wait()
+
+    return {
+        "compile_ms": compile_ms,
+        "on_device_ms": median_ms(device_only, repeat),
+        **compare(_host(first), p, elementwise=False),
+    }
+
+
+def _time_jax(p: dict, repeat: int, device_kind: str) -> dict:
+    """`jax.jit` on the peer device: end to end (`jax.device_put` in, host arrays out) and on
+    device-resident arrays (`block_until_ready`); the first call (compiling) is timed apart."""
+    import jax
+
+    device = jax.devices("gpu" if device_kind == "cuda" else "cpu")[0]
+    fn = jax.jit(_jax(p["name"]))
+    on_device = [jax.device_put(a, device) for a in p["inputs"]]
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*on_device))
+    compile_ms = (time.perf_counter() - start) * 1e3
+
+    def end_to_end():
+        return _host(fn(*[jax.device_put(a, device) for a in p["inputs"]]))
+
+    return {
+        "compile_ms": compile_ms,
+        "end_to_end_ms": median_ms(end_to_end, repeat),
+        "on_device_ms": median_ms(lambda: jax.block_until_ready(fn(*on_device)), repeat),
+        **compare(end_to_end(), p, elementwise=False),
+    }
