@@ -106,13 +106,27 @@ PROGRAMS = {
 WERROR = "cc -Wall -Wextra -Werror"
 
 
+# The GPU's lowerings write no serial loop around launches any more (reductions keep their loops in
+# their kernels), but a plan may hold one, and the library writes it as a C loop: "sum_looped" is
+# compiled the simple way (one thread per result, the loops in the generic's order), which sums
+# its 300 rows in a host loop of 300 launches.
+_HOST_LOOPS = (
+    "import sys; from flowjit.backends.gpu import compiler, lower_kernels; "
+    "lower_kernels.partials_per_result = lambda results, extent: 1; "
+    "compiler.contiguous_dimension_first = lambda module: None; "
+    "from flowjit.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 def _compile(root, name, target="cuda", *extra, out=None):
     function, specs = PROGRAMS[name]
-    argv = [FLOWJIT, "compile", f"{root}/model.py:{function}", "--name", name, "--target", target, *extra]
+    command = [sys.executable, "-c", _HOST_LOOPS] if name == "sum_looped" else [FLOWJIT]
+    argv = [*command, "compile", f"{root}/model.py:{function}", "--name", name, "--target", target, *extra]
     for spec in specs:
         argv += ["--arg", spec]
     argv += ["-o", str(out or root / "out")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, "CC": WERROR})
+    env = {**os.environ, "CC": WERROR} | ({"FLOWJIT_CACHE": "0"} if name == "sum_looped" else {})  # not the cached plan
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr
     return done
 
@@ -505,6 +519,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 _EMULATED = """
     import ctypes, json, sys, numpy as np, flowjit as fj
     from flowjit import aot
+    from flowjit.backends.gpu import compiler, lower_kernels
     from flowjit.backends.gpu.backend import BACKENDS, compile_entry
     sys.path[:0] = ["tests", {root!r}]
     import gpu_emulator, model
@@ -519,7 +534,12 @@ _EMULATED = """
         # compiled as `flowjit compile` compiles it: the same PTX, by which the hook finds the kernel
         traced_args = args[:1] if name == "update" else args  # update's last input is its variable
         lowered = fj.jit(getattr(model, function), target="cuda").lower(*traced_args)
+        simple = (lower_kernels.partials_per_result, compiler.contiguous_dimension_first)
+        if name == "sum_looped":  # compiled the simple way, as _HOST_LOOPS compiles its library
+            lower_kernels.partials_per_result = lambda results, extent: 1
+            compiler.contiguous_dimension_first = lambda module: None
         entries.append(compile_entry(aot.functional_graph(lowered, None)[0], BACKENDS["cuda"].options))
+        lower_kernels.partials_per_result, compiler.contiguous_dimension_first = simple
         cases.append((name, function, manifest, args))
     hook = gpu_emulator.run_launches_of(fake, entries)
 

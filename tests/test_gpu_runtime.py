@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -27,7 +28,8 @@ import pytest
 import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.backends.gpu import backend as gpu_backend
-from flowjit.backends.gpu import cache, cubin, driver, plan, runtime
+from flowjit.backends.gpu import cache, cubin, driver, lower_kernels, plan, runtime
+from flowjit.backends.gpu import compiler as gpu_compiler
 from flowjit.backends.gpu.compiler import lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions
 from flowjit.backends.gpu.plan import PARAM_BYTES, LaunchPlan, Loop, MemrefArg, ScalarArg, ptx_params
@@ -64,6 +66,7 @@ def column_sum(x):
 
 
 _X = np.linspace(-2, 2, 33 * 100, dtype=np.float32).reshape(33, 100)
+_X300 = np.linspace(-1, 1, 64 * 300, dtype=np.float32).reshape(64, 300)
 PROGRAMS = {
     "elementwise": (chain, (_X, _X + 3.0)),
     "two-kernel reduction": (whole_sum, (np.linspace(0, 1, 4096, dtype=np.float32),)),
@@ -122,7 +125,17 @@ def test_every_view_stays_inside_its_buffer_and_the_plan_survives_json(name):
     assert LaunchPlan.from_json(json.loads(json.dumps(p.to_json()))) == p
 
 
-def test_buffers_are_the_inputs_outputs_workspace_and_temporaries():
+@pytest.fixture
+def host_loops(monkeypatch):
+    """Column sums lowered one thread per result with the loops in the generic's own order: a
+    serial loop over the rows, on the host, around a launch per row. The GPU's lowerings no longer
+    write such loops (reductions go in two stages or with their reduction loops innermost), but a
+    plan may hold serial loops around launches, and these tests check how it keeps and unrolls them."""
+    monkeypatch.setattr(lower_kernels, "partials_per_result", lambda results, extent: 1)
+    monkeypatch.setattr(gpu_compiler, "contiguous_dimension_first", lambda module: None)
+
+
+def test_buffers_are_the_inputs_outputs_workspace_and_temporaries(host_loops):
     p = compiled("temporary and kept loop").plan
     kinds = [(b.kind, b.index, b.element, b.shape, b.nbytes) for b in p.buffers]
     assert kinds[:3] == [
@@ -180,7 +193,7 @@ def test_consecutive_threads_write_consecutive_elements(fn, shapes):
     assert definition is not None and f"%thread_id_{axis}" in definition.groups(), (store, definition)
 
 
-def test_a_small_loop_is_unrolled_into_the_same_launches(monkeypatch):
+def test_a_small_loop_is_unrolled_into_the_same_launches(host_loops, monkeypatch):
     unrolled = compiled("temporary and unrolled loop").plan
     assert not any(isinstance(s, Loop) for s in unrolled.steps)
     monkeypatch.setattr(plan, "UNROLL_MAX_LAUNCHES", 0)
@@ -202,10 +215,40 @@ def test_a_small_loop_is_unrolled_into_the_same_launches(monkeypatch):
     assert concrete(kept) == concrete(unrolled) and len(concrete(kept)) == 12
 
 
+def test_a_reduction_with_few_results_is_split_over_many_threads():
+    """64 row maxima of 300 elements: 32 partials per row (each the max of every 32nd element, so
+    consecutive threads read consecutive elements), then one kernel combining each row's partials;
+    a (300, 5, 7) column sum likewise, with no loop of launches on the host."""
+    rows = lower_to_ptx(fj.jit(lambda x: fnp.max(x, axis=1)).lower(_X300).graph("optimized"), GpuOptions()).plan
+    assert rows.launch_count() == 2
+    assert [math.prod(b.shape) for b in rows.buffers if b.kind == "temporary"] == [64 * 32]
+    columns = compiled("temporary and kept loop").plan
+    assert columns.launch_count() == 2 and not any(isinstance(s, Loop) for s in columns.steps)
+    assert lower_kernels.partials_per_result(64, 300) == 32 and lower_kernels.partials_per_result(100_000, 64) == 1
+    assert lower_kernels.partials_per_result(1, 10_000_000) == lower_kernels.PARTIALS_MAX
+
+
+def _broadcast_product(x, w, b):
+    return fnp.tanh(x @ w)[:, None, :] + b
+
+
+def test_a_loop_kernel_broadcast_is_computed_once():
+    """A product broadcast over a new axis: fused into the broadcast, each of its dot products would
+    run 16 times (once per element of the larger result); it is computed once into a temporary of
+    its own size, which the broadcast kernel reads."""
+    args = (_X[:, :20], np.linspace(-1, 1, 20 * 8, dtype=np.float32).reshape(20, 8), np.ones((33, 16, 8), np.float32))
+    module = lower_to_ptx(fj.jit(_broadcast_product).lower(*args).graph("optimized"), GpuOptions())
+    assert module.plan.launch_count() == 2
+    assert [math.prod(b.shape) for b in module.plan.buffers if b.kind == "temporary"] == [33 * 8]
+    assert sum(kernel.count("scf.for") for kernel in module.gpu_mlir.split("gpu.module")[1:]) == 1
+    (got,) = _emulated(fj.jit(_broadcast_product).lower(*args).graph("optimized"), args)
+    np.testing.assert_allclose(got, np.tanh(args[0] @ args[1])[:, None, :] + args[2], rtol=1e-5, atol=1e-6)
+
+
 def test_two_kernel_reduction_plan():
     p = compiled("two-kernel reduction").plan
     temporaries = [b for b in p.buffers if b.kind == "temporary"]
-    assert (1024,) in [b.shape for b in temporaries]  # the partials
+    assert (1, lower_kernels.partials_per_result(1, 4096)) in [b.shape for b in temporaries]  # the partials
     assert p.launch_count() >= 2 and len(p.kernels()) == p.launch_count()
 
 
@@ -255,7 +298,7 @@ def test_replaying_an_mlp_training_step_computes_its_new_parameters():
         np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
 
 
-def test_the_replay_sees_a_wrong_argument():
+def test_the_replay_sees_a_wrong_argument(host_loops):
     """The emulation can fail: the same plan reading row 4 where it should read row 3 computes
     something else."""
     x = np.arange(350, dtype=np.float32).reshape(10, 5, 7)
@@ -634,18 +677,19 @@ def test_runtime_calls_on_a_fake_driver(fake_driver, tmp_path):
                 params.append(arg.value.at(loops))
         expected.append([launch.function, *map(str, (*launch.grid, *launch.block, 0, *params))])
     launches = [c[1:] for c in calls if c[0] == "cuLaunchKernel"]
-    assert len(expected) == 302 and launches[:302] == expected
+    n = len(expected)
+    assert n == p.launch_count() and launches[:n] == expected
     # the second call: the same launches on the cached blocks, which may come back in another order
     # within a size class, consistently for every launch
     size_of = {str(a): runtime.size_class(b.nbytes) for a, b in zip(address, p.buffers) if b.nbytes}
     moved = {}
-    for first, second in zip(launches[:302], launches[302:]):
+    for first, second in zip(launches[:n], launches[n:]):
         for a, b in zip(first, second):
             if a in size_of:
                 assert moved.setdefault(a, b) == b and size_of[a] == size_of.get(b)
             else:
                 assert a == b
-    assert len(launches) == 604 and len(set(moved.values())) == len(moved)
+    assert len(launches) == 2 * n and len(set(moved.values())) == len(moved)
     copies_out = [c[1:] for c in calls if c[0] == "cuMemcpyDtoHAsync"]
     assert copies_out == [[str(address[1]), str(35 * 4)], [moved[str(address[1])], str(35 * 4)]]
     assert names.count("cuEventRecord") == 2
@@ -711,7 +755,7 @@ def test_executables_compute_through_the_whole_runtime_on_the_fake_driver(fake_d
     assert [name for name, _ in errors] == ["chain_and_total"] * 6 + ["softmax"] * 2 + ["column_sum"] * 2 + ["half"] * 2
     for name, error in errors:
         assert error <= (2e-3 if name == "half" else 1e-4), (name, error)
-    assert [c[0] for c in calls].count("cuLaunchKernel") > 600  # the column sum's 302 launches, twice
+    assert [c[0] for c in calls].count("cuLaunchKernel") >= 2 * 6  # each program's launches, twice
 
 
 def test_a_call_that_does_not_finish_times_out_and_the_executable_refuses_later_calls(fake_driver, tmp_path):
@@ -727,7 +771,8 @@ def test_a_call_that_does_not_finish_times_out_and_the_executable_refuses_later_
     assert "the GPU did not finish 'column_sum' on sm_90 device 0 within 0.3 s" in result["error"]
     assert result["again"].startswith("an earlier call of 'column_sum' on the GPU failed")
     names = [c[0] for c in calls]
-    assert names.count("cuLaunchKernel") == 302  # the second call launched nothing
+    first_call = compiled("temporary and kept loop").plan.launch_count()
+    assert names.count("cuLaunchKernel") == first_call  # the second call launched nothing
     # the blocks the unfinished call used were not handed out again, only freed at teardown
     assert names.count("cuMemFree") == names.count("cuMemAlloc")
 
@@ -765,7 +810,8 @@ def test_cubins_are_loaded_where_they_fit(fake_driver, tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result.get("error") is None
     assert all(line.endswith(": cubin sm_90") for line in result["loading"])
-    assert [c[1] for c in calls if c[0] == "cuModuleLoadDataEx"] == ["cubin"] * 3
+    kernels = len(compiled("temporary and kept loop", "sm_90").kernels)
+    assert [c[1] for c in calls if c[0] == "cuModuleLoadDataEx"] == ["cubin"] * kernels
 
 
 # --- the device check script (benchmarks/gpu/device_check.py) ------------------------------------
@@ -817,18 +863,24 @@ def test_run_loads_from_the_cache_without_mlir_up_to_the_device(prepared, tmp_pa
         assert done.returncode == 0, done.stdout
 
 
-def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver, tmp_path):
-    """The whole run path (no kernel runs, so the results cannot match: 'mismatch' is expected)."""
+def _device_check_run(prepared, fake_driver, tmp_path, *options):
+    """`device_check.py run` on the fake driver (which runs no kernel, so flowjit's results cannot
+    match: exit status 1); returns the finished process and its JSON report."""
     results = tmp_path / "r.json"
     done = subprocess.run(
-        [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(results), "--repeat", "2"],
+        [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(results), *options],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "LD_LIBRARY_PATH": str(fake_driver)},
     )
     assert done.returncode == 1, done.stdout + done.stderr
-    report = json.loads(results.read_text())
+    return done, json.loads(results.read_text())
+
+
+def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver, tmp_path):
+    """The whole run path (no kernel runs, so the results cannot match: 'mismatch' is expected)."""
+    done, report = _device_check_run(prepared, fake_driver, tmp_path, "--repeat", "2")
     assert report["device"]["name"] == "fake CUDA driver (no GPU)" and report["device"]["capability"] == "9.0"
     assert report["mlir_imported"] is False
     programs = {p["name"]: p for p in report["programs"]}
@@ -844,17 +896,8 @@ def test_run_times_each_program_and_its_peers_in_a_process_of_its_own(prepared, 
     torch.compile (which needs a C++ compiler on the CPU) and JAX each time their twin of the
     program and check it against the expected outputs. The fake driver runs no kernel, so
     flowjit's results cannot match ('mismatch'); the peers' must."""
-    results = tmp_path / "r.json"
-    command = [sys.executable, DEVICE_CHECK, "run", "--dir", str(prepared), "--json", str(results)]
-    done = subprocess.run(
-        [*command, "--repeat", "2", "--only", "chain,mlp_forward", "--peer-device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "LD_LIBRARY_PATH": str(fake_driver)},
-    )
-    assert done.returncode == 1, done.stdout + done.stderr
-    report = json.loads(results.read_text())
+    options = ("--repeat", "2", "--only", "chain,mlp_forward", "--peer-device", "cpu")
+    done, report = _device_check_run(prepared, fake_driver, tmp_path, *options)
     assert report["mlir_imported"] is False and report["options"]["peer_device"] == "cpu"
     programs = {p["name"]: p for p in report["programs"]}
     assert set(programs) == {"chain", "mlp_forward"}

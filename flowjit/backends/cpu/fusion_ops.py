@@ -24,7 +24,7 @@ from flowjit.backends.mlir.lower_elementwise import (
     narrow,
     unary_scalar,
 )
-from flowjit.backends.mlir.lower_reduction import _COMBINE
+from flowjit.backends.mlir.lower_reduction import COMBINE
 from flowjit.backends.mlir.lowering import splat_value
 from flowjit.backends.mlir.mathlib import MATH, MATH_BINARY
 from flowjit.ir.graph import Op, Value
@@ -92,6 +92,6 @@ def generic_body(b: ScalarBuilder, ops, leaf_args: dict, splats, targets, reduct
             b.op(f"arith.extui {value[v]} : i1 to i8") if v.dtype.is_bool else narrow(b, value[v], v.dtype)
             for v in targets
         ]
-    combine = _COMBINE[reduction.name.removeprefix("reduce_")][0]
+    combine = COMBINE[reduction.name.removeprefix("reduce_")][0]
     e = elem_type(reduction.result.dtype)
     return [b.op(f"arith.{combine} {value[targets[0]]}, {acc} : {e}")]

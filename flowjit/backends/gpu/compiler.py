@@ -178,18 +178,23 @@ def globals_into_launches(module) -> None:
     multi-valued constant's `memref.get_global` and its views), so that `gpu-kernel-outlining`
     copies the globals into the kernel's `gpu.module`: the kernel reads the constant from device
     memory of its own module, not from a host global."""
+    for launch in _ops_named(module, "gpu.launch"):
+        _globals_into_launch(launch)
+
+
+def _ops_named(module, name: str) -> list:
+    """The ops of `module` named `name`, outermost first."""
     from mlir import ir
 
-    launches = []
+    found = []
 
     def visit(op):
-        if op.name == "gpu.launch":
-            launches.append(op)
+        if op.name == name:
+            found.append(op)
         return ir.WalkResult.ADVANCE
 
     module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    for launch in launches:
-        _globals_into_launch(launch)
+    return found
 
 
 def _globals_into_launch(launch) -> None:
@@ -233,49 +238,61 @@ def _globals_into_launch(launch) -> None:
 
 
 def contiguous_dimension_first(module) -> None:
-    """Reorder the loops of every all-parallel `linalg.generic` of rank 2 or more so that the loop
-    over its (first) output's last dimension, the contiguous one, comes first.
+    """Reorder the loops of every `linalg.generic` of rank 2 or more: first the loop over the
+    innermost dimension of its (first) output that has more than one element, then its other
+    parallel loops, then its reductions.
 
     The `gpu-launches` stage gives the first loop of each nest to the threads of a block (in tiles
-    of `block_size`) and the others to blocks. With the loops in the result's own order, the
-    threads of a warp would walk its first dimension, each a row apart in memory (uncoalesced);
-    with the contiguous dimension first, consecutive threads touch consecutive elements. Loop order
-    is free in an all-parallel generic: its indexing maps and its `linalg.index` ops are rewritten
-    for the new order (a generic with a reduction keeps its order)."""
+    of `block_size`), the other parallel ones to blocks and the reductions to a serial loop inside.
+    With the loops in the result's own order, the threads of a warp would walk its first dimension,
+    each a row apart in memory (uncoalesced), and a reduction between parallel loops would split
+    the nest; with the contiguous dimension first, consecutive threads touch consecutive elements.
+    Loop order is free in a generic: its indexing maps and its `linalg.index` ops are rewritten for
+    the new order."""
     from mlir import ir
 
-    generics = []
-
-    def visit(op):
-        if op.name == "linalg.generic":
-            generics.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    for op in generics:
-        iterators = [str(i) for i in op.attributes["iterator_types"]]
-        if len(iterators) < 2 or any("parallel" not in i for i in iterators):
+    for op in _ops_named(module, "linalg.generic"):
+        order = _contiguous_first_order(op)
+        if order is None or order == sorted(order):
             continue
-        maps = [ir.AffineMapAttr(m).value for m in op.attributes["indexing_maps"]]
-        inputs = ir.DenseI32ArrayAttr(op.attributes["operandSegmentSizes"])[0]
-        output_map = maps[inputs]
-        last = output_map.results[-1].maybe_downcast() if output_map.results else None
-        if not isinstance(last, ir.AffineDimExpr) or last.position == 0:
-            continue
-        first = last.position
-        order = [first] + [d for d in range(len(iterators)) if d != first]  # new loop j = old loop order[j]
-        new_position = [order.index(d) for d in range(len(iterators))]
+        new_position = [order.index(d) for d in range(len(order))]
         renamed = ir.AffineMap.get_permutation(new_position)
+        maps = [ir.AffineMapAttr(m).value for m in op.attributes["indexing_maps"]]
         op.attributes["indexing_maps"] = ir.ArrayAttr.get(
             [
                 ir.AffineMapAttr.get(ir.AffineMap.get(m.n_dims, m.n_symbols, [e.compose(renamed) for e in m.results]))
                 for m in maps
             ]
         )
+        iterators = list(op.attributes["iterator_types"])
+        op.attributes["iterator_types"] = ir.ArrayAttr.get([iterators[d] for d in order])
         for inner in op.regions[0].blocks[0].operations:
             if inner.operation.name == "linalg.index":
                 dim = ir.IntegerAttr(inner.attributes["dim"]).value
                 inner.attributes["dim"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), new_position[dim])
+
+
+def _contiguous_first_order(op) -> list[int] | None:
+    """The new loop order of generic `op` (`contiguous_dimension_first`): new loop j is old loop
+    order[j]; None when it has fewer than two loops or no output dimension to put first."""
+    from mlir import ir
+
+    parallel = ["parallel" in str(i) for i in op.attributes["iterator_types"]]
+    if len(parallel) < 2:
+        return None
+    inputs = ir.DenseI32ArrayAttr(op.attributes["operandSegmentSizes"])[0]
+    output_map = ir.AffineMapAttr(op.attributes["indexing_maps"][inputs]).value
+    extents = ir.ShapedType(op.operands[inputs].type).shape
+    first = None
+    for expr, extent in reversed(list(zip(output_map.results, extents))):
+        expr = expr.maybe_downcast()
+        if extent != 1 and isinstance(expr, ir.AffineDimExpr):
+            first = expr.position
+            break
+    if first is None:
+        return None
+    others = [d for d in range(len(parallel)) if d != first]
+    return [first, *[d for d in others if parallel[d]], *[d for d in others if not parallel[d]]]
 
 
 def _inside(op, ancestor) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from flowjit.backends.mlir import lower_reduction
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
     ScalarBuilder,
@@ -31,11 +32,11 @@ from flowjit.backends.mlir.emitter import (
     scalar_literal,
     tensor_type,
 )
-from flowjit.backends.mlir.lower_elementwise import compute_elem, extend, narrow
+from flowjit.backends.mlir.lower_elementwise import compute_elem, extend, map_elementwise, narrow, reshape_tensor
 from flowjit.backends.mlir.lower_movement import moved_type, on_bytes
 from flowjit.backends.mlir.target import LoweringTable
 from flowjit.ir import dtypes as dt
-from flowjit.ir.graph import Op
+from flowjit.ir.graph import Op, Value
 from flowjit.ir.ops.reduction import reduction_identity
 from flowjit.ir.types import TensorType
 
@@ -52,9 +53,13 @@ def per_element(em: KernelEmitter, result: TensorType, body: Callable[[ScalarBui
     kernel = result if result.rank else result.with_shape((1,))
     ident = em.identity_map(kernel.rank)
 
+    loops = []
+
     def generic_body(b: ScalarBuilder, args: list[str]) -> str:
         idx = [b.op(f"linalg.index {d} : index") for d in range(result.rank)]
-        return body(b, idx)
+        value = body(b, idx)
+        loops.append(any("scf.for" in line for line in b.lines))
+        return value
 
     out = em.generic(
         [],
@@ -67,7 +72,54 @@ def per_element(em: KernelEmitter, result: TensorType, body: Callable[[ScalarBui
     )
     if result.rank == 0:
         out = em.op(f"tensor.collapse_shape {out} [] : {tensor_type(kernel, elem)} into {tensor_type(result, elem)}")
+    if any(loops):
+        em.loop_kernels.add(out)
     return out
+
+
+def kept_apart(em: KernelEmitter, x: str, t: TensorType) -> str:
+    """`x` (of type `t`) copied by a kernel that elementwise fusion leaves alone: a generic with a
+    reduction dimension of one trip (over a constant of one byte), which is not elementwise, so no
+    producer is fused into it and it is fused into no consumer."""
+    elem = memory_elem_type(t.dtype)
+    shape = t if t.rank else t.with_shape((1,))
+    if not t.rank:
+        x = em.op(
+            f"tensor.expand_shape {x} [] output_shape [1] : {tensor_type(t, elem)} into {tensor_type(shape, elem)}"
+        )
+    one = em.op("arith.constant dense<0> : tensor<1xi8>")
+    dims = [f"d{i}" for i in range(shape.rank + 1)]
+    out = em.generic(
+        [(x, tensor_type(shape, elem)), (one, "tensor<1xi8>")],
+        (em.empty(shape, elem), tensor_type(shape, elem)),
+        [
+            em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims[:-1])})"),
+            em.affine_map(f"({', '.join(dims)}) -> ({dims[-1]})"),
+            em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims[:-1])})"),
+        ],
+        ["parallel"] * shape.rank + ["reduction"],
+        lambda b, args: args[0],
+        [elem, "i8"],
+        elem,
+    )
+    if not t.rank:
+        out = em.op(f"tensor.collapse_shape {out} [] : {tensor_type(shape, elem)} into {tensor_type(t, elem)}")
+    return out
+
+
+def broadcast_apart(lower_broadcast):
+    """The broadcast lowering, but a loop kernel's result (`em.loop_kernels`: a product, a
+    convolution, an argmax...) is first copied by a kernel of its own (`kept_apart`): fused into the
+    broadcast, its loop would run again for every element of the larger result (a (64, 32) product
+    broadcast to (64, 16, 32) would compute each dot product 16 times)."""
+
+    def lower(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        (x,) = op.operands
+        if operands[0] in em.loop_kernels and op.result.type.size > x.type.size:
+            operands = [kept_apart(em, operands[0], x.type)]
+        return lower_broadcast(em, op, operands)
+
+    return lower
 
 
 def parallel_writes(
@@ -604,26 +656,132 @@ def lower_dynamic_slice(em: KernelEmitter, op: Op, operands: list[str]) -> list[
     return [per_element(em, op.result.type, body)]
 
 
+# --- reductions -----------------------------------------------------------------------------------
+
+# Threads a reduction's first stage aims for (a GPU runs tens of thousands at once), the most
+# partials per result, and the fewest elements each partial combines.
+REDUCTION_THREADS = 65536
+PARTIALS_MAX = 1024
+PER_PARTIAL_MIN = 8
+
+
+def partials_per_result(results: int, extent: int) -> int:
+    """How many partials each of `results` reductions over `extent` elements is split into (a power
+    of two), or 1 to reduce each in one thread: enough partials for `REDUCTION_THREADS` threads in
+    all, at most `PARTIALS_MAX`, each combining at least `PER_PARTIAL_MIN` elements."""
+    wanted = 1 << max(0, (-(-REDUCTION_THREADS // results) - 1).bit_length())
+    most = extent // PER_PARTIAL_MIN
+    fits = 1 << (most.bit_length() - 1) if most else 1
+    parts = min(wanted, PARTIALS_MAX, fits)
+    return parts if parts >= 4 else 1
+
+
+def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+    """reduce_sum/max/min/prod over one contiguous group of axes, in two stages when its results
+    would leave most threads idle: with x as (pre..., R, post...) (the group collapsed to R),
+    partial (pre..., c, post...) combines x[pre..., k C + c, post...] for every k, so consecutive
+    threads (c, or the last of post) read consecutive elements; then each result combines its C
+    partials, in the result's own shape (so it is written straight into the result's buffer). A
+    reduction to one element always takes two stages, through a (1, C) partial and a (1,) total:
+    a kernel needs a parallel dimension, or it would stay a loop on the host. Anything else is the
+    shared lowering (one thread per result)."""
+    (x,) = op.operands
+    source, result = x.type, op.result.type
+    axes = sorted(a % max(source.rank, 1) for a in op.attrs["axes"])
+    if result.size == 1 and axes:  # every element into one (kept dimensions, if any, of extent 1)
+        pre, r, post = (1,), source.size, ()
+    elif source.size and axes and len(lower_reduction.contiguous_groups(axes)) == 1:
+        pre, r, post = (
+            source.shape[: axes[0]],
+            math.prod(source.shape[axes[0] : axes[-1] + 1]),
+            source.shape[axes[-1] + 1 :],
+        )
+    else:
+        return lower_reduction.lower_reduce(em, op, operands)
+    parts = partials_per_result(result.size, r)
+    if parts == 1 and result.size > 1:
+        return lower_reduction.lower_reduce(em, op, operands)
+    kind = op.name.removeprefix("reduce_")
+    acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
+    grid = source.with_shape((*pre, r, *post))
+    x_grid = reshape_tensor(em, operands[0], source, grid)
+    partial_type = TensorType((*pre, parts, *post), acc_dtype)
+    e = compute_elem(acc_dtype)
+    combine = lower_reduction.COMBINE[kind][0 if acc_dtype.is_float else 1]
+    xt = tensor_type(grid)
+    trips = -(-r // parts)
+    at_c = len(pre)
+
+    def identity(b: ScalarBuilder) -> str:
+        return b.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc_dtype), acc_dtype)} : {e}")
+
+    def partial(bd: ScalarBuilder, idx: list[str]) -> str:
+        start = identity(bd)
+
+        def step(ib: ScalarBuilder, k: str, values: list[str]) -> list[str]:
+            j = ib.op(f"arith.addi {offset(ib, k, parts, 0)}, {idx[at_c]} : index")
+            inside = ib.op(f"arith.cmpi slt, {j}, {ib.const(r, 'index')} : index")
+            where = [*idx[:at_c], clamp(ib, j, max(r - 1, 0)), *idx[at_c + 1 :]]
+            v = extend(ib, extract(ib, x_grid, xt, where), source.dtype)
+            return [ib.op(f"arith.{combine} {values[0]}, {select(ib, inside, v, start, e)} : {e}")]
+
+        (total,) = serial_for(bd, bd.const(0, "index"), bd.const(trips, "index"), [(start, e)], step)
+        return total
+
+    partials = per_element(em, partial_type, partial)
+    # Second stage: each result combines its partials. A reduction generic, so elementwise fusion
+    # never copies it into a consumer that reads each result many times (a row max broadcast over
+    # its row would combine the row's partials again for every element); its first partial starts
+    # the combination, so no fill of the identity (a kernel of its own) is needed.
+    dims = [f"d{i}" for i in range(partial_type.rank)]
+    kept = TensorType((*pre, *post), acc_dtype)
+    in_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims)})")
+    out_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i != at_c)})")
+
+    def combine_partials(b: ScalarBuilder, args: list[str]) -> str:
+        first = b.op(f"arith.cmpi eq, {b.op(f'linalg.index {at_c} : index')}, {b.const(0, 'index')} : index")
+        return select(b, first, args[0], b.op(f"arith.{combine} {args[1]}, {args[0]} : {e}"), e)
+
+    total = em.generic(
+        [(partials, tensor_type(partial_type))],
+        (em.empty(kept), tensor_type(kept)),
+        [in_map, out_map],
+        ["reduction" if i == at_c else "parallel" for i in range(partial_type.rank)],
+        combine_partials,
+        [e],
+        e,
+    )
+    if acc_dtype != result.dtype:
+        total = map_elementwise(em, kept.with_dtype(result.dtype), [(total, Value(kept))], lambda b, v: v[0])
+    return [reshape_tensor(em, total, kept.with_dtype(result.dtype), result)]
+
+
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+
 # The ops these lowerings handle on operands and results of rank 0 themselves.
 OWN_SCALARS = ("pad", "dynamic_slice")
 
 
+# The GPU's own lowerings. Their kernels read operands with `tensor.extract` (nothing is fused
+# into them) and say themselves whether they loop (`KernelEmitter.loop_kernels`).
+LOWERINGS = {
+    **dict.fromkeys(REDUCTIONS, lower_reduce),
+    "dot_general": lower_dot_general,
+    "conv2d": lower_conv2d,
+    "reduce_window": lower_reduce_window,
+    "argmax": _arg_extreme("max"),
+    "argmin": _arg_extreme("min"),
+    "cumsum": _scan(recurrence=False),
+    "linear_recurrence": _scan(recurrence=True),
+    "sort": lower_sort,
+    "pad": lower_pad,
+    "concatenate": lower_concatenate,
+    "gather": lower_gather,
+    "scatter_add": lower_scatter_add,
+    "dynamic_slice": lower_dynamic_slice,
+}
+
+
 def register(table: LoweringTable) -> None:
     """Add the GPU's own lowerings to `table` (the GPU's)."""
-    table.tensor.update(
-        {
-            "dot_general": lower_dot_general,
-            "conv2d": lower_conv2d,
-            "reduce_window": lower_reduce_window,
-            "argmax": _arg_extreme("max"),
-            "argmin": _arg_extreme("min"),
-            "cumsum": _scan(recurrence=False),
-            "linear_recurrence": _scan(recurrence=True),
-            "sort": lower_sort,
-            "pad": lower_pad,
-            "concatenate": lower_concatenate,
-            "gather": lower_gather,
-            "scatter_add": lower_scatter_add,
-            "dynamic_slice": lower_dynamic_slice,
-        }
-    )
+    table.tensor.update(LOWERINGS)

@@ -7,9 +7,8 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
 - `fusion`: the fused body's ops one after another on tensors (`lower_control.lower_region`);
   the "bufferize" stage's `linalg-fuse-elementwise-ops` merges elementwise chains and broadcasts
   into one kernel.
-- reductions to one element: two kernels (partials of `P` rows, then one thread over them), since a
-  reduction with no parallel dimension would otherwise stay a loop on the host.
-- the GPU's own kernels (`lower_kernels.py`): contractions, windows, scans, sort, gather/scatter,
+- the GPU's own kernels (`lower_kernels.py`): reductions in two stages where few results would
+  leave most threads idle, contractions, windows, scans, sort, gather/scatter,
   pad, concatenate, dynamic_slice, as one thread per result element or a parallel loop writing a
   buffer.
 - rank-0 ops as kernels of one element of rank 1 (`scalars_as_vectors`, `Target.rank0_kernels`).
@@ -33,13 +32,11 @@ from flowjit.backends.mlir import (
     mathlib_f64,
 )
 from flowjit.backends.mlir.emitter import KernelEmitter
-from flowjit.backends.mlir.lower_elementwise import map_elementwise, reshape_tensor
+from flowjit.backends.mlir.lower_elementwise import reshape_tensor
 from flowjit.backends.mlir.lowering import splat_value
 from flowjit.backends.mlir.target import MathLibrary, Target
 from flowjit.errors import CompileError, op_error
-from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Graph, Op, Value
-from flowjit.ir.types import TensorType
 
 
 class PlainLoops:
@@ -144,46 +141,6 @@ def lower_fusion(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     return lower_control.lower_region(em, op.regions[0], operands)
 
 
-# Threads that compute a whole-array reduction's partials at most.
-PARTIALS_MAX = 1024
-
-
-def partial_rows(n: int) -> int:
-    """The rows P of a reduction of `n` elements in two stages: the largest divisor of n up to
-    `PARTIALS_MAX` (1 when n is prime: one thread then reduces it all)."""
-    return max(p for p in range(1, min(n, PARTIALS_MAX) + 1) if n % p == 0)
-
-
-@GPU.lowerings.lowering("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
-def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """A reduction to one element in two kernels (x as (P, n / P) rows -> P partials -> (1, P) ->
-    1), or one of a single row when x has at most one element; any other by the shared lowering
-    (rows and columns have a parallel dimension)."""
-    (x,) = op.operands
-    source, result = x.type, op.result.type
-    if result.size != 1 or not op.attrs["axes"]:
-        return lower_reduction.lower_reduce(em, op, operands)
-    kind = op.name.removeprefix("reduce_")
-    acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
-    total_type = TensorType((1,), acc_dtype)
-    if source.size <= 1:  # one row of at most one element (an empty one: the identity)
-        row = source.with_shape((1, source.size))
-        total = lower_reduction._reduce(em, kind, reshape_tensor(em, operands[0], source, row), row, [1], total_type)
-    else:
-        rows = partial_rows(source.size)
-        grid = source.with_shape((rows, source.size // rows))
-        partials = TensorType((rows,), acc_dtype)
-        acc = lower_reduction._reduce(em, kind, reshape_tensor(em, operands[0], source, grid), grid, [1], partials)
-        one_row = TensorType((1, rows), acc_dtype)
-        acc = reshape_tensor(em, acc, partials, one_row)
-        total = lower_reduction._reduce(em, kind, acc, one_row, [1], total_type)
-    if acc_dtype != result.dtype:
-        total = map_elementwise(
-            em, total_type.with_dtype(result.dtype), [(total, Value(total_type))], lambda b, v: v[0]
-        )
-    return [reshape_tensor(em, total, total_type.with_dtype(result.dtype), result)]
-
-
 # The attributes naming dimensions of the ops that have them, for operands and results of rank 1.
 _RANK1_ATTRS = {
     "broadcast": {"shape": (1,), "dims": (0,)},
@@ -218,3 +175,27 @@ def scalars_as_vectors(fn):
 for _name, _fn in list(GPU.lowerings.tensor.items()):
     if _name not in ("fusion", "slice", *lower_kernels.OWN_SCALARS):  # these take rank 0 as it is
         GPU.lowerings.tensor[_name] = scalars_as_vectors(_fn)
+
+
+def loop_kernels_followed(fn):
+    """A lowering whose kernels elementwise fusion may merge with their operands' (elementwise
+    ops, reshapes, transposes, slices): where an operand is a loop kernel's result
+    (`KernelEmitter.loop_kernels`), so are its results, since fused they run that loop too."""
+
+    def lower(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
+        results = fn(em, op, operands)
+        if em.loop_kernels.intersection(operands):
+            em.loop_kernels.update(results)
+        return results
+
+    return lower
+
+
+# Loop kernels are followed through every lowering but the GPU's own kernels (which read their
+# operands with `tensor.extract`, so nothing is fused into them) and reductions; a broadcast of one
+# copies it apart first (`lower_kernels.broadcast_apart`).
+for _name, _fn in list(GPU.lowerings.tensor.items()):
+    if _name == "broadcast":
+        GPU.lowerings.tensor[_name] = lower_kernels.broadcast_apart(_fn)
+    elif _name != "fusion" and _name not in lower_kernels.LOWERINGS:
+        GPU.lowerings.tensor[_name] = loop_kernels_followed(_fn)

@@ -131,6 +131,10 @@ class KernelEmitter:
         self.bool_bytes: dict[str, str] = {}
         # n-d tensor -> (the tensor of fewer dims it expands, that tensor's shape): see `store_through`.
         self.flat_views: dict[str, tuple[str, tuple[int, ...]]] = {}
+        # Results of kernels that run a serial loop for each element (the GPU's `per_element` with
+        # a loop): a target may keep elementwise fusion from repeating that loop in a consumer
+        # that reads each element many times (`gpu.lower_kernels.broadcast_apart`).
+        self.loop_kernels: set[str] = set()
         # (memref<Nxi8>, N): the function's scratch area for kernel temporaries (`LoweringTable.scratch`)
         self.scratch: tuple[str, int] | None = None
         # Module-level lines (globals, external function declarations) the function's kernels need.

@@ -26,7 +26,7 @@ from flowjit.ir.ops.reduction import reduction_identity
 from flowjit.ir.types import TensorType
 
 # kind -> (float combiner, integer combiner)
-_COMBINE = {
+COMBINE = {
     "sum": ("addf", "addi"),
     "prod": ("mulf", "muli"),
     "max": ("maximumf", "maxsi"),
@@ -34,7 +34,7 @@ _COMBINE = {
 }
 
 
-def _normal_form(shape: tuple[int, ...], axes: list[int]) -> tuple[int, int, int]:
+def normal_form(shape: tuple[int, ...], axes: list[int]) -> tuple[int, int, int]:
     """(A, R, B): the extents before, of and after the contiguous group of dimensions `axes`."""
     return math.prod(shape[: axes[0]]), math.prod(shape[axes[0] : axes[-1] + 1]), math.prod(shape[axes[-1] + 1 :])
 
@@ -50,23 +50,23 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
     if source.size == 0:  # nothing to read: the identity, from one plain generic
         acc_type = TensorType(result.shape, acc_dtype)
-        acc = _reduce(em, kind, operands[0], source, axes, acc_type)
+        acc = reduce_generic(em, kind, operands[0], source, axes, acc_type)
     elif axes[-1] != source.rank - 1 and _as_views(em, source, axes, acc_dtype):
         acc, acc_type = _combine_views(em, kind, operands[0], source, axes, acc_dtype)
-    elif len(_contiguous_groups(axes)) > 1 and axes[-1] != source.rank - 1:
+    elif len(contiguous_groups(axes)) > 1 and axes[-1] != source.rank - 1:
         acc, acc_type = _reduce_columns_at_once(em, kind, operands[0], source, axes, acc_dtype)
     else:
         # One contiguous group of axes at a time, the last first (earlier axes keep their numbers):
         # each step is a scheduled normal form, e.g. axes (0, 2) are a row then a column reduction.
         acc, acc_type = operands[0], source
-        for group in reversed(_contiguous_groups(axes)):
+        for group in reversed(contiguous_groups(axes)):
             acc, acc_type = _reduce_group(em, kind, acc, acc_type, group, acc_dtype)
     if acc_dtype != result.dtype:
         acc = map_elementwise(em, acc_type.with_dtype(result.dtype), [(acc, Value(acc_type))], lambda b, v: v[0])
     return [reshape_tensor(em, acc, acc_type.with_dtype(result.dtype), result)]
 
 
-def _contiguous_groups(axes: list[int]) -> list[list[int]]:
+def contiguous_groups(axes: list[int]) -> list[list[int]]:
     groups = [[axes[0]]]
     for a in axes[1:]:
         if a == groups[-1][-1] + 1:
@@ -79,12 +79,12 @@ def _contiguous_groups(axes: list[int]) -> list[list[int]]:
 def _reduce_group(em: KernelEmitter, kind: str, x: str, source: TensorType, group: list[int], acc_dtype):
     """Reduce the contiguous axes `group` of a non-empty `x` in normal form (A, R, B) with its
     schedule; returns the accumulator tensor and its type (`source` without the group's axes)."""
-    a, r, b = _normal_form(source.shape, group)
+    a, r, b = normal_form(source.shape, group)
     in_shape = tuple(d for d, keep in ((a, a > 1), (r, True), (b, b > 1)) if keep)
     reduced = 1 if a > 1 else 0
     in_type = source.with_shape(in_shape)
     flat_acc = TensorType(tuple(d for i, d in enumerate(in_shape) if i != reduced), acc_dtype)
-    acc = _reduce(em, kind, reshape_tensor(em, x, source, in_type), in_type, [reduced], flat_acc)
+    acc = reduce_generic(em, kind, reshape_tensor(em, x, source, in_type), in_type, [reduced], flat_acc)
     if in_type.size >= 2:
         em.schedule(acc, em.target.schedules.reduction(in_shape, reduced, acc_dtype.bits, may_stay_plain=not em.loops))
     kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in group), acc_dtype)
@@ -133,7 +133,7 @@ def _combine_views(em: KernelEmitter, kind: str, x: str, source: TensorType, axe
         views.append(em.op(f"tensor.extract_slice {x}{where} : {tensor_type(collapsed)} to {tensor_type(kept)}"))
     acc = kept.with_dtype(acc_dtype)
     e = compute_elem(acc_dtype)
-    combine = _COMBINE[kind][0 if acc_dtype.is_float else 1]
+    combine = COMBINE[kind][0 if acc_dtype.is_float else 1]
 
     def body(b, args):
         total = extend(b, args[0], source.dtype)
@@ -167,13 +167,15 @@ def _reduce_columns_at_once(em: KernelEmitter, kind: str, x: str, source: Tensor
     would take three kernels and two temporaries, several times as long."""
     in_type, reduced = _runs(source, axes)
     flat_acc = TensorType(tuple(d for i, d in enumerate(in_type.shape) if i not in reduced), acc_dtype)
-    acc = _reduce(em, kind, reshape_tensor(em, x, source, in_type), in_type, reduced, flat_acc)
+    acc = reduce_generic(em, kind, reshape_tensor(em, x, source, in_type), in_type, reduced, flat_acc)
     em.schedule(acc, em.target.schedules.reduction(in_type.shape, tuple(reduced), acc_dtype.bits))
     kept = TensorType(tuple(d for i, d in enumerate(source.shape) if i not in axes), acc_dtype)
     return reshape_tensor(em, acc, flat_acc, kept), kept
 
 
-def _reduce(em: KernelEmitter, kind: str, x: str, source: TensorType, reduced: list[int], acc: TensorType) -> str:
+def reduce_generic(
+    em: KernelEmitter, kind: str, x: str, source: TensorType, reduced: list[int], acc: TensorType
+) -> str:
     e = compute_elem(acc.dtype)
     identity = em.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc.dtype), acc.dtype)} : {e}")
     init = em.op(f"linalg.fill ins({identity} : {e}) outs({em.empty(acc)} : {tensor_type(acc)}) -> {tensor_type(acc)}")
@@ -181,7 +183,7 @@ def _reduce(em: KernelEmitter, kind: str, x: str, source: TensorType, reduced: l
     in_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims)})")
     kept = [d for i, d in enumerate(dims) if i not in reduced]
     out_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(kept)})")
-    combine = _COMBINE[kind][0 if acc.dtype.is_float else 1]
+    combine = COMBINE[kind][0 if acc.dtype.is_float else 1]
 
     def body(b, args):
         value = extend(b, args[0], source.dtype)
