@@ -20,7 +20,7 @@ from flowjit.frontend import pytree as tree_util  # noqa: F401  (fj.tree_util.re
 from flowjit.frontend.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from flowjit.frontend.control_flow import cond, fori_loop, scan, while_loop  # noqa: F401
 from flowjit.frontend.custom_derivatives import custom_jvp, custom_vjp  # noqa: F401
-from flowjit.frontend.device_put import device_put  # noqa: F401
+from flowjit.frontend.device_put import device_put, from_dlpack  # noqa: F401
 from flowjit.frontend.forward import hessian, jacfwd, jacobian, jacrev, jvp, linearize  # noqa: F401
 from flowjit.frontend.grad import grad, stop_gradient, value_and_grad, vjp  # noqa: F401
 from flowjit.frontend.jit import Jitted, jit  # noqa: F401

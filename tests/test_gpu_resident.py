@@ -227,6 +227,61 @@ def test_an_unconsumed_capsule_gives_the_array_back_and_exports_are_checked():
         np.asarray(b)
 
 
+def test_an_imported_tensor_is_read_in_place_and_handed_back_when_it_goes():
+    """`imported` (fj.from_dlpack's core) on a capsule another library made (here our own export,
+    standing in for PyTorch's): the same memory, not a copy; the producer's tensor lives as long as
+    the DeviceArray over it, and its deleter runs when that goes."""
+    ctx = FakeContext(ordinal=0)
+    a = _device_array(ctx, (3, 4), np.float32)
+    b = arrays.imported(ctx, a.__dlpack__())
+    assert b.address_on(0) == a.address_on(0) and b.shape == (3, 4) and b.dtype == np.float32
+    address = a.address_on(0)
+    del a
+    assert ctx.allocator.bytes_in_use > 0 and arrays._exported  # b keeps the producer's tensor
+    assert b.address_on(0) == address
+    del b
+    assert not arrays._exported and ctx.allocator.bytes_in_use == 0
+
+
+def test_an_imported_tensor_must_be_contiguous_on_this_device_and_of_a_flowjit_dtype():
+    ctx = FakeContext(ordinal=0)
+    a = _device_array(ctx, (3, 4), np.float32)
+    with pytest.raises(BufferError, match=r"device \(2, 0\), not GPU 1"):
+        arrays.imported(FakeContext(ordinal=1), a.__dlpack__())
+    capsule = a.__dlpack__()
+    t = arrays.DLManagedTensor.from_address(_api.PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
+    t.strides[0], t.strides[1] = 1, 3  # a transposed view
+    with pytest.raises(BufferError, match=r"strides \(1, 3\).*C-contiguous tensors only"):
+        arrays.imported(ctx, capsule)
+    capsule = a.__dlpack__()
+    t = arrays.DLManagedTensor.from_address(_api.PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
+    t.dtype.lanes = 4
+    with pytest.raises(BufferError, match="4 lanes"):
+        arrays.imported(ctx, capsule)
+    with pytest.raises(BufferError, match="unused DLPack 'dltensor' capsule"):
+        arrays.imported(ctx, "not a capsule")
+
+
+def test_from_dlpack_takes_host_arrays_as_they_are_and_says_what_it_cannot_take():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    y = fj.from_dlpack(x)
+    assert isinstance(y, np.ndarray) and np.shares_memory(x, y)
+    with pytest.raises(
+        fj.FlowjitTypeError, match=r"test_gpu_resident.py:\d+: from_dlpack needs an object with __dlpack__"
+    ):
+        fj.from_dlpack([1.0, 2.0])
+
+    class OnAnotherDevice:
+        def __dlpack_device__(self):
+            return (14, 0)  # kDLMetal
+
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("never asked for its capsule")
+
+    with pytest.raises(fj.FlowjitValueError, match="DLPack device type 14"):
+        fj.from_dlpack(OnAnotherDevice())
+
+
 def test_device_arrays_come_to_the_host_through_the_copier():
     ctx = FakeContext()
     a = arrays.put(ctx, np.arange(6, dtype=np.int32).reshape(2, 3))
@@ -458,6 +513,46 @@ def test_variables_and_kept_results_on_the_fake_driver(fake_driver, tmp_path):  
     allocated = sorted(int(c[2]) for c in calls if c[0] == "cuMemAlloc")
     assert sorted(int(c[1]) for c in calls if c[0] == "cuMemFree") == allocated
     assert names[-1] == "cuDevicePrimaryCtxRelease"
+
+
+_FROM_DLPACK = """
+    import json, numpy as np, flowjit as fj
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    a = fj.device_put(x, "gpu:0")
+
+    class Foreign:  # another library's tensor, as far as from_dlpack can tell
+        def __init__(self, a):
+            self.a, self.stream = a, "not asked"
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+        def __dlpack__(self, stream=None):
+            self.stream = stream
+            return self.a.__dlpack__()
+
+    f = Foreign(a)
+    b = fj.from_dlpack(f)
+    same, stream = b.address_on(0) == a.address_on(0), f.stream
+    del a, f
+    print(json.dumps([same, stream, np.asarray(b).tolist(), repr(b)]))
+"""
+
+
+def test_from_dlpack_reads_a_gpu_tensor_in_place_on_the_fake_driver(fake_driver, tmp_path):  # noqa: F811
+    """The whole import path: the producer is asked to order its work before the legacy default
+    stream (1), which is waited on (an event recorded there, before any copy), and the tensor's
+    memory is used as it is."""
+    done, calls = _with_fake_driver(fake_driver, _FROM_DLPACK, tmp_path)
+    assert done.returncode == 0, done.stderr
+    same, stream, values, text = json.loads(done.stdout.strip().splitlines()[-1])
+    assert same and stream == 1
+    assert values == np.arange(12, dtype=np.float32).reshape(3, 4).tolist()
+    assert text == "DeviceArray(shape=(3, 4), dtype=float32, device=gpu:0)"
+    names = [c[0] for c in calls]
+    copies_in = [i for i, n in enumerate(names) if n == "cuMemcpyHtoDAsync"]
+    copies_out = [i for i, n in enumerate(names) if n == "cuMemcpyDtoHAsync"]
+    assert len(copies_in) == 1 and len(copies_out) == 1  # device_put's copy in, np.asarray's copy out: no other
+    # between them, device_put's wait for its copy and from_dlpack's for the producer's work
+    assert names[copies_in[0] + 1 : copies_out[0]] == ["cuEventRecord", "cuEventRecord"]
 
 
 _TWO_GPUS = """

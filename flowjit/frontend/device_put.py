@@ -1,9 +1,13 @@
-"""`fj.device_put(x, "gpu:0")`: an array copied into a GPU's memory, as an `fj.DeviceArray`.
+"""`fj.device_put(x, "gpu:0")`: an array copied into a GPU's memory, as an `fj.DeviceArray`;
+`fj.from_dlpack(t)`: another library's GPU tensor (PyTorch, CuPy, JAX) as one, without a copy.
 
     w = fj.device_put(np.ones((784, 10), np.float32), "gpu:0")
     f = fj.jit(step, device="gpu:0", keep_on_device=True)
     y = f(x, w)            # w is read where it is; y stays on the GPU too
     np.asarray(y)          # the one copy to the host
+
+    t = torch.randn(4096, 784, device="cuda")
+    y = f(fj.from_dlpack(t), w)   # t's memory, read in place
 
 docs/gpu-backend.md ("Results that stay on the device") describes the handle.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowjit.backends.gpu import driver, runtime
-from flowjit.backends.gpu.arrays import DeviceArray, put
+from flowjit.backends.gpu.arrays import KDL_CUDA, DeviceArray, imported, put
 from flowjit.backends.gpu.driver import GpuRuntimeError
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.trace import Tracer
@@ -54,3 +58,46 @@ def device_put(x, device="gpu:0"):
     if reason is not None:
         raise GpuRuntimeError(f"{user_location()}: cannot put an array on GPU {ordinal}: {reason.rstrip('.')}")
     return put(runtime.context(ordinal), array)
+
+
+# DLPack device types of host memory: kDLCPU, kDLCUDAHost (pinned).
+_HOST_DEVICES = (1, 3)
+
+
+@user_errors
+def from_dlpack(x):
+    """`x` (an array of another library: anything with `__dlpack__` and `__dlpack_device__`) without
+    a copy: a DeviceArray over its memory for a CUDA tensor of one of this process's GPUs (kept
+    alive, and handed back to its library, with the DeviceArray), a numpy array for a host one. The
+    tensor must be C-contiguous. Its library's pending work on it is waited for first (it is asked
+    to order that work before the legacy default stream, which flowjit waits on, within the
+    timeout FLOWJIT_GPU_TIMEOUT_S)."""
+    if isinstance(x, DeviceArray):
+        return x
+    if not (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")):
+        raise FlowjitTypeError(
+            f"{user_location()}: from_dlpack needs an object with __dlpack__ and __dlpack_device__ "
+            f"(a PyTorch, CuPy or JAX array); found {type(x).__name__}"
+        )
+    kind, ordinal = (int(v) for v in x.__dlpack_device__())
+    if kind in _HOST_DEVICES:
+        return np.from_dlpack(x)
+    if kind != KDL_CUDA:
+        raise FlowjitValueError(
+            f"{user_location()}: from_dlpack: the array is on DLPack device type {kind}; flowjit takes "
+            f"host memory ({', '.join(map(str, _HOST_DEVICES))}) and CUDA GPUs ({KDL_CUDA})"
+        )
+    reason = driver.unavailable_reason()
+    if reason is not None:
+        raise GpuRuntimeError(f"{user_location()}: cannot take an array of GPU {ordinal}: {reason.rstrip('.')}")
+    ctx = runtime.context(ordinal)
+    legacy = driver.bindings().CUstream(1)  # CU_STREAM_LEGACY
+    capsule = x.__dlpack__(stream=1)
+    copier = ctx.copier()
+    with copier.lock:
+        ctx.activate()
+        runtime.wait(copier.done, legacy, runtime.timeout_s(), f"the work of {type(x).__name__} on the array")
+    try:
+        return imported(ctx, capsule)
+    except BufferError as error:
+        raise FlowjitValueError(f"{user_location()}: from_dlpack: {error}") from None

@@ -10,6 +10,10 @@ DLPack (`__dlpack__`, `__dlpack_device__`): the array as a kDLCUDA tensor (devic
 device's ordinal), C-contiguous strides in elements, for `torch.from_dlpack`, `cupy.from_dlpack`
 or `jax.dlpack.from_dlpack`. The legacy (unversioned) capsule only. Every flowjit call waits for
 its GPU work before it returns, so the data is ready on any stream the consumer names.
+
+The other way, `imported(ctx, capsule)` (`fj.from_dlpack`) wraps another library's kDLCUDA tensor
+as a DeviceArray without copying it: the DeviceArray keeps the producer's tensor alive and calls
+its deleter when it goes.
 """
 
 from __future__ import annotations
@@ -31,13 +35,18 @@ class DeviceArray:
 
     __slots__ = ("_ctx", "_address", "shape", "dtype", "_release", "__weakref__")
 
-    def __init__(self, ctx: DeviceContext, address: int, shape: tuple[int, ...], dtype):
+    def __init__(self, ctx: DeviceContext, address: int, shape: tuple[int, ...], dtype, give_back=None):
+        """`give_back()`, when given, hands the memory back to its owner (an imported tensor's
+        deleter) instead of the context's allocator."""
         self._ctx = ctx
         self._address = address
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
-        self._release = weakref.finalize(self, _release, ctx, address)
-        self._release.atexit = False  # at exit the context's teardown frees every block
+        if give_back is None:
+            self._release = weakref.finalize(self, _release, ctx, address)
+            self._release.atexit = False  # at exit the context's teardown frees every block
+        else:
+            self._release = weakref.finalize(self, give_back)
 
     # --- facts ---------------------------------------------------------------------------------
     @property
@@ -191,6 +200,8 @@ _pythonapi.PyCapsule_IsValid.restype = ctypes.c_int
 _pythonapi.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _pythonapi.PyCapsule_GetPointer.restype = ctypes.c_void_p
 _pythonapi.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_pythonapi.PyCapsule_SetName.restype = ctypes.c_int
+_pythonapi.PyCapsule_SetName.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 
 
 @_CAPSULE_DESTRUCTOR
@@ -219,3 +230,58 @@ def _capsule(array: DeviceArray):
     with _exported_lock:
         _exported[ctypes.addressof(managed)] = (array, managed, shape, strides)
     return _pythonapi.PyCapsule_New(ctypes.addressof(managed), b"dltensor", _capsule_destructor)
+
+
+# --- importing another library's tensor --------------------------------------------------------------
+_FROM_DL_CODES = {code: kind for kind, code in _DL_CODES.items()}
+_USED = b"used_dltensor"  # a capsule keeps the pointer to its name: this bytes object lives on
+
+
+def _numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype:
+    """The numpy dtype of a DLPack data type; a BufferError for one flowjit has no dtype for."""
+    if lanes == 1 and code == 4 and bits == 16:
+        return np.dtype(dt.bfloat16.np_dtype)
+    kind = _FROM_DL_CODES.get(code)
+    if lanes == 1 and kind is not None:
+        dtype = np.dtype(f"{kind}{bits // 8}" if kind != "b" else "?")
+        if dt.is_supported_numpy_dtype(dtype) and dtype.itemsize * 8 == bits:
+            return dtype
+    raise BufferError(f"DLPack type (code {code}, {bits} bits, {lanes} lanes) is no flowjit dtype")
+
+
+def imported(ctx: DeviceContext, capsule) -> DeviceArray:
+    """A DeviceArray over the kDLCUDA tensor of a 'dltensor' `capsule` (from `__dlpack__`) on
+    `ctx`'s device, not copied: the capsule is marked used, and the DeviceArray calls the tensor's
+    deleter when it goes. C-contiguous tensors only."""
+    at = id(capsule)  # the capsule object's address (it stays alive: we hold it)
+    if not _pythonapi.PyCapsule_IsValid(at, b"dltensor"):
+        raise BufferError("expected an unused DLPack 'dltensor' capsule")
+    pointer = _pythonapi.PyCapsule_GetPointer(at, b"dltensor")
+    managed = ctypes.cast(pointer, ctypes.POINTER(DLManagedTensor))
+    tensor = managed.contents.dl_tensor
+    if (tensor.device.device_type, tensor.device.device_id) != (KDL_CUDA, ctx.ordinal):
+        raise BufferError(
+            f"the tensor is on DLPack device {(tensor.device.device_type, tensor.device.device_id)}, "
+            f"not GPU {ctx.ordinal} {(KDL_CUDA, ctx.ordinal)}"
+        )
+    dtype = _numpy_dtype(tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes)
+    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    if tensor.strides:
+        expected = 1
+        for i in reversed(range(tensor.ndim)):
+            if shape[i] != 1 and tensor.strides[i] != expected:
+                raise BufferError(
+                    f"the tensor of shape {shape} has strides {tuple(tensor.strides[j] for j in range(tensor.ndim))} "
+                    "(in elements): flowjit takes C-contiguous tensors only (make it contiguous first)"
+                )
+            expected *= shape[i]
+    address = (tensor.data or 0) + tensor.byte_offset
+    deleter = managed.contents.deleter
+    if _pythonapi.PyCapsule_SetName(at, _USED) != 0:
+        raise BufferError("the DLPack capsule could not be marked used")
+
+    def give_back() -> None:
+        if deleter:
+            deleter(managed)
+
+    return DeviceArray(ctx, address, shape, dtype, give_back=give_back)
