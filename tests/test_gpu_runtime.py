@@ -215,17 +215,41 @@ def test_a_small_loop_is_unrolled_into_the_same_launches(host_loops, monkeypatch
     assert concrete(kept) == concrete(unrolled) and len(concrete(kept)) == 12
 
 
+def _plan(fn, *args):
+    return lower_to_ptx(fj.jit(fn).lower(*args).graph("optimized"), GpuOptions()).plan
+
+
 def test_a_reduction_with_few_results_is_split_over_many_threads():
-    """64 row maxima of 300 elements: 32 partials per row (each the max of every 32nd element, so
+    """64 row maxima of 300 elements: 30 partials per row (the divisor of 300 nearest the 32 that
+    would keep 65536 threads busy; partial c is the max of every 30th element from c, so
     consecutive threads read consecutive elements), then one kernel combining each row's partials;
     a (300, 5, 7) column sum likewise, with no loop of launches on the host."""
-    rows = lower_to_ptx(fj.jit(lambda x: fnp.max(x, axis=1)).lower(_X300).graph("optimized"), GpuOptions()).plan
+    rows = _plan(lambda x: fnp.max(x, axis=1), _X300)
     assert rows.launch_count() == 2
-    assert [math.prod(b.shape) for b in rows.buffers if b.kind == "temporary"] == [64 * 32]
+    assert [b.shape for b in rows.buffers if b.kind == "temporary"] == [(64, 30)]
     columns = compiled("temporary and kept loop").plan
     assert columns.launch_count() == 2 and not any(isinstance(s, Loop) for s in columns.steps)
     assert lower_kernels.partials_per_result(64, 300) == 32 and lower_kernels.partials_per_result(100_000, 64) == 1
     assert lower_kernels.partials_per_result(1, 10_000_000) == lower_kernels.PARTIALS_MAX
+
+
+def test_the_elementwise_kernels_computing_a_reduced_value_run_inside_its_partials():
+    """A sum of squares reads x once: the square is computed in the partials' kernel (a generic
+    reading x through an indexing map, into which elementwise fusion puts its producers), for
+    rows, columns and a whole-array mean alike; where no divisor of the reduced extent is near the
+    wanted partial count, the partials read x element by element (strided) instead."""
+    for fn, x in (
+        (lambda x: fnp.sum(x * x, axis=1), _X300),
+        (lambda x: fnp.sum(x * x, axis=0), _X300.T.copy()),
+        (lambda x: fnp.mean((x - 1.0) ** 2), _X300),
+    ):
+        p = _plan(fn, x)
+        assert not [b for b in p.buffers if b.kind == "temporary" and math.prod(b.shape) == x.size], p.buffers
+    assert lower_kernels.partials_per_result(64, 293) == 32  # 293 is prime: strided partials
+    strided = _plan(lambda x: fnp.sum(x, axis=1), np.ones((64, 293), np.float32))
+    assert [b.shape for b in strided.buffers if b.kind == "temporary"] == [(64, 32)]
+    (got,) = _emulated(fj.jit(lambda x: fnp.sum(x, axis=1)).lower(_X300[:, :293]).graph("optimized"), (_X300[:, :293],))
+    np.testing.assert_allclose(got, _X300[:, :293].sum(axis=1), rtol=1e-5, atol=1e-5)
 
 
 def _broadcast_product(x, w, b):

@@ -676,6 +676,72 @@ def partials_per_result(results: int, extent: int) -> int:
     return parts if parts >= 4 else 1
 
 
+def _identity(b: ScalarBuilder, kind: str, acc_dtype) -> str:
+    e = compute_elem(acc_dtype)
+    return b.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc_dtype), acc_dtype)} : {e}")
+
+
+def _partials_of_blocks(em: KernelEmitter, x: str, source: TensorType, form, parts: int, kind: str, acc_dtype) -> str:
+    """Partials (pre..., c, post...) of x viewed as (pre..., K, C, post...) (C = `parts` divides R):
+    a generic reducing over K, each partial starting from its first block's element (no fill). As
+    a generic reading x through an indexing map, it takes the elementwise kernels that compute x
+    into itself (`linalg-fuse-elementwise-ops`): a sum of squares reads x once."""
+    pre, r, post = form
+    grid = source.with_shape((*pre, r // parts, parts, *post))
+    x4 = reshape_tensor(em, x, source, grid)
+    at_k = len(pre)
+    e = compute_elem(acc_dtype)
+    combine = lower_reduction.COMBINE[kind][0 if acc_dtype.is_float else 1]
+    dims = [f"d{i}" for i in range(grid.rank)]
+    out = TensorType((*pre, parts, *post), acc_dtype)
+
+    def body(b: ScalarBuilder, args: list[str]) -> str:
+        v = extend(b, args[0], source.dtype)
+        first = b.op(f"arith.cmpi eq, {b.op(f'linalg.index {at_k} : index')}, {b.const(0, 'index')} : index")
+        return select(b, first, v, b.op(f"arith.{combine} {args[1]}, {v} : {e}"), e)
+
+    return em.generic(
+        [(x4, tensor_type(grid))],
+        (em.empty(out), tensor_type(out)),
+        [
+            em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims)})"),
+            em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i != at_k)})"),
+        ],
+        ["reduction" if i == at_k else "parallel" for i in range(grid.rank)],
+        body,
+        [elem_type(source.dtype)],
+        e,
+    )
+
+
+def _strided_partials(em: KernelEmitter, x: str, source: TensorType, form, parts: int, kind: str, acc_dtype) -> str:
+    """Partials (pre..., c, post...) combining x[pre..., k C + c, post...] for every k (C = `parts`
+    need not divide R: the last round reads only the elements that exist), one thread each."""
+    pre, r, post = form
+    grid = source.with_shape((*pre, r, *post))
+    x_grid = reshape_tensor(em, x, source, grid)
+    xt = tensor_type(grid)
+    e = compute_elem(acc_dtype)
+    combine = lower_reduction.COMBINE[kind][0 if acc_dtype.is_float else 1]
+    at_c = len(pre)
+
+    def partial(bd: ScalarBuilder, idx: list[str]) -> str:
+        start = _identity(bd, kind, acc_dtype)
+
+        def step(ib: ScalarBuilder, k: str, values: list[str]) -> list[str]:
+            j = ib.op(f"arith.addi {offset(ib, k, parts, 0)}, {idx[at_c]} : index")
+            inside = ib.op(f"arith.cmpi slt, {j}, {ib.const(r, 'index')} : index")
+            where = [*idx[:at_c], clamp(ib, j, max(r - 1, 0)), *idx[at_c + 1 :]]
+            v = extend(ib, extract(ib, x_grid, xt, where), source.dtype)
+            return [ib.op(f"arith.{combine} {values[0]}, {select(ib, inside, v, start, e)} : {e}")]
+
+        trips = bd.const(-(-r // parts), "index")
+        (total,) = serial_for(bd, bd.const(0, "index"), trips, [(start, e)], step)
+        return total
+
+    return per_element(em, TensorType((*pre, parts, *post), acc_dtype), partial)
+
+
 def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """reduce_sum/max/min/prod over one contiguous group of axes, in two stages when its results
     would leave most threads idle: with x as (pre..., R, post...) (the group collapsed to R),
@@ -703,32 +769,19 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         return lower_reduction.lower_reduce(em, op, operands)
     kind = op.name.removeprefix("reduce_")
     acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
-    grid = source.with_shape((*pre, r, *post))
-    x_grid = reshape_tensor(em, operands[0], source, grid)
-    partial_type = TensorType((*pre, parts, *post), acc_dtype)
     e = compute_elem(acc_dtype)
     combine = lower_reduction.COMBINE[kind][0 if acc_dtype.is_float else 1]
-    xt = tensor_type(grid)
-    trips = -(-r // parts)
     at_c = len(pre)
-
-    def identity(b: ScalarBuilder) -> str:
-        return b.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc_dtype), acc_dtype)} : {e}")
-
-    def partial(bd: ScalarBuilder, idx: list[str]) -> str:
-        start = identity(bd)
-
-        def step(ib: ScalarBuilder, k: str, values: list[str]) -> list[str]:
-            j = ib.op(f"arith.addi {offset(ib, k, parts, 0)}, {idx[at_c]} : index")
-            inside = ib.op(f"arith.cmpi slt, {j}, {ib.const(r, 'index')} : index")
-            where = [*idx[:at_c], clamp(ib, j, max(r - 1, 0)), *idx[at_c + 1 :]]
-            v = extend(ib, extract(ib, x_grid, xt, where), source.dtype)
-            return [ib.op(f"arith.{combine} {values[0]}, {select(ib, inside, v, start, e)} : {e}")]
-
-        (total,) = serial_for(bd, bd.const(0, "index"), bd.const(trips, "index"), [(start, e)], step)
-        return total
-
-    partials = per_element(em, partial_type, partial)
+    divisor = next((c for c in range(parts, max(parts // 2, 3), -1) if r % c == 0), None)
+    last = source.shape[-1] if source.rank >= 2 else 0
+    if result.size == 1 and 4 <= last <= PARTIALS_MAX and r // last >= PER_PARTIAL_MIN:
+        divisor = last  # a partial per column: x's own rows are the blocks (no reshape across them)
+    if divisor is not None:
+        parts = divisor
+        partials = _partials_of_blocks(em, operands[0], source, (pre, r, post), parts, kind, acc_dtype)
+    else:
+        partials = _strided_partials(em, operands[0], source, (pre, r, post), parts, kind, acc_dtype)
+    partial_type = TensorType((*pre, parts, *post), acc_dtype)
     # Second stage: each result combines its partials. A reduction generic, so elementwise fusion
     # never copies it into a consumer that reads each result many times (a row max broadcast over
     # its row would combine the row's partials again for every element); its first partial starts
