@@ -238,16 +238,21 @@ def test_gpu_lowering_computes_the_op_table_values(row, dtype):
         assert_close(got, expected, case.tol)
 
 
+def gradient_case(row, dtype):
+    """The gradient graph of `row` in `dtype` (its cotangents as inputs) and arguments for it."""
+    case = build_case(row, dtype)
+    graph = vjp_graph(case.graph, VJPSpec(primal_outputs=False))
+    rng = np.random.default_rng(0)
+    results = [r.type for r in case.graph.results if r.type.dtype.is_float]
+    return graph, [*case.inputs, *(rng.uniform(0.5, 1.5, t.shape).astype(t.dtype.np_dtype) for t in results)]
+
+
 @pytest.mark.parametrize(
     "row,dtype,chips", [p for p in GRADIENT_PARAMS if "sm_90" in p.values[2] and p.values[0].op not in CPU_ONLY]
 )
 def test_gpu_lowering_computes_gradient_graphs(row, dtype, chips):
     """The first gradient row of each op (the others: same lowerings), against the interpreter."""
-    case = build_case(row, dtype)
-    graph = vjp_graph(case.graph, VJPSpec(primal_outputs=False))
-    rng = np.random.default_rng(0)
-    results = [r.type for r in case.graph.results if r.type.dtype.is_float]
-    args = [*case.inputs, *(rng.uniform(0.5, 1.5, t.shape).astype(t.dtype.np_dtype) for t in results)]
+    graph, args = gradient_case(row, dtype)
     for got, expected in zip(run_on_host(graph, args), interpret(graph, args)):
         assert_close(got, np.asarray(expected), tolerance(dtype, 8.0))
 

@@ -40,9 +40,8 @@ from flowjit.ir import dtypes as dt
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_emulator  # noqa: E402
 from op_table import ROWS, assert_close, build_case, tolerance  # noqa: E402
-from test_gpu_codegen import GRADIENT_PARAMS  # noqa: E402
+from test_gpu_codegen import GRADIENT_PARAMS, gradient_case  # noqa: E402
 
-from flowjit.frontend.autodiff import VJPSpec, vjp_graph  # noqa: E402
 from flowjit.ir.interpreter import interpret  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -383,11 +382,7 @@ _FIRST_GRADIENTS = [
 def test_replaying_the_plan_computes_the_gradient_graphs(row, dtype):
     """The first gradient graph of each op through the whole GPU pipeline (loop order, two-stage
     reductions, launches) on the emulator, against the interpreter."""
-    case = build_case(row, dtype)
-    graph = vjp_graph(case.graph, VJPSpec(primal_outputs=False))
-    rng = np.random.default_rng(0)
-    results = [r.type for r in case.graph.results if r.type.dtype.is_float]
-    args = [*case.inputs, *(rng.uniform(0.5, 1.5, t.shape).astype(t.dtype.np_dtype) for t in results)]
+    graph, args = gradient_case(row, dtype)
     for got, expected in zip(_emulated(graph, args), interpret(graph, args)):
         assert_close(got, np.asarray(expected), tolerance(dtype, 8.0))
 

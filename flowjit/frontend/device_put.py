@@ -54,10 +54,15 @@ def device_put(x, device="gpu:0"):
             f"{user_location()}: device_put: unsupported dtype {array.dtype}; flowjit supports "
             f"{', '.join(d.np_dtype.name for d in dt.ALL_DTYPES)}"
         )
+    return put(_context(ordinal, f"cannot put an array on GPU {ordinal}"), array)
+
+
+def _context(ordinal: int, doing: str) -> runtime.DeviceContext:
+    """The context of GPU `ordinal`, or a GpuRuntimeError at the user's line: `doing` and why not."""
     reason = driver.unavailable_reason()
     if reason is not None:
-        raise GpuRuntimeError(f"{user_location()}: cannot put an array on GPU {ordinal}: {reason.rstrip('.')}")
-    return put(runtime.context(ordinal), array)
+        raise GpuRuntimeError(f"{user_location()}: {doing}: {reason.rstrip('.')}")
+    return runtime.context(ordinal)
 
 
 # DLPack device types of host memory: kDLCPU, kDLCUDAHost (pinned).
@@ -87,10 +92,7 @@ def from_dlpack(x):
             f"{user_location()}: from_dlpack: the array is on DLPack device type {kind}; flowjit takes "
             f"host memory ({', '.join(map(str, _HOST_DEVICES))}) and CUDA GPUs ({KDL_CUDA})"
         )
-    reason = driver.unavailable_reason()
-    if reason is not None:
-        raise GpuRuntimeError(f"{user_location()}: cannot take an array of GPU {ordinal}: {reason.rstrip('.')}")
-    ctx = runtime.context(ordinal)
+    ctx = _context(ordinal, f"cannot take an array of GPU {ordinal}")
     legacy = driver.bindings().CUstream(1)  # CU_STREAM_LEGACY
     capsule = x.__dlpack__(stream=1)
     copier = ctx.copier()
