@@ -244,6 +244,16 @@ class _FunctionLowering:
             kernel_t = TensorType(shape, t.dtype)
             buffer = self._viewed_as(buffer, t, kernel_t)
             tensor, t = flat, kernel_t
+        elif t.rank == 0 and self.em.target is not None and not self.em.target.rank0_kernels:
+            # A target without rank-0 kernels computed it as one element of rank 1: stored through
+            # a rank-1 view of the buffer, that kernel writes the buffer itself (no copy kernel).
+            one, elem = t.with_shape((1,)), memory_elem_type(t.dtype)
+            into = f"{tensor_type(t, elem)} into {tensor_type(one, elem)}"
+            tensor = self.em.op(f"tensor.expand_shape {tensor} [] output_shape [1] : {into}")
+            buffer = self.em.op(
+                f"memref.expand_shape {buffer} [] output_shape [1] : {memref_type(t)} into {memref_type(one)}"
+            )
+            t = one
         self.em.line(
             f"bufferization.materialize_in_destination {tensor} in restrict writable {buffer} : "
             f"({tensor_type(t, memory_elem_type(t.dtype))}, {memref_type(t)}) -> ()"
