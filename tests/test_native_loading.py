@@ -27,7 +27,8 @@ import textwrap
 
 import pytest
 
-from flowjit.backends.cpu import fingerprint, host, matmul_library, row_library
+from flowjit.backends import cache_folder
+from flowjit.backends.cpu import host, matmul_library, row_library
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not host.host_cpu().triple.startswith("x86_64"),
@@ -171,7 +172,7 @@ def _cache_with_libraries(folder):
     (folder / "library").mkdir(mode=0o700)
     for lib in (matmul_library.LIBRARY, row_library.LIBRARY):
         path = folder / "library" / os.path.basename(lib.path())
-        path.write_bytes(fingerprint.sealed(lib.object_code()))
+        path.write_bytes(cache_folder.sealed(lib.object_code()))
         path.chmod(0o600)
     return folder
 

@@ -102,12 +102,23 @@ _LENGTH = struct.Struct("<Q")
 _DIGEST = 32  # sha256
 
 
+def sealed(body: bytes) -> bytes:
+    """`body` followed by its sha256 (`unsealed` checks it), so that a truncated or damaged file is
+    rebuilt, never loaded."""
+    return body + hashlib.sha256(body).digest()
+
+
+def unsealed(data: bytes) -> bytes | None:
+    """The body of `sealed` data, or None when the data is truncated or damaged."""
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    return body if len(data) > _DIGEST and hashlib.sha256(body).digest() == digest else None
+
+
 def pack_entry(magic: bytes, header: dict, payload: bytes) -> bytes:
     """A compile-cache entry file: `magic`, the length and JSON of `header`, the length and bytes of
-    `payload`, then a sha256 of all that (`unpack_entry` checks it)."""
+    `payload`, `sealed` (`unpack_entry` checks it)."""
     text = json.dumps(header).encode()
-    body = magic + _LENGTH.pack(len(text)) + text + _LENGTH.pack(len(payload)) + payload
-    return body + hashlib.sha256(body).digest()
+    return sealed(magic + _LENGTH.pack(len(text)) + text + _LENGTH.pack(len(payload)) + payload)
 
 
 def unpack_entry(magic: bytes, data: bytes) -> tuple[dict, bytes] | None:
@@ -115,8 +126,8 @@ def unpack_entry(magic: bytes, data: bytes) -> tuple[dict, bytes] | None:
     starting with `magic`."""
     if len(data) < len(magic) + 2 * _LENGTH.size + _DIGEST or not data.startswith(magic):
         return None
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if hashlib.sha256(body).digest() != digest:
+    body = unsealed(data)
+    if body is None:
         return None
     pos = len(magic)
     (header_len,) = _LENGTH.unpack_from(body, pos)

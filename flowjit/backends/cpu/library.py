@@ -11,7 +11,7 @@ kernel for their shapes (a function's first call is mostly compile time).
 The cache folder's (`cache_folder.location()`) `library/<name>-<key>.o`, the key a hash of the
 backend's fingerprint (flowjit, MLIR and LLVM versions, the backend's source, the library's writer
 included, host CPU and cores; `fingerprint.backend_fingerprint`), followed by its sha256 (a file that
-fails it is rebuilt: `fingerprint.sealed`). `make` builds them when it sets up the environment (`python -m
+fails it is rebuilt: `cache_folder.sealed`). `make` builds them when it sets up the environment (`python -m
 flowjit.backends.cpu.libraries`, a few seconds on two cores); otherwise the first program that calls one
 does, once per machine. The cache folder's rule applies (`cache_folder`): an object, or a folder
 holding it, that another user owns or could have written is refused with a warning and never
@@ -219,12 +219,12 @@ class Library:
         cache off, or an unwritable folder, the build is not written."""
         path = self.path()
         data = cache_folder.read(path)
-        body = fingerprint.unsealed(data) if data is not None else None
+        body = cache_folder.unsealed(data) if data is not None else None
         if body is not None:
             return body
         body = self.build()
         try:
-            cache_folder.write(path, fingerprint.sealed(body))
+            cache_folder.write(path, cache_folder.sealed(body))
         except OSError:
             pass
         return body
