@@ -93,12 +93,8 @@ def from_dlpack(x):
             f"host memory ({', '.join(map(str, _HOST_DEVICES))}) and CUDA GPUs ({KDL_CUDA})"
         )
     ctx = _context(ordinal, f"cannot take an array of GPU {ordinal}")
-    legacy = driver.bindings().CUstream(1)  # CU_STREAM_LEGACY
-    capsule = x.__dlpack__(stream=1)
-    copier = ctx.copier()
-    with copier.lock:
-        ctx.activate()
-        runtime.wait(copier.done, legacy, runtime.timeout_s(), f"the work of {type(x).__name__} on the array")
+    capsule = x.__dlpack__(stream=1)  # its work on the array ordered before the legacy default stream
+    ctx.copier().after_legacy_stream(f"the work of {type(x).__name__} on the array")
     try:
         return imported(ctx, capsule)
     except BufferError as error:

@@ -350,6 +350,13 @@ class Copier:
             if not to_device:
                 ctypes.memmove(array.ctypes.data, pinned, array.nbytes)
 
+    def after_legacy_stream(self, what: str) -> None:
+        """Returns once the work queued on the legacy default stream is done (another library's,
+        which it ordered there for us: DLPack's `stream=1`), within the deadline."""
+        with self.lock:
+            self.ctx.activate()
+            wait(self.done, driver.bindings().CUstream(1), timeout_s(), what)  # CU_STREAM_LEGACY
+
     def close(self) -> None:
         self.ctx.activate()
         self.staging.free()
@@ -425,6 +432,9 @@ class PlanRunner:
                     image.name, launch.function, image.ptx, image.cubin, image.cubin_chip
                 )
         self.steps = pack(plan.steps)
+        # plan buffer index of each input and output (the plan is fixed: found once, not per call)
+        self.inputs_at = {b.index: i for i, b in enumerate(plan.buffers) if b.kind == "input"}
+        self.outputs_at = {b.index: i for i, b in enumerate(plan.buffers) if b.kind == "output"}
         cu = driver.bindings()
         self.stream = driver.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         self.done = driver.call("cuEventCreate", cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
@@ -450,14 +460,12 @@ class PlanRunner:
                 raise GpuRuntimeError(self.broken)
             self.ctx.activate()
             cu = driver.bindings()
-            inputs_of = {b.index: i for i, b in enumerate(self.plan.buffers) if b.kind == "input"}
-            outputs_of = {b.index: i for i, b in enumerate(self.plan.buffers) if b.kind == "output"}
-            resident = {inputs_of[i]: a for i, a in enumerate(inputs) if not isinstance(a, np.ndarray)}
+            resident = {self.inputs_at[i]: a for i, a in enumerate(inputs) if not isinstance(a, np.ndarray)}
             addresses = self._allocate(resident)
-            kept = [addresses[outputs_of[i]] for i, o in enumerate(outputs) if o is None]
+            kept = [addresses[self.outputs_at[i]] for i, o in enumerate(outputs) if o is None]
             ours = [a for i, a in enumerate(addresses) if i not in resident]  # given back after the call
-            host_in = [(inputs_of[i], a) for i, a in enumerate(inputs) if isinstance(a, np.ndarray) and a.nbytes]
-            host_out = [(outputs_of[i], o) for i, o in enumerate(outputs) if o is not None and o.nbytes]
+            host_in = [(self.inputs_at[i], a) for i, a in enumerate(inputs) if isinstance(a, np.ndarray) and a.nbytes]
+            host_out = [(self.outputs_at[i], o) for i, o in enumerate(outputs) if o is not None and o.nbytes]
             finished = False
             try:
                 total = sum(a.nbytes for _, a in host_in) + sum(o.nbytes for _, o in host_out)
