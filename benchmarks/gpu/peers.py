@@ -8,10 +8,16 @@ cannot run (no package, no device for it, a compile failure) is a record with it
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+
+from harness import call_times  # noqa: E402 (the benchmarks' timing loop)
 
 PEERS = ("torch", "torch.compile", "jax")
 
@@ -92,14 +98,11 @@ def compare(outputs, p: dict, elementwise: bool = True) -> dict:
 
 
 def median_ms(call: Callable[[], object], repeat: int) -> float:
-    for _ in range(3):
-        call()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples) * 1e3)
+    """The median of `repeat` timed calls, in ms, after three untimed ones (`call_times` makes the
+    third)."""
+    call()
+    call()
+    return float(np.median(call_times(call, repeat)) * 1e3)
 
 
 def first_line(error: BaseException) -> str:
