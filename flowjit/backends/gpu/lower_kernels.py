@@ -681,35 +681,32 @@ def _identity(b: ScalarBuilder, kind: str, acc_dtype) -> str:
     return b.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc_dtype), acc_dtype)} : {e}")
 
 
-def _partials_of_blocks(em: KernelEmitter, x: str, source: TensorType, form, parts: int, kind: str, acc_dtype) -> str:
-    """Partials (pre..., c, post...) of x viewed as (pre..., K, C, post...) (C = `parts` divides R):
-    a generic reducing over K, each partial starting from its first block's element (no fill). As
-    a generic reading x through an indexing map, it takes the elementwise kernels that compute x
-    into itself (`linalg-fuse-elementwise-ops`): a sum of squares reads x once."""
-    pre, r, post = form
-    grid = source.with_shape((*pre, r // parts, parts, *post))
-    x4 = reshape_tensor(em, x, source, grid)
-    at_k = len(pre)
+def _reduced_from_first(em: KernelEmitter, x: str, t: TensorType, axis: int, kind: str, acc_dtype) -> str:
+    """`x` (of type `t`) combined by `kind` over `axis`, in `acc_dtype`: a reduction generic whose
+    first element along `axis` starts each result (no fill of the identity, a kernel of its own).
+    Being a reduction, elementwise fusion never copies it into a consumer that reads each result
+    many times (a row max broadcast over its row would combine the row again for every element);
+    reading x through an indexing map, it takes the elementwise kernels computing x into itself."""
     e = compute_elem(acc_dtype)
     combine = lower_reduction.COMBINE[kind][0 if acc_dtype.is_float else 1]
-    dims = [f"d{i}" for i in range(grid.rank)]
-    out = TensorType((*pre, parts, *post), acc_dtype)
+    dims = [f"d{i}" for i in range(t.rank)]
+    out = TensorType(tuple(d for i, d in enumerate(t.shape) if i != axis), acc_dtype)
 
     def body(b: ScalarBuilder, args: list[str]) -> str:
-        v = extend(b, args[0], source.dtype)
-        first = b.op(f"arith.cmpi eq, {b.op(f'linalg.index {at_k} : index')}, {b.const(0, 'index')} : index")
+        v = extend(b, args[0], t.dtype)
+        first = b.op(f"arith.cmpi eq, {b.op(f'linalg.index {axis} : index')}, {b.const(0, 'index')} : index")
         return select(b, first, v, b.op(f"arith.{combine} {args[1]}, {v} : {e}"), e)
 
     return em.generic(
-        [(x4, tensor_type(grid))],
+        [(x, tensor_type(t))],
         (em.empty(out), tensor_type(out)),
         [
             em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims)})"),
-            em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i != at_k)})"),
+            em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i != axis)})"),
         ],
-        ["reduction" if i == at_k else "parallel" for i in range(grid.rank)],
+        ["reduction" if i == axis else "parallel" for i in range(t.rank)],
         body,
-        [elem_type(source.dtype)],
+        [elem_type(t.dtype)],
         e,
     )
 
@@ -769,41 +766,21 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
         return lower_reduction.lower_reduce(em, op, operands)
     kind = op.name.removeprefix("reduce_")
     acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
-    e = compute_elem(acc_dtype)
-    combine = lower_reduction.COMBINE[kind][0 if acc_dtype.is_float else 1]
-    at_c = len(pre)
     divisor = next((c for c in range(parts, max(parts // 2, 3), -1) if r % c == 0), None)
     last = source.shape[-1] if source.rank >= 2 else 0
     if result.size == 1 and 4 <= last <= PARTIALS_MAX and r // last >= PER_PARTIAL_MIN:
         divisor = last  # a partial per column: x's own rows are the blocks (no reshape across them)
-    if divisor is not None:
+    if divisor is not None:  # x as blocks (pre..., R / C, C, post...), reduced over the blocks
         parts = divisor
-        partials = _partials_of_blocks(em, operands[0], source, (pre, r, post), parts, kind, acc_dtype)
+        blocks = source.with_shape((*pre, r // parts, parts, *post))
+        x_blocks = reshape_tensor(em, operands[0], source, blocks)
+        partials = _reduced_from_first(em, x_blocks, blocks, len(pre), kind, acc_dtype)
     else:
         partials = _strided_partials(em, operands[0], source, (pre, r, post), parts, kind, acc_dtype)
+    # Second stage: each result combines its partials, in the result's own shape.
     partial_type = TensorType((*pre, parts, *post), acc_dtype)
-    # Second stage: each result combines its partials. A reduction generic, so elementwise fusion
-    # never copies it into a consumer that reads each result many times (a row max broadcast over
-    # its row would combine the row's partials again for every element); its first partial starts
-    # the combination, so no fill of the identity (a kernel of its own) is needed.
-    dims = [f"d{i}" for i in range(partial_type.rank)]
+    total = _reduced_from_first(em, partials, partial_type, len(pre), kind, acc_dtype)
     kept = TensorType((*pre, *post), acc_dtype)
-    in_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(dims)})")
-    out_map = em.affine_map(f"({', '.join(dims)}) -> ({', '.join(d for i, d in enumerate(dims) if i != at_c)})")
-
-    def combine_partials(b: ScalarBuilder, args: list[str]) -> str:
-        first = b.op(f"arith.cmpi eq, {b.op(f'linalg.index {at_c} : index')}, {b.const(0, 'index')} : index")
-        return select(b, first, args[0], b.op(f"arith.{combine} {args[1]}, {args[0]} : {e}"), e)
-
-    total = em.generic(
-        [(partials, tensor_type(partial_type))],
-        (em.empty(kept), tensor_type(kept)),
-        [in_map, out_map],
-        ["reduction" if i == at_c else "parallel" for i in range(partial_type.rank)],
-        combine_partials,
-        [e],
-        e,
-    )
     if acc_dtype != result.dtype:
         total = map_elementwise(em, kept.with_dtype(result.dtype), [(total, Value(kept))], lambda b, v: v[0])
     return [reshape_tensor(em, total, kept.with_dtype(result.dtype), result)]
