@@ -16,12 +16,13 @@ the CPU module (renamed per kernel module).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import re
 
 import numpy as np
 
-from flowjit.backends.gpu import runtime
+from flowjit.backends.gpu import compiler, lower_kernels, runtime
 from flowjit.backends.gpu.plan import LaunchPlan
 from flowjit.backends.mlir import pipeline
 
@@ -36,6 +37,22 @@ LOWER = (
     "convert-cf-to-llvm,reconcile-unrealized-casts)"
 )
 _GRID = ("gx", "gy", "gz", "dx", "dy", "dz")
+
+
+@contextlib.contextmanager
+def host_loops():
+    """Inside: the GPU lowers reductions the simple way (one thread per result, the loops in the
+    generic's own order), so a column sum becomes a serial loop over its rows, on the host, around a
+    launch per row. The GPU's lowerings write no such loop otherwise (reductions go in two stages or
+    keep their loops innermost), but a plan may hold serial loops around launches, and the tests of
+    how plans, the runtime and AOT libraries keep and unroll them compile through this."""
+    saved = lower_kernels.partials_per_result, compiler.contiguous_dimension_first
+    lower_kernels.partials_per_result = lambda results, extent: 1
+    compiler.contiguous_dimension_first = lambda module: None
+    try:
+        yield
+    finally:
+        lower_kernels.partials_per_result, compiler.contiguous_dimension_first = saved
 
 
 def _cpu_functions(gpu_mlir: str) -> tuple[str, dict[str, str]]:

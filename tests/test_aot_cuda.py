@@ -106,15 +106,11 @@ PROGRAMS = {
 WERROR = "cc -Wall -Wextra -Werror"
 
 
-# The GPU's lowerings write no serial loop around launches any more (reductions keep their loops in
-# their kernels), but a plan may hold one, and the library writes it as a C loop: "sum_looped" is
-# compiled the simple way (one thread per result, the loops in the generic's order), which sums
-# its 300 rows in a host loop of 300 launches.
+# "sum_looped" is compiled with the reductions lowered the simple way (`gpu_emulator.host_loops`):
+# its 300 rows are a host loop of 300 launches, which the library writes as a C loop.
 _HOST_LOOPS = (
-    "import sys; from flowjit.backends.gpu import compiler, lower_kernels; "
-    "lower_kernels.partials_per_result = lambda results, extent: 1; "
-    "compiler.contiguous_dimension_first = lambda module: None; "
-    "from flowjit.cli import main; sys.exit(main(sys.argv[1:]))"
+    f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import gpu_emulator; "
+    "loops = gpu_emulator.host_loops(); loops.__enter__(); from flowjit.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
@@ -517,9 +513,8 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 _EMULATED = """
-    import ctypes, json, sys, numpy as np, flowjit as fj
+    import contextlib, ctypes, json, sys, numpy as np, flowjit as fj
     from flowjit import aot
-    from flowjit.backends.gpu import compiler, lower_kernels
     from flowjit.backends.gpu.backend import BACKENDS, compile_entry
     sys.path[:0] = ["tests", {root!r}]
     import gpu_emulator, model
@@ -534,12 +529,9 @@ _EMULATED = """
         # compiled as `flowjit compile` compiles it: the same PTX, by which the hook finds the kernel
         traced_args = args[:1] if name == "update" else args  # update's last input is its variable
         lowered = fj.jit(getattr(model, function), target="cuda").lower(*traced_args)
-        simple = (lower_kernels.partials_per_result, compiler.contiguous_dimension_first)
-        if name == "sum_looped":  # compiled the simple way, as _HOST_LOOPS compiles its library
-            lower_kernels.partials_per_result = lambda results, extent: 1
-            compiler.contiguous_dimension_first = lambda module: None
-        entries.append(compile_entry(aot.functional_graph(lowered, None)[0], BACKENDS["cuda"].options))
-        lower_kernels.partials_per_result, compiler.contiguous_dimension_first = simple
+        # "sum_looped" compiled the simple way, as _HOST_LOOPS compiles its library
+        with gpu_emulator.host_loops() if name == "sum_looped" else contextlib.nullcontext():
+            entries.append(compile_entry(aot.functional_graph(lowered, None)[0], BACKENDS["cuda"].options))
         cases.append((name, function, manifest, args))
     hook = gpu_emulator.run_launches_of(fake, entries)
 

@@ -29,7 +29,6 @@ import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.backends.gpu import backend as gpu_backend
 from flowjit.backends.gpu import cache, cubin, driver, lower_kernels, plan, runtime
-from flowjit.backends.gpu import compiler as gpu_compiler
 from flowjit.backends.gpu.compiler import lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions
 from flowjit.backends.gpu.plan import PARAM_BYTES, LaunchPlan, Loop, MemrefArg, ScalarArg, ptx_params
@@ -129,13 +128,10 @@ def test_every_view_stays_inside_its_buffer_and_the_plan_survives_json(name):
 
 
 @pytest.fixture
-def host_loops(monkeypatch):
-    """Column sums lowered one thread per result with the loops in the generic's own order: a
-    serial loop over the rows, on the host, around a launch per row. The GPU's lowerings no longer
-    write such loops (reductions go in two stages or with their reduction loops innermost), but a
-    plan may hold serial loops around launches, and these tests check how it keeps and unrolls them."""
-    monkeypatch.setattr(lower_kernels, "partials_per_result", lambda results, extent: 1)
-    monkeypatch.setattr(gpu_compiler, "contiguous_dimension_first", lambda module: None)
+def host_loops():
+    """Reductions lowered the simple way, with serial loops on the host (`gpu_emulator.host_loops`)."""
+    with gpu_emulator.host_loops():
+        yield
 
 
 def test_buffers_are_the_inputs_outputs_workspace_and_temporaries(host_loops):
