@@ -25,6 +25,7 @@ import pytest
 import flowjit as fj
 from flowjit.backends.gpu import arrays, driver, resident
 from flowjit.backends.gpu.runtime import CachingAllocator
+from flowjit.frontend import device_put as device_put_module
 from flowjit.runtime import tasks
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -324,6 +325,21 @@ def test_device_put_and_keep_on_device_on_the_cpu_give_host_arrays():
         fj.device_put(x.astype(np.uint8), "gpu:0")
     out = fj.jit(lambda a: a * 2.0, keep_on_device=True)(x)
     assert type(out) is np.ndarray and out.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_device_put_without_a_device_uses_the_default_device(monkeypatch):
+    """As JAX's: the device an enclosing `fj.device` names, else GPU 0 when there is one, else the CPU."""
+    x = np.arange(4, dtype=np.float32)
+    monkeypatch.setattr(device_put_module, "devices", lambda device_type=None: [])
+    assert type(fj.device_put(x)) is np.ndarray
+    monkeypatch.setattr(device_put_module, "devices", lambda device_type=None: ["gpu:0"])
+    monkeypatch.setattr(device_put_module, "put", lambda context, array: ("on the GPU", array))
+    monkeypatch.setattr(device_put_module, "_context", lambda ordinal, doing: ordinal)
+    assert fj.device_put(x)[0] == "on the GPU"
+    with fj.device("cpu:0"):
+        assert type(fj.device_put(x)) is np.ndarray
+    with fj.device("/job:localhost/task:0"):  # names no device type: the default again
+        assert fj.device_put(x)[0] == "on the GPU"
 
 
 # --- on a GPU (skipped here): the same programs against the CPU backend --------------------------

@@ -25,18 +25,20 @@ from flowjit.frontend.tracebacks import user_errors
 from flowjit.ir import dtypes as dt
 from flowjit.ir.devices import LOCAL_JOB
 from flowjit.ir.location import user_location
-from flowjit.runtime.devices import DeviceSpec
+from flowjit.runtime.devices import DeviceSpec, current_device_spec, devices
 
 
 @user_errors
-def device_put(x, device="gpu:0"):
+def device_put(x, device=None):
     """`x` (an array, a Python scalar or a DeviceArray) in the memory of `device`: a DeviceArray
-    for a GPU of this process; for a CPU device, a host (numpy) array."""
+    for a GPU of this process; for a CPU device, a host (numpy) array. Without `device`, the
+    default device, as JAX's: the one an enclosing `with fj.device(...)` names, else GPU 0 when this
+    process has a GPU, else the CPU."""
     if isinstance(x, Tracer):
         raise FlowjitTypeError(
             f"{user_location()}: device_put needs a concrete array, not a traced value; call it outside jit"
         )
-    spec = DeviceSpec.parse(device)
+    spec = DeviceSpec.parse(device) if device is not None else _default_device()
     if spec.device_type == "cpu":
         return np.asarray(x)
     if spec.device_type != "gpu" or spec.job not in (None, LOCAL_JOB) or spec.task not in (None, 0):
@@ -55,6 +57,13 @@ def device_put(x, device="gpu:0"):
             f"{', '.join(d.np_dtype.name for d in dt.ALL_DTYPES)}"
         )
     return put(_context(ordinal, f"cannot put an array on GPU {ordinal}"), array)
+
+
+def _default_device() -> DeviceSpec:
+    scoped = current_device_spec()
+    if scoped is not None and scoped.device_type is not None:
+        return scoped
+    return DeviceSpec.parse("gpu:0" if devices("gpu") else "cpu:0")
 
 
 def _context(ordinal: int, doing: str) -> runtime.DeviceContext:
