@@ -12,8 +12,8 @@ import flowjit as fj
 import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends.cpu import nontemporal
+from flowjit.backends.cpu.host import vector_bits
 from flowjit.backends.cpu.nontemporal import NONTEMPORAL_MIN_BYTES
-from flowjit.backends.cpu.schedule import vector_bits
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or vector_bits() != 512,

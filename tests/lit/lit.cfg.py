@@ -24,7 +24,7 @@ for tool in ("flowjit", "filecheck"):
 
 # `REQUIRES: avx512`: tests of code that only 64-byte vectors make (non-temporal whole-line stores).
 try:
-    from flowjit.backends.cpu.schedule import vector_bits
+    from flowjit.backends.cpu.host import vector_bits
 
     if vector_bits() == 512:
         config.available_features.add("avx512")

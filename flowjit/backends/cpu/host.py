@@ -91,11 +91,11 @@ def host_cpu() -> HostCPU:
 
 @functools.cache
 def vector_bits() -> int:
-    """Width of the host's vector registers (512 with AVX-512, 256 with AVX2, else 128)."""
+    """Width of the host's vector registers (512 with AVX-512, 256 with AVX or AVX2, else 128)."""
     features = host_cpu().features
     if "+avx512f" in features:
         return 512
-    return 256 if "+avx2" in features else 128
+    return 256 if "+avx2" in features or "+avx" in features else 128
 
 
 @functools.cache

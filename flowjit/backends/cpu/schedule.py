@@ -11,7 +11,6 @@ tiled and vectorized. Each function returns `steps(handle) -> [transform ops]` f
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -48,17 +47,6 @@ MAX_UNROLLED_STEPS = 4
 SHORT_ROW_MAX = 15
 
 
-@functools.cache
-def vector_bits() -> int:
-    """Width of the host's vector registers (512 with AVX-512, 256 with AVX2, else 128)."""
-    features = host.host_cpu().features
-    if "+avx512f" in features:
-        return 512
-    if "+avx2" in features or "+avx" in features:
-        return 256
-    return 128
-
-
 def threads() -> int:
     """Cores the schedules split large kernels over."""
     return os.cpu_count() or 1
@@ -66,7 +54,7 @@ def threads() -> int:
 
 def lanes(elem_bits: int) -> int:
     """Vector length in elements for the widest element type of a kernel."""
-    return max(4, vector_bits() // max(elem_bits, 8))
+    return max(4, host.vector_bits() // max(elem_bits, 8))
 
 
 def _round_up(n: int, k: int) -> int:
