@@ -55,6 +55,37 @@ def test_forward_equals_single_device(target, monkeypatch):
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_target_per_device_type_compiles_only_those_partitions():
+    """`target={"cpu": "interpreter"}` runs CPU partitions on the interpreter (how the GPU device
+    check runs a CPU+GPU split on a machine without a CPU compiler); a type it does not name keeps
+    its own backend, and placement is as without a target."""
+    f = fj.jit(two_layer, target={"cpu": "interpreter"})
+    exe = f.lower(X, W1, W2).compile().executable
+    assert {p.backend.name for p in exe.parts} == {"interpreter"}
+    reference = fj.jit(unplaced, target="interpreter")(X, W1, W2)
+    for got, want in zip(f(X, W1, W2), reference):
+        np.testing.assert_array_equal(got, want)
+    other = fj.jit(two_layer, target={"gpu": "interpreter"}).lower(X, W1, W2).compile().executable
+    assert {p.backend.name for p in other.parts} == {"cpu"}
+    single = fj.jit(unplaced, target={"cpu": "interpreter"}).lower(X, W1, W2).compile().executable
+    assert single.backend == "interpreter"
+    assert fj.jit(two_layer, target=(("cpu", "interpreter"),)).target == (("cpu", "interpreter"),)
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ({"tpu": "cpu"}, "no device type 'tpu'; device types: cpu, gpu"),
+        ({"cpu": "nope"}, "unknown target 'nope'; available: "),
+        ({"cpu": 1}, "the backend of 'cpu' must be a target name; found 1"),
+        (3, r"expected a target name \(.*\) or a mapping \{device type: target name\}; found int"),
+    ],
+)
+def test_a_wrong_target_is_refused_at_the_jit_line(target, message):
+    with pytest.raises(fj.FlowjitValueError, match=r"test_multidevice.py:\d+: jit: (target: )?" + message):
+        fj.jit(two_layer, target=target)
+
+
 @pytest.mark.parametrize("target", ["interpreter", "cpu"])
 def test_gradients_equal_single_device(target):
     def loss(w1, w2, x):

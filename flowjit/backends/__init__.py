@@ -12,7 +12,9 @@ the submodules themselves.
 from flowjit.backends.base import Backend, Executable
 from flowjit.backends.registry import (
     BACKENDS,
+    backend_for,
     backend_for_device,
+    checked_target,
     compile_graph,
     default_target,
     get_backend,
@@ -23,7 +25,9 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "Executable",
+    "backend_for",
     "backend_for_device",
+    "checked_target",
     "compile_graph",
     "default_target",
     "get_backend",

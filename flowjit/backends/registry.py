@@ -4,8 +4,10 @@
                         (PTX run through the CUDA driver), and any registered one)
     DEVICE_BACKENDS     device type -> target name ('cpu' -> 'cpu', 'gpu' -> 'cuda')
 
-`fj.jit(f, target=...)` names a backend for every partition; by default each partition is compiled
-by the backend of its device's type (`backend_for_device`). A new backend registers itself with the
+`fj.jit(f, target=...)` names a backend for every partition, or, as a mapping {device type: target
+name}, for the partitions of those device types (`{"cpu": "interpreter"}`: CPU partitions run on
+the reference interpreter, GPU ones are compiled as usual); by default each partition is compiled by
+the backend of its device's type (`backend_for_device`, `backend_for`). A new backend registers itself with the
 device types it serves; a new device type must also be known to device names
 (`flowjit.ir.devices.register_device_type`) and have local devices (`runtime.devices`).
 """
@@ -62,6 +64,45 @@ def backend_for_device(device: str) -> Backend:
             f"{', '.join(f'{t} ({n})' for t, n in sorted(DEVICE_BACKENDS.items()))}"
         )
     return BACKENDS[name]
+
+
+def checked_target(target) -> str | tuple[tuple[str, str], ...] | None:
+    """`fj.jit`'s `target`, checked: None, a target name, or a mapping {device type: target name},
+    returned as sorted (device type, name) pairs (hashable: jit caches are keyed on it)."""
+    if target is None:
+        return None
+    if isinstance(target, str):
+        get_backend(target)
+        return target
+    if isinstance(target, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in target):
+        target = dict(target)
+    if not isinstance(target, dict):
+        raise FlowjitValueError(
+            f"target: expected a target name ({', '.join(sorted(BACKENDS))}) or a mapping "
+            f"{{device type: target name}}; found {type(target).__name__}"
+        )
+    for device_type, name in target.items():
+        if device_type not in DEVICE_BACKENDS:
+            raise FlowjitValueError(
+                f"target: no device type '{device_type}'; device types: {', '.join(sorted(DEVICE_BACKENDS))}"
+            )
+        if not isinstance(name, str):
+            raise FlowjitValueError(f"target: the backend of '{device_type}' must be a target name; found {name!r}")
+        get_backend(name)
+    return tuple(sorted(target.items()))
+
+
+def backend_for(device: str | None, target) -> Backend:
+    """The backend that compiles a partition on `device` (None: a function placed on no device)
+    under a checked `target` (`checked_target`): the one it names, the one it maps the device's
+    type to, or else the device type's own."""
+    if isinstance(target, str):
+        return get_backend(target)
+    by_type = dict(target or ())
+    if device is None:
+        return get_backend(by_type.get("cpu", default_target()))
+    name = by_type.get(DeviceSpec.parse(device).device_type)
+    return get_backend(name) if name is not None else backend_for_device(device)
 
 
 def compile_graph(graph: Graph, target: str = "cpu", options=None, aliases: dict[int, int] | None = None) -> Executable:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from flowjit.backends import checked_target
 from flowjit.errors import FlowjitError, FlowjitMemoryError, FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.lowered import PIPELINE, Compiled, Lowered
 from flowjit.frontend.pytree import TreeDef, is_pytree_node, leaf_paths, tree_flatten, tree_unflatten
@@ -125,7 +126,10 @@ class Jitted:
         self.device = device
         self.donate_argnums = _as_tuple(donate_argnums)
         self.donate_argnames = _as_tuple(donate_argnames)
-        self.target = target
+        try:
+            self.target = target = checked_target(target)
+        except FlowjitValueError as e:
+            raise FlowjitValueError(f"{user_location()}: jit: {e}") from None
         self.keep_on_device = bool(keep_on_device)
         options = (
             self.static_argnums,
@@ -456,7 +460,10 @@ def jit(
     shape and dtype may be written into a donated array's memory and returned as that very array
     (`params = step(params, batch)` then allocates nothing per call). Afterwards the donated array
     holds that result, not its old value. Honored by the CPU backend on one device.
-    device: placement constraint for every op (e.g. "cpu:0"). target: backend ('cpu', 'interpreter').
+    device: placement constraint for every op (e.g. "cpu:0"). target: the backend of every
+    partition ('cpu', 'interpreter', 'cuda'), or a mapping {device type: backend} for the partitions
+    of those types ({"cpu": "interpreter"}: CPU partitions on the reference interpreter, GPU ones
+    compiled as usual).
     keep_on_device: results of a program that runs on a GPU stay in its memory, as `fj.DeviceArray`s
     (`np.asarray(r)` copies one to the host; passed to a program on that GPU, it is read where it
     is); a program on the CPU returns numpy arrays as always.

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from flowjit.backends import Executable, backend_for_device, default_target, get_backend
+from flowjit.backends import Executable, backend_for
 from flowjit.backends.gpu.arrays import DeviceArray
 from flowjit.errors import FlowjitTypeError, FlowjitValueError
 from flowjit.frontend.pytree import TreeDef, tree_unflatten
@@ -76,7 +76,7 @@ class Lowered:
             # Passes rewrite in place: optimize a copy so the traced stage stays as traced.
             copy = self._graphs["traced"].copy()
             copy.devices = tuple(d.name for d in placement_devices())  # local devices and a cluster's tasks'
-            if self.target is not None:  # the target compiles every partition: unconstrained ops stay on CPUs
+            if isinstance(self.target, str):  # it compiles every partition: unconstrained ops stay on CPUs
                 copy.unconstrained_device_types = ("cpu",)
             self._graphs["optimized"] = run_pipeline(copy, PIPELINE, dump_name=self.name)
         if stage == "placement" and stage not in self._graphs:
@@ -101,10 +101,7 @@ class Lowered:
             else:  # one device: the optimized graph as is, by that device's backend (or the target's)
                 graph = self.graph("optimized")
                 device = used[0] if used else None
-                if self.target is not None:
-                    backend = get_backend(self.target)
-                else:
-                    backend = backend_for_device(device) if device else get_backend(default_target())
+                backend = backend_for(device, self.target)
                 self._executable = backend.compile(graph, device, aliases=self._aliases(graph))
         return self._executable
 

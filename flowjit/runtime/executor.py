@@ -31,7 +31,7 @@ import numpy as np
 
 from flowjit.backends.base import Executable
 from flowjit.backends.interpreter import PartitionError
-from flowjit.backends.registry import backend_for_device, get_backend
+from flowjit.backends.registry import backend_for
 from flowjit.ir.graph import Graph
 from flowjit.passes.partition import PartitionPlan, short_device_name
 from flowjit.runtime.rendezvous import Rendezvous, TransferError
@@ -42,11 +42,12 @@ __all__ = ["PartitionError", "PartitionedExecutable", "crossings", "routes", "ro
 
 
 class Partition:
-    """One partition compiled by the backend of its device (or the one `target` names)."""
+    """One partition compiled by the backend of its device (or the one `target` names for it:
+    `registry.backend_for`)."""
 
-    def __init__(self, graph: Graph, device: str, target: str | None):
+    def __init__(self, graph: Graph, device: str, target):
         self.device = short_device_name(device)
-        self.backend = backend_for_device(device) if target is None else get_backend(target)
+        self.backend = backend_for(device, target)
         self.executable = self.backend.compile(graph, device)
 
     def run(self, args: Sequence[np.ndarray], variables: dict, rendezvous: Rendezvous) -> list[np.ndarray]:
@@ -131,7 +132,8 @@ def step_error(failed: list[tuple[str, BaseException]]) -> BaseException:
 
 class PartitionedExecutable(Executable):
     """All partitions of one function, run together per call. Each is compiled by the backend of
-    its device's type, or by the backend `target` names for all (e.g. 'interpreter'); each value
+    its device's type, or by the backend `target` names for all (e.g. 'interpreter') or for its
+    device type ({'cpu': 'interpreter'}); each value
     crossing devices moves through the transport of its device pair. Partitions on devices of
     other tasks are loaded into those tasks by the running cluster (`flowjit.runtime.tasks`) and
     run there, joined to this process's partitions by one message per (step, task pair)."""
