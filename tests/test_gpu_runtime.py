@@ -880,13 +880,16 @@ def test_prepare_compiles_the_tiny_set_into_a_small_folder(prepared):
         "chain": "compiled",
         "whole_sum": "compiled",
         "mlp_forward": "compiled",
+        "cpu_gpu_split": "compiled",
         "newton_sqrt": "not compiled",
     }
     (loop,) = [p for p in manifest["programs"] if p["name"] == "newton_sqrt"]
     assert "while" in loop["error"]
     assert manifest["chip"] == "sm_90"
     size = sum(f.stat().st_size for f in prepared.rglob("*") if f.is_file())
-    assert len(list((prepared / "cache").glob("*.fjg"))) == 3 and size < 1 << 20
+    # one entry per GPU program, and one for the split's GPU partition (one stage: it receives the
+    # scaled input, computes, sends the layer back); its CPU partitions run on the interpreter
+    assert len(list((prepared / "cache").glob("*.fjg"))) == 4 and size < 1 << 20
 
 
 def test_run_loads_from_the_cache_without_mlir_up_to_the_device(prepared, tmp_path):
@@ -896,7 +899,9 @@ def test_run_loads_from_the_cache_without_mlir_up_to_the_device(prepared, tmp_pa
         text=True,
         timeout=600,
     )
-    assert "loaded 3 of 4 programs" in done.stdout and "(mlir imported: False)" in done.stdout, done.stderr
+    # without a GPU the split cannot be placed (no gpu:0): it is listed as not loaded, with the reason
+    loaded = 3 if NO_GPU is not None else 4
+    assert f"loaded {loaded} of 5 programs" in done.stdout and "(mlir imported: False)" in done.stdout, done.stderr
     if NO_GPU is not None:
         assert done.returncode == 2
         assert re.search(r"GpuRuntimeError: \S+device_check.py:\d+: cannot run 'chain' on GPU 0: ", done.stdout)
@@ -929,6 +934,11 @@ def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver
     for name in ("chain", "whole_sum", "mlp_forward"):
         assert programs[name]["status"] == "mismatch" and programs[name]["flowjit_ms"] > 0
         assert len(programs[name]["loaded"]) == 1
+    split = programs["cpu_gpu_split"]  # placed over cpu:0 and the fake gpu:0, the GPU part from the cache
+    assert split["kind"] == "split" and split["status"] == "mismatch" and split["flowjit_ms"] > 0
+    assert split["backends"].startswith("2 partitions on cpu:0, gpu:0, each cuda (MLIR -> NVVM -> PTX, sm_90;")
+    assert split["backends"].endswith("send/recv on the host around 1 GPU call(s) / interpreter"), split
+    assert "peers" not in split
     assert "program" in done.stdout and "newton_sqrt" in done.stdout
 
 

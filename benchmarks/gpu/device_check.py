@@ -22,7 +22,10 @@
         1 when one did not (or crashed, timed out, was skipped), 2 when no GPU could be used
         (the reason is printed: it is the runtime's GpuRuntimeError).
 
-Programs the GPU cannot compile (`newton_sqrt`: a while loop, which stays on the CPU) are listed
+`cpu_gpu_split` is placed over cpu:0 and gpu:0 (`split_between`): its GPU partition comes from the
+cache, its CPU partitions run on the reference interpreter (`split_target`), and its result is
+compared with the same program on the CPU alone. Programs the GPU cannot compile (`newton_sqrt`: a
+while loop, which stays on the CPU) are listed
 as such, with the compile error, never silently dropped. --peer-device cpu runs the peers on the
 CPU: the tests use it to go through the peers' code without a GPU.
 """
@@ -30,6 +33,7 @@ CPU: the tests use it to go through the peers' code without a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -111,6 +115,32 @@ def mlp_train_step(x, y, w1, b1, w2):
     return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
 
 
+def split_between(gpu: str):
+    """The cpu:0+gpu:0 split: the inputs scaled on cpu:0, a tanh layer on `gpu`, its row sums back
+    on cpu:0 (two transfers in, one out). `split_between("cpu:0")` is the same program on the CPU
+    alone, whose result the split must give."""
+
+    def cpu_gpu_split(x, w):
+        import flowjit as fj
+        import flowjit.numpy as fnp
+
+        with fj.device("cpu:0"):
+            s = x * 0.5 + 1.0
+        with fj.device(gpu):
+            h = fnp.tanh(s @ w)
+        with fj.device("cpu:0"):
+            return fnp.sum(h, axis=1)
+
+    return cpu_gpu_split
+
+
+def split_target(chip: str) -> dict[str, str]:
+    """The split's backends: its GPU partition compiled for `chip` (from the cache, there), its
+    CPU partitions on the reference interpreter, since the GPU machine has no CPU compiler (no
+    MLIR, no llvmlite): what the check exercises is the GPU partition and the transfers."""
+    return {"cpu": "interpreter", "gpu": f"cuda-{chip}"}
+
+
 def newton_sqrt(x):
     """A while loop: control flow stays on the CPU (the GPU's CPU_ONLY table), so this program is
     listed as not compiled, with the reason."""
@@ -125,6 +155,7 @@ class Program:
     fn: Callable
     shapes: tuple[tuple[int, ...], ...]
     tiny: tuple[tuple[int, ...], ...]
+    kind: str = "program"  # "split": placed over cpu:0 and gpu:0, no peers
 
 
 PROGRAMS = [
@@ -140,11 +171,12 @@ PROGRAMS = [
         ((256, 784), (256, 10), (784, 256), (256,), (256, 10)),
         ((4, 8), (4, 2), (8, 8), (8,), (8, 2)),
     ),
+    Program("cpu_gpu_split", split_between("gpu:0"), ((1024, 512), (512, 256)), ((8, 16), (16, 8)), kind="split"),
     Program("newton_sqrt", newton_sqrt, ((64, 64),), ((4, 4),)),
 ]
 # Op-table rows (tests/op_table.py) the GPU lowers: numerics only (small, untimed).
 OP_ROWS = ("exp", "tanh", "add", "broadcast", "transpose", "reduce_sum", "reduce_max")
-TINY = {"chain", "whole_sum", "mlp_forward", "newton_sqrt"}
+TINY = {"chain", "whole_sum", "mlp_forward", "cpu_gpu_split", "newton_sqrt"}
 
 
 def _inputs(program: Program, tiny: bool) -> list[np.ndarray]:
@@ -186,9 +218,13 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
         if tiny and program.name not in TINY:
             continue
         inputs = _inputs(program, tiny)
-        entry = {"name": program.name, "kind": "program", "tiny": tiny}
+        entry = {"name": program.name, "kind": program.kind, "tiny": tiny}
         try:
-            fj.jit(program.fn, target=target).lower(*inputs).compile()
+            if program.kind == "split":
+                with _one_gpu_declared():  # placed as on a machine with one GPU, the GPU machine
+                    fj.jit(program.fn, target=split_target(chip)).lower(*inputs).compile()
+            else:
+                fj.jit(program.fn, target=target).lower(*inputs).compile()
         except fj.FlowjitError as error:
             entry["status"] = "not compiled"
             entry["error"] = str(error).splitlines()[0]
@@ -196,7 +232,8 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
             continue
         os.environ["FLOWJIT_CACHE"] = "0"  # the CPU's code stays out of the folder that travels
         try:
-            expected = fj.jit(program.fn, target="cpu")(*inputs)
+            on_the_cpu = split_between("cpu:0") if program.kind == "split" else program.fn
+            expected = fj.jit(on_the_cpu, target="cpu")(*inputs)
         finally:
             del os.environ["FLOWJIT_CACHE"]
         entry["status"] = "compiled"
@@ -221,6 +258,20 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
+
+
+@contextlib.contextmanager
+def _one_gpu_declared():
+    """This process has one GPU for placement while compiling (its driver is not asked): the
+    split is placed as it will be on the GPU machine, so its GPU partition's stages are the ones
+    that machine looks up in the cache."""
+    from flowjit.runtime.devices import register_device_provider
+
+    undo = register_device_provider("gpu", lambda: 1)
+    try:
+        yield
+    finally:
+        undo()
 
 
 def _clear(out: str) -> None:
@@ -444,6 +495,9 @@ def load_programs(folder: str, names: tuple[str, ...] = ()) -> tuple[dict, list[
         inputs = [data[f"in{i}"] for i in range(sum(k.startswith("in") for k in data.files))]
         item["expected"] = [data[f"out{i}"] for i in range(sum(k.startswith("out") for k in data.files))]
         item["inputs"] = inputs
+        if entry["kind"] == "split":
+            _load_split(item, by_name[entry["name"]], manifest["chip"])
+            continue
         if entry["kind"] == "row":
             graph = rows[entry["name"]].graph
         else:
@@ -456,6 +510,22 @@ def load_programs(folder: str, names: tuple[str, ...] = ()) -> tuple[dict, list[
         item["status"] = "loaded"
         item["executable"] = GpuExecutable(cached, 0, "disk cache")
     return manifest, loaded
+
+
+def _load_split(item: dict, program: Program, chip: str) -> None:
+    """The split's partitions: the GPU one from the cache (a miss would need MLIR: reported, not
+    compiled), the CPU ones on the interpreter. Placement needs the GPU the driver shows."""
+    import flowjit as fj
+    from flowjit.backends.gpu.driver import GpuRuntimeError
+
+    try:
+        compiled = fj.jit(program.fn, target=split_target(chip)).lower(*item["inputs"]).compile()
+    except (fj.FlowjitError, GpuRuntimeError, ImportError) as error:
+        item["status"] = "cache miss" if isinstance(error, ImportError) else "not loaded"
+        item["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        return
+    item["status"] = "loaded"
+    item["executable"] = compiled.executable
 
 
 def probe(folder: str, record_path: str, options: RunOptions) -> None:
@@ -493,8 +563,9 @@ def run_one(folder: str, name: str, record_path: str, options: RunOptions) -> No
     record.update(_public(p), stage="flowjit")
     _write_record(record_path, record)
     if "executable" in p:
+        check = _check_and_time_split if p["kind"] == "split" else _check_and_time_flowjit
         try:
-            record.update(_check_and_time_flowjit(p, options.repeat))
+            record.update(check(p, options.repeat))
         except GpuRuntimeError as error:
             record["status"], record["error"] = "error", str(error)
     record["mlir_imported"] = "mlir" in sys.modules  # flowjit's part is done: the peers may import what they like
@@ -537,6 +608,19 @@ def _check_and_time_flowjit(p: dict, repeat: int) -> dict:
         "loaded": sorted(set(executable.runner().loading_report().values())),
         "flowjit_ms": median_ms(lambda: executable.run(p["inputs"]), repeat),
         "flowjit_device_ms": median_ms(lambda: executable.run_resident(on_device, keep_results=True), repeat),
+    }
+
+
+def _check_and_time_split(p: dict, repeat: int) -> dict:
+    """The split end to end (host arrays in and out; the GPU partition's inputs and results cross
+    through the host<->GPU transfers), compared with the CPU-only result."""
+    executable = p["executable"]
+    error = compare(executable.run(p["inputs"]), p)
+    return {
+        "status": "ok" if error["matches"] else "mismatch",
+        "max_abs_error": error["max_abs_error"],
+        "backends": executable.backend,
+        "flowjit_ms": median_ms(lambda: executable.run(p["inputs"]), repeat),
     }
 
 
