@@ -34,7 +34,7 @@ UNROLL_MAX_LAUNCHES = 16
 
 # Every buffer a plan's kernels take starts at a multiple of this many bytes: the runtime's
 # allocations (cuMemAlloc: 256) and the AOT library's arena slots (256) do, and a `DeviceArray` that
-# does not (an imported view) comes through the host. Kernels may read and write 16 bytes at a time.
+# does not (an imported view) comes through the host. Wide accesses (`wide_accesses.py`) rely on it.
 BUFFER_ALIGNMENT = 16
 
 # Bytes of one element of each MLIR element type a buffer may hold (i1 is stored as a byte).
