@@ -125,3 +125,19 @@ def test_the_width_is_16_bytes_of_the_element_type(dtype, loads, grid):
 def test_vectorized_kernels_compute_the_programs(fn, args):
     got, want = emulated(fn, *args)
     np.testing.assert_allclose(got.astype(np.float64), np.asarray(want, np.float64), rtol=2e-3, atol=1e-5)
+
+
+def test_a_gradient_through_the_chain_runs_vectorized_kernels_and_computes_the_cpus_values():
+    def loss(x, y):
+        return fnp.sum(chain(x, y) * x)
+
+    x, y = _X, _X[::-1] + 0.5
+    gradient = fj.grad(loss, argnums=(0, 1))
+    module = compiled(gradient, x, y)
+    launches = module.plan.launch_count()
+    assert module.gpu_mlir.count("gpu.func") == launches and module.gpu_mlir.count("vector.store") == launches
+    kernels = gpu_emulator.EmulatedKernels(module.gpu_mlir)
+    want = fj.jit(gradient)(x, y)
+    got = gpu_emulator.run(module.plan, kernels, [x, y], [(w.shape, w.dtype) for w in want])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
