@@ -31,8 +31,9 @@ _MODULE = re.compile(r"^  gpu\.module @(\w+)")
 _GLOBAL = re.compile(r"^\s*(memref\.global .*?)@(\w+)(.*)$")
 _IDS = re.compile(r"^\s*(%\w+) = gpu\.(block_id|thread_id)\s+([xyz])$")
 _ARG = re.compile(r", (?=%\w+: )")
-LOWER = (
-    "builtin.module(lower-affine,convert-scf-to-cf,expand-strided-metadata,lower-affine,convert-math-to-llvm,"
+LOWER = (  # vector.load/store: the wide accesses of elementwise kernels (`wide_accesses.py`)
+    "builtin.module(lower-affine,convert-scf-to-cf,convert-vector-to-llvm,expand-strided-metadata,lower-affine,"
+    "convert-math-to-llvm,"
     "finalize-memref-to-llvm,convert-arith-to-llvm,convert-index-to-llvm,convert-func-to-llvm,"
     "convert-cf-to-llvm,reconcile-unrealized-casts)"
 )

@@ -263,6 +263,26 @@ def test_an_imported_tensor_must_be_contiguous_on_this_device_and_of_a_flowjit_d
         arrays.imported(ctx, "not a capsule")
 
 
+def test_an_imported_view_off_the_16_byte_grid_comes_through_the_host():
+    """Kernels may load and store 16 bytes at a time: every buffer they take starts at a multiple
+    of `plan.BUFFER_ALIGNMENT` bytes. A DeviceArray starting 4 bytes into a block (another
+    library's view) is passed as a host array, copied into a buffer of the runtime's; an aligned
+    one is passed by its address."""
+    ctx = FakeContext(ordinal=0)
+    a = arrays.put(ctx, np.arange(8, dtype=np.float32))
+    capsule = a.__dlpack__()
+    t = arrays.DLManagedTensor.from_address(_api.PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
+    t.shape[0], t.byte_offset = 4, 4  # a[1:5]
+    view = arrays.imported(ctx, capsule)
+    aligned = arrays.put(ctx, np.arange(4, dtype=np.float32))
+    lowered = fj.jit(lambda x: x * 2.0, target="cuda").lower(np.ones(4, np.float32))
+    lowered.compile()
+    executable = lowered._executable
+    assert executable.check_arguments([aligned]) == [aligned.address_on(0)]
+    [moved] = executable.check_arguments([view])
+    assert isinstance(moved, np.ndarray) and moved.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 def test_from_dlpack_takes_host_arrays_as_they_are_and_says_what_it_cannot_take():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     y = fj.from_dlpack(x)

@@ -164,7 +164,7 @@ def test_a_fused_elementwise_result_is_one_kernel_writing_the_output():
 
 
 _LAUNCH = re.compile(r"threads in \((%c\d+), (%c\d+), (%c\d+)\)")
-_STORE = re.compile(r"memref\.store %\w+, %\w+\[([^\]]*)\] : memref<(\d+x)+f32>")
+_STORE = re.compile(r"(memref|vector)\.store %\w+, %\w+\[([^\]]*)\] .*: memref<(?:\d+x)+f32>(?:, vector<(\d+)xf32>)?")
 
 
 @pytest.mark.parametrize(
@@ -178,18 +178,23 @@ _STORE = re.compile(r"memref\.store %\w+, %\w+\[([^\]]*)\] : memref<(\d+x)+f32>"
 )
 def test_consecutive_threads_write_consecutive_elements(fn, shapes):
     """The n-d kernels give a block's threads the contiguous (last) dimension: the index of that
-    dimension in the output's store is the block's thread id plus an offset, so a warp's stores
-    are coalesced (with a block's threads on the first dimension, each would be a row apart)."""
+    dimension in the output's store is the block's thread id plus an offset (times the vector's
+    width where each thread stores a vector: `wide_accesses.py`), so a warp's stores are coalesced
+    (with a block's threads on the first dimension, each would be a row apart)."""
     args = [np.ones(s, np.float32) for s in shapes]
     text = lower_to_ptx(fj.jit(fn).lower(*args).graph("optimized"), GpuOptions()).gpu_mlir
     host, kernel = text.split("gpu.module", 1)
     (threads,) = _LAUNCH.findall(host)
     constants = dict(re.findall(r"(%c\d+) = arith.constant (\d+) : index", host))
     (axis,) = ["xyz"[i] for i, c in enumerate(threads) if constants[c] != "1"]  # the block's one wide axis
-    (store,) = _STORE.findall(kernel)
-    last = store[0].split(", ")[-1]
+    ((kind, indices, width),) = _STORE.findall(kernel)
+    last = indices.split(", ")[-1]
+    if kind == "vector":  # consecutive threads store consecutive vectors of `width` elements
+        scaled = re.search(rf"{re.escape(last)} = arith\.muli (%\w+), (%c\d+) .*: index", kernel)
+        assert scaled is not None and re.search(rf"{scaled.group(2)} = arith.constant {width} : index", kernel)
+        last = scaled.group(1)
     definition = re.search(rf"{re.escape(last)} = arith\.addi (%\w+), (%\w+) : index", kernel)
-    assert definition is not None and f"%thread_id_{axis}" in definition.groups(), (store, definition)
+    assert definition is not None and f"%thread_id_{axis}" in definition.groups(), (indices, definition)
 
 
 def test_a_small_loop_is_unrolled_into_the_same_launches(host_loops, monkeypatch):

@@ -27,6 +27,7 @@ from flowjit.backends.gpu import placement as _placement  # noqa: F401 (register
 from flowjit.backends.gpu.arrays import DeviceArray
 from flowjit.backends.gpu.driver import GpuRuntimeError
 from flowjit.backends.gpu.pipeline import CHIPS, GpuOptions
+from flowjit.backends.gpu.plan import BUFFER_ALIGNMENT
 from flowjit.backends.gpu.runtime import KernelImage, PlanRunner
 from flowjit.errors import FlowjitTypeError
 from flowjit.ir import dtypes as dt
@@ -98,8 +99,9 @@ class GpuExecutable(Executable):
 
     def check_arguments(self, args) -> list[np.ndarray | int]:
         """The arguments as C-contiguous host arrays, or as device addresses for `DeviceArray`s on
-        this executable's GPU (one on another device comes through the host); a FlowjitTypeError
-        unless they match the signature."""
+        this executable's GPU (one on another device, or not starting at a multiple of
+        `plan.BUFFER_ALIGNMENT` bytes, as an imported view may, comes through the host); a
+        FlowjitTypeError unless they match the signature."""
         if len(args) != len(self._in_types):
             raise FlowjitTypeError(f"expected {len(self._in_types)} arrays; found {len(args)}")
         arrays = []
@@ -113,7 +115,7 @@ class GpuExecutable(Executable):
                     f"found shape {tuple(arg.shape)} and dtype {arg.dtype}"
                 )
             address = arg.address_on(self.ordinal) if on_device else None
-            if address is not None:
+            if address is not None and address % BUFFER_ALIGNMENT == 0:
                 arrays.append(address)
             else:
                 arrays.append(np.ascontiguousarray(arg.numpy() if on_device else arg))

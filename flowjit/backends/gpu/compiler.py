@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
 from flowjit.backends.gpu.plan import LaunchPlan, check_against_ptx, extract_plan
 from flowjit.backends.gpu.target import GPU, check_graph
+from flowjit.backends.gpu.wide_accesses import wide_accesses
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.backends.mlir.lowering import MlirModule, lower_graph
 from flowjit.errors import CompileError
@@ -367,6 +368,7 @@ def lower_to_ptx(graph: Graph, options: GpuOptions) -> GpuModule:
             module = mlir_pipeline.parse(bufferized)
         mlir_pipeline.run_pipeline(module, stage_pipeline("generalize", options=options), lambda: bufferized)
         contiguous_dimension_first(module)
+        wide_accesses(module)
         mlir_pipeline.run_pipeline(module, stage_pipeline("gpu-launches", options=options), lambda: bufferized)
         globals_into_launches(module)
         launched = str(module)

@@ -58,6 +58,8 @@ def mlir_stages(options: GpuOptions) -> dict[str, tuple[str, ...]]:
         # `compiler.contiguous_dimension_first` orders the loops of every kernel.
         "generalize": ("func.func(linalg-generalize-named-ops)",),
         "gpu-launches": (
+            # The vectorized kernels' loops (`wide_accesses`: an scf.forall per kernel) as the others'.
+            "func.func(scf-forall-to-parallel)",
             # Each linalg op -> an scf.parallel over its parallel dimensions (reductions inside: scf.for).
             "convert-linalg-to-parallel-loops",
             # No canonicalization before the mapping: it would fold a one-iteration scf.parallel (a

@@ -32,6 +32,11 @@ from flowjit.errors import CompileError
 # Loops whose launches number at most this many in all are unrolled into the plan.
 UNROLL_MAX_LAUNCHES = 16
 
+# Every buffer a plan's kernels take starts at a multiple of this many bytes: the runtime's
+# allocations (cuMemAlloc: 256) and the AOT library's arena slots (256) do, and a `DeviceArray` that
+# does not (an imported view) comes through the host. Wide accesses (`wide_accesses.py`) rely on it.
+BUFFER_ALIGNMENT = 16
+
 # Bytes of one element of each MLIR element type a buffer may hold (i1 is stored as a byte).
 ELEMENT_BYTES = {
     "i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "index": 8,
