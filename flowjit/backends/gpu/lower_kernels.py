@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from flowjit.backends.gpu import lower_matmul
 from flowjit.backends.mlir import lower_reduction
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
@@ -270,7 +271,8 @@ def zero_of(b: ScalarBuilder, elem: str) -> str:
 
 def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """One thread per result element, a serial loop nest over the contracted dimensions
-    (accumulating half types in f32, as the reference does). No tiling through shared memory yet."""
+    (accumulating half types in f32, as the reference does): the products `lower_matmul` does not
+    tile (`lower_matmul.uses_tiles`)."""
     a, b = op.operands
     lc, rc = op.attrs["lhs_contract"], op.attrs["rhs_contract"]
     lb, rb = op.attrs["lhs_batch"], op.attrs["rhs_batch"]
@@ -815,3 +817,6 @@ LOWERINGS = {
 def register(table: LoweringTable) -> None:
     """Add the GPU's own lowerings to `table` (the GPU's)."""
     table.tensor.update(LOWERINGS)
+    # Matmul-shaped products as a tiled kernel through shared memory; the others (and a product
+    # whose buffers the lowering does not see) fall back to `lower_dot_general`.
+    table.call["dot_general"] = lower_matmul.lower_tiled_dot

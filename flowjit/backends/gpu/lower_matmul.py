@@ -1,0 +1,281 @@
+"""Matmul-shaped dot_generals as a tiled kernel through workgroup (shared) memory.
+
+Which products (`tiled_product`): float32, float16 or bfloat16 operands (half types accumulate in
+float32, the result is rounded to the op's dtype), batch dimensions leading in both operands and
+in the same order, one contracting dimension and one free dimension per operand; either operand
+may be transposed (A given as (batch..., K, M), B as (batch..., N, K)). The kernel is worth its
+tiles only when the product fills them (`uses_tiles`): M and N of at least `MIN_MN` (with fewer
+rows or columns most of a tile's threads would compute masked zeros while the one-thread-per-
+element kernel keeps every thread busy) and K of at least `BK` (with fewer, each element is read
+from global memory once either way, so shared memory saves nothing). Any other product keeps
+`lower_kernels.lower_dot_general` (one thread per element, a loop over K from global memory).
+
+The kernel (`emit`, a `gpu.launch` on the operands' and the result's buffers, written at the
+"mlir" stage): block (x, y, z) computes the `BM` x `BN` tile (y, x) of C in batch z with
+`THREADS` threads; thread t holds a `MICRO` x `MICRO` micro-tile in registers, rows
+t / 16 + 16 i and columns t % 16 + 16 j (strided, so that a warp's reads of the B tile and its
+stores of C touch consecutive words). K goes in steps of `BK`: the block loads the `BM` x `BK`
+tile of A and the `BK` x `BN` tile of B into workgroup memory (each thread 4 elements of each,
+consecutive threads reading consecutive addresses of the operand's contiguous dimension, so
+global reads are coalesced whichever operand is transposed), `gpu.barrier`, each thread
+accumulates its micro-tile from the shared tiles (`math.fma` in float32), `gpu.barrier`. The
+shared tiles are stored k-major, `BK` x (`BM` + `PAD`) floats: the padding makes a warp's
+transposing stores (16 consecutive k of two rows) hit 32 distinct banks.
+
+Edges: a dimension that is not a multiple of its tile is masked where it is read (the index
+clamped into the operand, the value replaced by 0) and where C is written (the store skipped);
+dimensions that are multiples get no mask. No thread reads or writes outside its buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type
+from flowjit.backends.mlir.lower_elementwise import extend, narrow
+from flowjit.backends.mlir.lowering import call_buffers
+from flowjit.ir import dtypes as dt
+from flowjit.ir.graph import Op
+
+BM = BN = 64  # a block's tile of C (equal: the shared tiles and their loads assume it)
+BK = 16  # the K step
+THREADS = 256
+MICRO = 4  # each thread's micro-tile is MICRO x MICRO
+PAD = 2  # floats after each k-row of a shared tile (bank conflicts)
+MIN_MN = 32  # the fewest rows and columns the tiled kernel takes
+_SPREAD = BM // MICRO  # threads along a tile's rows and columns (16)
+_FLOATS = (dt.float32, dt.float16, dt.bfloat16)
+_GRID_YZ_MAX = 65535
+
+
+@dataclass(frozen=True)
+class TiledProduct:
+    """A dot_general as batch x (M, K) @ (K, N): whether each operand is stored transposed."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    a_transposed: bool  # A stored (batch..., K, M)
+    b_transposed: bool  # B stored (batch..., N, K)
+
+
+def tiled_product(op: Op) -> TiledProduct | None:
+    """`op` (a dot_general) as a matmul the tiled kernel computes, or None."""
+    a, b = (v.type for v in op.operands)
+    result = op.result.type
+    lc, rc = op.attrs["lhs_contract"], op.attrs["rhs_contract"]
+    lb, rb = list(op.attrs["lhs_batch"]), list(op.attrs["rhs_batch"])
+    nb = len(lb)
+    if a.dtype not in _FLOATS or b.dtype != a.dtype or result.dtype not in _FLOATS:
+        return None
+    if lb != list(range(nb)) or rb != list(range(nb)) or len(lc) != 1 or len(rc) != 1:
+        return None
+    if a.rank != nb + 2 or b.rank != nb + 2:
+        return None
+    a_transposed, b_transposed = lc[0] == nb, rc[0] == nb + 1
+    m = a.shape[nb + 1] if a_transposed else a.shape[nb]
+    n = b.shape[nb] if b_transposed else b.shape[nb + 1]
+    product = TiledProduct(math.prod(a.shape[:nb]), m, n, a.shape[lc[0]], a_transposed, b_transposed)
+    if not uses_tiles(product):
+        return None
+    return product
+
+
+def uses_tiles(p: TiledProduct) -> bool:
+    """Whether the tiled kernel can win over one thread per element (the module docstring), and
+    the grid fits (at most 65535 tiles of rows, 65535 batches)."""
+    rows = -(-p.m // BM)
+    return p.m >= MIN_MN and p.n >= MIN_MN and p.k >= BK and rows <= _GRID_YZ_MAX and p.batch <= _GRID_YZ_MAX
+
+
+def lower_tiled_dot(fl, op: Op) -> bool:
+    """`LoweringTable.call` entry for dot_general: the tiled kernel on the buffers, or False (the
+    op gets `lower_kernels.lower_dot_general`)."""
+    product = tiled_product(op)
+    buffers = call_buffers(fl, op) if product is not None else None
+    if buffers is None:
+        return False
+    emit(fl.em, product, op, [buffer for buffer, _ in buffers])
+    return True
+
+
+# --- the kernel ----------------------------------------------------------------------------------
+
+
+def _location(op: Op) -> str:
+    file = op.loc.file.replace("\\", "\\\\").replace('"', '\\"')
+    return f' loc("{file}":{op.loc.line}:0)' if op.loc.file else ""
+
+
+def _memref(shape: tuple[int, ...], elem: str) -> str:
+    return f"memref<{''.join(f'{d}x' for d in shape)}{elem}>"
+
+
+def _as_3d(em: KernelEmitter, buffer: str, shape: tuple[int, ...], elem: str) -> tuple[str, str]:
+    """`buffer` (of `shape`: batch dims, then two) viewed as (batch, rows, columns), and its type."""
+    nb = len(shape) - 2
+    source, viewed = _memref(shape, elem), _memref((math.prod(shape[:nb]), *shape[nb:]), elem)
+    if nb == 1:
+        return buffer, source
+    if nb == 0:
+        extents = ", ".join(map(str, (1, *shape)))
+        return em.op(
+            f"memref.expand_shape {buffer} [[0, 1], [2]] output_shape [{extents}] : {source} into {viewed}"
+        ), viewed
+    groups = f"[[{', '.join(map(str, range(nb)))}], [{nb}], [{nb + 1}]]"
+    return em.op(f"memref.collapse_shape {buffer} {groups} : {source} into {viewed}"), viewed
+
+
+class _KernelWriter:
+    """Writes the body of one tiled product's `gpu.launch` (`emit`)."""
+
+    def __init__(self, b: ScalarBuilder, p: TiledProduct, op: Op, views, shared: tuple[str, str]):
+        self.b, self.p, self.op = b, p, op
+        self.views = views  # (A, B, C): (3-d view, its memref type)
+        self.shared = shared  # (A tile, B tile) in workgroup memory
+        self.shared_type = f"memref<{BK}x{BM + PAD}xf32, #gpu.address_space<workgroup>>"
+        self.dtypes = [v.type.dtype for v in op.operands]
+        self.batch = ""  # the block's batch index (block id z), set by `write`
+
+    def index(self, value: int) -> str:
+        return self.b.const(value, "index")
+
+    def affine(self, x: str, scale: int, add: str | None) -> str:
+        """x * scale + add (index values; add None: 0)."""
+        b = self.b
+        scaled = x if scale == 1 else b.op(f"arith.muli {x}, {self.index(scale)} : index")
+        return scaled if add is None else b.op(f"arith.addi {scaled}, {add} : index")
+
+    def masked(self, coordinates: list[tuple[str, int, bool]]) -> tuple[list[str], str | None]:
+        """Each (index, extent, needs a mask) clamped into its extent where masked, and the
+        conjunction of the masked ones' `index < extent` (None: no mask)."""
+        b, clamped, valid = self.b, [], None
+        for index, extent, mask in coordinates:
+            if not mask:
+                clamped.append(index)
+                continue
+            inside = b.op(f"arith.cmpi ult, {index}, {self.index(extent)} : index")
+            valid = inside if valid is None else b.op(f"arith.andi {valid}, {inside} : i1")
+            clamped.append(b.op(f"arith.minui {index}, {self.index(extent - 1)} : index"))
+        return clamped, valid
+
+    def load_tile(self, operand: int, k0: str, tid: str, free0: str) -> None:
+        """Operand `operand`'s tile of this K step into its shared tile, stored [k][free]: each
+        thread 4 elements, consecutive threads along the operand's contiguous dimension."""
+        b, p = self.b, self.p
+        view, mtype = self.views[operand]
+        k_major = p.a_transposed if operand == 0 else not p.b_transposed  # stored (K, free)
+        free_extent = p.m if operand == 0 else p.n
+        width = BM if k_major else BK  # extent of the tile's contiguous dimension
+        inner = b.op(f"arith.remui {tid}, {self.index(width)} : index")
+        outer = b.op(f"arith.divui {tid}, {self.index(width)} : index")
+        zero = b.const(0.0, "f32")
+        for s in range(BM * BK // THREADS):
+            across = self.affine(self.index(s * (THREADS // width)), 1, outer) if s else outer
+            k, free = (across, inner) if k_major else (inner, across)
+            global_k, global_free = self.affine(k, 1, k0), self.affine(free, 1, free0)
+            (gk, gf), valid = self.masked(
+                [(global_k, p.k, p.k % BK != 0), (global_free, free_extent, free_extent % BM != 0)]
+            )
+            at = (gk, gf) if k_major else (gf, gk)
+            value = b.op(f"memref.load {view}[{self.batch}, {at[0]}, {at[1]}] : {mtype}")
+            value = extend(b, value, self.dtypes[operand])
+            if valid is not None:
+                value = b.op(f"arith.select {valid}, {value}, {zero} : f32")
+            b.line(f"memref.store {value}, {self.shared[operand]}[{k}, {free}] : {self.shared_type}")
+
+    def shared_load(self, operand: int, k: str, first: str, step: int) -> str:
+        """Element [k][first + 16 step] of operand `operand`'s shared tile."""
+        at = self.affine(first, 1, self.index(_SPREAD * step))
+        return self.b.op(f"memref.load {self.shared[operand]}[{k}, {at}] : {self.shared_type}")
+
+    def accumulate(self, row: str, col: str, acc: list[str]) -> list[str]:
+        """The micro-tile's sums after one K step: a loop over the shared tiles' k."""
+        b, em = self.b, self.b.emitter
+        kk, result = em.fresh("kk"), em.fresh("acc")
+        carried = [em.fresh("c") for _ in acc]
+        types = ", ".join(["f32"] * len(acc))
+        b.line(
+            f"{result}:{len(acc)} = scf.for {kk} = {self.index(0)} to {self.index(BK)} step {self.index(1)} "
+            f"iter_args({', '.join(f'{c} = {a}' for c, a in zip(carried, acc))}) -> ({types}) {{"
+        )
+        b.indent += "  "
+        a = [self.shared_load(0, kk, row, i) for i in range(MICRO)]
+        w = [self.shared_load(1, kk, col, j) for j in range(MICRO)]
+        sums = [
+            b.op(f"math.fma {a[i]}, {w[j]}, {carried[i * MICRO + j]} : f32") for i in range(MICRO) for j in range(MICRO)
+        ]
+        b.line(f"scf.yield {', '.join(sums)} : {types}")
+        b.indent = b.indent[:-2]
+        b.line("}")
+        return [f"{result}#{i}" for i in range(len(acc))]
+
+    def write(self, block: tuple[str, str, str], tid: str) -> None:
+        """The kernel of block ids `block` (x: tile column, y: tile row, z: batch), thread id `tid`."""
+        b, p, em = self.b, self.p, self.b.emitter
+        bx, by, self.batch = block
+        row0, col0 = self.affine(by, BM, None), self.affine(bx, BN, None)
+        row = b.op(f"arith.divui {tid}, {self.index(_SPREAD)} : index")
+        col = b.op(f"arith.remui {tid}, {self.index(_SPREAD)} : index")
+        zero = b.const(0.0, "f32")
+        steps = -(-p.k // BK)
+        kt, result = em.fresh("kt"), em.fresh("acc")
+        carried = [em.fresh("c") for _ in range(MICRO * MICRO)]
+        types = ", ".join(["f32"] * len(carried))
+        b.line(
+            f"{result}:{len(carried)} = scf.for {kt} = {self.index(0)} to {self.index(steps)} step {self.index(1)} "
+            f"iter_args({', '.join(f'{c} = {zero}' for c in carried)}) -> ({types}) {{"
+        )
+        b.indent += "  "
+        k0 = self.affine(kt, BK, None)
+        self.load_tile(0, k0, tid, row0)
+        self.load_tile(1, k0, tid, col0)
+        b.line("gpu.barrier")
+        sums = self.accumulate(row, col, carried)
+        b.line("gpu.barrier")
+        b.line(f"scf.yield {', '.join(sums)} : {types}")
+        b.indent = b.indent[:-2]
+        b.line("}")
+        view, mtype = self.views[2]
+        out = self.op.result.dtype
+        for i in range(MICRO):
+            r = self.affine(row, 1, self.affine(row0, 1, self.index(_SPREAD * i)))
+            for j in range(MICRO):
+                c = self.affine(col, 1, self.affine(col0, 1, self.index(_SPREAD * j)))
+                _, valid = self.masked([(r, p.m, p.m % BM != 0), (c, p.n, p.n % BN != 0)])
+                if valid is not None:
+                    b.line(f"scf.if {valid} {{")
+                    b.indent += "  "
+                # Rounded inside the store's block: skipped where masked, and no bf16 value lives
+                # across blocks (x86, where the emulator runs kernels, converts those by a libcall).
+                value = narrow(b, f"{result}#{i * MICRO + j}", out)
+                b.line(f"memref.store {value}, {view}[{self.batch}, {r}, {c}] : {mtype}")
+                if valid is not None:
+                    b.indent = b.indent[:-2]
+                    b.line("}")
+
+
+def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]) -> None:
+    """The tiled kernel of dot_general `op` as a `gpu.launch` reading buffers (A, B) and writing C."""
+    views = [
+        _as_3d(em, buffer, v.type.shape, memory_elem_type(v.type.dtype))
+        for buffer, v in zip(buffers, (*op.operands, op.result))
+    ]
+    shared = (em.fresh("a_tile"), em.fresh("b_tile"))
+    ids = [em.fresh(name) for name in ("bx", "by", "bz", "tx", "ty", "tz", "gx", "gy", "gz", "sx", "sy", "sz")]
+    one, tiles_n, tiles_m, batch, threads = (
+        em.op(f"arith.constant {k} : index") for k in (1, -(-p.n // BN), -(-p.m // BM), p.batch, THREADS)
+    )
+    tile = f"memref<{BK}x{BM + PAD}xf32, #gpu.address_space<workgroup>>"
+    em.line(
+        f"gpu.launch blocks({ids[0]}, {ids[1]}, {ids[2]}) in ({ids[6]} = {tiles_n}, {ids[7]} = {tiles_m}, "
+        f"{ids[8]} = {batch}) threads({ids[3]}, {ids[4]}, {ids[5]}) in ({ids[9]} = {threads}, {ids[10]} = {one}, "
+        f"{ids[11]} = {one}) workgroup({shared[0]} : {tile}, {shared[1]} : {tile}) {{"
+    )
+    b = ScalarBuilder(em, em.indent + "  ")
+    _KernelWriter(b, p, op, views, shared).write((ids[0], ids[1], ids[2]), ids[3])
+    em.body.extend(b.lines)
+    em.line(f"  gpu.terminator{_location(op)}")
+    em.line(f"}}{_location(op)}")

@@ -1,0 +1,150 @@
+"""Matmul-shaped products as a tiled kernel through shared memory (flowjit/backends/gpu/lower_matmul.py).
+
+Compile-only, no GPU: a (256, 512) @ (512, 384) product is one launch of 64 x 64 tiles whose PTX
+loads and stores shared memory between barriers and assembles for sm_80 and sm_90 without spills;
+the kernel's values come from the CPU emulator (tests/gpu_emulator.py: every thread of a block an
+OS thread, barriers honoured, shared memory starting as NaN) against the reference interpreter, on
+odd shapes that mask every edge (forced onto the tiled kernel: the rule alone would keep most of
+them on one thread per element); and the rule keeps the simple kernel where it says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flowjit as fj
+from flowjit.backends.gpu import lower_matmul
+from flowjit.backends.gpu.compiler import lower_to_ptx
+from flowjit.backends.gpu.pipeline import GpuOptions
+from flowjit.ir import dtypes as dt
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gpu_emulator  # noqa: E402
+from op_table import assert_close, tolerance  # noqa: E402
+from test_gpu_codegen import PTXAS, assemble_all, needs_ptxas  # noqa: E402
+
+
+def compiled(fn, *args, chip="sm_80"):
+    return lower_to_ptx(fj.jit(fn).lower(*args).graph("optimized"), GpuOptions(chip=chip))
+
+
+def tiled(module) -> bool:
+    """Whether the module's kernels cooperate through workgroup memory and barriers."""
+    return "gpu.barrier" in module.gpu_mlir and "#gpu.address_space<workgroup>" in module.gpu_mlir
+
+
+def matmul(a, b):
+    return a @ b
+
+
+def a_transposed(a, b):
+    return a.T @ b
+
+
+def b_transposed(a, b):
+    return a @ b.T
+
+
+def both_transposed(a, b):
+    return a.T @ b.T
+
+
+def batched(a, b):
+    return fj.numpy.matmul(a, b)
+
+
+_RNG = np.random.default_rng(38)
+_A, _B = (_RNG.standard_normal(s).astype(np.float32) for s in ((256, 512), (512, 384)))
+
+
+@needs_ptxas
+@pytest.mark.parametrize("chip", ["sm_80", "sm_90"])
+def test_a_large_product_is_one_launch_of_tiles_through_shared_memory(chip):
+    module = compiled(matmul, _A, _B, chip=chip)
+    launches = [launch for launch, _ in module.plan.launches()]
+    assert [(launch.grid, launch.block) for launch in launches] == [((384 // 64, 256 // 64, 1), (256, 1, 1))]
+    (kernel,) = module.kernels
+    assert "bar.sync" in kernel.ptx
+    assert re.search(r"\bld\.shared\.", kernel.ptx) and re.search(r"\bst\.shared\.", kernel.ptx)
+    # two tiles of 16 k-rows of 64 + 2 floats (the padding against bank conflicts)
+    assert re.findall(r"\.shared \.align \d+ \.b8 \w+\[(\d+)\]", kernel.ptx) == ["4224", "4224"]
+    assemble_all(module.kernels, chip)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.ptx)
+        done = subprocess.run([PTXAS, "-v", f"-arch={chip}", path, "-o", os.devnull], capture_output=True, text=True)
+    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr, done.stderr
+
+
+@pytest.fixture
+def always_tiled(monkeypatch):
+    """Every matmul-shaped product takes the tiled kernel, however small."""
+    monkeypatch.setattr(lower_matmul, "uses_tiles", lambda product: True)
+
+
+def _replayed(fn, *args):
+    """`fn`'s GPU plan replayed on the emulator, the reference interpreter's result, and whether
+    the product was tiled."""
+    module = compiled(fn, *args)
+    want = np.asarray(fj.jit(fn, target="interpreter")(*args))
+    kernels = gpu_emulator.EmulatedKernels(module.gpu_mlir)
+    (got,) = gpu_emulator.run(module.plan, kernels, list(args), [(want.shape, want.dtype)])
+    return got, want, tiled(module)
+
+
+_F32 = np.float32
+REPLAYS = [
+    pytest.param(matmul, (33, 17), (17, 65), _F32, id="33x17@17x65"),
+    pytest.param(matmul, (1, 5), (5, 1), _F32, id="1x5@5x1"),
+    pytest.param(matmul, (70, 130), (130, 3), _F32, id="70x130@130x3"),
+    pytest.param(matmul, (64, 32), (32, 128), _F32, id="64x32@32x128-no-masks"),
+    pytest.param(batched, (2, 33, 20), (2, 20, 45), _F32, id="batched-2x33x20@2x20x45"),
+    pytest.param(batched, (2, 2, 9, 20), (2, 2, 20, 7), _F32, id="batched-two-batch-dims"),
+    pytest.param(a_transposed, (17, 33), (17, 65), _F32, id="a-transposed"),
+    pytest.param(b_transposed, (33, 17), (65, 17), _F32, id="b-transposed"),
+    pytest.param(both_transposed, (17, 33), (65, 17), _F32, id="both-transposed"),
+    pytest.param(matmul, (33, 17), (17, 65), np.float16, id="float16"),
+    pytest.param(matmul, (33, 17), (17, 65), ml_dtypes.bfloat16, id="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("fn,a_shape,b_shape,dtype", REPLAYS)
+def test_the_tiled_kernel_computes_the_interpreters_product(always_tiled, fn, a_shape, b_shape, dtype):
+    rng = np.random.default_rng(len(a_shape) * 100 + a_shape[-1])
+    a, b = (rng.standard_normal(s).astype(dtype) for s in (a_shape, b_shape))
+    got, want, was_tiled = _replayed(fn, a, b)
+    assert was_tiled
+    assert got.shape == want.shape and got.dtype == want.dtype
+    k = a_shape[-2] if fn in (a_transposed, both_transposed) else a_shape[-1]
+    assert_close(got, want, tolerance(dt.dtype(np.dtype(dtype)), max(12.0, 3.0 * k)))
+
+
+def test_the_rule_keeps_one_thread_per_element_for_small_or_other_products():
+    """Tiles where the product fills them (M, N >= 32, K >= 16, floats, batch dims leading, one
+    contracting dim); the simple kernel otherwise."""
+    rng = np.random.default_rng(1)
+
+    def args(*shapes, dtype=np.float32):
+        return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+    assert tiled(compiled(matmul, *args((32, 16), (16, 32))))
+    assert tiled(compiled(batched, *args((3, 40, 16), (3, 16, 50))))
+    for fn, operands in (
+        (matmul, args((31, 64), (64, 64))),  # too few rows
+        (matmul, args((64, 64), (64, 31))),  # too few columns
+        (matmul, args((64, 15), (15, 64))),  # K shorter than a step
+        (matmul, args((64, 64), (64,))),  # a matrix-vector product
+        (matmul, args((64, 64), (64, 64), dtype=np.float64)),  # float64
+        (lambda a, b: fj.numpy.einsum("mbk,bkn->bmn", a, b), args((40, 2, 16), (2, 16, 40))),  # batch not leading
+    ):
+        module = compiled(fn, *operands)
+        assert not tiled(module) and len(module.kernels) >= 1
