@@ -5,7 +5,8 @@ loads and stores shared memory between barriers and assembles for sm_80 and sm_9
 the kernel's values come from the CPU emulator (tests/gpu_emulator.py: every thread of a block an
 OS thread, barriers honoured, shared memory starting as NaN) against the reference interpreter, on
 odd shapes that mask every edge (forced onto the tiled kernel: the rule alone would keep most of
-them on one thread per element); and the rule keeps the simple kernel where it says so.
+them on one thread per element); a layer (product, bias, tanh: a fused region) and its gradient
+(transposed products) against the CPU backend; and the rule keeps the simple kernel where it says so.
 """
 
 from __future__ import annotations
@@ -148,3 +149,34 @@ def test_the_rule_keeps_one_thread_per_element_for_small_or_other_products():
     ):
         module = compiled(fn, *operands)
         assert not tiled(module) and len(module.kernels) >= 1
+
+
+def _layer(x, w, b):
+    return fj.numpy.tanh(x @ w + b)
+
+
+def _layer_gradients(x, w, b):
+    return fj.grad(lambda w, b: fj.numpy.mean(_layer(x, w, b) ** 2), argnums=(0, 1))(w, b)
+
+
+@pytest.mark.parametrize(
+    "fn,shapes",
+    [
+        pytest.param(_layer, ((70, 40), (40, 50), (50,)), id="fused-layer"),
+        pytest.param(_layer_gradients, ((40, 48), (48, 36), (36,)), id="layer-gradients"),
+    ],
+)
+def test_products_inside_fused_regions_and_gradients_are_tiled(fn, shapes):
+    """A product with its epilogue (a fused region: the tiled kernel writes a temporary, the
+    epilogue is a kernel of its own) and the gradient of a layer (its products transposed) on the
+    emulator, against the CPU backend."""
+    rng = np.random.default_rng(7)
+    args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    module = compiled(fn, *args)
+    assert tiled(module)
+    expected = fj.jit(fn, target="cpu")(*args)
+    expected = list(expected) if isinstance(expected, tuple) else [expected]
+    outputs = [(e.shape, e.dtype) for e in expected]
+    got = gpu_emulator.run(module.plan, gpu_emulator.EmulatedKernels(module.gpu_mlir), args, outputs)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)

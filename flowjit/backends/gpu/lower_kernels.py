@@ -272,7 +272,11 @@ def zero_of(b: ScalarBuilder, elem: str) -> str:
 def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """One thread per result element, a serial loop nest over the contracted dimensions
     (accumulating half types in f32, as the reference does): the products `lower_matmul` does not
-    tile (`lower_matmul.uses_tiles`)."""
+    tile (`lower_matmul.uses_tiles`). A product it tiles inside a fused region (the call lowering
+    takes the others) is the tiled kernel writing a temporary (`lower_matmul.tiled_tensor`)."""
+    tiled = lower_matmul.tiled_tensor(em, op, operands)
+    if tiled is not None:
+        return [tiled]
     a, b = op.operands
     lc, rc = op.attrs["lhs_contract"], op.attrs["rhs_contract"]
     lb, rb = op.attrs["lhs_batch"], op.attrs["rhs_batch"]

@@ -10,6 +10,11 @@ element kernel keeps every thread busy) and K of at least `BK` (with fewer, each
 from global memory once either way, so shared memory saves nothing). Any other product keeps
 `lower_kernels.lower_dot_general` (one thread per element, a loop over K from global memory).
 
+Where: a top-level product through the call lowering (`lower_tiled_dot`), writing the result's
+own buffer (one launch); a product inside a fused region (a layer's `x @ w + b`: the fused
+body is lowered op by op on tensors) through the tensor lowering (`tiled_tensor`), writing a
+temporary that the region's epilogue, a kernel of its own, reads.
+
 The kernel (`emit`, a `gpu.launch` on the operands' and the result's buffers, written at the
 "mlir" stage): block (x, y, z) computes the `BM` x `BN` tile (y, x) of C in batch z with
 `THREADS` threads; thread t holds a `MICRO` x `MICRO` micro-tile in registers, rows
@@ -32,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, tensor_type
 from flowjit.backends.mlir.lower_elementwise import extend, narrow
 from flowjit.backends.mlir.lowering import call_buffers
 from flowjit.ir import dtypes as dt
@@ -99,6 +104,26 @@ def lower_tiled_dot(fl, op: Op) -> bool:
         return False
     emit(fl.em, product, op, [buffer for buffer, _ in buffers])
     return True
+
+
+def tiled_tensor(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
+    """For the tensor lowering (a product inside a fused region, whose operands and result have no
+    buffers of their own): the tiled kernel reading `operands`' buffers and writing a fresh one,
+    returned as a tensor; None where the product is not tiled. The region's epilogue is a kernel of
+    its own after it."""
+    product = tiled_product(op)
+    if product is None:
+        return None
+    buffers = []
+    for tensor, v in zip(operands, op.operands):
+        ttype = tensor_type(v.type, memory_elem_type(v.type.dtype))
+        memref = "memref<" + ttype.removeprefix("tensor<")
+        buffers.append(em.op(f"bufferization.to_buffer {tensor} read_only : {ttype} to {memref}"))
+    ttype = tensor_type(op.result.type, memory_elem_type(op.result.dtype))
+    memref = "memref<" + ttype.removeprefix("tensor<")
+    result = em.op(f"bufferization.to_buffer {em.empty(op.result.type)} : {ttype} to {memref}")
+    emit(em, product, op, [*buffers, result])
+    return em.op(f"bufferization.to_tensor {result} restrict writable : {memref} to {ttype}")
 
 
 # --- the kernel ----------------------------------------------------------------------------------
