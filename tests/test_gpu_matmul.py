@@ -180,3 +180,62 @@ def test_products_inside_fused_regions_and_gradients_are_tiled(fn, shapes):
     got = gpu_emulator.run(module.plan, gpu_emulator.EmulatedKernels(module.gpu_mlir), args, outputs)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
+
+
+# --- conv2d as an implicit product through the same kernel ----------------------------------------
+
+
+def _conv(stride, padding, dilation):
+    return lambda x, w: fj.nn.conv2d(x, w, stride=stride, padding=padding, dilation=dilation)
+
+
+def _conv_bias_relu(x, w, b):
+    return fj.nn.relu(fj.nn.conv2d(x, w, b, padding=1))
+
+
+@needs_ptxas
+@pytest.mark.parametrize("chip", ["sm_80", "sm_90"])
+def test_a_convolution_is_one_launch_of_the_tiled_kernel(chip):
+    x, w = np.ones((8, 64, 32, 32), np.float32), np.ones((128, 64, 3, 3), np.float32)
+    module = compiled(_conv(1, 1, 1), x, w, chip=chip)
+    # per image: weights (128, 576) @ windows (576, 32 x 32), tiles of 64 x 64
+    assert [(launch.grid, launch.block) for launch, _ in module.plan.launches()] == [((16, 2, 8), (256, 1, 1))]
+    (kernel,) = module.kernels
+    assert "bar.sync" in kernel.ptx and re.search(r"\bld\.shared\.", kernel.ptx)
+    assemble_all(module.kernels, chip)
+
+
+CONVOLUTIONS = [
+    pytest.param(_conv(1, 0, 1), [(2, 3, 9, 9), (40, 3, 3, 3)], _F32, id="valid"),
+    pytest.param(_conv(1, 1, 1), [(1, 4, 8, 11), (33, 4, 3, 2)], _F32, id="padded"),
+    pytest.param(_conv(2, 1, 1), [(2, 2, 13, 12), (35, 2, 3, 3)], _F32, id="stride2"),
+    pytest.param(_conv(1, 0, 2), [(1, 3, 12, 12), (34, 3, 3, 3)], _F32, id="dilation2"),
+    pytest.param(_conv(1, ((0, 1), (2, 0)), (2, 1)), [(1, 3, 10, 12), (36, 3, 2, 3)], _F32, id="asymmetric"),
+    pytest.param(_conv((2, 1), ((1, 1), (0, 2)), 1), [(2, 3, 10, 12), (36, 3, 2, 3)], np.float16, id="float16"),
+    pytest.param(_conv(1, 1, 1), [(1, 3, 8, 8), (33, 3, 3, 3)], ml_dtypes.bfloat16, id="bfloat16"),
+    pytest.param(_conv_bias_relu, [(2, 3, 8, 8), (33, 3, 3, 3), (33,)], _F32, id="fused-bias-relu"),
+]
+
+
+@pytest.mark.parametrize("fn,shapes,dtype", CONVOLUTIONS)
+def test_the_tiled_kernel_computes_the_interpreters_convolution(fn, shapes, dtype):
+    """Taken by the rule itself (O >= 32 channels, OH OW >= 32 pixels, C KH KW >= 16 taps);
+    padding, strides and dilations land in the windows the kernel loads, a fused bias and relu in
+    their own kernel."""
+    rng = np.random.default_rng(shapes[0][-1])
+    args = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    got, want, was_tiled = _replayed(fn, *args)
+    assert was_tiled
+    assert got.shape == want.shape and got.dtype == want.dtype
+    taps = int(np.prod(shapes[1][1:]))
+    assert_close(got, want, tolerance(dt.dtype(np.dtype(dtype)), max(12.0, 3.0 * taps)))
+
+
+def test_small_convolutions_stay_direct():
+    """The product's rule: 32 output channels, 36 pixels and 18 taps are tiled; 3 channels, 9
+    pixels or 9 taps are not."""
+    ones = lambda *shape: np.ones(shape, np.float32)
+    assert tiled(compiled(_conv(1, 0, 1), ones(1, 2, 8, 8), ones(32, 2, 3, 3)))
+    assert not tiled(compiled(_conv(1, 0, 1), ones(1, 2, 8, 8), ones(3, 2, 3, 3)))
+    assert not tiled(compiled(_conv(1, 0, 1), ones(1, 2, 5, 5), ones(32, 2, 3, 3)))
+    assert not tiled(compiled(_conv(1, 0, 1), ones(1, 1, 8, 8), ones(32, 1, 3, 3)))

@@ -309,7 +309,12 @@ def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
 
 def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Direct convolution (NCHW input, OIHW weights): one thread per output element, a serial
-    loop over input channels and the kernel window; padding reads a clamped element and adds 0."""
+    loop over input channels and the kernel window; padding reads a clamped element and adds 0.
+    For the convolutions `lower_matmul` does not tile; one it tiles inside a fused region is the
+    tiled kernel writing a temporary (`lower_matmul.tiled_tensor`)."""
+    tiled = lower_matmul.tiled_tensor(em, op, operands)
+    if tiled is not None:
+        return [tiled]
     x, w = op.operands
     stride, dilation = op.attrs["stride"], op.attrs["dilation"]
     padding = op.attrs["padding"]
@@ -821,6 +826,6 @@ LOWERINGS = {
 def register(table: LoweringTable) -> None:
     """Add the GPU's own lowerings to `table` (the GPU's)."""
     table.tensor.update(LOWERINGS)
-    # Matmul-shaped products as a tiled kernel through shared memory; the others (and a product
-    # whose buffers the lowering does not see) fall back to `lower_dot_general`.
-    table.call["dot_general"] = lower_matmul.lower_tiled_dot
+    # Matmul-shaped products and convolutions as a tiled kernel through shared memory; the others
+    # (and those whose buffers the lowering does not see) fall back to their tensor lowerings.
+    table.call["dot_general"] = table.call["conv2d"] = lower_matmul.lower_tiled

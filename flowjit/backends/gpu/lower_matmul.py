@@ -1,4 +1,5 @@
-"""Matmul-shaped dot_generals as a tiled kernel through workgroup (shared) memory.
+"""Matmul-shaped dot_generals, and conv2d as an implicit product, as a tiled kernel through
+workgroup (shared) memory.
 
 Which products (`tiled_product`): float32, float16 or bfloat16 operands (half types accumulate in
 float32, the result is rounded to the op's dtype), batch dimensions leading in both operands and
@@ -9,6 +10,12 @@ rows or columns most of a tile's threads would compute masked zeros while the on
 element kernel keeps every thread busy) and K of at least `BK` (with fewer, each element is read
 from global memory once either way, so shared memory saves nothing). Any other product keeps
 `lower_kernels.lower_dot_general` (one thread per element, a loop over K from global memory).
+
+A convolution (`tiled_conv`, NCHW input, OIHW weights, any stride, padding and dilation) is,
+per image, the product of its weights viewed as (O, C KH KW) and its windows (C KH KW, OH OW),
+under the same rule; the kernel reads each window element from the input where it loads B's
+tile (`_window_loader`: padding clamped and selected to 0), so the windows are never stored, and
+C is the result viewed as (N, O, OH OW).
 
 Where: a top-level product through the call lowering (`lower_tiled_dot`), writing the result's
 own buffer (one launch); a product inside a fused region (a layer's `x @ w + b`: the fused
@@ -56,7 +63,8 @@ _GRID_YZ_MAX = 65535
 
 @dataclass(frozen=True)
 class TiledProduct:
-    """A dot_general as batch x (M, K) @ (K, N): whether each operand is stored transposed."""
+    """The product batch x (M, K) @ (K, N) the tiled kernel computes (a dot_general's, or a
+    conv2d's implicit one), and whether a dot_general's operands are stored transposed."""
 
     batch: int
     m: int
@@ -90,15 +98,32 @@ def tiled_product(op: Op) -> TiledProduct | None:
 
 def uses_tiles(p: TiledProduct) -> bool:
     """Whether the tiled kernel can win over one thread per element (the module docstring), and
-    the grid fits (at most 65535 tiles of rows, 65535 batches)."""
+    the grid fits (1 to 65535 batches, at most 65535 tiles of rows)."""
     rows = -(-p.m // BM)
-    return p.m >= MIN_MN and p.n >= MIN_MN and p.k >= BK and rows <= _GRID_YZ_MAX and p.batch <= _GRID_YZ_MAX
+    return p.m >= MIN_MN and p.n >= MIN_MN and p.k >= BK and rows <= _GRID_YZ_MAX and 1 <= p.batch <= _GRID_YZ_MAX
 
 
-def lower_tiled_dot(fl, op: Op) -> bool:
-    """`LoweringTable.call` entry for dot_general: the tiled kernel on the buffers, or False (the
-    op gets `lower_kernels.lower_dot_general`)."""
-    product = tiled_product(op)
+def tiled_conv(op: Op) -> TiledProduct | None:
+    """`op` (a conv2d, NCHW x OIHW) as the implicit product the tiled kernel computes, or None:
+    per image, weights (O, C KH KW) @ windows (C KH KW, OH OW), the windows read from the input
+    where the kernel loads them (`_window_loader`), never stored."""
+    x, w = (v.type for v in op.operands)
+    result = op.result.type
+    if x.dtype not in _FLOATS or w.dtype != x.dtype or result.size == 0:
+        return None
+    n, o, oh, ow = result.shape
+    product = TiledProduct(n, o, oh * ow, math.prod(w.shape[1:]), False, False)
+    return product if uses_tiles(product) else None
+
+
+def _planned(op: Op) -> TiledProduct | None:
+    return tiled_product(op) if op.name == "dot_general" else tiled_conv(op)
+
+
+def lower_tiled(fl, op: Op) -> bool:
+    """`LoweringTable.call` entry for dot_general and conv2d: the tiled kernel on the buffers, or
+    False (the op gets `lower_kernels.lower_dot_general` or `lower_conv2d`)."""
+    product = _planned(op)
     buffers = call_buffers(fl, op) if product is not None else None
     if buffers is None:
         return False
@@ -111,7 +136,7 @@ def tiled_tensor(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
     buffers of their own): the tiled kernel reading `operands`' buffers and writing a fresh one,
     returned as a tensor; None where the product is not tiled. The region's epilogue is a kernel of
     its own after it."""
-    product = tiled_product(op)
+    product = _planned(op)
     if product is None:
         return None
     buffers = []
@@ -156,12 +181,12 @@ def _as_3d(em: KernelEmitter, buffer: str, shape: tuple[int, ...], elem: str) ->
 class _KernelWriter:
     """Writes the body of one tiled product's `gpu.launch` (`emit`)."""
 
-    def __init__(self, b: ScalarBuilder, p: TiledProduct, op: Op, views, shared: tuple[str, str]):
+    def __init__(self, b: ScalarBuilder, p: TiledProduct, op: Op, loaders, out, shared: tuple[str, str]):
         self.b, self.p, self.op = b, p, op
-        self.views = views  # (A, B, C): (3-d view, its memref type)
+        self.loaders = loaders  # (A's, B's): fn(writer, k, free) -> (f32 value, validity or None)
+        self.out = out  # C's (batch, M, N) view and its memref type
         self.shared = shared  # (A tile, B tile) in workgroup memory
         self.shared_type = f"memref<{BK}x{BM + PAD}xf32, #gpu.address_space<workgroup>>"
-        self.dtypes = [v.type.dtype for v in op.operands]
         self.batch = ""  # the block's batch index (block id z), set by `write`
 
     def index(self, value: int) -> str:
@@ -181,16 +206,20 @@ class _KernelWriter:
             if not mask:
                 clamped.append(index)
                 continue
-            inside = b.op(f"arith.cmpi ult, {index}, {self.index(extent)} : index")
-            valid = inside if valid is None else b.op(f"arith.andi {valid}, {inside} : i1")
+            valid = self.both(valid, b.op(f"arith.cmpi ult, {index}, {self.index(extent)} : index"))
             clamped.append(b.op(f"arith.minui {index}, {self.index(extent - 1)} : index"))
         return clamped, valid
+
+    def both(self, x: str | None, y: str | None) -> str | None:
+        """The conjunction of two optional conditions."""
+        if x is None or y is None:
+            return x if y is None else y
+        return self.b.op(f"arith.andi {x}, {y} : i1")
 
     def load_tile(self, operand: int, k0: str, tid: str, free0: str) -> None:
         """Operand `operand`'s tile of this K step into its shared tile, stored [k][free]: each
         thread 4 elements, consecutive threads along the operand's contiguous dimension."""
         b, p = self.b, self.p
-        view, mtype = self.views[operand]
         k_major = p.a_transposed if operand == 0 else not p.b_transposed  # stored (K, free)
         free_extent = p.m if operand == 0 else p.n
         width = BM if k_major else BK  # extent of the tile's contiguous dimension
@@ -204,9 +233,8 @@ class _KernelWriter:
             (gk, gf), valid = self.masked(
                 [(global_k, p.k, p.k % BK != 0), (global_free, free_extent, free_extent % BM != 0)]
             )
-            at = (gk, gf) if k_major else (gf, gk)
-            value = b.op(f"memref.load {view}[{self.batch}, {at[0]}, {at[1]}] : {mtype}")
-            value = extend(b, value, self.dtypes[operand])
+            value, inside = self.loaders[operand](self, gk, gf)
+            valid = self.both(valid, inside)
             if valid is not None:
                 value = b.op(f"arith.select {valid}, {value}, {zero} : f32")
             b.line(f"memref.store {value}, {self.shared[operand]}[{k}, {free}] : {self.shared_type}")
@@ -263,7 +291,7 @@ class _KernelWriter:
         b.line(f"scf.yield {', '.join(sums)} : {types}")
         b.indent = b.indent[:-2]
         b.line("}")
-        view, mtype = self.views[2]
+        view, mtype = self.out
         out = self.op.result.dtype
         for i in range(MICRO):
             r = self.affine(row, 1, self.affine(row0, 1, self.index(_SPREAD * i)))
@@ -282,12 +310,92 @@ class _KernelWriter:
                     b.line("}")
 
 
+def _view_loader(view: str, mtype: str, dtype: dt.DType, k_major: bool, batched: bool):
+    """Loads an operand held as a (batch, rows, columns) view: (K, free) when `k_major`, else
+    (free, K); an operand without batches (`batched` False) is read at batch 0 by every block."""
+
+    def load(w: _KernelWriter, k: str, free: str) -> tuple[str, str | None]:
+        at = (k, free) if k_major else (free, k)
+        batch = w.batch if batched else w.index(0)
+        return extend(w.b, w.b.op(f"memref.load {view}[{batch}, {at[0]}, {at[1]}] : {mtype}"), dtype), None
+
+    return load
+
+
+def _window_loader(x: str, op: Op):
+    """Loads element (k, p) of a convolution's windows: input channel c and tap (i, j) of
+    k = (c KH + i) KW + j at output pixel p = oh OW + ow, read from the NCHW input `x` at row
+    oh sh + i dh - pad_top and column ow sw + j dw - pad_left; a padded position is clamped into
+    the input and selected to 0 (the validity returned)."""
+    xt, wt = (v.type for v in op.operands)
+    _, _, height, width = xt.shape
+    _, _, kh, kw = wt.shape
+    stride, dilation, padding = op.attrs["stride"], op.attrs["dilation"], op.attrs["padding"]
+    ow_extent = op.result.type.shape[3]
+    mtype = _memref(xt.shape, memory_elem_type(xt.dtype))
+
+    def load(w: _KernelWriter, k: str, p: str) -> tuple[str, str | None]:
+        b = w.b
+        channel = b.op(f"arith.divui {k}, {w.index(kh * kw)} : index")
+        tap = b.op(f"arith.remui {k}, {w.index(kh * kw)} : index")
+        taps = (b.op(f"arith.divui {tap}, {w.index(kw)} : index"), b.op(f"arith.remui {tap}, {w.index(kw)} : index"))
+        pixel = (
+            b.op(f"arith.divui {p}, {w.index(ow_extent)} : index"),
+            b.op(f"arith.remui {p}, {w.index(ow_extent)} : index"),
+        )
+        at, valid = [], None
+        for d, extent in enumerate((height, width)):
+            position = w.affine(taps[d], dilation[d], w.affine(pixel[d], stride[d], None))
+            if padding[d][0]:
+                position = b.op(f"arith.subi {position}, {w.index(padding[d][0])} : index")
+            if not any(padding[d]):  # every window lies inside the input along d
+                at.append(position)
+                continue
+            low = b.op(f"arith.cmpi sge, {position}, {w.index(0)} : index")
+            high = b.op(f"arith.cmpi slt, {position}, {w.index(extent)} : index")
+            valid = w.both(valid, w.both(low, high))
+            above = b.op(f"arith.maxsi {position}, {w.index(0)} : index")
+            at.append(b.op(f"arith.minsi {above}, {w.index(extent - 1)} : index"))
+        value = b.op(f"memref.load {x}[{w.batch}, {channel}, {at[0]}, {at[1]}] : {mtype}")
+        return extend(b, value, xt.dtype), valid
+
+    return load
+
+
+def _operands(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]):
+    """The loaders of A and B (`_KernelWriter.loaders`) and the (batch, M, N) view of C, made on
+    the host (views of the buffers)."""
+    a, b = op.operands
+    if op.name == "dot_general":
+        (va, ta), (vb, tb) = (
+            _as_3d(em, buffer, v.type.shape, memory_elem_type(v.type.dtype)) for buffer, v in zip(buffers, (a, b))
+        )
+        loaders = (
+            _view_loader(va, ta, a.type.dtype, p.a_transposed, True),
+            _view_loader(vb, tb, b.type.dtype, not p.b_transposed, True),
+        )
+        return loaders, _as_3d(em, buffers[2], op.result.type.shape, memory_elem_type(op.result.dtype))
+    elem = memory_elem_type(b.type.dtype)  # conv2d: weights (O, C, KH, KW) as (1, O, C KH KW)
+    o, k = b.type.shape[0], math.prod(b.type.shape[1:])
+    into = f"{_memref(b.type.shape, elem)} into {_memref((o, k), elem)}"
+    flat = em.op(f"memref.collapse_shape {buffers[1]} [[0], [1, 2, 3]] : {into}")
+    weights, weights_type = _as_3d(em, flat, (o, k), elem)
+    n, o, oh, ow = op.result.type.shape
+    out_elem = memory_elem_type(op.result.dtype)
+    out_type = _memref((n, o, oh * ow), out_elem)
+    out = em.op(
+        f"memref.collapse_shape {buffers[2]} [[0], [1], [2, 3]] : {_memref((n, o, oh, ow), out_elem)} into {out_type}"
+    )
+    return (_view_loader(weights, weights_type, b.type.dtype, False, False), _window_loader(buffers[0], op)), (
+        out,
+        out_type,
+    )
+
+
 def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]) -> None:
-    """The tiled kernel of dot_general `op` as a `gpu.launch` reading buffers (A, B) and writing C."""
-    views = [
-        _as_3d(em, buffer, v.type.shape, memory_elem_type(v.type.dtype))
-        for buffer, v in zip(buffers, (*op.operands, op.result))
-    ]
+    """The tiled kernel of `op` (a dot_general or conv2d) as a `gpu.launch` reading buffers (A, B)
+    (conv2d: input, weights) and writing C (its result)."""
+    loaders, out = _operands(em, p, op, buffers)
     shared = (em.fresh("a_tile"), em.fresh("b_tile"))
     ids = [em.fresh(name) for name in ("bx", "by", "bz", "tx", "ty", "tz", "gx", "gy", "gz", "sx", "sy", "sz")]
     one, tiles_n, tiles_m, batch, threads = (
@@ -300,7 +408,7 @@ def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]) -> None
         f"{ids[11]} = {one}) workgroup({shared[0]} : {tile}, {shared[1]} : {tile}) {{"
     )
     b = ScalarBuilder(em, em.indent + "  ")
-    _KernelWriter(b, p, op, views, shared).write((ids[0], ids[1], ids[2]), ids[3])
+    _KernelWriter(b, p, op, loaders, out, shared).write((ids[0], ids[1], ids[2]), ids[3])
     em.body.extend(b.lines)
     em.line(f"  gpu.terminator{_location(op)}")
     em.line(f"}}{_location(op)}")
