@@ -205,10 +205,12 @@ def test_the_library_embeds_the_ptx_and_cubins_and_needs_no_cuda_library(built):
         import model
     finally:
         sys.path.remove(str(built))
-    lowered = fj.jit(model.softmax, target="cuda").lower(np.ones((33, 100), np.float32))
+    # a program of several kernels (softmax is one row kernel)
+    x = np.ones((33, 100), np.float32)
+    lowered = fj.jit(model.several, target="cuda").lower(x, x)
     lowered.compile()
-    library = (built / "out" / "softmax.so").read_bytes()
-    manifest = _manifest(built, "softmax")
+    library = (built / "out" / "several.so").read_bytes()
+    manifest = _manifest(built, "several")
     kernels = {k.name: k for k in lowered._executable.kernels}
     assert len(manifest["kernels"]) >= 2
     for described in manifest["kernels"]:
@@ -218,7 +220,7 @@ def test_the_library_embeds_the_ptx_and_cubins_and_needs_no_cuda_library(built):
         if cubin.find_ptxas() is not None:
             assert kernel.cubin and kernel.cubin in library and described["cubin_bytes"] == len(kernel.cubin)
     if shutil.which("readelf") and shutil.which("nm"):
-        path = str(built / "out" / "softmax.so")
+        path = str(built / "out" / "several.so")
         dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, timeout=60).stdout
         assert "libcuda" not in dynamic
         exported = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True, timeout=60)

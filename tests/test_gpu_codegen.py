@@ -33,6 +33,7 @@ from flowjit.backends.gpu.backend import GpuRuntimeError
 from flowjit.backends.gpu.compiler import copies_as_kernels, generate_mlir, lower_to_ptx
 from flowjit.backends.gpu.driver import unavailable_reason
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
+from flowjit.backends.gpu.plan import Loop
 from flowjit.backends.gpu.target import CPU_ONLY, FUNCTIONALIZED, GPU, cpu_only_reason
 from flowjit.backends.gpu.toolchain import find_ptxas
 from flowjit.backends.mlir import pipeline as mlir_pipeline
@@ -251,6 +252,39 @@ def test_gpu_lowering_computes_the_op_table_values(row, dtype):
     case = build_case(row, dtype)
     for got, expected in zip(run_on_host(case.graph, case.inputs), case.expected):
         assert_close(got, expected, case.tol)
+
+
+@pytest.mark.parametrize("row,dtype", [p for p in VALUE_PARAMS if p.values[0].op == "sort"])
+def test_sorts_by_a_bitonic_network_compute_the_op_table_values(row, dtype, monkeypatch):
+    """Every sort row with the bitonic network forced (non-empty rows longer than 1 element), on
+    the host."""
+    monkeypatch.setattr(lower_kernels, "RANK_SORT_MAX", 1)
+    case = build_case(row, dtype)
+    keys = next(op for op in case.graph.ops if op.name == "sort")
+    longer = keys.operands[0].type.size > 0 and keys.operands[0].type.shape[keys.attrs["axis"]] > 1
+    assert ("scf.for %pass" in generate_mlir(case.graph).text) == longer
+    for got, expected in zip(run_on_host(case.graph, case.inputs), case.expected):
+        assert_close(got, expected, case.tol)
+
+
+@pytest.mark.parametrize("fn", [fnp.sort, fnp.argsort])
+def test_a_long_row_sorts_by_a_bitonic_network_on_the_emulator(fn):
+    """5000 floats with nans and ties (argsort: the positions are a payload, so stability shows):
+    the 91 passes of the network are one host loop around one launch; the same program at 4096
+    elements sorts by rank, without a loop."""
+    import gpu_emulator
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(-20, 20, 5000).astype(np.float32)
+    x[rng.integers(0, 5000, 30)] = np.nan
+    for n, passes in ((5000, [91]), (4096, [])):
+        module = lower_to_ptx(fj.jit(fn).lower(x[:n]).graph("optimized"), GpuOptions(chip="sm_90"))
+        assert [step.trips for step in module.plan.steps if isinstance(step, Loop)] == passes
+        assemble_all(module.kernels, "sm_90")
+        want = np.asarray(fj.jit(fn, target="interpreter")(x[:n]))  # numpy's stable order, nans last
+        kernels = gpu_emulator.EmulatedKernels(module.gpu_mlir)
+        (got,) = gpu_emulator.run(module.plan, kernels, [x[:n]], [((n,), want.dtype)])
+        np.testing.assert_array_equal(got, want)
 
 
 def gradient_case(row, dtype):

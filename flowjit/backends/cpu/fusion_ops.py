@@ -1,8 +1,9 @@
 """What the fusion lowering (`lower_fusion`) knows of a member op: whether it is pointwise (inlined
 into the generics that need its value, never a kernel of its own), its scalar code, and its cost.
 
-The scalar code is the one-op lowerings' own (`lower_elementwise`), rounding after every op as they
-do, so fused and unfused results are bit-identical. `generic_body` writes the body of a fused
+The scalar code is the one-op lowerings' own (`lower_elementwise`, through `mlir/pointwise.py`,
+which the GPU's row kernels share), rounding after every op as they do, so fused and unfused
+results are bit-identical. `generic_body` writes the body of a fused
 generic from them, for `lower_fusion`'s generics and for a contraction's epilogue
 (`fusion_epilogue`).
 """
@@ -10,56 +11,14 @@ generic from them, for `lower_fusion`'s generics and for a contraction's epilogu
 from __future__ import annotations
 
 from flowjit.backends.mlir.emitter import ScalarBuilder, elem_type
-from flowjit.backends.mlir.lower_elementwise import (
-    _BINARY,
-    _BOOL_PREDICATE,
-    _FLOAT_PREDICATE,
-    _FLOAT_UNARY,
-    _INT_PREDICATE,
-    _UNARY,
-    compute_elem,
-    convert_scalar,
-    extend,
-    iota_scalar,
-    narrow,
-    unary_scalar,
-)
+from flowjit.backends.mlir.lower_elementwise import compute_elem, extend, iota_scalar, narrow
 from flowjit.backends.mlir.lower_reduction import COMBINE
 from flowjit.backends.mlir.lowering import splat_value
 from flowjit.backends.mlir.mathlib import MATH, MATH_BINARY
+from flowjit.backends.mlir.pointwise import is_pointwise, scalar_code
 from flowjit.ir.graph import Op, Value
 
-
-def is_pointwise(op: Op) -> bool:
-    """Whether `op` is elementwise (a convert, a unary or binary op, a comparison, a select)."""
-    if op.name == "convert":
-        return True
-    if op.name in _UNARY or op.name in _FLOAT_UNARY or op.name in MATH or op.name in _BINARY or op.name == "select":
-        return True
-    return op.name in _FLOAT_PREDICATE
-
-
-def scalar_code(b: ScalarBuilder, op: Op, args: list[str]) -> str:
-    """`op` on scalars in their compute types (see `compute_elem`; bool is i1); the result is in
-    the compute type of `op`'s result, rounded to its dtype first, as the one-op kernels do."""
-    out = op.result.type.dtype
-    if op.name == "convert":
-        src = op.operands[0].type.dtype
-        return extend(b, convert_scalar(b, args[0], src, out), out)
-    e = compute_elem(op.operands[-1].type.dtype)
-    if op.name in _FLOAT_PREDICATE:
-        x = op.operands[0].type.dtype
-        if x.is_float:
-            return b.op(f"arith.cmpf {_FLOAT_PREDICATE[op.name]}, {args[0]}, {args[1]} : {e}")
-        predicate = (_BOOL_PREDICATE if x.is_bool else _INT_PREDICATE)[op.name]
-        return b.op(f"arith.cmpi {predicate}, {args[0]}, {args[1]} : {e}")
-    if op.name == "select":
-        result = b.op(f"arith.select {args[0]}, {args[1]}, {args[2]} : {e}")
-    elif op.name in _BINARY:
-        result = _BINARY[op.name](b, args[0], args[1], e)
-    else:
-        result = unary_scalar(b.emitter.target.math, op.name)(b, args[0], e)
-    return extend(b, narrow(b, result, out), out)
+__all__ = ["generic_body", "is_pointwise", "op_weight", "scalar_code"]
 
 
 # `op_weight` of a math function (exp, tanh, ...).

@@ -15,7 +15,7 @@ reduction over trailing axes (A = prod(lead) rows of R = prod(row) elements):
 - col: one value per column, broadcast over the rows (gamma, beta): read whole by every tile, (R,);
 - scalar: one element (splats and scalars), unchanged.
 
-Algorithm:
+Algorithm (steps 1 and 2 are the targets' shared recognition, `mlir/row_regions.py`):
 1. F is the operand shape of the first reduction over trailing axes (rows of at most
    `MAX_ROW_BYTES`).
 2. Walk the body in order. An op joins the nest when its kind rule holds (pointwise ops of full or
@@ -52,6 +52,17 @@ from flowjit.backends.cpu import schedule
 from flowjit.backends.mlir.emitter import KernelEmitter, memory_elem_type, tensor_type
 from flowjit.backends.mlir.lower_elementwise import reshape_tensor
 from flowjit.backends.mlir.lowering import bool_from_bytes, bool_to_bytes, splat_value
+from flowjit.backends.mlir.row_regions import (
+    COL,
+    FULL,
+    REDUCE_KINDS,
+    ROW,
+    SCALAR,
+    Kinds,
+    memory_itemsize,
+    row_shape,
+)
+from flowjit.backends.mlir.row_regions import members as row_members
 from flowjit.ir.graph import Graph, Op, Value
 from flowjit.ir.types import TensorType
 
@@ -61,8 +72,6 @@ from flowjit.ir.types import TensorType
 TILE_BYTES = 32 * 1024
 # Longer rows are not tiled: one row would not stay in cache between the sweeps.
 MAX_ROW_BYTES = 64 * 1024
-_REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
-FULL, ROW, COL, SCALAR = "full", "row", "col", "scalar"
 
 
 @dataclass
@@ -87,7 +96,7 @@ class RowNest:
         return math.prod(self.row)
 
     def describe(self) -> str:
-        reductions = sum(op.name in _REDUCE_KINDS for op in self.ops)
+        reductions = sum(op.name in REDUCE_KINDS for op in self.ops)
         where = "forall" if self.parallel else "for"
         return (
             f"row loop nest ({where}): {self.rows} rows of {self.length}, tiles of {self.tile} rows, "
@@ -95,65 +104,7 @@ class RowNest:
         )
 
 
-class _Kinds:
-    """Kind rules of step 2 for one shape F = lead + row."""
-
-    def __init__(self, lead: tuple[int, ...], row: tuple[int, ...], pointwise: Callable[[Op], bool]):
-        self.lead, self.row = lead, row
-        self.pointwise = pointwise
-
-    def of_shape(self, shape: tuple[int, ...]) -> str | None:
-        if shape == self.lead + self.row:
-            return FULL
-        n = len(self.lead)
-        if shape[:n] == self.lead and all(d == 1 for d in shape[n:]):
-            return ROW
-        return None
-
-    def member(self, op: Op) -> tuple[str, list[str]] | None:
-        """(kind of the result, kinds its operands are read as) if `op` can join the nest."""
-        if len(op.results) != 1 or op.regions:
-            return None
-        kind = self.of_shape(op.result.shape)
-        if op.name in _REDUCE_KINDS:
-            (x,) = op.operands
-            axes = sorted(a % max(x.type.rank, 1) for a in op.attrs["axes"])
-            trailing = list(range(len(self.lead), x.type.rank))
-            if self.of_shape(x.shape) == FULL and axes == trailing and op.result.shape == self.lead:
-                return ROW, [FULL]
-            return None
-        if kind is None:
-            return None
-        if op.name == "broadcast":
-            source = self.broadcast_source(op, kind)
-            if source is None or (source == COL and kind != FULL):
-                return None
-            return kind, [source]
-        if op.name == "reshape":
-            return (ROW, [ROW]) if kind == ROW and self.of_shape(op.operands[0].shape) == ROW else None
-        if op.name == "iota":  # positions along a single row axis: the same in every tile
-            along_row = len(self.row) == 1 and op.attrs["dimension"] == len(self.lead)
-            return (FULL, []) if kind == FULL and along_row else None
-        if self.pointwise(op) and all(v.shape == op.result.shape for v in op.operands):
-            return kind, [kind] * len(op.operands)
-        return None
-
-    def broadcast_source(self, op: Op, kind: str) -> str | None:
-        """How a broadcast into a `kind` value reads its source, if a tile can express it."""
-        (x,) = op.operands
-        dims = tuple(op.attrs["dims"])
-        n = len(self.lead)
-        if x.type.size == 1:
-            return SCALAR if x.type.rank <= (2 if kind == FULL or op.result.shape != self.lead else 1) else None
-        if self.of_shape(x.shape) == ROW and dims[:n] == tuple(range(n)):
-            return ROW
-        leading_ones = next((i for i, d in enumerate(x.shape) if d != 1), x.type.rank)
-        if x.shape[leading_ones:] == self.row and dims[leading_ones:] == tuple(range(n, n + len(self.row))):
-            return COL
-        return None
-
-
-def _tile_shape(kind: str, v: Value, kinds: _Kinds, tile: int) -> tuple[int, ...]:
+def _tile_shape(kind: str, v: Value, kinds: Kinds, tile: int) -> tuple[int, ...]:
     if kind == FULL:
         return (tile, math.prod(kinds.row))
     if kind == ROW:
@@ -163,60 +114,25 @@ def _tile_shape(kind: str, v: Value, kinds: _Kinds, tile: int) -> tuple[int, ...
     return v.shape
 
 
-def _row_shape(body: Graph) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    for op in body.ops:
-        if op.name not in _REDUCE_KINDS:
-            continue
-        shape = op.operands[0].shape
-        axes = sorted(a % max(len(shape), 1) for a in op.attrs["axes"])
-        if axes and 0 < axes[0] and axes == list(range(axes[0], len(shape))):
-            return shape[: axes[0]], shape[axes[0] :]
-    return None
-
-
 def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
     """The row loop nest of fused `body` (see the module docstring), or why there is none."""
-    shape = _row_shape(body)
+    shape = row_shape(body)
     if shape is None:
         return "no reduction over trailing axes"
     lead, row = shape
-    kinds = _Kinds(lead, row, pointwise)
     rows, length = math.prod(lead), math.prod(row)
     if rows < 2 or length < 1:
         return f"{rows} rows of {length}"
-    members: list[Op] = []
-    kind_of: dict[Value, str] = {}
-    inputs: list[Value] = []
-    computed: set[Value] = set()
-    after: set[Value] = set()  # values that depend on the nest without being in it
-    for op in body.ops:
-        rule = None if any(v in after for v in op.operands) else kinds.member(op)
-        if rule is None or not _admit(op, rule, kind_of, inputs):
-            if any(v in after or v in computed for v in op.operands):
-                after.update(op.results)
-            continue
-        members.append(op)
-        computed.add(op.result)
-    if sum(op.name in _REDUCE_KINDS for op in members) == 0:
-        return "no reduction of full rows"
-    users = body.uses()
-    outputs = [
-        v for op in members for v in op.results if v in body.results or any(u not in members for u in users.get(v, ()))
-    ]
-    for v in [v for v in outputs if v.dtype.is_bool]:
-        # The nest cannot store a bool tile. One computed without a reduction (cross-entropy's one-hot
-        # compare `labels == iota`, read again by its gradient after the batch mean) is cheap to
-        # compute a second time: the ops outside the nest that read it recompute it from its sources.
-        if not _without_reductions(v, computed):
-            return "a bool output"
-        outputs.remove(v)
-    if not outputs:
-        return "no outputs"
+    region = row_members(body, lead, row, pointwise)
+    if isinstance(region, str):
+        return region
+    members, kind_of, inputs, outputs = region.ops, region.kinds, region.inputs, region.outputs
+    computed = {op.result for op in members}
     full_values = [v for v in (*inputs, *computed) if kind_of[v] == FULL]
     widest = max(memory_itemsize(v) for v in full_values)
     if length * widest > MAX_ROW_BYTES:
         return f"rows of {length * widest} bytes (above {MAX_ROW_BYTES})"
-    sweeps = sum(op.name in _REDUCE_KINDS for op in members) + any(kind_of[v] == FULL for v in outputs)
+    sweeps = sum(op.name in REDUCE_KINDS for op in members) + any(kind_of[v] == FULL for v in outputs)
     if sweeps < 2 and len(lead) + len(row) <= 2:  # above 2-d, whole-tensor kernels may not vectorize
         return "one sweep already"
     if sweeps < 2 and len(row) == 1 and any(_broadcast_in(v, body) for v in inputs if kind_of[v] == FULL):
@@ -232,47 +148,6 @@ def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
 def _broadcast_in(v: Value, body: Graph) -> bool:
     """Whether nest input `v` is a broadcast the fused body computes (not a parameter)."""
     return v.producer is not None and v.producer.name == "broadcast" and v not in body.params
-
-
-def _without_reductions(v: Value, computed: set[Value]) -> bool:
-    """Whether the nest computes `v` from its inputs with no reduction on the way."""
-    stack, seen = [v], set()
-    while stack:
-        value = stack.pop()
-        if value in seen or value not in computed:
-            continue
-        seen.add(value)
-        if value.producer.name in _REDUCE_KINDS:
-            return False
-        stack.extend(value.producer.operands)
-    return True
-
-
-def _admit(op: Op, rule: tuple[str, list[str]], kind_of: dict, inputs: list) -> bool:
-    """Record `op`'s operands and result kinds if they agree with what the nest already has."""
-    kind, operand_kinds = rule
-    new_inputs = []
-    for v, want in zip(op.operands, operand_kinds):
-        if _splat(v):
-            continue
-        have = kind_of.get(v)
-        if have is not None and have != want:
-            return False
-        if have is None:
-            new_inputs.append((v, want))
-    for v, want in new_inputs:
-        kind_of[v] = want
-        inputs.append(v)
-    kind_of[op.result] = kind
-    return True
-
-
-def _splat(v: Value) -> bool:
-    return v.producer is not None and v.producer.name == "constant" and splat_value(v) is not None
-
-
-def memory_itemsize(v: Value) -> int:
-    return 1 if v.dtype.is_bool else v.dtype.itemsize
 
 
 def _tile_rows(rows: int, row_bytes: int, threads: int) -> int:
@@ -292,7 +167,7 @@ def _tile_rows(rows: int, row_bytes: int, threads: int) -> int:
 def tile_graph(nest: RowNest, tile: int) -> Graph:
     """The nest's members rebuilt on tiles of `tile` rows: inputs are parameters in
     `nest.inputs` order, results are `nest.outputs` in order."""
-    kinds = _Kinds(nest.lead, nest.row, lambda op: True)
+    kinds = Kinds(nest.lead, nest.row, lambda op: True)
     graph = Graph("tile")
     mapped: dict[tuple[Value, str], Value] = {}
     for v in nest.inputs:
@@ -310,7 +185,7 @@ def tile_graph(nest: RowNest, tile: int) -> Graph:
         kind, operand_kinds = kinds.member(op)
         result = op.result.type.with_shape(_tile_shape(kind, op.result, kinds, tile))
         attrs = dict(op.attrs)
-        if op.name in _REDUCE_KINDS:
+        if op.name in REDUCE_KINDS:
             attrs["axes"] = (1,)
         elif op.name == "broadcast":
             attrs["shape"] = result.shape

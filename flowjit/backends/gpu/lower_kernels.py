@@ -9,7 +9,9 @@ Two kernel shapes, both mapped to blocks and threads by the stage table (`pipeli
   row). One thread per result element.
 - `parallel_writes`: an `scf.parallel` over an index space writing a buffer at computed positions
   (`memref.store`, `memref.atomic_rmw`), for ops whose writes a generic cannot express: a scan
-  walks its row in one thread, a sort stores each element at its rank, scatter_add adds atomically.
+  walks its row in one thread, a sort stores each element at its rank (or, for long rows, a
+  serial loop on the host runs one such kernel per pass of a bitonic network), scatter_add adds
+  atomically.
 
 Bounds: every index an operand is read or written at is clamped into its dimension (a pad's or a
 convolution's padding reads a clamped element and selects the padding value instead), and every
@@ -138,6 +140,13 @@ def parallel_writes(
     ttype = tensor_type(dest_type, memory_elem_type(dest_type.dtype))
     mtype = "memref<" + ttype.removeprefix("tensor<")
     buffer = em.op(f"bufferization.to_buffer {dest} : {ttype} to {mtype}")
+    parallel_loop(em, space, lambda b, idx: body(b, buffer, idx))
+    return em.op(f"bufferization.to_tensor {buffer} restrict writable : {mtype} to {ttype}")
+
+
+def parallel_loop(em: KernelEmitter, space: Sequence[int], body: Callable[[ScalarBuilder, list[str]], None]) -> None:
+    """An `scf.parallel` over the (non-empty) index space `space`, at the emitter's current place:
+    `body(b, idx)` writes the iteration for indices `idx` (one kernel, one thread per index)."""
     # One iteration runs as two, the second doing nothing: canonicalization inlines a loop of one
     # iteration into the host code.
     single = math.prod(space) == 1
@@ -155,15 +164,14 @@ def parallel_writes(
         first = b.op(f"arith.cmpi eq, {idx[0]}, {zero} : index")
         b.line(f"scf.if {first} {{")
         inner = ScalarBuilder(em, b.indent + "  ")
-        body(inner, buffer, [zero] * len(space))
+        body(inner, [zero] * len(space))
         b.lines.extend(inner.lines)
         b.line("}")
     else:
-        body(b, buffer, idx)
+        body(b, idx)
     em.body.extend(b.lines)
     em.line("  scf.reduce")
     em.line("}")
-    return em.op(f"bufferization.to_tensor {buffer} restrict writable : {mtype} to {ttype}")
 
 
 def serial_for(
@@ -482,27 +490,37 @@ def _key_less(b: ScalarBuilder, x: str, y: str, dtype: dt.DType) -> str:
     return b.op(f"arith.ori {less}, {b.op(f'arith.andi {x_num}, {y_nan} : i1')} : i1")
 
 
+# Rows up to this long sort by rank (one launch; each thread walks its row: O(n) per element);
+# longer ones by a bitonic network (O(log^2 n) launches, O(n log^2 n) work per row). An estimate,
+# not a measurement (nothing has run on a GPU): at 4096 a rank sort's thread makes 4096 steps over
+# a row its block holds in cache, a bitonic sort 78 launches of a few microseconds each.
+RANK_SORT_MAX = 4096
+
+
 @on_bytes
 def lower_sort(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
-    """A stable sort by rank: one thread per element counts the elements of its row that sort
-    before it (smaller keys, and equal keys at smaller positions) and stores the element and its
-    payloads at that rank. O(n) per element, O(n^2) per row: right for short rows only."""
+    """A stable sort, by rank (rows of at most `RANK_SORT_MAX`) or by a bitonic network
+    (`_bitonic_order`, longer rows). By rank: one thread per element counts the elements of its row
+    that sort before it (smaller keys, and equal keys at smaller positions) and stores the element
+    and its payloads at that rank, O(n) per element."""
     keys = op.operands[0]
     axis = op.attrs["axis"]
     t = keys.type
     n = t.shape[axis]
-    kt = moved_type(t)
     outs = [em.empty(v.type, memory_elem_type(v.type.dtype)) for v in op.operands]
     if t.size == 0:
         return outs
+    if n > RANK_SORT_MAX:
+        order, order_type = _bitonic_order(em, operands[0], t, axis)
+        return [
+            per_element(em, value.type, _gathered(tensor, moved_type(value.type), order, order_type, axis, n))
+            for tensor, value in zip(operands, op.operands)
+        ]
+
+    key_dtype = _key_dtype(t)
 
     def key_at(b: ScalarBuilder, at: list[str]) -> str:
-        v = extract(b, operands[0], kt, at)
-        if t.dtype.is_bool:
-            return b.op(f"arith.extui {v} : i8 to i32")
-        return extend(b, v, t.dtype)
-
-    key_dtype = dt.int32 if t.dtype.is_bool else t.dtype
+        return _sort_key(b, operands[0], t, at)
 
     def rank_of(b: ScalarBuilder, idx: list[str]) -> str:
         me = key_at(b, idx)
@@ -539,6 +557,118 @@ def lower_sort(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
 
         results.append(parallel_writes(em, out, value.type, t.shape, body))
     return results
+
+
+def _key_dtype(t: TensorType) -> dt.DType:
+    """The dtype sort keys of type `t` are compared in (bools as int32)."""
+    return dt.int32 if t.dtype.is_bool else t.dtype
+
+
+def _sort_key(b: ScalarBuilder, keys: str, t: TensorType, at: list[str]) -> str:
+    """The key at indices `at` of `keys` (type `t`, bools as bytes), in `_key_dtype`."""
+    v = extract(b, keys, moved_type(t), at)
+    if t.dtype.is_bool:
+        return b.op(f"arith.extui {v} : i8 to i32")
+    return extend(b, v, t.dtype)
+
+
+def _bitonic_order(em: KernelEmitter, keys: str, t: TensorType, axis: int) -> tuple[str, str]:
+    """For each row of `keys` (type `t`) along `axis`, the positions of its elements in sorted
+    order (stable: equal keys keep their order; nans last), as a tensor of i32 whose `axis` is
+    padded to m, the next power of two of the row's length n (positions n.. at the end).
+
+    A bitonic sorting network on (key, position) pairs, which order totally (ties broken by
+    position, so the network's instability does not show; a padded position sorts after every
+    element): an `order` buffer starts as 0, 1, ..., m - 1 along `axis`, then for each of the
+    log2(m) * (log2(m) + 1) / 2 passes (a serial loop on the host around one launch) every thread
+    compares and maybe swaps one pair: for pass (k, j) (k = 2, 4, ..., m; j = k/2, ..., 1), thread q
+    takes i = 2j * (q // j) + q % j and i + j, ascending where i & k is 0. A pass's (log k, log j)
+    comes from a constant table indexed by the loop variable. Every index is in its row: i + j < m,
+    and a key is read at a clamped position, its value unused for a padded one."""
+    n = t.shape[axis]
+    m = 1 << (n - 1).bit_length()
+    levels = m.bit_length() - 1
+    passes = [(s, s - 1 - u) for s in range(1, levels + 1) for u in range(s)]
+    order_type = TensorType(t.shape[:axis] + (m,) + t.shape[axis + 1 :], dt.int32)
+    ott = tensor_type(order_type, "i32")
+    mtype = "memref<" + ott.removeprefix("tensor<")
+    buffer = em.op(f"bufferization.to_buffer {em.empty(order_type, 'i32')} : {ott} to {mtype}")
+
+    def start(b: ScalarBuilder, idx: list[str]) -> None:
+        position = b.op(f"arith.index_cast {idx[axis]} : index to i32")
+        b.line(f"memref.store {position}, {buffer}[{', '.join(idx)}] : {mtype}")
+
+    parallel_loop(em, order_type.shape, start)
+    table = ", ".join(str(s * 32 + u) for s, u in passes)
+    steps = em.op(f"arith.constant dense<[{table}]> : tensor<{len(passes)}xi32>")
+    zero, count, one = (em.op(f"arith.constant {v} : index") for v in (0, len(passes), 1))
+    step = em.fresh("pass")
+    em.line(f"scf.for {step} = {zero} to {count} step {one} {{")
+    em.indent += "  "
+    pairs = order_type.shape[:axis] + (m // 2,) + order_type.shape[axis + 1 :]
+
+    def compare_exchange(b: ScalarBuilder, idx: list[str]) -> None:
+        packed = b.op(f"arith.index_cast {extract(b, steps, f'tensor<{len(passes)}xi32>', [step])} : i32 to index")
+        one, five, low_bits = b.const(1, "index"), b.const(5, "index"), b.const(31, "index")
+        k = b.op(f"arith.shli {one}, {b.op(f'arith.shrui {packed}, {five} : index')} : index")
+        j = b.op(f"arith.shli {one}, {b.op(f'arith.andi {packed}, {low_bits} : index')} : index")
+        q = idx[axis]
+        block = b.op(
+            f"arith.muli {b.op(f'arith.divui {q}, {j} : index')}, {b.op(f'arith.addi {j}, {j} : index')} : index"
+        )
+        i = b.op(f"arith.addi {block}, {b.op(f'arith.remui {q}, {j} : index')} : index")
+        partner = b.op(f"arith.addi {i}, {j} : index")
+        at_i, at_p = [*idx[:axis], i, *idx[axis + 1 :]], [*idx[:axis], partner, *idx[axis + 1 :]]
+        first = b.op(f"memref.load {buffer}[{', '.join(at_i)}] : {mtype}")
+        second = b.op(f"memref.load {buffer}[{', '.join(at_p)}] : {mtype}")
+        ascending = b.op(f"arith.cmpi eq, {b.op(f'arith.andi {i}, {k} : index')}, {b.const(0, 'index')} : index")
+        out_of_order = b.op(
+            f"arith.select {ascending}, {_sorts_before(b, second, first, keys, t, idx, axis)}, "
+            f"{_sorts_before(b, first, second, keys, t, idx, axis)} : i1"
+        )
+        b.line(f"scf.if {out_of_order} {{")
+        b.line(f"  memref.store {second}, {buffer}[{', '.join(at_i)}] : {mtype}")
+        b.line(f"  memref.store {first}, {buffer}[{', '.join(at_p)}] : {mtype}")
+        b.line("}")
+
+    parallel_loop(em, pairs, compare_exchange)
+    em.indent = em.indent[:-2]
+    em.line("}")
+    return em.op(f"bufferization.to_tensor {buffer} restrict writable : {mtype} to {ott}"), ott
+
+
+def _sorts_before(b: ScalarBuilder, x: str, y: str, keys: str, t: TensorType, idx: list[str], axis: int) -> str:
+    """Whether the element at position `x` of its row sorts before the one at `y` (i32 positions;
+    the row's length n and above are padding, after every element): by key, then by position."""
+    n = t.shape[axis]
+    limit = b.const(n, "i32")
+    x_pad = b.op(f"arith.cmpi sge, {x}, {limit} : i32")
+    y_pad = b.op(f"arith.cmpi sge, {y}, {limit} : i32")
+    key_dtype = _key_dtype(t)
+
+    def key(position: str) -> str:
+        return _sort_key(b, keys, t, [*idx[:axis], clamp(b, index_of(b, position, "i32"), n - 1), *idx[axis + 1 :]])
+
+    kx, ky = key(x), key(y)
+    less = _key_less(b, kx, ky, key_dtype)
+    tie = b.op(f"arith.xori {_key_less(b, ky, kx, key_dtype)}, {b.const(1, 'i1')} : i1")
+    earlier = b.op(f"arith.cmpi slt, {x}, {y} : i32")
+    by_key = b.op(f"arith.ori {less}, {b.op(f'arith.andi {tie}, {earlier} : i1')} : i1")
+    # both padding: by position; only y padding: x first; only x padding: y first
+    neither = b.op(f"arith.ori {x_pad}, {y_pad} : i1")
+    padded = b.op(f"arith.select {x_pad}, {b.op(f'arith.andi {y_pad}, {earlier} : i1')}, {b.const(1, 'i1')} : i1")
+    return b.op(f"arith.select {neither}, {padded}, {by_key} : i1")
+
+
+def _gathered(tensor: str, vt: str, order: str, order_type: str, axis: int, n: int):
+    """The body of a per-element kernel: the element of `tensor` (type `vt`) at the position the
+    sorted order gives (clamped: positions are below n for the first n slots of a row)."""
+
+    def body(b: ScalarBuilder, idx: list[str]) -> str:
+        position = clamp(b, index_of(b, extract(b, order, order_type, idx), "i32"), n - 1)
+        return extract(b, tensor, vt, [*idx[:axis], position, *idx[axis + 1 :]])
+
+    return body
 
 
 # --- indexing and padding ----------------------------------------------------------------------

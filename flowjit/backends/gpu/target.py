@@ -4,9 +4,10 @@ The shared lowerings write plain `linalg` kernels here (every schedule is None: 
 table maps loops to blocks and threads after bufferization, `pipeline.py`) and the shared,
 call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them:
 
-- `fusion`: the fused body's ops one after another on tensors (`lower_control.lower_region`);
-  the "bufferize" stage's `linalg-fuse-elementwise-ops` merges elementwise chains and broadcasts
-  into one kernel.
+- `fusion`: a region that is a row computation as a whole (softmax, layer norm, ...) is one row
+  kernel (`lower_rows.py`: a block per row, warp shuffles); any other, the fused body's ops one
+  after another on tensors (`lower_control.lower_region`), whose elementwise chains and
+  broadcasts the "bufferize" stage's `linalg-fuse-elementwise-ops` merges into one kernel.
 - the GPU's own kernels (`lower_kernels.py`): reductions in two stages where few results would
   leave most threads idle, contractions, windows, scans, sort, gather/scatter,
   pad, concatenate, dynamic_slice, as one thread per result element or a parallel loop writing a
@@ -21,7 +22,7 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
 
 from __future__ import annotations
 
-from flowjit.backends.gpu import lower_kernels
+from flowjit.backends.gpu import lower_kernels, lower_rows
 from flowjit.backends.mlir import (
     lower_control,
     lower_elementwise,
@@ -83,6 +84,9 @@ lower_movement.register(GPU.lowerings)
 lower_kernels.register(GPU.lowerings)
 
 GPU.lowerings.tensor["custom_vjp_call"] = lower_control.lower_custom_vjp_call
+# A fused region that is a row computation as one kernel (a block per row); others fall back to
+# `lower_fusion` below.
+GPU.lowerings.call["fusion"] = lower_rows.lower_row_fusion
 
 # Ops the GPU does not compile, with the reason: placement puts them on the CPU and its report
 # shows the reason; compiling one for the GPU is a CompileError quoting it.
