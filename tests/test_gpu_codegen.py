@@ -10,6 +10,7 @@ user-facing entry points (`as_text("ptx")`, `flowjit dump --stage ptx --target c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import math
@@ -27,7 +28,7 @@ import flowjit.numpy as fnp
 from flowjit.backends.cpu import toolchain as cpu_toolchain
 from flowjit.backends.cpu.pipeline import CompileOptions
 from flowjit.backends.cpu.pipeline import stage_pipeline as cpu_stage_pipeline
-from flowjit.backends.gpu import lower_kernels
+from flowjit.backends.gpu import lower_kernels, lower_matmul
 from flowjit.backends.gpu.backend import GpuRuntimeError
 from flowjit.backends.gpu.compiler import copies_as_kernels, generate_mlir, lower_to_ptx
 from flowjit.backends.gpu.driver import unavailable_reason
@@ -198,9 +199,23 @@ def test_every_registered_op_lowers_or_is_cpu_only():
 # op table's expected values.
 
 
+@contextlib.contextmanager
+def untiled_products():
+    """Inside: every dot_general is one thread per element (`lower_kernels.lower_dot_general`);
+    the tiled kernel (`lower_matmul`) is a `gpu.launch` that only the GPU pipeline compiles (its
+    values come from the emulator: tests/test_gpu_matmul.py)."""
+    saved = lower_matmul.uses_tiles
+    lower_matmul.uses_tiles = lambda product: False
+    try:
+        yield
+    finally:
+        lower_matmul.uses_tiles = saved
+
+
 def run_on_host(graph, inputs):
     """The GPU target's bufferized MLIR for `graph`, compiled for the host and run on `inputs`."""
-    mlir = generate_mlir(graph)
+    with untiled_products():
+        mlir = generate_mlir(graph)
     with mlir_pipeline.lock(), mlir_pipeline.mlir_context():
         module = mlir_pipeline.parse(mlir.text)
         mlir_pipeline.run_pipeline(module, stage_pipeline("bufferize", options=GpuOptions()), lambda: mlir.text)

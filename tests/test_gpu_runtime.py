@@ -173,7 +173,8 @@ _STORE = re.compile(r"(memref|vector)\.store %\w+, %\w+\[([^\]]*)\] .*: memref<(
         (_bias_tanh, [(64, 300), (300,)]),
         (_bias_tanh, [(2, 7, 300), (300,)]),
         (lambda x, y: x * fnp.exp(y), [(40, 50), (40, 50)]),
-        (lambda x, w: x @ w, [(48, 20), (20, 96)]),  # a per-element kernel (linalg.index)
+        # a per-element kernel (linalg.index): K below a step of the tiled products (lower_matmul)
+        (lambda x, w: x @ w, [(48, 12), (12, 96)]),
     ],
 )
 def test_consecutive_threads_write_consecutive_elements(fn, shapes):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from flowjit.backends.gpu import lower_matmul
 from flowjit.backends.mlir import lower_reduction
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
@@ -278,7 +279,12 @@ def zero_of(b: ScalarBuilder, elem: str) -> str:
 
 def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """One thread per result element, a serial loop nest over the contracted dimensions
-    (accumulating half types in f32, as the reference does). No tiling through shared memory yet."""
+    (accumulating half types in f32, as the reference does): the products `lower_matmul` does not
+    tile (`lower_matmul.uses_tiles`). A product it tiles inside a fused region (the call lowering
+    takes the others) is the tiled kernel writing a temporary (`lower_matmul.tiled_tensor`)."""
+    tiled = lower_matmul.tiled_tensor(em, op, operands)
+    if tiled is not None:
+        return [tiled]
     a, b = op.operands
     lc, rc = op.attrs["lhs_contract"], op.attrs["rhs_contract"]
     lb, rb = op.attrs["lhs_batch"], op.attrs["rhs_batch"]
@@ -311,7 +317,12 @@ def lower_dot_general(em: KernelEmitter, op: Op, operands: list[str]) -> list[st
 
 def lower_conv2d(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     """Direct convolution (NCHW input, OIHW weights): one thread per output element, a serial
-    loop over input channels and the kernel window; padding reads a clamped element and adds 0."""
+    loop over input channels and the kernel window; padding reads a clamped element and adds 0.
+    For the convolutions `lower_matmul` does not tile; one it tiles inside a fused region is the
+    tiled kernel writing a temporary (`lower_matmul.tiled_tensor`)."""
+    tiled = lower_matmul.tiled_tensor(em, op, operands)
+    if tiled is not None:
+        return [tiled]
     x, w = op.operands
     stride, dilation = op.attrs["stride"], op.attrs["dilation"]
     padding = op.attrs["padding"]
@@ -945,3 +956,6 @@ LOWERINGS = {
 def register(table: LoweringTable) -> None:
     """Add the GPU's own lowerings to `table` (the GPU's)."""
     table.tensor.update(LOWERINGS)
+    # Matmul-shaped products and convolutions as a tiled kernel through shared memory; the others
+    # (and those whose buffers the lowering does not see) fall back to their tensor lowerings.
+    table.call["dot_general"] = table.call["conv2d"] = lower_matmul.lower_tiled
