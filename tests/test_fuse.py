@@ -297,6 +297,24 @@ def test_long_fused_bodies_compute_two_vectors_per_step():
     assert f"vector_sizes [{vl}]" in short_body and f"vector_sizes [{2 * vl}]" not in short_body
 
 
+def test_large_memory_bound_streams_compute_four_vectors_per_step():
+    """A large 1-D kernel with no math function (an SGD step) unrolls `MAX_UNROLLED_STEPS` vectors
+    a step; below `PARALLEL_MIN_ELEMENTS`, or with a math function, one vector."""
+    vl, steps = schedule.lanes(32), schedule.MAX_UNROLLED_STEPS
+    big, small = np.ones(schedule.PARALLEL_MIN_ELEMENTS, np.float32), np.ones(4096, np.float32)
+    sgd = fj.jit(lambda p, g: p - 0.01 * g)
+    assert f"vector_sizes [{steps * vl}]" in sgd.lower(big, big).as_text("mlir")
+    # each thread's chunk is a whole number of steps, here an odd number of 4-vector groups, so
+    # there are no masked loads or stores in the loop
+    groups = -(-schedule.PARALLEL_MIN_ELEMENTS // (schedule.threads() * 4 * vl)) | 1
+    even = np.ones(schedule.threads() * 4 * vl * groups, np.float32)
+    assert "masked" not in sgd.lower(even, even).as_text("llvm")
+    assert f"vector_sizes [{vl}]" in sgd.lower(small, small).as_text("mlir")
+    with_math = fj.jit(lambda p, g: p - 0.01 * fnp.tanh(g)).lower(big, big).as_text("mlir")
+    assert f"vector_sizes [{vl}]" in with_math and f"vector_sizes [{steps * vl}]" not in with_math
+    _check_fused_equals_unfused(lambda p, g: p - 0.01 * g + p * g, (big, big), 0.0)
+
+
 @pytest.mark.parametrize(
     "fn, args",
     [

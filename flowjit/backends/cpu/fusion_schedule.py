@@ -49,8 +49,13 @@ def schedule_generic(
     per step, since one vector waiting on that chain's latency leaves the cores idle: on a 2-core
     AMD EPYC Zen 4 VM that makes tanh-approximated GELU (depth 16) 7-15% faster, while bodies of
     independent math functions side by side (the benchmark's `tanh(x * 0.7 + 0.1) * sigmoid(x) +
-    0.5 * x`, depth 12) gain nothing. A small reduction over short rows with no math function
-    among `ops` (the kernel's body), outside loops, stays plain loops (`schedule.stays_plain`).
+    0.5 * x`, depth 12) gain nothing. A large 1-D kernel with no math function (a memory-bound
+    stream: an SGD step `p - lr * g`) computes `schedule.MAX_UNROLLED_STEPS` vectors per step:
+    on that VM PyTorch's `sub_` took 0.90-0.97x the time of the donated SGD update over 10M floats
+    with one vector a step, and 0.99-1.05x with four (four runs each of benchmarks/donation.py,
+    alternated). A small reduction over short
+    rows with no math function among `ops` (the kernel's body), outside loops, stays plain loops
+    (`schedule.stays_plain`).
     With a math function, `copy_nd` keeps the row loop rolled: unrolled 4 vectors a row, an LSTM's
     gates (two sigmoids and a tanh over 64-column views of the gate matrix) run no faster and take
     twice the compile."""
@@ -64,7 +69,12 @@ def schedule_generic(
             plain = not em.loops and not math
             em.schedule(name, schedule.reduction(loop.shape, axes[0], widest, may_stay_plain=plain))
     elif loop.rank == 1 and loop.size > 1:
-        vectors = 2 if depth > LONG_CHAIN_DEPTH else 1
+        if depth > LONG_CHAIN_DEPTH:
+            vectors = 2
+        elif not math and loop.size >= schedule.PARALLEL_MIN_ELEMENTS:
+            vectors = schedule.MAX_UNROLLED_STEPS  # a memory-bound stream (an SGD step)
+        else:
+            vectors = 1
         em.schedule(name, schedule.elementwise(loop.size, widest, vectors))
     elif loop.rank > 1 and tile and loop.size > 1:
         em.schedule(name, _vectorize_rows(loop.shape, widest, coalesce))

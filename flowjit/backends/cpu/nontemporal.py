@@ -20,7 +20,8 @@ How: the lowering marks the output arguments `wants_streaming` picks with `ARG_A
 share an input's buffer); after the MLIR pipelines (`toolchain.lower_to_llvm_ir`), `stream_stores`
 finds, per LLVM-dialect function, the marked arguments that every use of (through address
 arithmetic) is the address of a store: the function never reads them. Each whole-line vector store
-into such an argument (64 bytes: `vector<16xf32>`, `vector<8xf64>`, ...) becomes
+into such an argument (64 bytes: `vector<16xf32>`, `vector<8xf64>`, ...; or several lines, as a
+kernel computing four vectors a step stores `vector<64xf32>`) becomes
 
     if (address % 64 == 0) store, non-temporal, align 64   // vmovntps
     else                   the original store
@@ -153,7 +154,8 @@ _MOVES = frozenset(
 
 
 def _line_store(store) -> bool:
-    """A store of one 64-byte vector, not already non-temporal, atomic or volatile."""
+    """A store of a vector of whole 64-byte lines (one, or several from a kernel computing several
+    vectors a step), not already non-temporal, atomic or volatile."""
     from mlir import ir
 
     attributes = store.attributes
@@ -165,7 +167,8 @@ def _line_store(store) -> bool:
     if not isinstance(vector, ir.VectorType):
         return False
     width = getattr(vector.element_type, "width", 0)
-    return vector.rank == 1 and width % 8 == 0 and vector.shape[0] * width // 8 == LINE_BYTES
+    nbytes = vector.shape[0] * width // 8 if vector.rank == 1 and width % 8 == 0 else 0
+    return nbytes > 0 and nbytes % LINE_BYTES == 0
 
 
 def _stream(store):

@@ -70,7 +70,11 @@ def elementwise(n: int, elem_bits: int, vectors: int = 1):
     def steps(h: str) -> list[str]:
         lines = []
         if n >= PARALLEL_MIN_ELEMENTS and threads() > 1:
-            chunk = _round_up(-(-n // threads()), vl * 4)
+            # Chunks of whole groups of 4 vectors of the widest lanes: 256 bytes of f32 with
+            # AVX-512, each thread starting on a line; no wider (a step of 4 vectors rounds to
+            # itself), so that n / threads of such groups splits evenly, into static chunks the
+            # vectorizer needs no masks for.
+            chunk = _round_up(-(-n // threads()), lanes(elem_bits) * 4)
             lines.append(
                 f"%par{h[1:]}, %forall{h[1:]} = transform.structured.tile_using_forall {h} tile_sizes [{chunk}] "
                 f": ({ANY}) -> ({ANY}, {ANY})"
