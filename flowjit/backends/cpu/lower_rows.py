@@ -59,6 +59,7 @@ from flowjit.backends.mlir.row_regions import (
     ROW,
     SCALAR,
     Kinds,
+    RowRegion,
     memory_itemsize,
     row_shape,
 )
@@ -75,25 +76,12 @@ MAX_ROW_BYTES = 64 * 1024
 
 
 @dataclass
-class RowNest:
-    """The members of a fused body that run in the row loop nest, and how it is tiled."""
+class RowNest(RowRegion):
+    """The members of a fused body that run in the row loop nest (the row part the targets'
+    shared recognition finds), and how it is tiled."""
 
-    lead: tuple[int, ...]
-    row: tuple[int, ...]
-    tile: int  # rows per tile
-    parallel: bool  # tiles split over the cores (`scf.forall`)
-    ops: list[Op]
-    kinds: dict[Value, str]  # kind of every input and member result
-    inputs: list[Value]  # read from outside the nest, in first-use order
-    outputs: list[Value]  # members read after the nest or returned
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.lead)
-
-    @property
-    def length(self) -> int:
-        return math.prod(self.row)
+    tile: int = 1  # rows per tile
+    parallel: bool = False  # tiles split over the cores (`scf.forall`)
 
     def describe(self) -> str:
         reductions = sum(op.name in REDUCE_KINDS for op in self.ops)
@@ -142,7 +130,7 @@ def plan(body: Graph, pointwise: Callable[[Op], bool]) -> RowNest | str:
         return "one sweep over a broadcast input"
     parallel = rows * length >= schedule.PARALLEL_MIN_ELEMENTS and schedule.threads() > 1
     tile = _tile_rows(rows, length * widest, schedule.threads() if parallel else 1)
-    return RowNest(lead, row, tile, parallel, members, kind_of, inputs, outputs)
+    return RowNest(lead, row, members, kind_of, inputs, outputs, tile=tile, parallel=parallel)
 
 
 def _broadcast_in(v: Value, body: Graph) -> bool:
