@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import flowjit as fj
-from flowjit.backends.gpu import lower_matmul
+from flowjit.backends.gpu import lower_epilogue, lower_matmul
 from flowjit.backends.gpu.compiler import lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions
 from flowjit.ir import dtypes as dt
@@ -167,9 +167,9 @@ def _layer_gradients(x, w, b):
     ],
 )
 def test_products_inside_fused_regions_and_gradients_are_tiled(fn, shapes):
-    """A product with its epilogue (a fused region: the tiled kernel writes a temporary, the
-    epilogue is a kernel of its own) and the gradient of a layer (its products transposed) on the
-    emulator, against the CPU backend."""
+    """A product with its epilogue (a fused region: one launch, the epilogue applied before the
+    tiled kernel's store) and the gradient of a layer (its products transposed) on the emulator,
+    against the CPU backend."""
     rng = np.random.default_rng(7)
     args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     module = compiled(fn, *args)
@@ -180,6 +180,104 @@ def test_products_inside_fused_regions_and_gradients_are_tiled(fn, shapes):
     got = gpu_emulator.run(module.plan, gpu_emulator.EmulatedKernels(module.gpu_mlir), args, outputs)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
+
+
+# --- a fused region's elementwise epilogue inside the tiled kernel (lower_epilogue.py) ------------
+
+
+def _relu_layer(x, w, b):
+    return fj.nn.relu(x @ w + b)
+
+
+def _residual(x, w, r):
+    return x @ w + r
+
+
+def _scaled_residual(x, w, r):
+    return x @ w * 2.0 + r
+
+
+def _transposed_layer(x, w, b):
+    return fj.numpy.tanh(x.T @ w + b)
+
+
+def _column_bias(x, w, b):
+    return x @ w + b[:, None]  # the bias reshaped inside the region
+
+
+def _sliced_scalar(x, w, b):
+    return fj.numpy.tanh(x @ w + b[0])  # a slice inside the region
+
+
+_BIAS = _RNG.standard_normal(384).astype(np.float32)
+_RESIDUAL = _RNG.standard_normal((256, 384)).astype(np.float32)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("chip", ["sm_80", "sm_90"])
+@pytest.mark.parametrize(
+    "fn,third", [(_layer, _BIAS), (_relu_layer, _BIAS), (_residual, _RESIDUAL)], ids=["tanh", "relu", "residual"]
+)
+def test_a_product_and_its_epilogue_are_one_launch(chip, fn, third):
+    """Two launches before (the product writing a temporary, the epilogue a kernel of its own)."""
+    module = compiled(fn, _A, _B, third, chip=chip)
+    launches = [launch for launch, _ in module.plan.launches()]
+    assert [(launch.grid, launch.block) for launch in launches] == [((384 // 64, 256 // 64, 1), (256, 1, 1))]
+    (kernel,) = module.kernels
+    assert "bar.sync" in kernel.ptx and re.search(r"\bld\.shared\.", kernel.ptx)
+    assemble_all(module.kernels, chip)
+
+
+def _launches(fn, *args) -> int:
+    return len(list(compiled(fn, *args).plan.launches()))
+
+
+EPILOGUES = [
+    pytest.param(_layer, [(70, 130), (130, 33), (33,)], _F32, id="tanh-bias"),
+    pytest.param(_relu_layer, [(70, 130), (130, 33), (33,)], np.float16, id="relu-bias-float16"),
+    pytest.param(_transposed_layer, [(130, 70), (130, 33), (33,)], _F32, id="a-transposed"),
+    pytest.param(_scaled_residual, [(70, 40), (40, 33), (70, 33)], ml_dtypes.bfloat16, id="scaled-residual-bfloat16"),
+    pytest.param(
+        lambda x, w, b: fj.numpy.tanh(fj.numpy.matmul(x, w) + b),
+        [(2, 3, 40, 20), (2, 3, 20, 36), (3, 1, 36)],
+        _F32,
+        id="two-batch-dims-bias",
+    ),
+]
+
+
+@pytest.mark.parametrize("fn,shapes,dtype", EPILOGUES)
+def test_the_fused_epilogue_computes_the_interpreters_values(monkeypatch, fn, shapes, dtype):
+    """One launch, its values those of the reference interpreter and, bit for bit, of the two
+    launches the region took before (the rule refusing every region)."""
+    rng = np.random.default_rng(shapes[0][-1])
+    args = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    assert _launches(fn, *args) == 1
+    got, want, was_tiled = _replayed(fn, *args)
+    assert was_tiled
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_close(got, want, tolerance(dt.dtype(np.dtype(dtype)), 3.0 * shapes[1][-2]))
+    monkeypatch.setattr(lower_epilogue, "plan", lambda op: None)
+    assert _launches(fn, *args) == 2
+    two_launches, _, _ = _replayed(fn, *args)
+    np.testing.assert_array_equal(got.view(np.uint8), two_launches.view(np.uint8))
+
+
+@pytest.mark.parametrize("fn", [_column_bias, _sliced_scalar], ids=["reshaped-bias", "sliced-scalar"])
+def test_regions_the_epilogue_rule_refuses_keep_two_launches(fn):
+    """A region holding the product and an op that is neither pointwise nor a broadcast of an
+    input (here a reshape, a slice) keeps the product writing a temporary that a kernel of its
+    own reads. (The fusion pass puts no reduction, transpose or second product after a product
+    in its region; `plan` refuses those as it refuses these.)"""
+    rng = np.random.default_rng(5)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((40, 40), (40, 40), (40,)))
+    (region,) = [op for op in fj.jit(fn).lower(x, w, b).graph("optimized").walk() if op.name == "fusion"]
+    assert any(op.name == "dot_general" for op in region.regions[0].ops)
+    assert lower_epilogue.plan(region) is None
+    assert _launches(fn, x, w, b) == 2
+    got, want, was_tiled = _replayed(fn, x, w, b)
+    assert was_tiled
+    assert_close(got, want, tolerance(dt.float32, 3.0 * 40))
 
 
 # --- conv2d as an implicit product through the same kernel ----------------------------------------

@@ -17,10 +17,12 @@ under the same rule; the kernel reads each window element from the input where i
 tile (`_window_loader`: padding clamped and selected to 0), so the windows are never stored, and
 C is the result viewed as (N, O, OH OW).
 
-Where: a top-level product through the call lowering (`lower_tiled_dot`), writing the result's
-own buffer (one launch); a product inside a fused region (a layer's `x @ w + b`: the fused
-body is lowered op by op on tensors) through the tensor lowering (`tiled_tensor`), writing a
-temporary that the region's epilogue, a kernel of its own, reads.
+Where: a top-level product through the call lowering (`lower_tiled`), writing the result's
+own buffer (one launch); a product inside a fused region whose other ops are an elementwise
+epilogue (a layer's `tanh(x @ w + b)`) through `lower_epilogue.py`, the epilogue applied to each
+thread's sums before the store (`emit`'s `store`; one launch); a product inside any other fused
+region (lowered op by op on tensors) through the tensor lowering (`tiled_tensor`), writing a
+temporary that the rest of the region, a kernel of its own, reads.
 
 The kernel (`emit`, a `gpu.launch` on the operands' and the result's buffers, written at the
 "mlir" stage): block (x, y, z) computes the `BM` x `BN` tile (y, x) of C in batch z with
@@ -181,10 +183,10 @@ def _as_3d(em: KernelEmitter, buffer: str, shape: tuple[int, ...], elem: str) ->
 class _KernelWriter:
     """Writes the body of one tiled product's `gpu.launch` (`emit`)."""
 
-    def __init__(self, b: ScalarBuilder, p: TiledProduct, op: Op, loaders, out, shared: tuple[str, str]):
+    def __init__(self, b: ScalarBuilder, p: TiledProduct, op: Op, loaders, store, shared: tuple[str, str]):
         self.b, self.p, self.op = b, p, op
         self.loaders = loaders  # (A's, B's): fn(writer, k, free) -> (f32 value, validity or None)
-        self.out = out  # C's (batch, M, N) view and its memref type
+        self.store = store  # fn(writer, f32 sum, row, column): writes C's element (`_result_store`)
         self.shared = shared  # (A tile, B tile) in workgroup memory
         self.shared_type = f"memref<{BK}x{BM + PAD}xf32, #gpu.address_space<workgroup>>"
         self.batch = ""  # the block's batch index (block id z), set by `write`
@@ -291,8 +293,6 @@ class _KernelWriter:
         b.line(f"scf.yield {', '.join(sums)} : {types}")
         b.indent = b.indent[:-2]
         b.line("}")
-        view, mtype = self.out
-        out = self.op.result.dtype
         for i in range(MICRO):
             r = self.affine(row, 1, self.affine(row0, 1, self.index(_SPREAD * i)))
             for j in range(MICRO):
@@ -301,10 +301,10 @@ class _KernelWriter:
                 if valid is not None:
                     b.line(f"scf.if {valid} {{")
                     b.indent += "  "
-                # Rounded inside the store's block: skipped where masked, and no bf16 value lives
-                # across blocks (x86, where the emulator runs kernels, converts those by a libcall).
-                value = narrow(b, f"{result}#{i * MICRO + j}", out)
-                b.line(f"memref.store {value}, {view}[{self.batch}, {r}, {c}] : {mtype}")
+                # Rounded (and any epilogue computed) inside the store's block: skipped where
+                # masked, and no bf16 value lives across blocks (x86, where the emulator runs
+                # kernels, converts those by a libcall).
+                self.store(self, f"{result}#{i * MICRO + j}", r, c)
                 if valid is not None:
                     b.indent = b.indent[:-2]
                     b.line("}")
@@ -362,9 +362,18 @@ def _window_loader(x: str, op: Op):
     return load
 
 
+def _result_store(view: str, mtype: str, dtype: dt.DType):
+    """Stores C's element (row, column) of the block's batch, rounded to `dtype`, into `view`."""
+
+    def store(w: _KernelWriter, value: str, row: str, column: str) -> None:
+        w.b.line(f"memref.store {narrow(w.b, value, dtype)}, {view}[{w.batch}, {row}, {column}] : {mtype}")
+
+    return store
+
+
 def _operands(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]):
-    """The loaders of A and B (`_KernelWriter.loaders`) and the (batch, M, N) view of C, made on
-    the host (views of the buffers)."""
+    """The loaders of A and B (`_KernelWriter.loaders`) and the (batch, M, N) view of C (None
+    where `buffers` holds no C: an epilogue stores), made on the host (views of the buffers)."""
     a, b = op.operands
     if op.name == "dot_general":
         (va, ta), (vb, tb) = (
@@ -374,6 +383,8 @@ def _operands(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]):
             _view_loader(va, ta, a.type.dtype, p.a_transposed, True),
             _view_loader(vb, tb, b.type.dtype, not p.b_transposed, True),
         )
+        if len(buffers) == 2:
+            return loaders, None
         return loaders, _as_3d(em, buffers[2], op.result.type.shape, memory_elem_type(op.result.dtype))
     elem = memory_elem_type(b.type.dtype)  # conv2d: weights (O, C, KH, KW) as (1, O, C KH KW)
     o, k = b.type.shape[0], math.prod(b.type.shape[1:])
@@ -392,10 +403,13 @@ def _operands(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]):
     )
 
 
-def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]) -> None:
+def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str], store=None) -> None:
     """The tiled kernel of `op` (a dot_general or conv2d) as a `gpu.launch` reading buffers (A, B)
-    (conv2d: input, weights) and writing C (its result)."""
+    (conv2d: input, weights) and writing C (its result); or, given `store` (a fused region's
+    epilogue, `lower_epilogue.py`) and no C, handing each thread's sums to `store` instead."""
     loaders, out = _operands(em, p, op, buffers)
+    if store is None:
+        store = _result_store(*out, op.result.dtype)
     shared = (em.fresh("a_tile"), em.fresh("b_tile"))
     ids = [em.fresh(name) for name in ("bx", "by", "bz", "tx", "ty", "tz", "gx", "gy", "gz", "sx", "sy", "sz")]
     one, tiles_n, tiles_m, batch, threads = (
@@ -408,7 +422,7 @@ def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]) -> None
         f"{ids[11]} = {one}) workgroup({shared[0]} : {tile}, {shared[1]} : {tile}) {{"
     )
     b = ScalarBuilder(em, em.indent + "  ")
-    _KernelWriter(b, p, op, loaders, out, shared).write((ids[0], ids[1], ids[2]), ids[3])
+    _KernelWriter(b, p, op, loaders, store, shared).write((ids[0], ids[1], ids[2]), ids[3])
     em.body.extend(b.lines)
     em.line(f"  gpu.terminator{_location(op)}")
     em.line(f"}}{_location(op)}")

@@ -5,9 +5,11 @@ table maps loops to blocks and threads after bufferization, `pipeline.py`) and t
 call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them:
 
 - `fusion`: a region that is a row computation as a whole (softmax, layer norm, ...) is one row
-  kernel (`lower_rows.py`: a block per row, warp shuffles); any other, the fused body's ops one
-  after another on tensors (`lower_control.lower_region`), whose elementwise chains and
-  broadcasts the "bufferize" stage's `linalg-fuse-elementwise-ops` merges into one kernel.
+  kernel (`lower_rows.py`: a block per row, warp shuffles); a tiled product with an elementwise
+  epilogue (`x @ w + b`, then tanh) is one launch of the tiled kernel (`lower_epilogue.py`); any
+  other, the fused body's ops one after another on tensors (`lower_control.lower_region`), whose
+  elementwise chains and broadcasts the "bufferize" stage's `linalg-fuse-elementwise-ops` merges
+  into one kernel.
 - the GPU's own kernels (`lower_kernels.py`): reductions in two stages where few results would
   leave most threads idle, contractions, windows, scans, sort, gather/scatter,
   pad, concatenate, dynamic_slice, as one thread per result element or a parallel loop writing a
@@ -22,7 +24,7 @@ call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them
 
 from __future__ import annotations
 
-from flowjit.backends.gpu import lower_kernels, lower_rows
+from flowjit.backends.gpu import lower_epilogue, lower_kernels, lower_rows
 from flowjit.backends.mlir import (
     lower_control,
     lower_elementwise,
@@ -84,9 +86,16 @@ lower_movement.register(GPU.lowerings)
 lower_kernels.register(GPU.lowerings)
 
 GPU.lowerings.tensor["custom_vjp_call"] = lower_control.lower_custom_vjp_call
-# A fused region that is a row computation as one kernel (a block per row); others fall back to
-# `lower_fusion` below.
-GPU.lowerings.call["fusion"] = lower_rows.lower_row_fusion
+
+
+def lower_fusion_kernel(fl, op: Op) -> bool:
+    """`LoweringTable.call` entry for "fusion": a region that is a row computation as one kernel (a
+    block per row), or a tiled product with its elementwise epilogue as one launch of the tiled
+    kernel; False for others, which fall back to `lower_fusion` below."""
+    return lower_rows.lower_row_fusion(fl, op) or lower_epilogue.lower_epilogue_fusion(fl, op)
+
+
+GPU.lowerings.call["fusion"] = lower_fusion_kernel
 
 # Ops the GPU does not compile, with the reason: placement puts them on the CPU and its report
 # shows the reason; compiling one for the GPU is a CompileError quoting it.
