@@ -16,6 +16,7 @@ import functools
 import re
 from dataclasses import dataclass
 
+from flowjit.backends.gpu.launch import mlir_location
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
 from flowjit.backends.gpu.plan import LaunchPlan, check_against_ptx, extract_plan
 from flowjit.backends.gpu.target import GPU, check_graph
@@ -23,7 +24,7 @@ from flowjit.backends.gpu.wide_accesses import wide_accesses
 from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.backends.mlir.lowering import MlirModule, lower_graph
 from flowjit.errors import CompileError
-from flowjit.ir.graph import Graph, Op
+from flowjit.ir.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,6 @@ _SINGLE_LINE_OP = re.compile(r"^\s*(%\S+ = |linalg\.yield |bufferization\.materi
 _REGION_END = re.compile(r"^\s*\} -> ")
 
 
-def _mlir_location(op: Op) -> str:
-    file = op.loc.file.replace("\\", "\\\\").replace('"', '\\"')
-    return f'loc("{file}":{op.loc.line}:0)' if op.loc.file else ""
-
-
 def located(fn):
     """A tensor lowering whose emitted ops carry `op`'s location (those an inner lowering located
     already keep theirs: a fused body's ops name their own lines)."""
@@ -73,7 +69,7 @@ def located(fn):
     def lower(em, op, operands):
         start = len(em.body)
         results = fn(em, op, operands)
-        loc = _mlir_location(op)
+        loc = mlir_location(op)
         if loc:
             for i in range(start, len(em.body)):
                 line = em.body[i]

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flowjit.backends.gpu.launch import memref_type, workgroup_launch
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, tensor_type
 from flowjit.backends.mlir.lower_elementwise import extend, narrow
 from flowjit.backends.mlir.lowering import call_buffers
@@ -156,19 +157,10 @@ def tiled_tensor(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
 # --- the kernel ----------------------------------------------------------------------------------
 
 
-def _location(op: Op) -> str:
-    file = op.loc.file.replace("\\", "\\\\").replace('"', '\\"')
-    return f' loc("{file}":{op.loc.line}:0)' if op.loc.file else ""
-
-
-def _memref(shape: tuple[int, ...], elem: str) -> str:
-    return f"memref<{''.join(f'{d}x' for d in shape)}{elem}>"
-
-
 def _as_3d(em: KernelEmitter, buffer: str, shape: tuple[int, ...], elem: str) -> tuple[str, str]:
     """`buffer` (of `shape`: batch dims, then two) viewed as (batch, rows, columns), and its type."""
     nb = len(shape) - 2
-    source, viewed = _memref(shape, elem), _memref((math.prod(shape[:nb]), *shape[nb:]), elem)
+    source, viewed = memref_type(shape, elem), memref_type((math.prod(shape[:nb]), *shape[nb:]), elem)
     if nb == 1:
         return buffer, source
     if nb == 0:
@@ -332,7 +324,7 @@ def _window_loader(x: str, op: Op):
     _, _, kh, kw = wt.shape
     stride, dilation, padding = op.attrs["stride"], op.attrs["dilation"], op.attrs["padding"]
     ow_extent = op.result.type.shape[3]
-    mtype = _memref(xt.shape, memory_elem_type(xt.dtype))
+    mtype = memref_type(xt.shape, memory_elem_type(xt.dtype))
 
     def load(w: _KernelWriter, k: str, p: str) -> tuple[str, str | None]:
         b = w.b
@@ -388,15 +380,13 @@ def _operands(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]):
         return loaders, _as_3d(em, buffers[2], op.result.type.shape, memory_elem_type(op.result.dtype))
     elem = memory_elem_type(b.type.dtype)  # conv2d: weights (O, C, KH, KW) as (1, O, C KH KW)
     o, k = b.type.shape[0], math.prod(b.type.shape[1:])
-    into = f"{_memref(b.type.shape, elem)} into {_memref((o, k), elem)}"
+    into = f"{memref_type(b.type.shape, elem)} into {memref_type((o, k), elem)}"
     flat = em.op(f"memref.collapse_shape {buffers[1]} [[0], [1, 2, 3]] : {into}")
     weights, weights_type = _as_3d(em, flat, (o, k), elem)
     n, o, oh, ow = op.result.type.shape
     out_elem = memory_elem_type(op.result.dtype)
-    out_type = _memref((n, o, oh * ow), out_elem)
-    out = em.op(
-        f"memref.collapse_shape {buffers[2]} [[0], [1], [2, 3]] : {_memref((n, o, oh, ow), out_elem)} into {out_type}"
-    )
+    out_type, image_type = memref_type((n, o, oh * ow), out_elem), memref_type((n, o, oh, ow), out_elem)
+    out = em.op(f"memref.collapse_shape {buffers[2]} [[0], [1], [2, 3]] : {image_type} into {out_type}")
     return (_view_loader(weights, weights_type, b.type.dtype, False, False), _window_loader(buffers[0], op)), (
         out,
         out_type,
@@ -411,18 +401,15 @@ def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str], store=N
     if store is None:
         store = _result_store(*out, op.result.dtype)
     shared = (em.fresh("a_tile"), em.fresh("b_tile"))
-    ids = [em.fresh(name) for name in ("bx", "by", "bz", "tx", "ty", "tz", "gx", "gy", "gz", "sx", "sy", "sz")]
     one, tiles_n, tiles_m, batch, threads = (
         em.op(f"arith.constant {k} : index") for k in (1, -(-p.n // BN), -(-p.m // BM), p.batch, THREADS)
     )
     tile = f"memref<{BK}x{BM + PAD}xf32, #gpu.address_space<workgroup>>"
-    em.line(
-        f"gpu.launch blocks({ids[0]}, {ids[1]}, {ids[2]}) in ({ids[6]} = {tiles_n}, {ids[7]} = {tiles_m}, "
-        f"{ids[8]} = {batch}) threads({ids[3]}, {ids[4]}, {ids[5]}) in ({ids[9]} = {threads}, {ids[10]} = {one}, "
-        f"{ids[11]} = {one}) workgroup({shared[0]} : {tile}, {shared[1]} : {tile}) {{"
+    workgroup_launch(
+        em,
+        op,
+        (tiles_n, tiles_m, batch),
+        (threads, one, one),
+        [f"{shared[0]} : {tile}", f"{shared[1]} : {tile}"],
+        lambda b, blocks, thread_ids: _KernelWriter(b, p, op, loaders, store, shared).write(blocks, thread_ids[0]),
     )
-    b = ScalarBuilder(em, em.indent + "  ")
-    _KernelWriter(b, p, op, loaders, store, shared).write((ids[0], ids[1], ids[2]), ids[3])
-    em.body.extend(b.lines)
-    em.line(f"  gpu.terminator{_location(op)}")
-    em.line(f"}}{_location(op)}")

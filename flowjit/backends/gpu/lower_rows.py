@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flowjit.backends.gpu.launch import memref_type, mlir_location, workgroup_launch
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, scalar_literal
 from flowjit.backends.mlir.lower_elementwise import compute_elem, convert_scalar, extend, narrow
 from flowjit.backends.mlir.lower_reduction import COMBINE
@@ -122,22 +123,15 @@ def _accumulator(dtype: dt.DType) -> dt.DType:
     return dt.float32 if dtype in (dt.float16, dt.bfloat16) else dtype
 
 
-def _location(op: Op) -> str:
-    file = op.loc.file.replace("\\", "\\\\").replace('"', '\\"')
-    return f' loc("{file}":{op.loc.line}:0)' if op.loc.file else ""
-
-
-def _memref(shape: tuple[int, ...], elem: str) -> str:
-    return f"memref<{''.join(f'{d}x' for d in shape)}{elem}>"
-
-
 def _collapsed(em: KernelEmitter, buffer: str, t, shape: tuple[int, ...], groups: list[list[int]]) -> str:
     """`buffer` (of type `t`) viewed as `shape` by merging the dimension `groups`."""
     elem = memory_elem_type(t.dtype)
     if tuple(t.shape) == shape:
         return buffer
     text = ", ".join(f"[{', '.join(map(str, g))}]" for g in groups)
-    return em.op(f"memref.collapse_shape {buffer} [{text}] : {_memref(t.shape, elem)} into {_memref(shape, elem)}")
+    return em.op(
+        f"memref.collapse_shape {buffer} [{text}] : {memref_type(t.shape, elem)} into {memref_type(shape, elem)}"
+    )
 
 
 class _Column:
@@ -201,7 +195,8 @@ class _RowKernelWriter:
         return result
 
     def locate(self, start: int, op: Op) -> None:
-        loc = _location(op)
+        loc = mlir_location(op)
+        loc = f" {loc}" if loc else ""
         for i in range(start, len(self.b.lines)):
             line = self.b.lines[i]
             if loc and "loc(" not in line and line.lstrip().startswith("%") and not line.endswith("{"):
@@ -371,25 +366,19 @@ def emit(em: KernelEmitter, kernel: RowKernel, op: Op, buffers: list[tuple[str, 
             shape, groups = ((a,) if kind == ROW else (r,)), [list(range(t.rank))]
         else:
             shape, groups = tuple(t.shape), []
-        views[v] = (_collapsed(em, buffer, t, shape, groups), _memref(shape, elem))
+        views[v] = (_collapsed(em, buffer, t, shape, groups), memref_type(shape, elem))
     reductions = [o for o in region.ops if o.name in REDUCE_KINDS]
     shared = [em.fresh("shared") for _ in reductions]
     one, rows, threads = (em.op(f"arith.constant {k} : index") for k in (1, a, kernel.threads))
-    ids = [em.fresh(name) for name in ("bx", "by", "bz", "tx", "ty", "tz", "gx", "gy", "gz", "sx", "sy", "sz")]
-    workgroup = ""
+    workgroup = []
     if kernel.warps > 1 and shared:
         acc = [compute_elem(_accumulator(o.result.dtype)) for o in reductions]
-        buffers_text = ", ".join(
-            f"{s} : memref<{kernel.warps}x{e}, #gpu.address_space<workgroup>>" for s, e in zip(shared, acc)
-        )
-        workgroup = f" workgroup({buffers_text})"
-    em.line(
-        f"gpu.launch blocks({ids[0]}, {ids[1]}, {ids[2]}) in ({ids[6]} = {rows}, {ids[7]} = {one}, {ids[8]} = {one}) "
-        f"threads({ids[3]}, {ids[4]}, {ids[5]}) in ({ids[9]} = {threads}, {ids[10]} = {one}, {ids[11]} = {one})"
-        f"{workgroup} {{"
+        workgroup = [f"{s} : memref<{kernel.warps}x{e}, #gpu.address_space<workgroup>>" for s, e in zip(shared, acc)]
+    workgroup_launch(
+        em,
+        op,
+        (rows, one, one),
+        (threads, one, one),
+        workgroup,
+        lambda b, blocks, thread_ids: _RowKernelWriter(b, kernel, views, shared).write(blocks[0], thread_ids[0]),
     )
-    b = ScalarBuilder(em, em.indent + "  ")
-    _RowKernelWriter(b, kernel, views, shared).write(ids[0], ids[3])
-    em.body.extend(b.lines)
-    em.line(f"  gpu.terminator{_location(op)}")
-    em.line(f"}}{_location(op)}")
