@@ -175,23 +175,8 @@ def globals_into_launches(module) -> None:
     multi-valued constant's `memref.get_global` and its views), so that `gpu-kernel-outlining`
     copies the globals into the kernel's `gpu.module`: the kernel reads the constant from device
     memory of its own module, not from a host global."""
-    for launch in _ops_named(module, "gpu.launch"):
+    for launch in mlir_pipeline.ops_named(module, "gpu.launch"):
         _globals_into_launch(launch)
-
-
-def _ops_named(module, name: str) -> list:
-    """The ops of `module` named `name`, outermost first."""
-    from mlir import ir
-
-    found = []
-
-    def visit(op):
-        if op.name == name:
-            found.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return found
 
 
 def _globals_into_launch(launch) -> None:
@@ -248,7 +233,7 @@ def contiguous_dimension_first(module) -> None:
     the new order."""
     from mlir import ir
 
-    for op in _ops_named(module, "linalg.generic"):
+    for op in mlir_pipeline.ops_named(module, "linalg.generic"):
         order = _contiguous_first_order(op)
         if order is None or order == sorted(order):
             continue

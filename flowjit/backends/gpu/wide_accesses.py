@@ -28,6 +28,7 @@ bfloat16, 2 float64). A generic keeps its scalar kernel unless all of these hold
 from __future__ import annotations
 
 from flowjit.backends.gpu.plan import BUFFER_ALIGNMENT
+from flowjit.backends.mlir import pipeline as mlir_pipeline
 from flowjit.errors import CompileError
 
 # Bytes each thread loads or stores per operand in one access: the widest global access of PTX,
@@ -46,7 +47,7 @@ def wide_accesses(module) -> None:
     from mlir.dialects.transform import interpreter
 
     tile_lists: set[tuple[int, ...]] = set()
-    for op in _generics(module):
+    for op in mlir_pipeline.ops_named(module, "linalg.generic"):
         width = vector_width(op)
         if width is None:
             continue
@@ -145,20 +146,6 @@ def _bits(element_type) -> int:
 
 def _whole_bytes(element_type) -> bool:
     return _bits(element_type) in _ELEMENT_BITS
-
-
-def _generics(module) -> list:
-    from mlir import ir
-
-    found = []
-
-    def visit(op):
-        if op.name == "linalg.generic":
-            found.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return found
 
 
 def _schedule(tile_lists) -> str:

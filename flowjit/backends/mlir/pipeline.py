@@ -181,6 +181,21 @@ def check_lowered(module, dialects: tuple[str, ...] = ("llvm", "omp")) -> None:
         )
 
 
+def ops_named(module, name: str) -> list:
+    """The ops of `module` named `name`, outermost first."""
+    from mlir import ir
+
+    found = []
+
+    def visit(op):
+        if op.name == name:
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return found
+
+
 def translate(module) -> str:
     """LLVM IR of a module the pipelines lowered, once it is verified and holds only LLVM-dialect
     and OpenMP ops (the translation would crash on any other)."""
