@@ -38,6 +38,7 @@ from flowjit.backends.cpu.fusion_epilogue import FusedEpilogue
 from flowjit.backends.cpu.fusion_ops import generic_body, is_pointwise, op_weight
 from flowjit.backends.cpu.fusion_schedule import schedule_generic
 from flowjit.backends.cpu.target import CALL_LOWERINGS, LOWERINGS, SCRATCH, lowering
+from flowjit.backends.mlir import lower_reduction
 from flowjit.backends.mlir.emitter import (
     KernelEmitter,
     ScalarBuilder,
@@ -59,7 +60,7 @@ _MANY = object()  # `_shared_values`: a value computed in more than one generic
 # In a row tile, a value read by several ops that costs this much (a math function, or eight simple
 # ops) is stored in an output's tile when one reads it (`_store_in_output`).
 TILE_MATERIALIZE_COST = 8
-_REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+_REDUCE_KINDS = lower_reduction.REDUCE_OPS
 
 
 class _FusionLowering:

@@ -25,6 +25,9 @@ from flowjit.ir.graph import Op, Value
 from flowjit.ir.ops.reduction import reduction_identity
 from flowjit.ir.types import TensorType
 
+# The reduction ops these lowerings serve (a target's own lowerings and recognitions take them from here).
+REDUCE_OPS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+
 # kind -> (float combiner, integer combiner)
 COMBINE = {
     "sum": ("addf", "addi"),
@@ -32,6 +35,11 @@ COMBINE = {
     "max": ("maximumf", "maxsi"),
     "min": ("minimumf", "minsi"),
 }
+
+
+def accumulator_dtype(dtype: dt.DType) -> dt.DType:
+    """The dtype a reduction of `dtype` values combines in: half types in float32, as the reference."""
+    return dt.float32 if dtype in (dt.float16, dt.bfloat16) else dtype
 
 
 def normal_form(shape: tuple[int, ...], axes: list[int]) -> tuple[int, int, int]:
@@ -47,7 +55,7 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     if not axes:
         return [operands[0]]
     kind = op.name.removeprefix("reduce_")
-    acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
+    acc_dtype = accumulator_dtype(source.dtype)
     if source.size == 0:  # nothing to read: the identity, from one plain generic
         acc_type = TensorType(result.shape, acc_dtype)
         acc = reduce_generic(em, kind, operands[0], source, axes, acc_type)
@@ -198,4 +206,4 @@ def reduce_generic(
 
 def register(table: LoweringTable) -> None:
     """Add the reduction lowerings to `table`."""
-    table.tensor.update({name: lower_reduce for name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")})
+    table.tensor.update(dict.fromkeys(REDUCE_OPS, lower_reduce))

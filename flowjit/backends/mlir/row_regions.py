@@ -28,10 +28,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flowjit.backends.mlir import lower_reduction
 from flowjit.backends.mlir.lowering import splat_value
 from flowjit.ir.graph import Graph, Op, Value
 
-REDUCE_KINDS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+REDUCE_KINDS = lower_reduction.REDUCE_OPS
 FULL, ROW, COL, SCALAR = "full", "row", "col", "scalar"
 
 
