@@ -6,7 +6,9 @@ shuffles (the row kernels, `lower_rows.py`; the tiled products, `lower_matmul.py
 
 writes the launch at the emitter's place: its grid (`blocks`) and block (`threads`) sizes, three
 SSA index values each, its workgroup buffers (`name : memref<..., #gpu.address_space<workgroup>>`),
-and the body `write(b, block_ids, thread_ids)` fills, located at `op`'s line.
+and the body `write(b, block_ids, thread_ids)` fills, located at `op`'s line. Such a body reads
+and writes its buffers an element at a time: `load_element` / `store_element` (bools as bytes,
+values in their compute types).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder
+from flowjit.backends.mlir.lower_elementwise import extend, narrow
+from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
 
 
@@ -23,8 +27,20 @@ def mlir_location(op: Op) -> str:
     return f'loc("{file}":{op.loc.line}:0)' if op.loc.file else ""
 
 
-def memref_type(shape: Sequence[int], elem: str) -> str:
-    return f"memref<{''.join(f'{d}x' for d in shape)}{elem}>"
+def load_element(b: ScalarBuilder, view: str, mtype: str, indices: list[str], dtype: dt.DType) -> str:
+    """The element at `indices` of buffer `view` (memref type `mtype`) holding `dtype` values, in
+    its compute type (a bool from its byte)."""
+    loaded = b.op(f"memref.load {view}[{', '.join(indices)}] : {mtype}")
+    if dtype.is_bool:
+        return b.op(f"arith.cmpi ne, {loaded}, {b.const(0, 'i8')} : i8")
+    return extend(b, loaded, dtype)
+
+
+def store_element(b: ScalarBuilder, value: str, view: str, mtype: str, indices: list[str], dtype: dt.DType) -> None:
+    """Store `value` (in `dtype`'s compute type) at `indices` of buffer `view`, rounded to `dtype`
+    (a bool as its byte)."""
+    stored = b.op(f"arith.extui {value} : i1 to i8") if dtype.is_bool else narrow(b, value, dtype)
+    b.line(f"memref.store {stored}, {view}[{', '.join(indices)}] : {mtype}")
 
 
 def workgroup_launch(

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowjit.backends.gpu import lower_matmul
+from flowjit.backends.gpu.launch import load_element, store_element
 from flowjit.backends.mlir.lower_elementwise import compute_elem, extend, narrow
 from flowjit.backends.mlir.lowering import call_buffers, splat_value
 from flowjit.backends.mlir.pointwise import is_pointwise, scalar_code
@@ -99,11 +100,7 @@ def _epilogue_store(epilogue: Epilogue, inputs: dict[Value, tuple[str, str]], ou
     batch_shape = dot.result.type.shape[:-2]
 
     def load(w, v: Value, indices: list[str]) -> str:
-        buffer, mtype = inputs[v]
-        loaded = w.b.op(f"memref.load {buffer}[{', '.join(indices)}] : {mtype}")
-        if v.dtype.is_bool:
-            return w.b.op(f"arith.cmpi ne, {loaded}, {w.b.const(0, 'i8')} : i8")
-        return extend(w.b, loaded, v.dtype)
+        return load_element(w.b, *inputs[v], indices, v.dtype)
 
     def store(w, total: str, row: str, column: str) -> None:
         b = w.b
@@ -128,9 +125,7 @@ def _epilogue_store(epilogue: Epilogue, inputs: dict[Value, tuple[str, str]], ou
             else:
                 values[o.result] = scalar_code(b, o, [value(x) for x in o.operands])
         for v, buffer, mtype in outputs:
-            result = values[v]
-            stored = b.op(f"arith.extui {result} : i1 to i8") if v.dtype.is_bool else narrow(b, result, v.dtype)
-            b.line(f"memref.store {stored}, {buffer}[{', '.join(indices)}] : {mtype}")
+            store_element(b, values[v], buffer, mtype, indices, v.dtype)
 
     return store
 

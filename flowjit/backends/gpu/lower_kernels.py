@@ -32,6 +32,7 @@ from flowjit.backends.mlir.emitter import (
     ScalarBuilder,
     elem_type,
     memory_elem_type,
+    memref_type,
     scalar_literal,
     tensor_type,
 )
@@ -590,8 +591,7 @@ def _bitonic_order(em: KernelEmitter, keys: str, t: TensorType, axis: int) -> tu
     levels = m.bit_length() - 1
     passes = [(s, s - 1 - u) for s in range(1, levels + 1) for u in range(s)]
     order_type = TensorType(t.shape[:axis] + (m,) + t.shape[axis + 1 :], dt.int32)
-    ott = tensor_type(order_type, "i32")
-    mtype = "memref<" + ott.removeprefix("tensor<")
+    ott, mtype = tensor_type(order_type), memref_type(order_type)
     buffer = em.op(f"bufferization.to_buffer {em.empty(order_type, 'i32')} : {ott} to {mtype}")
 
     def start(b: ScalarBuilder, idx: list[str]) -> None:
@@ -906,7 +906,7 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     if parts == 1 and result.size > 1:
         return lower_reduction.lower_reduce(em, op, operands)
     kind = op.name.removeprefix("reduce_")
-    acc_dtype = dt.float32 if source.dtype in (dt.float16, dt.bfloat16) else source.dtype
+    acc_dtype = lower_reduction.accumulator_dtype(source.dtype)
     divisor = next((c for c in range(parts, max(parts // 2, 3), -1) if r % c == 0), None)
     last = source.shape[-1] if source.rank >= 2 else 0
     if result.size == 1 and 4 <= last <= PARTIALS_MAX and r // last >= PER_PARTIAL_MIN:
@@ -927,8 +927,6 @@ def lower_reduce(em: KernelEmitter, op: Op, operands: list[str]) -> list[str]:
     return [reshape_tensor(em, total, kept.with_dtype(result.dtype), result)]
 
 
-REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
-
 # The ops these lowerings handle on operands and results of rank 0 themselves.
 OWN_SCALARS = ("pad", "dynamic_slice")
 
@@ -936,7 +934,7 @@ OWN_SCALARS = ("pad", "dynamic_slice")
 # The GPU's own lowerings. Their kernels read operands with `tensor.extract` (nothing is fused
 # into them) and say themselves whether they loop (`KernelEmitter.loop_kernels`).
 LOWERINGS = {
-    **dict.fromkeys(REDUCTIONS, lower_reduce),
+    **dict.fromkeys(lower_reduction.REDUCE_OPS, lower_reduce),
     "dot_general": lower_dot_general,
     "conv2d": lower_conv2d,
     "reduce_window": lower_reduce_window,

@@ -46,12 +46,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flowjit.backends.gpu.launch import memref_type, workgroup_launch
-from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, tensor_type
+from flowjit.backends.gpu.launch import workgroup_launch
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, memref_type, tensor_type
 from flowjit.backends.mlir.lower_elementwise import extend, narrow
 from flowjit.backends.mlir.lowering import call_buffers
 from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op
+from flowjit.ir.types import TensorType
 
 BM = BN = 64  # a block's tile of C (equal: the shared tiles and their loads assume it)
 BK = 16  # the K step
@@ -145,10 +146,8 @@ def tiled_tensor(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
     buffers = []
     for tensor, v in zip(operands, op.operands):
         ttype = tensor_type(v.type, memory_elem_type(v.type.dtype))
-        memref = "memref<" + ttype.removeprefix("tensor<")
-        buffers.append(em.op(f"bufferization.to_buffer {tensor} read_only : {ttype} to {memref}"))
-    ttype = tensor_type(op.result.type, memory_elem_type(op.result.dtype))
-    memref = "memref<" + ttype.removeprefix("tensor<")
+        buffers.append(em.op(f"bufferization.to_buffer {tensor} read_only : {ttype} to {memref_type(v.type)}"))
+    ttype, memref = tensor_type(op.result.type, memory_elem_type(op.result.dtype)), memref_type(op.result.type)
     result = em.op(f"bufferization.to_buffer {em.empty(op.result.type)} : {ttype} to {memref}")
     emit(em, product, op, [*buffers, result])
     return em.op(f"bufferization.to_tensor {result} restrict writable : {memref} to {ttype}")
@@ -157,10 +156,11 @@ def tiled_tensor(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
 # --- the kernel ----------------------------------------------------------------------------------
 
 
-def _as_3d(em: KernelEmitter, buffer: str, shape: tuple[int, ...], elem: str) -> tuple[str, str]:
-    """`buffer` (of `shape`: batch dims, then two) viewed as (batch, rows, columns), and its type."""
+def _as_3d(em: KernelEmitter, buffer: str, t: TensorType) -> tuple[str, str]:
+    """`buffer` (of type `t`: batch dims, then two) viewed as (batch, rows, columns), and its type."""
+    shape = t.shape
     nb = len(shape) - 2
-    source, viewed = memref_type(shape, elem), memref_type((math.prod(shape[:nb]), *shape[nb:]), elem)
+    source, viewed = memref_type(t), memref_type(t.with_shape((math.prod(shape[:nb]), *shape[nb:])))
     if nb == 1:
         return buffer, source
     if nb == 0:
@@ -324,7 +324,7 @@ def _window_loader(x: str, op: Op):
     _, _, kh, kw = wt.shape
     stride, dilation, padding = op.attrs["stride"], op.attrs["dilation"], op.attrs["padding"]
     ow_extent = op.result.type.shape[3]
-    mtype = memref_type(xt.shape, memory_elem_type(xt.dtype))
+    mtype = memref_type(xt)
 
     def load(w: _KernelWriter, k: str, p: str) -> tuple[str, str | None]:
         b = w.b
@@ -368,25 +368,25 @@ def _operands(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]):
     where `buffers` holds no C: an epilogue stores), made on the host (views of the buffers)."""
     a, b = op.operands
     if op.name == "dot_general":
-        (va, ta), (vb, tb) = (
-            _as_3d(em, buffer, v.type.shape, memory_elem_type(v.type.dtype)) for buffer, v in zip(buffers, (a, b))
-        )
+        (va, ta), (vb, tb) = (_as_3d(em, buffer, v.type) for buffer, v in zip(buffers, (a, b)))
         loaders = (
             _view_loader(va, ta, a.type.dtype, p.a_transposed, True),
             _view_loader(vb, tb, b.type.dtype, not p.b_transposed, True),
         )
         if len(buffers) == 2:
             return loaders, None
-        return loaders, _as_3d(em, buffers[2], op.result.type.shape, memory_elem_type(op.result.dtype))
-    elem = memory_elem_type(b.type.dtype)  # conv2d: weights (O, C, KH, KW) as (1, O, C KH KW)
+        return loaders, _as_3d(em, buffers[2], op.result.type)
+    # conv2d: weights (O, C, KH, KW) as (1, O, C KH KW)
     o, k = b.type.shape[0], math.prod(b.type.shape[1:])
-    into = f"{memref_type(b.type.shape, elem)} into {memref_type((o, k), elem)}"
+    flat_type = b.type.with_shape((o, k))
+    into = f"{memref_type(b.type)} into {memref_type(flat_type)}"
     flat = em.op(f"memref.collapse_shape {buffers[1]} [[0], [1, 2, 3]] : {into}")
-    weights, weights_type = _as_3d(em, flat, (o, k), elem)
+    weights, weights_type = _as_3d(em, flat, flat_type)
     n, o, oh, ow = op.result.type.shape
-    out_elem = memory_elem_type(op.result.dtype)
-    out_type, image_type = memref_type((n, o, oh * ow), out_elem), memref_type((n, o, oh, ow), out_elem)
-    out = em.op(f"memref.collapse_shape {buffers[2]} [[0], [1], [2, 3]] : {image_type} into {out_type}")
+    out_type = memref_type(op.result.type.with_shape((n, o, oh * ow)))
+    out = em.op(
+        f"memref.collapse_shape {buffers[2]} [[0], [1], [2, 3]] : {memref_type(op.result.type)} into {out_type}"
+    )
     return (_view_loader(weights, weights_type, b.type.dtype, False, False), _window_loader(buffers[0], op)), (
         out,
         out_type,

@@ -32,10 +32,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flowjit.backends.gpu.launch import memref_type, mlir_location, workgroup_launch
-from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memory_elem_type, scalar_literal
+from flowjit.backends.gpu.launch import load_element, mlir_location, store_element, workgroup_launch
+from flowjit.backends.mlir.emitter import KernelEmitter, ScalarBuilder, memref_type, scalar_literal
 from flowjit.backends.mlir.lower_elementwise import compute_elem, convert_scalar, extend, narrow
-from flowjit.backends.mlir.lower_reduction import COMBINE
+from flowjit.backends.mlir.lower_reduction import COMBINE, accumulator_dtype
 from flowjit.backends.mlir.lowering import call_buffers, splat_value
 from flowjit.backends.mlir.pointwise import is_pointwise, scalar_code
 from flowjit.backends.mlir.row_regions import (
@@ -118,20 +118,12 @@ def lower_row_fusion(fl, op: Op) -> bool:
 # --- the kernel ----------------------------------------------------------------------------------
 
 
-def _accumulator(dtype: dt.DType) -> dt.DType:
-    """The dtype a reduction of `dtype` combines in (half types in float32)."""
-    return dt.float32 if dtype in (dt.float16, dt.bfloat16) else dtype
-
-
 def _collapsed(em: KernelEmitter, buffer: str, t, shape: tuple[int, ...], groups: list[list[int]]) -> str:
     """`buffer` (of type `t`) viewed as `shape` by merging the dimension `groups`."""
-    elem = memory_elem_type(t.dtype)
     if tuple(t.shape) == shape:
         return buffer
     text = ", ".join(f"[{', '.join(map(str, g))}]" for g in groups)
-    return em.op(
-        f"memref.collapse_shape {buffer} [{text}] : {memref_type(t.shape, elem)} into {memref_type(shape, elem)}"
-    )
+    return em.op(f"memref.collapse_shape {buffer} [{text}] : {memref_type(t)} into {memref_type(t.with_shape(shape))}")
 
 
 class _Column:
@@ -156,11 +148,7 @@ class _RowKernelWriter:
 
     # Reading values.
     def load(self, v: Value, indices: list[str]) -> str:
-        view, mtype = self.views[v]
-        loaded = self.b.op(f"memref.load {view}[{', '.join(indices)}] : {mtype}")
-        if v.dtype.is_bool:
-            return self.b.op(f"arith.cmpi ne, {loaded}, {self.b.const(0, 'i8')} : i8")
-        return extend(self.b, loaded, v.dtype)
+        return load_element(self.b, *self.views[v], indices, v.dtype)
 
     def value(self, v: Value, column: _Column | None) -> str:
         """`v` in its compute type: a row or scalar value, or a full one at `column`."""
@@ -218,7 +206,7 @@ class _RowKernelWriter:
         b = self.b
         kind = op.name.removeprefix("reduce_")
         dtype = op.result.dtype
-        acc = _accumulator(dtype)
+        acc = accumulator_dtype(dtype)
         e = compute_elem(acc)
         combine = COMBINE[kind][0]
         identity = b.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc), acc)} : {e}")
@@ -277,10 +265,7 @@ class _RowKernelWriter:
 
     # Writing the outputs.
     def store(self, v: Value, value: str, indices: list[str]) -> None:
-        b = self.b
-        stored = b.op(f"arith.extui {value} : i1 to i8") if v.dtype.is_bool else narrow(b, value, v.dtype)
-        view, mtype = self.views[v]
-        b.line(f"memref.store {stored}, {view}[{', '.join(indices)}] : {mtype}")
+        store_element(self.b, value, *self.views[v], indices, v.dtype)
 
     def write_outputs(self, columns: list[_Column]) -> None:
         b = self.b
@@ -358,7 +343,6 @@ def emit(em: KernelEmitter, kernel: RowKernel, op: Op, buffers: list[tuple[str, 
     views: dict[Value, tuple[str, str]] = {}
     for v in [*region.inputs, *region.outputs]:
         buffer, t = outer[v]
-        elem = memory_elem_type(t.dtype)
         kind = region.kinds[v]
         if kind == FULL:
             shape, groups = (a, r), [list(range(n)), list(range(n, t.rank))]
@@ -366,13 +350,13 @@ def emit(em: KernelEmitter, kernel: RowKernel, op: Op, buffers: list[tuple[str, 
             shape, groups = ((a,) if kind == ROW else (r,)), [list(range(t.rank))]
         else:
             shape, groups = tuple(t.shape), []
-        views[v] = (_collapsed(em, buffer, t, shape, groups), memref_type(shape, elem))
+        views[v] = (_collapsed(em, buffer, t, shape, groups), memref_type(t.with_shape(shape)))
     reductions = [o for o in region.ops if o.name in REDUCE_KINDS]
     shared = [em.fresh("shared") for _ in reductions]
     one, rows, threads = (em.op(f"arith.constant {k} : index") for k in (1, a, kernel.threads))
     workgroup = []
     if kernel.warps > 1 and shared:
-        acc = [compute_elem(_accumulator(o.result.dtype)) for o in reductions]
+        acc = [compute_elem(accumulator_dtype(o.result.dtype)) for o in reductions]
         workgroup = [f"{s} : memref<{kernel.warps}x{e}, #gpu.address_space<workgroup>>" for s, e in zip(shared, acc)]
     workgroup_launch(
         em,
