@@ -1594,6 +1594,23 @@ def _loopback_graph(inputs, attrs):
     return graph
 
 
+def _viewed_recv_graph(inputs, attrs):
+    """send x; r = recv from another task's device (so native code reads r where the channel holds
+    it: `flowjit_recv_view`); return r + r (r itself is no graph result, which would be copied)."""
+    graph = Graph("viewed_recv")
+    (x,) = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype)), "x") for a in inputs]
+    keys = {
+        "key": "/job:worker/task:1/device:cpu:0->cpu:0:%x",
+        "src": "/job:worker/task:1/device:cpu:0",
+        "dst": "cpu:0",
+    }
+    emit(graph, "send", [x], keys)
+    received = emit(graph, "recv", [], {**keys, "shape": x.type.shape, "dtype": x.type.dtype}).result
+    emit(graph, "send_done", [x], {})
+    graph.results = [emit(graph, "add", [received, received], {}).result]
+    return graph
+
+
 for _op in ("send", "recv", "send_done"):
     for _shape in ((), (2, 3)):
         add_row(
@@ -1604,6 +1621,15 @@ for _op in ("send", "recv", "send_done"):
             lambda x, dtype: x,
             graph=_loopback_graph,
         )
+for _shape in ((), (2, 3), (1000,)):
+    add_row(
+        f"recv-from-another-task-{_shape_id(_shape)}",
+        "recv",
+        NUMERIC,
+        lambda rng, d, s=_shape: [rand(rng, s, d)],
+        lambda x, dtype: x + x,
+        graph=_viewed_recv_graph,
+    )
 
 
 def fresh_variables(graph: Graph) -> dict[str, np.ndarray]:

@@ -149,6 +149,25 @@ def test_values_flow_both_ways_between_driver_and_tasks(cluster):
     np.testing.assert_allclose(f(x), np.exp(np.tanh(np.sin(x) * 2) + 1) - np.sin(x) * 2, rtol=1e-5)
 
 
+def test_large_values_from_other_tasks_are_read_where_they_arrive(cluster):
+    """Values of 256 KiB travel through the object store; the driver's partition reads the one
+    the worker sends in place (`flowjit_recv_view`, no copy into a workspace slot)."""
+
+    @fj.jit
+    def f(x):
+        a = x * 2.0  # on the driver
+        with fj.device("/job:worker/task:1"):
+            b = fnp.tanh(a) + 1.0
+        return fnp.sum(b * x, axis=0), a
+
+    x = np.linspace(-1, 1, 256 * 256, dtype=np.float32).reshape(256, 256)
+    for _ in range(3):
+        total, a = f(x)
+        np.testing.assert_allclose(total, np.sum((np.tanh(x * 2) + 1) * x, axis=0), rtol=2e-5, atol=2e-4)
+        np.testing.assert_array_equal(a, x * 2.0)
+    assert "@flowjit_recv_view" in f.lower(x).as_text("mlir")
+
+
 def test_a_constraint_naming_a_task_the_cluster_lacks_is_a_placement_error(cluster):
     @fj.jit
     def g(x):

@@ -2,6 +2,7 @@
 variables; interpreter and native CPU partitions), concurrent calls, errors that cancel the step."""
 
 import contextlib
+import ctypes
 import importlib.util
 import os
 import threading
@@ -11,6 +12,7 @@ import pytest
 
 import flowjit as fj
 import flowjit.numpy as fnp
+from flowjit.backends.cpu import communication
 from flowjit.ir import interpreter
 from flowjit.runtime import executor
 from flowjit.runtime.executor import PartitionedExecutable
@@ -289,6 +291,40 @@ def test_raw_transfers_in_both_orders():
     receiver.join(timeout=30)
     assert not receiver.is_alive()
     np.testing.assert_array_equal(early, source)
+
+
+def test_a_value_from_another_task_is_read_in_place():
+    """`flowjit_recv_view` (a native recv from another task) returns the delivered array's own
+    address when native code can read it there; a misaligned or non-contiguous one is copied
+    (aligned), a loan is copied out, and a failed recv gives zeros and records the error."""
+    rendezvous = Rendezvous(timeout_s=5)
+    raw = np.zeros(4096 + 64, np.uint8)
+    start = -raw.ctypes.data % communication.VIEW_ALIGNMENT
+    aligned = raw[start : start + 4096].view(np.float32)
+    aligned[:] = np.arange(1024)
+    rendezvous.send("aligned", aligned)
+    rendezvous.send("shifted", raw[start + 4 : start + 4 + 4096])
+    strided = np.arange(2048, dtype=np.float32)[::2]
+    rendezvous.send("strided", strided)
+    source = np.arange(1024, dtype=np.float32)
+    assert rendezvous.send_bytes("lent", source.ctypes.data, source.nbytes)
+    key = {name: ctypes.create_string_buffer(name.encode()) for name in ("aligned", "shifted", "strided", "lent")}
+    with communication.StepBinding(rendezvous, {}) as step:
+        assert communication._native_recv_view(ctypes.addressof(key["aligned"]), 4096) == aligned.ctypes.data
+        for name, want in (
+            ("shifted", raw[start + 4 : start + 4 + 4096]),
+            ("strided", strided.copy()),
+            ("lent", source),
+        ):
+            address = communication._native_recv_view(ctypes.addressof(key[name]), 4096)
+            assert address % communication.VIEW_ALIGNMENT == 0
+            np.testing.assert_array_equal(np.frombuffer(ctypes.string_at(address, 4096), np.uint8), want.view(np.uint8))
+        rendezvous.wait_returned(["lent"])  # the loan was copied out
+        assert len(step.viewed) == 4 and step.error is None
+        rendezvous.cancel(RuntimeError("the sender failed"))
+        missing = ctypes.create_string_buffer(b"missing")
+        address = communication._native_recv_view(ctypes.addressof(missing), 64)
+        assert ctypes.string_at(address, 64) == bytes(64) and isinstance(step.error, TransferError)
 
 
 def test_send_done_withdraws_loans_when_the_step_is_cancelled():

@@ -38,6 +38,10 @@ class Channel(Protocol):
         """Wait for `key` and copy its bytes to `address`; raises TransferError when the step is
         cancelled, the value can never come, or the timeout passes (`where` prefixes the message)."""
 
+    def recv(self, key: str, where: str = "") -> np.ndarray:
+        """Wait for `key` and return its value as an array (what a `send` deposited, itself; a
+        copy of bytes sent with `send_bytes`); raises like `recv_into`."""
+
     def wait_returned(self, keys: list[str], where: str = "") -> None:
         """Wait until every buffer lent under `keys` has been read by its receiver."""
 
@@ -49,6 +53,7 @@ class Loopback:
 
     def __init__(self):
         self._values: dict[str, np.ndarray] = {}
+        self._taken: dict[str, np.ndarray] = {}  # what `recv` returned, alive until its key's next recv
 
     def send(self, key: str, value: np.ndarray) -> None:
         self._values[key] = value
@@ -58,14 +63,22 @@ class Loopback:
         return False
 
     def recv_into(self, key: str, address: int, nbytes: int, where: str = "") -> None:
+        value = np.ascontiguousarray(self._take(key, where))
+        ctypes.memmove(address, value.ctypes.data, min(nbytes, value.nbytes))
+
+    def recv(self, key: str, where: str = "") -> np.ndarray:
+        # Native code may read the array after this returns (`recv_view`): kept until the key's next recv.
+        value = self._taken[key] = self._take(key, where)
+        return value
+
+    def _take(self, key: str, where: str) -> np.ndarray:
         value = self._values.pop(key, None)
         if value is None:
             raise TransferError(
                 f"{where}recv '{key}' can never complete: nothing was sent under that key before it, and "
                 "a graph run on its own has no other partition to send it"
             )
-        value = np.ascontiguousarray(value)
-        ctypes.memmove(address, value.ctypes.data, min(nbytes, value.nbytes))
+        return value
 
     def wait_returned(self, keys: list[str], where: str = "") -> None:
         return None  # nothing is lent: sends copy

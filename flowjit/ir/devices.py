@@ -138,6 +138,13 @@ class Device:
         return f"Device({self.name!r})"
 
 
+def same_task(a: str, b: str) -> bool:
+    """Whether the devices named `a` and `b` live in one task (process); a name without a job and
+    task (`cpu:1`) is a device of this process's task, `/job:localhost/task:0`."""
+    ta, tb = DeviceSpec.parse(a), DeviceSpec.parse(b)
+    return (ta.job or LOCAL_JOB, ta.task or 0) == (tb.job or LOCAL_JOB, tb.task or 0)
+
+
 def register_device_type(device_type: str) -> None:
     """Allow names of `device_type` (lower-case letters, digits and '_'), e.g. a new backend's."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", device_type):

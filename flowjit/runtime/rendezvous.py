@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from flowjit.errors import FlowjitError
-from flowjit.ir.channel import TransferError
+from flowjit.ir.channel import TransferError, snapshot
 from flowjit.runtime.transports import HOST_COPY, Transport
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "TransferError", "recv_timeout_s", "seconds_setting"]
@@ -122,13 +122,21 @@ class Rendezvous:
                 self._returned.difference_update(keys)
 
     def recv(self, key: str, where: str = "") -> np.ndarray:
-        """The value sent under `key`, waiting for it; raises TransferError when the step is
-        cancelled or nothing arrives within the timeout."""
+        """The value sent under `key`, waiting for it: the array a `send` deposited, or a copy of
+        the buffer a `send_bytes` lent (as bytes); raises TransferError when the step is cancelled
+        or nothing arrives within the timeout."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while key not in self._values:
+            while key not in self._values and key not in self._loans:
                 self._wait(key, deadline, where)
-            return self._values.pop(key)
+            if key in self._values:
+                return self._values.pop(key)
+            source, nbytes = self._loans.pop(key)
+            self._copying.add(key)
+        try:
+            return snapshot(source, nbytes)
+        finally:
+            self._copied_out(key)
 
     def recv_into(self, key: str, address: int, nbytes: int, where: str = "") -> None:
         """Receive `key`'s bytes into the buffer at `address`; raises like `recv`."""
@@ -160,10 +168,14 @@ class Rendezvous:
             self._routes.get(key, HOST_COPY).copy(address, source, min(nbytes, available))
         finally:
             if value is None:
-                with self._cond:
-                    self._copying.discard(key)
-                    self._returned.add(key)
-                    self._cond.notify_all()
+                self._copied_out(key)
+
+    def _copied_out(self, key: str) -> None:
+        """A receiver has copied the loan of `key` (taken out of `_loans` into `_copying`)."""
+        with self._cond:
+            self._copying.discard(key)
+            self._returned.add(key)
+            self._cond.notify_all()
 
     def leave(self) -> None:
         """One partition of the step has finished: it will send nothing more."""

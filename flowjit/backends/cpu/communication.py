@@ -6,6 +6,7 @@ travel as 64-bit integers):
 
     void    flowjit_send(const char *key, const void *data, int64_t nbytes);
     int32_t flowjit_recv(const char *key, void *dest, int64_t nbytes);
+    int64_t flowjit_recv_view(const char *key, int64_t nbytes);   /* the value's address */
     void    flowjit_send_done(void);   /* returns once every receiver has read what was sent */
 
 The channel a call belongs to is bound to the calling thread (`StepBinding`) before the partition's
@@ -17,6 +18,10 @@ hands its buffer to the channel (`send_bytes`: copied straight into a waiting re
 alive until then (they are its operands), so no workspace slot is reused under a reader.
 `flowjit_recv` returns 0 on delivery and 1 when the step was cancelled or timed out (the
 destination is then zero-filled so the partition can finish; `run_step` raises afterwards).
+`flowjit_recv_view` serves a value that comes from another task, which arrives as an array (read
+zero-copy from Ray's object store when large): it returns the address of the value's bytes where
+they lie, and the binding keeps the array alive until the partition's entry point returns; the
+code only reads it. A value not 64-byte aligned is copied first, and a failed recv gives zeros.
 """
 
 from __future__ import annotations
@@ -25,11 +30,16 @@ import ctypes
 import functools
 import threading
 
+import numpy as np
+
 from flowjit.ir.channel import Channel, TransferError, loopback
 
 SEND_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
 SEND_DONE_PROTOTYPE = ctypes.CFUNCTYPE(None)
 RECV_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+RECV_VIEW_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+# The alignment of the buffers the code's kernels are given (the workspace's slots).
+VIEW_ALIGNMENT = 64
 
 # Ops whose native code calls the functions below.
 COMMUNICATION_OPS = frozenset({"send", "recv", "send_done"})
@@ -47,6 +57,7 @@ class StepBinding:
         self.where = where
         self.error: BaseException | None = None
         self.lent: list[str] = []  # keys whose buffers receivers may still read
+        self.viewed: list[np.ndarray] = []  # received arrays the native code reads in place
 
     def __enter__(self) -> StepBinding:
         _bound.step = self
@@ -95,17 +106,50 @@ def _native_recv(key: int, dest: int, nbytes: int) -> int:
     return 0
 
 
+def _native_recv_view(key: int, nbytes: int) -> int:
+    name = ctypes.string_at(key).decode()
+    step = getattr(_bound, "step", None)
+    channel = step.channel if step is not None else loopback()
+    where = step.where.get(name, "") if step is not None else ""
+    try:
+        value = _viewable(channel.recv(name, f"{where}: " if where else ""), nbytes)
+    except TransferError as e:
+        if step is not None and step.error is None:
+            step.error = e
+        value = np.zeros(max(nbytes, 1), np.uint8)
+    if step is not None:
+        step.viewed.append(value)  # a loopback keeps what it hands out itself (`Loopback.recv`)
+    return value.ctypes.data
+
+
+def _viewable(value: np.ndarray, nbytes: int) -> np.ndarray:
+    """`value` itself when native code can read its `nbytes` in place (contiguous, aligned as the
+    workspace's slots, as many bytes), else an aligned copy (zero-padded if short)."""
+    value = np.asarray(value)
+    if value.flags.c_contiguous and value.nbytes == nbytes and value.ctypes.data % VIEW_ALIGNMENT == 0:
+        return value
+    raw = np.zeros(nbytes + VIEW_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % VIEW_ALIGNMENT
+    aligned = raw[start : start + nbytes]
+    flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)[:nbytes]
+    aligned[: flat.size] = flat
+    return aligned
+
+
 # Kept alive for the life of the process: native code holds their addresses.
 _SEND_CALLBACK = SEND_PROTOTYPE(_native_send)
 _RECV_CALLBACK = RECV_PROTOTYPE(_native_recv)
+_RECV_VIEW_CALLBACK = RECV_VIEW_PROTOTYPE(_native_recv_view)
 _SEND_DONE_CALLBACK = SEND_DONE_PROTOTYPE(_native_send_done)
 
 
 def native_symbols() -> dict[str, int]:
-    """The addresses native code links `flowjit_send` / `flowjit_recv` / `flowjit_send_done` to."""
+    """The addresses native code links `flowjit_send` / `flowjit_recv` / `flowjit_recv_view` /
+    `flowjit_send_done` to."""
     return {
         "flowjit_send": ctypes.cast(_SEND_CALLBACK, ctypes.c_void_p).value,
         "flowjit_recv": ctypes.cast(_RECV_CALLBACK, ctypes.c_void_p).value,
+        "flowjit_recv_view": ctypes.cast(_RECV_VIEW_CALLBACK, ctypes.c_void_p).value,
         "flowjit_send_done": ctypes.cast(_SEND_DONE_CALLBACK, ctypes.c_void_p).value,
     }
 

@@ -46,6 +46,7 @@ lowering = CPU.lowerings.lowering
 LOWERINGS = CPU.lowerings.tensor
 BUFFER_LOWERINGS = CPU.lowerings.buffer
 CALL_LOWERINGS = CPU.lowerings.call
+VIEWS = CPU.lowerings.views
 SCRATCH = CPU.lowerings.scratch
 INLINES_SPLATS = CPU.lowerings.inlines_splats
 INLINES_SPLAT_OPERANDS = CPU.lowerings.inlines_splat_operands

@@ -473,11 +473,14 @@ def _lower_function(
             fl.result_outputs[value] = out
             fl.buffers[value] = out
 
+    views = target.lowerings.views
+
     def needs_slot(v: Value) -> bool:
         return (
             v.type.size > 0
             and v not in fl.result_outputs
             and v.producer.name != "constant"
+            and not (v.producer.name in views and views[v.producer.name](v.producer))
             and v not in fl.virtual
             and v not in aliases
             and v not in fl.slice_views

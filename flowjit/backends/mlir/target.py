@@ -28,6 +28,9 @@ class LoweringTable:
       with pointers; control flow reads and writes its operands itself): writes its results itself.
     - `call`: `fn(function_lowering, op) -> bool` for ops that may run as a call into precompiled
       code (`lowering.call_lowering`); False and the op gets its tensor lowering.
+    - `views`: `fn(op) -> bool` for buffer ops whose result, when it holds and the result is not
+      a graph result, is memory the lowering finds at run time instead of a workspace slot (a recv
+      reading a value from another task where the runtime holds it); nothing writes to it.
     - `scratch`: `fn(op) -> bytes` of temporaries the op's kernel keeps in the function's scratch
       area (`KernelEmitter.scratch`). The area is shared because kernels run one after another:
       code that lowers ops inside a parallel loop (several kernels of one op at once) must not let
@@ -42,6 +45,7 @@ class LoweringTable:
         self.tensor: dict[str, TensorLowering] = {}
         self.buffer: dict[str, Callable] = {}
         self.call: dict[str, Callable[..., bool]] = {}
+        self.views: dict[str, Callable[[Op], bool]] = {}
         self.scratch: dict[str, Callable[[Op], int]] = {}
         self.inlines_splats: set[str] = set()
         self.inlines_splat_operands: dict[str, set[int]] = {}
