@@ -133,6 +133,17 @@ def test_cross_entropy_forward_has_one_row_stage_then_one_totals_stage():
     assert len([op for op in graph.ops if op.name == "fusion"]) == 1
 
 
+def test_a_later_row_stage_computes_the_full_values_again():
+    """The gradient's last row stage computes exp(x - max) again from x and the row maxima, so the
+    first row stage writes two values per row (max, sum), never a (64, 10) tile."""
+    graph, _, _ = _compiled("xent_grad", (64, 10))
+    first, totals, last = [op for op in row_stages.split_row_stages(graph).ops if op.name == "fusion"]
+    assert [r.shape for r in first.results] == [(64,), (64,)]
+    assert totals.attrs["row_stage"] == row_stages.TOTALS and [r.shape for r in totals.results] == [()]
+    assert [o.name for o in last.regions[0].ops].count("exp") == 1
+    assert any(v.shape == (64, 10) for v in last.operands)  # the logits, read again
+
+
 # Odd row lengths, rows shorter than a warp, several leading axes, rows too long to hold in
 # registers (the loops that re-read them).
 SHAPES = [(64, 10), (5, 33), (3, 1000), (2, 3, 100), (2, 4500)]

@@ -1,12 +1,13 @@
 """`split-row-stages` (GPU): a fused region whose row part is only part of it (cross-entropy: the
 per-row losses, then their mean over the rows; its gradient: the count of labels, then the rows
-again) becomes a sequence of fused regions, stages, each lowered as one kernel: a row stage as a
-row kernel (`lower_rows.py`, a block per row), a totals stage as a row kernel of one row holding
-every row value (one block), a stage without reductions as one elementwise kernel.
+again; a layer norm's gradient: the rows, then gamma's column sum) becomes a sequence of fused
+regions, stages: a row stage is a row kernel (`lower_rows.py`, a block per row), a totals stage a
+row kernel of one row holding every row value (one block), a columns stage the whole-tensor
+lowering of its column reductions.
 
 Assumes: the graph is fused (`passes/fuse.py`), its fusion bodies in topological order.
-Guarantees: the graph computes the same values; a fusion op is replaced only when every stage it
-becomes is a row kernel or has no reduction, so the split never trades one kernel for several.
+Guarantees: the graph computes the same values; a fusion op is replaced only when each of its row
+and totals stages is a row kernel or has no reduction, so a split never trades a kernel for several.
 
 Algorithm (`_stages`):
 1. (lead, row) is the shape of the body's first reduction over trailing axes
@@ -14,15 +15,18 @@ Algorithm (`_stages`):
    reduction, or has a single row is left as it is.
 2. A body op computed from the body's parameters without a reduction on the way is free (a label
    compare, a mask, their conversions): every stage that reads it computes it again.
-3. Every other op, in body order, takes a stage: row stages are even, totals stages odd. A row op
-   (`Kinds.member`: works row by row, reading totals as scalars) takes the first even stage not
-   before its operands' stages, a totals op (a reduction of a row value over all the rows, an op on
-   one-element values) the first odd one. Any other op leaves the body as it is. A free op the body
-   returns takes a stage as well.
-4. Each stage becomes a fusion op: its ops and the free ops they read (with the constants they
-   read), its operands what it reads from the body's parameters and earlier stages, its results
-   what later stages read or the body returns. Totals stages carry `row_stage = "totals"`, which
-   `lower_rows.plan` reads as one row over the values' shape `lead`.
+3. Every other op, in body order, takes a stage of its kind (`_stage_kind`): a row op
+   (`Kinds.member`: works row by row, reading totals as scalars) a row stage; a reduction of a row
+   value over all the rows, or an op on one-element values, a totals stage; a reduction of a full
+   value over the rows, or an elementwise op on such column values, a columns stage. Stage k is of
+   kind STAGE_KINDS[k % 3], and an op takes the first stage of its kind not before its operands'.
+   An op of no kind leaves the body as it is. A free op the body returns takes a stage as well.
+4. Each stage becomes a fusion op (`_split`): its ops, the free ops and constants they read and,
+   in a row stage, the non-reductions of earlier row stages that it reads (computed again from the
+   inputs and row values rather than written and read back; without them when that stage would be
+   no row kernel), transitively; its operands what it reads from the body's parameters and earlier
+   stages, its results what later stages read or the body returns. Totals stages carry
+   `row_stage = "totals"`, which `lower_rows.plan` reads as one row over the row values' shape.
 """
 
 from __future__ import annotations
@@ -70,14 +74,30 @@ def _stages(op: Op) -> tuple[list[Op], list[Value]] | None:
     stage_of = _stage_numbers(body, Kinds(*shape, is_pointwise))
     if stage_of is None or len(set(stage_of.values())) < 2:
         return None
-    outer: dict[Value, Value] = dict(zip(body.params, op.operands))
-    users = body.uses()
+    for recompute in (True, False):
+        split = _split(op, stage_of, recompute)
+        if split is not None:
+            return split
+    return None
+
+
+def _split(fusion: Op, stage_of: dict[Op, int], recompute: bool) -> tuple[list[Op], list[Value]] | None:
+    """Step 4: the stage fusions, if each is one kernel (a columns stage: its reductions' kernels)."""
+    body = fusion.regions[0]
+    stages = sorted(set(stage_of.values()))
+    members = {stage: _stage_members(body, stage, stage_of, recompute) for stage in stages}
+    reads = {stage: {v for op in ops for v in op.operands if v.producer not in ops} for stage, ops in members.items()}
+    returned = set(body.results)
+    outer: dict[Value, Value] = dict(zip(body.params, fusion.operands))
     fusions = []
-    for stage in sorted(set(stage_of.values())):
-        fusion = _stage_fusion(op, body, stage, stage_of, outer, users)
-        if STAGE_KINDS[stage % len(STAGE_KINDS)] != COLUMNS and not _one_kernel(fusion):
+    for stage in stages:
+        read_elsewhere = set().union(*(reads[other] for other in stages if other != stage))
+        staged = [op for op in body.ops if stage_of.get(op) == stage]
+        results = [v for op in staged for v in op.results if v in returned or v in read_elsewhere]
+        op = _stage_fusion(fusion, stage, members[stage], results, outer)
+        if STAGE_KINDS[stage % len(STAGE_KINDS)] != COLUMNS and not _one_kernel(op):
             return None
-        fusions.append(fusion)
+        fusions.append(op)
     if any(v not in outer for v in body.results):  # a constant the body returns: no stage computes it
         return None
     return fusions, [outer[v] for v in body.results]
@@ -132,38 +152,47 @@ def _free_ops(body: Graph) -> set[Op]:
     return free
 
 
-def _stage_fusion(
-    fusion: Op, body: Graph, stage: int, stage_of: dict[Op, int], outer: dict[Value, Value], users: dict
-) -> Op:
-    """Step 4: the fusion op of `stage`; records its results' outer values in `outer`."""
-    staged = [op for op in body.ops if stage_of.get(op) == stage]
-    needed = set(staged)
-    for op in reversed(body.ops):  # the free ops and constants they read, transitively
-        if op in needed:
-            needed.update(v.producer for v in op.operands if v.producer is not None and v.producer not in stage_of)
-    members = [op for op in body.ops if op in needed]
+def _stage_members(body: Graph, stage: int, stage_of: dict[Op, int], recompute: bool) -> set[Op]:
+    """The ops of `stage` and those it computes again: free ops, constants and, in a row stage with
+    `recompute`, the non-reductions of earlier row stages (a full value from the inputs and row
+    values, `exp(x - max)`, instead of writing and reading it), transitively."""
+    again = recompute and STAGE_KINDS[stage % len(STAGE_KINDS)] == ROWS
+    members = {op for op in body.ops if stage_of.get(op) == stage}
+    for op in reversed(body.ops):
+        if op not in members:
+            continue
+        for v in op.operands:
+            producer = v.producer
+            if producer is None or producer in members:
+                continue
+            earlier = stage_of.get(producer)
+            if earlier is None or (
+                again and STAGE_KINDS[earlier % len(STAGE_KINDS)] == ROWS and producer.name not in REDUCE_KINDS
+            ):
+                members.add(producer)
+    return members
+
+
+def _stage_fusion(fusion: Op, stage: int, members: set[Op], results: list[Value], outer: dict[Value, Value]) -> Op:
+    """The fusion op of `stage` computing `results` with `members`; records the outer values of its
+    results in `outer`, and reads its operands from there."""
+    body = fusion.regions[0]
     sub = Graph("fused")
     inner: dict[Value, Value] = {}
     operands: list[Value] = []
-    for op in members:
+    ordered = [op for op in body.ops if op in members]
+    for op in ordered:
         for v in op.operands:
-            if v not in inner and (v.producer is None or v.producer not in needed):
+            if v not in inner and v.producer not in members:
                 operands.append(outer[v])
                 inner[v] = sub.add_param(v.type, v.name_hint)
-    for op in members:
+    for op in ordered:
         clone = sub.append(
             Op(op.name, [inner[v] for v in op.operands], [r.type for r in op.results], op.attrs, op.loc, op.device)
         )
         inner.update(zip(op.results, clone.results))
-    returned = set(body.results)
-    results = [
-        v
-        for op in staged
-        for v in op.results
-        if v in returned or any(stage_of.get(u) != stage for u in users.get(v, ()))
-    ]
     sub.results = [inner[v] for v in results]
-    attrs = {"kind": "reduction" if any(op.name in REDUCE_KINDS for op in members) else "loop"}
+    attrs = {"kind": "reduction" if any(op.name in REDUCE_KINDS for op in ordered) else "loop"}
     if STAGE_KINDS[stage % len(STAGE_KINDS)] == TOTALS:
         attrs["row_stage"] = TOTALS
     op = Op("fusion", operands, [v.type for v in results], attrs, fusion.loc, fusion.device, [sub])
