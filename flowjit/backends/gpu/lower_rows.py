@@ -4,8 +4,11 @@ row sums of their gradients) as ONE kernel: a block per row, its threads holding
 Which regions: those the targets' shared recognition (`mlir/row_regions.py`) finds to be a row
 part as a whole: every op of the body but its splat constants is a member, the body's results
 are the row part's outputs, its inputs are the region's operands, its reductions are over float
-values. Any other region keeps the whole-tensor lowering (`target.lower_fusion`), which
-`lowering.call_lowering` falls back to when `plan` says None.
+values (or 32- and 64-bit integers). A totals stage (a fusion marked `row_stage = "totals"` by
+`row_stages.py`: reductions over all the rows of row values, and ops on their one-element results)
+is one row whose elements are the row values: one block. Any other region keeps the whole-tensor
+lowering (`target.lower_fusion`), which `lowering.call_lowering` falls back to when `plan` says
+None.
 
 The kernel (`emit`, a `gpu.launch` on the region's buffers, written at the "mlir" stage):
 - block b computes row b (of A = prod(lead) rows of R = prod(row) elements) with T threads, T a
