@@ -45,7 +45,9 @@ STAGE_KINDS = (ROWS, TOTALS, COLUMNS)
 
 def split_row_stages(graph: Graph) -> Graph:
     """A copy of `graph` whose fusion ops with a partial row part are split into stages (module
-    docstring); `graph` itself is left as it is."""
+    docstring); `graph` itself when there is none. `graph` is left as it is."""
+    if all(_stages(op) is None for op in graph.ops):
+        return graph
     graph = graph.copy()
     replaced: dict[Value, Value] = {}
     ops: list[Op] = []
