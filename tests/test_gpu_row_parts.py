@@ -206,3 +206,26 @@ def test_a_reduction_over_a_middle_axis_keeps_the_region_whole():
     assert len(list(module.plan.launches())) > 1
     for got, expected in zip(_replayed((x,), module), interpret(graph, [x])):
         assert_close(got, np.asarray(expected), tolerance(dt.float32, 16))
+
+
+def _mlp_cross_entropy_step(x, labels, w1, b1, w2):
+    def loss(w1, b1, w2):
+        return nn.cross_entropy(fnp.tanh(x @ w1 + b1) @ w2, labels)
+
+    g1, gb, g2 = fj.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+    return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+
+def test_an_mlp_training_step_on_cross_entropy_computes_its_new_parameters():
+    """The loss's gradient as stages (a row kernel, the count of labels, a row kernel) amid the
+    products and the update: 10 launches (22 as whole-tensor kernels), the CPU backend's values."""
+    rng = np.random.default_rng(5)
+    x, w1, b1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((6, 12), (12, 16), (16,), (16, 3)))
+    args = [x, rng.integers(0, 3, 6).astype(np.int32), w1, b1, w2]
+    module = lower_to_ptx(fj.jit(_mlp_cross_entropy_step).lower(*args).graph("optimized"), GpuOptions())
+    assert len(list(module.plan.launches())) == 10
+    expected = fj.jit(_mlp_cross_entropy_step, target="cpu")(*args)
+    got = _replayed(args, module)
+    assert len(got) == len(expected) == 3
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
