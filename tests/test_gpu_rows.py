@@ -166,13 +166,17 @@ def test_row_kernels_of_float16(name):
         assert_close(got, np.asarray(expected), tolerance(dt.float16, 300))
 
 
-def test_a_region_that_is_not_all_rows_keeps_its_kernels():
+def test_a_region_that_is_not_all_rows_is_no_row_kernel():
     """The gradient of a layer norm's gamma sums over the rows (a column sum): the region is not a
-    row computation as a whole, so it keeps the whole-tensor kernels, and their results."""
+    row computation as a whole, so it is no row kernel; split into stages (row_stages.py,
+    tests/test_gpu_row_parts.py) it is a row kernel, then the column sum's kernel."""
     fn = fj.grad(lambda x, g: fnp.sum(nn.layer_norm(x) * g), argnums=(0, 1))
     args = _arguments("rms_norm", (6, 50), np.float32)
     graph = fj.jit(fn).lower(*args).graph("optimized")
+    assert _row_kernel(graph) is None
     module = lower_to_ptx(graph, GpuOptions())
-    assert len(list(module.plan.launches())) > 1 and "gpu.shuffle" not in module.gpu_mlir
+    grids = [launch.grid for launch, _ in module.plan.launches()]
+    assert len(grids) == 2 and grids[0] == (6, 1, 1)
+    assert "gpu.shuffle" in module.gpu_mlir
     for got, expected in zip(_replayed(graph, args, module), interpret(graph, list(args))):
         assert_close(got, np.asarray(expected), tolerance(dt.float32, 50))

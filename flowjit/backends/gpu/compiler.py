@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from flowjit.backends.gpu.launch import mlir_location
 from flowjit.backends.gpu.pipeline import GpuOptions, stage_pipeline
 from flowjit.backends.gpu.plan import LaunchPlan, check_against_ptx, extract_plan
+from flowjit.backends.gpu.row_stages import split_row_stages
 from flowjit.backends.gpu.target import GPU, check_graph
 from flowjit.backends.gpu.wide_accesses import wide_accesses
 from flowjit.backends.mlir import pipeline as mlir_pipeline
@@ -107,9 +108,10 @@ def _members(kernel_module) -> tuple[str, ...]:
 
 
 def generate_mlir(graph: Graph) -> MlirModule:
-    """Stage 'mlir': the graph on tensors with the GPU's lowerings, after `check_graph`."""
+    """Stage 'mlir': the graph on tensors with the GPU's lowerings, after `check_graph`; fused regions
+    with a partial row part split into stages first (`row_stages.split_row_stages`)."""
     check_graph(graph)
-    return lower_graph(graph, GPU)
+    return lower_graph(split_row_stages(graph), GPU)
 
 
 # Ops the host function may keep once every loop nest became a kernel: launches, constants, index

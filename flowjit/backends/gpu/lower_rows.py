@@ -4,8 +4,11 @@ row sums of their gradients) as ONE kernel: a block per row, its threads holding
 Which regions: those the targets' shared recognition (`mlir/row_regions.py`) finds to be a row
 part as a whole: every op of the body but its splat constants is a member, the body's results
 are the row part's outputs, its inputs are the region's operands, its reductions are over float
-values. Any other region keeps the whole-tensor lowering (`target.lower_fusion`), which
-`lowering.call_lowering` falls back to when `plan` says None.
+values (or 32- and 64-bit integers). A totals stage (a fusion marked `row_stage = "totals"` by
+`row_stages.py`: reductions over all the rows of row values, and ops on their one-element results)
+is one row whose elements are the row values: one block. Any other region keeps the whole-tensor
+lowering (`target.lower_fusion`), which `lowering.call_lowering` falls back to when `plan` says
+None.
 
 The kernel (`emit`, a `gpu.launch` on the region's buffers, written at the "mlir" stage):
 - block b computes row b (of A = prod(lead) rows of R = prod(row) elements) with T threads, T a
@@ -80,7 +83,7 @@ def plan(op: Op) -> RowKernel | None:
     if op.name != "fusion" or len(op.regions) != 1:
         return None
     body = op.regions[0]
-    shape = row_shape(body)
+    shape = _totals_shape(body) if op.attrs.get("row_stage") == "totals" else row_shape(body)
     if shape is None:
         return None
     lead, row = shape
@@ -96,12 +99,24 @@ def plan(op: Op) -> RowKernel | None:
         return None
     if any(v not in body.params for v in region.inputs):
         return None
-    if any(o.name in REDUCE_KINDS and not o.result.dtype.is_float for o in region.ops):
+    if any(o.name in REDUCE_KINDS and not _shuffles(o.result.dtype) for o in region.ops):
         return None
     length = region.length
     threads = min(MAX_THREADS, -(-length // WARP) * WARP)
     per_thread = -(-length // threads)
     return RowKernel(region, threads, per_thread if per_thread <= HELD_PER_THREAD else 0)
+
+
+def _totals_shape(body) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A totals stage (`row_stages.py`): one row, the shape of its first reduction's operand."""
+    first = next((o for o in body.ops if o.name in REDUCE_KINDS), None)
+    return None if first is None else ((), first.operands[0].shape)
+
+
+def _shuffles(dtype: dt.DType) -> bool:
+    """Whether a reduction of `dtype` combines across lanes with `gpu.shuffle` (32 or 64 bits)."""
+    acc = accumulator_dtype(dtype)
+    return (acc.is_float or acc.is_int) and acc.itemsize in (4, 8)
 
 
 def lower_row_fusion(fl, op: Op) -> bool:
@@ -119,11 +134,21 @@ def lower_row_fusion(fl, op: Op) -> bool:
 
 
 def _collapsed(em: KernelEmitter, buffer: str, t, shape: tuple[int, ...], groups: list[list[int]]) -> str:
-    """`buffer` (of type `t`) viewed as `shape` by merging the dimension `groups`."""
+    """`buffer` (of type `t`) viewed as `shape` by merging the dimension `groups`; an empty first
+    group is a leading unit dimension (the row axis of a one-row kernel's values)."""
     if tuple(t.shape) == shape:
         return buffer
-    text = ", ".join(f"[{', '.join(map(str, g))}]" for g in groups)
-    return em.op(f"memref.collapse_shape {buffer} [{text}] : {memref_type(t)} into {memref_type(t.with_shape(shape))}")
+    unit = bool(groups) and not groups[0]
+    core, groups = (shape[1:], groups[1:]) if unit else (shape, groups)
+    if tuple(t.shape) != core:
+        text = ", ".join(f"[{', '.join(map(str, g))}]" for g in groups)
+        into = f"{memref_type(t)} into {memref_type(t.with_shape(core))}"
+        buffer = em.op(f"memref.collapse_shape {buffer} [{text}] : {into}")
+    if not unit:
+        return buffer
+    into = f"{memref_type(t.with_shape(core))} into {memref_type(t.with_shape(shape))}"
+    text = "[[0, 1]]" if core else "[]"
+    return em.op(f"memref.expand_shape {buffer} {text} output_shape [{', '.join(map(str, shape))}] : {into}")
 
 
 class _Column:
@@ -208,7 +233,7 @@ class _RowKernelWriter:
         dtype = op.result.dtype
         acc = accumulator_dtype(dtype)
         e = compute_elem(acc)
-        combine = COMBINE[kind][0]
+        combine = COMBINE[kind][0 if acc.is_float else 1]
         identity = b.op(f"arith.constant {scalar_literal(reduction_identity(kind, acc), acc)} : {e}")
         (x,) = op.operands
         if columns:  # held in registers
