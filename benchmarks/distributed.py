@@ -353,7 +353,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     repeats = 10 if args.quick else 40
-    rounds = 3 if args.quick else 7
+    rounds = 3 if args.quick else 11
     steps = 20 if args.quick else 60
     started = time.perf_counter()
     with fd.Cluster({"ps": 2, "worker": 3}) as cluster:
