@@ -11,9 +11,7 @@ reference interpreter, within the op table's tolerances.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -24,7 +22,6 @@ import flowjit.numpy as fnp
 from flowjit.backends.gpu import lower_rows, row_stages
 from flowjit.backends.gpu.compiler import lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions
-from flowjit.backends.gpu.toolchain import find_ptxas
 from flowjit.backends.mlir.row_regions import row_shape
 from flowjit.ir import dtypes as dt
 from flowjit.ir.interpreter import interpret
@@ -34,8 +31,7 @@ pytest.importorskip("mlir")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_emulator  # noqa: E402
 from op_table import assert_close, tolerance  # noqa: E402
-
-PTXAS = find_ptxas()
+from test_gpu_codegen import assemble_all, needs_ptxas  # noqa: E402
 
 
 def xent(x, labels):
@@ -167,7 +163,7 @@ def test_row_stages_of_float16(name):
         assert_close(got, np.asarray(expected), tolerance(dt.float16, 7 * 300))
 
 
-@pytest.mark.skipif(PTXAS is None, reason="ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) not found")
+@needs_ptxas
 @pytest.mark.parametrize("chip", ["sm_80", "sm_90"])
 @pytest.mark.parametrize(
     ("name", "shape"), [("xent_grad", (64, 1000)), ("xent", (3, 4500)), ("layer_norm_grads", (5, 33))]
@@ -175,14 +171,7 @@ def test_row_stages_of_float16(name):
 def test_row_stages_assemble(name, shape, chip):
     _, _, module = _compiled(name, shape, chip)
     assert any("shfl.sync" in kernel.ptx for kernel in module.kernels)
-    for kernel in module.kernels:
-        assert f".target {chip}" in kernel.ptx
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.ptx")
-            with open(path, "w") as f:
-                f.write(kernel.ptx)
-            done = subprocess.run([PTXAS, f"-arch={chip}", path, "-o", os.devnull], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
+    assemble_all(module.kernels, chip)
 
 
 def test_a_single_row_is_not_split():

@@ -10,9 +10,7 @@ interpreter, within the op table's tolerances.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -23,7 +21,6 @@ import flowjit.numpy as fnp
 from flowjit.backends.gpu import lower_rows
 from flowjit.backends.gpu.compiler import lower_to_ptx
 from flowjit.backends.gpu.pipeline import GpuOptions
-from flowjit.backends.gpu.toolchain import find_ptxas
 from flowjit.ir import dtypes as dt
 from flowjit.ir.interpreter import interpret
 
@@ -32,8 +29,7 @@ pytest.importorskip("mlir")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_emulator  # noqa: E402
 from op_table import assert_close, tolerance  # noqa: E402
-
-PTXAS = find_ptxas()
+from test_gpu_codegen import assemble, needs_ptxas  # noqa: E402
 
 
 def softmax(x):
@@ -107,7 +103,7 @@ def test_a_row_region_is_one_launch(name, shape, dtype):
     assert "shfl.sync.bfly" in kernel.ptx and "bar.sync" in kernel.ptx
 
 
-@pytest.mark.skipif(PTXAS is None, reason="ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel) not found")
+@needs_ptxas
 @pytest.mark.parametrize("chip", ["sm_80", "sm_90"])
 @pytest.mark.parametrize(
     ("name", "shape", "dtype"),
@@ -124,12 +120,7 @@ def test_row_kernels_assemble(name, shape, dtype, chip):
     (kernel,) = module.kernels
     assert f".target {chip}" in kernel.ptx and "shfl.sync" in kernel.ptx
     assert ("bar.sync" in kernel.ptx) == (shape[-1] > 32)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(kernel.ptx)
-        done = subprocess.run([PTXAS, f"-arch={chip}", path, "-o", os.devnull], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assemble(kernel.ptx, chip)
 
 
 def _row_kernel(graph) -> lower_rows.RowKernel:
