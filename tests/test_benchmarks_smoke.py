@@ -55,7 +55,7 @@ def test_distributed_benchmark_runs():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(table) == 6 and "4 MiB cross-task transfer" in proc.stdout  # the header and five measures
+    assert len(table) == 8 and "4 MiB cross-task transfer" in proc.stdout  # the header and seven measures
 
 
 def test_loop_grad_benchmark_lstm_gradients_agree_between_fori_loop_and_scan(monkeypatch):

@@ -14,6 +14,7 @@ import flowjit as fj
 import flowjit.numpy as fnp
 from flowjit.backends.cpu import communication
 from flowjit.ir import interpreter
+from flowjit.ir.channel import loopback
 from flowjit.runtime import executor
 from flowjit.runtime.executor import PartitionedExecutable
 from flowjit.runtime.rendezvous import Rendezvous, TransferError
@@ -325,6 +326,13 @@ def test_a_value_from_another_task_is_read_in_place():
         missing = ctypes.create_string_buffer(b"missing")
         address = communication._native_recv_view(ctypes.addressof(missing), 64)
         assert ctypes.string_at(address, 64) == bytes(64) and isinstance(step.error, TransferError)
+    # A graph run on its own (no binding): the loopback's value, copied to align it, stays alive.
+    shifted = raw[start + 4 : start + 4 + 4096]
+    loopback().send("unbound", shifted)
+    unbound = ctypes.create_string_buffer(b"unbound")
+    address = communication._native_recv_view(ctypes.addressof(unbound), 4096)
+    garbage = [np.full(4096, 7, np.uint8) for _ in range(64)]  # would reuse freed memory
+    assert garbage and ctypes.string_at(address, 4096) == shifted.tobytes()
 
 
 def test_send_done_withdraws_loans_when_the_step_is_cancelled():

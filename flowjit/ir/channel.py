@@ -53,7 +53,6 @@ class Loopback:
 
     def __init__(self):
         self._values: dict[str, np.ndarray] = {}
-        self._taken: dict[str, np.ndarray] = {}  # what `recv` returned, alive until its key's next recv
 
     def send(self, key: str, value: np.ndarray) -> None:
         self._values[key] = value
@@ -67,9 +66,7 @@ class Loopback:
         ctypes.memmove(address, value.ctypes.data, min(nbytes, value.nbytes))
 
     def recv(self, key: str, where: str = "") -> np.ndarray:
-        # Native code may read the array after this returns (`recv_view`): kept until the key's next recv.
-        value = self._taken[key] = self._take(key, where)
-        return value
+        return self._take(key, where)
 
     def _take(self, key: str, where: str) -> np.ndarray:
         value = self._values.pop(key, None)

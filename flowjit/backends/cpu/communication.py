@@ -118,7 +118,12 @@ def _native_recv_view(key: int, nbytes: int) -> int:
             step.error = e
         value = np.zeros(max(nbytes, 1), np.uint8)
     if step is not None:
-        step.viewed.append(value)  # a loopback keeps what it hands out itself (`Loopback.recv`)
+        step.viewed.append(value)
+    else:  # a graph run on its own: kept until the next recv of its key on this thread
+        views = getattr(_bound, "unbound_views", None)
+        if views is None:
+            views = _bound.unbound_views = {}
+        views[name] = value
     return value.ctypes.data
 
 
