@@ -6,7 +6,9 @@ the kernel's values come from the CPU emulator (tests/gpu_emulator.py: every thr
 OS thread, barriers honoured, shared memory starting as NaN) against the reference interpreter, on
 odd shapes that mask every edge (forced onto the tiled kernel: the rule alone would keep most of
 them on one thread per element); a layer (product, bias, tanh: a fused region) and its gradient
-(transposed products) against the CPU backend; and the rule keeps the simple kernel where it says so.
+(transposed products) against the CPU backend; products' and convolutions' elementwise epilogues
+applied in the tiled kernel (one launch) against the interpreter and the two launches they replace;
+and the rules keep the simple kernel, or two launches, where they say so.
 """
 
 from __future__ import annotations
