@@ -406,7 +406,7 @@ def result_indices(w: _KernelWriter, op: Op, row: str, column: str) -> list[str]
         return [w.batch, row, b.op(f"arith.divui {column}, {ow} : index"), b.op(f"arith.remui {column}, {ow} : index")]
     batch_shape = shape[:-2]
     if len(batch_shape) <= 1:
-        return [*[w.batch] * len(batch_shape), row, column]
+        return [w.batch] * len(batch_shape) + [row, column]
     indices, rest = [], w.batch
     for extent in reversed(batch_shape[1:]):
         indices.append(b.op(f"arith.remui {rest}, {w.index(extent)} : index"))
