@@ -18,9 +18,10 @@ tile (`_window_loader`: padding clamped and selected to 0), so the windows are n
 C is the result viewed as (N, O, OH OW).
 
 Where: a top-level product through the call lowering (`lower_tiled`), writing the result's
-own buffer (one launch); a product inside a fused region whose other ops are an elementwise
-epilogue (a layer's `tanh(x @ w + b)`) through `lower_epilogue.py`, the epilogue applied to each
-thread's sums before the store (`emit`'s `store`; one launch); a product inside any other fused
+own buffer (one launch); a product or convolution inside a fused region whose other ops are an
+elementwise epilogue (a layer's `tanh(x @ w + b)`, a CNN layer's `relu(conv2d(x, w) + b)`) through
+`lower_epilogue.py`, the epilogue applied to each thread's sums before the store (`emit`'s
+`store`, at the result's element `result_indices`; one launch); a product inside any other fused
 region (lowered op by op on tensors) through the tensor lowering (`tiled_tensor`), writing a
 temporary that the rest of the region, a kernel of its own, reads.
 
@@ -120,14 +121,15 @@ def tiled_conv(op: Op) -> TiledProduct | None:
     return product if uses_tiles(product) else None
 
 
-def _planned(op: Op) -> TiledProduct | None:
+def planned_product(op: Op) -> TiledProduct | None:
+    """`op` (a dot_general or conv2d) as the product the tiled kernel computes, or None."""
     return tiled_product(op) if op.name == "dot_general" else tiled_conv(op)
 
 
 def lower_tiled(fl, op: Op) -> bool:
     """`LoweringTable.call` entry for dot_general and conv2d: the tiled kernel on the buffers, or
     False (the op gets `lower_kernels.lower_dot_general` or `lower_conv2d`)."""
-    product = _planned(op)
+    product = planned_product(op)
     buffers = call_buffers(fl, op) if product is not None else None
     if buffers is None:
         return False
@@ -140,7 +142,7 @@ def tiled_tensor(em: KernelEmitter, op: Op, operands: list[str]) -> str | None:
     buffers of their own): the tiled kernel reading `operands`' buffers and writing a fresh one,
     returned as a tensor; None where the product is not tiled. The region's epilogue is a kernel of
     its own after it."""
-    product = _planned(op)
+    product = planned_product(op)
     if product is None:
         return None
     buffers = []
@@ -384,13 +386,32 @@ def _operands(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str]):
     weights, weights_type = _as_3d(em, flat, flat_type)
     n, o, oh, ow = op.result.type.shape
     out_type = memref_type(op.result.type.with_shape((n, o, oh * ow)))
+    loaders = (_view_loader(weights, weights_type, b.type.dtype, False, False), _window_loader(buffers[0], op))
+    if len(buffers) == 2:
+        return loaders, None
     out = em.op(
         f"memref.collapse_shape {buffers[2]} [[0], [1], [2, 3]] : {memref_type(op.result.type)} into {out_type}"
     )
-    return (_view_loader(weights, weights_type, b.type.dtype, False, False), _window_loader(buffers[0], op)), (
-        out,
-        out_type,
-    )
+    return loaders, (out, out_type)
+
+
+def result_indices(w: _KernelWriter, op: Op, row: str, column: str) -> list[str]:
+    """The indices into `op`'s result (a dot_general's or conv2d's) of C's element (row, column)
+    in the block's batch: (batch..., row, column) for a product, (n, o, oh, ow) for a
+    convolution, whose C is its result viewed as (N, O, OH OW)."""
+    b = w.b
+    shape = op.result.type.shape
+    if op.name == "conv2d":
+        ow = w.index(shape[3])
+        return [w.batch, row, b.op(f"arith.divui {column}, {ow} : index"), b.op(f"arith.remui {column}, {ow} : index")]
+    batch_shape = shape[:-2]
+    if len(batch_shape) <= 1:
+        return [w.batch] * len(batch_shape) + [row, column]
+    indices, rest = [], w.batch
+    for extent in reversed(batch_shape[1:]):
+        indices.append(b.op(f"arith.remui {rest}, {w.index(extent)} : index"))
+        rest = b.op(f"arith.divui {rest}, {w.index(extent)} : index")
+    return [rest, *reversed(indices), row, column]
 
 
 def emit(em: KernelEmitter, p: TiledProduct, op: Op, buffers: list[str], store=None) -> None:

@@ -5,8 +5,9 @@ table maps loops to blocks and threads after bufferization, `pipeline.py`) and t
 call-free math (`mlir/mathlib.py`), so PTX never calls libdevice. On top of them:
 
 - `fusion`: a region that is a row computation as a whole (softmax, layer norm, ...) is one row
-  kernel (`lower_rows.py`: a block per row, warp shuffles); a tiled product with an elementwise
-  epilogue (`x @ w + b`, then tanh) is one launch of the tiled kernel (`lower_epilogue.py`); any
+  kernel (`lower_rows.py`: a block per row, warp shuffles); a tiled product or convolution with an
+  elementwise epilogue (`x @ w + b`, then tanh; `conv2d(x, w, b)`, then relu) is one launch of the
+  tiled kernel (`lower_epilogue.py`); any
   other, the fused body's ops one after another on tensors (`lower_control.lower_region`), whose
   elementwise chains and broadcasts the "bufferize" stage's `linalg-fuse-elementwise-ops` merges
   into one kernel.
@@ -90,8 +91,8 @@ GPU.lowerings.tensor["custom_vjp_call"] = lower_control.lower_custom_vjp_call
 
 def lower_fusion_kernel(fl, op: Op) -> bool:
     """`LoweringTable.call` entry for "fusion": a region that is a row computation as one kernel (a
-    block per row), or a tiled product with its elementwise epilogue as one launch of the tiled
-    kernel; False for others, which fall back to `lower_fusion` below."""
+    block per row), or a tiled product or convolution with its elementwise epilogue as one launch
+    of the tiled kernel; False for others, which fall back to `lower_fusion` below."""
     return lower_rows.lower_row_fusion(fl, op) or lower_epilogue.lower_epilogue_fusion(fl, op)
 
 
