@@ -924,7 +924,7 @@ def main(argv=None) -> int:
     p = modes.add_parser("prepare", help="compile the programs into a cache folder (needs MLIR)")
     p.add_argument("--out", default=DEFAULT_DIR)
     p.add_argument("--chip", default="sm_90")
-    p.add_argument("--tiny", action="store_true", help="tiny inputs and three programs (the test's set)")
+    p.add_argument("--tiny", action="store_true", help="tiny inputs and the programs of TINY (the tests' set)")
     r = modes.add_parser("run", help="check and time the prepared programs on GPU 0, a process each (no MLIR)")
     r.add_argument("--json", default=None, help="the report (default DIR/results.json; gpu_check.md beside it)")
     r.add_argument("--timeout", type=float, default=60.0, help="seconds each program's process may take")
