@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import flowjit as fj
+import flowjit.nn as nn
 import flowjit.numpy as fnp
 from flowjit.backends.gpu import backend as gpu_backend
 from flowjit.backends.gpu import cache, cubin, driver, lower_kernels, plan, runtime
@@ -318,6 +319,14 @@ def _mlp_train_step(x, y, w1, b1, w2):
     return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
 
 
+def _mlp_xent_step(x, labels, w1, b1, w2):
+    def loss(w1, b1, w2):
+        return nn.cross_entropy(fnp.tanh(x @ w1 + b1) @ w2, labels)
+
+    g1, gb, g2 = fj.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+    return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+
 def test_replaying_an_mlp_training_step_computes_its_new_parameters():
     # the device check's training step, small: matmuls, their gradients, tanh and the update in one plan
     rng = np.random.default_rng(5)
@@ -326,6 +335,19 @@ def test_replaying_an_mlp_training_step_computes_its_new_parameters():
     expected = fj.jit(_mlp_train_step, target="cpu")(*args)
     assert len(got) == len(expected) == 3
     for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
+
+
+def test_replaying_a_cross_entropy_training_step_computes_its_new_parameters():
+    # the device check's mlp_xent_step, small: the log-softmax, the label pick and their gradient too
+    rng = np.random.default_rng(5)
+    x, w1, b1, w2 = [rng.standard_normal(s).astype(np.float32) for s in ((6, 12), (12, 16), (16,), (16, 3))]
+    args = [x, rng.integers(0, 3, 6).astype(np.int32), w1, b1, w2]
+    got = _emulated(fj.jit(_mlp_xent_step).lower(*args).graph("optimized"), args)
+    expected = fj.jit(_mlp_xent_step, target="cpu")(*args)
+    assert len(got) == len(expected) == 3
+    for g, e, before in zip(got, expected, (w1, b1, w2)):
+        assert np.abs(e - before).max() > 1e-3  # the step moved every parameter
         np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
 
 
@@ -886,16 +908,66 @@ def test_prepare_compiles_the_tiny_set_into_a_small_folder(prepared):
         "chain": "compiled",
         "whole_sum": "compiled",
         "mlp_forward": "compiled",
+        "mlp_xent_step": "compiled",
+        "matmul_bf16": "compiled",
+        "conv_layer": "compiled",
         "cpu_gpu_split": "compiled",
         "newton_sqrt": "not compiled",
     }
     (loop,) = [p for p in manifest["programs"] if p["name"] == "newton_sqrt"]
     assert "while" in loop["error"]
     assert manifest["chip"] == "sm_90"
+    # the sampled programs' inputs are made there: no data file, their tolerance and flop count
+    sampled = {p["name"]: p for p in manifest["programs"] if p.get("check") == "sampled"}
+    assert set(sampled) == {"matmul_bf16", "conv_layer"} and not any("data" in p for p in sampled.values())
+    assert sampled["matmul_bf16"]["flop"] == 2 * 16 * 24 * 8 and sampled["matmul_bf16"]["rtol"] == 8e-3
+    assert sorted(f.name for f in (prepared / "data").iterdir()) == [
+        f"{name}.npz" for name in ("chain", "cpu_gpu_split", "mlp_forward", "mlp_xent_step", "whole_sum")
+    ]
     size = sum(f.stat().st_size for f in prepared.rglob("*") if f.is_file())
     # one entry per GPU program, and one for the split's GPU partition (one stage: it receives the
     # scaled input, computes, sends the layer back); its CPU partitions run on the interpreter
-    assert len(list((prepared / "cache").glob("*.fjg"))) == 4 and size < 1 << 20
+    assert len(list((prepared / "cache").glob("*.fjg"))) == 7 and size < 1 << 20
+
+
+def test_a_sampled_program_is_checked_on_a_sample_of_its_result_against_float64():
+    """The check of the programs whose inputs are made on the GPU machine (device_check.Sampled), at
+    the tiny sizes: the CPU backend's result matches the float64 reference of its sample; the same
+    result with one sampled element off by twice the tolerance does not."""
+    code = """
+        import json, sys
+        import numpy as np
+        import flowjit as fj
+        sys.path.insert(0, "benchmarks/gpu")
+        import device_check as dc
+        from peers import compare
+
+        results = {}
+        for program in dc.PROGRAMS:
+            if program.sampled is None:
+                continue
+            inputs = dc._inputs(program, tiny=True)
+            check = program.sampled
+            p = {"expected": check.reference(inputs), "sample": check.sample, "rtol": check.rtol, "atol": check.atol}
+            exact = np.asarray(fj.jit(program.fn, target="cpu")(*inputs))
+            off = exact.astype(np.float32)
+            index = (0,) * off.ndim if program.name.startswith("matmul") else (-1,) + (0,) * (off.ndim - 1)
+            off[index] += 2 * (check.atol + check.rtol * abs(float(off[index])))
+            results[program.name] = [
+                [list(e.shape) for e in p["expected"]],
+                compare([exact], p)["matches"],
+                compare([off.astype(exact.dtype)], p)["matches"],
+            ]
+        print(json.dumps(results))
+    """
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results == {
+        "matmul_f32": [[[16, 8]], True, False],
+        "matmul_bf16": [[[16, 8]], True, False],
+        "conv_layer": [[[2, 4, 6, 6]], True, False],  # its first and last image
+    }
 
 
 def test_run_loads_from_the_cache_without_mlir_up_to_the_device(prepared, tmp_path):
@@ -906,8 +978,8 @@ def test_run_loads_from_the_cache_without_mlir_up_to_the_device(prepared, tmp_pa
         timeout=600,
     )
     # without a GPU the split cannot be placed (no gpu:0): it is listed as not loaded, with the reason
-    loaded = 3 if NO_GPU is not None else 4
-    assert f"loaded {loaded} of 5 programs" in done.stdout and "(mlir imported: False)" in done.stdout, done.stderr
+    loaded = 6 if NO_GPU is not None else 7
+    assert f"loaded {loaded} of 8 programs" in done.stdout and "(mlir imported: False)" in done.stdout, done.stderr
     if NO_GPU is not None:
         assert done.returncode == 2
         assert re.search(r"GpuRuntimeError: \S+device_check.py:\d+: cannot run 'chain' on GPU 0: ", done.stdout)
@@ -937,9 +1009,14 @@ def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver
     assert report["mlir_imported"] is False
     programs = {p["name"]: p for p in report["programs"]}
     assert programs["newton_sqrt"]["status"] == "not compiled"
-    for name in ("chain", "whole_sum", "mlp_forward"):
+    for name in ("chain", "whole_sum", "mlp_forward", "mlp_xent_step", "matmul_bf16", "conv_layer"):
         assert programs[name]["status"] == "mismatch" and programs[name]["flowjit_ms"] > 0
         assert len(programs[name]["loaded"]) == 1
+    for name in ("matmul_bf16", "conv_layer"):  # their TFLOP/s, in the JSON and under the program
+        assert programs[name]["tflop_per_s"]["flowjit"] == programs[name]["flop"] / (
+            programs[name]["flowjit_device_ms"] * 1e9
+        )
+    assert done.stdout.count("    TFLOP/s on device: flowjit ") == 2
     split = programs["cpu_gpu_split"]  # placed over cpu:0 and the fake gpu:0, the GPU part from the cache
     assert split["kind"] == "split" and split["status"] == "mismatch" and split["flowjit_ms"] > 0
     assert split["backends"].startswith("2 partitions on cpu:0, gpu:0, each cuda (MLIR -> NVVM -> PTX, sm_90;")
@@ -951,14 +1028,16 @@ def test_run_on_the_fake_driver_goes_through_every_program(prepared, fake_driver
 def test_run_times_each_program_and_its_peers_in_a_process_of_its_own(prepared, fake_driver, tmp_path):
     """`run --peer-device cpu` goes through every peer's code without a GPU: PyTorch eager,
     torch.compile (which needs a C++ compiler on the CPU) and JAX each time their twin of the
-    program and check it against the expected outputs. The fake driver runs no kernel, so
+    program and check it against the expected outputs (a sample of them, for the sampled programs,
+    whose inputs are made here: bfloat16 ones for matmul_bf16). The fake driver runs no kernel, so
     flowjit's results cannot match ('mismatch'); the peers' must."""
-    options = ("--repeat", "2", "--only", "chain,mlp_forward", "--peer-device", "cpu")
+    names = ("chain", "mlp_forward", "mlp_xent_step", "matmul_bf16", "conv_layer")
+    options = ("--repeat", "2", "--only", ",".join(names), "--peer-device", "cpu")
     done, report = _device_check_run(prepared, fake_driver, tmp_path, *options)
     assert report["mlir_imported"] is False and report["options"]["peer_device"] == "cpu"
     programs = {p["name"]: p for p in report["programs"]}
-    assert set(programs) == {"chain", "mlp_forward"}
-    assert len({p["pid"] for p in programs.values()} - {os.getpid()}) == 2  # a process each
+    assert set(programs) == set(names)
+    assert len({p["pid"] for p in programs.values()} - {os.getpid()}) == len(names)  # a process each
     can_compile = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     for name, p in programs.items():
         assert p["status"] == "mismatch" and p["flowjit_ms"] > 0 and p["flowjit_device_ms"] > 0
@@ -969,7 +1048,9 @@ def test_run_times_each_program_and_its_peers_in_a_process_of_its_own(prepared, 
                 assert record["error"], record  # the reason is recorded; the other peers still ran
                 continue
             assert "error" not in record, f"{name}, {peer}: {record['error']}"
-            assert record["matches"] and record["max_abs_error"] < 1e-4 and record["on_device_ms"] > 0
+            # a bfloat16 product is rounded to bfloat16: to within 2**-8 of its value
+            assert record["matches"] and record["max_abs_error"] < (0.1 if name == "matmul_bf16" else 1e-4)
+            assert record["on_device_ms"] > 0
             assert record.get("end_to_end_ms", 1.0) > 0 and record.get("compile_ms", 1.0) > 0
         on_device = {peer: r["on_device_ms"] for peer, r in p["peers"].items() if r.get("matches")}
         if on_device:
@@ -977,5 +1058,5 @@ def test_run_times_each_program_and_its_peers_in_a_process_of_its_own(prepared, 
             versus = p["versus_fastest_peer"]["on_device"]
             assert versus == {"fastest_peer": fastest, "ratio": p["flowjit_device_ms"] / on_device[fastest]}
     markdown = (tmp_path / "gpu_check.md").read_text()
-    assert "fake CUDA driver (no GPU)" in markdown and "--only chain,mlp_forward" in markdown
+    assert "fake CUDA driver (no GPU)" in markdown and "--only chain,mlp_forward," in markdown
     assert re.search(r"^\| chain \| mismatch \| [0-9.e+-]+ \| [0-9.]+ \|", markdown, re.MULTILINE), markdown

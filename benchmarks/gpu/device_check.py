@@ -4,7 +4,9 @@
         on a machine with MLIR (this one): compiles every program below for the GPU into DIR/cache
         (the flowjit disk cache, cubins included where ptxas is found), with its inputs and the
         expected outputs (flowjit's CPU backend, or the op table's numpy reference) in DIR/data,
-        and DIR/manifest.json. DIR defaults to benchmarks/gpu/prepared.
+        and DIR/manifest.json. DIR defaults to benchmarks/gpu/prepared. The sampled programs
+        (`Sampled`: the 4096^2 products, the conv layer) store nothing in DIR/data: their inputs
+        are made on the GPU machine from the seed, and their result checked there on a sample.
     python3 benchmarks/gpu/device_check.py run [--dir DIR] [--json FILE] [--repeat N]
             [--timeout S] [--budget S] [--only NAME,...] [--peers torch,torch.compile,jax]
             [--peer-device cuda|cpu]
@@ -105,14 +107,40 @@ def mlp_forward(x, w1, b1, w2):
 def mlp_train_step(x, y, w1, b1, w2):
     """One SGD step of a 784-256-10 tanh MLP on a squared error: the gradient and the update, all
     on the GPU; returns the new parameters."""
+    import flowjit.numpy as fnp
+
+    return _sgd_step(lambda out: fnp.mean((out - y) ** 2), x, w1, b1, w2)
+
+
+def mlp_xent_step(x, labels, w1, b1, w2):
+    """The same step on the cross-entropy of the logits against integer class labels
+    (`flowjit.nn.cross_entropy`: its log-softmax and the label pick are row-stage kernels)."""
+    import flowjit.nn as nn
+
+    return _sgd_step(lambda logits: nn.cross_entropy(logits, labels), x, w1, b1, w2)
+
+
+def _sgd_step(loss_of_output, x, w1, b1, w2):
     import flowjit as fj
     import flowjit.numpy as fnp
 
     def loss(w1, b1, w2):
-        return fnp.mean((fnp.tanh(x @ w1 + b1) @ w2 - y) ** 2)
+        return loss_of_output(fnp.tanh(x @ w1 + b1) @ w2)
 
     g1, gb, g2 = fj.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
     return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+
+def matmul(a, b):
+    return a @ b
+
+
+def conv_layer(x, w, b):
+    """benchmarks/workloads.py's ConvLayer: conv3x3 (padding 1) + per-channel bias + relu, one
+    launch of the tiled kernel on the GPU."""
+    import flowjit.nn as nn
+
+    return nn.relu(nn.conv2d(x, w, b, padding=1))
 
 
 def split_between(gpu: str):
@@ -149,15 +177,113 @@ def newton_sqrt(x):
     return fj.while_loop(lambda y: y[0, 0] * y[0, 0] > x[0, 0] + 1e-3, lambda y: 0.5 * (y + x / y), x + 1.0)
 
 
+Shapes = tuple[tuple[int, ...], ...]
+
+
+def standard_normal(rng: np.random.Generator, shapes: Shapes) -> list[np.ndarray]:
+    return [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+
+
+def standard_normal_bf16(rng: np.random.Generator, shapes: Shapes) -> list[np.ndarray]:
+    import ml_dtypes
+
+    return [a.astype(ml_dtypes.bfloat16) for a in standard_normal(rng, shapes)]
+
+
+def data_and_labels(rng: np.random.Generator, shapes: Shapes) -> list[np.ndarray]:
+    """x, int32 class labels (below the last weight's column count: the classes), then the weights."""
+    x, w1, b1, w2 = standard_normal(rng, shapes[:1] + shapes[2:])
+    return [x, rng.integers(0, shapes[-1][1], shapes[1]).astype(np.int32), w1, b1, w2]
+
+
+def conv_inputs(rng: np.random.Generator, shapes: Shapes) -> list[np.ndarray]:
+    """ConvLayer's inputs (weights scaled so that the outputs are of order 1) for input `shapes[0]`."""
+    from workloads import ConvLayer  # benchmarks/ (on the path through peers)
+
+    batch, channels, hw, _ = shapes[0]
+    return list(ConvLayer().inputs(rng, batch=batch, channels=channels, hw=hw))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """The check of a program whose inputs and outputs are too large to carry: its inputs are made
+    on the GPU machine (the program's `make_inputs`, same seed), and `sample` of its outputs is
+    compared with `reference` of its inputs, numpy in float64 on that machine's CPU, within `rtol`
+    and `atol` (see `compare`)."""
+
+    sample: Callable[[list], list[np.ndarray]]
+    reference: Callable[[list[np.ndarray]], list[np.ndarray]]
+    rtol: float
+    atol: float
+
+
+def _picked(n: int) -> np.ndarray:
+    """64 of range(n) (all when fewer), sorted, the same on every machine: random rather than
+    strided, so that they fall at every position within a kernel's tiles."""
+    return np.sort(np.random.default_rng(0).choice(n, min(n, 64), replace=False))
+
+
+def _product_sample(outputs) -> list[np.ndarray]:
+    (c,) = outputs
+    c = np.asarray(c)
+    return [c[np.ix_(_picked(c.shape[0]), _picked(c.shape[1]))]]
+
+
+def _product_reference(inputs) -> list[np.ndarray]:
+    a, b = inputs
+    return [a[_picked(a.shape[0])].astype(np.float64) @ b[:, _picked(b.shape[1])].astype(np.float64)]
+
+
+def _conv_sample(outputs) -> list[np.ndarray]:
+    (y,) = outputs
+    return [np.asarray(y)[[0, -1]]]
+
+
+def _conv_reference(inputs) -> list[np.ndarray]:
+    from workloads import ConvLayer
+
+    x, w, b = inputs
+    return [ConvLayer().reference(x[[0, -1]], w, b)]
+
+
+# A float32 product over K = 4096 in any summation order is within about 6e-4 of the float64 one
+# (its elements reach about 250); TF32 products are off by about 0.07, which this tolerance refuses.
+MATMUL_F32 = Sampled(_product_sample, _product_reference, rtol=2e-5, atol=5e-3)
+# bfloat16 inputs are exact in float32, the products accumulate in float32, and the result rounds
+# to bfloat16: up to half a unit of its last place (2**-8 of the value), one unit allowed.
+MATMUL_BF16 = Sampled(_product_sample, _product_reference, rtol=8e-3, atol=1e-2)
+# The first and the last image; 576 terms per output of order 1 (TF32 would be off by about 1e-3).
+CONV = Sampled(_conv_sample, _conv_reference, rtol=1e-4, atol=1e-4)
+
+
+def _product_flop(shapes: Shapes) -> int:
+    (m, k), (_, n) = shapes
+    return 2 * m * n * k
+
+
+def _conv_flop(shapes: Shapes) -> int:
+    (batch, channels, h, w), (out, _, kh, kw), _ = shapes
+    return 2 * batch * out * channels * kh * kw * h * w
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
+    """A program of the check: its inputs are `make_inputs(rng, shapes)` (or `tiny`). With
+    `sampled`, they are made on the GPU machine and the result is checked there on a sample (see
+    `Sampled`); otherwise `prepare` stores them with the CPU backend's outputs. `flop` counts its
+    floating-point operations, for the report's TFLOP/s."""
+
     name: str
     fn: Callable
-    shapes: tuple[tuple[int, ...], ...]
-    tiny: tuple[tuple[int, ...], ...]
+    shapes: Shapes
+    tiny: Shapes
     kind: str = "program"  # "split": placed over cpu:0 and gpu:0, no peers
+    make_inputs: Callable[[np.random.Generator, Shapes], list[np.ndarray]] = standard_normal
+    sampled: Sampled | None = None
+    flop: Callable[[Shapes], int] | None = None
 
 
+SQUARE = ((4096, 4096), (4096, 4096))
 PROGRAMS = [
     Program("chain", chain, ((1024, 512), (1024, 512)), ((8, 16), (8, 16))),
     Program("softmax", softmax, ((1024, 512),), ((8, 16),)),
@@ -171,17 +297,52 @@ PROGRAMS = [
         ((256, 784), (256, 10), (784, 256), (256,), (256, 10)),
         ((4, 8), (4, 2), (8, 8), (8,), (8, 2)),
     ),
+    Program(
+        "mlp_xent_step",
+        mlp_xent_step,
+        ((256, 784), (256,), (784, 256), (256,), (256, 10)),
+        ((4, 8), (4,), (8, 8), (8,), (8, 2)),
+        make_inputs=data_and_labels,
+    ),
+    Program("matmul_f32", matmul, SQUARE, ((16, 24), (24, 8)), sampled=MATMUL_F32, flop=_product_flop),
+    Program(
+        "matmul_bf16",
+        matmul,
+        SQUARE,
+        ((16, 24), (24, 8)),
+        make_inputs=standard_normal_bf16,
+        sampled=MATMUL_BF16,
+        flop=_product_flop,
+    ),
+    Program(
+        "conv_layer",
+        conv_layer,
+        ((8, 64, 56, 56), (64, 64, 3, 3), (64,)),  # ConvLayer's full and tiny sizes
+        ((2, 4, 6, 6), (4, 4, 3, 3), (4,)),
+        make_inputs=conv_inputs,
+        sampled=CONV,
+        flop=_conv_flop,
+    ),
     Program("cpu_gpu_split", split_between("gpu:0"), ((1024, 512), (512, 256)), ((8, 16), (16, 8)), kind="split"),
     Program("newton_sqrt", newton_sqrt, ((64, 64),), ((4, 4),)),
 ]
 # Op-table rows (tests/op_table.py) the GPU lowers: numerics only (small, untimed).
 OP_ROWS = ("exp", "tanh", "add", "broadcast", "transpose", "reduce_sum", "reduce_max")
-TINY = {"chain", "whole_sum", "mlp_forward", "cpu_gpu_split", "newton_sqrt"}
+TINY = {
+    "chain",
+    "whole_sum",
+    "mlp_forward",
+    "mlp_xent_step",
+    "matmul_bf16",
+    "conv_layer",
+    "cpu_gpu_split",
+    "newton_sqrt",
+}
 
 
 def _inputs(program: Program, tiny: bool) -> list[np.ndarray]:
     rng = np.random.default_rng(len(program.name))
-    return [rng.standard_normal(shape).astype(np.float32) for shape in (program.tiny if tiny else program.shapes)]
+    return program.make_inputs(rng, program.tiny if tiny else program.shapes)
 
 
 def _op_rows():
@@ -230,13 +391,21 @@ def prepare(out: str, chip: str, tiny: bool) -> dict:
             entry["error"] = str(error).splitlines()[0]
             entries.append(entry)
             continue
+        entry["status"] = "compiled"
+        shapes = program.tiny if tiny else program.shapes
+        if program.flop:
+            entry["flop"] = program.flop(shapes)
+        if program.sampled:  # too large to carry: made and checked there
+            entry["check"] = "sampled"
+            entry["rtol"], entry["atol"] = program.sampled.rtol, program.sampled.atol
+            entries.append(entry)
+            continue
         os.environ["FLOWJIT_CACHE"] = "0"  # the CPU's code stays out of the folder that travels
         try:
             on_the_cpu = split_between("cpu:0") if program.kind == "split" else program.fn
             expected = fj.jit(on_the_cpu, target="cpu")(*inputs)
         finally:
             del os.environ["FLOWJIT_CACHE"]
-        entry["status"] = "compiled"
         outputs = expected if isinstance(expected, tuple) else (expected,)
         entry["data"] = _save(out, program.name, inputs, [np.asarray(o) for o in outputs])
         entry["rtol"], entry["atol"] = RTOL, ATOL
@@ -371,6 +540,8 @@ def run(folder: str, json_path: str, options: RunOptions) -> int:
         for p in ready:
             _run_program(p, folder, options, started, env, scratch)
             p["versus_fastest_peer"] = _versus_fastest_peer(p)
+            if "flop" in p:
+                p["tflop_per_s"] = _tflop_per_s(p)
     failures = sum(p["status"] != "ok" for p in ready)
     report = {
         "device": probe["device"],
@@ -491,9 +662,15 @@ def load_programs(folder: str, names: tuple[str, ...] = ()) -> tuple[dict, list[
         loaded.append(item)
         if entry["status"] != "compiled":
             continue
-        data = np.load(os.path.join(folder, entry["data"]))
-        inputs = [data[f"in{i}"] for i in range(sum(k.startswith("in") for k in data.files))]
-        item["expected"] = [data[f"out{i}"] for i in range(sum(k.startswith("out") for k in data.files))]
+        if entry.get("check") == "sampled":
+            program = by_name[entry["name"]]
+            inputs = _inputs(program, entry["tiny"])
+            item["expected"] = program.sampled.reference(inputs)
+            item["sample"] = program.sampled.sample
+        else:
+            data = np.load(os.path.join(folder, entry["data"]))
+            inputs = [data[f"in{i}"] for i in range(sum(k.startswith("in") for k in data.files))]
+            item["expected"] = [data[f"out{i}"] for i in range(sum(k.startswith("out") for k in data.files))]
         item["inputs"] = inputs
         if entry["kind"] == "split":
             _load_split(item, by_name[entry["name"]], manifest["chip"])
@@ -583,7 +760,7 @@ def run_one(folder: str, name: str, record_path: str, options: RunOptions) -> No
 
 
 def _public(p: dict) -> dict:
-    return {k: v for k, v in p.items() if k not in ("executable", "inputs", "expected", "data")}
+    return {k: v for k, v in p.items() if k not in ("executable", "inputs", "expected", "sample", "data")}
 
 
 def _write_record(path: str, record: dict) -> None:
@@ -654,6 +831,14 @@ def _versus_fastest_peer(p: dict) -> dict:
     return versus
 
 
+def _tflop_per_s(p: dict) -> dict:
+    """The program's `flop` over each on-device time (flowjit's and each peer's whose result
+    matched), in TFLOP/s."""
+    times = {"flowjit": p.get("flowjit_device_ms")}
+    times |= {peer: r.get("on_device_ms") for peer, r in p.get("peers", {}).items() if r.get("matches")}
+    return {who: p["flop"] / (ms * 1e9) for who, ms in times.items() if ms}
+
+
 def _cells(p: dict) -> list[str]:
     cells = [p["status"], f"{p['max_abs_error']:.2e}" if "max_abs_error" in p else "-"]
     for _, peer, key in COLUMNS:
@@ -676,7 +861,9 @@ def _notes(p: dict) -> list[str]:
                 f"{peer}: its result is off (max |err| {record['max_abs_error']:.2e} > rtol x max |expected| + atol)"
             )
     compiling = [f"{peer} {r['compile_ms']:.0f} ms" for peer, r in p.get("peers", {}).items() if "compile_ms" in r]
-    return notes + ([f"first call (compiling): {', '.join(compiling)}"] if compiling else [])
+    notes += [f"first call (compiling): {', '.join(compiling)}"] if compiling else []
+    rates = [f"{who} {rate:.3g}" for who, rate in p.get("tflop_per_s", {}).items()]
+    return notes + ([f"TFLOP/s on device: {', '.join(rates)}"] if rates else [])
 
 
 HEADERS = ("program", "status", "max|err|", *(c[0] for c in COLUMNS), "e2e ratio", "dev ratio")
@@ -737,7 +924,7 @@ def main(argv=None) -> int:
     p = modes.add_parser("prepare", help="compile the programs into a cache folder (needs MLIR)")
     p.add_argument("--out", default=DEFAULT_DIR)
     p.add_argument("--chip", default="sm_90")
-    p.add_argument("--tiny", action="store_true", help="tiny inputs and three programs (the test's set)")
+    p.add_argument("--tiny", action="store_true", help="tiny inputs and the programs of TINY (the tests' set)")
     r = modes.add_parser("run", help="check and time the prepared programs on GPU 0, a process each (no MLIR)")
     r.add_argument("--json", default=None, help="the report (default DIR/results.json; gpu_check.md beside it)")
     r.add_argument("--timeout", type=float, default=60.0, help="seconds each program's process may take")

@@ -29,13 +29,17 @@ PEERS = ("torch", "torch.compile", "jax")
 
 def _torch(name: str):
     import torch
+    import torch.nn.functional as F
 
-    def train_step(x, y, w1, b1, w2):
-        def loss(w1, b1, w2):
-            return ((torch.tanh(x @ w1 + b1) @ w2 - y) ** 2).mean()
+    def train_step(loss_of_output):
+        def step(x, y, w1, b1, w2):
+            def loss(w1, b1, w2):
+                return loss_of_output(torch.tanh(x @ w1 + b1) @ w2, y)
 
-        g1, gb, g2 = torch.func.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
-        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+            g1, gb, g2 = torch.func.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+            return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+        return step
 
     return {
         "chain": lambda x, y: torch.tanh(x * y + 1.0) * torch.exp(-x) + torch.log(y * y + 1.0),
@@ -46,25 +50,42 @@ def _torch(name: str):
         "whole_sum": lambda x: x.sum(),
         "column_sum": lambda x: x.sum(0),
         "mlp_forward": lambda x, w1, b1, w2: torch.tanh(x @ w1 + b1) @ w2,
-        "mlp_train_step": train_step,
+        "mlp_train_step": train_step(lambda out, y: ((out - y) ** 2).mean()),
+        "mlp_xent_step": train_step(lambda logits, labels: F.cross_entropy(logits, labels.long())),
+        "matmul_f32": lambda a, b: a @ b,
+        "matmul_bf16": lambda a, b: a @ b,
+        "conv_layer": lambda x, w, b: torch.relu(F.conv2d(x, w, b, padding=1)),
     }[name]
 
 
 def _jax(name: str):
-    """The JAX twin; its products ask for full float32 precision (JAX's default on a GPU is
-    TF32-like, flowjit's and PyTorch's is not)."""
+    """The JAX twin; its products and convolutions ask for full float32 precision (JAX's default
+    on a GPU is TF32-like, flowjit's and PyTorch's is not)."""
     import jax
     import jax.numpy as jnp
 
+    highest = jax.lax.Precision.HIGHEST
+
     def mm(a, b):
-        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        return jnp.matmul(a, b, precision=highest)
 
-    def train_step(x, y, w1, b1, w2):
-        def loss(w1, b1, w2):
-            return jnp.mean((mm(jnp.tanh(mm(x, w1) + b1), w2) - y) ** 2)
+    def train_step(loss_of_output):
+        def step(x, y, w1, b1, w2):
+            def loss(w1, b1, w2):
+                return loss_of_output(mm(jnp.tanh(mm(x, w1) + b1), w2), y)
 
-        g1, gb, g2 = jax.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
-        return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+            g1, gb, g2 = jax.grad(loss, argnums=(0, 1, 2))(w1, b1, w2)
+            return w1 - 0.01 * g1, b1 - 0.01 * gb, w2 - 0.01 * g2
+
+        return step
+
+    def cross_entropy(logits, labels):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+    def conv_layer(x, w, b):
+        dims = ("NCHW", "OIHW", "NCHW")
+        conv = jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=dims, precision=highest)
+        return jax.nn.relu(conv + b.reshape(1, -1, 1, 1))
 
     return {
         "chain": lambda x, y: jnp.tanh(x * y + 1.0) * jnp.exp(-x) + jnp.log(y * y + 1.0),
@@ -73,15 +94,22 @@ def _jax(name: str):
         "whole_sum": lambda x: jnp.sum(x),
         "column_sum": lambda x: jnp.sum(x, axis=0),
         "mlp_forward": lambda x, w1, b1, w2: mm(jnp.tanh(mm(x, w1) + b1), w2),
-        "mlp_train_step": train_step,
+        "mlp_train_step": train_step(lambda out, y: jnp.mean((out - y) ** 2)),
+        "mlp_xent_step": train_step(cross_entropy),
+        "matmul_f32": mm,
+        "matmul_bf16": mm,
+        "conv_layer": conv_layer,
     }[name]
 
 
 def compare(outputs, p: dict, elementwise: bool = True) -> dict:
-    """The largest absolute error of `outputs` and whether they match the expected outputs: each
-    element within the program's tolerance (`elementwise`, for flowjit), or every error within
-    `rtol` times the output's largest magnitude plus `atol` (for the peers: their own summation
-    order in a 784-long dot product is off by more than `rtol` of an element near zero)."""
+    """The largest absolute error of `outputs` (of their sample, for a program with one) and
+    whether they match the expected outputs: each element within the program's tolerance
+    (`elementwise`, for flowjit), or every error within `rtol` times the output's largest magnitude
+    plus `atol` (for the peers: their own summation order in a 784-long dot product is off by more
+    than `rtol` of an element near zero)."""
+    if "sample" in p:  # a program checked on a sample of its outputs (device_check.Sampled)
+        outputs = p["sample"](outputs)
     expected = p["expected"]
     shapes = [np.shape(o) for o in outputs] == [e.shape for e in expected]
     if not shapes:
@@ -128,6 +156,9 @@ def _torch_on(device_kind: str):
 
     if device_kind == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)")
+    # full float32 products and convolutions (cuBLAS and cuDNN without TF32), as flowjit's and JAX's
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     device = torch.device(device_kind)
     return torch, device, (torch.cuda.synchronize if device_kind == "cuda" else lambda: None)
 
@@ -135,16 +166,34 @@ def _torch_on(device_kind: str):
 def _host(outputs) -> list[np.ndarray]:
     """A peer's result (one array or a tuple) as host arrays."""
     items = outputs if isinstance(outputs, tuple | list) else (outputs,)
-    return [np.asarray(o.cpu().numpy() if hasattr(o, "cpu") else o) for o in items]
+    return [_from_torch(o) if hasattr(o, "cpu") else np.asarray(o) for o in items]
+
+
+def _to_torch(torch, a: np.ndarray):
+    """A host array as a tensor on the host, without a copy (numpy's bfloat16 from ml_dtypes through
+    its 16 bits, which PyTorch cannot take as they are)."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _from_torch(t) -> np.ndarray:
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+    return t.cpu().numpy()
 
 
 def _time_torch_eager(p: dict, repeat: int, device_kind: str) -> dict:
     torch, device, wait = _torch_on(device_kind)
     fn = _torch(p["name"])
-    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
+    on_device = [_to_torch(torch, a).to(device) for a in p["inputs"]]
 
     def end_to_end():
-        return _host(fn(*[torch.from_numpy(a).to(device) for a in p["inputs"]]))
+        return _host(fn(*[_to_torch(torch, a).to(device) for a in p["inputs"]]))
 
     def device_only():
         fn(*on_device)
@@ -162,7 +211,7 @@ def _time_torch_compile(p: dict, repeat: int, device_kind: str) -> dict:
     compiling) is timed apart."""
     torch, device, wait = _torch_on(device_kind)
     compiled = torch.compile(_torch(p["name"]))
-    on_device = [torch.from_numpy(a).to(device) for a in p["inputs"]]
+    on_device = [_to_torch(torch, a).to(device) for a in p["inputs"]]
     start = time.perf_counter()
     first = compiled(*on_device)
     wait()
