@@ -207,7 +207,8 @@ def _mlp_cross_entropy_step(x, labels, w1, b1, w2):
 
 def test_an_mlp_training_step_on_cross_entropy_computes_its_new_parameters():
     """The loss's gradient as stages (a row kernel, the count of labels, a row kernel) amid the
-    products and the update: 10 launches (22 as whole-tensor kernels), the CPU backend's values."""
+    products and the update: 10 launches (22 as whole-tensor kernels), the CPU backend's values (the
+    device check's mlp_xent_step, small)."""
     rng = np.random.default_rng(5)
     x, w1, b1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((6, 12), (12, 16), (16,), (16, 3)))
     args = [x, rng.integers(0, 3, 6).astype(np.int32), w1, b1, w2]
@@ -216,5 +217,6 @@ def test_an_mlp_training_step_on_cross_entropy_computes_its_new_parameters():
     expected = fj.jit(_mlp_cross_entropy_step, target="cpu")(*args)
     got = _replayed(args, module)
     assert len(got) == len(expected) == 3
-    for g, e in zip(got, expected):
+    for g, e, before in zip(got, expected, (w1, b1, w2)):
+        assert np.abs(e - before).max() > 1e-3  # the step moved every parameter
         np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-6)
