@@ -29,7 +29,7 @@ import numpy as np
 
 from flowjit.ir import dtypes as dt
 from flowjit.ir.builder import emit
-from flowjit.ir.graph import Graph
+from flowjit.ir.graph import Graph, Value
 from flowjit.ir.types import TensorType
 
 BOOL, I32, I64 = dt.bool_, dt.int32, dt.int64
@@ -1582,31 +1582,30 @@ for _op, _ref in _STATE_REFS.items():
 # --- communication -------------------------------------------------------------------------------------
 
 
-def _loopback_graph(inputs, attrs):
-    """send x; r = recv (same key); send_done x; return r: a function sending to itself."""
-    graph = Graph("loopback")
+def _sent_to_itself(name: str, inputs, src: str) -> tuple[Graph, Value]:
+    """A graph that sends its parameter x from device `src` to another (cpu:1, or cpu:0 when `src`
+    is another task's) and receives it: send x; r = recv; send_done x. Returns the graph and r."""
+    graph = Graph(name)
     (x,) = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype)), "x") for a in inputs]
-    keys = {"key": "cpu:0->cpu:1:%x", "src": "cpu:0", "dst": "cpu:1"}
+    dst = "cpu:1" if src == "cpu:0" else "cpu:0"
+    keys = {"key": f"{src}->{dst}:%x", "src": src, "dst": dst}
     emit(graph, "send", [x], keys)
     received = emit(graph, "recv", [], {**keys, "shape": x.type.shape, "dtype": x.type.dtype}).result
     emit(graph, "send_done", [x], {})
+    return graph, received
+
+
+def _loopback_graph(inputs, attrs):
+    """send x; r = recv (same key); send_done x; return r: a function sending to itself."""
+    graph, received = _sent_to_itself("loopback", inputs, "cpu:0")
     graph.results = [received]
     return graph
 
 
 def _viewed_recv_graph(inputs, attrs):
-    """send x; r = recv from another task's device (so native code reads r where the channel holds
-    it: `flowjit_recv_view`); return r + r (r itself is no graph result, which would be copied)."""
-    graph = Graph("viewed_recv")
-    (x,) = [graph.add_param(TensorType(a.shape, dt.dtype(a.dtype)), "x") for a in inputs]
-    keys = {
-        "key": "/job:worker/task:1/device:cpu:0->cpu:0:%x",
-        "src": "/job:worker/task:1/device:cpu:0",
-        "dst": "cpu:0",
-    }
-    emit(graph, "send", [x], keys)
-    received = emit(graph, "recv", [], {**keys, "shape": x.type.shape, "dtype": x.type.dtype}).result
-    emit(graph, "send_done", [x], {})
+    """The same with r from another task's device (so native code reads r where the channel holds
+    it: `flowjit_recv_view`), returning r + r (r itself is no graph result, which would be copied)."""
+    graph, received = _sent_to_itself("viewed_recv", inputs, "/job:worker/task:1/device:cpu:0")
     graph.results = [emit(graph, "add", [received, received], {}).result]
     return graph
 

@@ -62,13 +62,10 @@ class Loopback:
         return False
 
     def recv_into(self, key: str, address: int, nbytes: int, where: str = "") -> None:
-        value = np.ascontiguousarray(self._take(key, where))
+        value = np.ascontiguousarray(self.recv(key, where))
         ctypes.memmove(address, value.ctypes.data, min(nbytes, value.nbytes))
 
     def recv(self, key: str, where: str = "") -> np.ndarray:
-        return self._take(key, where)
-
-    def _take(self, key: str, where: str) -> np.ndarray:
         value = self._values.pop(key, None)
         if value is None:
             raise TransferError(

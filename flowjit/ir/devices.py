@@ -138,11 +138,16 @@ class Device:
         return f"Device({self.name!r})"
 
 
+def task_name(device: str) -> str:
+    """`/job:ps/task:0` for the device `/job:ps/task:0/device:cpu:0`; a name without a job and task
+    (`cpu:1`) is a device of this process's task, `/job:localhost/task:0`."""
+    spec = DeviceSpec.parse(device)
+    return f"/job:{spec.job or LOCAL_JOB}/task:{spec.task or 0}"
+
+
 def same_task(a: str, b: str) -> bool:
-    """Whether the devices named `a` and `b` live in one task (process); a name without a job and
-    task (`cpu:1`) is a device of this process's task, `/job:localhost/task:0`."""
-    ta, tb = DeviceSpec.parse(a), DeviceSpec.parse(b)
-    return (ta.job or LOCAL_JOB, ta.task or 0) == (tb.job or LOCAL_JOB, tb.task or 0)
+    """Whether the devices named `a` and `b` live in one task (process)."""
+    return task_name(a) == task_name(b)
 
 
 def register_device_type(device_type: str) -> None:

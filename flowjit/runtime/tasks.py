@@ -25,7 +25,7 @@ import numpy as np
 
 from flowjit.errors import FlowjitError, FlowjitValueError
 from flowjit.ir.channel import snapshot
-from flowjit.ir.devices import LOCAL_JOB, DeviceSpec
+from flowjit.ir.devices import LOCAL_JOB, task_name
 from flowjit.runtime.rendezvous import Rendezvous
 from flowjit.runtime.transports import Transport
 
@@ -51,12 +51,6 @@ LOCAL_TASK = f"/job:{LOCAL_JOB}/task:0"
 def variables_of(graphs) -> list[str]:
     """The names of the variables the ops of `graphs` read or update, sorted."""
     return sorted({op.attrs["var"] for graph in graphs for op in graph.walk() if "var" in op.attrs})
-
-
-def task_name(device: str) -> str:
-    """`/job:ps/task:0` for the device `/job:ps/task:0/device:cpu:0`."""
-    spec = DeviceSpec.parse(device)
-    return f"/job:{spec.job}/task:{spec.task}"
 
 
 def is_local(device: str) -> bool:

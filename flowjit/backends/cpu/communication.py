@@ -89,15 +89,23 @@ def _native_send_done() -> None:
     step.lent.clear()
 
 
+def _receiving(key: int) -> tuple[str, StepBinding | None, Channel, str]:
+    """A native recv's key name, its step binding (None for a graph run on its own, whose channel
+    is this thread's loopback), channel, and the prefix of its errors (the recv's source line)."""
+    name = ctypes.string_at(key).decode()
+    step = getattr(_bound, "step", None)
+    if step is None:
+        return name, None, loopback(), ""
+    where = step.where.get(name, "")
+    return name, step, step.channel, f"{where}: " if where else ""
+
+
 def _native_recv(key: int, dest: int, nbytes: int) -> int:
     # An exception must not escape a ctypes callback (it would be printed and ignored): failures
     # are recorded on the step and reported once the native call returns.
-    name = ctypes.string_at(key).decode()
-    step = getattr(_bound, "step", None)
-    channel = step.channel if step is not None else loopback()
-    where = step.where.get(name, "") if step is not None else ""
+    name, step, channel, where = _receiving(key)
     try:
-        channel.recv_into(name, dest, nbytes, f"{where}: " if where else "")
+        channel.recv_into(name, dest, nbytes, where)
     except TransferError as e:
         if step is not None and step.error is None:
             step.error = e
@@ -107,12 +115,9 @@ def _native_recv(key: int, dest: int, nbytes: int) -> int:
 
 
 def _native_recv_view(key: int, nbytes: int) -> int:
-    name = ctypes.string_at(key).decode()
-    step = getattr(_bound, "step", None)
-    channel = step.channel if step is not None else loopback()
-    where = step.where.get(name, "") if step is not None else ""
+    name, step, channel, where = _receiving(key)
     try:
-        value = _viewable(channel.recv(name, f"{where}: " if where else ""), nbytes)
+        value = _viewable(channel.recv(name, where), nbytes)
     except TransferError as e:
         if step is not None and step.error is None:
             step.error = e

@@ -56,6 +56,8 @@ from flowjit.ir import dtypes as dt
 from flowjit.ir.graph import Op, Value
 from flowjit.ir.ops.reduction import reduction_identity
 
+# The mark of a totals stage (`row_stages.py`): a fusion attribute `row_stage = TOTALS_STAGE`.
+TOTALS_STAGE = "totals"
 WARP = 32
 # Threads per row block: enough to cover a row of 256 floats with one column each; longer rows
 # give each thread several columns.
@@ -83,7 +85,7 @@ def plan(op: Op) -> RowKernel | None:
     if op.name != "fusion" or len(op.regions) != 1:
         return None
     body = op.regions[0]
-    shape = _totals_shape(body) if op.attrs.get("row_stage") == "totals" else row_shape(body)
+    shape = _totals_shape(body) if op.attrs.get("row_stage") == TOTALS_STAGE else row_shape(body)
     if shape is None:
         return None
     lead, row = shape

@@ -196,7 +196,7 @@ def _stage_fusion(fusion: Op, stage: int, members: set[Op], results: list[Value]
     sub.results = [inner[v] for v in results]
     attrs = {"kind": "reduction" if any(op.name in REDUCE_KINDS for op in ordered) else "loop"}
     if STAGE_KINDS[stage % len(STAGE_KINDS)] == TOTALS:
-        attrs["row_stage"] = TOTALS
+        attrs["row_stage"] = lower_rows.TOTALS_STAGE
     op = Op("fusion", operands, [v.type for v in results], attrs, fusion.loc, fusion.device, [sub])
     outer.update(zip(results, op.results))
     return op
